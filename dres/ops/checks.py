@@ -1,0 +1,119 @@
+"""Argument checks shared by every backend: bad input fails here with a message that names the
+argument, never as a Triton compiler trace or silent garbage."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
+BACKENDS = ("triton", "torch", "cuda")
+
+
+def resolve_backend(backend: str | None, x: torch.Tensor) -> str:
+    """None -> Triton on CUDA tensors, the PyTorch reference elsewhere."""
+    if backend is None:
+        return "triton" if x.is_cuda else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (x is on {x.device}); set TRITON_INTERPRET=1 to run "
+            "the kernels on the CPU through Triton's interpreter, or use backend='torch'"
+        )
+    if backend == "cuda":
+        from dres.ops import csrc_backend
+
+        if not csrc_backend.available():
+            raise ValueError(
+                "backend='cuda' needs the csrc extension, which is not built in this install "
+                "(rebuild with DRES_BUILD_CUDA=1 pip install -e .)"
+            )
+        if not x.is_cuda:
+            raise ValueError(f"backend='cuda' needs CUDA tensors, x is on {x.device}")
+    return backend
+
+
+def _check_tensor(name: str, t, dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: {names}")
+
+
+def _check_same_device(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
+    if t.device != x.device:
+        raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all tensors must share one device")
+
+
+def check_dtype_arg(name: str, dtype, dtypes) -> None:
+    if dtype is not None and dtype not in dtypes:
+        raise TypeError(f"{name} must be None or one of {[str(d) for d in dtypes]}, got {dtype!r}")
+
+
+def check_inputs(
+    backend: str,
+    x: torch.Tensor,
+    h: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    alpha=1.0,
+    row_scale: torch.Tensor | None = None,
+    grad_scale: torch.Tensor | None = None,
+    residual_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
+    check_h: bool = True,
+) -> None:
+    """Validate the arguments of any of the three ops (``check_h=False`` for layer_norm)."""
+    dtypes = REFERENCE_DTYPES if backend == "torch" else KERNEL_DTYPES
+    _check_tensor("x", x, dtypes)
+    if x.dim() < 2:
+        raise ValueError(f"x must have shape (B, T, D) or (M, D), got {tuple(x.shape)}")
+    dim = x.shape[-1]
+    if dim == 0:
+        raise ValueError("x has an empty last dimension (D = 0)")
+    if backend != "torch":
+        from dres.kernels import MAX_DIM
+
+        if dim > MAX_DIM:
+            raise ValueError(f"x has D = {dim}, above the kernels' maximum of {MAX_DIM} (use backend='torch')")
+    if check_h:
+        _check_tensor("h", h, dtypes)
+        if h.shape != x.shape:
+            raise ValueError(f"h has shape {tuple(h.shape)} but x has {tuple(x.shape)}; they must match")
+        _check_same_device("h", h, x)
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        _check_tensor(name, p, dtypes)
+        if p.shape != (dim,):
+            raise ValueError(f"{name} has shape {tuple(p.shape)}; expected ({dim},) to match x's last dimension")
+        _check_same_device(name, p, x)
+    if isinstance(alpha, torch.Tensor):
+        _check_tensor("alpha", alpha, dtypes)
+        if alpha.numel() != 1:
+            raise ValueError(f"alpha must be a float or a 0-dim tensor, got shape {tuple(alpha.shape)}")
+        _check_same_device("alpha", alpha, x)
+    elif not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise TypeError(f"alpha must be a float or a 0-dim tensor, got {type(alpha).__name__}")
+    rows = x.numel() // dim
+    for name, s in (("row_scale", row_scale), ("grad_scale", grad_scale)):
+        if s is None:
+            continue
+        _check_tensor(name, s, dtypes)
+        if s.dim() != 1 or s.shape[0] == 0:
+            raise ValueError(f"{name} must be a non-empty 1-D tensor of per-sample factors (B,), got {tuple(s.shape)}")
+        if x.dim() == 3 and s.shape[0] != x.shape[0]:
+            raise ValueError(f"{name} has length {s.shape[0]} but x has batch size {x.shape[0]}")
+        if rows % s.shape[0]:
+            raise ValueError(
+                f"x has {rows} rows, not divisible by len({name}) = {s.shape[0]} (rows_per_sample = rows // B)"
+            )
+        _check_same_device(name, s, x)
+    if row_scale is not None and grad_scale is not None and row_scale.shape != grad_scale.shape:
+        raise ValueError(f"row_scale {tuple(row_scale.shape)} and grad_scale {tuple(grad_scale.shape)} must have one length")
+    check_dtype_arg("residual_dtype", residual_dtype, dtypes)
+    check_dtype_arg("out_dtype", out_dtype, dtypes)

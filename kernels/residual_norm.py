@@ -1,0 +1,301 @@
+"""Triton kernels for the scaled residual add fused with LayerNorm, and their launchers.
+
+One forward kernel and one backward kernel serve the three ops of dres (``residual_layer_norm``,
+``residual_add``, ``layer_norm``); ``tl.constexpr`` flags remove the parts an op does not use, so
+each op compiles to its own specialised kernel.
+
+Forward, per row r of an (M, D) problem, sample b = r // rows_per_sample::
+
+    out = alpha * x + row_scale[b] * h          (stored in out's dtype)
+    y   = (out - mean) * rstd * weight + bias   (normalises the *stored*, rounded out)
+
+Backward, with g_out the gradient of ``out`` from its later uses and g_y the gradient of ``y``::
+
+    g  = g_out + LayerNorm_backward(g_y)
+    dx = alpha * g,  dh = grad_scale[b] * g
+    dweight, dbias: fp32 partial sums per program, reduced afterwards in a fixed order
+
+All arithmetic is fp32 in registers whatever the storage dtypes. This module holds kernels and
+launchers only: no autograd, no modules (those live in ``dres.ops``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# The largest row length the kernels keep in registers in one tile.
+MAX_DIM = 16384
+
+
+@triton.jit
+def _residual_norm_fwd_kernel(
+    X, H, OUT, Y, WEIGHT, BIAS, ALPHA, ROW_SCALE, MEAN, RSTD,
+    stride_x, stride_h, stride_out, stride_y,
+    M, D, rows_per_sample, alpha_value, eps,
+    HAS_H: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ALPHA_IS_PTR: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    # int64 row offsets: M * D can pass 2**31 at D = 8192.
+    rows = (pid * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < M
+    col_ok = cols < D
+    mask = row_ok[:, None] & col_ok[None, :]
+
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_H:
+        if ALPHA_IS_PTR:
+            alpha = tl.load(ALPHA).to(tl.float32)
+        else:
+            alpha = alpha_value
+        h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_ROW_SCALE:
+            scale = tl.load(ROW_SCALE + rows // rows_per_sample, mask=row_ok, other=0.0).to(tl.float32)
+            h = h * scale[:, None]
+        out = (alpha * x + h).to(OUT.dtype.element_ty)
+        tl.store(OUT + rows[:, None] * stride_out + cols[None, :], out, mask=mask)
+        # Normalise the value actually stored, so fused and unfused code agree bit for bit
+        # on what the next layer sees.
+        v = out.to(tl.float32)
+    else:
+        v = x
+
+    if HAS_NORM:
+        mean = tl.sum(v, axis=1) / D
+        diff = tl.where(mask, v - mean[:, None], 0.0)
+        var = tl.sum(diff * diff, axis=1) / D
+        rstd = 1.0 / tl.sqrt(var + eps)
+        tl.store(MEAN + rows, mean, mask=row_ok)
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+        y = diff * rstd[:, None]
+        if HAS_WEIGHT:
+            w = tl.load(WEIGHT + cols, mask=col_ok, other=0.0).to(tl.float32)
+            y = y * w[None, :]
+        if HAS_BIAS:
+            b = tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)
+            y = y + b[None, :]
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _residual_norm_bwd_kernel(
+    G_OUT, G_Y, NORMED, X, WEIGHT, MEAN, RSTD, ALPHA, GRAD_SCALE,
+    DX, DH, DWEIGHT_PART, DBIAS_PART, DALPHA_ROW,
+    stride_gout, stride_gy, stride_normed, stride_x, stride_dx, stride_dh,
+    M, D, rows_per_sample, alpha_value, num_tiles,
+    HAS_G_OUT: tl.constexpr,
+    HAS_G_Y: tl.constexpr,
+    HAS_H: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    NEED_DWEIGHT: tl.constexpr,
+    NEED_DBIAS: tl.constexpr,
+    ALPHA_IS_PTR: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    NEED_DALPHA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # Persistent grid: program p handles tiles p, p + P, p + 2P, ... and keeps its dweight/dbias
+    # partial sums in registers, writing one row of partials at the end. The partials are then
+    # summed in a fixed order, so weight gradients are bit-identical from run to run.
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    if ALPHA_IS_PTR:
+        alpha = tl.load(ALPHA).to(tl.float32)
+    else:
+        alpha = alpha_value
+    if HAS_WEIGHT:
+        w = tl.load(WEIGHT + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dweight_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    dbias_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+
+    for tile in range(pid, num_tiles, num_programs):
+        rows = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_ok = rows < M
+        mask = row_ok[:, None] & col_ok[None, :]
+        g = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        if HAS_G_OUT:
+            g += tl.load(G_OUT + rows[:, None] * stride_gout + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_G_Y:
+            v = tl.load(NORMED + rows[:, None] * stride_normed + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            xhat = tl.where(mask, (v - mean[:, None]) * rstd[:, None], 0.0)
+            gy = tl.load(G_Y + rows[:, None] * stride_gy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_WEIGHT:
+                wgy = gy * w[None, :]
+            else:
+                wgy = gy
+            c1 = tl.sum(xhat * wgy, axis=1) / D
+            c2 = tl.sum(wgy, axis=1) / D
+            g += (wgy - (xhat * c1[:, None] + c2[:, None])) * rstd[:, None]
+            if NEED_DWEIGHT:
+                dweight_acc += tl.sum(gy * xhat, axis=0)
+            if NEED_DBIAS:
+                dbias_acc += tl.sum(gy, axis=0)
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], (alpha * g).to(DX.dtype.element_ty), mask=mask)
+        if HAS_H:
+            if HAS_GRAD_SCALE:
+                gscale = tl.load(GRAD_SCALE + rows // rows_per_sample, mask=row_ok, other=0.0).to(tl.float32)
+                dh = g * gscale[:, None]
+            else:
+                dh = g
+            tl.store(DH + rows[:, None] * stride_dh + cols[None, :], dh.to(DH.dtype.element_ty), mask=mask)
+        if NEED_DALPHA:
+            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(DALPHA_ROW + rows, tl.sum(g * x, axis=1), mask=row_ok)
+
+    if NEED_DWEIGHT:
+        tl.store(DWEIGHT_PART + pid * D + cols, dweight_acc, mask=col_ok)
+    if NEED_DBIAS:
+        tl.store(DBIAS_PART + pid * D + cols, dbias_acc, mask=col_ok)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch configuration: a pure function of (D, element size), cached, so choosing it costs no
+# time per call and never autotunes at run time.
+
+
+@functools.lru_cache(maxsize=None)
+def launch_config(dim: int, max_elem_bytes: int = 4) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_D, num_warps) for rows of length ``dim``.
+
+    A tile holds about 4096 elements (several rows per program when D is small), so each thread
+    keeps 8-32 fp32 values per tensor in registers; wide rows get more warps.
+    """
+    block_d = triton.next_power_of_2(max(dim, 16))
+    block_m = max(1, min(64, 4096 // block_d))
+    tile = block_m * block_d
+    num_warps = max(4, min(16, tile // 512))
+    return block_m, block_d, num_warps
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_programs(device: torch.device, num_tiles: int) -> int:
+    """Programs for the backward's persistent grid: a few waves of the chip, never more than tiles."""
+    if device.type == "cuda":
+        slots = 4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    else:  # the Triton interpreter on CPU: a handful of programs exercises the strided loop
+        slots = 4
+    return max(1, min(num_tiles, slots))
+
+
+def residual_norm_forward(
+    x: torch.Tensor,
+    h: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    alpha: torch.Tensor | float,
+    eps: float,
+    row_scale: torch.Tensor | None,
+    rows_per_sample: int,
+    out: torch.Tensor | None,
+    y: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor | None,
+) -> None:
+    """Launch the forward kernel on 2-D row views (last-dim stride 1). Writes out/y/mean/rstd.
+
+    ``h is None`` means layer_norm only (``out`` unused); ``y is None`` means residual_add only.
+    """
+    M, D = x.shape
+    if M == 0:
+        return
+    has_h = h is not None
+    has_norm = y is not None
+    alpha_is_ptr = isinstance(alpha, torch.Tensor)
+    block_m, block_d, num_warps = launch_config(D)
+    grid = (triton.cdiv(M, block_m),)
+    dummy = x
+    _residual_norm_fwd_kernel[grid](
+        x, h if has_h else dummy, out if has_h else dummy, y if has_norm else dummy,
+        weight if weight is not None else dummy, bias if bias is not None else dummy,
+        alpha if alpha_is_ptr else dummy, row_scale if row_scale is not None else dummy,
+        mean if has_norm else dummy, rstd if has_norm else dummy,
+        x.stride(0), h.stride(0) if has_h else 0, out.stride(0) if has_h else 0, y.stride(0) if has_norm else 0,
+        M, D, rows_per_sample, 1.0 if alpha_is_ptr else float(alpha), eps,
+        HAS_H=has_h, HAS_NORM=has_norm,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        ALPHA_IS_PTR=alpha_is_ptr, HAS_ROW_SCALE=row_scale is not None,
+        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
+    )
+
+
+def residual_norm_backward(
+    g_out: torch.Tensor | None,
+    g_y: torch.Tensor | None,
+    normed: torch.Tensor | None,
+    x: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor | None,
+    alpha: torch.Tensor | float,
+    grad_scale: torch.Tensor | None,
+    rows_per_sample: int,
+    dx: torch.Tensor,
+    dh: torch.Tensor | None,
+    need_dweight: bool,
+    need_dbias: bool,
+    need_dalpha: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Launch the backward kernel; returns (dweight fp32, dbias fp32, dalpha fp32) where asked.
+
+    ``normed`` is the tensor the norm normalised (the stored ``out``, or x for layer_norm);
+    ``x`` is needed only for dalpha.
+    """
+    M, D = dx.shape
+    device = dx.device
+    need_dweight = need_dweight and g_y is not None
+    need_dbias = need_dbias and g_y is not None
+    block_m, block_d, num_warps = launch_config(D)
+    num_tiles = triton.cdiv(M, block_m)
+    programs = persistent_programs(device, num_tiles) if M > 0 else 1
+    # Every program writes its row of partials; with no rows at all nothing runs, so start at 0.
+    alloc = torch.empty if M > 0 else torch.zeros
+    f32 = dict(dtype=torch.float32, device=device)
+    dweight_part = alloc((programs, D), **f32) if need_dweight else None
+    dbias_part = alloc((programs, D), **f32) if need_dbias else None
+    dalpha_row = alloc((M,), **f32) if need_dalpha else None
+    if M > 0:
+        alpha_is_ptr = isinstance(alpha, torch.Tensor)
+        dummy = dx
+        _residual_norm_bwd_kernel[(programs,)](
+            g_out if g_out is not None else dummy, g_y if g_y is not None else dummy,
+            normed if normed is not None else dummy, x if x is not None else dummy,
+            weight if weight is not None else dummy,
+            mean if mean is not None else dummy, rstd if rstd is not None else dummy,
+            alpha if alpha_is_ptr else dummy, grad_scale if grad_scale is not None else dummy,
+            dx, dh if dh is not None else dummy,
+            dweight_part if need_dweight else dummy, dbias_part if need_dbias else dummy,
+            dalpha_row if need_dalpha else dummy,
+            g_out.stride(0) if g_out is not None else 0, g_y.stride(0) if g_y is not None else 0,
+            normed.stride(0) if normed is not None else 0, x.stride(0) if x is not None else 0,
+            dx.stride(0), dh.stride(0) if dh is not None else 0,
+            M, D, rows_per_sample, 1.0 if alpha_is_ptr else float(alpha), num_tiles,
+            HAS_G_OUT=g_out is not None, HAS_G_Y=g_y is not None, HAS_H=dh is not None,
+            HAS_WEIGHT=weight is not None, NEED_DWEIGHT=need_dweight, NEED_DBIAS=need_dbias,
+            ALPHA_IS_PTR=alpha_is_ptr, HAS_GRAD_SCALE=grad_scale is not None, NEED_DALPHA=need_dalpha,
+            BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
+        )
+    # torch's sum over a fixed shape uses a fixed reduction order: deterministic.
+    dweight = dweight_part.sum(0) if need_dweight else None
+    dbias = dbias_part.sum(0) if need_dbias else None
+    dalpha = dalpha_row.sum() if need_dalpha else None
+    return dweight, dbias, dalpha

@@ -1,0 +1,27 @@
+"""Shared test setup: GPU tests are marked ``gpu`` and skipped without CUDA; Triton kernels run on
+the CPU through the interpreter (TRITON_INTERPRET=1 must be set before triton is imported)."""
+
+import os
+
+import torch as _torch
+
+if not _torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (runs on the device: benchmarks/device_check.sh)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def triton_device():
+    """Where the Triton kernels run in this session: the GPU, or the CPU under the interpreter."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
