@@ -129,11 +129,11 @@ def residual_norm_backward_op(
         1 if grad_scale is None else (ref.numel() // dim) // grad_scale.shape[0],
         dx.view(-1, dim), None if dh is None else dh.view(-1, dim), need_dweight, need_dbias, need_dalpha,
     )
-    empty = ref.new_empty((0,), dtype=torch.float32)
+    empty = lambda dtype=torch.float32: ref.new_empty((0,), dtype=dtype)  # noqa: E731  (distinct: no aliasing)
     return (
-        dx, dh if dh is not None else ref.new_empty((0,), dtype=x_dtype),
-        dweight if dweight is not None else empty, dbias if dbias is not None else empty,
-        dalpha if dalpha is not None else empty,
+        dx, dh if dh is not None else empty(x_dtype),
+        dweight if dweight is not None else empty(), dbias if dbias is not None else empty(),
+        dalpha if dalpha is not None else empty(),
     )
 
 
@@ -142,13 +142,13 @@ def _(g_out, g_y, normed, x, weight, mean, rstd, alpha, alpha_value, grad_scale,
       need_dweight, need_dbias, need_dalpha):
     ref = g_out if g_out is not None else g_y
     dim = ref.shape[-1]
-    empty = ref.new_empty((0,), dtype=torch.float32)
+    f32 = lambda shape: ref.new_empty(shape, dtype=torch.float32)  # noqa: E731
     dx = ref.new_empty(ref.shape, dtype=x_dtype)
     dh = ref.new_empty(ref.shape, dtype=h_dtype) if h_dtype is not None else ref.new_empty((0,), dtype=x_dtype)
     has_norm_grads = g_y is not None
-    dweight = ref.new_empty((dim,), dtype=torch.float32) if need_dweight and has_norm_grads else empty
-    dbias = ref.new_empty((dim,), dtype=torch.float32) if need_dbias and has_norm_grads else empty
-    dalpha = ref.new_empty((), dtype=torch.float32) if need_dalpha else empty
+    dweight = f32((dim,) if need_dweight and has_norm_grads else (0,))
+    dbias = f32((dim,) if need_dbias and has_norm_grads else (0,))
+    dalpha = f32(() if need_dalpha else (0,))
     return dx, dh, dweight, dbias, dalpha
 
 

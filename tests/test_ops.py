@@ -1,0 +1,570 @@
+"""The fused ops against the float64 reference: forward and backward, every mode of DESIGN.md's
+table, mixed dtypes, odd sizes, strided gradients, poisoned outputs, determinism, opcheck and bad
+input. On CPU the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py); the same tests
+run on the GPU, where ``gpu``-marked ones add realistic shapes, torch.compile and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dres.ops as ops
+from dres.ops import reference
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+# Relative error bound ||kernel - ref|| / ||ref|| by the dtype a result is stored in. fp32 results
+# differ from float64 only by fp32 rounding and summation order; bf16 and fp16 results carry one
+# rounding of their own (unit roundoff 2**-8 and 2**-11), so the bound is a few units of that.
+TOLERANCE = {F32: 1e-5, F16: 2e-3, BF16: 1.2e-2}
+
+MODES = ["plain", "drop_path", "rdp_even", "rdp_odd"]
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.double(), ref.double()
+    assert torch.isfinite(a).all(), "non-finite values in the result"
+    denom = ref.norm().item()
+    return (a - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def assert_close(name: str, a: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    err = rel_err(a, ref)
+    assert err <= TOLERANCE[dtype], f"{name}: relative error {err:.2e} above {TOLERANCE[dtype]:.0e} ({dtype})"
+
+
+def mode_scales(mode: str, batch: int, device, drop_prob: float = 0.4, generator=None):
+    """(row_scale, grad_scale) for each row of DESIGN.md's table; masks drawn fresh each call."""
+    if mode == "plain":
+        return None, None
+    m = (torch.rand(batch, generator=generator) >= drop_prob).float()
+    m[0], m[-1] = 1.0, 0.0  # both kinds of sample present whatever the draw
+    m = m.to(device)
+    keep = 1.0 - drop_prob
+    if mode == "drop_path":
+        return m / keep, m / keep
+    if mode == "rdp_even":
+        return m, m
+    if mode == "rdp_odd":
+        return None, 1.0 - m
+    raise ValueError(mode)
+
+
+def make_case(shape, x_dtype, h_dtype, device, weight=True, bias=True):
+    dim = shape[-1]
+    x = torch.randn(shape, device=device).to(x_dtype)
+    h = torch.randn(shape, device=device).to(h_dtype)
+    w = (1.0 + 0.5 * torch.randn(dim, device=device)) if weight else None
+    b = 0.5 * torch.randn(dim, device=device) if bias else None
+    return x, h, w, b
+
+
+def leaves(*ts):
+    return [None if t is None else t.detach().clone().requires_grad_(True) for t in ts]
+
+
+def as_f64(*ts):
+    return [None if t is None else t.detach().double().requires_grad_(True) for t in ts]
+
+
+def grads(outputs, cotangents, inputs):
+    present = [t for t in inputs if t is not None]
+    got = torch.autograd.grad(outputs, present, cotangents)
+    it = iter(got)
+    return [None if t is None else next(it) for t in inputs]
+
+
+# ---------------------------------------------------------------------------------------------
+# residual_layer_norm
+
+
+@pytest.mark.parametrize("x_dtype,h_dtype", [(F32, F32), (F32, BF16), (BF16, BF16), (F16, F16)])
+@pytest.mark.parametrize("mode", MODES)
+def test_residual_layer_norm_matches_float64(triton_device, x_dtype, h_dtype, mode):
+    torch.manual_seed(hash((str(x_dtype), str(h_dtype), mode)) % 2**31)
+    shape = (5, 7, 200)  # 35 rows: not a multiple of any row block; D=200 not a power of two
+    alpha = 0.75
+    x, h, w, b = make_case(shape, x_dtype, h_dtype, triton_device)
+    row_scale, grad_scale = mode_scales(mode, shape[0], triton_device)
+    xl, hl, wl, bl = leaves(x, h, w, b)
+    out, y = ops.residual_layer_norm(xl, hl, wl, bl, alpha, row_scale=row_scale, grad_scale=grad_scale, backend="triton")
+    assert out.dtype == x_dtype and y.dtype == h_dtype and out.shape == shape == y.shape
+    g_out, g_y = torch.randn_like(out), torch.randn_like(y)
+    dx, dh, dw, db = grads((out, y), (g_out, g_y), (xl, hl, wl, bl))
+
+    x6, h6, w6, b6 = as_f64(x, h, w, b)
+    f64 = lambda s: None if s is None else s.double()  # noqa: E731
+    out6, y6 = reference.residual_layer_norm(x6, h6, w6, b6, alpha, row_scale=f64(row_scale), grad_scale=f64(grad_scale))
+    dx6, dh6, dw6, db6 = grads((out6, y6), (g_out.double(), g_y.double()), (x6, h6, w6, b6))
+
+    assert_close("out", out, out6, x_dtype)
+    # y normalises the stored (rounded) out, so it also carries out's rounding.
+    assert_close("y", y, y6, h_dtype if x_dtype == F32 else BF16 if BF16 in (x_dtype, h_dtype) else F16)
+    assert_close("dx", dx, dx6, x_dtype)
+    assert_close("dh", dh, dh6, h_dtype)
+    assert_close("dweight", dw, dw6, F32 if h_dtype == F32 else BF16)
+    assert_close("dbias", db, db6, F32 if h_dtype == F32 else BF16)
+
+
+@pytest.mark.parametrize("dim", [48, 1000])
+@pytest.mark.parametrize("rows", [1, 33, 130])
+def test_odd_sizes(triton_device, dim, rows):
+    torch.manual_seed(dim * 1000 + rows)
+    x, h, w, b = make_case((rows, dim), F32, F32, triton_device)
+    xl, hl, wl, bl = leaves(x, h, w, b)
+    out, y = ops.residual_layer_norm(xl, hl, wl, bl, 0.6, backend="triton")
+    g_out, g_y = torch.randn_like(out), torch.randn_like(y)
+    got = grads((out, y), (g_out, g_y), (xl, hl, wl, bl))
+    x6, h6, w6, b6 = as_f64(x, h, w, b)
+    out6, y6 = reference.residual_layer_norm(x6, h6, w6, b6, 0.6)
+    want = grads((out6, y6), (g_out.double(), g_y.double()), (x6, h6, w6, b6))
+    for name, a, r in zip(("out", "y", "dx", "dh", "dw", "db"), (out, y, *got), (out6, y6, *want)):
+        assert_close(name, a, r, F32)
+
+
+def test_alpha_tensor_gets_gradient(triton_device):
+    torch.manual_seed(1)
+    x, h, w, b = make_case((4, 3, 64), F32, BF16, triton_device)
+    alpha = torch.tensor(0.8, device=triton_device)
+    xl, hl, wl, bl, al = leaves(x, h, w, b, alpha)
+    row_scale, _ = mode_scales("rdp_even", 4, triton_device)
+    out, y = ops.residual_layer_norm(xl, hl, wl, bl, al, row_scale=row_scale, backend="triton")
+    g_out, g_y = torch.randn_like(out), torch.randn_like(y)
+    got = grads((out, y), (g_out, g_y), (xl, hl, wl, bl, al))
+    x6, h6, w6, b6, a6 = as_f64(x, h, w, b, alpha)
+    out6, y6 = reference.residual_layer_norm(x6, h6, w6, b6, a6, row_scale=row_scale.double())
+    want = grads((out6, y6), (g_out.double(), g_y.double()), (x6, h6, w6, b6, a6))
+    assert got[4].shape == alpha.shape
+    assert_close("dalpha", got[4], want[4], BF16)  # g comes from bf16 y's gradient path
+    assert_close("dx", got[0], want[0], F32)
+
+
+def test_alpha_tensor_changes_without_recompiling(triton_device):
+    """A tensor alpha is read by the kernel: a new value gives a new result with no new kernel."""
+    x, h, w, b = make_case((6, 32), F32, F32, triton_device)
+    a = torch.tensor(1.0, device=triton_device)
+    out1, _ = ops.residual_layer_norm(x, h, w, b, a, backend="triton")
+    a.fill_(0.5)
+    out2, _ = ops.residual_layer_norm(x, h, w, b, a, backend="triton")
+    torch.testing.assert_close(out1, x + h)
+    torch.testing.assert_close(out2, 0.5 * x + h)
+
+
+def test_weight_and_bias_optional(triton_device):
+    x, h, _, _ = make_case((9, 40), F32, F32, triton_device)
+    xl, hl = leaves(x, h)
+    out, y = ops.residual_layer_norm(xl, hl, None, None, backend="triton")
+    g = torch.randn_like(y)
+    y.backward(g)
+    x6, h6 = as_f64(x, h)
+    out6, y6 = reference.residual_layer_norm(x6, h6, None, None)
+    y6.backward(g.double())
+    assert_close("y", y, y6, F32)
+    assert_close("dx", xl.grad, x6.grad, F32)
+
+
+def test_dtype_overrides(triton_device):
+    """residual_dtype / out_dtype choose the stored dtypes; y normalises the rounded out."""
+    x, h, w, b = make_case((8, 3, 96), F32, F32, triton_device)
+    out, y = ops.residual_layer_norm(x, h, w, b, 0.9, residual_dtype=BF16, out_dtype=F16, backend="triton")
+    assert out.dtype == BF16 and y.dtype == F16
+    ref_out, _ = reference.residual_layer_norm(x, h, w, b, 0.9, residual_dtype=BF16, out_dtype=F16)
+    # The kernel may round an fp32 value on the other side of a bf16 tie (FMA vs separate ops):
+    # at most one bf16 unit in the last place apart.
+    ulp = torch.finfo(BF16).eps * ref_out.float().abs().clamp_min(torch.finfo(BF16).tiny)
+    assert ((out.float() - ref_out.float()).abs() <= ulp).all()
+    # y is the LayerNorm of exactly the stored bf16 out, to fp16 precision.
+    y_of_out = reference.layer_norm(out.double(), w.double(), b.double())
+    assert_close("y", y, y_of_out, F16)
+
+
+# ---------------------------------------------------------------------------------------------
+# The detach semantics of ResidualDroppath's odd iteration
+
+
+def test_odd_iteration_detach_semantics(triton_device):
+    torch.manual_seed(3)
+    batch = 6
+    x, h, w, b = make_case((batch, 5, 64), F32, F32, triton_device)
+    m = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0], device=triton_device)
+    xl, hl = leaves(x, h)
+    # X + f.detach() * m + f * (1 - m): the value of a plain residual ...
+    out, y = ops.residual_layer_norm(xl, hl, w, b, 0.7, row_scale=None, grad_scale=1 - m, backend="triton")
+    plain_out, plain_y = ops.residual_layer_norm(x, h, w, b, 0.7, backend="triton")
+    torch.testing.assert_close(out, plain_out, rtol=0, atol=0)
+    torch.testing.assert_close(y, plain_y, rtol=0, atol=0)
+    # ... but gradient into h only for the dropped samples, and exactly zero for kept ones.
+    (out.sum() + (y * torch.randn_like(y)).sum()).backward()
+    kept, dropped = m.bool(), ~m.bool()
+    assert torch.count_nonzero(hl.grad[kept]) == 0
+    assert (hl.grad[dropped].abs().amax(dim=(1, 2)) > 0).all()
+    torch.testing.assert_close(hl.grad[dropped], xl.grad[dropped] / 0.7, rtol=1e-5, atol=1e-6)
+    # The even iteration with the same mask: value m*h, gradient m*g (zero for dropped samples).
+    hl.grad = None
+    out_even, _ = ops.residual_layer_norm(x, hl, w, b, 0.7, row_scale=m, backend="triton")
+    torch.testing.assert_close(out_even[dropped], 0.7 * x[dropped])
+    out_even.sum().backward()
+    assert torch.count_nonzero(hl.grad[dropped]) == 0
+    assert torch.equal(hl.grad[kept], torch.ones_like(hl.grad[kept]))
+
+
+# ---------------------------------------------------------------------------------------------
+# residual_add and layer_norm
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("x_dtype,h_dtype", [(F32, BF16), (BF16, BF16)])
+def test_residual_add_matches_float64(triton_device, mode, x_dtype, h_dtype):
+    torch.manual_seed(7)
+    x, h, _, _ = make_case((6, 11, 48), x_dtype, h_dtype, triton_device)
+    row_scale, grad_scale = mode_scales(mode, 6, triton_device)
+    xl, hl = leaves(x, h)
+    out = ops.residual_add(xl, hl, 0.6, row_scale, grad_scale, backend="triton")
+    g = torch.randn_like(out)
+    dx, dh = grads(out, g, (xl, hl))
+    x6, h6 = as_f64(x, h)
+    f64 = lambda s: None if s is None else s.double()  # noqa: E731
+    out6 = reference.residual_add(x6, h6, 0.6, f64(row_scale), f64(grad_scale))
+    dx6, dh6 = grads(out6, g.double(), (x6, h6))
+    assert_close("out", out, out6, x_dtype)
+    assert_close("dx", dx, dx6, x_dtype)
+    assert_close("dh", dh, dh6, h_dtype)
+
+
+def test_residual_add_alpha_tensor_gradient(triton_device):
+    x, h, _, _ = make_case((4, 2, 32), F32, F32, triton_device)
+    alpha = torch.tensor(0.5, device=triton_device, requires_grad=True)
+    out = ops.residual_add(x, h, alpha, backend="triton")
+    g = torch.randn_like(out)
+    out.backward(g)
+    torch.testing.assert_close(alpha.grad, (g * x).sum(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("x_dtype,out_dtype", [(F32, None), (BF16, None), (F32, BF16)])
+@pytest.mark.parametrize("dim", [48, 1000])
+def test_layer_norm_matches_float64(triton_device, x_dtype, out_dtype, dim):
+    torch.manual_seed(dim)
+    x, _, w, b = make_case((3, 13, dim), x_dtype, x_dtype, triton_device)
+    xl, wl, bl = leaves(x, w, b)
+    y = ops.layer_norm(xl, wl, bl, out_dtype=out_dtype, backend="triton")
+    assert y.dtype == (out_dtype or x_dtype)
+    g = torch.randn_like(y)
+    dx, dw, db = grads(y, g, (xl, wl, bl))
+    x6, w6, b6 = as_f64(x, w, b)
+    y6 = reference.layer_norm(x6, w6, b6)
+    dx6, dw6, db6 = grads(y6, g.double(), (x6, w6, b6))
+    assert_close("y", y, y6, y.dtype)
+    assert_close("dx", dx, dx6, x_dtype if y.dtype == F32 else BF16)
+    assert_close("dweight", dw, dw6, F32 if y.dtype == F32 else BF16)
+    assert_close("dbias", db, db6, F32 if y.dtype == F32 else BF16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Strides, poisoned outputs, determinism, unused outputs
+
+
+def test_gradients_with_any_strides(triton_device):
+    torch.manual_seed(11)
+    rows, dim = 24, 40
+    x, h, w, b = make_case((rows, dim), F32, F32, triton_device)
+    big = torch.randn(rows, 2 * dim, device=triton_device)
+    cotangents = {
+        "slice": (big[:, :dim], big[:, dim:]),                               # row stride 2*dim
+        "expanded": (torch.randn(1, dim, device=triton_device).expand(rows, dim),  # row stride 0
+                     torch.randn(dim, 1, device=triton_device).expand(dim, rows).t()),  # stride(-1) != 1
+        "transposed": (torch.randn(dim, rows, device=triton_device).t(), torch.randn(rows, dim, device=triton_device)),
+    }
+    for name, (g_out, g_y) in cotangents.items():
+        x6, h6, w6, b6 = as_f64(x, h, w, b)
+        out6, y6 = reference.residual_layer_norm(x6, h6, w6, b6, 0.9)
+        xl, hl, wl, bl = leaves(x, h, w, b)
+        out, y = ops.residual_layer_norm(xl, hl, wl, bl, 0.9, backend="triton")
+        got = grads((out, y), (g_out, g_y), (xl, hl, wl, bl))
+        want = grads((out6, y6), (g_out.double(), g_y.double()), (x6, h6, w6, b6))
+        for what, a, r in zip(("dx", "dh", "dw", "db"), got, want):
+            assert_close(f"{name} {what}", a, r, F32)
+
+
+def test_strided_inputs(triton_device):
+    """x and h may be views with a row stride (e.g. a slice of a wider activation)."""
+    wide = torch.randn(10, 3, 2 * 64, device=triton_device)
+    x, h = wide[..., :64], wide[..., 64:]
+    w, b = torch.randn(64, device=triton_device), torch.randn(64, device=triton_device)
+    out, y = ops.residual_layer_norm(x, h, w, b, 0.5, backend="triton")
+    ref_out, ref_y = reference.residual_layer_norm(x, h, w, b, 0.5)
+    assert_close("out", out, ref_out, F32)
+    assert_close("y", y, ref_y, F32)
+
+
+def test_every_output_element_is_written(triton_device, monkeypatch):
+    """Fill every fresh allocation with NaN: a kernel that skips an element leaves a NaN behind."""
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    torch.manual_seed(5)
+    x, h, w, b = make_case((7, 9, 72), F32, BF16, triton_device)
+    row_scale, grad_scale = mode_scales("drop_path", 7, triton_device)
+    xl, hl, wl, bl = leaves(x, h, w, b)
+    out, y = ops.residual_layer_norm(xl, hl, wl, bl, 0.8, row_scale=row_scale, grad_scale=grad_scale, backend="triton")
+    dx, dh, dw, db = grads((out, y), (torch.randn_like(out), torch.randn_like(y)), (xl, hl, wl, bl))
+    z = ops.residual_add(x, h, 0.8, backend="triton")
+    yn = ops.layer_norm(x, w, b, backend="triton")
+    for name, t in dict(out=out, y=y, dx=dx, dh=dh, dw=dw, db=db, add=z, ln=yn).items():
+        assert not torch.isnan(t).any(), f"{name} has unwritten (NaN) elements"
+
+
+def test_weight_gradients_are_deterministic(triton_device):
+    torch.manual_seed(13)
+    x, h, w, b = make_case((257, 96), F32, BF16, triton_device)
+    g_out, g_y = torch.randn(257, 96, device=triton_device), torch.randn(257, 96, device=triton_device).to(BF16)
+    results = []
+    for _ in range(2):
+        xl, hl, wl, bl = leaves(x, h, w, b)
+        out, y = ops.residual_layer_norm(xl, hl, wl, bl, backend="triton")
+        results.append(grads((out, y), (g_out, g_y), (xl, hl, wl, bl)))
+    for a, c in zip(*results):
+        assert torch.equal(a, c)
+
+
+def test_unused_out_or_y(triton_device):
+    """Only y used (the residual stream unused later) or only out used: the missing gradient is zero."""
+    x, h, w, b = make_case((12, 32), F32, F32, triton_device)
+    for pick in (0, 1):
+        x6, h6, w6, b6 = as_f64(x, h, w, b)
+        out6, y6 = reference.residual_layer_norm(x6, h6, w6, b6)
+        xl, hl, wl, bl = leaves(x, h, w, b)
+        res = ops.residual_layer_norm(xl, hl, wl, bl, backend="triton")
+        g = torch.randn_like(res[pick])
+        res[pick].backward(g)
+        (out6, y6)[pick].backward(g.double())
+        assert_close(f"dx (output {pick})", xl.grad, x6.grad, F32)
+        assert wl.grad is not None and torch.isfinite(wl.grad).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration: opcheck and torch.compile
+
+
+def test_opcheck(triton_device):
+    from dres.ops import residual_norm as rn
+
+    torch.manual_seed(2)
+    x, h, w, b = make_case((4, 3, 32), F32, BF16, triton_device)
+    rs = torch.tensor([1.0, 0.0, 1.0, 1.0], device=triton_device)
+    alpha = torch.tensor(0.9, device=triton_device)
+    req = lambda *ts: [t.clone().requires_grad_(True) for t in ts]  # noqa: E731
+    xr, hr, wr, br, ar = req(x, h, w, b, alpha)
+    cases = [
+        (rn.residual_layer_norm_op, (xr, hr, wr, br, None, 0.7, 1e-6, rs, None, None, None)),
+        (rn.residual_layer_norm_op, (xr, hr, wr, br, ar, 1.0, 1e-6, None, 1 - rs, F32, F32)),
+        (rn.residual_add_op, (xr, hr, ar, 1.0, rs, None, None)),
+        (rn.layer_norm_op, (xr, wr, br, 1e-6, BF16)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_compile_fullgraph_traces_forward_and_backward(triton_device):
+    """Dynamo + AOTAutograd trace both custom ops with no graph break (Inductor itself runs on GPU)."""
+    torch.manual_seed(4)
+    x, h, w, b = make_case((3, 5, 64), F32, F32, triton_device)
+    m = torch.tensor([1.0, 0.0, 1.0], device=triton_device)
+
+    def two_sublayers(x, h, w, b, alpha):
+        out, y = ops.residual_layer_norm(x, h, w, b, alpha, grad_scale=1 - m, backend="triton")
+        out2, y2 = ops.residual_layer_norm(out, torch.tanh(y), w, b, alpha, backend="triton")
+        return ops.residual_add(out2, y2, alpha, backend="triton")
+
+    compiled = torch.compile(two_sublayers, fullgraph=True, backend="aot_eager")
+    alpha = torch.tensor(0.8, device=triton_device)
+    xa, ha, wa, ba = leaves(x, h, w, b)
+    xb, hb, wb, bb = leaves(x, h, w, b)
+    eager = two_sublayers(xa, ha, wa, ba, alpha)
+    comp = compiled(xb, hb, wb, bb, alpha)
+    torch.testing.assert_close(comp, eager)
+    g = torch.randn_like(eager)
+    for a, c in zip(grads(eager, g, (xa, ha, wa, ba)), grads(comp, g, (xb, hb, wb, bb))):
+        torch.testing.assert_close(c, a)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input
+
+
+def _base(device):
+    x = torch.randn(4, 3, 16, device=device)
+    return x, torch.randn_like(x), torch.ones(16, device=device), torch.zeros(16, device=device)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_bad_input_errors_name_the_argument(triton_device, backend):
+    x, h, w, b = _base(triton_device)
+    rln = lambda **kw: ops.residual_layer_norm(**{**dict(x=x, h=h, weight=w, bias=b, backend=backend), **kw})  # noqa: E731
+    with pytest.raises(ValueError, match="h has shape"):
+        rln(h=h[:, :2])
+    with pytest.raises(ValueError, match="weight has shape"):
+        rln(weight=torch.ones(15, device=triton_device))
+    with pytest.raises(ValueError, match="bias has shape"):
+        rln(bias=torch.ones(4, 16, device=triton_device))
+    with pytest.raises(ValueError, match="row_scale has length 3"):
+        rln(row_scale=torch.ones(3, device=triton_device))
+    with pytest.raises(ValueError, match="not divisible by len\\(row_scale\\)"):
+        ops.residual_add(x.view(12, 16), h.view(12, 16), row_scale=torch.ones(5, device=triton_device), backend=backend)
+    with pytest.raises(ValueError, match="grad_scale must be a non-empty 1-D"):
+        rln(grad_scale=torch.ones(4, 1, device=triton_device))
+    with pytest.raises(TypeError, match="x has dtype torch.int64"):
+        rln(x=torch.ones(4, 3, 16, dtype=torch.long, device=triton_device))
+    with pytest.raises(TypeError, match="h has dtype torch.int32"):
+        rln(h=torch.ones(4, 3, 16, dtype=torch.int32, device=triton_device))
+    with pytest.raises(TypeError, match="alpha must be a float"):
+        rln(alpha="0.5")
+    with pytest.raises(ValueError, match="alpha must be a float or a 0-dim tensor"):
+        rln(alpha=torch.ones(2, device=triton_device))
+    with pytest.raises(TypeError, match="residual_dtype"):
+        rln(residual_dtype=torch.int8)
+    with pytest.raises(ValueError, match="x must have shape"):
+        ops.layer_norm(torch.ones(16, device=triton_device), None, None, backend=backend)
+
+
+def test_dim_above_maximum(triton_device):
+    from dres.kernels import MAX_DIM
+
+    x = torch.randn(2, MAX_DIM + 1, device=triton_device)
+    with pytest.raises(ValueError, match=f"above the kernels' maximum of {MAX_DIM}"):
+        ops.residual_add(x, x, backend="triton")
+
+
+def test_unknown_backend_and_cpu_without_interpreter(monkeypatch):
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ops.residual_add(x, x, backend="cutlass")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        ops.residual_add(x, x, backend="triton")
+
+
+@pytest.mark.gpu
+def test_tensors_on_different_devices():
+    x = torch.randn(4, 16, device="cuda")
+    with pytest.raises(ValueError, match="h is on cpu but x is on cuda"):
+        ops.residual_add(x, torch.randn(4, 16))
+    with pytest.raises(ValueError, match="row_scale is on cpu"):
+        ops.residual_add(x, x, row_scale=torch.ones(4))
+
+
+def test_default_backend_is_reference_on_cpu():
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    out, y = ops.residual_layer_norm(x, x, None, None, 0.5)
+    assert out.dtype == torch.float64  # float64 works only through the reference
+    torch.testing.assert_close(out, 1.5 * x)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: realistic shapes, Inductor, CUDA graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [12800, 65536])
+@pytest.mark.parametrize("x_dtype", [F32, BF16])
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_realistic_shapes(rows, x_dtype, mode):
+    torch.manual_seed(rows)
+    batch = rows // 50
+    shape = (batch, 50, 768)
+    x, h, w, b = make_case(shape, x_dtype, BF16, "cuda")
+    row_scale, grad_scale = mode_scales(mode, batch, "cuda")
+    xl, hl, wl, bl = leaves(x, h, w, b)
+    out, y = ops.residual_layer_norm(xl, hl, wl, bl, 0.8, row_scale=row_scale, grad_scale=grad_scale)
+    g_out, g_y = torch.randn_like(out), torch.randn_like(y)
+    got = grads((out, y), (g_out, g_y), (xl, hl, wl, bl))
+    x6, h6, w6, b6 = as_f64(x, h, w, b)
+    f64 = lambda s: None if s is None else s.double()  # noqa: E731
+    out6, y6 = reference.residual_layer_norm(x6, h6, w6, b6, 0.8, row_scale=f64(row_scale), grad_scale=f64(grad_scale))
+    want = grads((out6, y6), (g_out.double(), g_y.double()), (x6, h6, w6, b6))
+    assert_close("out", out, out6, x_dtype)
+    assert_close("y", y, y6, BF16)
+    for name, a, r in zip(("dx", "dh", "dw", "db"), got, want):
+        assert_close(name, a, r, x_dtype if name == "dx" else BF16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [4096, 8192, 16384])
+def test_gpu_wide_rows(dim):
+    torch.manual_seed(dim)
+    x, h, w, b = make_case((300, dim), F32, BF16, "cuda")
+    xl, hl, wl, bl = leaves(x, h, w, b)
+    out, y = ops.residual_layer_norm(xl, hl, wl, bl, 0.7)
+    g_out, g_y = torch.randn_like(out), torch.randn_like(y)
+    got = grads((out, y), (g_out, g_y), (xl, hl, wl, bl))
+    x6, h6, w6, b6 = as_f64(x, h, w, b)
+    out6, y6 = reference.residual_layer_norm(x6, h6, w6, b6, 0.7)
+    want = grads((out6, y6), (g_out.double(), g_y.double()), (x6, h6, w6, b6))
+    assert_close("out", out, out6, F32)
+    assert_close("y", y, y6, BF16)
+    for name, a, r in zip(("dx", "dh", "dw", "db"), got, want):
+        assert_close(name, a, r, F32 if name == "dx" else BF16)
+
+
+@pytest.mark.gpu
+def test_gpu_compile_inductor_block():
+    torch.manual_seed(0)
+    dim = 256
+    lin1, lin2 = torch.nn.Linear(dim, dim).cuda(), torch.nn.Linear(dim, dim).cuda()
+    n1w, n1b = torch.ones(dim, device="cuda"), torch.zeros(dim, device="cuda")
+    alphas = torch.tensor([0.9, 0.8], device="cuda")
+
+    def block(x, y, m):
+        out, y = ops.residual_layer_norm(x, lin1(y), n1w, n1b, alphas[0], row_scale=m)
+        out, y = ops.residual_layer_norm(out, torch.nn.functional.gelu(lin2(y)), n1w, n1b, alphas[1], grad_scale=1 - m)
+        return out, y
+
+    x = torch.randn(8, 64, dim, device="cuda", requires_grad=True)
+    y0 = ops.layer_norm(x, n1w, n1b)
+    m = (torch.rand(8, device="cuda") > 0.3).float()
+    compiled = torch.compile(block, fullgraph=True)
+    with torch.autocast("cuda", dtype=BF16):
+        ref = block(x, y0, m)
+        got = compiled(x, y0, m)
+    for a, c in zip(ref, got):
+        assert rel_err(c, a) < 1e-2
+    g = torch.autograd.grad(got[0].float().sum() + got[1].float().sum(), x)[0]
+    r = torch.autograd.grad(ref[0].float().sum() + ref[1].float().sum(), x)[0]
+    assert rel_err(g, r) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_and_replay():
+    torch.manual_seed(0)
+    x, h, w, b = make_case((64, 50, 768), F32, BF16, "cuda")
+    xs, hs = x.clone().requires_grad_(True), h.clone().requires_grad_(True)
+    m = (torch.rand(64, device="cuda") > 0.2).float()
+    g_out, g_y = torch.randn_like(x), torch.randn_like(h)
+
+    def step():
+        out, y = ops.residual_layer_norm(xs, hs, w, b, 0.9, row_scale=m)
+        return (out, y) + torch.autograd.grad((out, y), (xs, hs), (g_out, g_y))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm up: compile kernels outside the capture
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for _ in range(2):
+        with torch.no_grad():
+            xs.copy_(torch.randn_like(x))
+            m.copy_((torch.rand(64, device="cuda") > 0.5).float())
+        graph.replay()
+        eager = step()
+        for a, c in zip(static, eager):
+            assert torch.equal(a, c)
