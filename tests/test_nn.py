@@ -1,0 +1,309 @@
+"""dres.nn: decay schedules, the fused TransformerStack against a plain unfused stack, and the
+ResidualDroppath controller (gradient-zero semantics, eval, batch-size checks, state_dict resume).
+
+Tolerances: the reference backend runs in float64 and must match the plain float64 stack to 1e-10;
+the Triton kernels (interpreter on CPU) run in float32 and must match to 1e-4 (forward) / 1e-3
+(relative, gradients).
+"""
+
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dres.nn import ResidualDroppath, TransformerStack, decay_schedule, depth_linear_rates
+
+
+# ---------------------------------------------------------------------------------------------
+# A plain pre-LN stack, written out with no fused op: x = a*x + s*f(LN(x)) per sub-layer
+
+
+def plain_ln(norm, x):
+    return F.layer_norm(x, x.shape[-1:], norm.weight, norm.bias, norm.eps)
+
+
+def plain_attention(attn, x):
+    B, N, C = x.shape
+    H = attn.num_heads
+    qkv = F.linear(x, attn.qkv.weight, attn.qkv.bias).reshape(B, N, 3, H, C // H).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv[0], qkv[1], qkv[2]
+    weights = ((q @ k.transpose(-2, -1)) * (C // H) ** -0.5).softmax(dim=-1)
+    return F.linear((weights @ v).transpose(1, 2).reshape(B, N, C), attn.proj.weight, attn.proj.bias)
+
+
+def plain_mlp(mlp, x):
+    return F.linear(F.gelu(F.linear(x, mlp.fc1.weight, mlp.fc1.bias)), mlp.fc2.weight, mlp.fc2.bias)
+
+
+def plain_stack(stack, x, masks=None, hooks=None, collect=()):
+    """masks: per residual a (B,) forward multiplier of the branch, or None."""
+    alphas = stack.alphas.tolist()
+    hooks, outputs = hooks or {}, {}
+    for k, blk in enumerate(stack.blocks):
+        if k in hooks:
+            x = hooks[k](x, outputs)
+        for r, branch in ((2 * k, lambda t: plain_attention(blk.attn, plain_ln(blk.norm1, t))),
+                          (2 * k + 1, lambda t: plain_mlp(blk.mlp, plain_ln(blk.norm2, t)))):
+            h = branch(x)
+            if masks is not None and masks[r] is not None:
+                h = h * masks[r].to(h.dtype)[:, None, None]
+            x = alphas[r] * x + h
+        if k in collect:
+            outputs[k] = x
+    return (plain_ln(stack.norm, x) if stack.norm is not None else x), outputs
+
+
+def perturb_(module, std=0.05, seed=0):
+    """Move every parameter off its init (zero-initialised layers would hide most of the function)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * std)
+    return module
+
+
+def param_grads(module, loss_fn):
+    module.zero_grad(set_to_none=True)
+    loss_fn().backward()
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def assert_grads_close(got, want, rtol, atol):
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedules
+
+
+def test_decay_schedule_linspace_depth12_alpha06():
+    alphas = decay_schedule(24, 0.6)  # depth 12, one alpha per attention and per MLP sub-layer
+    official = (1 - torch.linspace(0, 1, 24, dtype=torch.float64) * (1 - 0.6)).tolist()  # the authors' formula
+    assert alphas == pytest.approx(official, abs=1e-12)
+    assert alphas[0] == 1.0 and alphas[-1] == pytest.approx(0.6, abs=1e-12)
+    assert alphas[1] == pytest.approx(1 - 0.4 / 23) and alphas[12] == pytest.approx(1 - 12 * 0.4 / 23)
+    assert all(a > b for a, b in zip(alphas, alphas[1:]))
+
+
+def test_decay_schedule_paper_depth12_alpha06():
+    alphas = decay_schedule(24, 0.6, schedule="paper")
+    assert alphas == pytest.approx([1 - l * 0.4 / 24 for l in range(24)], abs=1e-12)
+    assert alphas[0] == 1.0 and alphas[12] == pytest.approx(0.8)
+    assert alphas[-1] == pytest.approx(1 - 23 * 0.4 / 24)  # 0.61666...: the text's schedule stops short of alpha_min
+    assert alphas[-1] > 0.6
+
+
+def test_decay_schedule_per_block_and_identity():
+    per_block = decay_schedule(24, 0.6, per_block=True)
+    assert per_block[0::2] == per_block[1::2]  # attention and MLP of a block share it
+    assert per_block[0::2] == pytest.approx([1 - b * 0.4 / 11 for b in range(12)])
+    assert decay_schedule(24, 0.6, "paper", per_block=True)[-1] == pytest.approx(1 - 11 * 0.4 / 12)
+    assert decay_schedule(24, 1.0) == [1.0] * 24 and decay_schedule(24, 1.0, "paper") == [1.0] * 24
+    with pytest.raises(ValueError, match="schedule"):
+        decay_schedule(24, 0.6, schedule="cosine")
+
+
+# ---------------------------------------------------------------------------------------------
+# TransformerStack == plain stack
+
+
+def test_stack_matches_plain_float64_reference_backend():
+    torch.manual_seed(0)
+    for alphas in (None, decay_schedule(6, 0.6)):  # the issue's alpha_min = 1 case, and a decayed one
+        stack = perturb_(TransformerStack(32, 3, 4, alphas=alphas, backend="torch")).double()
+        x = torch.randn(3, 7, 32, dtype=torch.float64, requires_grad=True)
+        y, outs = stack(x, collect=(0, 2))
+        y_ref, outs_ref = plain_stack(stack, x, collect=(0, 2))
+        torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(outs[0], outs_ref[0], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(outs[2], outs_ref[2], rtol=1e-10, atol=1e-10)  # the raw stream, pre final norm
+        w = torch.randn_like(y)
+        got = param_grads(stack, lambda: (stack(x)[0] * w).sum())
+        want = param_grads(stack, lambda: (plain_stack(stack, x)[0] * w).sum())
+        assert_grads_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def test_stack_without_final_norm_and_hooks_match_plain():
+    torch.manual_seed(1)
+    stack = perturb_(TransformerStack(16, 3, 2, final_norm=False, backend="torch")).double()
+    extra = torch.randn(2, 5, 16, dtype=torch.float64)
+    # block 1 adds a branch (a = 1); block 2 replaces the stream with a function of it and block 0's output (a = 0)
+    hooks = {1: lambda s, o: (torch.tanh(s) * extra, 1.0), 2: lambda s, o: (0.5 * s + o[0], 0.0)}
+    plain_hooks = {1: lambda s, o: s + torch.tanh(s) * extra, 2: lambda s, o: 0.5 * s + o[0]}
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    y, _ = stack(x, hooks=hooks, collect=(0,))
+    y_ref, _ = plain_stack(stack, x, hooks=plain_hooks, collect=(0,))
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    got = param_grads(stack, lambda: stack(x, hooks=hooks, collect=(0,))[0].square().sum())
+    want = param_grads(stack, lambda: plain_stack(stack, x, hooks=plain_hooks, collect=(0,))[0].square().sum())
+    assert_grads_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def test_stack_triton_interpreter_matches_plain(triton_device):
+    torch.manual_seed(2)
+    stack = perturb_(TransformerStack(32, 2, 2, backend="triton")).to(triton_device)
+    x = torch.randn(2, 4, 32, device=triton_device)
+    y, _ = stack(x)
+    torch.testing.assert_close(y, plain_stack(stack, x)[0], rtol=1e-4, atol=1e-4)
+    got = param_grads(stack, lambda: stack(x)[0].square().sum())
+    want = param_grads(stack, lambda: plain_stack(stack, x)[0].square().sum())
+    assert_grads_close(got, want, rtol=1e-3, atol=1e-4)
+
+
+def test_stack_keeps_fp32_stream_under_autocast():
+    stack = TransformerStack(16, 2, 2, alphas=decay_schedule(4, 0.7), backend="torch")
+    x = torch.randn(2, 3, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, outs = stack(x, collect=(0,))
+    assert outs[0].dtype == torch.float32 and y.dtype == torch.bfloat16
+    assert stack.alphas.dtype == torch.float32 and "alphas" not in stack.state_dict()
+
+
+def test_zero_init_branch_ends():
+    stack = TransformerStack(16, 2, 2)
+    stack.zero_init_branch_ends()
+    for blk in stack.blocks:
+        assert not blk.attn.proj.weight.any() and not blk.mlp.fc2.weight.any()
+        assert blk.attn.qkv.weight.any() and blk.mlp.fc1.weight.any()
+
+
+# ---------------------------------------------------------------------------------------------
+# ResidualDroppath
+
+
+def branch_grads(stack):
+    """Record d(loss)/d(branch output) of every residual, in residual order."""
+    grads = {}
+
+    def tap(r):
+        def hook(mod, inp, out):
+            out.register_hook(lambda g: grads.__setitem__(r, g.clone()))  # returns None: output unchanged
+        return hook
+
+    handles = []
+    for k, blk in enumerate(stack.blocks):
+        handles.append(blk.attn.register_forward_hook(tap(2 * k)))
+        handles.append(blk.mlp.register_forward_hook(tap(2 * k + 1)))
+    return grads, handles
+
+
+def zero_rows(g):
+    """Which samples got an all-zero gradient."""
+    return g.flatten(1).abs().amax(dim=1) == 0
+
+
+def test_residual_droppath_two_steps_gradient_semantics():
+    torch.manual_seed(3)
+    B = 16
+    stack = perturb_(TransformerStack(16, 2, 2, backend="torch"))
+    dp = ResidualDroppath(0.5, stack.num_residuals, depth_linear=False, seed=7)
+    grads, handles = branch_grads(stack)
+    x = torch.randn(B, 3, 16)
+
+    # even iteration: out = x + m * f(x); the branch gets gradient m * g
+    y, _ = stack(x, scales=dp.scales(B, x.device))
+    masks = dp.masks.clone()
+    assert masks.shape == (4, B) and 0 < masks.mean() < 1
+    y_ref, _ = plain_stack(stack, x, masks=list(masks))
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    for r in range(4):
+        assert torch.equal(zero_rows(grads[r]), masks[r] == 0), f"residual {r}, even step"
+
+    # odd iteration, same slots: value of the plain residual, gradient only where the branch was dropped
+    dp.next_iteration()
+    stack.zero_grad()
+    x2 = torch.randn(B, 3, 16)
+    y2, _ = stack(x2, scales=dp.scales(B, x2.device))
+    assert torch.equal(dp.masks, masks)
+    torch.testing.assert_close(y2, plain_stack(stack, x2)[0], rtol=1e-5, atol=1e-5)
+    y2.square().sum().backward()
+    for r in range(4):
+        assert torch.equal(zero_rows(grads[r]), masks[r] == 1), f"residual {r}, odd step"
+
+    # the next even iteration draws fresh masks
+    dp.next_iteration()
+    dp.scales(B, x.device)
+    assert dp.mask_iteration == 2 and not torch.equal(dp.masks, masks)
+    for h in handles:
+        h.remove()
+
+
+def test_residual_droppath_scales_table():
+    dp = ResidualDroppath(0.3, 4, depth_linear=False)
+    even = dp.scales(8, "cpu")
+    m = dp.masks
+    for r, (row, grad) in enumerate(even):
+        assert torch.equal(row, m[r]) and torch.equal(grad, m[r])
+    assert dp.scales(8, "cpu") is even  # micro-batches of one iteration share masks
+    dp.next_iteration()
+    for r, (row, grad) in enumerate(dp.scales(8, "cpu")):
+        assert row is None and torch.equal(grad, 1 - m[r])
+
+    timm = ResidualDroppath(0.25, 4, mode="drop_path", depth_linear=False)
+    first = [row.clone() for row, _ in timm.scales(4096, "cpu")]
+    for row, grad in timm.scales(4096, "cpu"):
+        assert row is grad and torch.isin(row, torch.tensor([0.0, 1 / 0.75])).all()
+        assert abs(row.mean().item() - 1) < 0.06
+    timm.next_iteration()
+    assert not torch.equal(timm.scales(4096, "cpu")[0][0], first[0])  # fresh each iteration
+
+
+def test_residual_droppath_depth_linear_rates():
+    rates = depth_linear_rates(0.1, 24)  # timm: linspace(0, 0.1, 12 blocks), both residuals of a block alike
+    assert rates[0::2] == rates[1::2]
+    assert rates[0::2] == pytest.approx(torch.linspace(0, 0.1, 12, dtype=torch.float64).tolist())
+    dp = ResidualDroppath(0.1, 24)
+    assert dp.rates == rates
+    scales = dp.scales(4, "cpu")
+    assert scales[0] == (None, None) and scales[1] == (None, None)  # rate 0: no scaling at all
+
+
+def test_residual_droppath_eval_and_zero_rate_ignore_masks():
+    dp = ResidualDroppath(0.5, 4, depth_linear=False)
+    dp.scales(8, "cpu")
+    drawn = dp.masks.clone()
+    dp.eval()
+    assert dp.scales(8, "cpu") == [(None, None)] * 4
+    assert dp.scales(3, "cpu") == [(None, None)] * 4  # any batch size in eval
+    assert torch.equal(dp.masks, drawn) and dp.mask_iteration == 0
+    assert ResidualDroppath(0.0, 4).scales(8, "cpu") == [(None, None)] * 4
+
+
+def test_residual_droppath_batch_size_mismatch_raises():
+    dp = ResidualDroppath(0.5, 4)
+    dp.scales(8, "cpu")
+    with pytest.raises(ValueError, match="batch size 6"):
+        dp.scales(6, "cpu")  # a second micro-batch of another size in the even iteration
+    dp.next_iteration()
+    with pytest.raises(ValueError, match="batch size 5 differs from the 8 sample slots"):
+        dp.scales(5, "cpu")  # odd iteration, last partial batch
+    fresh = ResidualDroppath(0.5, 4)
+    fresh.next_iteration()
+    with pytest.raises(RuntimeError, match="odd iteration 1 needs the masks of even iteration 0"):
+        fresh.scales(8, "cpu")
+
+
+def test_residual_droppath_state_dict_resume():
+    a = ResidualDroppath(0.5, 6, depth_linear=False, seed=11)
+    a.scales(8, "cpu")
+    a.next_iteration()  # odd: the masks of iteration 0 are still needed
+    buf = io.BytesIO()
+    torch.save(a.state_dict(), buf)
+    buf.seek(0)
+    b = ResidualDroppath(0.5, 6, depth_linear=False, seed=999)
+    b.load_state_dict(torch.load(buf, weights_only=False))
+    assert b.iteration == 1 and b.odd
+    for (ra, ga), (rb, gb) in zip(a.scales(8, "cpu"), b.scales(8, "cpu")):
+        assert ra is None and rb is None and torch.equal(ga, gb)
+    for _ in range(3):  # the alternation and the mask sequence continue identically
+        a.next_iteration()
+        b.next_iteration()
+        a.scales(8, "cpu")
+        b.scales(8, "cpu")
+        assert torch.equal(a.masks, b.masks) and a.odd == b.odd
+    with pytest.raises(ValueError, match="mode"):
+        ResidualDroppath(0.5, 6, mode="drop_path").load_state_dict(a.state_dict())
