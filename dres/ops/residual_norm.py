@@ -11,6 +11,7 @@ straight through it.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -62,8 +63,7 @@ def residual_layer_norm_op(
     return out, y, mean, rstd
 
 
-@residual_layer_norm_op.register_fake
-def _(x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype):
+def _rln_fake(x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype):
     out = x.new_empty(x.shape, dtype=residual_dtype or x.dtype)
     y = x.new_empty(x.shape, dtype=out_dtype or h.dtype)
     return (out, y) + _empty_stats(x)
@@ -82,8 +82,7 @@ def residual_add_op(
     return out
 
 
-@residual_add_op.register_fake
-def _(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype):
+def _add_fake(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype):
     return x.new_empty(x.shape, dtype=residual_dtype or x.dtype)
 
 
@@ -97,8 +96,7 @@ def layer_norm_op(
     return y, mean, rstd
 
 
-@layer_norm_op.register_fake
-def _(x, weight, bias, eps, out_dtype):
+def _ln_fake(x, weight, bias, eps, out_dtype):
     return (x.new_empty(x.shape, dtype=out_dtype or x.dtype),) + _empty_stats(x)
 
 
@@ -137,9 +135,8 @@ def residual_norm_backward_op(
     )
 
 
-@residual_norm_backward_op.register_fake
-def _(g_out, g_y, normed, x, weight, mean, rstd, alpha, alpha_value, grad_scale, x_dtype, h_dtype,
-      need_dweight, need_dbias, need_dalpha):
+def _bwd_fake(g_out, g_y, normed, x, weight, mean, rstd, alpha, alpha_value, grad_scale, x_dtype, h_dtype,
+              need_dweight, need_dbias, need_dalpha):
     ref = g_out if g_out is not None else g_y
     dim = ref.shape[-1]
     f32 = lambda shape: ref.new_empty(shape, dtype=torch.float32)  # noqa: E731
@@ -182,12 +179,12 @@ def _rln_setup(ctx, inputs, output):
     ctx.need = (ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3], need_dalpha)
 
 
-def _rln_backward(ctx, g_out, g_y, _g_mean, _g_rstd):
+def _rln_backward(backward_op, ctx, g_out, g_y, _g_mean, _g_rstd):
     out, weight, bias, mean, rstd, alpha, grad_scale, x = ctx.saved_tensors
     need_dh, need_dweight, need_dbias, need_dalpha = ctx.need
     if g_out is None and g_y is None:
         return (None,) * 11
-    dx, dh, dweight, dbias, dalpha = residual_norm_backward_op(
+    dx, dh, dweight, dbias, dalpha = backward_op(
         g_out, g_y, out, x, weight, mean, rstd, alpha, ctx.alpha_value, grad_scale,
         ctx.x_dtype, ctx.h_dtype if need_dh else None, need_dweight and weight is not None,
         need_dbias and bias is not None, need_dalpha,
@@ -198,8 +195,6 @@ def _rln_backward(ctx, g_out, g_y, _g_mean, _g_rstd):
         None, None, None, None, None, None,
     )
 
-
-residual_layer_norm_op.register_autograd(_rln_backward, setup_context=_rln_setup)
 
 
 def _add_setup(ctx, inputs, output):
@@ -212,12 +207,12 @@ def _add_setup(ctx, inputs, output):
     ctx.need = (ctx.needs_input_grad[1], need_dalpha)
 
 
-def _add_backward(ctx, g_out):
+def _add_backward(backward_op, ctx, g_out):
     alpha, grad_scale, x = ctx.saved_tensors
     need_dh, need_dalpha = ctx.need
     if g_out is None:
         return (None,) * 7
-    dx, dh, _, _, dalpha = residual_norm_backward_op(
+    dx, dh, _, _, dalpha = backward_op(
         g_out, None, None, x, None, None, None, alpha, ctx.alpha_value, grad_scale,
         ctx.x_dtype, ctx.h_dtype if need_dh else None, False, False, need_dalpha,
     )
@@ -226,8 +221,6 @@ def _add_backward(ctx, g_out):
         dalpha.to(alpha.dtype).reshape(alpha.shape) if need_dalpha else None, None, None, None, None,
     )
 
-
-residual_add_op.register_autograd(_add_backward, setup_context=_add_setup)
 
 
 def _ln_setup(ctx, inputs, output):
@@ -240,16 +233,39 @@ def _ln_setup(ctx, inputs, output):
     ctx.need = (ctx.needs_input_grad[1], ctx.needs_input_grad[2])
 
 
-def _ln_backward(ctx, g_y, _g_mean, _g_rstd):
+def _ln_backward(backward_op, ctx, g_y, _g_mean, _g_rstd):
     x, weight, bias, mean, rstd = ctx.saved_tensors
     need_dweight, need_dbias = ctx.need
     if g_y is None:
         return (None,) * 5
-    dx, _, dweight, dbias, _ = residual_norm_backward_op(
+    dx, _, dweight, dbias, _ = backward_op(
         None, g_y, x, None, weight, mean, rstd, None, 1.0, None, ctx.x_dtype, None,
         need_dweight and weight is not None, need_dbias and bias is not None, False,
     )
     return dx, _param_grad(dweight, weight, need_dweight), _param_grad(dbias, bias, need_dbias), None, None
 
 
-layer_norm_op.register_autograd(_ln_backward, setup_context=_ln_setup)
+
+# ---------------------------------------------------------------------------------------------
+# Registration, shared by every backend whose ops have these schemas: the Triton ops here and the
+# csrc ops (torch.ops.dres_cuda, registered from dres.ops.csrc_backend). The backends differ only
+# in the kernels behind the ops and in which backward op the autograd formulas call.
+
+
+# Fake (meta) kernels by op name. Each backend registers them itself: torch requires the fake of
+# an op defined in C++ to be registered from the module its library names (set_python_module).
+FAKE_IMPLS = {"residual_layer_norm": _rln_fake, "residual_add": _add_fake, "layer_norm": _ln_fake,
+              "residual_norm_backward": _bwd_fake}
+
+
+def register_autograd(residual_layer_norm, residual_add, layer_norm, backward_op) -> None:
+    """Autograd for one backend's forward ops; ``backward_op`` is that backend's backward op."""
+    for op, backward, setup in ((residual_layer_norm, _rln_backward, _rln_setup),
+                                (residual_add, _add_backward, _add_setup),
+                                (layer_norm, _ln_backward, _ln_setup)):
+        torch.library.register_autograd(op, functools.partial(backward, backward_op), setup_context=setup)
+
+
+for _name, _fake in FAKE_IMPLS.items():
+    torch.library.register_fake(globals()[f"{_name}_op"], _fake)
+register_autograd(residual_layer_norm_op, residual_add_op, layer_norm_op, residual_norm_backward_op)
