@@ -196,12 +196,14 @@ class MAE(nn.Module):
         return self.decoder_pred(y)[:, 1:, :]
 
     def forward_loss(self, imgs: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        target = self.patchify(imgs).float()
+        dtype = torch.promote_types(pred.dtype, torch.float32)  # at least fp32 (bf16 under autocast)
+        target = self.patchify(imgs).to(dtype)
         if self.norm_pix_loss:
             mean = target.mean(dim=-1, keepdim=True)
             var = target.var(dim=-1, keepdim=True)
             target = (target - mean) / (var + 1.0e-6) ** 0.5
-        loss = ((pred.float() - target) ** 2).mean(dim=-1)
+        loss = ((pred.to(dtype) - target) ** 2).mean(dim=-1)
+        mask = mask.to(dtype)
         return (loss * mask).sum() / mask.sum()
 
     def forward(self, imgs: torch.Tensor, mask_ratio: Optional[float] = None, noise: Optional[torch.Tensor] = None):
