@@ -100,7 +100,8 @@ def convert_timm_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "
         raise TypeError(f"expected a timm VisionTransformer with an nn.Sequential `blocks`, got {type(model).__name__}")
     for i, blk in enumerate(blocks):
         _check_block(i, blk)
-    alphas = decay_schedule(2 * len(blocks), alpha_min, schedule, per_block)
+    # rounded to float32 as the kernels read them, so fused and block-by-block paths agree exactly
+    alphas = torch.tensor(decay_schedule(2 * len(blocks), alpha_min, schedule, per_block), dtype=torch.float32).tolist()
     for i, blk in enumerate(blocks):
         blk._dres_alphas = (alphas[2 * i], alphas[2 * i + 1])
         blk.forward = functools.partial(_decayed_block_forward, blk)
