@@ -1,0 +1,472 @@
+"""The CUDA C++ backend (csrc/, ``backend="cuda"``): against the float64 reference and against the
+Triton backend, forward and backward, every mode of DESIGN.md's table, mixed dtypes, odd sizes
+(both the 16-byte-vector and the scalar paths, warp-per-row and block-per-row), strided gradients,
+poisoned outputs, deterministic weight gradients, opcheck and torch.compile.
+
+GPU tests are marked ``gpu`` and skipped as well when the extension is not built
+(``DRES_BUILD_CUDA=1 pip install --no-deps --no-build-isolation -e .``). The CPU tests check what
+holds without a GPU: the package imports, ``backend="cuda"`` fails clearly without the extension,
+setup.py compiles nothing unless asked, and (when built) schemas and fake kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+import pytest
+import torch
+
+import dres.ops as ops
+from dres.ops import csrc_backend, reference
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OPS = ("residual_layer_norm", "residual_add", "layer_norm", "residual_norm_backward")
+
+# ||got - want|| / ||want|| bound by the dtype a result is stored in (as tests/test_ops.py).
+TOLERANCE = {F32: 1e-5, F16: 2e-3, BF16: 1.2e-2}
+MODES = ["plain", "drop_path", "rdp_even", "rdp_odd"]
+
+built = pytest.mark.skipif(not csrc_backend.available(), reason="dres._C (csrc) not built")
+
+
+def gpu(test):
+    """GPU test of the extension: marked gpu, and skipped too when dres._C is not built."""
+    return pytest.mark.gpu(built(test))
+
+
+def rel_err(a, ref):
+    a, ref = a.double(), ref.double()
+    assert torch.isfinite(a).all(), "non-finite values in the result"
+    denom = ref.norm().item()
+    return (a - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def assert_close(name, a, ref, dtype):
+    assert a.shape == ref.shape, f"{name}: shape {tuple(a.shape)} != {tuple(ref.shape)}"
+    err = rel_err(a, ref)
+    assert err <= TOLERANCE[dtype], f"{name}: relative error {err:.2e} above {TOLERANCE[dtype]:.0e} ({dtype})"
+
+
+def mode_scales(mode, batch, device="cuda", drop_prob=0.4):
+    if mode == "plain":
+        return None, None
+    m = (torch.rand(batch) >= drop_prob).float()
+    m[0], m[-1] = 1.0, 0.0
+    m = m.to(device)
+    keep = 1.0 - drop_prob
+    return {"drop_path": (m / keep, m / keep), "rdp_even": (m, m), "rdp_odd": (None, 1.0 - m)}[mode]
+
+
+def make_case(shape, x_dtype, h_dtype, device="cuda"):
+    dim = shape[-1]
+    x = torch.randn(shape, device=device).to(x_dtype)
+    h = torch.randn(shape, device=device).to(h_dtype)
+    w = 1.0 + 0.5 * torch.randn(dim, device=device)
+    b = 0.5 * torch.randn(dim, device=device)
+    return x, h, w, b
+
+
+def leaves(*ts):
+    return [None if t is None else t.detach().clone().requires_grad_(True) for t in ts]
+
+
+def grads(outputs, cotangents, inputs):
+    present = [t for t in inputs if t is not None]
+    it = iter(torch.autograd.grad(outputs, present, cotangents))
+    return [None if t is None else next(it) for t in inputs]
+
+
+def f64(t):
+    return None if t is None else t.detach().double()
+
+
+def rln_run(backend, x, h, w, b, alpha, row_scale, grad_scale, g_out, g_y):
+    """(out, y, dx, dh, dw, db, dalpha) of residual_layer_norm on ``backend``."""
+    if backend == "reference":
+        xl, hl, wl, bl = (f64(t).requires_grad_(True) for t in (x, h, w, b))
+        al = f64(alpha).requires_grad_(True) if isinstance(alpha, torch.Tensor) else alpha
+        out, y = reference.residual_layer_norm(xl, hl, wl, bl, al, row_scale=f64(row_scale), grad_scale=f64(grad_scale))
+        g_out, g_y = g_out.double(), g_y.double()
+    else:
+        xl, hl, wl, bl = leaves(x, h, w, b)
+        al = alpha.detach().clone().requires_grad_(True) if isinstance(alpha, torch.Tensor) else alpha
+        out, y = ops.residual_layer_norm(xl, hl, wl, bl, al, row_scale=row_scale, grad_scale=grad_scale, backend=backend)
+    inputs = (xl, hl, wl, bl, al if isinstance(al, torch.Tensor) else None)
+    return (out, y, *grads((out, y), (g_out, g_y), inputs))
+
+
+def compare_rln(x, h, w, b, alpha, row_scale, grad_scale, g_out=None, g_y=None):
+    """The cuda backend against float64 and against triton, every output and gradient."""
+    x_dtype, h_dtype = x.dtype, h.dtype
+    g_out = torch.randn(x.shape, device=x.device).to(x_dtype) if g_out is None else g_out
+    g_y = torch.randn(x.shape, device=x.device).to(h_dtype) if g_y is None else g_y
+    cuda = rln_run("cuda", x, h, w, b, alpha, row_scale, grad_scale, g_out, g_y)
+    ref = rln_run("reference", x, h, w, b, alpha, row_scale, grad_scale, g_out, g_y)
+    tri = rln_run("triton", x, h, w, b, alpha, row_scale, grad_scale, g_out, g_y)
+    assert cuda[0].dtype == x_dtype and cuda[1].dtype == h_dtype
+    y_dtype = h_dtype if x_dtype == F32 else BF16 if BF16 in (x_dtype, h_dtype) else F16
+    param_dtype = F32 if h_dtype == F32 else BF16
+    names = ("out", "y", "dx", "dh", "dweight", "dbias", "dalpha")
+    dtypes = (x_dtype, y_dtype, x_dtype, h_dtype, param_dtype, param_dtype, BF16)
+    for name, c, r, t, dt in zip(names, cuda, ref, tri, dtypes):
+        if c is None:
+            continue
+        assert_close(f"{name} vs float64", c, r, dt)
+        assert_close(f"{name} vs triton", c, t, dt)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: parity
+
+
+@pytest.mark.parametrize("alpha_kind", ["float", "tensor"])
+@pytest.mark.parametrize("dim", [48, 200, 1000, 4104])
+@pytest.mark.parametrize("x_dtype,h_dtype", [(F32, BF16), (F32, F32), (BF16, BF16), (BF16, F32)])
+@pytest.mark.parametrize("mode", MODES)
+@gpu
+def test_residual_layer_norm_parity(mode, x_dtype, h_dtype, dim, alpha_kind):
+    torch.manual_seed(hash((mode, str(x_dtype), str(h_dtype), dim, alpha_kind)) % 2**31)
+    shape = (5, 7, dim)  # 35 rows: not a multiple of the 8 rows of a warp-per-row block
+    x, h, w, b = make_case(shape, x_dtype, h_dtype)
+    row_scale, grad_scale = mode_scales(mode, shape[0])
+    alpha = torch.tensor(0.7, device="cuda") if alpha_kind == "tensor" else 0.7
+    compare_rln(x, h, w, b, alpha, row_scale, grad_scale)
+
+
+@gpu
+@pytest.mark.parametrize("dim", [100, 1030, 16384, 8200, 520, 8])  # scalar path (D % 8), wide and narrow rows
+@pytest.mark.parametrize("rows", [1, 33, 130, 1031])
+def test_odd_sizes(dim, rows):
+    torch.manual_seed(dim * 7 + rows)
+    if dim * rows > 4_000_000:
+        rows = 130
+    x, h, w, b = make_case((rows, dim), F32, BF16)
+    rs, gs = mode_scales("drop_path", rows)
+    compare_rln(x, h, w, b, torch.tensor(0.6, device="cuda"), rs, gs)
+
+
+@gpu
+def test_alpha_tensor_dtypes_and_gradient():
+    torch.manual_seed(3)
+    for adt in (F32, BF16, F16):
+        x, h, w, b = make_case((4, 9, 64), F32, BF16)
+        compare_rln(x, h, w, b, torch.tensor(0.85, device="cuda", dtype=adt), None, None)
+
+
+@gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("x_dtype,h_dtype", [(F32, BF16), (BF16, BF16), (F32, F32), (F16, F16)])
+@pytest.mark.parametrize("alpha_kind", ["float", "tensor"])
+def test_residual_add_parity(mode, x_dtype, h_dtype, alpha_kind):
+    torch.manual_seed(hash((mode, str(x_dtype), alpha_kind)) % 2**31)
+    shape = (6, 11, 200)
+    x, h, _, _ = make_case(shape, x_dtype, h_dtype)
+    rs, gs = mode_scales(mode, shape[0])
+    alpha = torch.tensor(0.5, device="cuda") if alpha_kind == "tensor" else 0.5
+    g = torch.randn(shape, device="cuda").to(x_dtype)
+    results = {}
+    for backend in ("cuda", "triton", "reference"):
+        if backend == "reference":
+            xl, hl = f64(x).requires_grad_(True), f64(h).requires_grad_(True)
+            al = f64(alpha).requires_grad_(True) if alpha_kind == "tensor" else alpha
+            out = reference.residual_add(xl, hl, al, f64(rs), f64(gs))
+            gg = g.double()
+        else:
+            xl, hl = leaves(x, h)
+            al = alpha.clone().requires_grad_(True) if alpha_kind == "tensor" else alpha
+            out = ops.residual_add(xl, hl, al, rs, gs, backend=backend)
+            gg = g
+        results[backend] = (out, *grads(out, gg, (xl, hl, al if alpha_kind == "tensor" else None)))
+    assert results["cuda"][0].dtype == x_dtype
+    for name, i, dt in (("out", 0, x_dtype), ("dx", 1, x_dtype), ("dh", 2, h_dtype), ("dalpha", 3, BF16)):
+        c = results["cuda"][i]
+        if c is None:
+            continue
+        assert_close(f"{name} vs float64", c, results["reference"][i], dt)
+        assert_close(f"{name} vs triton", c, results["triton"][i], dt)
+
+
+@gpu
+@pytest.mark.parametrize("x_dtype,out_dtype", [(F32, None), (BF16, None), (F32, BF16), (BF16, F32)])
+@pytest.mark.parametrize("dim", [48, 100, 1000, 4104])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_parity(x_dtype, out_dtype, dim, affine):
+    torch.manual_seed(dim)
+    x, _, w, b = make_case((3, 13, dim), x_dtype, x_dtype)
+    if not affine:
+        w = b = None
+    y_dtype = out_dtype or x_dtype
+    g = torch.randn(x.shape, device="cuda").to(y_dtype)
+    res = {}
+    for backend in ("cuda", "triton", "reference"):
+        if backend == "reference":
+            xl, wl, bl = (None if t is None else f64(t).requires_grad_(True) for t in (x, w, b))
+            y = reference.layer_norm(xl, wl, bl, 1e-6)
+            res[backend] = (y, *grads(y, g.double(), (xl, wl, bl)))
+        else:
+            xl, wl, bl = leaves(x, w, b)
+            y = ops.layer_norm(xl, wl, bl, out_dtype=out_dtype, backend=backend)
+            res[backend] = (y, *grads(y, g, (xl, wl, bl)))
+    assert res["cuda"][0].dtype == y_dtype
+    param_dtype = F32 if y_dtype == F32 else BF16
+    for name, i, dt in (("y", 0, y_dtype), ("dx", 1, x_dtype),
+                        ("dweight", 2, param_dtype), ("dbias", 3, param_dtype)):
+        c = res["cuda"][i]
+        if c is None:
+            continue
+        assert_close(f"{name} vs float64", c, res["reference"][i], dt)
+        assert_close(f"{name} vs triton", c, res["triton"][i], dt)
+
+
+
+@gpu
+def test_non_contiguous_gradients_and_inputs():
+    """Gradients with any strides (stride-0 expand, slices with odd row strides, transposes) and
+    inputs whose rows are not 16-byte aligned (forcing the scalar path)."""
+    torch.manual_seed(11)
+    B, T, D = 4, 6, 200
+    x, h, w, b = make_case((B, T, D), F32, BF16)
+    rs, gs = mode_scales("rdp_odd", B)
+    alpha = torch.tensor(0.9, device="cuda")
+    g_out = torch.randn(D, device="cuda").expand(B, T, D)  # row stride 0
+    g_y = torch.randn(B, T, D + 3, device="cuda").to(BF16)[..., :D]  # row stride D + 3
+    compare_rln(x, h, w, b, alpha, rs, gs, g_out=g_out, g_y=g_y)
+    g_t = torch.randn(B, D, T, device="cuda").transpose(1, 2)  # last-dim stride != 1
+    compare_rln(x, h, w, b, alpha, rs, gs, g_out=g_t, g_y=g_t.to(BF16))
+    # Inputs sliced so rows start at odd offsets (misaligned for 16-byte vectors).
+    big_x = torch.randn(B * T, D + 1, device="cuda")[:, 1:]
+    big_h = torch.randn(B * T, D + 5, device="cuda").to(BF16)[:, 5:]
+    compare_rln(big_x, big_h, w, b, 0.8, None, None)
+
+
+@gpu
+def test_every_output_element_is_written():
+    """With deterministic algorithms on, torch fills every fresh allocation (also the C++
+    at::empty of the op) with NaN: an element a kernel skips stays NaN."""
+    torch.manual_seed(5)
+    prev = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        assert torch.isnan(torch.empty(8, device="cuda")).all(), "allocations are not being poisoned"
+        for dim in (72, 100, 4104, 1030):
+            x, h, w, b = make_case((7, 9, dim), F32, BF16)
+            rs, gs = mode_scales("drop_path", 7)
+            xl, hl, wl, bl = leaves(x, h, w, b)
+            al = torch.tensor(0.8, device="cuda", requires_grad=True)
+            out, y = ops.residual_layer_norm(xl, hl, wl, bl, al, row_scale=rs, grad_scale=gs, backend="cuda")
+            dx, dh, dw, db, da = grads((out, y), (torch.randn_like(out), torch.randn_like(y)), (xl, hl, wl, bl, al))
+            z = ops.residual_add(x, h, 0.8, backend="cuda")
+            yn = ops.layer_norm(x, w, b, backend="cuda")
+            zl, hl2 = leaves(x, h)
+            dz = grads(ops.residual_add(zl, hl2, 0.5, backend="cuda"), torch.randn_like(x), (zl, hl2))
+            for name, t in dict(out=out, y=y, dx=dx, dh=dh, dw=dw, db=db, da=da, add=z, ln=yn,
+                                add_dx=dz[0], add_dh=dz[1]).items():
+                assert not torch.isnan(t).any(), f"{name} (D={dim}) has unwritten (NaN) elements"
+    finally:
+        torch.use_deterministic_algorithms(prev[0])
+        torch.utils.deterministic.fill_uninitialized_memory = prev[1]
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(4097, 768), (515, 4104), (333, 100)])
+def test_weight_gradients_are_deterministic(shape):
+    torch.manual_seed(13)
+    x, h, w, b = make_case(shape, F32, BF16)
+    g_out, g_y = torch.randn(shape, device="cuda"), torch.randn(shape, device="cuda").to(BF16)
+    runs = []
+    for _ in range(3):
+        xl, hl, wl, bl = leaves(x, h, w, b)
+        al = torch.tensor(0.75, device="cuda", requires_grad=True)
+        out, y = ops.residual_layer_norm(xl, hl, wl, bl, al, backend="cuda")
+        runs.append(grads((out, y), (g_out, g_y), (xl, hl, wl, bl, al)))
+    for first, again in zip(runs[0], runs[1]):
+        assert torch.equal(first, again)
+    for first, again in zip(runs[0], runs[2]):
+        assert torch.equal(first, again)
+
+
+@gpu
+def test_empty_rows():
+    x, h, w, b = make_case((0, 64), F32, BF16)
+    xl, hl, wl, bl = leaves(x, h, w, b)
+    out, y = ops.residual_layer_norm(xl, hl, wl, bl, backend="cuda")
+    assert out.shape == (0, 64) and y.shape == (0, 64)
+    dx, dh, dw, db = grads((out, y), (torch.randn_like(out), torch.randn_like(y)), (xl, hl, wl, bl))
+    assert dx.shape == (0, 64) and torch.equal(dw, torch.zeros_like(w)) and torch.equal(db, torch.zeros_like(b))
+
+
+@gpu
+def test_opcheck():
+    torch.manual_seed(2)
+    x, h, w, b = make_case((4, 3, 32), F32, BF16)
+    rs = torch.tensor([1.0, 0.0, 1.0, 1.0], device="cuda")
+    alpha = torch.tensor(0.9, device="cuda")
+    req = lambda *ts: [t.clone().requires_grad_(True) for t in ts]  # noqa: E731
+    xr, hr, wr, br, ar = req(x, h, w, b, alpha)
+    c = torch.ops.dres_cuda
+    cases = [
+        (c.residual_layer_norm.default, (xr, hr, wr, br, None, 0.7, 1e-6, rs, None, None, None)),
+        (c.residual_layer_norm.default, (xr, hr, wr, br, ar, 1.0, 1e-6, None, 1 - rs, F32, F32)),
+        (c.residual_add.default, (xr, hr, ar, 1.0, rs, None, None)),
+        (c.layer_norm.default, (xr, wr, br, 1e-6, BF16)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@gpu
+def test_compile_fullgraph():
+    torch.manual_seed(4)
+    x, h, w, b = make_case((3, 5, 64), F32, BF16)
+    m = torch.tensor([1.0, 0.0, 1.0], device="cuda")
+
+    def two_sublayers(x, h, w, b, alpha):
+        out, y = ops.residual_layer_norm(x, h, w, b, alpha, grad_scale=1 - m, backend="cuda")
+        out2, y2 = ops.residual_layer_norm(out, torch.tanh(y), w, b, alpha, backend="cuda")
+        return ops.residual_add(out2, y2, alpha, backend="cuda")
+
+    alpha = torch.tensor(0.8, device="cuda")
+    for backend in ("aot_eager", "inductor"):
+        compiled = torch.compile(two_sublayers, fullgraph=True, backend=backend)
+        xa, ha, wa, ba = leaves(x, h, w, b)
+        xb, hb, wb, bb = leaves(x, h, w, b)
+        eager = two_sublayers(xa, ha, wa, ba, alpha)
+        comp = compiled(xb, hb, wb, bb, alpha)
+        torch.testing.assert_close(comp, eager)
+        g = torch.randn_like(eager)
+        for a, c in zip(grads(eager, g, (xa, ha, wa, ba)), grads(comp, g, (xb, hb, wb, bb))):
+            torch.testing.assert_close(c, a)
+
+
+@gpu
+def test_cuda_graph_capture():
+    torch.manual_seed(6)
+    x, h, w, b = make_case((64, 768), F32, BF16)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside capture (occupancy query, attributes)
+        ops.residual_layer_norm(x, h, w, b, 0.9, backend="cuda")
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, y = ops.residual_layer_norm(x, h, w, b, 0.9, backend="cuda")
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    want_out, want_y = ops.residual_layer_norm(x, h, w, b, 0.9, backend="cuda")
+    assert torch.equal(out, want_out) and torch.equal(y, want_y)
+
+
+@gpu
+def test_bad_input_names_the_argument():
+    x, h, w, b = make_case((2, 3, 64), F32, BF16)
+    c = torch.ops.dres_cuda
+    with pytest.raises(RuntimeError, match="weight"):
+        c.residual_layer_norm(x, h, w[:10], b, None, 1.0, 1e-6, None, None, None, None)
+    with pytest.raises(RuntimeError, match="h has shape"):
+        c.residual_layer_norm(x, h[:1], w, b, None, 1.0, 1e-6, None, None, None, None)
+    with pytest.raises(RuntimeError, match="row_scale"):
+        c.residual_add(x, h, None, 1.0, torch.ones(4, device="cuda"), None, None)
+    with pytest.raises(RuntimeError, match="x has dtype"):
+        c.layer_norm(x.double(), None, None, 1e-6, None)
+    with pytest.raises(RuntimeError, match="CUDA tensor"):
+        c.layer_norm(x, w.cpu(), None, 1e-6, None)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: what holds without a GPU
+
+
+def test_package_imports_and_cuda_backend_without_extension_raises(monkeypatch):
+    x = torch.randn(2, 3, 8)
+    h = torch.randn(2, 3, 8)
+    monkeypatch.setattr(csrc_backend, "available", lambda: False)
+    for call in (lambda: ops.residual_layer_norm(x, h, None, None, backend="cuda"),
+                 lambda: ops.residual_add(x, h, backend="cuda"),
+                 lambda: ops.layer_norm(x, None, None, backend="cuda")):
+        with pytest.raises(ValueError, match="DRES_BUILD_CUDA=1"):
+            call()
+    # The other backends are untouched.
+    out, y = ops.residual_layer_norm(x, h, None, None, backend="torch")
+    assert out.shape == x.shape
+
+
+@built
+def test_cuda_backend_with_cpu_tensors_raises():
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        ops.residual_add(x, x, backend="cuda")
+
+
+@built
+def test_schemas_match_the_triton_ops():
+    import dres.ops.residual_norm  # noqa: F401  (registers dres::)
+
+    for name in OPS:
+        ours = str(getattr(torch.ops.dres_cuda, name).default._schema).split("::", 1)[1]
+        theirs = str(getattr(torch.ops.dres, name).default._schema).split("::", 1)[1]
+        assert ours == theirs, f"{name}: {ours} != {theirs}"
+
+
+@built
+def test_fake_kernels_give_the_real_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(4, 8, 48, device="cuda")
+        h = torch.empty(4, 8, 48, device="cuda", dtype=BF16)
+        w = torch.empty(48, device="cuda")
+        out, y, mean, rstd = torch.ops.dres_cuda.residual_layer_norm(x, h, w, w, None, 0.5, 1e-6, None, None, None, None)
+        assert (out.dtype, y.dtype, tuple(mean.shape), tuple(rstd.shape)) == (F32, BF16, (32,), (32,))
+        dx, dh, dw, db, da = torch.ops.dres_cuda.residual_norm_backward(
+            out, y, out, x, w, mean, rstd, None, 1.0, None, F32, BF16, True, True, True)
+        assert dx.shape == x.shape and dh.dtype == BF16 and dw.shape == (48,) and db.shape == (48,) and da.dim() == 0
+        z = torch.ops.dres_cuda.residual_add(x, h, None, 1.0, None, None, BF16)
+        assert z.dtype == BF16
+
+
+def _run_setup(monkeypatch, env_value):
+    """Run setup.py with setuptools.setup replaced by a recorder; returns setup()'s kwargs."""
+    import setuptools
+
+    seen = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: seen.update(kw))
+    if env_value is None:
+        monkeypatch.delenv("DRES_BUILD_CUDA", raising=False)
+    else:
+        monkeypatch.setenv("DRES_BUILD_CUDA", env_value)
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["setup.py", "--name"])
+    runpy.run_path(os.path.join(ROOT, "setup.py"), run_name="__main__")
+    return seen
+
+
+@pytest.mark.parametrize("env_value", [None, "0", ""])
+def test_setup_does_not_compile_unless_asked(monkeypatch, env_value):
+    kw = _run_setup(monkeypatch, env_value)
+    assert kw["name"] == "dres"
+    assert not kw.get("ext_modules") and "cmdclass" not in kw
+
+
+def test_setup_rejects_unknown_build_mode(monkeypatch):
+    with pytest.raises(SystemExit, match="DRES_BUILD_CUDA"):
+        _run_setup(monkeypatch, "maybe")
+
+
+def test_setup_describes_the_extension_when_asked(monkeypatch):
+    """DRES_BUILD_CUDA=1 declares dres._C for sm_80 + sm_90 (declaring compiles nothing), or,
+    where it cannot be built, exits saying why."""
+    try:
+        kw = _run_setup(monkeypatch, "1")
+    except SystemExit as e:
+        assert "cannot be built" in str(e)
+        return
+    (ext,) = kw["ext_modules"]
+    assert ext.name == "dres._C"
+    assert sorted(os.path.basename(s) for s in ext.sources) == ["ops.cpp", "residual_norm.cu"]
+    nvcc = ext.extra_compile_args["nvcc"]
+    assert "-gencode=arch=compute_80,code=sm_80" in nvcc and "-gencode=arch=compute_90,code=sm_90" in nvcc
