@@ -1,0 +1,283 @@
+"""The benchmark harness on the CPU: byte model, card names, record schema and writers, the CLIs'
+dry runs, and one end-to-end kernel sweep through Triton's interpreter (numbers meaningless, the
+plumbing real). The GPU measurements themselves run on the device (BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from benchmarks import bench_kernels as bk
+from benchmarks import bench_train as bt
+from benchmarks import common
+from benchmarks.common import kernel_bytes
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# card names
+
+
+@pytest.mark.parametrize("raw,clean", [
+    ("NVIDIA H100 80GB HBM3", "h100-80gb-hbm3"),
+    ("NVIDIA H200", "h200"),
+    ("NVIDIA H100 PCIe", "h100-pcie"),
+    ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090"),
+    ("  Tesla V100-SXM2-16GB ", "tesla-v100-sxm2-16gb"),
+    ("NVIDIA A100-SXM4-80GB", "a100-sxm4-80gb"),
+    ("???", "unknown-device"),
+])
+def test_sanitize_card_name(raw, clean):
+    assert common.sanitize_card_name(raw) == clean
+
+
+# ---------------------------------------------------------------------------------------------
+# the byte model
+
+
+def test_bytes_match_design_anchors():
+    """DESIGN.md's 'bytes at ceiling' column (copy ceiling 2998 GB/s, whole microseconds, truncated)
+    follows from the byte model."""
+    anchors = [((12800, BF16), 59), ((65536, BF16), 302), ((262144, BF16), 1208), ((262144, FP32), 1880)]
+    for (rows, xdt), us in anchors:
+        nb = kernel_bytes("residual_layer_norm", "fwd_bwd", rows, 768, xdt, BF16)
+        assert int(common.us_at_ceiling(nb, 2998)) == us
+
+
+def test_bytes_residual_layer_norm_exact():
+    n, d, b = 1000 * 64, 64, 20
+    # fwd: read x, h (bf16), w, b (fp32); write out, y (bf16)
+    assert kernel_bytes("residual_layer_norm", "fwd", 1000, d, BF16, BF16) == 4 * n * 2 + 2 * d * 4
+    # bwd: read g_out, g_y, out + weight; write dx, dh + dweight, dbias
+    assert kernel_bytes("residual_layer_norm", "bwd", 1000, d, BF16, BF16) == 5 * n * 2 + 3 * d * 4
+    # fp32 stream, bf16 branch: x, out, g_out, out(saved), dx fp32; h, y, g_y, dh bf16
+    assert kernel_bytes("residual_layer_norm", "fwd_bwd", 1000, d, FP32, BF16) == 5 * n * 4 + 4 * n * 2 + 5 * d * 4
+    plain = kernel_bytes("residual_layer_norm", "fwd_bwd", 1000, d, BF16, BF16, "plain", b)
+    # per-sample scales: B fp32 read forward and backward (drop_path / rdp_even), backward only (rdp_odd)
+    assert kernel_bytes("residual_layer_norm", "fwd_bwd", 1000, d, BF16, BF16, "drop_path", b) == plain + 2 * b * 4
+    assert kernel_bytes("residual_layer_norm", "fwd_bwd", 1000, d, BF16, BF16, "rdp_even", b) == plain + 2 * b * 4
+    assert kernel_bytes("residual_layer_norm", "fwd_bwd", 1000, d, BF16, BF16, "rdp_odd", b) == plain + b * 4
+    assert kernel_bytes("residual_layer_norm", "fwd_bwd", 1000, d, BF16, BF16, "alpha", b) == plain
+    assert kernel_bytes("residual_layer_norm", "fwd_bwd", 1000, d, BF16, BF16, "alpha_tensor", b) == plain + 8
+    # a learnable alpha: the backward also reads x (for dalpha) and writes the scalar dalpha
+    assert kernel_bytes("residual_layer_norm", "fwd_bwd", 1000, d, BF16, BF16, "alpha_grad", b) == plain + 8 + n * 2 + 4
+
+
+def test_bytes_residual_add_and_layer_norm_exact():
+    n, d = 512 * 128, 128
+    assert kernel_bytes("residual_add", "fwd", 512, d, FP32, BF16) == n * (4 + 2) + n * 4
+    assert kernel_bytes("residual_add", "bwd", 512, d, FP32, BF16) == n * 4 + n * (4 + 2)
+    assert kernel_bytes("residual_add", "bwd", 512, d, FP32, BF16, "rdp_odd", 8) == n * 4 + n * (4 + 2) + 32
+    # layer_norm: x fp32 in, y bf16 out (h_dtype is y's dtype for this op)
+    assert kernel_bytes("layer_norm", "fwd", 512, d, FP32, BF16) == n * 4 + n * 2 + 2 * d * 4
+    assert kernel_bytes("layer_norm", "bwd", 512, d, FP32, BF16) == n * 2 + n * 4 + n * 4 + 3 * d * 4
+    assert (kernel_bytes("layer_norm", "fwd_bwd", 512, d, FP32, BF16)
+            == kernel_bytes("layer_norm", "fwd", 512, d, FP32, BF16) + kernel_bytes("layer_norm", "bwd", 512, d, FP32, BF16))
+
+
+def test_bytes_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="op"):
+        kernel_bytes("rms_norm", "fwd", 8, 8, BF16, BF16)
+    with pytest.raises(ValueError, match="pass"):
+        kernel_bytes("layer_norm", "forward", 8, 8, BF16, BF16)
+    with pytest.raises(ValueError, match="mode"):
+        kernel_bytes("layer_norm", "fwd", 8, 8, BF16, BF16, "drop_path")
+
+
+def test_rates():
+    assert common.gbps(3_000_000_000, 1e3) == pytest.approx(3000.0)  # 3 GB in 1 ms
+    assert common.us_at_ceiling(2998_000_000, 2998) == pytest.approx(1000.0)  # 2.998 GB at 2998 GB/s: 1 ms
+
+
+def test_split_rows():
+    assert bk.split_rows(12800) == (256, 50)
+    assert bk.split_rows(65536) == (256, 256)
+    assert bk.split_rows(262144) == (1024, 256)
+    assert bk.split_rows(7) == (7, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# records, merging, Markdown, plot
+
+
+def _rec(impl, us, mode="plain", pass_="fwd_bwd", rows=12800, card="h100-80gb-hbm3"):
+    nb = kernel_bytes("residual_layer_norm", pass_, rows, 768, BF16, BF16, mode, 256)
+    return common.make_kernel_record(op="residual_layer_norm", rows=rows, dim=768, x_dtype="bf16", h_dtype="bf16",
+                                     mode=mode, pass_=pass_, impl=impl, us=us, nbytes=nb, ceiling_gbps=3000.0,
+                                     card=card, env={"torch": "2.x", "triton": "3.x"}, date="2026-11-26")
+
+
+def test_record_schema_and_derived_fields():
+    r = _rec("dres_triton", 100.0)
+    common.validate_kernel_record(r)
+    for f in common.KERNEL_FIELDS:
+        assert f in r
+    assert r["gbps"] == pytest.approx(r["bytes"] / 100e-6 / 1e9)
+    assert r["pct_ceiling"] == pytest.approx(100 * r["gbps"] / 3000.0)
+    assert r["us_at_ceiling"] == pytest.approx(r["bytes"] / 3000e9 * 1e6)
+    json.dumps(r)  # serialisable as is
+    bad = dict(r, us=float("nan"))
+    with pytest.raises(ValueError):
+        common.validate_kernel_record(bad)
+    with pytest.raises(ValueError):
+        common.validate_kernel_record({k: v for k, v in r.items() if k != "card"})
+
+
+def test_speedups_and_merge():
+    recs = [_rec("compile", 300.0), _rec("dres_triton", 100.0), _rec("eager", 200.0, mode="rdp_odd")]
+    common.add_speedups(recs)
+    assert recs[0]["speedup_vs_compile"] == pytest.approx(1.0)
+    assert recs[1]["speedup_vs_compile"] == pytest.approx(3.0)
+    assert recs[2]["speedup_vs_compile"] is None  # no compile measurement of that mode
+    merged = common.merge_records(recs, [_rec("dres_triton", 50.0), _rec("dres_triton", 60.0, rows=65536)])
+    assert len(merged) == 4
+    triton = [r for r in merged if r["impl"] == "dres_triton" and r["rows"] == 12800]
+    assert len(triton) == 1 and triton[0]["us"] == 50.0
+
+
+def test_markdown_table():
+    recs = [_rec("compile", 300.0), _rec("dres_triton", 100.0), _rec("eager", 221.0),
+            _rec("dres_triton", 40.0, pass_="fwd")]
+    recs[1]["us_loop"] = 95.5
+    recs[2]["check_ok"] = False
+    common.add_speedups(recs)
+    md = common.kernel_markdown(recs)
+    assert "## h100-80gb-hbm3" in md and "### residual_layer_norm" in md
+    header = next(line for line in md.splitlines() if line.startswith("| rows x D"))
+    # implementations in the fixed order: dres first, then eager, then compile
+    assert header.index("dres_triton") < header.index("eager") < header.index("compile")
+    row = next(line for line in md.splitlines() if "fwd_bwd" in line and line.startswith("| 12800"))
+    assert "100.0 (59%, 3.00x) loop 95.5" in row
+    assert "MISMATCH" in row
+    at_ceiling = f"{recs[1]['us_at_ceiling']:.1f}"
+    assert f"| {at_ceiling} |" in row
+    assert common.kernel_markdown([]) == "No measurements.\n"
+
+
+def test_json_roundtrip_and_plot(tmp_path):
+    recs = [_rec("compile", 300.0), _rec("dres_triton", 100.0), _rec("dres_triton", 800.0, rows=65536),
+            _rec("compile", 900.0, rows=65536)]
+    path = tmp_path / "h100-80gb-hbm3-kernels.json"
+    common.write_json_atomic(path, recs)
+    assert common.load_records(path) == recs
+    assert list(tmp_path.glob("*.tmp")) == []
+    png = tmp_path / "plot.png"
+    assert common.kernel_plot(recs, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel CLI
+
+
+def test_dry_run_lists_plan_without_gpu(capsys):
+    assert bk.main(["--dry-run", "--quick"]) == 0
+    out = capsys.readouterr().out
+    lines = [ln for ln in out.splitlines() if not ln.startswith("#")]
+    assert len(lines) == 8 * 2  # 2 rows x 1 D x 2 dtype pairs x 2 modes, fwd and fwd_bwd
+    assert any("rows=12800 dim=768 (B=256, T=50) x/h=bf16/bf16 mode=plain pass=fwd_bwd bytes=176962560" in ln
+               for ln in lines)
+    assert all("dres_triton" in ln and "compile" in ln for ln in lines)
+    # the small shape is also timed as CUDA graphs
+    assert "dres_triton_graph" in next(ln for ln in lines if "rows=12800" in ln)
+    assert "dres_triton_graph" not in next(ln for ln in lines if "rows=65536" in ln)
+
+
+def test_dry_run_default_plan_covers_matrix(capsys):
+    assert bk.main(["--dry-run"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("#")]
+    # residual ops: 3 rows x 4 D x 3 dtypes x 7 modes; layer_norm: plain only; x 2 passes
+    assert len(lines) == (2 * 3 * 4 * 3 * 7 + 3 * 4 * 3) * 2
+    assert not any("layer_norm rows" in ln and "mode=rdp_odd" in ln and ln.startswith("layer_norm") for ln in lines)
+
+
+def test_cli_rejects_bad_arguments():
+    with pytest.raises(SystemExit):
+        bk.main(["--dry-run", "--modes", "sideways"])
+    with pytest.raises(SystemExit):
+        bk.main(["--dry-run", "--dtypes", "bf16"])
+    with pytest.raises(SystemExit):
+        bk.main(["--dry-run", "--impls", "tensorflow"])
+
+
+def test_cpu_sweep_end_to_end(tmp_path, capsys):
+    """The whole measuring path (inputs, modes, autograd.grad, checks against eager, records, files)
+    on the CPU through Triton's interpreter; only the timer differs from the GPU run."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU path is for machines without a GPU")
+    rc = bk.main(["--device", "cpu", "--ops", "residual_layer_norm", "--rows", "100", "--dims", "32",
+                  "--dtypes", "fp32/bf16", "--modes", "rdp_odd,alpha_grad", "--impls", "triton,eager",
+                  "--out", str(tmp_path)])
+    assert rc == 0
+    recs = common.load_records(tmp_path / "cpu-kernels.json")
+    assert len(recs) == 2 * 2 * 2  # modes x passes x impls
+    for r in recs:
+        common.validate_kernel_record(r)
+        assert r["check_ok"] is True, r
+    assert (tmp_path / "cpu-kernels.md").exists() and (tmp_path / "cpu-kernels.png").exists()
+    # --report-only rewrites the table from the JSON without measuring
+    (tmp_path / "cpu-kernels.md").unlink()
+    assert bk.main(["--report-only", "--out", str(tmp_path)]) == 0
+    assert "rdp_odd" in (tmp_path / "cpu-kernels.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# the training CLI
+
+
+def test_train_dry_run(capsys):
+    assert bt.main(["--dry-run", "--only", "mae", "--modes", "eager"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [ln.split(":")[0] for ln in out] == ["mae timm", "mae dres_baseline", "mae dres_official"]
+    assert all("batch 256" in ln for ln in out)
+    with pytest.raises(SystemExit):
+        bt.main(["--dry-run", "--models", "resnet50"])
+
+
+def _trec(model, mode, ips, mem, bench="mae", kind="throughput", world=1):
+    return {"kind": kind, "bench": bench, "model": model, "mode": mode, "batch": 256, "world_size": world,
+            "checkpointing": False, "images_per_s": ips * world, "images_per_s_per_gpu": ips, "peak_mem_gib": mem,
+            "card": "h100-80gb-hbm3", "torch": "2.x", "triton": "3.x", "date": "2026-11-26", "matmul_tflops": 790.0,
+            "gflop_per_image": 58.8, "mfu_pct": 33.0}
+
+
+def test_train_ratios_and_markdown():
+    recs = [_trec("timm", "compile", 4000, 13.0), _trec("dres_baseline", "compile", 6000, 9.1),
+            _trec("dres_official", "compile", 5400, 9.5), _trec("timm", "eager", 3000, 14.0),
+            _trec("timm", "eager", 3800, 10, kind="fsdp"), _trec("timm", "eager", 3420, 6, kind="fsdp", world=2)]
+    bt.add_ratios(recs)
+    assert recs[1]["speedup_vs_baseline_compile"] == pytest.approx(1.5)
+    assert recs[1]["mem_vs_baseline_compile"] == pytest.approx(0.7)
+    assert recs[2]["vs_dres_baseline"] == pytest.approx(0.9)
+    assert recs[5]["scaling_efficiency"] == pytest.approx(0.9)
+    md = bt.train_markdown(recs)
+    assert "| mae | dres_baseline | compile | 256 | 6000 | 1.50 | 9.1 | 0.70 |" in md
+    assert "FSDP2 scaling" in md and "| 0.90 |" in md
+
+
+def test_max_batch_search(monkeypatch):
+    monkeypatch.setattr(bt, "fits", lambda bench, name, b, ckpt: b <= 1000)
+    assert bt.max_batch("mae", "timm", False, 256, 32, 8192) == (992, False)
+    monkeypatch.setattr(bt, "fits", lambda bench, name, b, ckpt: b <= 100)  # even the start fails
+    assert bt.max_batch("mae", "timm", False, 256, 32, 8192) == (96, False)
+    monkeypatch.setattr(bt, "fits", lambda bench, name, b, ckpt: True)
+    assert bt.max_batch("mae", "timm", False, 256, 32, 1024) == (1024, True)
+
+
+def test_checkpointing_keeps_gradients():
+    from benchmarks.baselines import PlainUViT
+
+    torch.manual_seed(0)
+    m = PlainUViT(img_size=8, patch_size=2, embed_dim=32, depth=2, num_heads=2)
+    m2 = copy.deepcopy(m)
+    assert bt.apply_checkpointing(m2) == 2 * 3  # attention + MLP of 3 blocks
+    x = torch.randn(2, 3, 8, 8)
+    for model in (m, m2):
+        torch.manual_seed(1)
+        bt.loss_fn("uvit", model, x).backward()
+    for p1, p2 in zip(m.parameters(), m2.parameters()):
+        torch.testing.assert_close(p1.grad, p2.grad)
