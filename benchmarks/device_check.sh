@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install, run the GPU test suite, run the benchmarks; everything
+# lands under $OUT (default ./device_out). Usage:
+#   bash benchmarks/device_check.sh [tests|kernels|train|all]   (default: all)
+# Stages can be limited with STAGES="tests kernels" and pytest selection with TESTS="tests/test_ops.py".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-./device_out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-${1:-all}}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+want() { [[ " $STAGES " == *" all "* || " $STAGES " == *" $1 "* ]]; }
+status=0
+
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)'
+} 2>&1 | tee "$OUT/env.txt"
+
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { echo "install failed"; cat "$OUT/install.log"; exit 1; }
+
+if want tests; then
+  python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} -m "${MARK:-gpu or not gpu}" --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log" | tail -n 40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if want kernels && [ -f benchmarks/bench_kernels.py ]; then
+  python3 -m benchmarks.bench_kernels ${KERNEL_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | tail -n 60
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if want train && [ -f benchmarks/bench_train.py ]; then
+  python3 -m benchmarks.bench_train ${TRAIN_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/train.log" | tail -n 40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+exit $status
