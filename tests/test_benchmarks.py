@@ -6,14 +6,20 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks import bench_kernels as bk
-from benchmarks import bench_train as bt
-from benchmarks import common
-from benchmarks.common import kernel_bytes
+# `benchmarks/` is not an installed package: the `pytest` script (CI) does not put the repository
+# root on sys.path the way `python -m pytest` does.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import bench_kernels as bk  # noqa: E402
+from benchmarks import bench_train as bt  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.common import kernel_bytes  # noqa: E402
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -204,11 +210,14 @@ def test_cli_rejects_bad_arguments():
         bk.main(["--dry-run", "--impls", "tensorflow"])
 
 
-def test_cpu_sweep_end_to_end(tmp_path, capsys):
+def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
     """The whole measuring path (inputs, modes, autograd.grad, checks against eager, records, files)
     on the CPU through Triton's interpreter; only the timer differs from the GPU run."""
     if torch.cuda.is_available():
         pytest.skip("the CPU path is for machines without a GPU")
+    # the CLI points compile caches into the repo unless set; keep this test's out of it
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     rc = bk.main(["--device", "cpu", "--ops", "residual_layer_norm", "--rows", "100", "--dims", "32",
                   "--dtypes", "fp32/bf16", "--modes", "rdp_odd,alpha_grad", "--impls", "triton,eager",
                   "--out", str(tmp_path)])
