@@ -47,8 +47,7 @@ def _empty_stats(x: Tensor) -> tuple[Tensor, Tensor]:
 # Forward ops
 
 
-@torch.library.custom_op("dres::residual_layer_norm", mutates_args=())
-def residual_layer_norm_op(
+def residual_layer_norm_impl(
     x: Tensor, h: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], alpha: Optional[Tensor],
     alpha_value: float, eps: float, row_scale: Optional[Tensor], grad_scale: Optional[Tensor],
     residual_dtype: Optional[torch.dtype], out_dtype: Optional[torch.dtype],
@@ -69,8 +68,7 @@ def _rln_fake(x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale
     return (out, y) + _empty_stats(x)
 
 
-@torch.library.custom_op("dres::residual_add", mutates_args=())
-def residual_add_op(
+def residual_add_impl(
     x: Tensor, h: Tensor, alpha: Optional[Tensor], alpha_value: float,
     row_scale: Optional[Tensor], grad_scale: Optional[Tensor], residual_dtype: Optional[torch.dtype],
 ) -> Tensor:
@@ -86,8 +84,7 @@ def _add_fake(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype):
     return x.new_empty(x.shape, dtype=residual_dtype or x.dtype)
 
 
-@torch.library.custom_op("dres::layer_norm", mutates_args=())
-def layer_norm_op(
+def layer_norm_impl(
     x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, out_dtype: Optional[torch.dtype],
 ) -> tuple[Tensor, Tensor, Tensor]:
     y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
@@ -104,8 +101,7 @@ def _ln_fake(x, weight, bias, eps, out_dtype):
 # The one backward op
 
 
-@torch.library.custom_op("dres::residual_norm_backward", mutates_args=())
-def residual_norm_backward_op(
+def residual_norm_backward_impl(
     g_out: Optional[Tensor], g_y: Optional[Tensor], normed: Optional[Tensor], x: Optional[Tensor],
     weight: Optional[Tensor], mean: Optional[Tensor], rstd: Optional[Tensor],
     alpha: Optional[Tensor], alpha_value: float, grad_scale: Optional[Tensor],
@@ -247,6 +243,16 @@ def _ln_backward(backward_op, ctx, g_y, _g_mean, _g_rstd):
 
 
 # ---------------------------------------------------------------------------------------------
+# The custom ops (what torch.compile, opcheck and the dispatcher see)
+
+residual_layer_norm_op = torch.library.custom_op("dres::residual_layer_norm", mutates_args=())(residual_layer_norm_impl)
+residual_add_op = torch.library.custom_op("dres::residual_add", mutates_args=())(residual_add_impl)
+layer_norm_op = torch.library.custom_op("dres::layer_norm", mutates_args=())(layer_norm_impl)
+residual_norm_backward_op = torch.library.custom_op("dres::residual_norm_backward", mutates_args=())(
+    residual_norm_backward_impl)
+
+
+# ---------------------------------------------------------------------------------------------
 # Registration, shared by every backend whose ops have these schemas: the Triton ops here and the
 # csrc ops (torch.ops.dres_cuda, registered from dres.ops.csrc_backend). The backends differ only
 # in the kernels behind the ops and in which backward op the autograd formulas call.
@@ -269,3 +275,35 @@ def register_autograd(residual_layer_norm, residual_add, layer_norm, backward_op
 for _name, _fake in FAKE_IMPLS.items():
     torch.library.register_fake(globals()[f"{_name}_op"], _fake)
 register_autograd(residual_layer_norm_op, residual_add_op, layer_norm_op, residual_norm_backward_op)
+
+
+# ---------------------------------------------------------------------------------------------
+# Eager fast path. Outside torch.compile the ops run through plain autograd.Functions built from
+# the same bodies and the same setup/backward formulas: the custom-op machinery (dispatcher,
+# schema checks, aliasing checks) costs tens of microseconds per call, which at MAE-sized tensors
+# is more than the kernels themselves. torch.compile traces the custom ops instead.
+
+
+def _autograd_function(name: str, body, setup, backward, backward_body) -> type[torch.autograd.Function]:
+    def forward(*inputs):
+        return body(*inputs)
+
+    def backward_fn(ctx, *grads):
+        return backward(backward_body, ctx, *grads)
+
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "setup_context": staticmethod(setup),
+        "backward": staticmethod(backward_fn),
+    })
+
+
+def eager_functions(backward_body, **bodies) -> dict:
+    """``{op name: autograd.Function.apply}`` for one backend's forward bodies and backward body."""
+    formulas = {"residual_layer_norm": (_rln_setup, _rln_backward), "residual_add": (_add_setup, _add_backward),
+                "layer_norm": (_ln_setup, _ln_backward)}
+    return {name: _autograd_function(f"Eager_{name}", body, *formulas[name], backward_body).apply
+            for name, body in bodies.items()}
+
+
+EAGER = eager_functions(residual_norm_backward_impl, residual_layer_norm=residual_layer_norm_impl,
+                        residual_add=residual_add_impl, layer_norm=layer_norm_impl)
