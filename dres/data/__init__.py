@@ -1,0 +1,93 @@
+"""dres.data: data sources and resumable, rank-split loaders (see :mod:`dres.data.loaders`).
+
+``build_loader(data_cfg, split, global_batch, ...)`` picks the reader from ``data_cfg.name``:
+
+==============  ==============================================================================
+digits          scikit-learn's handwritten digits (no download), upsampled to ``img_size``
+cifar10_wds     the shared CIFAR-10 WebDataset shards (``path`` = their folder; default
+                ``../shared/data/cifar10`` beside the checkout)
+wds             any WebDataset shards: ``path`` in brace notation, e.g. ``/d/train-{000..099}.tar``
+imagefolder     ImageNet-layout ``root/<class>/<image>`` trees
+cifar_tv        CIFAR-10/100 in torchvision's pickled format (``path`` = the root folder)
+synthetic       random images (throughput runs)
+==============  ==============================================================================
+
+With ``gpu_resident`` (default; only for sources that fit in memory) the whole split is decoded
+once and augmented on the device; otherwise it streams through DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from dres.data.loaders import (FolderLoader, InMemoryLoader, ShardLoader, check_split, device_augment,
+                               normalize, rrc_params)
+from dres.data.sources import (CorruptCounter, DataError, cifar10_pattern, default_cifar10_dir, expand_shards,
+                               iter_shard, read_cifar_torchvision, read_digits, read_image_folder, read_shards)
+
+__all__ = ["build_loader", "load_arrays", "DataError", "InMemoryLoader", "FolderLoader", "ShardLoader",
+           "device_augment", "normalize", "rrc_params", "read_shards", "read_digits", "iter_shard",
+           "expand_shards", "default_cifar10_dir", "cifar10_pattern", "check_split", "CorruptCounter"]
+
+
+def _pattern(d, split):
+    """The path of ``split`` ('train' | 'val') for shard sources."""
+    if d.name == "cifar10_wds":
+        root = (d.val_path if split == "val" and d.val_path else d.path) or str(default_cifar10_dir())
+        if not os.path.isdir(root):
+            if os.path.exists(root) or "{" in root or "*" in root:
+                return root
+            raise DataError(f"data path not found: {root}")
+        return cifar10_pattern(root, "test" if split == "val" else "train")
+    p = d.val_path if split == "val" else d.path
+    if not p:
+        raise DataError(f"no {'validation' if split == 'val' else 'training'} data path (set data.{'val_path' if split == 'val' else 'path'}=...)")
+    return p
+
+
+def load_arrays(d, split: str, seed: int = 0):
+    """Decode a whole split into memory: ``(uint8 (N,C,H,W), int64 (N,), corrupt_count)``."""
+    limit = d.val_limit if split == "val" else d.limit
+    if d.name == "digits":
+        x, y = read_digits("test" if split == "val" else "train", d.img_size, seed=0)
+        return (x[:limit], y[:limit], 0) if limit else (x, y, 0)
+    if d.name in ("cifar10_wds", "wds"):
+        x, y, c = read_shards(_pattern(d, split), d.in_chans, limit)
+        return x, y, c.count
+    if d.name == "cifar_tv":
+        root = (d.val_path or d.path) if split == "val" else d.path
+        if not root:
+            raise DataError("no data path (set data.path=<folder holding cifar-10-batches-py>)")
+        x, y = read_cifar_torchvision(root, train=split != "val")
+        return (x[:limit], y[:limit], 0) if limit else (x, y, 0)
+    if d.name == "imagefolder":
+        x, y, c = read_image_folder(_pattern(d, split), d.in_chans, d.img_size, limit)
+        return x, y, c.count
+    if d.name == "synthetic":
+        n = d.synthetic_size if split != "val" else max(d.synthetic_size // 4, 1)
+        g = torch.Generator().manual_seed(1234 + (split == "val"))
+        x = torch.randint(0, 256, (n, d.in_chans, d.img_size, d.img_size), dtype=torch.uint8, generator=g)
+        return x, torch.randint(0, max(d.num_classes, 1), (n,), generator=g), 0
+    raise DataError(f"unknown data source '{d.name}'")
+
+
+def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, seed=0, device="cpu", train=True):
+    """A resumable loader of this rank's share of each global batch."""
+    mean, std = (d.mean, d.std) if d.normalize else (None, None)
+    aug = d.aug if train else "none"
+    if d.gpu_resident or d.name in ("digits", "cifar_tv", "synthetic"):
+        x, y, bad = load_arrays(d, split)
+        loader = InMemoryLoader(x, y, global_batch, rank=rank, world=world, accum=accum, seed=seed, device=device,
+                                img_size=d.img_size, aug=aug, crop_min=d.crop_min, mean=mean, std=std)
+        loader.corrupt = bad
+        return loader
+    if d.name == "imagefolder":
+        return FolderLoader(_pattern(d, split), global_batch, rank=rank, world=world, accum=accum, seed=seed,
+                            device=device, img_size=d.img_size, in_chans=d.in_chans, train=train,
+                            crop_min=d.crop_min, mean=mean, std=std, num_workers=d.num_workers, limit=d.limit)
+    return ShardLoader(_pattern(d, split), global_batch, rank=rank, world=world, accum=accum, seed=seed,
+                       device=device, img_size=d.img_size, in_chans=d.in_chans, train=train, crop_min=d.crop_min,
+                       mean=mean, std=std, num_workers=d.num_workers, buffer=d.shuffle_buffer,
+                       samples_per_epoch=d.limit or None)

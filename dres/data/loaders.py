@@ -1,0 +1,388 @@
+"""Step-indexed, resumable loaders.
+
+Every loader hands the trainer one *step batch* at a time: this rank's share of the global batch
+of one optimizer step (the trainer splits it into micro-batches for gradient accumulation). The
+order of samples is a pure function of ``(seed, epoch, position)``, so the data position saved in a
+checkpoint (``epoch``, ``batch``) resumes exactly, and the global batch of a step is the same set
+of samples whatever the world size (each rank takes its slice) — which is what lets one process
+and N processes produce the same losses.
+
+* :class:`InMemoryLoader`: the whole data set as a uint8 tensor on the device (CIFAR, digits):
+  decoded once, augmented on the device (batched RandomResizedCrop + flip through one
+  ``affine_grid``/``grid_sample``), so the loader never limits throughput. The crop parameters of a
+  step are drawn for the *global* batch from a generator seeded by (seed, epoch, batch).
+* :class:`FolderLoader`: ImageFolder trees (ImageNet) decoded in DataLoader workers with a
+  per-sample seeded RandomResizedCrop; same global-batch slicing.
+* :class:`ShardLoader`: WebDataset shards streamed (for data too large for memory): shards split
+  by rank and worker, a seeded shuffle buffer, corrupt samples skipped and counted; resume skips
+  the batches already consumed in the epoch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dres.data.sources import CorruptCounter, DataError, decode_image, expand_shards, iter_shard, list_image_folder
+
+
+def _mix(*xs) -> int:
+    """A stable 63-bit seed from integers (not Python's salted hash)."""
+    h = 0x9E3779B97F4A7C15
+    for x in xs:
+        h = (h ^ (int(x) + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2))) & ((1 << 63) - 1)
+    return h
+
+
+def rrc_params(n, gen, scale=(0.2, 1.0), ratio=(3 / 4, 4 / 3), tries=10):
+    """Batched torchvision RandomResizedCrop parameters as fractions of the image: (w, h, cx, cy).
+    Like torchvision, up to ``tries`` draws per sample; samples with no valid draw use the whole
+    image (torchvision's fallback is a centre crop of clipped ratio, the whole image for square
+    inputs)."""
+    area = torch.empty(n, tries).uniform_(scale[0], scale[1], generator=gen)
+    logr = torch.empty(n, tries).uniform_(math.log(ratio[0]), math.log(ratio[1]), generator=gen)
+    r = torch.exp(logr)
+    w, h = torch.sqrt(area * r), torch.sqrt(area / r)
+    ok = (w <= 1) & (h <= 1)
+    first = torch.where(ok.any(1), ok.float().argmax(1), torch.full((n,), -1))
+    idx = first.clamp(min=0)[:, None]
+    w = torch.where(first >= 0, w.gather(1, idx)[:, 0], torch.ones(n))
+    h = torch.where(first >= 0, h.gather(1, idx)[:, 0], torch.ones(n))
+    u = torch.rand(n, 2, generator=gen)
+    cx = (u[:, 0] * (1 - w) + w / 2) * 2 - 1  # crop centre in [-1, 1] grid coordinates
+    cy = (u[:, 1] * (1 - h) + h / 2) * 2 - 1
+    return w, h, cx, cy
+
+
+def device_augment(x_uint8, size, gen, rrc=True, flip=True, scale=(0.2, 1.0), mean=None, std=None):
+    """uint8 (B,C,H,W) on any device -> float (B,C,size,size): RandomResizedCrop + horizontal flip
+    by one batched bilinear resample, then normalisation. Parameters come from the CPU generator
+    ``gen`` so that they do not depend on the device or on the world size."""
+    b = x_uint8.shape[0]
+    x = x_uint8.float().div_(255)
+    if rrc or flip:
+        if rrc:
+            w, h, cx, cy = rrc_params(b, gen, scale)
+        else:
+            w, h, cx, cy = torch.ones(b), torch.ones(b), torch.zeros(b), torch.zeros(b)
+        sx = w * torch.where(torch.rand(b, generator=gen) < 0.5, -1.0, 1.0) if flip else w
+        theta = torch.zeros(b, 2, 3)
+        theta[:, 0, 0], theta[:, 0, 2], theta[:, 1, 1], theta[:, 1, 2] = sx, cx, h, cy
+        grid = F.affine_grid(theta.to(x.device), (b, x.shape[1], size, size), align_corners=False)
+        x = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+    elif x.shape[-1] != size:
+        x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    if mean is not None:
+        m = torch.tensor(mean, device=x.device)[: x.shape[1]].view(1, -1, 1, 1)
+        s = torch.tensor(std, device=x.device)[: x.shape[1]].view(1, -1, 1, 1)
+        x = (x - m) / s
+    return x
+
+
+def normalize(x_uint8, size, mean=None, std=None):
+    return device_augment(x_uint8, size, None, rrc=False, flip=False, mean=mean, std=std)
+
+
+def check_split(global_batch, world, accum):
+    if global_batch % (world * accum):
+        raise DataError(f"batch_size {global_batch} cannot be split over {world} rank(s) x {accum} "
+                        f"accumulation step(s); it must be a multiple of {world * accum}")
+    return global_batch // world
+
+
+class _Position:
+    """The resumable data position: epoch and batch within the epoch."""
+
+    epoch = 0
+    batch = 0
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    def load_state_dict(self, s):
+        self.epoch, self.batch = int(s["epoch"]), int(s["batch"])
+
+
+class InMemoryLoader(_Position):
+    def __init__(self, images, labels, global_batch, *, rank=0, world=1, accum=1, seed=0, device="cpu",
+                 img_size=None, aug="rrc_flip", crop_min=0.2, mean=None, std=None, drop_last=True):
+        self.local = check_split(global_batch, world, accum)
+        if len(images) < global_batch:
+            raise DataError(f"batch_size {global_batch} is larger than the data set ({len(images)} samples)")
+        self.images = images.to(device)
+        self.labels = labels.to(device)
+        self.global_batch, self.rank, self.world, self.seed = global_batch, rank, world, seed
+        self.size = img_size or images.shape[-1]
+        self.aug, self.crop_min, self.mean, self.std = aug, crop_min, mean, std
+        self.steps_per_epoch = len(images) // global_batch
+        self.corrupt = 0
+
+    def __len__(self):
+        return self.steps_per_epoch
+
+    def _perm(self, epoch):
+        g = torch.Generator().manual_seed(_mix(self.seed, epoch, 1))
+        return torch.randperm(len(self.images), generator=g)
+
+    def next(self):
+        if self.batch >= self.steps_per_epoch:
+            self.epoch, self.batch = self.epoch + 1, 0
+        perm = self._perm(self.epoch)
+        gidx = perm[self.batch * self.global_batch:(self.batch + 1) * self.global_batch]
+        g = torch.Generator().manual_seed(_mix(self.seed, self.epoch, self.batch, 2))
+        # draw augmentation for the whole global batch, then keep this rank's slice
+        x = self.images[gidx.to(self.images.device)]
+        if self.aug != "none":
+            x = device_augment(x, self.size, g, rrc=self.aug == "rrc_flip", flip=True,
+                               scale=(self.crop_min, 1.0), mean=self.mean, std=self.std)
+        else:
+            x = normalize(x, self.size, self.mean, self.std)
+        lo, hi = self.rank * self.local, (self.rank + 1) * self.local
+        self.batch += 1
+        return {"image": x[lo:hi], "label": self.labels[gidx.to(self.labels.device)][lo:hi]}
+
+    def eval_batches(self, batch_size):
+        """Unaugmented pass over all samples (for features), in order."""
+        for i in range(0, len(self.images), batch_size):
+            x = normalize(self.images[i:i + batch_size], self.size, self.mean, self.std)
+            yield {"image": x, "label": self.labels[i:i + batch_size]}
+
+
+def pil_rrc(im, size, rng: random.Random, scale=(0.2, 1.0), ratio=(3 / 4, 4 / 3), flip=True, rrc=True):
+    """torchvision's RandomResizedCrop + flip on a PIL image, drawing from ``rng`` (per sample)."""
+    from PIL import Image
+
+    W, H = im.size
+    box = None
+    if rrc:
+        for _ in range(10):
+            area = W * H * rng.uniform(*scale)
+            r = math.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1])))
+            w, h = int(round(math.sqrt(area * r))), int(round(math.sqrt(area / r)))
+            if 0 < w <= W and 0 < h <= H:
+                i, j = rng.randint(0, H - h), rng.randint(0, W - w)
+                box = (j, i, j + w, i + h)
+                break
+    if box is None:  # centre crop (eval, or no valid draw)
+        s = min(W, H)
+        box = ((W - s) // 2, (H - s) // 2, (W - s) // 2 + s, (H - s) // 2 + s)
+    im = im.resize((size, size), Image.BICUBIC, box=box)
+    if flip and rrc and rng.random() < 0.5:
+        im = im.transpose(Image.FLIP_LEFT_RIGHT)
+    return im
+
+
+def _pil_to_uint8(im, in_chans):
+    a = np.asarray(im.convert("L" if in_chans == 1 else "RGB"), dtype=np.uint8)
+    return torch.from_numpy(a[None] if a.ndim == 2 else a.transpose(2, 0, 1).copy())
+
+
+class _FolderDataset(torch.utils.data.Dataset):
+    def __init__(self, paths, labels, size, in_chans, train, crop_min):
+        self.paths, self.labels, self.size, self.in_chans = paths, labels, size, in_chans
+        self.train, self.crop_min = train, crop_min
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, key):
+        idx, seed = key
+        from PIL import Image
+
+        try:
+            with Image.open(self.paths[idx]) as im:
+                im = pil_rrc(im.convert("RGB"), self.size, random.Random(seed), (self.crop_min, 1.0),
+                             rrc=self.train, flip=self.train)
+                return _pil_to_uint8(im, self.in_chans), self.labels[idx], 0
+        except Exception:
+            return None, -1, 1
+
+
+def _collate_skip(batch):
+    """Drop corrupt samples (None) and report how many were dropped."""
+    good = [b for b in batch if b[0] is not None]
+    bad = sum(b[2] for b in batch)
+    if not good:
+        return None, None, bad
+    return torch.stack([g[0] for g in good]), torch.tensor([g[1] for g in good]), bad
+
+
+class FolderLoader(_Position):
+    def __init__(self, root, global_batch, *, rank=0, world=1, accum=1, seed=0, device="cpu", img_size=224,
+                 in_chans=3, train=True, crop_min=0.2, mean=None, std=None, num_workers=8, limit=0):
+        self.local = check_split(global_batch, world, accum)
+        paths, labels, self.classes = list_image_folder(root)
+        if limit:
+            paths, labels = paths[:limit], labels[:limit]
+        self.ds = _FolderDataset(paths, labels, img_size, in_chans, train, crop_min)
+        self.global_batch, self.rank, self.world, self.seed, self.device = global_batch, rank, world, seed, device
+        self.mean, self.std, self.size, self.num_workers = mean, std, img_size, num_workers
+        self.steps_per_epoch = len(paths) // global_batch
+        self.corrupt = 0
+        self._it = None
+
+    def __len__(self):
+        return self.steps_per_epoch
+
+    def _batches(self, epoch, start):
+        perm = torch.randperm(len(self.ds), generator=torch.Generator().manual_seed(_mix(self.seed, epoch, 1)))
+        for b in range(start, self.steps_per_epoch):
+            g = perm[b * self.global_batch:(b + 1) * self.global_batch]
+            mine = g[self.rank * self.local:(self.rank + 1) * self.local].tolist()
+            yield [(i, _mix(self.seed, epoch, i)) for i in mine]
+
+    def _start(self):
+        self._it = iter(torch.utils.data.DataLoader(
+            self.ds, batch_sampler=list(self._batches(self.epoch, self.batch)), num_workers=self.num_workers,
+            collate_fn=_collate_skip, pin_memory=str(self.device).startswith("cuda"),
+            persistent_workers=False, prefetch_factor=4 if self.num_workers else None))
+
+    def load_state_dict(self, s):
+        super().load_state_dict(s)
+        self._it = None
+
+    def next(self):
+        if self.batch >= self.steps_per_epoch:
+            self.epoch, self.batch, self._it = self.epoch + 1, 0, None
+        if self._it is None:
+            self._start()
+        x, y, bad = next(self._it)
+        self.batch += 1
+        self.corrupt += bad
+        if x is None:
+            return self.next()
+        return {"image": normalize(x.to(self.device, non_blocking=True), self.size, self.mean, self.std),
+                "label": y.to(self.device)}
+
+
+class _ShardStream(torch.utils.data.IterableDataset):
+    """Shards split by rank, then by DataLoader worker; when there are fewer shards than
+    rank x worker slots, every slot reads all shards and keeps every n-th sample instead."""
+
+    def __init__(self, shards, rank, world, seed, epoch, size, in_chans, train, crop_min, buffer):
+        self.shards, self.rank, self.world, self.seed, self.epoch = shards, rank, world, seed, epoch
+        self.size, self.in_chans, self.train, self.crop_min, self.buffer = size, in_chans, train, crop_min, buffer
+
+    def __iter__(self):
+        from PIL import Image
+
+        info = torch.utils.data.get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        slot, nslots = self.rank * nw + wid, self.world * nw
+        shards = list(self.shards)
+        rng = random.Random(_mix(self.seed, self.epoch, slot, 3))
+        if self.train:
+            random.Random(_mix(self.seed, self.epoch, 4)).shuffle(shards)
+        if len(shards) >= nslots:
+            mine, keep = shards[slot::nslots], None
+        else:
+            mine, keep = shards, slot
+        counter = CorruptCounter()
+        buf, n = [], 0
+
+        def samples():
+            nonlocal n
+            for s in mine:
+                for key, img, label in iter_shard(s, counter, self.in_chans):
+                    n += 1
+                    if keep is not None and (n - 1) % nslots != keep:
+                        continue
+                    im = Image.fromarray(img[0] if img.shape[0] == 1 else img.transpose(1, 2, 0))
+                    im = pil_rrc(im, self.size, rng, (self.crop_min, 1.0), rrc=self.train, flip=self.train)
+                    yield _pil_to_uint8(im, self.in_chans), label
+
+        reported = 0
+        for s in samples():
+            if self.train and self.buffer > 1:
+                buf.append(s)
+                if len(buf) < self.buffer:
+                    continue
+                s = buf.pop(rng.randrange(len(buf)))
+            yield s[0], s[1], counter.count - reported
+            reported = counter.count
+        rng.shuffle(buf)
+        for s in buf:
+            yield s[0], s[1], counter.count - reported
+            reported = counter.count
+        if counter.count > reported:
+            yield None, -1, counter.count - reported
+
+
+class ShardLoader(_Position):
+    """Streaming WebDataset shards. An epoch ends when any rank runs out (ranks stay in step)."""
+
+    def __init__(self, pattern, global_batch, *, rank=0, world=1, accum=1, seed=0, device="cpu", img_size=32,
+                 in_chans=3, train=True, crop_min=0.2, mean=None, std=None, num_workers=4, buffer=2000,
+                 samples_per_epoch=None):
+        self.local = check_split(global_batch, world, accum)
+        self.shards = expand_shards(pattern)
+        self.global_batch, self.rank, self.world, self.seed, self.device = global_batch, rank, world, seed, device
+        self.size, self.in_chans, self.train, self.crop_min, self.buffer = img_size, in_chans, train, crop_min, buffer
+        self.mean, self.std, self.num_workers = mean, std, num_workers
+        self.steps_per_epoch = (samples_per_epoch // global_batch) if samples_per_epoch else None
+        self.corrupt = 0
+        self._it = None
+
+    def __len__(self):
+        return self.steps_per_epoch or 0
+
+    def _samples(self):
+        ds = _ShardStream(self.shards, self.rank, self.world, self.seed, self.epoch, self.size, self.in_chans,
+                          self.train, self.crop_min, self.buffer)
+        dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers)
+        for img, label, bad in dl:
+            self.corrupt += int(bad)
+            if img is not None:
+                yield img, label
+
+    def _batches(self):
+        xs, ys = [], []
+        for img, label in self._samples():
+            xs.append(img)
+            ys.append(int(label))
+            if len(xs) == self.local:
+                yield torch.stack(xs), torch.tensor(ys)
+                xs, ys = [], []
+
+    def load_state_dict(self, s):
+        super().load_state_dict(s)
+        self._it = None
+
+    def next(self):
+        if self._it is None:
+            self._it = self._batches()
+            for _ in range(self.batch):  # resume: skip what this epoch already consumed
+                next(self._it)
+        try:
+            x, y = next(self._it)
+        except StopIteration:
+            if self.batch == 0:
+                raise DataError(f"no samples for rank {self.rank} in {len(self.shards)} shard(s)")
+            self.epoch, self.batch, self._it = self.epoch + 1, 0, None
+            return self.next()
+        if self.steps_per_epoch and self.batch + 1 >= self.steps_per_epoch:
+            self.epoch, self.batch, self._it = self.epoch + 1, 0, None  # keep ranks in step
+        else:
+            self.batch += 1
+        return {"image": normalize(x.to(self.device), self.size, self.mean, self.std), "label": y.to(self.device)}
+
+    def eval_batches(self, batch_size):
+        ds = _ShardStream(self.shards, self.rank, self.world, self.seed, 0, self.size, self.in_chans, False, 0, 0)
+        xs, ys = [], []
+        for img, label, bad in ds:
+            self.corrupt += int(bad)
+            if img is None:
+                continue
+            xs.append(img)
+            ys.append(label)
+            if len(xs) == batch_size:
+                yield {"image": normalize(torch.stack(xs).to(self.device), self.size, self.mean, self.std),
+                       "label": torch.tensor(ys, device=self.device)}
+                xs, ys = [], []
+        if xs:
+            yield {"image": normalize(torch.stack(xs).to(self.device), self.size, self.mean, self.std),
+                   "label": torch.tensor(ys, device=self.device)}

@@ -1,0 +1,234 @@
+"""Readers for every supported data source, all producing uint8 ``(N, C, H, W)`` arrays or streams
+of ``(uint8 CHW image, label)`` samples.
+
+* WebDataset shards (``.tar``/``.tar.gz``, brace notation ``x-{000000..000009}.tar.gz``): members
+  ``<key>.jpg|png|jpeg|webp`` + ``<key>.cls``. Read with :mod:`tarfile` directly so that a corrupt
+  member or a truncated shard is skipped and *counted* instead of killing the run.
+* ImageFolder trees (ImageNet layout: ``root/<class>/<image>``).
+* CIFAR-10/100 in torchvision's pickled ``cifar-10-batches-py`` / ``cifar-100-python`` format.
+* scikit-learn's digits (8x8 greyscale, ships with scikit-learn: no download).
+* synthetic random images for throughput runs.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import os
+import pickle
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+IMG_EXT = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm")
+
+
+class DataError(ValueError):
+    """A one-line, user-facing data problem (missing/empty path, no samples)."""
+
+
+@dataclass
+class CorruptCounter:
+    count: int = 0
+    examples: list = field(default_factory=list)
+
+    def add(self, what: str):
+        self.count += 1
+        if len(self.examples) < 5:
+            self.examples.append(what)
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def default_cifar10_dir() -> Path:
+    """The shared CIFAR-10 shards: ``../shared/data/cifar10`` beside the checkout."""
+    return repo_root().parent / "shared" / "data" / "cifar10"
+
+
+def expand_shards(pattern: str) -> list[str]:
+    """Brace notation and globs -> existing shard paths; a missing path is a one-line error."""
+    if not pattern:
+        raise DataError("no data path given (set data.path=...)")
+    from braceexpand import braceexpand  # a webdataset dependency
+
+    out = []
+    for p in pattern.split("::"):
+        for q in braceexpand(os.path.expanduser(p)):
+            out.extend(sorted(glob.glob(q)) if any(c in q for c in "*?[") else [q])
+    missing = [p for p in out if not os.path.exists(p)]
+    if missing:
+        raise DataError(f"data path not found: {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    if not out:
+        raise DataError(f"data path '{pattern}' matches no shard files")
+    return out
+
+
+def decode_image(data: bytes, in_chans: int = 3) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        im = im.convert("L" if in_chans == 1 else "RGB")
+        a = np.asarray(im, dtype=np.uint8)
+    return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+
+
+def iter_shard(path: str, counter: CorruptCounter, in_chans: int = 3):
+    """Yield ``(key, image uint8 CHW, label)`` from one shard; corrupt members/shards are counted."""
+    try:
+        tf = tarfile.open(path, "r:*")
+    except (tarfile.TarError, OSError, EOFError) as e:
+        counter.add(f"{os.path.basename(path)}: unreadable shard ({type(e).__name__})")
+        return
+    cur_key, parts = None, {}
+
+    def emit(key, parts):
+        img_bytes = next((v for k, v in parts.items() if k in IMG_EXT), None)
+        try:
+            if img_bytes is None or "cls" not in parts:
+                raise ValueError("sample lacks an image or a .cls member")
+            img = decode_image(img_bytes, in_chans)
+            label = int(parts["cls"].decode().strip())
+        except Exception as e:  # any decode failure is one corrupt sample, not a fatal error
+            counter.add(f"{os.path.basename(path)}:{key}: {type(e).__name__}")
+            return None
+        return key, img, label
+
+    try:
+        with tf:
+            for m in tf:
+                if not m.isfile():
+                    continue
+                name = os.path.basename(m.name)
+                key, _, ext = name.partition(".")
+                key = os.path.join(os.path.dirname(m.name), key)
+                ext = "." + ext.lower() if ext.lower() != "cls" else "cls"
+                if key != cur_key and cur_key is not None:
+                    s = emit(cur_key, parts)
+                    if s is not None:
+                        yield s
+                    parts = {}
+                cur_key = key
+                parts[ext] = tf.extractfile(m).read()
+            if cur_key is not None:
+                s = emit(cur_key, parts)
+                if s is not None:
+                    yield s
+    except (tarfile.TarError, OSError, EOFError, zlib_error()) as e:
+        # a truncated/corrupt shard: keep what was read, count the rest as one corrupt entry
+        counter.add(f"{os.path.basename(path)}: truncated or corrupt shard ({type(e).__name__})")
+
+
+def zlib_error():
+    import zlib
+
+    return zlib.error
+
+
+def read_shards(pattern: str, in_chans=3, limit=0, counter: CorruptCounter | None = None):
+    """Decode every sample of the shards into memory: ``(uint8 (N,C,H,W), int64 (N,), counter)``."""
+    counter = counter or CorruptCounter()
+    imgs, labels = [], []
+    for shard in expand_shards(pattern):
+        for _, img, label in iter_shard(shard, counter, in_chans):
+            imgs.append(img)
+            labels.append(label)
+            if limit and len(imgs) >= limit:
+                break
+        if limit and len(imgs) >= limit:
+            break
+    if not imgs:
+        raise DataError(f"no readable samples in '{pattern}' ({counter.count} corrupt)")
+    shapes = {i.shape for i in imgs}
+    if len(shapes) > 1:
+        raise DataError(f"images in '{pattern}' have different sizes {sorted(shapes)[:3]}; use a streaming loader")
+    return torch.from_numpy(np.stack(imgs)), torch.tensor(labels, dtype=torch.int64), counter
+
+
+def cifar10_pattern(root: str | os.PathLike, split: str) -> str:
+    n = {"train": 9, "test": 1}[split]
+    return str(Path(root) / f"cifar10-{split}-{{000000..{n:06d}}}.tar.gz")
+
+
+def read_cifar_torchvision(root: str, train: bool):
+    """torchvision's CIFAR-10/100 python format (``cifar-10-batches-py`` or ``cifar-100-python``)."""
+    root = Path(root)
+    for sub, files, key in (("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"], b"labels"),
+                            ("cifar-100-python", ["train"] if train else ["test"], b"fine_labels")):
+        d = root / sub if (root / sub).exists() else (root if (root / files[0]).exists() else None)
+        if d is None:
+            continue
+        xs, ys = [], []
+        for f in files:
+            with open(d / f, "rb") as fh:
+                entry = pickle.load(fh, encoding="bytes")
+            xs.append(np.asarray(entry[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32))
+            ys.extend(entry[key])
+        return torch.from_numpy(np.concatenate(xs)), torch.tensor(ys, dtype=torch.int64)
+    if not root.exists():
+        raise DataError(f"data path not found: {root}")
+    raise DataError(f"no CIFAR data in torchvision format under {root} (expected cifar-10-batches-py/ or cifar-100-python/)")
+
+
+def read_digits(split: str, img_size: int = 16, seed: int = 0):
+    """scikit-learn's 1,797 handwritten digits (8x8, values 0..16), upsampled bilinearly to
+    ``img_size`` and split 80/20 (stratified, fixed seed) into train/test."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    d = load_digits()
+    x = torch.from_numpy(d.images.astype(np.float32) / 16.0)[:, None]
+    if img_size != 8:
+        x = torch.nn.functional.interpolate(x, size=(img_size, img_size), mode="bilinear", align_corners=False)
+    x = (x.clamp(0, 1) * 255).round().to(torch.uint8)
+    y = torch.from_numpy(d.target.astype(np.int64))
+    idx_tr, idx_te = train_test_split(np.arange(len(y)), test_size=0.2, random_state=seed, stratify=d.target)
+    idx = idx_tr if split == "train" else idx_te
+    return x[idx], y[idx]
+
+
+def list_image_folder(root: str):
+    """``root/<class>/<file>`` -> (paths, labels, class names); sorted for determinism."""
+    r = Path(root)
+    if not r.exists():
+        raise DataError(f"data path not found: {root}")
+    classes = sorted(p.name for p in r.iterdir() if p.is_dir())
+    paths, labels = [], []
+    for ci, c in enumerate(classes):
+        for f in sorted((r / c).rglob("*")):
+            if f.suffix.lower() in IMG_EXT:
+                paths.append(str(f))
+                labels.append(ci)
+    if not paths:
+        raise DataError(f"data path '{root}' is empty (no images in <class>/ sub-folders)")
+    return paths, labels, classes
+
+
+def read_image_folder(root: str, in_chans=3, img_size=None, limit=0, counter=None):
+    """Decode a (small) ImageFolder tree into memory, resizing to ``img_size`` when given."""
+    from PIL import Image
+
+    counter = counter or CorruptCounter()
+    paths, labels, _ = list_image_folder(root)
+    xs, ys = [], []
+    for p, y in zip(paths, labels):
+        try:
+            with Image.open(p) as im:
+                im = im.convert("L" if in_chans == 1 else "RGB")
+                if img_size:
+                    im = im.resize((img_size, img_size), Image.BICUBIC)
+                a = np.asarray(im, dtype=np.uint8)
+        except Exception as e:
+            counter.add(f"{p}: {type(e).__name__}")
+            continue
+        xs.append(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))
+        ys.append(y)
+        if limit and len(xs) >= limit:
+            break
+    if not xs:
+        raise DataError(f"no readable images under '{root}' ({counter.count} corrupt)")
+    return torch.from_numpy(np.stack(xs)), torch.tensor(ys, dtype=torch.int64), counter

@@ -1,0 +1,17 @@
+"""dres.eval: what the papers measure.
+
+* :mod:`dres.eval.probe` — linear probe (cached features, AdamW lr 1e-2 cosine), kNN (k=20,
+  cosine), effective rank of the class-token covariance (eq. 6).
+* :mod:`dres.eval.viz` — sample / MAE reconstruction grids (PNG) and t-SNE plots.
+* :mod:`dres.eval.diffusion` — VP-SDE, noise-prediction loss, Euler-Maruyama and DPM-Solver samplers.
+* :mod:`dres.eval.fid` — FID with the standard Inception weights when a path is given.
+"""
+
+from dres.eval.diffusion import VPSDE, dpm_solver, euler_maruyama, noise_prediction_loss
+from dres.eval.fid import FIDUnavailable, fid, frechet_distance, load_inception
+from dres.eval.probe import effective_rank, extract_features, knn_accuracy, linear_probe
+from dres.eval.viz import mae_reconstruction_grid, make_grid, save_grid, to_uint8, tsne_plot
+
+__all__ = ["VPSDE", "dpm_solver", "euler_maruyama", "noise_prediction_loss", "FIDUnavailable", "fid",
+           "frechet_distance", "load_inception", "effective_rank", "extract_features", "knn_accuracy",
+           "linear_probe", "mae_reconstruction_grid", "make_grid", "save_grid", "to_uint8", "tsne_plot"]

@@ -1,0 +1,64 @@
+"""FID with the standard Inception weights — only when a path to them is given.
+
+The expected file is the TorchScript Inception-v3 used by the StyleGAN2-ADA / EDM / ADM metric code
+(``inception-2015-12-05.pt``, the TF FID graph converted): called as ``net(uint8 NCHW, return_features=True)``
+it returns 2048-d pool features. dres never downloads it; without the path, FID is skipped with a
+message that says so.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+
+class FIDUnavailable(RuntimeError):
+    pass
+
+
+def load_inception(path: str, device="cpu"):
+    if not path:
+        raise FIDUnavailable("FID skipped: no Inception weights given (set eval.fid_inception=/path/to/"
+                             "inception-2015-12-05.pt, the TorchScript FID Inception of StyleGAN2-ADA/EDM)")
+    if not os.path.exists(path):
+        raise FIDUnavailable(f"FID skipped: Inception weights not found at {path}")
+    try:
+        return torch.jit.load(path, map_location=device).eval()
+    except Exception as e:
+        raise FIDUnavailable(f"FID skipped: {path} is not a TorchScript Inception ({type(e).__name__})") from e
+
+
+@torch.no_grad()
+def inception_features(net, images_uint8: torch.Tensor, batch=200, device="cpu") -> np.ndarray:
+    out = []
+    for i in range(0, len(images_uint8), batch):
+        x = images_uint8[i:i + batch].to(device)
+        if x.shape[1] == 1:
+            x = x.expand(-1, 3, -1, -1)
+        out.append(net(x, return_features=True).double().cpu())
+    return torch.cat(out).numpy()
+
+
+def stats(feats: np.ndarray):
+    return feats.mean(0), np.cov(feats, rowvar=False)
+
+
+def frechet_distance(mu1, s1, mu2, s2) -> float:
+    from scipy import linalg
+
+    diff = mu1 - mu2
+    covmean, _ = linalg.sqrtm(s1.dot(s2), disp=False)
+    if not np.isfinite(covmean).all():
+        off = np.eye(s1.shape[0]) * 1e-6
+        covmean = linalg.sqrtm((s1 + off).dot(s2 + off))
+    covmean = covmean.real
+    return float(diff.dot(diff) + np.trace(s1) + np.trace(s2) - 2 * np.trace(covmean))
+
+
+def fid(inception_path: str, fake_uint8: torch.Tensor, real_uint8: torch.Tensor, device="cpu") -> float:
+    net = load_inception(inception_path, device)
+    f1 = inception_features(net, fake_uint8, device=device)
+    f2 = inception_features(net, real_uint8, device=device)
+    return frechet_distance(*stats(f1), *stats(f2))

@@ -1,0 +1,93 @@
+"""Image grids (samples, MAE reconstructions) and a t-SNE plot, written as PNG files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def to_uint8(x: torch.Tensor, mean=None, std=None) -> torch.Tensor:
+    """Undo normalisation (if given) and map [0, 1] floats to uint8 (B, C, H, W)."""
+    x = x.detach().float().cpu()
+    if mean is not None:
+        c = x.shape[1]
+        x = x * torch.tensor(std[:c]).view(1, -1, 1, 1) + torch.tensor(mean[:c]).view(1, -1, 1, 1)
+    return (x.clamp(0, 1) * 255).round().to(torch.uint8)
+
+
+def make_grid(images: torch.Tensor, nrow: int = 8, pad: int = 1, scale: int = 1) -> np.ndarray:
+    """uint8 (B, C, H, W) -> (H', W', 3) uint8 mosaic with ``pad`` white pixels between tiles."""
+    b, c, h, w = images.shape
+    if c == 1:
+        images = images.expand(b, 3, h, w)
+    ncol = min(nrow, b)
+    nr = (b + ncol - 1) // ncol
+    out = np.full((nr * (h + pad) + pad, ncol * (w + pad) + pad, 3), 255, np.uint8)
+    for i in range(b):
+        r, q = divmod(i, ncol)
+        out[pad + r * (h + pad):pad + r * (h + pad) + h, pad + q * (w + pad):pad + q * (w + pad) + w] = \
+            images[i, :3].permute(1, 2, 0).numpy()
+    if scale > 1:
+        out = out.repeat(scale, 0).repeat(scale, 1)
+    return out
+
+
+def save_png(array: np.ndarray, path) -> str:
+    from PIL import Image
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(array).save(path)
+    return str(path)
+
+
+def save_grid(images_uint8: torch.Tensor, path, nrow=8, scale=None) -> str:
+    h = images_uint8.shape[-1]
+    scale = scale or max(1, 64 // h)  # small images (8..32 px) are enlarged to be legible
+    return save_png(make_grid(images_uint8, nrow=nrow, scale=scale), path)
+
+
+@torch.no_grad()
+def mae_reconstruction_grid(model, imgs: torch.Tensor, path, mean=None, std=None, mask_ratio=None, n=8) -> str:
+    """Rows of (original, masked input, reconstruction, reconstruction with visible patches pasted)
+    for ``n`` images, as in the MAE paper's figures. The prediction is un-normalised with each
+    patch's own mean/var when the model was trained with norm-pix loss."""
+    imgs = imgs[:n]
+    loss, pred, mask = model(imgs, mask_ratio=mask_ratio) if mask_ratio is not None else model(imgs)
+    target = model.patchify(imgs)
+    if getattr(model, "norm_pix_loss", False):
+        mu, var = target.mean(-1, keepdim=True), target.var(-1, keepdim=True)
+        pred = pred * (var + 1e-6) ** 0.5 + mu
+    m = mask.unsqueeze(-1).to(pred.dtype)
+    masked = model.unpatchify(target * (1 - m))
+    recon = model.unpatchify(pred.to(target.dtype))
+    paste = model.unpatchify(target * (1 - m) + pred.to(target.dtype) * m)
+    rows = []
+    for t in (imgs, masked, recon, paste):
+        rows.append(to_uint8(t, mean, std))
+    hidden = model.unpatchify(m.expand_as(target).float()).cpu() > 0.5  # masked patches shown grey
+    rows[1] = torch.where(hidden, torch.full_like(rows[1], 128), rows[1])
+    grid = torch.cat([torch.stack([r[i] for r in rows]) for i in range(len(imgs))])
+    return save_grid(grid, path, nrow=4)
+
+
+def tsne_plot(features: torch.Tensor, labels: torch.Tensor, path, max_points=2000, seed=0, title="t-SNE") -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from sklearn.manifold import TSNE
+
+    f, y = features[:max_points].float().numpy(), labels[:max_points].numpy()
+    emb = TSNE(n_components=2, init="pca", random_state=seed, perplexity=min(30, max(5, len(f) // 4))).fit_transform(f)
+    fig, ax = plt.subplots(figsize=(6, 6))
+    sc = ax.scatter(emb[:, 0], emb[:, 1], c=y, cmap="tab10", s=4)
+    ax.legend(*sc.legend_elements(), loc="best", fontsize=6, markerscale=0.7)
+    ax.set_title(title)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return str(path)

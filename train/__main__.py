@@ -1,0 +1,5 @@
+import sys
+
+from dres.train.cli import main
+
+sys.exit(main())

@@ -1,0 +1,107 @@
+"""Command line: ``dres-train {mae,uvit,classify} --preset NAME [--set key=value ...]`` and
+``dres-eval RUN_DIR`` (or ``python -m dres.train.<task>``; under ``torchrun`` for several GPUs).
+
+User errors (unknown preset or key, missing data, impossible batch split, non-finite loss) end
+with one line on stderr and exit status 2, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+TASK_MODULES = {"mae": "dres.train.mae", "uvit": "dres.train.uvit", "classify": "dres.train.classify"}
+
+
+def get_task(name):
+    import importlib
+
+    return importlib.import_module(TASK_MODULES[name]).TASK
+
+
+def _parser(prog="dres-train"):
+    from dres.train.config import list_presets
+
+    p = argparse.ArgumentParser(prog=prog, description="Train MAE / U-ViT / ViT classifiers with decayed "
+                                "shortcuts and ResidualDroppath.", epilog="presets: " + ", ".join(list_presets()))
+    p.add_argument("task", choices=sorted(TASK_MODULES))
+    p.add_argument("--preset", default=None, help="a preset name (train/presets/*.yaml) or a .yaml path")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set optim.blr=1e-3 --set data.path=/data/in1k/train")
+    p.add_argument("--out", default=None, help="run directory (default runs/<task>_<preset>)")
+    p.add_argument("--resume", default=None, help="'auto' (newest good checkpoint in the run directory) or a path")
+    p.add_argument("--eval-only", action="store_true", help="evaluate the newest checkpoint (or --ckpt) and exit")
+    p.add_argument("--ckpt", default=None, help="checkpoint file/directory for --eval-only")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return p
+
+
+def _user_errors():
+    from dres.data import DataError
+    from dres.train.config import ConfigError
+    from dres.train.loop import NonFiniteLoss
+
+    return (ConfigError, DataError, NonFiniteLoss, FileNotFoundError)
+
+
+def _run(args, overrides=()):
+    import yaml
+
+    from dres.train.config import build_config, to_dict
+    from dres.train.loop import run
+
+    cfg = build_config(args.task, args.preset, list(args.overrides) + list(overrides))
+    if args.out:
+        cfg.out = args.out
+    if args.print_config:
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        return {}
+    return run(cfg, get_task(cfg.task), resume=args.resume, eval_only=args.eval_only, ckpt=args.ckpt)
+
+
+def main(argv=None):
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        _run(args)
+    except _user_errors() as e:
+        print(f"dres-train: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        from dres.train import distributed as D
+
+        D.cleanup()
+    return 0
+
+
+def eval_main(argv=None):
+    """``dres-eval RUN_DIR [--ckpt PATH] [--set eval.tsne=true ...]``: evaluate a finished run with
+    its saved config."""
+    p = argparse.ArgumentParser(prog="dres-eval", description="Evaluate a run directory's newest checkpoint.")
+    p.add_argument("run_dir")
+    p.add_argument("--ckpt", default=None)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        from dres.train.config import build_config, load_config, to_dict
+        from dres.train.loop import run
+
+        cfgf = Path(a.run_dir) / "config.yaml"
+        if not cfgf.exists():
+            raise FileNotFoundError(f"no config.yaml in {a.run_dir} (is it a dres run directory?)")
+        base = to_dict(load_config(cfgf))
+        cfg = build_config(None, None, a.overrides, base=base)
+        cfg.out = a.run_dir
+        run(cfg, get_task(cfg.task), eval_only=True, ckpt=a.ckpt)
+    except _user_errors() as e:
+        print(f"dres-eval: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        from dres.train import distributed as D
+
+        D.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

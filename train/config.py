@@ -1,0 +1,315 @@
+"""Run configuration: nested dataclasses, YAML presets and ``--set key=value`` overrides.
+
+A preset is a YAML file in ``train/presets/`` whose nested keys mirror :class:`Config`; the CLI
+loads it, applies overrides (``--set optim.blr=1e-3 --set model.depth=6``) and saves the resolved
+result as ``config.yaml`` in the run directory, so every run records exactly what it did.
+Unknown keys are rejected with an error that names the key and the valid choices (a typo must
+never silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+TASKS = ("mae", "uvit", "classify")
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing configuration problem (unknown key/preset, bad value)."""
+
+
+@dataclass
+class DataConfig:
+    # digits | cifar10_wds | wds | imagefolder | cifar_tv | synthetic
+    name: str = "digits"
+    path: str = ""           # train data: shard pattern (brace notation), folder, or torchvision root
+    val_path: str = ""       # held-out split (probe test set / classification eval)
+    img_size: int = 32
+    in_chans: int = 3
+    num_classes: int = 10
+    # decode once into (GPU) memory and augment there; for small data sets (CIFAR, digits)
+    gpu_resident: bool = True
+    aug: str = "rrc_flip"    # rrc_flip | flip | none  (RandomResizedCrop + horizontal flip for MAE)
+    crop_min: float = 0.2
+    normalize: bool = True   # per-channel mean/std normalisation (stats from `mean`/`std`)
+    mean: list = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    std: list = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    num_workers: int = 4     # streaming loaders only
+    shuffle_buffer: int = 2000
+    limit: int = 0           # use only the first N training samples (0: all)
+    val_limit: int = 0
+    synthetic_size: int = 4096
+
+
+@dataclass
+class ModelConfig:
+    # Keyword arguments of the model class (dres.models.MAE / UViT / ViTClassifier); keys a model
+    # does not accept are dropped by the task with a note, so one dataclass serves every task.
+    variant: str = "official"
+    img_size: int = 32
+    patch_size: int = 4
+    in_chans: int = 3
+    embed_dim: int = 192
+    depth: int = 12
+    num_heads: int = 3
+    decoder_embed_dim: int = 128
+    decoder_depth: int = 6
+    decoder_num_heads: int = 4
+    mlp_ratio: float = 4.0
+    norm_pix_loss: bool = True
+    mask_ratio: float = 0.75
+    alpha_min: float = 1.0
+    schedule: str = "linspace"
+    drop_path: float = 0.0
+    droppath_mode: str = "drop_path"  # drop_path (timm) | residual_droppath (Park); active when drop_path > 0
+    per_block: bool = False       # one alpha per block instead of per sub-layer
+    num_classes: int = 0
+    global_pool: str = "cls"      # classifier head input: cls | avg
+    attn_impl: str = "sdpa"
+    backend: typing.Optional[str] = None  # dres.ops backend: None (Triton on CUDA, reference on CPU) | torch | triton
+
+
+@dataclass
+class OptimConfig:
+    blr: float = 1.5e-4       # lr = blr * global_batch / 256 (MAE convention) unless lr > 0
+    lr: float = 0.0
+    min_lr: float = 0.0
+    weight_decay: float = 0.05
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    schedule: str = "cosine"  # cosine (MAE, classify) | constant (U-ViT); both after linear warmup
+    warmup_steps: int = -1    # -1: derived from warmup_epochs
+    warmup_epochs: float = 40.0
+    clip_grad: float = 0.0    # 0: off
+    ema_decay: float = 0.0    # 0: no EMA (U-ViT uses 0.9999)
+    fused: bool = True        # fused AdamW on CUDA
+
+
+@dataclass
+class LogConfig:
+    every: int = 20
+    progress: bool = True
+    tensorboard: bool = True
+
+
+@dataclass
+class CkptConfig:
+    every: int = 1000         # steps; 0: only at the end
+    keep: int = 2
+    format: str = "auto"      # auto (DCP under FSDP, single file otherwise) | file | dcp
+
+
+@dataclass
+class EvalConfig:
+    probe: bool = True
+    probe_epochs: int = 200
+    probe_lr: float = 1e-2
+    probe_batch: int = 1024
+    probe_wd: float = 0.0
+    knn: bool = True
+    knn_k: int = 20
+    feature: str = "cls"      # cls | mean (MAE encoder features)
+    layer: int = -1           # encoder block whose output is probed
+    effective_rank: bool = True
+    tsne: bool = False
+    recon: bool = True        # MAE reconstruction grid
+    max_train: int = 0        # cap on probe train features (0: all)
+    max_test: int = 0
+    # U-ViT
+    sampler: str = "dpm"      # dpm (DPM-Solver-2, `steps` NFE) | em (Euler-Maruyama)
+    steps: int = 50
+    n_samples: int = 64
+    probe_block: int = -1     # U-ViT feature probe: block index (-1: mid block)
+    probe_t: float = 0.1      # and noise level (continuous time in [0, 1])
+    fid_inception: str = ""   # path to TorchScript Inception (inception-2015-12-05.pt)
+    fid_samples: int = 10000
+    every: int = 0            # evaluate every N steps during training (0: only at the end)
+
+
+@dataclass
+class Config:
+    task: str = "mae"
+    preset: str = ""
+    seed: int = 0
+    out: str = ""             # run directory (default runs/<task>_<preset>)
+    batch_size: int = 256     # global batch (all ranks, all micro-batches)
+    accum_steps: int = 1
+    epochs: float = 0.0       # training length in epochs of the train set ...
+    steps: int = 0            # ... or in optimizer steps (steps wins when > 0)
+    precision: str = "auto"   # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
+    compile: bool = False     # torch.compile each transformer block
+    act_ckpt: str = "none"    # none | full | selective
+    dist: str = "none"        # none | ddp | fsdp
+    fsdp_param_dtype: str = "bf16"  # bf16 | fp32 (mixed-precision policy of FSDP2)
+    device: str = "auto"
+    threads: int = 0          # CPU intra-op threads (0: torch default)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+CHOICES = {
+    "task": TASKS, "precision": ("auto", "bf16", "fp16", "fp32"), "act_ckpt": ("none", "full", "selective"),
+    "dist": ("none", "ddp", "fsdp"), "fsdp_param_dtype": ("bf16", "fp32"),
+    "data.name": ("digits", "cifar10_wds", "wds", "imagefolder", "cifar_tv", "synthetic"),
+    "data.aug": ("rrc_flip", "flip", "none"), "model.droppath_mode": ("drop_path", "residual_droppath"),
+    "model.variant": ("baseline", "official", "paper"), "model.schedule": ("linspace", "paper"), "optim.schedule": ("cosine", "constant"),
+    "ckpt.format": ("auto", "file", "dcp"), "eval.sampler": ("dpm", "em"), "eval.feature": ("cls", "mean"),
+}
+
+
+def _suggest(key, valid):
+    close = difflib.get_close_matches(key, valid, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _coerce(value, typ, key):
+    """Convert a YAML-parsed value to the dataclass field's type; int->float is allowed, anything
+    else mismatched is an error naming the key."""
+    origin = typing.get_origin(typ)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        typ = [a for a in typing.get_args(typ) if a is not type(None)][0]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key '{key}' expects true/false, got {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"config key '{key}' expects a number, got {value!r}")
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"config key '{key}' expects an integer, got {value!r}")
+    if typ is str:
+        return "" if value is None else str(value)
+    if typ is list:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        raise ConfigError(f"config key '{key}' expects a list like [0.9, 0.95], got {value!r}")
+    return value
+
+
+def _field_types(obj):
+    return {f.name: t for f, t in zip(dataclasses.fields(obj), typing.get_type_hints(type(obj)).values())}
+
+
+def set_key(cfg: Config, dotted: str, value, *, prefix=""):
+    """Set ``cfg.a.b = value`` for ``dotted='a.b'``, with type coercion and unknown-key errors."""
+    parts = dotted.split(".")
+    obj = cfg
+    for i, p in enumerate(parts):
+        types = typing.get_type_hints(type(obj))
+        path = ".".join(parts[: i + 1])
+        if p not in types:
+            valid = [f.name for f in dataclasses.fields(obj)]
+            where = ".".join(parts[:i]) or "top level"
+            raise ConfigError(f"unknown config key '{prefix}{path}'{_suggest(p, valid)}; valid keys at "
+                              f"{where}: {', '.join(valid)}")
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(getattr(obj, p)):
+                if not isinstance(value, dict):
+                    raise ConfigError(f"config key '{prefix}{path}' is a section; set its fields, e.g. {path}.<key>=...")
+                for k, v in value.items():
+                    set_key(cfg, f"{path}.{k}", v, prefix=prefix)
+                return
+            v = _coerce(value, types[p], prefix + path)
+            choices = CHOICES.get(path)
+            if choices is not None and v not in choices:
+                raise ConfigError(f"config key '{path}' must be one of {', '.join(choices)}; got {v!r}")
+            setattr(obj, p, v)
+        else:
+            obj = getattr(obj, p)
+            if not dataclasses.is_dataclass(obj):
+                raise ConfigError(f"config key '{path}' is not a section (cannot set '{dotted}')")
+
+
+def update_from_dict(cfg: Config, d: dict, prefix=""):
+    for k, v in d.items():
+        set_key(cfg, k, v, prefix=prefix)
+    return cfg
+
+
+def list_presets():
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def load_preset(name: str) -> dict:
+    path = Path(name)
+    if not (path.suffix in (".yaml", ".yml") and path.exists()):
+        path = PRESET_DIR / f"{name}.yaml"
+    if not path.exists():
+        raise ConfigError(f"unknown preset '{name}'{_suggest(name, list_presets())}; available: "
+                          f"{', '.join(list_presets())} (or a path to a .yaml file)")
+    with open(path) as f:
+        d = yaml.safe_load(f) or {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"preset {path} must be a YAML mapping")
+    return d
+
+
+def parse_override(s: str):
+    if "=" not in s:
+        raise ConfigError(f"override '{s}' must look like key=value (e.g. optim.blr=1e-3)")
+    k, v = s.split("=", 1)
+    # YAML gives numbers, booleans, lists and null their natural types; "1e-3" needs help because
+    # YAML 1.1 only reads floats with a dot.
+    try:
+        val = yaml.safe_load(v) if v != "" else ""
+    except yaml.YAMLError:
+        val = v
+    if isinstance(val, str):
+        try:
+            val = float(val) if any(c in val.lower() for c in ".e") and not val.isalpha() else val
+        except ValueError:
+            pass
+    return k.strip(), val
+
+
+def build_config(task: str | None = None, preset: str | None = None, overrides=(), base: dict | None = None) -> Config:
+    """Defaults <- preset YAML <- ``base`` dict <- ``key=value`` overrides; validates the task."""
+    cfg = Config()
+    if preset:
+        d = load_preset(preset)
+        update_from_dict(cfg, d, prefix="")
+        cfg.preset = Path(preset).stem
+    if base:
+        update_from_dict(cfg, base)
+    for o in overrides:
+        k, v = parse_override(o) if isinstance(o, str) else o
+        set_key(cfg, k, v)
+    if task is not None:
+        if task not in TASKS:
+            raise ConfigError(f"unknown task '{task}'; one of {', '.join(TASKS)}")
+        if preset and cfg.task != task:
+            raise ConfigError(f"preset '{preset}' is for task '{cfg.task}', not '{task}'")
+        cfg.task = task
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path):
+    with open(path, "w") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+def load_config(path) -> Config:
+    with open(path) as f:
+        return update_from_dict(Config(), yaml.safe_load(f))

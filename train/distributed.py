@@ -1,0 +1,205 @@
+"""Parallelism, kept apart from the model and the loop (torchtitan style): process-group setup from
+the ``torchrun`` environment, and functions that transform a built model in place —
+activation checkpointing, per-unit ``torch.compile``, then DDP or FSDP2 — applied in that order.
+
+*Units.* dres's transformer stacks run the blocks themselves (a residual add and the next norm are
+one fused op straddling two blocks), so a ``Block`` holds parameters but its ``forward`` is never
+called; the modules that *are* called per block are its attention and MLP branches. A unit is
+therefore a block whose class defines ``forward``, or else each of its ``attn``/``mlp`` branches.
+Models may override this by defining ``parallel_units()``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(name="auto", local_rank=0) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    d = torch.device(name)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", local_rank)
+    return d
+
+
+def init(device="auto", mode="none") -> DistInfo:
+    """Join the process group when launched by torchrun (``WORLD_SIZE`` > 1) or already joined."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        return DistInfo(rank, world, local, pick_device(device, local))
+    if world == 1:
+        if mode != "none":
+            pass  # a one-process DDP/FSDP run is allowed (FSDP2 on a 1-rank mesh) below
+        else:
+            return DistInfo(0, 1, 0, pick_device(device, 0))
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    dev = pick_device(device, local)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if "MASTER_ADDR" not in os.environ:  # a single process asked for ddp/fsdp without torchrun
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30),
+                            **({"device_id": dev} if dev.type == "cuda" else {}))
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local, dev)
+
+
+def is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def barrier():
+    if is_dist():
+        dist.barrier()
+
+
+def all_mean(t: torch.Tensor) -> torch.Tensor:
+    if is_dist() and dist.get_world_size() > 1:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t /= dist.get_world_size()
+    return t
+
+
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    if is_dist() and dist.get_world_size() > 1:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def cleanup():
+    if is_dist():
+        dist.destroy_process_group()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def parallel_units(model: nn.Module) -> list[nn.Module]:
+    """The repeated, independently called modules (see the module docstring)."""
+    if hasattr(model, "parallel_units"):
+        return list(model.parallel_units())
+    units = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and name.split(".")[-1].endswith("blocks"):
+            for blk in mod:
+                if type(blk).forward is not nn.Module.forward:
+                    units.append(blk)
+                else:
+                    units.extend(getattr(blk, n) for n in ("attn", "mlp") if hasattr(blk, n))
+        elif name.split(".")[-1] in ("mid_block",) and type(mod).forward is not nn.Module.forward:
+            units.append(mod)
+    return units
+
+
+def _selective_policy():
+    """Save matmul and attention outputs (expensive to recompute), recompute the rest (cheap,
+    memory-bound element-wise ops) — the selective policy torchtitan uses."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    save = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default}
+    for n in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(aten, n):
+            save.add(getattr(aten, n).default)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
+    """Wrap each unit's forward in ``torch.utils.checkpoint`` (non-reentrant, RNG preserved). The
+    forward is replaced on the instance, so parameter names and state-dict keys do not change."""
+    if mode == "none":
+        return 0
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    units = parallel_units(model)
+    for u in units:
+        fwd = u.forward
+        if mode == "full":
+            u.forward = functools.partial(lambda f, *a, **k: checkpoint(f, *a, use_reentrant=False, **k), fwd)
+        elif mode == "selective":
+            ctx = functools.partial(create_selective_checkpoint_contexts, _selective_policy())
+            u.forward = functools.partial(
+                lambda f, *a, **k: checkpoint(f, *a, use_reentrant=False, context_fn=ctx, **k), fwd)
+        else:
+            raise ValueError(f"act_ckpt must be none, full or selective; got {mode!r}")
+    return len(units)
+
+
+def apply_compile(model: nn.Module) -> int:
+    """``torch.compile`` each unit (repeated structure compiles once and is reused; the fused
+    custom ops between units stay as they are)."""
+    units = parallel_units(model)
+    for u in units:
+        u.compile()
+    return len(units)
+
+
+def apply_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
+    return nn.parallel.DistributedDataParallel(
+        model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+
+
+def apply_fsdp(model: nn.Module, info: DistInfo, param_dtype="bf16") -> nn.Module:
+    """FSDP2: ``fully_shard`` each unit, then the root (which holds embeddings, norms, heads).
+    Mixed precision: parameters gathered in bf16 for compute, gradients reduced in fp32; the
+    sharded master parameters and optimizer states stay fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(info.device.type, (info.world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if param_dtype == "bf16" else torch.float32,
+                              reduce_dtype=torch.float32)
+    for u in parallel_units(model):
+        fully_shard(u, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def set_grad_sync(model: nn.Module, enabled: bool):
+    """Skip the gradient all-reduce/reduce-scatter on the micro-batches before the last one."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+        return _Null()
+    if isinstance(model, nn.parallel.DistributedDataParallel) and not enabled:
+        return model.no_sync()
+    return _Null()
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
