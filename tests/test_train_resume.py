@@ -1,0 +1,95 @@
+"""Exact resume and atomic checkpoints (single process, fixed seeds, CPU)."""
+
+import pytest
+import torch
+
+from dres.train import checkpoint as C
+from dres.train.config import build_config
+from dres.train.loop import NonFiniteLoss, Trainer
+from dres.train.mae import TASK
+
+# a tiny MAE (official variant, decayed) with ResidualDroppath, on 8x8 digits with augmentation
+OVR = ["data.name=digits", "data.img_size=8", "data.in_chans=1", "data.mean=[0.3]", "data.std=[0.4]",
+       "data.crop_min=0.5", "model.variant=official", "model.img_size=8", "model.patch_size=4", "model.in_chans=1",
+       "model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.decoder_embed_dim=32",
+       "model.decoder_depth=1", "model.decoder_num_heads=2", "model.alpha_min=0.6", "model.drop_path=0.3",
+       "model.droppath_mode=residual_droppath", "batch_size=32", "accum_steps=2", "optim.blr=1e-2",
+       "optim.warmup_steps=2", "optim.clip_grad=1.0", "log.every=1", "log.progress=false",
+       "log.tensorboard=false", "eval.probe=false"]
+
+
+def _trainer(out, steps, extra=()):
+    cfg = build_config("mae", None, OVR + [f"steps={steps}", f"out={out}"] + list(extra))
+    return Trainer(cfg, TASK, log=lambda m: None).setup()
+
+
+def test_exact_resume_matches_uninterrupted_run(tmp_path):
+    full = _trainer(tmp_path / "full", 8, ["ckpt.every=0"])
+    full.fit()
+    # first half: a run that would go to 8 steps, stopped after 4 (the checkpoint at step 4)
+    half = _trainer(tmp_path / "half", 8, ["ckpt.every=4"])
+    half.total_steps = 4
+    half.fit()
+    assert half.droppath.iteration == 4
+    resumed = _trainer(tmp_path / "half", 8, ["ckpt.every=4"])
+    assert resumed.resume("auto") and resumed.step == 4
+    assert resumed.droppath.iteration == 4  # the alternation continues (even iteration next)
+    resumed.fit()
+    losses_full = [h["loss"] for h in full.history]
+    losses_resumed = [h["loss"] for h in half.history] + [h["loss"] for h in resumed.history]
+    assert losses_full == losses_resumed
+    for (n, a), (_, b) in zip(full.raw_model.state_dict().items(), resumed.raw_model.state_dict().items()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), n
+    assert full.droppath.iteration == resumed.droppath.iteration == 8
+    assert torch.equal(full.droppath.masks, resumed.droppath.masks)
+    # optimizer moments and the lr schedule position continue exactly too
+    assert full.scheduler.get_last_lr() == resumed.scheduler.get_last_lr()
+
+
+def test_killed_save_leaves_previous_checkpoint_usable(tmp_path):
+    tr = _trainer(tmp_path, 6, ["ckpt.every=0", "ckpt.keep=5"])
+    tr.total_steps = 2
+    tr.fit()  # saves step 2 at its end
+    good = tr.last_good
+    ref = {k: v.clone() for k, v in tr.raw_model.state_dict().items() if isinstance(v, torch.Tensor)}
+    for _ in range(2):  # train on, then die while saving step 4
+        tr.train_step(tr.loader.next())
+        tr.step += 1
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        tr.save(_fail_after_tmp=True)  # dies after writing part of the file, before the rename
+    assert [p.name for p in C.list_checkpoints(tr.ckpt_dir)] == [good.name]
+    assert list(tr.ckpt_dir.glob(".step_*tmp"))  # the partial write exists but is ignored
+    again = _trainer(tmp_path, 6)
+    assert again.resume("auto") and again.step == 2
+    for k, v in again.raw_model.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, ref[k]), k
+
+
+def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path):
+    tr = _trainer(tmp_path, 4, ["ckpt.every=2", "ckpt.keep=3"])
+    tr.fit()
+    names = [p.name for p in C.list_checkpoints(tr.ckpt_dir)]
+    assert names == ["step_00000002.pt", "step_00000004.pt"]
+    (tr.ckpt_dir / names[-1]).write_bytes(b"garbage")
+    again = _trainer(tmp_path, 4)
+    with pytest.warns(UserWarning, match="unreadable"):
+        assert again.resume("auto")
+    assert again.step == 2
+
+
+def test_non_finite_loss_stops_with_clear_message_and_keeps_last_checkpoint(tmp_path):
+    tr = _trainer(tmp_path, 8, ["ckpt.every=2", "log.every=1"])
+    tr.total_steps = 2
+    tr.fit()
+    assert tr.last_good is not None and tr.last_good.name == "step_00000002.pt"
+    real_loss = TASK.loss
+    try:
+        TASK.loss = lambda model, batch, cfg: (real_loss(model, batch, cfg)[0] * float("nan"), {})
+        tr.total_steps = 8
+        with pytest.raises(NonFiniteLoss, match="non-finite loss.*step_00000002"):
+            tr.fit()
+    finally:
+        TASK.loss = real_loss
+    assert [p.name for p in C.list_checkpoints(tr.ckpt_dir)] == ["step_00000002.pt"]
