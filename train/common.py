@@ -26,7 +26,7 @@ def eval_loader(tr, split, batch):
     a message) when the data set has no such split configured."""
     cfg = tr.cfg
     try:
-        ld = build_loader(cfg.data, split, batch, device=tr.device, train=False)
+        ld = build_loader(cfg.data, split, 1, device=tr.device, train=False)  # batching: eval_batches()
     except DataError as e:
         tr.log(f"[dres] no {split} split for evaluation ({e}); skipping")
         return None
