@@ -49,10 +49,12 @@ def frechet_distance(mu1, s1, mu2, s2) -> float:
     from scipy import linalg
 
     diff = mu1 - mu2
-    covmean, _ = linalg.sqrtm(s1.dot(s2), disp=False)
+    covmean = linalg.sqrtm(s1.dot(s2))
+    covmean = covmean[0] if isinstance(covmean, tuple) else covmean
     if not np.isfinite(covmean).all():
         off = np.eye(s1.shape[0]) * 1e-6
         covmean = linalg.sqrtm((s1 + off).dot(s2 + off))
+        covmean = covmean[0] if isinstance(covmean, tuple) else covmean
     covmean = covmean.real
     return float(diff.dot(diff) + np.trace(s1) + np.trace(s2) - 2 * np.trace(covmean))
 

@@ -1,0 +1,130 @@
+"""Data: the shared CIFAR-10 shards (labels, counts, rank/worker split), digits, on-device
+augmentation, resumable positions, corrupt and missing input."""
+
+import io
+import json
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+from dres.data import (DataError, InMemoryLoader, ShardLoader, build_loader, check_split, default_cifar10_dir,
+                       read_digits, read_shards, rrc_params)
+from dres.train.config import DataConfig
+
+CIFAR = default_cifar10_dir()
+needs_cifar = pytest.mark.skipif(not (CIFAR / "manifest.json").exists(), reason="../shared/data/cifar10 absent")
+
+
+@needs_cifar
+def test_cifar10_test_split_labels_and_counts():
+    manifest = json.loads((CIFAR / "manifest.json").read_text())
+    x, y, bad = read_shards(str(CIFAR / "cifar10-test-{000000..000001}.tar.gz"))
+    assert bad.count == 0
+    assert x.shape == (sum(manifest["shards"][f"cifar10-test-00000{i}.tar.gz"]["samples"] for i in range(2)), 3, 32, 32)
+    assert x.dtype == torch.uint8
+    # CIFAR-10's test split has exactly 1,000 images of each of the 10 classes
+    assert torch.bincount(y, minlength=10).tolist() == [1000] * 10
+    # labels belong to the images: a per-class mean colour check (ships/airplanes bluer than frogs/deer)
+    mean_blue = [x[y == c, 2].float().mean().item() - x[y == c, 1].float().mean().item() for c in range(10)]
+    assert mean_blue[8] > mean_blue[6] and mean_blue[0] > mean_blue[4]
+
+
+@needs_cifar
+def test_cifar10_shards_split_by_rank_and_worker_disjoint_and_complete():
+    pattern = str(CIFAR / "cifar10-test-000000.tar.gz")
+    seen = []
+    for rank in range(2):
+        ld = ShardLoader(pattern, 64, rank=rank, world=2, seed=0, num_workers=2, train=False, buffer=0,
+                         samples_per_epoch=1000)
+        for _ in range(len(ld)):
+            b = ld.next()
+            assert b["image"].shape == (32, 3, 32, 32)
+            seen.extend(hash(img.numpy().tobytes()) for img in b["image"])
+    # one shard, 2 ranks x 2 workers: every slot reads every 4th sample; no image is seen twice
+    assert len(seen) == 2 * (1000 // 64) * 32
+    assert len(set(seen)) == len(seen)
+
+
+@needs_cifar
+def test_cifar10_wds_in_memory_loader_via_config():
+    d = DataConfig(name="cifar10_wds", limit=512, img_size=32)
+    ld = build_loader(d, "train", 128, rank=0, world=1, seed=0)
+    assert len(ld) == 4
+    b = ld.next()
+    assert b["image"].shape == (128, 3, 32, 32) and b["label"].max() < 10
+
+
+def test_digits_split_and_upsampling():
+    xtr, ytr = read_digits("train", 16)
+    xte, yte = read_digits("test", 16)
+    assert len(xtr) + len(xte) == 1797 and xtr.shape[1:] == (1, 16, 16)
+    assert set(ytr.tolist()) == set(range(10))
+
+
+def test_in_memory_loader_world_size_invariant_and_resumable():
+    x = torch.randint(0, 256, (200, 3, 16, 16), dtype=torch.uint8)
+    y = torch.arange(200)
+    one = InMemoryLoader(x, y, 32, seed=3, img_size=12)
+    parts = [InMemoryLoader(x, y, 32, rank=r, world=2, seed=3, img_size=12) for r in range(2)]
+    for _ in range(8):  # crosses an epoch boundary (6 steps per epoch)
+        a = one.next()
+        b = [p.next() for p in parts]
+        assert torch.equal(a["label"], torch.cat([q["label"] for q in b]))
+        assert torch.allclose(a["image"], torch.cat([q["image"] for q in b]))
+    st = one.state_dict()
+    nxt = one.next()
+    fresh = InMemoryLoader(x, y, 32, seed=3, img_size=12)
+    fresh.load_state_dict(st)
+    again = fresh.next()
+    assert torch.equal(nxt["label"], again["label"]) and torch.equal(nxt["image"], again["image"])
+
+
+def test_random_resized_crop_params_in_range():
+    w, h, cx, cy = rrc_params(4096, torch.Generator().manual_seed(0), scale=(0.2, 1.0))
+    area = w * h
+    assert area.min() >= 0.2 - 1e-6 and area.max() <= 1 + 1e-6
+    assert ((cx - w / 2) >= -1 - 1e-6).all() and ((cx + w / 2) <= 1 + 1e-6).all()  # grid units: [-1, 1], w in [0, 1]
+
+
+def _write_shard(path, samples):
+    with tarfile.open(path, "w:gz") as tf:
+        for key, img, cls in samples:
+            for ext, data in ((".jpg", img), (".cls", cls)):
+                info = tarfile.TarInfo(key + ext)
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+
+
+def _jpeg(v):
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((8, 8, 3), v, np.uint8)).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def test_corrupt_samples_and_shards_are_skipped_and_counted(tmp_path):
+    _write_shard(tmp_path / "s-000.tar.gz", [("a", _jpeg(10), b"1"), ("b", b"not a jpeg", b"2"), ("c", _jpeg(30), b"3")])
+    good = tmp_path / "s-001.tar.gz"
+    _write_shard(good, [(f"k{i}", _jpeg(i), b"4") for i in range(20)])
+    data = good.read_bytes()
+    (tmp_path / "s-002.tar.gz").write_bytes(data[: len(data) // 2])  # truncated shard
+    x, y, bad = read_shards(str(tmp_path / "s-{000..002}.tar.gz"))
+    assert bad.count >= 2  # the bad jpeg and the truncated shard
+    assert 22 <= len(x) < 42 and y[:2].tolist() == [1, 3]
+
+
+def test_missing_or_empty_inputs_one_line_errors(tmp_path):
+    with pytest.raises(DataError, match="data path not found: .*nope-000.tar"):
+        read_shards(str(tmp_path / "nope-{000..001}.tar"))
+    with pytest.raises(DataError, match="empty"):
+        build_loader(DataConfig(name="imagefolder", path=str(tmp_path), gpu_resident=False), "train", 8)
+    (tmp_path / "empty.tar").write_bytes(b"")
+    with pytest.raises(DataError, match="no readable samples"):
+        read_shards(str(tmp_path / "empty.tar"))
+    with pytest.raises(DataError, match="cannot be split over 3 rank"):
+        check_split(64, 3, 1)
+    for e in (DataError("x"),):
+        assert "\n" not in str(e)
