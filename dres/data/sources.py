@@ -46,7 +46,12 @@ def repo_root() -> Path:
 
 
 def default_cifar10_dir() -> Path:
-    """The shared CIFAR-10 shards: ``../shared/data/cifar10`` beside the checkout."""
+    """The shared CIFAR-10 shards: ``../shared/data/cifar10`` beside the checkout (CI, development),
+    else ``shared/data/cifar10`` inside it (where the GPU machines place shared/)."""
+    for base in (repo_root().parent, repo_root()):
+        d = base / "shared" / "data" / "cifar10"
+        if d.exists():
+            return d
     return repo_root().parent / "shared" / "data" / "cifar10"
 
 

@@ -1,0 +1,43 @@
+"""GPU trainer checks (run on the device): bf16 + per-unit compile + fused AdamW on the CIFAR-10
+shards, fp16 with GradScaler, activation checkpointing."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dres.data import default_cifar10_dir
+
+pytestmark = pytest.mark.gpu
+needs_cifar = pytest.mark.skipif(not (default_cifar10_dir() / "manifest.json").exists(), reason="CIFAR-10 shards absent")
+
+
+def _run(tmp_path, *sets):
+    args = [sys.executable, "-m", "dres.train.mae", "--preset", "mae_cifar10", "--out", str(tmp_path),
+            "--set", "log.progress=false", "--set", "data.limit=8192", "--set", "eval.probe_epochs=5",
+            "--set", "eval.max_train=4096", "--set", "eval.max_test=1000"]
+    for s in sets:
+        args += ["--set", s]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads((tmp_path / "summary.json").read_text()), [
+        json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+@needs_cifar
+def test_mae_cifar10_bf16_compile(tmp_path):
+    s, m = _run(tmp_path, "steps=60", "log.every=10", "compile=true", "precision=bf16")
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in m)
+    assert m[-1]["loss"] < m[0]["loss"]
+    assert s["img_per_s"] > 0 and s["peak_mem_gib"] > 0
+    assert s["eval"]["linear_probe_acc"] > 0.15
+
+
+@needs_cifar
+@pytest.mark.parametrize("extra", [["precision=fp16"], ["act_ckpt=selective", "compile=false"],
+                                   ["act_ckpt=full", "accum_steps=2", "compile=false"]])
+def test_mae_cifar10_precisions_and_checkpointing(tmp_path, extra):
+    s, m = _run(tmp_path, "steps=20", "log.every=5", "eval.probe=false", "eval.knn=false", *extra)
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in m)
