@@ -61,6 +61,7 @@ Tensor as_rows(const Tensor& t) {
 }
 
 void check_tensor(const Tensor& t, const char* name, const Tensor& like) {
+  TORCH_CHECK(t.defined(), name, " is an undefined tensor");
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
   TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device(), " but x is on ", like.device());
   dtype_code(t.scalar_type(), name);
@@ -71,9 +72,14 @@ void check_rows(const Tensor& t, const char* name, const Tensor& x) {
   TORCH_CHECK(t.sizes() == x.sizes(), name, " has shape ", t.sizes(), " but x has ", x.sizes(), "; they must match");
 }
 
+// An optional tensor argument counts as given only when it holds a defined tensor: C++ and
+// autograd callers may pass an undefined Tensor in place of None, and every accessor of an
+// undefined tensor (sizes, device, data_ptr) is an error or worse.
+bool present(const OptTensor& t) { return t.has_value() && t->defined(); }
+
 // Parameters (weight, bias) as contiguous (D,) tensors.
 Tensor param(const OptTensor& t, const char* name, const Tensor& x) {
-  if (!t.has_value()) return Tensor();
+  if (!present(t)) return Tensor();
   check_tensor(*t, name, x);
   TORCH_CHECK(t->dim() == 1 && t->size(0) == x.size(-1), name, " has shape ", t->sizes(), "; expected (",
               x.size(-1), ",) to match x's last dimension");
@@ -82,7 +88,7 @@ Tensor param(const OptTensor& t, const char* name, const Tensor& x) {
 
 // alpha: a 0-dim (one element) tensor read by the kernel, so a new value costs nothing.
 Tensor alpha_tensor(const OptTensor& t, const Tensor& x) {
-  if (!t.has_value()) return Tensor();
+  if (!present(t)) return Tensor();
   check_tensor(*t, "alpha", x);
   TORCH_CHECK(t->numel() == 1, "alpha must be a 0-dim tensor, got shape ", t->sizes());
   return t->contiguous();
@@ -91,7 +97,7 @@ Tensor alpha_tensor(const OptTensor& t, const Tensor& x) {
 // Per-sample factors (B,); returns the tensor and rows_per_sample.
 Tensor sample_scale(const OptTensor& t, const char* name, const Tensor& x, int64_t rows, int64_t* rows_per_sample) {
   *rows_per_sample = 1;
-  if (!t.has_value()) return Tensor();
+  if (!present(t)) return Tensor();
   check_tensor(*t, name, x);
   TORCH_CHECK(t->dim() == 1 && t->size(0) > 0, name, " must be a non-empty 1-D tensor (B,), got shape ", t->sizes());
   TORCH_CHECK(rows % t->size(0) == 0, "x has ", rows, " rows, not divisible by len(", name, ") = ", t->size(0));
@@ -100,6 +106,7 @@ Tensor sample_scale(const OptTensor& t, const char* name, const Tensor& x, int64
 }
 
 void check_x(const Tensor& x, const char* name = "x") {
+  TORCH_CHECK(x.defined(), name, " is an undefined tensor");
   TORCH_CHECK(x.is_cuda(), name, " must be a CUDA tensor, got one on ", x.device());
   dtype_code(x.scalar_type(), name);
   TORCH_CHECK(x.dim() >= 2, name, " must have shape (B, T, D) or (M, D), got ", x.sizes());
@@ -190,14 +197,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> residual_layer_norm(
     const Tensor& x, const Tensor& h, const OptTensor& weight, const OptTensor& bias, const OptTensor& alpha,
     double alpha_value, double eps, const OptTensor& row_scale, const OptTensor& grad_scale,
     std::optional<at::ScalarType> residual_dtype, std::optional<at::ScalarType> out_dtype) {
+  // Every argument is checked before anything else happens (device guard, allocations).
   check_x(x);
   check_rows(h, "h", x);
-  const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.numel() / x.size(-1);
   int64_t rps = 1, unused = 1;
   const Tensor w = param(weight, "weight", x), b = param(bias, "bias", x), a = alpha_tensor(alpha, x);
   const Tensor rs = sample_scale(row_scale, "row_scale", x, rows, &rps);
   sample_scale(grad_scale, "grad_scale", x, rows, &unused);  // checked here, used by the backward
+  if (residual_dtype.has_value()) dtype_code(*residual_dtype, "residual_dtype");
+  if (out_dtype.has_value()) dtype_code(*out_dtype, "out_dtype");
+  const c10::cuda::CUDAGuard guard(x.device());
   Tensor out = at::empty(x.sizes(), x.options().dtype(residual_dtype.value_or(x.scalar_type())));
   Tensor y = at::empty(x.sizes(), x.options().dtype(out_dtype.value_or(h.scalar_type())));
   dtype_code(out.scalar_type(), "residual_dtype");
@@ -213,12 +223,13 @@ Tensor residual_add(const Tensor& x, const Tensor& h, const OptTensor& alpha, do
                     std::optional<at::ScalarType> residual_dtype) {
   check_x(x);
   check_rows(h, "h", x);
-  const c10::cuda::CUDAGuard guard(x.device());
   const int64_t rows = x.numel() / x.size(-1);
   int64_t rps = 1, unused = 1;
   const Tensor a = alpha_tensor(alpha, x);
   const Tensor rs = sample_scale(row_scale, "row_scale", x, rows, &rps);
   sample_scale(grad_scale, "grad_scale", x, rows, &unused);
+  if (residual_dtype.has_value()) dtype_code(*residual_dtype, "residual_dtype");
+  const c10::cuda::CUDAGuard guard(x.device());
   Tensor out = at::empty(x.sizes(), x.options().dtype(residual_dtype.value_or(x.scalar_type())));
   dtype_code(out.scalar_type(), "residual_dtype");
   forward(as_rows(x), as_rows(h), Tensor(), Tensor(), a, alpha_value, 0.0, rs, rps, out.view({-1, x.size(-1)}),
@@ -229,8 +240,9 @@ Tensor residual_add(const Tensor& x, const Tensor& h, const OptTensor& alpha, do
 std::tuple<Tensor, Tensor, Tensor> layer_norm(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
                                               double eps, std::optional<at::ScalarType> out_dtype) {
   check_x(x);
-  const c10::cuda::CUDAGuard guard(x.device());
   const Tensor w = param(weight, "weight", x), b = param(bias, "bias", x);
+  if (out_dtype.has_value()) dtype_code(*out_dtype, "out_dtype");
+  const c10::cuda::CUDAGuard guard(x.device());
   Tensor y = at::empty(x.sizes(), x.options().dtype(out_dtype.value_or(x.scalar_type())));
   dtype_code(y.scalar_type(), "out_dtype");
   Tensor mean = stats(x), rstd = stats(x);
@@ -246,26 +258,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> residual_norm_backward(
     const OptTensor& weight, const OptTensor& mean, const OptTensor& rstd, const OptTensor& alpha, double alpha_value,
     const OptTensor& grad_scale, at::ScalarType x_dtype, std::optional<at::ScalarType> h_dtype, bool need_dweight,
     bool need_dbias, bool need_dalpha) {
-  TORCH_CHECK(g_out.has_value() || g_y.has_value(), "residual_norm_backward needs g_out or g_y");
-  const Tensor& ref = g_out.has_value() ? *g_out : *g_y;
-  check_x(ref, g_out.has_value() ? "g_out" : "g_y");
-  const c10::cuda::CUDAGuard guard(ref.device());
+  // Every argument is checked before anything else happens (device guard, allocations);
+  // optionals holding an undefined tensor count as absent.
+  const bool has_gout = present(g_out), has_gy = present(g_y);
+  TORCH_CHECK(has_gout || has_gy, "residual_norm_backward needs g_out or g_y");
+  const Tensor& ref = has_gout ? *g_out : *g_y;
+  check_x(ref, has_gout ? "g_out" : "g_y");
   const int64_t D = ref.size(-1), M = ref.numel() / D;
-  const bool has_gy = g_y.has_value();
   need_dweight = need_dweight && has_gy;
   need_dbias = need_dbias && has_gy;
-  if (g_out.has_value() && has_gy) check_rows(*g_y, "g_y", ref);
+  if (has_gout && has_gy) check_rows(*g_y, "g_y", ref);
   if (has_gy) {
-    TORCH_CHECK(normed.has_value() && mean.has_value() && rstd.has_value(),
+    TORCH_CHECK(present(normed) && present(mean) && present(rstd),
                 "residual_norm_backward: g_y needs normed, mean and rstd");
     check_rows(*normed, "normed", ref);
-    for (const auto* s : {&*mean, &*rstd}) {
-      TORCH_CHECK(s->is_cuda() && s->scalar_type() == at::kFloat && s->numel() == M,
-                  "mean/rstd must be fp32 CUDA tensors with one value per row (", M, ")");
+    for (const Tensor* s : {&*mean, &*rstd}) {
+      TORCH_CHECK(s->is_cuda() && s->device() == ref.device() && s->scalar_type() == at::kFloat && s->numel() == M,
+                  "mean/rstd must be fp32 CUDA tensors on g's device with one value per row (", M, ")");
     }
   }
   if (need_dalpha) {
-    TORCH_CHECK(x.has_value(), "residual_norm_backward: need_dalpha needs x");
+    TORCH_CHECK(present(x), "residual_norm_backward: need_dalpha needs x");
     check_rows(*x, "x", ref);
   }
   const Tensor w = param(weight, "weight", ref), a = alpha_tensor(alpha, ref);
@@ -274,6 +287,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> residual_norm_backward(
 
   dtype_code(x_dtype, "x_dtype");
   if (h_dtype.has_value()) dtype_code(*h_dtype, "h_dtype");
+  const c10::cuda::CUDAGuard guard(ref.device());
   const auto opts = ref.options();
   Tensor dx = at::empty(ref.sizes(), opts.dtype(x_dtype));
   Tensor dh = h_dtype.has_value() ? at::empty(ref.sizes(), opts.dtype(*h_dtype)) : Tensor();
@@ -290,7 +304,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> residual_norm_backward(
     return {dx, dh.defined() ? dh : at::empty({0}, opts.dtype(x_dtype)), dweight, dbias, dalpha};
   }
 
-  const Tensor go2 = g_out.has_value() ? as_rows(*g_out) : Tensor();
+  const Tensor go2 = has_gout ? as_rows(*g_out) : Tensor();
   const Tensor gy2 = has_gy ? as_rows(*g_y) : Tensor();
   const Tensor nm2 = has_gy ? as_rows(*normed) : Tensor();
   const Tensor x2 = need_dalpha ? as_rows(*x) : Tensor();

@@ -83,41 +83,80 @@ def f64(t):
     return None if t is None else t.detach().double()
 
 
-def rln_run(backend, x, h, w, b, alpha, row_scale, grad_scale, g_out, g_y):
-    """(out, y, dx, dh, dw, db, dalpha) of residual_layer_norm on ``backend``."""
+def rln_run(backend, x, h, w, b, alpha, row_scale, grad_scale, g_out, g_y, stored_out=None):
+    """(out, y, dx, dh, dw, db, dalpha) of residual_layer_norm on ``backend``.
+
+    ``"reference"`` is the contract in float64: out exact; y the LayerNorm of ``stored_out`` (the
+    value the kernel actually stored in out, rounded to out's dtype; DESIGN.md: "normalise the
+    value actually stored in out"), with out's gradient passed through unchanged in float64.
+    Normalising the unrounded out instead would put one bf16 rounding of out (relative 2**-9,
+    entering LN_bwd through xhat and rstd) into every fp32 result downstream of it (y, g, dh,
+    dweight, dbias, dalpha), which then could only be checked to bf16 accuracy.
+    """
     if backend == "reference":
         xl, hl, wl, bl = (f64(t).requires_grad_(True) for t in (x, h, w, b))
         al = f64(alpha).requires_grad_(True) if isinstance(alpha, torch.Tensor) else alpha
-        out, y = reference.residual_layer_norm(xl, hl, wl, bl, al, row_scale=f64(row_scale), grad_scale=f64(grad_scale))
-        g_out, g_y = g_out.double(), g_y.double()
-    else:
-        xl, hl, wl, bl = leaves(x, h, w, b)
-        al = alpha.detach().clone().requires_grad_(True) if isinstance(alpha, torch.Tensor) else alpha
-        out, y = ops.residual_layer_norm(xl, hl, wl, bl, al, row_scale=row_scale, grad_scale=grad_scale, backend=backend)
+        out = reference.residual_add(xl, hl, al, f64(row_scale), f64(grad_scale))
+        normed = out + (stored_out.double() - out).detach()  # stored value, identity gradient
+        y = reference.layer_norm(normed, wl, bl, 1e-6)
+        inputs = (xl, hl, wl, bl, al if isinstance(al, torch.Tensor) else None)
+        return (out, y, *grads((normed, y), (g_out.double(), g_y.double()), inputs))
+    xl, hl, wl, bl = leaves(x, h, w, b)
+    al = alpha.detach().clone().requires_grad_(True) if isinstance(alpha, torch.Tensor) else alpha
+    out, y = ops.residual_layer_norm(xl, hl, wl, bl, al, row_scale=row_scale, grad_scale=grad_scale, backend=backend)
     inputs = (xl, hl, wl, bl, al if isinstance(al, torch.Tensor) else None)
     return (out, y, *grads((out, y), (g_out, g_y), inputs))
 
 
+def assert_out_rounded(out, x, h, alpha, row_scale):
+    """out within one unit of its dtype of the exact alpha*x + row_scale*h, elementwise: one
+    rounding to out's dtype plus fp32 arithmetic, both bounded by eps * (|alpha*x| + |row_scale*h|)."""
+    a = alpha.double().abs() if isinstance(alpha, torch.Tensor) else abs(alpha)
+    exact = reference.residual_add(f64(x), f64(h), f64(alpha) if isinstance(alpha, torch.Tensor) else alpha, f64(row_scale))
+    mag = reference.residual_add(f64(x).abs(), f64(h).abs(), a, None if row_scale is None else f64(row_scale).abs())
+    bound = torch.finfo(out.dtype).eps * mag + torch.finfo(out.dtype).tiny
+    excess = ((out.double() - exact).abs() - bound).max().item() if out.numel() else 0.0
+    assert excess <= 0, f"out: an element is more than one {out.dtype} unit from the exact value (by {excess:.2e})"
+
+
+def assert_close_sum(name, a, ref, terms, dtype):
+    """A sum of many terms (dalpha = sum(g * x)) whose terms cancel: its error is bounded by the
+    roundoff of the terms, relative to sum(|terms|), not to the (possibly far smaller) sum itself.
+    ``dtype``: the dtype the result is stored in (its rounding is at most eps * |sum| <= eps * sum|terms|)."""
+    scale = terms.abs().sum().item()
+    err = abs(a.double().item() - ref.double().item()) / (scale if scale > 0 else 1.0)
+    assert err <= TOLERANCE[dtype], f"{name}: error {err:.2e} of sum|g*x| above {TOLERANCE[dtype]:.0e} ({dtype})"
+
+
 def compare_rln(x, h, w, b, alpha, row_scale, grad_scale, g_out=None, g_y=None):
-    """The cuda backend against float64 and against triton, every output and gradient."""
+    """The cuda backend against the float64 contract and against triton, every output and gradient."""
     x_dtype, h_dtype = x.dtype, h.dtype
     g_out = torch.randn(x.shape, device=x.device).to(x_dtype) if g_out is None else g_out
     g_y = torch.randn(x.shape, device=x.device).to(h_dtype) if g_y is None else g_y
     cuda = rln_run("cuda", x, h, w, b, alpha, row_scale, grad_scale, g_out, g_y)
-    ref = rln_run("reference", x, h, w, b, alpha, row_scale, grad_scale, g_out, g_y)
+    ref = rln_run("reference", x, h, w, b, alpha, row_scale, grad_scale, g_out, g_y, stored_out=cuda[0])
     tri = rln_run("triton", x, h, w, b, alpha, row_scale, grad_scale, g_out, g_y)
     assert cuda[0].dtype == x_dtype and cuda[1].dtype == h_dtype
-    y_dtype = h_dtype if x_dtype == F32 else BF16 if BF16 in (x_dtype, h_dtype) else F16
+    assert_out_rounded(cuda[0], x, h, alpha, row_scale)
     param_dtype = F32 if h_dtype == F32 else BF16
-    names = ("out", "y", "dx", "dh", "dweight", "dbias", "dalpha")
-    dtypes = (x_dtype, y_dtype, x_dtype, h_dtype, param_dtype, param_dtype, BF16)
+    alpha_dtype = alpha.dtype if isinstance(alpha, torch.Tensor) else F32
+    # Against float64 (which normalises the same stored out): each result to its own dtype.
+    names = ("out", "y", "dx", "dh", "dweight", "dbias")
+    dtypes = (x_dtype, h_dtype, x_dtype, h_dtype, param_dtype, param_dtype)
+    # Against triton: its out may round an fp32 value on the other side of a bf16/fp16 tie (FMA
+    # vs separate ops; about 2**-16 of the elements), and everything downstream of out inherits
+    # that one unit: with a low-precision out those results agree to out's precision.
+    chain = x_dtype
     for name, c, r, t, dt in zip(names, cuda, ref, tri, dtypes):
         if c is None:
             continue
         assert_close(f"{name} vs float64", c, r, dt)
-        assert_close(f"{name} vs triton", c, t, dt)
-
-
+        downstream = name not in ("out", "dx")
+        assert_close(f"{name} vs triton", c, t, chain if downstream and chain != F32 else dt)
+    if cuda[6] is not None:  # dalpha = sum(g * x), g the gradient of out (float64 dx = alpha * g)
+        terms = ref[2] / (f64(alpha) if isinstance(alpha, torch.Tensor) else alpha) * f64(x)
+        assert_close_sum("dalpha vs float64", cuda[6], ref[6], terms, alpha_dtype)
+        assert_close_sum("dalpha vs triton", cuda[6], tri[6], terms, alpha_dtype if chain == F32 else chain)
 # ---------------------------------------------------------------------------------------------
 # GPU: parity
 
@@ -336,10 +375,20 @@ def test_compile_fullgraph():
         xb, hb, wb, bb = leaves(x, h, w, b)
         eager = two_sublayers(xa, ha, wa, ba, alpha)
         comp = compiled(xb, hb, wb, bb, alpha)
-        torch.testing.assert_close(comp, eager)
+        torch.testing.assert_close(comp, eager, msg=lambda m: f"{backend} forward: {m}")
         g = torch.randn_like(eager)
-        for a, c in zip(grads(eager, g, (xa, ha, wa, ba)), grads(comp, g, (xb, hb, wb, bb))):
-            torch.testing.assert_close(c, a)
+        names = ("dx", "dh", "dweight", "dbias")
+        for name, a, c in zip(names, grads(eager, g, (xa, ha, wa, ba)), grads(comp, g, (xb, hb, wb, bb))):
+            if backend == "aot_eager":  # the same aten ops and kernels as eager
+                torch.testing.assert_close(c, a, msg=lambda m: f"{backend} {name}: {m}")
+            else:
+                # Inductor generates its own code for the bf16 tanh between the sublayers: it
+                # recomputes tanh(y) in fp32 in the backward instead of reading the bf16-rounded
+                # value eager saved, and rounds the bf16 gradient g_y1 = dh2 * (1 - tanh^2) once
+                # from fp32. g_y1 then differs from eager's by bf16 units in some elements, and
+                # LN_bwd spreads that over every element of the row (dx, dh, dweight, dbias).
+                # The custom ops are opaque to Inductor, so the kernels themselves are not at issue.
+                assert_close(f"{backend} {name}", c, a, BF16)
 
 
 @gpu
@@ -379,6 +428,31 @@ def test_bad_input_names_the_argument():
 
 # ---------------------------------------------------------------------------------------------
 # CPU: what holds without a GPU
+
+
+@built
+def test_argument_checks_raise_through_the_python_autograd_without_gpu():
+    """The C++ kernels run their argument checks before any device access. With the CUDA dispatch
+    key forced on, CPU tensors reach them through the Python autograd registration (as a GPU call
+    does): the TORCH_CHECK must come back as a RuntimeError naming the argument, not a crash."""
+    c = torch.ops.dres_cuda
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    h = torch.randn(2, 3, 64).to(BF16)
+    w, b = torch.randn(64), torch.randn(64)
+    calls = [
+        lambda: c.residual_layer_norm(x, h, w[:10], b, None, 1.0, 1e-6, None, None, None, None),
+        lambda: c.residual_add(x, h, None, 1.0, torch.ones(4), None, None),
+        lambda: c.layer_norm(x.double(), None, None, 1e-6, None),
+        lambda: c.residual_norm_backward(None, None, None, None, None, None, None, None, 1.0, None, F32, None,
+                                         False, False, False),
+    ]
+    with torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.CUDA):
+        for call in calls[:3]:
+            with pytest.raises(RuntimeError, match="x must be a CUDA tensor"):
+                call()
+        with pytest.raises(RuntimeError, match="needs g_out or g_y"):
+            calls[3]()
+
 
 
 def test_package_imports_and_cuda_backend_without_extension_raises(monkeypatch):
