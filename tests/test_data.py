@@ -128,3 +128,14 @@ def test_missing_or_empty_inputs_one_line_errors(tmp_path):
         check_split(64, 3, 1)
     for e in (DataError("x"),):
         assert "\n" not in str(e)
+
+
+def test_brace_notation_matches_webdataset():
+    from dres.data.sources import braceexpand
+
+    assert braceexpand("s-{000008..000011}.tar.gz") == [f"s-{i:06d}.tar.gz" for i in range(8, 12)]
+    assert braceexpand("{a,b}-{1..2}") == ["a-1", "a-2", "b-1", "b-2"]
+    assert braceexpand("plain.tar") == ["plain.tar"]
+    wds = pytest.importorskip("braceexpand")
+    for pattern in ("x{0..3}y{a,bc}", "cifar10-train-{000000..000009}.tar.gz"):
+        assert braceexpand(pattern) == list(wds.braceexpand(pattern))

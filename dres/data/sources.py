@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import io
 import os
+import re
 import pickle
 import tarfile
 from dataclasses import dataclass, field
@@ -55,12 +56,33 @@ def default_cifar10_dir() -> Path:
     return repo_root().parent / "shared" / "data" / "cifar10"
 
 
+_BRACE = re.compile(r"\{([^{}]*)\}")
+
+
+def braceexpand(pattern: str) -> list[str]:
+    """WebDataset's brace notation: ``a-{000..009}.tar`` (zero-padded ranges) and ``{x,y}``.
+
+    Written here rather than imported so that shard loading needs no package beyond torch (the GPU
+    machines have no webdataset/braceexpand).
+    """
+    m = _BRACE.search(pattern)
+    if m is None:
+        return [pattern]
+    body, head, tail = m.group(1), pattern[: m.start()], pattern[m.end():]
+    rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if rng:
+        lo, hi = rng.groups()
+        width = len(lo) if lo.startswith("0") else 0
+        items = [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
+    else:
+        items = body.split(",")
+    return [e for item in items for e in braceexpand(head + item + tail)]
+
+
 def expand_shards(pattern: str) -> list[str]:
     """Brace notation and globs -> existing shard paths; a missing path is a one-line error."""
     if not pattern:
         raise DataError("no data path given (set data.path=...)")
-    from braceexpand import braceexpand  # a webdataset dependency
-
     out = []
     for p in pattern.split("::"):
         for q in braceexpand(os.path.expanduser(p)):
