@@ -77,6 +77,19 @@ def grads(outputs, cotangents, inputs):
     return [None if t is None else next(it) for t in inputs]
 
 
+def rln_against_float64(x, h, w, b, alpha, row_scale=None, grad_scale=None, backend=None):
+    """(out, y, dx, dh, dw, db) of the op and of the float64 reference, for one random cotangent."""
+    xl, hl, wl, bl = leaves(x, h, w, b)
+    out, y = ops.residual_layer_norm(xl, hl, wl, bl, alpha, row_scale=row_scale, grad_scale=grad_scale, backend=backend)
+    g_out, g_y = torch.randn_like(out), torch.randn_like(y)
+    got = grads((out, y), (g_out, g_y), (xl, hl, wl, bl))
+    x6, h6, w6, b6 = as_f64(x, h, w, b)
+    f64 = lambda s: None if s is None else s.double()  # noqa: E731
+    out6, y6 = reference.residual_layer_norm(x6, h6, w6, b6, alpha, row_scale=f64(row_scale), grad_scale=f64(grad_scale))
+    want = grads((out6, y6), (g_out.double(), g_y.double()), (x6, h6, w6, b6))
+    return (out, y, *got), (out6, y6, *want)
+
+
 # ---------------------------------------------------------------------------------------------
 # residual_layer_norm
 
@@ -89,16 +102,9 @@ def test_residual_layer_norm_matches_float64(triton_device, x_dtype, h_dtype, mo
     alpha = 0.75
     x, h, w, b = make_case(shape, x_dtype, h_dtype, triton_device)
     row_scale, grad_scale = mode_scales(mode, shape[0], triton_device)
-    xl, hl, wl, bl = leaves(x, h, w, b)
-    out, y = ops.residual_layer_norm(xl, hl, wl, bl, alpha, row_scale=row_scale, grad_scale=grad_scale, backend="triton")
+    (out, y, dx, dh, dw, db), (out6, y6, dx6, dh6, dw6, db6) = rln_against_float64(
+        x, h, w, b, alpha, row_scale, grad_scale, backend="triton")
     assert out.dtype == x_dtype and y.dtype == h_dtype and out.shape == shape == y.shape
-    g_out, g_y = torch.randn_like(out), torch.randn_like(y)
-    dx, dh, dw, db = grads((out, y), (g_out, g_y), (xl, hl, wl, bl))
-
-    x6, h6, w6, b6 = as_f64(x, h, w, b)
-    f64 = lambda s: None if s is None else s.double()  # noqa: E731
-    out6, y6 = reference.residual_layer_norm(x6, h6, w6, b6, alpha, row_scale=f64(row_scale), grad_scale=f64(grad_scale))
-    dx6, dh6, dw6, db6 = grads((out6, y6), (g_out.double(), g_y.double()), (x6, h6, w6, b6))
 
     assert_close("out", out, out6, x_dtype)
     # y normalises the stored (rounded) out, so it also carries out's rounding.
@@ -114,14 +120,8 @@ def test_residual_layer_norm_matches_float64(triton_device, x_dtype, h_dtype, mo
 def test_odd_sizes(triton_device, dim, rows):
     torch.manual_seed(dim * 1000 + rows)
     x, h, w, b = make_case((rows, dim), F32, F32, triton_device)
-    xl, hl, wl, bl = leaves(x, h, w, b)
-    out, y = ops.residual_layer_norm(xl, hl, wl, bl, 0.6, backend="triton")
-    g_out, g_y = torch.randn_like(out), torch.randn_like(y)
-    got = grads((out, y), (g_out, g_y), (xl, hl, wl, bl))
-    x6, h6, w6, b6 = as_f64(x, h, w, b)
-    out6, y6 = reference.residual_layer_norm(x6, h6, w6, b6, 0.6)
-    want = grads((out6, y6), (g_out.double(), g_y.double()), (x6, h6, w6, b6))
-    for name, a, r in zip(("out", "y", "dx", "dh", "dw", "db"), (out, y, *got), (out6, y6, *want)):
+    got, want = rln_against_float64(x, h, w, b, 0.6, backend="triton")
+    for name, a, r in zip(("out", "y", "dx", "dh", "dw", "db"), got, want):
         assert_close(name, a, r, F32)
 
 
@@ -480,18 +480,9 @@ def test_gpu_realistic_shapes(rows, x_dtype, mode):
     shape = (batch, 50, 768)
     x, h, w, b = make_case(shape, x_dtype, BF16, "cuda")
     row_scale, grad_scale = mode_scales(mode, batch, "cuda")
-    xl, hl, wl, bl = leaves(x, h, w, b)
-    out, y = ops.residual_layer_norm(xl, hl, wl, bl, 0.8, row_scale=row_scale, grad_scale=grad_scale)
-    g_out, g_y = torch.randn_like(out), torch.randn_like(y)
-    got = grads((out, y), (g_out, g_y), (xl, hl, wl, bl))
-    x6, h6, w6, b6 = as_f64(x, h, w, b)
-    f64 = lambda s: None if s is None else s.double()  # noqa: E731
-    out6, y6 = reference.residual_layer_norm(x6, h6, w6, b6, 0.8, row_scale=f64(row_scale), grad_scale=f64(grad_scale))
-    want = grads((out6, y6), (g_out.double(), g_y.double()), (x6, h6, w6, b6))
-    assert_close("out", out, out6, x_dtype)
-    assert_close("y", y, y6, BF16)
-    for name, a, r in zip(("dx", "dh", "dw", "db"), got, want):
-        assert_close(name, a, r, x_dtype if name == "dx" else BF16)
+    got, want = rln_against_float64(x, h, w, b, 0.8, row_scale, grad_scale)
+    for name, a, r in zip(("out", "y", "dx", "dh", "dw", "db"), got, want):
+        assert_close(name, a, r, x_dtype if name in ("out", "dx") else BF16)
 
 
 @pytest.mark.gpu
@@ -499,17 +490,9 @@ def test_gpu_realistic_shapes(rows, x_dtype, mode):
 def test_gpu_wide_rows(dim):
     torch.manual_seed(dim)
     x, h, w, b = make_case((300, dim), F32, BF16, "cuda")
-    xl, hl, wl, bl = leaves(x, h, w, b)
-    out, y = ops.residual_layer_norm(xl, hl, wl, bl, 0.7)
-    g_out, g_y = torch.randn_like(out), torch.randn_like(y)
-    got = grads((out, y), (g_out, g_y), (xl, hl, wl, bl))
-    x6, h6, w6, b6 = as_f64(x, h, w, b)
-    out6, y6 = reference.residual_layer_norm(x6, h6, w6, b6, 0.7)
-    want = grads((out6, y6), (g_out.double(), g_y.double()), (x6, h6, w6, b6))
-    assert_close("out", out, out6, F32)
-    assert_close("y", y, y6, BF16)
-    for name, a, r in zip(("dx", "dh", "dw", "db"), got, want):
-        assert_close(name, a, r, F32 if name == "dx" else BF16)
+    got, want = rln_against_float64(x, h, w, b, 0.7)
+    for name, a, r in zip(("out", "y", "dx", "dh", "dw", "db"), got, want):
+        assert_close(name, a, r, F32 if name in ("out", "dx") else BF16)
 
 
 @pytest.mark.gpu
