@@ -60,18 +60,24 @@ def _run(args, overrides=()):
     return run(cfg, get_task(cfg.task), resume=args.resume, eval_only=args.eval_only, ckpt=args.ckpt)
 
 
-def main(argv=None):
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+def _guarded(prog: str, fn, *args) -> int:
+    """Run ``fn(*args)``; a user error becomes one line on stderr and exit status 2, and the
+    process group (if any) is torn down either way."""
     try:
-        _run(args)
+        fn(*args)
     except _user_errors() as e:
-        print(f"dres-train: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     finally:
         from dres.train import distributed as D
 
         D.cleanup()
     return 0
+
+
+def main(argv=None):
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    return _guarded("dres-train", _run, args)
 
 
 def eval_main(argv=None):
@@ -82,25 +88,20 @@ def eval_main(argv=None):
     p.add_argument("--ckpt", default=None)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        from dres.train.config import build_config, load_config, to_dict
-        from dres.train.loop import run
+    return _guarded("dres-eval", _evaluate, a)
 
-        cfgf = Path(a.run_dir) / "config.yaml"
-        if not cfgf.exists():
-            raise FileNotFoundError(f"no config.yaml in {a.run_dir} (is it a dres run directory?)")
-        base = to_dict(load_config(cfgf))
-        cfg = build_config(None, None, a.overrides, base=base)
-        cfg.out = a.run_dir
-        run(cfg, get_task(cfg.task), eval_only=True, ckpt=a.ckpt)
-    except _user_errors() as e:
-        print(f"dres-eval: error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        from dres.train import distributed as D
 
-        D.cleanup()
-    return 0
+def _evaluate(a) -> None:
+    from dres.train.config import build_config, load_config, to_dict
+    from dres.train.loop import run
+
+    cfgf = Path(a.run_dir) / "config.yaml"
+    if not cfgf.exists():
+        raise FileNotFoundError(f"no config.yaml in {a.run_dir} (is it a dres run directory?)")
+    base = to_dict(load_config(cfgf))
+    cfg = build_config(None, None, a.overrides, base=base)
+    cfg.out = a.run_dir
+    run(cfg, get_task(cfg.task), eval_only=True, ckpt=a.ckpt)
 
 
 if __name__ == "__main__":
