@@ -22,6 +22,7 @@
 
 #include <initializer_list>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "residual_norm.h"
@@ -41,6 +42,18 @@ namespace {
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
+
+// Error messages build their numbers with std::to_string, never by streaming an integer: on the
+// GPU image (torch 2.11, nvcc 13.0) `stream << int64_t` inside this library (TORCH_CHECK formats
+// through std::ostream) jumped into a mismatched libstdc++ instantiation and segfaulted, while
+// strings and torch's own printers (Device, ScalarType) stream fine.
+std::string num(int64_t v) { return std::to_string(v); }
+
+std::string shape(at::IntArrayRef sizes) {
+  std::string s = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  return s + "]";
+}
 
 int dtype_code(at::ScalarType t, const char* name) {
   switch (t) {
@@ -69,7 +82,7 @@ void check_tensor(const Tensor& t, const char* name, const Tensor& like) {
 
 void check_rows(const Tensor& t, const char* name, const Tensor& x) {
   check_tensor(t, name, x);
-  TORCH_CHECK(t.sizes() == x.sizes(), name, " has shape ", t.sizes(), " but x has ", x.sizes(), "; they must match");
+  TORCH_CHECK(t.sizes() == x.sizes(), name, " has shape ", shape(t.sizes()), " but x has ", shape(x.sizes()), "; they must match");
 }
 
 // An optional tensor argument counts as given only when it holds a defined tensor: C++ and
@@ -81,8 +94,8 @@ bool present(const OptTensor& t) { return t.has_value() && t->defined(); }
 Tensor param(const OptTensor& t, const char* name, const Tensor& x) {
   if (!present(t)) return Tensor();
   check_tensor(*t, name, x);
-  TORCH_CHECK(t->dim() == 1 && t->size(0) == x.size(-1), name, " has shape ", t->sizes(), "; expected (",
-              x.size(-1), ",) to match x's last dimension");
+  TORCH_CHECK(t->dim() == 1 && t->size(0) == x.size(-1), name, " has shape ", shape(t->sizes()), "; expected (",
+              num(x.size(-1)), ",) to match x's last dimension");
   return t->contiguous();
 }
 
@@ -90,7 +103,7 @@ Tensor param(const OptTensor& t, const char* name, const Tensor& x) {
 Tensor alpha_tensor(const OptTensor& t, const Tensor& x) {
   if (!present(t)) return Tensor();
   check_tensor(*t, "alpha", x);
-  TORCH_CHECK(t->numel() == 1, "alpha must be a 0-dim tensor, got shape ", t->sizes());
+  TORCH_CHECK(t->numel() == 1, "alpha must be a 0-dim tensor, got shape ", shape(t->sizes()));
   return t->contiguous();
 }
 
@@ -99,8 +112,8 @@ Tensor sample_scale(const OptTensor& t, const char* name, const Tensor& x, int64
   *rows_per_sample = 1;
   if (!present(t)) return Tensor();
   check_tensor(*t, name, x);
-  TORCH_CHECK(t->dim() == 1 && t->size(0) > 0, name, " must be a non-empty 1-D tensor (B,), got shape ", t->sizes());
-  TORCH_CHECK(rows % t->size(0) == 0, "x has ", rows, " rows, not divisible by len(", name, ") = ", t->size(0));
+  TORCH_CHECK(t->dim() == 1 && t->size(0) > 0, name, " must be a non-empty 1-D tensor (B,), got shape ", shape(t->sizes()));
+  TORCH_CHECK(rows % t->size(0) == 0, "x has ", num(rows), " rows, not divisible by len(", name, ") = ", num(t->size(0)));
   *rows_per_sample = rows / t->size(0);
   return t->contiguous();
 }
@@ -109,9 +122,9 @@ void check_x(const Tensor& x, const char* name = "x") {
   TORCH_CHECK(x.defined(), name, " is an undefined tensor");
   TORCH_CHECK(x.is_cuda(), name, " must be a CUDA tensor, got one on ", x.device());
   dtype_code(x.scalar_type(), name);
-  TORCH_CHECK(x.dim() >= 2, name, " must have shape (B, T, D) or (M, D), got ", x.sizes());
+  TORCH_CHECK(x.dim() >= 2, name, " must have shape (B, T, D) or (M, D), got ", shape(x.sizes()));
   TORCH_CHECK(x.size(-1) > 0, name, " has an empty last dimension (D = 0)");
-  TORCH_CHECK(x.size(-1) <= kMaxDim, name, " has D = ", x.size(-1), ", above the kernels' maximum of ", kMaxDim);
+  TORCH_CHECK(x.size(-1) <= kMaxDim, name, " has D = ", num(x.size(-1)), ", above the kernels' maximum of ", num(kMaxDim));
 }
 
 const void* ptr(const Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
@@ -274,7 +287,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> residual_norm_backward(
     check_rows(*normed, "normed", ref);
     for (const Tensor* s : {&*mean, &*rstd}) {
       TORCH_CHECK(s->is_cuda() && s->device() == ref.device() && s->scalar_type() == at::kFloat && s->numel() == M,
-                  "mean/rstd must be fp32 CUDA tensors on g's device with one value per row (", M, ")");
+                  "mean/rstd must be fp32 CUDA tensors on g's device with one value per row (", num(M), ")");
     }
   }
   if (need_dalpha) {
@@ -316,8 +329,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> residual_norm_backward(
   const LaunchShape s = choose_shape(static_cast<int>(D), vectorizable(D, {&go2, &gy2, &nm2, &x2, &w, &dx2, &dh2}));
   const int sms = num_sms();
   const int P = backward_blocks(s, ref.get_device(), sms, M, static_cast<int>(D), need_dweight || need_dbias);
-  TORCH_CHECK(P > 0, "residual_norm_backward: the device refused ", -P,
-              " bytes of shared memory for the weight-gradient accumulators (D = ", D, ")");
+  TORCH_CHECK(P > 0, "residual_norm_backward: the device refused ", num(-P),
+              " bytes of shared memory for the weight-gradient accumulators (D = ", num(D), ")");
   Tensor dweight_part = need_dweight ? at::empty({P, D}, f32) : Tensor();
   Tensor dbias_part = need_dbias ? at::empty({P, D}, f32) : Tensor();
   Tensor dalpha_part = need_dalpha ? at::empty({P}, f32) : Tensor();

@@ -394,6 +394,51 @@ def test_compile_fullgraph_traces_forward_and_backward(triton_device):
         torch.testing.assert_close(c, a)
 
 
+def test_inductor_lowers_the_ops_through_registered_fallbacks(triton_device, monkeypatch):
+    """Inductor must not take its implicit-fallback path for the dres ops: before torch 2.12 that
+    path formats the IR of every input eagerly, minutes for a deep model (issue 3: the ViT-B/16
+    official MAE). The fake kernels register the fallbacks first; here the implicit path's message
+    is recorded (at INFO, so torch >= 2.12's lazy message is built too) and must not name a dres op."""
+    import logging
+
+    import torch._inductor.exc as inductor_exc
+    from torch._inductor.lowering import lowerings
+
+    import dres.ops.residual_norm as rn
+
+    names = [f"dres::{n}" for n in rn.FAKE_IMPLS]
+    for name in rn.FAKE_IMPLS:  # start from an Inductor that has never seen the ops
+        monkeypatch.delitem(lowerings, getattr(torch.ops.dres, name).default, raising=False)
+    monkeypatch.setattr(rn, "_FALLBACKS_REGISTERED", set())
+    implicit = []
+    original = inductor_exc.OperatorIssue.operator_str
+    monkeypatch.setattr(inductor_exc.OperatorIssue, "operator_str", staticmethod(
+        lambda target, args, kwargs: implicit.append(str(target)) or original(target, args, kwargs)))
+    messages = []  # torch's loggers do not propagate to pytest's handler: listen on the logger itself
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("torch._inductor.graph")
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    logger.addHandler(handler)
+
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # a cache hit skips lowering
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    x, h, w, b = make_case((2, 3, 32), F32, F32, triton_device)
+    h.requires_grad_(True)
+    f = torch.compile(lambda x, h: ops.residual_add(*ops.residual_layer_norm(x, h, w, b, backend="triton"),
+                                                    backend="triton"), backend="inductor", fullgraph=True)
+    try:
+        out = f(x, h)
+        out.sum().backward()
+    finally:
+        logger.removeHandler(handler)
+    assert not [t for t in implicit if any(n.replace("::", ".") in t or n in t for n in names)], implicit
+    assert rn._FALLBACKS_REGISTERED == {"dres"}
+    assert all(getattr(torch.ops.dres, n).default in lowerings for n in rn.FAKE_IMPLS)
+    want_out, want_y = reference.residual_layer_norm(x, h, w, b)
+    torch.testing.assert_close(out, want_out + want_y)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input
 

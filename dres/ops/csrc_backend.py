@@ -47,8 +47,7 @@ def available() -> bool:
 def _register() -> None:
     from dres.ops import residual_norm as shared
 
-    for name in OPS:  # called from this module, the one the C++ library names
-        torch.library.register_fake(f"dres_cuda::{name}", shared.FAKE_IMPLS[name])
+    shared.register_fakes("dres_cuda")  # called from this module, the one the C++ library names
     shared.register_autograd(*(f"dres_cuda::{n}" for n in OPS[:3]), torch.ops.dres_cuda.residual_norm_backward)
 
 
