@@ -499,6 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of throughput: the largest batch that fits, without and with activation "
                         "checkpointing (slow: a few minutes per model)")
     p.add_argument("--max-batch-cap", type=int, default=8192)
+    p.add_argument("--memory-gib", type=float,
+                   help="cap this process's GPU memory (torch.cuda.set_per_process_memory_fraction), e.g. 80 "
+                        "to search the max batch of an 80 GB card on a larger one")
     p.add_argument("--max-batch-step", type=int, default=32, help="granularity of the batch search")
     p.add_argument("--no-checkpointing-search", action="store_true",
                    help="with --max-batch: skip the activation-checkpointing search")
@@ -535,6 +538,12 @@ def main(argv=None) -> int:
     print(f"# card {card} ({torch.cuda.get_device_name()}), torch {env['torch']}, triton {env['triton']}", flush=True)
     if args.max_batch:
         gpu_mem = torch.cuda.get_device_properties(0).total_memory / 2**30
+        if args.memory_gib:
+            if not 0 < args.memory_gib <= gpu_mem:
+                print(f"--memory-gib {args.memory_gib} must be in (0, {gpu_mem:.1f}] (this card's memory)", file=sys.stderr)
+                return 2
+            torch.cuda.set_per_process_memory_fraction(args.memory_gib / gpu_mem)
+            gpu_mem = args.memory_gib
         for b in benches(args):
             for m in models_for(b, args):
                 for ckpt in (False, True) if not args.no_checkpointing_search else (False,):

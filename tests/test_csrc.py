@@ -410,6 +410,31 @@ def test_cuda_graph_capture():
 
 
 @gpu
+def test_default_backend_is_csrc_in_eager_at_small_sizes_and_triton_otherwise():
+    """backend=None with the extension built: csrc for small eager calls, Triton for large tensors
+    and under CUDA-graph capture (checks.choose_default_backend); both give the same values."""
+    x, h, w, b = make_case((4, 50, 768), F32, BF16)
+    x.requires_grad_(True)
+    out, y = ops.residual_layer_norm(x, h, w, b)
+    assert type(out.grad_fn).__name__.startswith("Csrc")
+    want_out, want_y = ops.residual_layer_norm(x, h, w, b, backend="triton")
+    assert type(want_out.grad_fn).__name__.startswith("Triton")
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(y, want_y, atol=2e-2, rtol=2e-2)  # bf16 y: one rounding apart at most
+    big = torch.empty(ops.checks.CSRC_EAGER_MAX_ELEMENTS // 64 + 1, 64, device="cuda", requires_grad=True)
+    assert type(ops.residual_add(big, big.detach()).grad_fn).__name__.startswith("Triton")
+    x2 = x.detach().clone()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        ops.residual_layer_norm(x2, h, w, b)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert ops.checks.resolve_backend(None, x2) == "triton"
+        ops.residual_layer_norm(x2, h, w, b)
+
+
+@gpu
 def test_public_api_rejects_bad_input_before_the_extension():
     """dres.ops validates in Python before calling dres_cuda, so users get a ValueError/TypeError."""
     x, h, w, b = make_case((2, 3, 64), F32, BF16)

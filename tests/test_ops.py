@@ -595,3 +595,19 @@ def test_gpu_cuda_graph_capture_and_replay():
         eager = step()
         for a, c in zip(static, eager):
             assert torch.equal(a, c)
+
+
+def test_default_backend_follows_the_measurements():
+    """backend=None: csrc in eager at small sizes when built, Triton when compiling, capturing a CUDA
+    graph, on large tensors or without csrc; the reference on CPU (BENCHMARKS.md, "Default backend")."""
+    from dres.ops.checks import CSRC_EAGER_MAX_ELEMENTS, choose_default_backend
+
+    small, large = 12800 * 768, CSRC_EAGER_MAX_ELEMENTS + 1
+    assert choose_default_backend(True, small, False, False, True) == "cuda"
+    assert choose_default_backend(True, CSRC_EAGER_MAX_ELEMENTS, False, False, True) == "cuda"
+    assert choose_default_backend(True, large, False, False, True) == "triton"
+    assert choose_default_backend(True, small, True, False, True) == "triton"  # torch.compile
+    assert choose_default_backend(True, small, False, True, True) == "triton"  # CUDA-graph capture
+    assert choose_default_backend(True, small, False, False, False) == "triton"  # csrc not built
+    assert choose_default_backend(False, small, False, False, True) == "torch"
+    assert ops.checks.resolve_backend(None, torch.zeros(2, 8)) == "torch"

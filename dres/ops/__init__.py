@@ -73,7 +73,11 @@ def layer_norm(x, weight, bias, eps=1e-6, out_dtype=None, backend=None):
 def _op(backend: str, name: str):
     """The callable for op ``name``: the custom op under torch.compile, else the eager fast path."""
     if backend == "cuda":
-        return getattr(torch.ops.dres_cuda, name)
+        if torch.compiler.is_compiling():
+            return getattr(torch.ops.dres_cuda, name)
+        from dres.ops import csrc_backend
+
+        return csrc_backend.EAGER[name]
     from dres.ops import residual_norm  # registers the dres:: custom ops on first use
 
     if torch.compiler.is_compiling():

@@ -12,10 +12,41 @@ REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
 BACKENDS = ("triton", "torch", "cuda")
 
 
+# backend=None on CUDA tensors takes whichever implementation measured faster (BENCHMARKS.md,
+# "Default backend"; H200, 2026-11-26). In eager mode at small sizes the csrc ops win because a C++
+# op launches in microseconds while a Triton launch costs 40-90 us of Python on the device's CPU:
+# 12800x768 forward+backward 243-314 us against 558-672 us. On large tensors the GPU time dominates
+# and Triton's kernels are as fast or faster (65536x768 fp32-residual 381 vs 416 us, 262144x768
+# bf16 999 vs 1410 us); under torch.compile and CUDA-graph capture launch cost is gone and Triton
+# is faster (graphs at 12800x768: 80-115 vs 110-115 us).
+CSRC_EAGER_MAX_ELEMENTS = 1 << 24  # 16.8M: MAE ViT-B/16 encoder residuals at batch 256 are 9.8M
+
+
+def choose_default_backend(is_cuda: bool, numel: int, compiling: bool, capturing: bool, csrc_built: bool) -> str:
+    """The backend ``backend=None`` means for a tensor with these properties."""
+    if not is_cuda:
+        return "torch"
+    if csrc_built and not compiling and not capturing and numel <= CSRC_EAGER_MAX_ELEMENTS:
+        return "cuda"
+    return "triton"
+
+
+def _default_backend(x: torch.Tensor) -> str:
+    if not x.is_cuda:
+        return "torch"
+    if torch.compiler.is_compiling():  # first, so that tracing never looks at sizes or the stream
+        return "triton"
+    from dres.ops import csrc_backend
+
+    return choose_default_backend(True, x.numel(), False, torch.cuda.is_current_stream_capturing(),
+                                  csrc_backend.available())
+
+
 def resolve_backend(backend: str | None, x: torch.Tensor) -> str:
-    """None -> Triton on CUDA tensors, the PyTorch reference elsewhere."""
+    """None -> the measured-faster kernels on CUDA tensors (:func:`choose_default_backend`), the
+    PyTorch reference elsewhere."""
     if backend is None:
-        return "triton" if x.is_cuda else "torch"
+        return _default_backend(x)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":

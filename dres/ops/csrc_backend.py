@@ -44,11 +44,28 @@ def available() -> bool:
     return LOAD_ERROR is None
 
 
+def _below_autograd(op):
+    """``op`` called straight at its CUDA kernel: inside an autograd.Function the Python autograd
+    registration would only redispatch, at tens of microseconds per call."""
+    def call(*args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    return call
+
+
+EAGER: dict = {}
+
+
 def _register() -> None:
     from dres.ops import residual_norm as shared
 
+    c = torch.ops.dres_cuda
     shared.register_fakes("dres_cuda")  # called from this module, the one the C++ library names
-    shared.register_autograd(*(f"dres_cuda::{n}" for n in OPS[:3]), torch.ops.dres_cuda.residual_norm_backward)
+    shared.register_autograd(*(f"dres_cuda::{n}" for n in OPS[:3]), c.residual_norm_backward)
+    # Eager fast path, as for the Triton ops: autograd.Functions around the C++ kernels.
+    EAGER.update(shared.eager_functions("Csrc", _below_autograd(c.residual_norm_backward.default),
+                                        **{n: _below_autograd(getattr(c, n).default) for n in OPS[:3]}))
 
 
 if LOAD_ERROR is None:
