@@ -44,11 +44,14 @@ MODELS = {
         "timm": "timm-style MAE ViT-B/16 (facebookresearch/mae structure, timm Block)",
         "dres_baseline": "dres MAE ViT-B/16, variant baseline (alpha 1)",
         "dres_official": "dres MAE ViT-B/16, variant official, alpha_min 0.6",
+        "dres_baseline_csrc": "dres_baseline on the csrc ops (backend='cuda'; needs DRES_BUILD_CUDA=1)",
+        "dres_official_csrc": "dres_official on the csrc ops (backend='cuda'; needs DRES_BUILD_CUDA=1)",
     },
     "uvit": {
         "plain": "plain PyTorch U-ViT-S/2 (baofff/U-ViT structure, SDPA)",
         "dres": "dres U-ViT-S/2 (alpha 1)",
         "dres_decayed": "dres U-ViT-S/2, alpha_min 0.7",
+        "dres_csrc": "dres U-ViT-S/2 on the csrc ops (backend='cuda'; needs DRES_BUILD_CUDA=1)",
     },
 }
 BASELINE = {"mae": "timm", "uvit": "plain"}
@@ -57,6 +60,13 @@ TRAIN_KEY = ("card", "bench", "model", "mode", "batch", "world_size", "checkpoin
 
 
 def build_model(bench: str, name: str) -> torch.nn.Module:
+    if name.endswith("_csrc"):  # the same model with every fused op on the C++ kernels
+        from dres.nn import set_backend
+        from dres.ops import csrc_backend
+
+        if not csrc_backend.available():
+            raise RuntimeError(f"{name} needs the csrc extension: DRES_BUILD_CUDA=1 pip install -e .")
+        return set_backend(build_model(bench, name[: -len("_csrc")]), "cuda")
     if bench == "mae":
         if name == "timm":
             from benchmarks.baselines import timm_mae_vit_base_patch16
@@ -80,6 +90,18 @@ def build_model(bench: str, name: str) -> torch.nn.Module:
         if name == "dres_decayed":
             return uvit_small_2(alpha_min=0.7)
     raise ValueError(f"unknown model {name!r} for {bench}")
+
+
+# "compile_graphs": torch.compile's reduce-overhead mode (CUDA graphs over the compiled step)
+MODES = ("eager", "compile", "compile_graphs")
+
+
+def compile_for(model: torch.nn.Module, mode: str):
+    if mode == "compile":
+        return torch.compile(model)
+    if mode == "compile_graphs":
+        return torch.compile(model, mode="reduce-overhead")
+    return model
 
 
 def make_batch(bench: str, batch: int, device) -> torch.Tensor:
@@ -183,7 +205,7 @@ def run_one(bench: str, name: str, mode: str, batch: int, args, env: dict, card:
     if not args.no_flops and not fsdp:
         flops = count_flops(bench, model, x)
     opt = make_optimizer(model)
-    fwd = torch.compile(model) if mode == "compile" else model
+    fwd = compile_for(model, mode)
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -461,8 +483,8 @@ def benches(args) -> list[str]:
 
 
 def models_for(bench: str, args) -> list[str]:
-    if not args.models:
-        return list(MODELS[bench])
+    if not args.models:  # the csrc variants only when named: they need the optional extension
+        return [m for m in MODELS[bench] if not m.endswith("_csrc")]
     wanted = [m for m in args.models.split(",") if m]
     unknown = [m for m in wanted if not any(m in MODELS[b] for b in MODELS)]
     if unknown:
@@ -477,8 +499,8 @@ def modes(args) -> list[str]:
         return ["eager"]
     ms = [m for m in args.modes.split(",") if m]
     for m in ms:
-        if m not in ("eager", "compile"):
-            raise SystemExit(f"unknown mode {m!r}; choose eager, compile")
+        if m not in MODES:
+            raise SystemExit(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
     return ms
 
 
@@ -487,7 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", choices=list(MODELS), help="one benchmark (default: both)")
     p.add_argument("--models", help="comma list of model names (mae: timm, dres_baseline, dres_official; "
                                     "uvit: plain, dres, dres_decayed)")
-    p.add_argument("--modes", default="eager,compile", help="comma list of eager, compile")
+    p.add_argument("--modes", default="eager,compile", help="comma list of eager, compile, compile_graphs")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--compile", dest="compile", action="store_true", default=None, help="only torch.compile")
     g.add_argument("--no-compile", dest="compile", action="store_false", help="only eager")
