@@ -13,7 +13,6 @@ names this module (``set_python_module``), so torch imports it whenever it needs
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 
@@ -39,8 +38,8 @@ def _load() -> str | None:
 LOAD_ERROR = _load()
 
 
-@functools.lru_cache(maxsize=None)
 def available() -> bool:
+    # a plain function of a module constant (no lru_cache): torch.compile traces it without warnings
     return LOAD_ERROR is None
 
 
