@@ -198,7 +198,7 @@ def run_one(bench: str, name: str, mode: str, batch: int, args, env: dict, card:
     free_memory()
     model = build_model(bench, name).to(device)
     if fsdp:
-        shard_model(model)
+        shard_model(model, tuned=getattr(args, "fsdp_tuned", False))
     model.train()
     x = make_batch(bench, batch, device)
     flops = None
@@ -306,21 +306,30 @@ def max_batch(bench: str, name: str, checkpointing: bool, start: int, step: int,
 # FSDP2
 
 
-def shard_model(model: torch.nn.Module) -> None:
+def shard_model(model: torch.nn.Module, tuned: bool = False) -> None:
     """FSDP2 with bf16 parameters (fp32 gradient reduction): every attention and MLP module is its
     own unit (dres' blocks are parameter holders the stack calls into, so the branch modules are what
-    runs; the same units are used for the baselines), then the root (norms, embeddings, heads)."""
+    runs; the same units are used for the baselines), then the root (norms, embeddings, heads).
+
+    tuned: keep each unit's parameters gathered from forward to backward (reshard_after_forward=False:
+    one all-gather per unit and step instead of two) and prefetch the next unit's all-gather in the
+    forward (FSDP2 prefetches the backward by itself)."""
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:  # torch < 2.6
         from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for m in list(model.modules()):
+    units = []
+    for m in list(model.modules()):  # registration order = execution order for these models
         cls = type(m).__name__
         if cls in ("Attention", "UViTAttention", "Mlp") or (cls == "Sequential" and _is_uvit_mlp(m)):
-            fully_shard(m, mp_policy=mp)
+            fully_shard(m, mp_policy=mp, reshard_after_forward=not tuned)
+            units.append(m)
     fully_shard(model, mp_policy=mp)
+    if tuned:
+        for unit, nxt in zip(units, units[1:]):
+            unit.set_modules_to_forward_prefetch([nxt])
 
 
 def fsdp_worker(args) -> int:
@@ -341,6 +350,8 @@ def fsdp_worker(args) -> int:
                 dist.barrier()
                 try:
                     rec = run_one(bench, name, mode, batch, args, env, card, 0.0, world_size=world, fsdp=True)
+                    if args.fsdp_tuned:
+                        rec["model"] = f"{name}_fsdp_tuned"
                 except Exception as e:
                     if rank == 0:
                         print(f"FAILED fsdp {bench} {name} {mode}: {type(e).__name__}: {e}", flush=True)
@@ -530,6 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fsdp", action="store_true", help="(under torchrun) FSDP2 throughput on all ranks")
     p.add_argument("--fsdp-scaling", type=int, metavar="N",
                    help="run the FSDP2 measurement under torchrun on 1 GPU and on N GPUs")
+    p.add_argument("--fsdp-tuned", action="store_true",
+                   help="FSDP2 units stay gathered from forward to backward, forward prefetch (models get a _fsdp_tuned suffix)")
     p.add_argument("--out", default=str(common.RESULTS_DIR), help="results folder")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     return p
