@@ -287,7 +287,7 @@ def residual_norm_backward(
     need_dweight: bool,
     need_dbias: bool,
     need_dalpha: bool,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward kernel; returns (dweight fp32, dbias fp32, dalpha fp32) where asked.
 
@@ -299,8 +299,10 @@ def residual_norm_backward(
     need_dweight = need_dweight and g_y is not None
     need_dbias = need_dbias and g_y is not None
     block_m, block_d, num_warps, programs_per_sm = backward_config(D)
-    if config is not None:  # (BLOCK_M, num_warps, programs per SM): for tuning sweeps
-        block_m, num_warps, programs_per_sm = config
+    num_stages = None  # Triton's default software pipelining of the tile loop
+    if config is not None:  # (BLOCK_M, num_warps, programs per SM[, num_stages]): for tuning sweeps
+        block_m, num_warps, programs_per_sm = config[:3]
+        num_stages = config[3] if len(config) > 3 else None
     num_tiles = triton.cdiv(M, block_m)
     programs = persistent_programs(device, num_tiles, programs_per_sm) if M > 0 else 1
     # Every program writes its row of partials; with no rows at all nothing runs, so start at 0.
@@ -332,6 +334,7 @@ def residual_norm_backward(
             HAS_WEIGHT=weight is not None, NEED_DWEIGHT=need_dweight, NEED_DBIAS=need_dbias,
             ALPHA_IS_PTR=alpha_is_ptr, HAS_GRAD_SCALE=grad_scale is not None, NEED_DALPHA=need_dalpha,
             BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
+            **({} if num_stages is None else {"num_stages": num_stages}),
         )
     dweight = dbias = None
     if num_partials:
