@@ -27,7 +27,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, out, mode):
+def _worker(rank, world, port, out, mode, tag, extra):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -37,14 +37,14 @@ def _worker(rank, world, port, out, mode):
     from dres.train.config import build_config
     from dres.train.loop import Trainer
 
-    cfg = build_config("classify", None, OVR + [f"dist={mode}", f"out={out}/{mode}"])
+    cfg = build_config("classify", None, OVR + extra + [f"dist={mode}", f"out={out}/{tag}"])
     tr = Trainer(cfg, TASK, log=lambda m: None).setup()
     tr.fit()
     res = {"losses": [h["loss"] for h in tr.history]}
     if mode == "fsdp":
         tr.save()  # DCP directory (ckpt.format auto under FSDP)
         full = {k: v.full_tensor() for k, v in tr.raw_model.state_dict().items() if hasattr(v, "full_tensor")}
-        cfg2 = build_config("classify", None, OVR + [f"dist={mode}", f"out={out}/{mode}", "seed=5"])
+        cfg2 = build_config("classify", None, OVR + extra + [f"dist={mode}", f"out={out}/{tag}", "seed=5"])
         tr2 = Trainer(cfg2, TASK, log=lambda m: None).setup()
         before = max((tr2.raw_model.state_dict()[k].full_tensor() - v).abs().max().item() for k, v in full.items())
         tr2.resume("auto")
@@ -52,7 +52,7 @@ def _worker(rank, world, port, out, mode):
         res.update(before=before, after=after, step=tr2.step, is_dir=os.path.isdir(tr2.last_good),
                    optim_state=len(tr2.optimizer.state))
     if rank == 0:
-        with open(f"{out}/{mode}.json", "w") as f:
+        with open(f"{out}/{tag}.json", "w") as f:
             json.dump(res, f)
     D.cleanup()
     # Leave without running C++ static destructors: about one run in a few on the 2-core CI machine,
@@ -61,9 +61,10 @@ def _worker(rank, world, port, out, mode):
     os._exit(0)
 
 
-def _launch(world, tmp_path, mode):
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path), mode), nprocs=world, join=True)
-    with open(tmp_path / f"{mode}.json") as f:
+def _launch(world, tmp_path, mode, tag=None, extra=()):
+    tag = tag or mode
+    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path), mode, tag, list(extra)), nprocs=world, join=True)
+    with open(tmp_path / f"{tag}.json") as f:
         return json.load(f)
 
 
@@ -71,12 +72,16 @@ def _launch(world, tmp_path, mode):
 def test_fsdp2_two_cpu_processes_match_one_process_and_dcp_round_trip(tmp_path):
     one = _launch(1, tmp_path, "none")
     two = _launch(2, tmp_path, "fsdp")
-    assert len(one["losses"]) == len(two["losses"]) == 4
-    for a, b in zip(one["losses"], two["losses"]):
+    # fsdp_prefetch: units stay gathered to the backward and prefetch the next; the same math
+    prefetched = _launch(2, tmp_path, "fsdp", "fsdp_prefetch", ["fsdp_prefetch=true"])
+    assert len(one["losses"]) == len(two["losses"]) == len(prefetched["losses"]) == 4
+    for a, b, c in zip(one["losses"], two["losses"], prefetched["losses"]):
         assert abs(a - b) <= 1e-5 * abs(a), (one["losses"], two["losses"])
+        assert abs(a - c) <= 1e-5 * abs(a), (one["losses"], prefetched["losses"])
     # the losses move (training happened), so the match is not vacuous
     assert one["losses"][0] != one["losses"][-1]
     # DCP round trip: a differently seeded model differs before loading and is identical after
     assert two["is_dir"] and two["step"] == 4
     assert two["before"] > 1e-3 and two["after"] == 0.0
     assert two["optim_state"] > 0
+    assert prefetched["step"] == 4 and prefetched["after"] == 0.0

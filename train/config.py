@@ -148,6 +148,7 @@ class Config:
     act_ckpt: str = "none"    # none | full | selective
     dist: str = "none"        # none | ddp | fsdp
     fsdp_param_dtype: str = "bf16"  # bf16 | fp32 (mixed-precision policy of FSDP2)
+    fsdp_prefetch: bool = False  # units keep parameters gathered to the backward + forward prefetch
     device: str = "auto"
     threads: int = 0          # CPU intra-op threads (0: torch default)
     data: DataConfig = field(default_factory=DataConfig)

@@ -127,7 +127,7 @@ class Trainer:
         if n_ac or n_c:
             self.log(f"[dres] activation checkpointing '{cfg.act_ckpt}' on {n_ac} units; compiled {n_c} units")
         if cfg.dist == "fsdp":
-            model = D.apply_fsdp(model, self.info, cfg.fsdp_param_dtype)
+            model = D.apply_fsdp(model, self.info, cfg.fsdp_param_dtype, prefetch=cfg.fsdp_prefetch)
         elif cfg.dist == "ddp" and self.info.world > 1:
             model = D.apply_ddp(model, self.info)
         self.model = model
