@@ -1,57 +1,124 @@
-"""Sweep the backward kernel's launch config (BLOCK_M, warps, programs per SM) and profile one eager step: how kernels/residual_norm.py backward_config was chosen. Run on a GPU: python3 benchmarks/tune_backward.py"""
-import torch, triton
-import dres.ops as ops
-from dres.kernels import residual_norm_forward, residual_norm_backward
+"""Sweep the backward kernel's launch config: how ``kernels/residual_norm.py:backward_config`` was chosen.
 
-def bench(fn, **kw):
-    return triton.testing.do_bench(fn, return_mode="median", **kw) * 1000
+    python -m benchmarks.tune_backward                                   # the shapes below, default sweep
+    python -m benchmarks.tune_backward --shapes 262144x384:bf16,262144x512:fp32 --stages 0,1,2,3,4
+    python -m benchmarks.tune_backward --dry-run                         # the plan, no GPU needed
 
-a = torch.empty(2**28, dtype=torch.float32, device="cuda"); b = torch.empty_like(a)
-ceil = 2 * a.numel() * 4 / bench(lambda: b.copy_(a)) / 1e3
-del a, b
-for rows, dim, xd in [(12800, 768, torch.bfloat16), (262144, 768, torch.bfloat16), (262144, 768, torch.float32), (65536, 384, torch.float32), (65536, 1024, torch.bfloat16)]:
-    x = torch.randn(rows, dim, device="cuda", dtype=xd); h = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16)
-    w = torch.ones(dim, device="cuda"); bb = torch.zeros(dim, device="cuda")
-    go = torch.randn_like(x); gy = torch.randn_like(h)
-    es = x.element_size()
-    bc = rows * dim * (es + 2 + es + es + 2) / ceil / 1e3
-    out = torch.empty_like(x); y = torch.empty_like(h)
-    mean = torch.empty(rows, device="cuda"); rstd = torch.empty(rows, device="cuda")
-    residual_norm_forward(x, h, w, bb, 0.9, 1e-6, None, 1, out, y, mean, rstd)
-    dx = torch.empty_like(x); dh = torch.empty_like(h)
-    res = []
-    bd = triton.next_power_of_2(dim)
-    for bm in [1, 2, 4, 8, 16]:
-        for nw in [2, 4, 8]:
-            if bm * bd / (nw * 32) > 64 or bm * bd / (nw * 32) < 2:
-                continue
-            for pps in [2, 4, 8, 16]:
-                try:
-                    t = bench(lambda: residual_norm_backward(go, gy, out, None, w, mean, rstd, 0.9, None, 1, dx, dh, True, True, False, config=(bm, nw, pps)), warmup=5, rep=20)
-                except Exception as e:
-                    continue
-                res.append((t, bm, nw, pps))
-    res.sort()
-    print(f"{rows}x{dim} x={str(xd)[6:]} bwd at ceiling {bc:.0f}us; best: " + "; ".join(f"{t:.0f}us bm{bm} w{nw} p{pps} ({100*bc/t:.0f}%)" for t, bm, nw, pps in res[:4]))
+About 100 configs per shape at ~1 s each (one compilation per config): narrow with --shapes.
 
-# Where the op's time goes at the small size
-rows, dim = 12800, 768
-x = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-h = torch.randn(rows, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-w = torch.ones(dim, device="cuda", requires_grad=True); bb = torch.zeros(dim, device="cuda", requires_grad=True)
-go = torch.randn_like(x); gy = torch.randn_like(h)
-def step():
-    o, yy = ops.residual_layer_norm(x, h, w, bb, 0.9)
-    torch.autograd.backward((o, yy), (go, gy))
-for _ in range(5): step()
-torch.cuda.synchronize()
-from torch.profiler import profile, ProfilerActivity
-with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    for _ in range(10):
-        step()
-    torch.cuda.synchronize()
-print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
-import time
-torch.cuda.synchronize(); t = time.perf_counter()
-for _ in range(50): step()
-torch.cuda.synchronize(); print("wall per step us", (time.perf_counter() - t) / 50 * 1e6)
+For each shape (rows x D, residual dtype; the branch is bf16) it times the backward alone
+(``residual_norm_backward`` with dweight and dbias, do_bench median) over BLOCK_M x num_warps x
+programs-per-SM x num_stages (0 = Triton's default pipelining), around the current config, and
+prints the current time and the best ones as a fraction of the backward's bytes at the copy ceiling
+measured in the same run (bytes: g_out, g_y and out read, dx and dh written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from benchmarks import common
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DEFAULT_SHAPES = "12800x768:bf16,262144x768:bf16,262144x768:fp32,262144x384:bf16,262144x512:bf16,65536x1024:bf16"
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, str]]:
+    shapes = []
+    for item in filter(None, text.split(",")):
+        try:
+            size, dtype = item.split(":")
+            rows, dim = (int(v) for v in size.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--shapes: {item!r} is not ROWSxD:DTYPE (e.g. 262144x384:bf16)") from None
+        if dtype not in DTYPES:
+            raise SystemExit(f"--shapes: dtype {dtype!r} in {item!r}; choose from {sorted(DTYPES)}")
+        shapes.append((rows, dim, dtype))
+    return shapes
+
+
+def candidates(dim: int, stages: list[int]) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_M, num_warps, programs per SM, num_stages) around backward_config(dim); configs whose
+    threads would hold fewer than 2 or more than 64 values of a tile are left out."""
+    from dres.kernels.residual_norm import backward_config
+
+    block_m, block_d, warps, per_sm = backward_config(dim)
+    out = []
+    for bm, nw, pps, st in itertools.product(sorted({max(1, block_m // 2), block_m, block_m * 2}),
+                                             sorted({max(1, warps // 2), warps, warps * 2}), (4, 8, 16), stages):
+        per_thread = bm * block_d / (nw * 32)
+        if 2 <= per_thread <= 64:
+            out.append((bm, nw, pps, st))
+    return out
+
+
+def sweep(rows: int, dim: int, dtype: str, stages: list[int], ceiling_gbps: float) -> str:
+    from dres.kernels import residual_norm_backward, residual_norm_forward
+    from dres.kernels.residual_norm import backward_config
+
+    dev = "cuda"
+    x = torch.randn(rows, dim, device=dev, dtype=DTYPES[dtype])
+    h = torch.randn(rows, dim, device=dev, dtype=torch.bfloat16)
+    w, b = torch.ones(dim, device=dev), torch.zeros(dim, device=dev)
+    g_out, g_y = torch.randn_like(x), torch.randn_like(h)
+    out, y = torch.empty_like(x), torch.empty_like(h)
+    mean, rstd = torch.empty(rows, device=dev), torch.empty(rows, device=dev)
+    residual_norm_forward(x, h, w, b, 0.9, 1e-6, None, 1, out, y, mean, rstd)
+    dx, dh = torch.empty_like(x), torch.empty_like(h)
+    at_ceiling_us = common.us_at_ceiling(rows * dim * (3 * x.element_size() + 2 * h.element_size()), ceiling_gbps)
+
+    def time_config(config):
+        return common.do_bench_median_us(lambda: residual_norm_backward(
+            g_out, g_y, out, None, w, mean, rstd, 0.9, None, 1, dx, dh, True, True, False, config=config),
+            warmup_ms=5, rep_ms=30)
+
+    block_m, _, warps, per_sm = backward_config(dim)
+    current = time_config((block_m, warps, per_sm))
+    results = []
+    for bm, nw, pps, st in candidates(dim, stages):
+        try:
+            results.append((time_config((bm, nw, pps) + ((st,) if st else ())), bm, nw, pps, st))
+        except Exception as e:  # e.g. out of shared memory / registers for this tile
+            print(f"  skipped bm{bm} w{nw} p{pps} s{st}: {type(e).__name__}", flush=True)
+    results.sort()
+    best = "; ".join(f"{t:.0f} us bm{bm} w{nw} p{pps} s{st or 'default'} ({100 * at_ceiling_us / t:.0f}%)"
+                     for t, bm, nw, pps, st in results[:4])
+    return (f"{rows}x{dim} x={dtype}: at ceiling {at_ceiling_us:.0f} us; current {current:.0f} us "
+            f"({100 * at_ceiling_us / current:.0f}%); best: {best}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of ROWSxD:DTYPE (residual dtype)")
+    p.add_argument("--stages", default="0", help="comma list of num_stages to try (0: Triton's default)")
+    p.add_argument("--dry-run", action="store_true", help="print the configs per shape and exit")
+    args = p.parse_args(argv)
+    shapes = parse_shapes(args.shapes)
+    try:
+        stages = [int(s) for s in args.stages.split(",") if s]
+    except ValueError:
+        raise SystemExit(f"--stages: {args.stages!r} is not a comma list of integers") from None
+    if args.dry_run:
+        for rows, dim, dtype in shapes:
+            print(f"{rows}x{dim} x={dtype}: {len(candidates(dim, stages))} configs")
+        return 0
+    if not torch.cuda.is_available():
+        print("tune_backward needs a CUDA GPU (--dry-run shows the plan)", file=sys.stderr)
+        return 2
+    ceiling = common.copy_ceiling_gbps()
+    print(f"# copy ceiling {ceiling:.0f} GB/s", flush=True)
+    for rows, dim, dtype in shapes:
+        print(sweep(rows, dim, dtype, stages, ceiling), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

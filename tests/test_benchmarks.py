@@ -290,3 +290,21 @@ def test_checkpointing_keeps_gradients():
         bt.loss_fn("uvit", model, x).backward()
     for p1, p2 in zip(m.parameters(), m2.parameters()):
         torch.testing.assert_close(p1.grad, p2.grad)
+
+
+def test_tune_backward_plan_and_bad_shapes(capsys):
+    from benchmarks import tune_backward as tb
+
+    assert tb.main(["--dry-run", "--shapes", "262144x384:bf16,12800x768:fp32", "--stages", "0,2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["262144x384 x=bf16", "12800x768 x=fp32"]
+    for dim in (384, 768):  # every candidate keeps 2..64 values of a tile per thread
+        block_d = 1 << (dim - 1).bit_length()  # the next power of two, as the kernels pad D
+        configs = tb.candidates(dim, [0, 2])
+        assert configs
+        for bm, nw, pps, st in configs:
+            assert 2 <= bm * block_d / (nw * 32) <= 64 and st in (0, 2) and pps in (4, 8, 16)
+    with pytest.raises(SystemExit, match="ROWSxD:DTYPE"):
+        tb.main(["--dry-run", "--shapes", "12x3"])
+    with pytest.raises(SystemExit, match="dtype 'fp64'"):
+        tb.main(["--dry-run", "--shapes", "8x8:fp64"])
