@@ -308,3 +308,26 @@ def test_tune_backward_plan_and_bad_shapes(capsys):
         tb.main(["--dry-run", "--shapes", "12x3"])
     with pytest.raises(SystemExit, match="dtype 'fp64'"):
         tb.main(["--dry-run", "--shapes", "8x8:fp64"])
+
+
+def test_profile_train_groups_kernels_by_name():
+    from benchmarks import profile_train as pt
+
+    names = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
+        "nvjet_tst_192x192_64x4_2x1_v_bz_coopA_TNT": "matmul",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel": "attention",
+        "_residual_norm_bwd_kernel": "dres fused ops",
+        "_sum_partials_kernel": "dres fused ops",
+        "triton_per_fused__to_copy_add_native_layer_norm_7": "inductor norm",
+        "triton_poi_fused_gelu_gelu_backward_3": "inductor other",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL": "communication",
+        "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>": pt.OTHER,
+    }
+    for name, cat in names.items():
+        assert pt.categorize(name) == cat, name
+    rec = {"bench": "mae", "model": "timm", "mode": "compile", "fsdp": False, "world_size": 1,
+           "wall_us_per_step": 50000.0, "gpu_busy_pct": 90.0, "categories_us": {"matmul": 22000.0}}
+    table = pt.markdown([rec], "h200")
+    assert "| mae timm | compile | 1 | 50.0 | 90 |" in table and "| 22.0 |" in table
