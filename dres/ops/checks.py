@@ -15,9 +15,9 @@ BACKENDS = ("triton", "torch", "cuda")
 # backend=None on CUDA tensors takes whichever implementation measured faster (BENCHMARKS.md,
 # "Default backend"; H200, 2026-11-26). In eager mode at small sizes the csrc ops win because a C++
 # op launches in microseconds while a Triton launch costs 40-90 us of Python on the device's CPU:
-# 12800x768 forward+backward 243-314 us against 558-672 us. On large tensors the GPU time dominates
-# and Triton's kernels are as fast or faster (65536x768 fp32-residual 381 vs 416 us, 262144x768
-# bf16 999 vs 1410 us); under torch.compile and CUDA-graph capture launch cost is gone and Triton
+# 12800x768 forward+backward 189-261 us against 604-803 us (back-to-back loop). On large tensors the
+# GPU time dominates and Triton's kernels are faster (262144x768 bf16 997 vs 1410 us; 65536x768 is a
+# toss-up between runs); under torch.compile and CUDA-graph capture launch cost is gone and Triton
 # is faster (graphs at 12800x768: 80-115 vs 110-115 us).
 CSRC_EAGER_MAX_ELEMENTS = 1 << 24  # 16.8M: MAE ViT-B/16 encoder residuals at batch 256 are 9.8M
 
