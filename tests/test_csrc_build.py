@@ -3,10 +3,13 @@ into a temporary folder (the checkout is not touched; about 25-45 s of nvcc on t
 it in a fresh process to check what can be checked without a device: the four ops are registered
 with the Triton ops' schemas, and their argument checks raise errors that name the argument.
 
-Skipped where there is no nvcc or torch is a CPU-only build (the extension cannot be built there;
-``DRES_BUILD_CUDA=1`` would say so)."""
+Skipped where there is no nvcc, torch is a CPU-only build, or nvcc's CUDA major version differs
+from torch's (the extension cannot be built there; ``DRES_BUILD_CUDA=1`` would say so)."""
+
+from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,8 +21,19 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.skipif(torch.version.cuda is None or shutil.which("nvcc") is None,
-                                reason="needs nvcc and a CUDA build of torch")
+def _why_not_buildable() -> str | None:
+    """Why this machine cannot build the extension, or None. torch refuses an nvcc whose major
+    version differs from the CUDA torch was built with: that is the machine's setup, not a bug."""
+    nvcc = shutil.which("nvcc")
+    if torch.version.cuda is None or nvcc is None:
+        return "needs nvcc and a CUDA build of torch"
+    found = re.search(r"release (\d+)\.", subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout)
+    if found and found.group(1) != torch.version.cuda.split(".")[0]:
+        return f"nvcc is CUDA {found.group(1)}.x but torch was built with CUDA {torch.version.cuda}"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_why_not_buildable() is not None, reason=str(_why_not_buildable()))
 
 CHECK_LOADED = textwrap.dedent("""
     import sys, torch
