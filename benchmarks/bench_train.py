@@ -310,26 +310,16 @@ def shard_model(model: torch.nn.Module, tuned: bool = False) -> None:
     """FSDP2 with bf16 parameters (fp32 gradient reduction): every attention and MLP module is its
     own unit (dres' blocks are parameter holders the stack calls into, so the branch modules are what
     runs; the same units are used for the baselines), then the root (norms, embeddings, heads).
+    tuned: the trainer's ``fsdp_prefetch`` (dres.train.distributed.fully_shard_units)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    tuned: keep each unit's parameters gathered from forward to backward (reshard_after_forward=False:
-    one all-gather per unit and step instead of two) and prefetch the next unit's all-gather in the
-    forward (FSDP2 prefetches the backward by itself)."""
-    try:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    except ImportError:  # torch < 2.6
-        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    from dres.train.distributed import fully_shard_units
 
+    units = [m for m in model.modules()  # registration order = execution order for these models
+             if type(m).__name__ in ("Attention", "UViTAttention", "Mlp")
+             or (type(m).__name__ == "Sequential" and _is_uvit_mlp(m))]
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    units = []
-    for m in list(model.modules()):  # registration order = execution order for these models
-        cls = type(m).__name__
-        if cls in ("Attention", "UViTAttention", "Mlp") or (cls == "Sequential" and _is_uvit_mlp(m)):
-            fully_shard(m, mp_policy=mp, reshard_after_forward=not tuned)
-            units.append(m)
-    fully_shard(model, mp_policy=mp)
-    if tuned:
-        for unit, nxt in zip(units, units[1:]):
-            unit.set_modules_to_forward_prefetch([nxt])
+    fully_shard_units(model, units, mp, prefetch=tuned)
 
 
 def fsdp_worker(args) -> int:

@@ -171,29 +171,37 @@ def apply_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
         model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
 
 
-def apply_fsdp(model: nn.Module, info: DistInfo, param_dtype="bf16", prefetch: bool = False) -> nn.Module:
-    """FSDP2: ``fully_shard`` each unit, then the root (which holds embeddings, norms, heads).
-    Mixed precision: parameters gathered in bf16 for compute, gradients reduced in fp32; the
-    sharded master parameters and optimizer states stay fp32.
+def fully_shard_units(model: nn.Module, units: list[nn.Module], mp_policy, prefetch: bool = False,
+                      mesh=None) -> nn.Module:
+    """``fully_shard`` each of ``units`` (listed in execution order), then the root ``model``.
 
     prefetch: each unit keeps its gathered parameters from forward to backward (one all-gather per
     unit and step instead of two, at the memory of the gathered units) and starts the next unit's
     all-gather during its own forward. On 2 x H200 (MAE ViT-B/16, eager) it raised the two-GPU rate
     1.06-1.27x (BENCHMARKS.md, Target 5)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(info.device.type, (info.world,))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if param_dtype == "bf16" else torch.float32,
-                              reduce_dtype=torch.float32)
-    units = parallel_units(model)  # in execution order (encoder blocks, then decoder blocks)
     for u in units:
-        fully_shard(u, mesh=mesh, mp_policy=mp, reshard_after_forward=not prefetch)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(u, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=not prefetch)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     if prefetch:
         for unit, nxt in zip(units, units[1:]):
             unit.set_modules_to_forward_prefetch([nxt])
     return model
+
+
+def apply_fsdp(model: nn.Module, info: DistInfo, param_dtype="bf16", prefetch: bool = False) -> nn.Module:
+    """FSDP2 over :func:`parallel_units` (in execution order: encoder blocks, then decoder blocks)
+    and the root (which holds embeddings, norms, heads); ``prefetch`` as in :func:`fully_shard_units`.
+    Mixed precision: parameters gathered in bf16 for compute, gradients reduced in fp32; the
+    sharded master parameters and optimizer states stay fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = init_device_mesh(info.device.type, (info.world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if param_dtype == "bf16" else torch.float32,
+                              reduce_dtype=torch.float32)
+    return fully_shard_units(model, parallel_units(model), mp, prefetch=prefetch, mesh=mesh)
 
 
 def set_grad_sync(model: nn.Module, enabled: bool):
