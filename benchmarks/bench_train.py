@@ -190,6 +190,32 @@ def time_steps(step, steps: int) -> list[float]:
     return [start.elapsed_time(end) for start, end in events]
 
 
+def first_training_step(bench: str, model: torch.nn.Module, mode: str, x: torch.Tensor, fsdp: bool):
+    """``(step, optimizer kind)`` after running the first step: ``step()`` is one bf16-autocast
+    forward + backward + fused AdamW step + zero_grad of ``model`` (compiled per ``mode``) on ``x``.
+    Under FSDP2, on a torch whose fused AdamW rejects DTensor parameters, the step falls back to the
+    foreach kernel, the next fastest; the kind says which runs."""
+    fwd = compile_for(model, mode)
+    opt = make_optimizer(model)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(bench, fwd, x)
+        loss.backward()
+        opt.step()  # `opt` is looked up at call time, so the fallback below is used
+        opt.zero_grad(set_to_none=True)
+
+    try:
+        step()
+        return step, "fused"
+    except Exception:
+        if not fsdp:
+            raise
+        opt = make_optimizer(model, fused=False)
+        step()
+        return step, "foreach"
+
+
 def run_one(bench: str, name: str, mode: str, batch: int, args, env: dict, card: str, peak_tflops: float,
             world_size: int = 1, fsdp: bool = False) -> dict:
     """Images/s, peak memory, FLOPs and MFU of one (model, mode, batch)."""
@@ -204,28 +230,8 @@ def run_one(bench: str, name: str, mode: str, batch: int, args, env: dict, card:
     flops = None
     if not args.no_flops and not fsdp:
         flops = count_flops(bench, model, x)
-    opt = make_optimizer(model)
-    fwd = compile_for(model, mode)
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_fn(bench, fwd, x)
-        loss.backward()
-        opt.step()  # `opt` is looked up at call time, so a replaced optimizer is used
-        opt.zero_grad(set_to_none=True)
-
     t0 = time.time()
-    optimizer_kind = "fused"
-    try:
-        step()
-    except Exception:
-        if not fsdp:
-            raise
-        # A torch whose fused AdamW rejects FSDP2's DTensor parameters: the foreach kernel is the
-        # next fastest; the record says which ran.
-        opt = make_optimizer(model, fused=False)
-        optimizer_kind = "foreach"
-        step()
+    step, optimizer_kind = first_training_step(bench, model, mode, x, fsdp)
     for _ in range(max(1, args.warmup) - 1):
         step()
     torch.cuda.synchronize()
@@ -248,7 +254,7 @@ def run_one(bench: str, name: str, mode: str, batch: int, args, env: dict, card:
         rec["gflop_per_image"] = flops / batch / 1e9
         rec["achieved_tflops"] = flops / (ms / 1e3) / 1e12
         rec["mfu_pct"] = 100 * rec["achieved_tflops"] / peak_tflops if peak_tflops else None
-    del model, opt, fwd, x
+    del model, step, x
     free_memory()
     return rec
 

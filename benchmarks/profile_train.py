@@ -4,7 +4,9 @@ of ``bench_train`` side by side (the profile behind the gaps of targets 3-5 in B
     python -m benchmarks.profile_train --bench mae --models timm,dres_baseline --mode compile
     torchrun --nproc-per-node 2 -m benchmarks.profile_train --bench mae --models timm --mode eager --fsdp
 
-Each model: build, (compile,) warm up, then ``torch.profiler`` over ``--steps`` steps. Kernels are
+Each model: build, (compile,) warm up, then ``torch.profiler`` over ``--steps`` steps of exactly the
+step ``bench_train`` times (``bench_train.first_training_step``: fused AdamW, foreach where FSDP2's
+DTensors need it; the record says which). Kernels are
 grouped by name into matmul, attention, dres fused ops, Inductor norm kernels (the unfused add +
 LayerNorm as Inductor fuses it), other Inductor kernels, optimizer, communication (NCCL) and other
 (eager elementwise, copies). ``gpu_busy_pct`` = summed kernel time / wall time: below 100% the GPU
@@ -65,17 +67,8 @@ def profile_model(bench: str, name: str, mode: str, batch: int, steps: int, warm
         bench_train.shard_model(model)
     model.train()
     x = bench_train.make_batch(bench, batch, device)
-    opt = bench_train.make_optimizer(model, fused=not fsdp)
-    fwd = bench_train.compile_for(model, mode)
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = bench_train.loss_fn(bench, fwd, x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(warmup):
+    step, optimizer_kind = bench_train.first_training_step(bench, model, mode, x, fsdp)  # the benchmark's step
+    for _ in range(max(1, warmup) - 1):
         step()
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
@@ -96,9 +89,9 @@ def profile_model(bench: str, name: str, mode: str, batch: int, steps: int, warm
         by_cat[cat] = by_cat.get(cat, 0.0) + t / steps
         top.append((t / steps, evt.key))
     busy = sum(by_cat.values())
-    del model, opt, x, fwd
+    del model, x, step
     bench_train.free_memory()
-    return {"bench": bench, "model": name, "mode": mode, "batch": batch, "fsdp": fsdp,
+    return {"bench": bench, "model": name, "mode": mode, "batch": batch, "fsdp": fsdp, "optimizer": optimizer_kind,
             "world_size": int(os.environ.get("WORLD_SIZE", "1")), "wall_us_per_step": wall_us,
             "gpu_kernel_us_per_step": busy, "gpu_busy_pct": 100.0 * busy / wall_us,
             "categories_us": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
@@ -123,17 +116,16 @@ def main(argv=None) -> int:
     p.add_argument("--mode", choices=bench_train.MODES, default="compile")
     p.add_argument("--batch", type=int, help="batch per GPU (default: the benchmark's)")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=4, help="steps before profiling, the first included (at least one runs)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 as bench_train shards it (run under torchrun)")
     p.add_argument("--out", default=str(common.RESULTS_DIR))
     args = p.parse_args(argv)
+    names = bench_train.models_for(args.bench, args)  # as bench_train: csrc variants only when named
+    if not names:
+        p.error(f"--models: none of {args.models} is a {args.bench} model; known: {list(bench_train.MODELS[args.bench])}")
     if not torch.cuda.is_available():
         print("profile_train needs a CUDA GPU", file=sys.stderr)
         return 2
-    names = args.models.split(",") if args.models else list(bench_train.MODELS[args.bench])
-    unknown = [n for n in names if n not in bench_train.MODELS[args.bench]]
-    if unknown:
-        p.error(f"--models: unknown {unknown} for {args.bench}; known: {list(bench_train.MODELS[args.bench])}")
     rank = 0
     if args.fsdp:
         import torch.distributed as dist

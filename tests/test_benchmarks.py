@@ -331,3 +331,11 @@ def test_profile_train_groups_kernels_by_name():
            "wall_us_per_step": 50000.0, "gpu_busy_pct": 90.0, "categories_us": {"matmul": 22000.0}}
     table = pt.markdown([rec], "h200")
     assert "| mae timm | compile | 1 | 50.0 | 90 |" in table and "| 22.0 |" in table
+
+
+def test_profile_train_rejects_models_of_another_benchmark(capsys):
+    from benchmarks import profile_train as pt
+
+    with pytest.raises(SystemExit):
+        pt.main(["--bench", "mae", "--models", "plain"])
+    assert "none of plain is a mae model" in capsys.readouterr().err
