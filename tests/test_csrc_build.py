@@ -33,7 +33,8 @@ def _why_not_buildable() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_why_not_buildable() is not None, reason=str(_why_not_buildable()))
+WHY_NOT_BUILDABLE = _why_not_buildable()  # once: it runs nvcc
+pytestmark = pytest.mark.skipif(WHY_NOT_BUILDABLE is not None, reason=str(WHY_NOT_BUILDABLE))
 
 CHECK_LOADED = textwrap.dedent("""
     import sys, torch
