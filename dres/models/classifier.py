@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dres.models.vit import ViTEncoder
+from dres.models.vit import ViTEncoder, build_from_config
 from dres.nn import ResidualDroppath
 
 
@@ -58,6 +58,4 @@ CLASSIFIER_CONFIGS: dict[str, dict] = {
 
 
 def create_classifier(name: str, **overrides) -> ViTClassifier:
-    if name not in CLASSIFIER_CONFIGS:
-        raise KeyError(f"unknown classifier config {name!r}; known: {sorted(CLASSIFIER_CONFIGS)}")
-    return ViTClassifier(**{**CLASSIFIER_CONFIGS[name], **overrides})
+    return build_from_config(ViTClassifier, CLASSIFIER_CONFIGS, "classifier", name, overrides)

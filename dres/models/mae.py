@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dres.models.vit import ViTEncoder
+from dres.models.vit import ViTEncoder, build_from_config
 from dres.nn import ResidualDroppath, TransformerStack, init_vit_weights, sincos_2d
 
 VARIANTS = ("baseline", "official", "paper")
@@ -241,9 +241,7 @@ MAE_CONFIGS: dict[str, dict] = {
 
 def create_mae(name: str, **overrides) -> MAE:
     """``MAE(**MAE_CONFIGS[name], **overrides)``, e.g. ``create_mae("mae_vit_base_patch16", variant="official", alpha_min=0.6)``."""
-    if name not in MAE_CONFIGS:
-        raise KeyError(f"unknown MAE config {name!r}; known: {sorted(MAE_CONFIGS)}")
-    return MAE(**{**MAE_CONFIGS[name], **overrides})
+    return build_from_config(MAE, MAE_CONFIGS, "MAE", name, overrides)
 
 
 def mae_vit_small_patch16(**overrides) -> MAE:

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from dres.models.vit import build_from_config
 from dres.nn import (PatchEmbed, ResidualDroppath, TransformerStack, build_droppath, decay_schedule,
                      describe_schedule)
 
@@ -172,9 +173,7 @@ UVIT_CONFIGS: dict[str, dict] = {
 
 
 def create_uvit(name: str, **overrides) -> UViT:
-    if name not in UVIT_CONFIGS:
-        raise KeyError(f"unknown U-ViT config {name!r}; known: {sorted(UVIT_CONFIGS)}")
-    return UViT(**{**UVIT_CONFIGS[name], **overrides})
+    return build_from_config(UViT, UVIT_CONFIGS, "U-ViT", name, overrides)
 
 
 def uvit_small_2(**overrides) -> UViT:

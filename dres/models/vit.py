@@ -104,3 +104,11 @@ class ViTEncoder(nn.Module):
         y, outputs = self.run_blocks(tokens, collect=(k,))
         x = y if (k == self.depth - 1 and self.transformer.norm is not None) else outputs[k]
         return {"cls": x[:, 0], "mean": x[:, 1:].mean(dim=1)}
+
+
+def build_from_config(cls, configs: dict, kind: str, name: str, overrides: dict):
+    """``cls(**configs[name], **overrides)``: the ``create_*`` functions of every model; an unknown
+    ``name`` raises KeyError listing the known ones."""
+    if name not in configs:
+        raise KeyError(f"unknown {kind} config {name!r}; known: {sorted(configs)}")
+    return cls(**{**configs[name], **overrides})
