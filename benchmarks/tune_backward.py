@@ -53,7 +53,8 @@ def candidates(dim: int, stages: list[int]) -> list[tuple[int, int, int, int]]:
     block_m, block_d, warps, per_sm = backward_config(dim)
     out = []
     for bm, nw, pps, st in itertools.product(sorted({max(1, block_m // 2), block_m, block_m * 2}),
-                                             sorted({max(1, warps // 2), warps, warps * 2}), (4, 8, 16), stages):
+                                             sorted({max(1, warps // 4), max(1, warps // 2), warps, warps * 2}),
+                                             (2, 4, 8, 16), stages):
         per_thread = bm * block_d / (nw * 32)
         if 2 <= per_thread <= 64:
             out.append((bm, nw, pps, st))
@@ -89,6 +90,8 @@ def sweep(rows: int, dim: int, dtype: str, stages: list[int], ceiling_gbps: floa
         except Exception as e:  # e.g. out of shared memory / registers for this tile
             print(f"  skipped bm{bm} w{nw} p{pps} s{st}: {type(e).__name__}", flush=True)
     results.sort()
+    for t, bm, nw, pps, st in results:
+        print(f"    {t:7.0f} us  bm{bm} w{nw} p{pps} s{st or 'default'}", flush=True)
     best = "; ".join(f"{t:.0f} us bm{bm} w{nw} p{pps} s{st or 'default'} ({100 * at_ceiling_us / t:.0f}%)"
                      for t, bm, nw, pps, st in results[:4])
     return (f"{rows}x{dim} x={dtype}: at ceiling {at_ceiling_us:.0f} us; current {current:.0f} us "

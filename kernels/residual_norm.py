@@ -22,6 +22,7 @@ launchers only: no autograd, no modules (those live in ``dres.ops``).
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import triton
@@ -206,11 +207,19 @@ def launch_config(dim: int, max_elem_bytes: int = 4) -> tuple[int, int, int]:
 def backward_config(dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_D, num_warps, programs per SM) for the backward.
 
-    From a sweep on an H200 (2026-11-26; 12800-262144 rows, D 384-1024): tiles of ~4096 elements,
-    one warp per 1024 of them (32 fp32 values per thread per tensor), 8 programs per SM so that
-    enough loads are in flight; more warps or fewer programs lost 5-20%.
+    From ``python -m benchmarks.tune_backward`` on an H200 (2026-11-26, 12800-262144 rows, D 384-1024,
+    bf16 and fp32 residual, BLOCK_M x warps x programs/SM x num_stages): for BLOCK_D 512-1024 the best
+    or within 2% of the best config everywhere is 8 rows per tile, 64 values of a tile per thread and
+    8 warps per SM in all (D 384 bf16: 324 us against 489 us for the previous 4096-element tiles at 8
+    programs per SM; D 512: 383 against 547; D 1024: 189 against 204); num_stages made no difference.
+    Narrower and wider rows keep the earlier rule (tiles of ~4096 elements, 32 values per thread,
+    8 programs per SM), which that sweep did not cover.
     """
     block_d = triton.next_power_of_2(max(dim, 16))
+    if 512 <= block_d <= 1024:
+        block_m = 8
+        num_warps = block_m * block_d // (64 * 32)
+        return block_m, block_d, num_warps, max(1, 8 // num_warps)
     block_m = max(1, min(64, 4096 // block_d))
     num_warps = max(2, min(16, block_m * block_d // 1024))
     return block_m, block_d, num_warps, 8
@@ -228,6 +237,32 @@ def persistent_programs(device: torch.device, num_tiles: int, programs_per_sm: i
     else:  # the Triton interpreter on CPU: a handful of programs exercises the strided loop
         slots = 4
     return max(1, min(num_tiles, slots))
+
+
+# Scratch for the backward's partial sums, kept between calls: one buffer per (device, stream,
+# thread), grown to the largest request. Reuse is safe because kernels on one stream run in launch
+# order, so a later backward cannot overwrite partials an earlier one has yet to reduce; the
+# thread is in the key because two threads launching on one stream could interleave a backward
+# and a reduction. During CUDA-graph capture the scratch is allocated per call instead: the graph
+# keeps its own copy in its memory pool, and a cached buffer must not be baked into a graph.
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+SCRATCH_MAX_BYTES = 64 << 20  # larger requests (very wide rows) are allocated per call
+
+
+def scratch_buffer(device: torch.device, numel: int) -> torch.Tensor:
+    """A float32 buffer of ``numel`` elements that the caller may overwrite until it returns."""
+    if numel * 4 > SCRATCH_MAX_BYTES:
+        return torch.empty((numel,), dtype=torch.float32, device=device)
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.empty((numel,), dtype=torch.float32, device=device)
+        key = (device.type, device.index, torch.cuda.current_stream(device).stream_id, threading.get_ident())
+    else:
+        key = (device.type, device.index, 0, threading.get_ident())
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[key] = torch.empty((numel,), dtype=torch.float32, device=device)
+    return buf[:numel]
 
 
 def residual_norm_forward(
@@ -305,15 +340,22 @@ def residual_norm_backward(
         num_stages = config[3] if len(config) > 3 else None
     num_tiles = triton.cdiv(M, block_m)
     programs = persistent_programs(device, num_tiles, programs_per_sm) if M > 0 else 1
-    # Every program writes its row of partials; with no rows at all nothing runs, so start at 0.
-    # dweight and dbias partials share one buffer so that one reduction launch sums both.
-    alloc = torch.empty if M > 0 else torch.zeros
+    # dweight and dbias partials share one buffer so that one reduction launch sums both; with
+    # dalpha's per-row sums they live in reusable scratch (every program writes its whole row of
+    # partials before the reduction reads it, and every row's dalpha term is written). With no
+    # rows at all nothing runs, so the scratch starts at 0.
     f32 = dict(dtype=torch.float32, device=device)
     num_partials = int(need_dweight) + int(need_dbias)
-    partials = alloc((num_partials, programs, D), **f32) if num_partials else None
+    partials_numel = num_partials * programs * D
+    scratch_numel = partials_numel + (M if need_dalpha else 0)
+    if M == 0:
+        scratch = torch.zeros((scratch_numel,), **f32)
+    else:
+        scratch = scratch_buffer(device, scratch_numel) if scratch_numel else None
+    partials = scratch[:partials_numel].view(num_partials, programs, D) if num_partials else None
     dweight_part = partials[0] if need_dweight else None
     dbias_part = partials[num_partials - 1] if need_dbias else None
-    dalpha_row = alloc((M,), **f32) if need_dalpha else None
+    dalpha_row = scratch[partials_numel:] if need_dalpha else None
     if M > 0:
         alpha_is_ptr = isinstance(alpha, torch.Tensor)
         dummy = dx

@@ -333,6 +333,33 @@ def test_weight_gradients_are_deterministic(triton_device):
         assert torch.equal(a, c)
 
 
+def test_backward_scratch_is_reused_and_fully_rewritten(triton_device):
+    """The backward's partial sums live in scratch kept between calls (no allocation per call): a
+    second call reuses the buffer, and stale contents (poisoned with NaN here) never leak into
+    the weight gradients or dalpha."""
+    from dres.kernels import residual_norm as kernels
+
+    torch.manual_seed(17)
+    x, h, w, b = make_case((5, 41, 96), F32, BF16, triton_device)
+    alpha = torch.tensor(0.7, device=triton_device)
+    cot = (torch.randn(5, 41, 96, device=triton_device), torch.randn(5, 41, 96, device=triton_device).to(BF16))
+
+    def gradients():
+        xl, hl, wl, bl, al = leaves(x, h, w, b, alpha)
+        out, y = ops.residual_layer_norm(xl, hl, wl, bl, al, backend="triton")
+        return grads((out, y), cot, (xl, hl, wl, bl, al))
+
+    first = gradients()
+    buffers = {key: buf.data_ptr() for key, buf in kernels._SCRATCH.items()}
+    assert buffers, "the backward allocated no scratch to reuse"
+    for buf in kernels._SCRATCH.values():
+        buf.fill_(float("nan"))
+    second = gradients()
+    assert {key: buf.data_ptr() for key, buf in kernels._SCRATCH.items()} == buffers
+    for name, a, c in zip(("dx", "dh", "dweight", "dbias", "dalpha"), first, second):
+        assert torch.equal(a, c), f"{name} changed when the scratch held stale values"
+
+
 def test_unused_out_or_y(triton_device):
     """Only y used (the residual stream unused later) or only out used: the missing gradient is zero."""
     x, h, w, b = make_case((12, 32), F32, F32, triton_device)
