@@ -46,6 +46,8 @@ MODELS = {
         "dres_official": "dres MAE ViT-B/16, variant official, alpha_min 0.6",
         "dres_baseline_csrc": "dres_baseline on the csrc ops (backend='cuda'; needs DRES_BUILD_CUDA=1)",
         "dres_official_csrc": "dres_official on the csrc ops (backend='cuda'; needs DRES_BUILD_CUDA=1)",
+        "dres_baseline_fused": "dres_baseline with the fused MLP and MAE loss also under torch.compile",
+        "dres_baseline_unfused": "dres_baseline with the plain MLP and MAE loss also in eager mode",
     },
     "uvit": {
         "plain": "plain PyTorch U-ViT-S/2 (baofff/U-ViT structure, SDPA)",
@@ -59,7 +61,19 @@ DEFAULT_BATCH = {"mae": 256, "uvit": 128}
 TRAIN_KEY = ("card", "bench", "model", "mode", "batch", "world_size", "checkpointing", "kind")
 
 
+# Variants named by a suffix, measured only when named (--models): "_csrc" needs the optional
+# extension; "_fused"/"_unfused" force the branch fusions that are otherwise chosen per mode.
+VARIANT_SUFFIXES = ("_csrc", "_fused", "_unfused")
+
+
 def build_model(bench: str, name: str) -> torch.nn.Module:
+    for suffix, fused in (("_unfused", False), ("_fused", True)):
+        if name.endswith(suffix):  # the fused MLP and MAE loss forced on or off (default: eager only)
+            from dres.nn import set_fused_mlp
+
+            model = set_fused_mlp(build_model(bench, name[: -len(suffix)]), fused)
+            model.fused_loss = fused
+            return model
     if name.endswith("_csrc"):  # the same model with every fused op on the C++ kernels
         from dres.nn import set_backend
         from dres.ops import csrc_backend
@@ -490,8 +504,8 @@ def benches(args) -> list[str]:
 
 
 def models_for(bench: str, args) -> list[str]:
-    if not args.models:  # the csrc variants only when named: they need the optional extension
-        return [m for m in MODELS[bench] if not m.endswith("_csrc")]
+    if not args.models:  # the suffixed variants only when named
+        return [m for m in MODELS[bench] if not m.endswith(VARIANT_SUFFIXES)]
     wanted = [m for m in args.models.split(",") if m]
     unknown = [m for m in wanted if not any(m in MODELS[b] for b in MODELS)]
     if unknown:

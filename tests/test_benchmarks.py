@@ -303,7 +303,7 @@ def test_tune_backward_plan_and_bad_shapes(capsys):
         configs = tb.candidates(dim, [0, 2])
         assert configs
         for bm, nw, pps, st in configs:
-            assert 2 <= bm * block_d / (nw * 32) <= 64 and st in (0, 2) and pps in (4, 8, 16)
+            assert 2 <= bm * block_d / (nw * 32) <= 64 and st in (0, 2) and pps in (2, 4, 8, 16)
     with pytest.raises(SystemExit, match="ROWSxD:DTYPE"):
         tb.main(["--dry-run", "--shapes", "12x3"])
     with pytest.raises(SystemExit, match="dtype 'fp64'"):

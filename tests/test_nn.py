@@ -153,6 +153,38 @@ def test_stack_triton_interpreter_matches_plain(triton_device):
     assert_grads_close(got, want, rtol=1e-3, atol=1e-4)
 
 
+def test_mlp_fused_path_choice(triton_device, monkeypatch):
+    """Mlp: fused=True/False force the path and agree; fused=None (auto) runs dres.ops.fused_mlp in
+    eager mode and the plain chain under torch.compile (Inductor fuses bias+GELU itself);
+    set_fused_mlp and set_backend reach every Mlp of a stack."""
+    import dres.ops
+    from dres.nn import Mlp, set_backend, set_fused_mlp
+
+    torch.manual_seed(3)
+    mlp = perturb_(Mlp(16, 48, backend="triton")).to(triton_device)
+    x = torch.randn(2, 5, 16, device=triton_device)
+    want = plain_mlp(mlp, x)
+    for fused in (True, False):
+        mlp.fused = fused
+        torch.testing.assert_close(mlp(x), want, rtol=1e-4, atol=1e-5)
+
+    calls = []
+    real = dres.ops.fused_mlp
+    monkeypatch.setattr(dres.ops, "fused_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
+    mlp.fused = None
+    mlp(x)
+    assert calls == [1], "auto should take the fused MLP in eager mode"
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(mlp, backend="eager", fullgraph=True)(x), want, rtol=1e-4, atol=1e-5)
+    assert calls == [1], "auto should leave the MLP to the compiler under torch.compile"
+
+    stack = TransformerStack(16, 2, 2, backend="torch")
+    mlps = [blk.mlp for blk in stack.blocks]
+    assert all(m.backend == "torch" and m.fused is None for m in mlps)
+    set_fused_mlp(set_backend(stack, "cuda"), False)
+    assert all(m.backend == "cuda" and m.fused is False for m in mlps)
+
+
 def test_stack_keeps_fp32_stream_under_autocast():
     stack = TransformerStack(16, 2, 2, alphas=decay_schedule(4, 0.7), backend="torch")
     x = torch.randn(2, 3, 16)

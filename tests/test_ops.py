@@ -431,12 +431,13 @@ def test_inductor_lowers_the_ops_through_registered_fallbacks(triton_device, mon
     import torch._inductor.exc as inductor_exc
     from torch._inductor.lowering import lowerings
 
+    import dres.ops.registration as registration
     import dres.ops.residual_norm as rn
 
     names = [f"dres::{n}" for n in rn.FAKE_IMPLS]
     for name in rn.FAKE_IMPLS:  # start from an Inductor that has never seen the ops
         monkeypatch.delitem(lowerings, getattr(torch.ops.dres, name).default, raising=False)
-    monkeypatch.setattr(rn, "_FALLBACKS_REGISTERED", set())
+    monkeypatch.setattr(registration, "FALLBACKS_REGISTERED", set())
     implicit = []
     original = inductor_exc.OperatorIssue.operator_str
     monkeypatch.setattr(inductor_exc.OperatorIssue, "operator_str", staticmethod(
@@ -460,7 +461,7 @@ def test_inductor_lowers_the_ops_through_registered_fallbacks(triton_device, mon
     finally:
         logger.removeHandler(handler)
     assert not [t for t in implicit if any(n.replace("::", ".") in t or n in t for n in names)], implicit
-    assert rn._FALLBACKS_REGISTERED == {"dres"}
+    assert registration.FALLBACKS_REGISTERED == set(names)
     assert all(getattr(torch.ops.dres, n).default in lowerings for n in rn.FAKE_IMPLS)
     want_out, want_y = reference.residual_layer_norm(x, h, w, b)
     torch.testing.assert_close(out, want_out + want_y)

@@ -21,7 +21,9 @@ Decay applies to the encoder only; decoder residuals keep alpha = 1. With ``alph
 ``zero_init=True``) the last Linear of every branch, encoder and decoder, starts at zero.
 
 ``forward(imgs, mask_ratio=None, noise=None) -> (loss, pred, mask)``: loss is the (norm-pix) MSE on
-masked patches, pred ``(B, N, p*p*C)``, mask ``(B, N)`` with 1 = masked.
+masked patches, pred ``(B, N, p*p*C)``, mask ``(B, N)`` with 1 = masked. The loss runs as one fused
+kernel reading the image directly (:func:`dres.ops.mae_loss`) outside torch.compile, and as the
+unfused formula, which Inductor fuses itself, inside it (``fused_loss`` forces either).
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from typing import Optional
 import torch
 from torch import nn
 
+from dres import ops
 from dres.models.vit import ViTEncoder, build_from_config
 from dres.nn import ResidualDroppath, TransformerStack, init_vit_weights, sincos_2d
+from dres.ops.mae_loss import mae_loss_reference, patchify
 
 VARIANTS = ("baseline", "official", "paper")
 
@@ -89,6 +93,7 @@ class MAE(nn.Module):
         zero_init = alpha_min < 1.0 if zero_init is None else zero_init
         self.variant, self.in_chans, self.patch_size = variant, in_chans, patch_size
         self.norm_pix_loss, self.mask_ratio = norm_pix_loss, mask_ratio
+        self.fused_loss: Optional[bool] = None  # None: the fused loss kernel outside torch.compile
 
         # encoder (decayed); the official variant's encoder has no final norm
         self.encoder = ViTEncoder(img_size, patch_size, in_chans, embed_dim, depth, num_heads, mlp_ratio,
@@ -143,11 +148,7 @@ class MAE(nn.Module):
     # ------------------------------------------------------------------------------------------
     def patchify(self, imgs: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> (B, N, p*p*C), MAE's layout."""
-        p, c = self.patch_size, self.in_chans
-        B, _, H, W = imgs.shape
-        h, w = H // p, W // p
-        x = imgs.reshape(B, c, h, p, w, p)
-        return torch.einsum("nchpwq->nhwpqc", x).reshape(B, h * w, p * p * c)
+        return patchify(imgs, self.patch_size)
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N, p*p*C) -> (B, C, H, W)."""
@@ -196,15 +197,13 @@ class MAE(nn.Module):
         return self.decoder_pred(y)[:, 1:, :]
 
     def forward_loss(self, imgs: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        dtype = torch.promote_types(pred.dtype, torch.float32)  # at least fp32 (bf16 under autocast)
-        target = self.patchify(imgs).to(dtype)
-        if self.norm_pix_loss:
-            mean = target.mean(dim=-1, keepdim=True)
-            var = target.var(dim=-1, keepdim=True)
-            target = (target - mean) / (var + 1.0e-6) ** 0.5
-        loss = ((pred.to(dtype) - target) ** 2).mean(dim=-1)
-        mask = mask.to(dtype)
-        return (loss * mask).sum() / mask.sum()
+        """The (norm-pix) MSE on masked patches, in at least fp32 whatever pred's dtype."""
+        fused = (not torch.compiler.is_compiling()) if self.fused_loss is None else self.fused_loss
+        if fused:
+            backend = self.encoder.transformer.backend
+            return ops.mae_loss(pred, imgs, mask, self.patch_size, self.norm_pix_loss,
+                                backend=None if backend == "cuda" else backend)  # no csrc kernel: Triton
+        return mae_loss_reference(pred, imgs, mask, self.patch_size, self.norm_pix_loss)
 
     def forward(self, imgs: torch.Tensor, mask_ratio: Optional[float] = None, noise: Optional[torch.Tensor] = None):
         """``(loss, pred, mask)``; ``noise`` (B, N) fixes the masking (argsort order) when given."""

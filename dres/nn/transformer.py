@@ -77,13 +77,27 @@ class Attention(nn.Module):
 
 
 class Mlp(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int):
+    """``fc2(GELU(fc1(x)))``, plain or through :func:`dres.ops.fused_mlp` (``fused``).
+
+    The fused path adds fc1's bias inside the GELU kernel and recomputes GELU in the backward, so it
+    keeps one (tokens x hidden) activation fewer for the backward. ``fused=None`` (auto) uses it
+    outside torch.compile and leaves compiled graphs to Inductor, which fuses bias+GELU itself
+    (BENCHMARKS.md, "Fusion in the branches"). ``backend`` follows the stack's (set by
+    :func:`set_backend`); the fused MLP has no csrc kernel, so ``"cuda"`` runs it on Triton.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, fused: Optional[bool] = None, backend: Optional[str] = None):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.act = nn.GELU()
         self.fc2 = nn.Linear(hidden_dim, dim)
+        self.fused, self.backend = fused, backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = (not torch.compiler.is_compiling()) if self.fused is None else self.fused
+        if fused:
+            backend = None if self.backend == "cuda" else self.backend
+            return ops.fused_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, backend=backend)
         return self.fc2(self.act(self.fc1(x)))
 
 
@@ -92,12 +106,12 @@ class Block(nn.Module):
     because the residual adds belong to the fused ops that straddle blocks."""
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
-                 attn_impl: str = "sdpa", eps: float = 1e-6):
+                 attn_impl: str = "sdpa", eps: float = 1e-6, backend: Optional[str] = None):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=eps)
         self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_impl=attn_impl)
         self.norm2 = nn.LayerNorm(dim, eps=eps)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), backend=backend)
 
 
 def init_vit_weights(module: nn.Module) -> None:
@@ -127,7 +141,8 @@ class TransformerStack(nn.Module):
                  alphas: Optional[Sequence[float]] = None, final_norm: bool = True, attn_impl: str = "sdpa",
                  eps: float = 1e-6, backend: Optional[str] = None):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(dim, num_heads, mlp_ratio, qkv_bias, attn_impl, eps) for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(dim, num_heads, mlp_ratio, qkv_bias, attn_impl, eps, backend)
+                                    for _ in range(depth))
         self.norm = nn.LayerNorm(dim, eps=eps) if final_norm else None
         alphas = [1.0] * (2 * depth) if alphas is None else [float(a) for a in alphas]
         if len(alphas) != 2 * depth:
@@ -216,6 +231,14 @@ class TransformerStack(nn.Module):
 def set_backend(module: nn.Module, backend: Optional[str]) -> nn.Module:
     """Point every fused stack inside ``module`` at ``backend`` (None, "torch", "triton", "cuda")."""
     for m in module.modules():
-        if hasattr(m, "backend") and (isinstance(m, TransformerStack) or getattr(m, "_dres_fused", False)):
+        if hasattr(m, "backend") and (isinstance(m, (TransformerStack, Mlp)) or getattr(m, "_dres_fused", False)):
             m.backend = backend
+    return module
+
+
+def set_fused_mlp(module: nn.Module, fused: Optional[bool]) -> nn.Module:
+    """Choose the MLP path of every :class:`Mlp` in ``module``: True (fused), False (plain), None (auto)."""
+    for m in module.modules():
+        if isinstance(m, Mlp):
+            m.fused = fused
     return module

@@ -17,9 +17,11 @@ from __future__ import annotations
 import torch
 
 from dres.ops import reference
+from dres.ops.bias_gelu import fused_bias_gelu, fused_mlp
 from dres.ops.checks import check_inputs, resolve_backend
+from dres.ops.mae_loss import mae_loss, mae_loss_reference
 
-__all__ = ["residual_layer_norm", "residual_add", "layer_norm", "reference"]
+__all__ = ["fused_bias_gelu", "fused_mlp", "residual_layer_norm", "residual_add", "layer_norm", "mae_loss", "mae_loss_reference", "reference"]
 
 
 def _alpha_args(alpha):

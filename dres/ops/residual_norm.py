@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from dres.kernels import residual_norm_backward, residual_norm_forward
+from dres.ops.registration import with_inductor_fallbacks
 
 
 def as_rows(t: Tensor) -> Tensor:
@@ -258,43 +259,6 @@ residual_norm_backward_op = torch.library.custom_op("dres::residual_norm_backwar
 # in the kernels behind the ops and in which backward op the autograd formulas call.
 
 
-def register_inductor_fallbacks(namespace: str) -> None:
-    """Give Inductor its fallback lowering for ``namespace``'s ops (run once, at the first fake call).
-
-    Inductor lowers an op it has no lowering for as an "implicit fallback" (a call to the op's
-    kernel), but before torch 2.12 it first formats, eagerly, a log message holding the IR of every
-    input; the IR prints as a tree, so a deep graph feeding the op takes minutes to print (the
-    ViT-B/16 ``official`` MAE compiled for more than 500 s on torch 2.11, 40 s with this). Registering
-    the same fallback, with the layout constraint Inductor would choose, skips that message. The fake
-    kernels run during tracing, before any lowering: a real-Python moment to do it. Internal Inductor
-    API: on a torch where it differs this does nothing and the implicit path is taken.
-    """
-    if namespace in _FALLBACKS_REGISTERED:
-        return
-    _FALLBACKS_REGISTERED.add(namespace)
-    try:
-        from torch._inductor.lowering import lowerings, make_fallback, tag_to_layout_constraint
-        from torch._library.utils import get_layout_constraint_tag
-    except ImportError:
-        return
-    for name in FAKE_IMPLS:
-        op = getattr(getattr(torch.ops, namespace), name).default
-        if op not in lowerings:
-            make_fallback(op, layout_constraint=tag_to_layout_constraint(get_layout_constraint_tag(op)), warn=False)
-
-
-_FALLBACKS_REGISTERED: set[str] = set()
-
-
-def _with_fallbacks(namespace: str, fake):
-    @functools.wraps(fake)
-    def fake_registering_fallbacks(*args, **kwargs):
-        register_inductor_fallbacks(namespace)
-        return fake(*args, **kwargs)
-
-    return fake_registering_fallbacks
-
-
 # Fake (meta) kernels by op name. Each backend registers them itself: torch requires the fake of
 # an op defined in C++ to be registered from the module its library names (set_python_module).
 FAKE_IMPLS = {"residual_layer_norm": _rln_fake, "residual_add": _add_fake, "layer_norm": _ln_fake,
@@ -305,7 +269,8 @@ def register_fakes(namespace: str) -> None:
     """Register FAKE_IMPLS for ``torch.ops.<namespace>``; torch checks the *caller's* module against
     the one a C++ library names (set_python_module), hence ``_stacklevel=2``."""
     for name, fake in FAKE_IMPLS.items():
-        torch.library.register_fake(f"{namespace}::{name}", _with_fallbacks(namespace, fake), _stacklevel=2)
+        fake = with_inductor_fallbacks([f"{namespace}::{n}" for n in FAKE_IMPLS], fake)
+        torch.library.register_fake(f"{namespace}::{name}", fake, _stacklevel=2)
 
 
 def register_autograd(residual_layer_norm, residual_add, layer_norm, backward_op) -> None:

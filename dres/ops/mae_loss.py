@@ -1,0 +1,206 @@
+"""MAE's reconstruction loss (facebookresearch/mae ``forward_loss``) as one fused op.
+
+    loss = mae_loss(pred, imgs, mask, patch_size, norm_pix=True)
+
+    target    = patchify(imgs)                                      (B, L, p*p*C), MAE's (p, q, c) order
+    target    = (target - mean) / sqrt(var + eps)   if norm_pix     (per patch, var unbiased)
+    per_patch = mean over the patch of (pred - target)^2
+    loss      = sum(per_patch * mask) / sum(mask)                   (mask: 1 = masked, counted)
+
+The Triton kernel reads the target straight from ``imgs`` (any strides, no patchify copy) and, in
+the same pass, writes the gradient of the loss w.r.t. ``pred``; the autograd saves only that
+gradient and its backward is ``dpred * grad_output``. ``imgs`` and ``mask`` are data: they get no
+gradient, and passing one that requires grad is an error rather than a silently missing gradient.
+
+Registered as the custom op ``dres::mae_loss`` (``register_fake`` + ``register_autograd``) for
+``torch.compile(fullgraph=True)`` and ``opcheck``; eager calls take a plain autograd.Function, as
+the residual ops do (:data:`dres.ops.residual_norm.EAGER`), because custom-op dispatch costs tens
+of microseconds per call. ``backend="torch"`` (the default on CPU) runs :func:`mae_loss_reference`,
+which is ``forward_loss`` written out (float64-capable).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from dres.ops.checks import KERNEL_DTYPES, REFERENCE_DTYPES, _check_tensor
+from dres.ops.registration import with_inductor_fallbacks
+from dres.ops.reference import _compute_dtype
+
+MAE_LOSS_BACKENDS = ("triton", "torch")
+# mask is any float tensor of weights (normally 0/1) or a bool tensor; it is only read
+MASK_DTYPES = REFERENCE_DTYPES + (torch.bool,)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+
+
+def patchify(imgs: Tensor, patch_size: int) -> Tensor:
+    """(B, C, H, W) -> (B, L, p*p*C) in MAE's layout: column (pp*p + q)*C + c of patch (i, j) is
+    ``imgs[b, c, i*p + pp, j*p + q]`` (the same as ``dres.models.mae.MAE.patchify``)."""
+    p = patch_size
+    B, C, H, W = imgs.shape
+    h, w = H // p, W // p
+    x = imgs.reshape(B, C, h, p, w, p)
+    return torch.einsum("nchpwq->nhwpqc", x).reshape(B, h * w, p * p * C)
+
+
+def mae_loss_reference(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int, norm_pix: bool = True,
+                       eps: float = 1e-6) -> Tensor:
+    """``MAE.forward_loss`` in plain PyTorch: fp32 (fp64 when pred or imgs is fp64), gradients by autograd."""
+    dtype = _compute_dtype(pred, imgs)
+    target = patchify(imgs, patch_size).to(dtype)
+    if norm_pix:
+        mean = target.mean(dim=-1, keepdim=True)
+        var = target.var(dim=-1, keepdim=True)
+        target = (target - mean) / (var + eps) ** 0.5
+    loss = ((pred.to(dtype) - target) ** 2).mean(dim=-1)
+    mask = mask.to(dtype)
+    return (loss * mask).sum() / mask.sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks
+
+
+def _resolve_backend(backend: str | None, pred: Tensor) -> str:
+    """None -> Triton for CUDA tensors, the reference elsewhere (there is no csrc version of this op)."""
+    if backend is None:
+        return "triton" if pred.is_cuda else "torch"
+    if backend not in MAE_LOSS_BACKENDS:
+        raise ValueError(f"backend must be one of {MAE_LOSS_BACKENDS} or None for mae_loss, got {backend!r}")
+    if backend == "triton" and not pred.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (pred is on {pred.device}); set TRITON_INTERPRET=1 to run "
+            "the kernel on the CPU through Triton's interpreter, or use backend='torch'"
+        )
+    return backend
+
+
+def check_mae_loss_inputs(backend: str, pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int,
+                          norm_pix: bool) -> None:
+    """Validate mae_loss's arguments; errors name the argument."""
+    dtypes = REFERENCE_DTYPES if backend == "torch" else KERNEL_DTYPES
+    _check_tensor("pred", pred, dtypes)
+    _check_tensor("imgs", imgs, dtypes)
+    _check_tensor("mask", mask, MASK_DTYPES)
+    if not isinstance(patch_size, int) or isinstance(patch_size, bool):
+        raise TypeError(f"patch_size must be an int, got {type(patch_size).__name__}")
+    if patch_size < 1:
+        raise ValueError(f"patch_size must be positive, got {patch_size}")
+    if imgs.dim() != 4:
+        raise ValueError(f"imgs must have shape (B, C, H, W), got {tuple(imgs.shape)}")
+    B, C, H, W = imgs.shape
+    if H % patch_size or W % patch_size:
+        raise ValueError(f"imgs has H x W = {H} x {W}, not divisible by patch_size = {patch_size}")
+    num_patches, patch_dim = (H // patch_size) * (W // patch_size), patch_size * patch_size * C
+    if tuple(pred.shape) != (B, num_patches, patch_dim):
+        raise ValueError(f"pred has shape {tuple(pred.shape)}; expected (B, L, p*p*C) = {(B, num_patches, patch_dim)} "
+                         f"for imgs of shape {tuple(imgs.shape)} and patch_size {patch_size}")
+    if tuple(mask.shape) != (B, num_patches):
+        raise ValueError(f"mask has shape {tuple(mask.shape)}; expected (B, L) = {(B, num_patches)}")
+    for name, t in (("imgs", imgs), ("mask", mask)):
+        if t.device != pred.device:
+            raise ValueError(f"{name} is on {t.device} but pred is on {pred.device}; all tensors must share one device")
+        if t.requires_grad:
+            raise ValueError(f"{name} requires grad, but mae_loss treats it as data and gives it no gradient; "
+                             f"pass {name}.detach()")
+    if norm_pix and patch_dim == 1:
+        raise ValueError("norm_pix needs more than one value per patch "
+                         "(the unbiased variance of one value is undefined)")
+    if backend != "torch":
+        from dres.kernels.mae_loss import MAX_PATCH_DIM
+
+        if patch_dim > MAX_PATCH_DIM:
+            raise ValueError(f"pred has p*p*C = {patch_dim} values per patch, above the kernel's maximum of "
+                             f"{MAX_PATCH_DIM} (use backend='torch')")
+
+
+# ---------------------------------------------------------------------------------------------
+# The op: (loss, dpred), dpred the gradient of loss w.r.t. pred (empty when not needed)
+
+
+def mae_loss_impl(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int, norm_pix: bool, eps: float,
+                  need_dpred: bool) -> tuple[Tensor, Tensor]:
+    from dres.kernels.mae_loss import mae_loss_forward
+
+    if pred.stride(-1) != 1:
+        pred = pred.contiguous()
+    # A device scalar the kernel reads: no host synchronisation anywhere.
+    mask_sum = mask.sum(dtype=torch.float32)
+    row_terms = torch.empty((pred.shape[0] * pred.shape[1],), dtype=torch.float32, device=pred.device)
+    dpred = torch.empty(pred.shape, dtype=pred.dtype, device=pred.device) if need_dpred else None
+    mae_loss_forward(pred, imgs, mask, mask_sum, patch_size, norm_pix, eps, row_terms, dpred)
+    # mask[r] * loss_r / mask_sum per row; torch's sum over a fixed shape adds in a fixed order: deterministic.
+    loss = row_terms.sum()
+    return loss, dpred if dpred is not None else pred.new_empty((0,))
+
+
+def _mae_loss_fake(pred, imgs, mask, patch_size, norm_pix, eps, need_dpred):
+    dpred = pred.new_empty(pred.shape if need_dpred else (0,))  # contiguous, like the real one
+    return pred.new_empty((), dtype=torch.float32), dpred
+
+
+def _setup(ctx, inputs, output):
+    _, dpred = output
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(dpred)
+    ctx.save_for_backward(dpred)
+
+
+def _backward(ctx, grad_loss, _grad_dpred):
+    if grad_loss is None:
+        return (None,) * 7
+    (dpred,) = ctx.saved_tensors
+    # dpred is the gradient for grad_loss = 1; a 0-dim multiply keeps pred's dtype and never syncs.
+    return dpred * grad_loss, None, None, None, None, None, None
+
+
+mae_loss_op = torch.library.custom_op("dres::mae_loss", mutates_args=())(mae_loss_impl)
+# The fake registers Inductor's fallback lowering of the op first (dres.ops.registration says why).
+torch.library.register_fake("dres::mae_loss", with_inductor_fallbacks(["dres::mae_loss"], _mae_loss_fake))
+torch.library.register_autograd("dres::mae_loss", _backward, setup_context=_setup)
+
+
+class MAELossFunction(torch.autograd.Function):
+    """The eager fast path: the op's body and autograd formulas without custom-op dispatch. The
+    ctx-taking forward (no separate setup_context) avoids per-call argument binding."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = mae_loss_impl(*inputs)
+        _setup(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward(ctx, *grads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public function
+
+
+def mae_loss(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int, norm_pix: bool = True, eps: float = 1e-6,
+             backend: str | None = None) -> Tensor:
+    """MAE's (norm-pix) MSE on the masked patches, as a 0-dim fp32 tensor; gradient into ``pred`` only.
+
+    pred: (B, L, p*p*C) (bf16 under autocast, or fp32/fp16), unit stride along the last dim or it is
+    copied; imgs: (B, C, H, W), any strides; mask: (B, L), 1 = masked (counted). ``backend``: None
+    picks Triton for CUDA tensors and :func:`mae_loss_reference` otherwise; "triton" or "torch" force one.
+    """
+    backend = _resolve_backend(backend, pred)
+    check_mae_loss_inputs(backend, pred, imgs, mask, patch_size, norm_pix)
+    if backend == "torch":
+        return mae_loss_reference(pred, imgs, mask, patch_size, norm_pix, eps)
+    # In evaluation the kernel skips writing the gradient.
+    args = (pred, imgs, mask, patch_size, bool(norm_pix), float(eps), pred.requires_grad and torch.is_grad_enabled())
+    if torch.compiler.is_compiling():
+        loss, _ = mae_loss_op(*args)
+    else:
+        loss, _ = MAELossFunction.apply(*args)
+    return loss
