@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .residual_norm import _sum_partials_kernel, persistent_programs
+from .residual_norm import _sum_partials_kernel, persistent_programs, scratch_buffer
 
 
 @triton.jit
@@ -174,7 +174,11 @@ def bias_gelu_backward(
     strips = max(1, min(row_tiles, programs // col_blocks))
     rows_per_strip = triton.cdiv(row_tiles, strips) * block_m
     strips = triton.cdiv(M, rows_per_strip)  # rounding up rows_per_strip may leave a strip empty
-    partials = torch.empty((strips, N), **f32) if need_dbias else None
+    partials = None
+    if need_dbias and strips == 1:  # one strip: its partial sums are dbias itself, the output
+        partials = torch.empty((1, N), **f32)
+    elif need_dbias:  # in the residual-norm backward's reusable scratch: no allocation per call
+        partials = scratch_buffer(device, strips * N).view(strips, N)
     _bias_gelu_bwd_kernel[(col_blocks, strips)](
         g, pre, bias if bias is not None else pre, dpre, act if act is not None else dpre,
         partials if need_dbias else dpre,

@@ -25,3 +25,16 @@ def pytest_collection_modifyitems(config, items):
 def triton_device():
     """Where the Triton kernels run in this session: the GPU, or the CPU under the interpreter."""
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+@pytest.fixture
+def poisoned_allocations(monkeypatch):
+    """Every floating-point ``torch.empty`` starts filled with NaN while the test runs: a kernel that
+    skips an element of an output leaves a NaN behind."""
+    real_empty = torch.empty
+
+    def poisoned_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned_empty)

@@ -339,3 +339,26 @@ def test_profile_train_rejects_models_of_another_benchmark(capsys):
     with pytest.raises(SystemExit):
         pt.main(["--bench", "mae", "--models", "plain"])
     assert "none of plain is a mae model" in capsys.readouterr().err
+
+
+def test_branch_ops_plan_markdown_and_bad_arguments(capsys):
+    from benchmarks import bench_branch_ops as bb
+
+    assert bb.main(["--dry-run", "--ops", "mae_loss", "--impls", "dres,compile"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"mae_loss {'x'.join(map(str, s))}: dres, compile" for s in bb.LOSS_SHAPES]
+    with pytest.raises(SystemExit, match="--impls: unknown \\['apex'\\]"):
+        bb.main(["--dry-run", "--impls", "apex"])
+    with pytest.raises(SystemExit, match="--ops: unknown"):
+        bb.main(["--dry-run", "--ops", "softmax"])
+    base = dict(card="h200", shape="12800x768x3072", dtype="bf16", torch="2.11", triton="3.6", date="2026-11-26",
+                check_ok=True, check_rel_err=1e-3)
+    records = [dict(base, op="fused_mlp", impl="eager", us=764.0, us_loop=791.5, saved_mib=161.0),
+               dict(base, op="fused_mlp", impl="dres", us=972.6, us_loop=910.9, saved_mib=85.0),
+               dict(base, op="mae_loss", shape="256x224x16", impl="compile", us=322.4, us_loop=348.3,
+                    pct_ceiling=22.5, check_ok=False)]
+    md = bb.markdown(records)
+    rows = [ln for ln in md.splitlines() if ln.startswith("| fused_mlp") or ln.startswith("| mae_loss")]
+    assert rows[0].startswith("| fused_mlp | 12800x768x3072 | dres | 972.6 | 910.9 | 85 MiB")  # dres first
+    assert rows[1].startswith("| fused_mlp | 12800x768x3072 | eager | 764.0")
+    assert rows[2].startswith("| mae_loss | 256x224x16 | compile | 322.4 | 348.3 | 22% |") and "MISMATCH" in rows[2]

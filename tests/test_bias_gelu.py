@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import dres.ops as ops
+from benchmarks.bench_kernels import capture_graph
 from dres.ops import bias_gelu as bg
 from test_ops import BF16, F16, F32, TOLERANCE, assert_close, grads, rel_err
 
@@ -135,18 +136,11 @@ def test_backward_op_recomputes_the_forward_activation(triton_device):
     assert no_act.numel() == 0 and no_dbias.numel() == 0
 
 
-def test_every_output_element_is_written(triton_device, monkeypatch):
+def test_every_output_element_is_written(triton_device, poisoned_allocations):
     """Outputs and the dbias partials start as NaN: an element a kernel skips stays NaN. The shapes
     give several row strips and column blocks, so the partials' reduction runs too."""
     from dres.kernels.bias_gelu import backward_config
 
-    real_empty = torch.empty
-
-    def poisoned_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
     assert backward_config(300)[1] < 300  # more than one column block
     torch.manual_seed(5)
     for rows, hidden in ((129, 37), (129, 300)):
@@ -157,6 +151,18 @@ def test_every_output_element_is_written(triton_device, monkeypatch):
         for name, t in dict(act=act, dpre=dpre, dbias=dbias, act_again=act_again, out=out,
                             **dict(zip(MLP_GRAD_NAMES, mlp_grads))).items():
             assert not torch.isnan(t).any(), f"{name} ({rows}x{hidden}) has unwritten (NaN) elements"
+
+
+def test_dbias_is_not_overwritten_by_later_calls(triton_device):
+    """dbias is an output of its own, never a view of the partial-sum scratch that the next backward
+    reuses: with one row strip (the partials are dbias) and with several (summed from scratch)."""
+    torch.manual_seed(11)
+    for rows in (3, 257):
+        pre, bias = make_pre(rows, 96, BF16, triton_device)
+        dbias = bg.bias_gelu_backward_impl(torch.randn_like(pre), pre, bias, None, True)[2]
+        kept = dbias.clone()
+        bg.bias_gelu_backward_impl(torch.randn_like(pre), pre, bias, None, True)
+        assert torch.equal(dbias, kept), f"{rows} rows: dbias changed under a later call"
 
 
 def test_dbias_is_deterministic(triton_device):
@@ -494,15 +500,7 @@ def test_gpu_cuda_graph_capture_and_replay():
         out = ops.fused_mlp(x, w1, b1, w2, b2)
         return (out, *torch.autograd.grad(out, (x, w1, b1, w2, b2), g))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # warm up: compile the kernels outside the capture
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = capture_graph(step)  # warmed up on a side stream first, as PyTorch's docs prescribe
     for _ in range(2):
         with torch.no_grad():
             x.copy_(torch.randn_like(x))

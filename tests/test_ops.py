@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import dres.ops as ops
+from benchmarks.bench_kernels import capture_graph
 from dres.ops import reference
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -299,15 +300,8 @@ def test_strided_inputs(triton_device):
     assert_close("y", y, ref_y, F32)
 
 
-def test_every_output_element_is_written(triton_device, monkeypatch):
+def test_every_output_element_is_written(triton_device, poisoned_allocations):
     """Fill every fresh allocation with NaN: a kernel that skips an element leaves a NaN behind."""
-    real_empty = torch.empty
-
-    def poisoned_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
     torch.manual_seed(5)
     x, h, w, b = make_case((7, 9, 72), F32, BF16, triton_device)
     row_scale, grad_scale = mode_scales("drop_path", 7, triton_device)
@@ -607,15 +601,7 @@ def test_gpu_cuda_graph_capture_and_replay():
         out, y = ops.residual_layer_norm(xs, hs, w, b, 0.9, row_scale=m, backend="triton")
         return (out, y) + torch.autograd.grad((out, y), (xs, hs), (g_out, g_y))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # warm up: compile kernels outside the capture
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = capture_graph(step)  # warmed up on a side stream first, as PyTorch's docs prescribe
     for _ in range(2):
         with torch.no_grad():
             xs.copy_(torch.randn_like(x))

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dres.ops.checks import (KERNEL_DTYPES, REFERENCE_DTYPES, _check_same_device, _check_tensor, check_dtype_arg,
-                             resolve_backend)
+                             check_vector, resolve_backend_without_csrc)
 from dres.ops.reference import _compute_dtype
 from dres.ops.registration import with_inductor_fallbacks
 
@@ -80,28 +80,12 @@ def mlp_reference(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2
 # Argument checks: messages name the argument, before any kernel sees it
 
 
-def _resolve(backend: Optional[str], x: Tensor) -> str:
-    """resolve_backend's choice, except that the csrc extension has no bias+GELU kernel: where the
-    residual ops would take "cuda" (asked for, or picked by backend=None) these take Triton."""
-    backend = resolve_backend(backend, x)
-    return "triton" if backend == "cuda" else backend
-
-
-def _check_vector(name: str, t: Optional[Tensor], length: int, ref: Tensor, dtypes, what: str) -> None:
-    if t is None:
-        return
-    _check_tensor(name, t, dtypes)
-    if t.shape != (length,):
-        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({length},) to match {what}")
-    _check_same_device(name, t, ref)
-
-
 def check_bias_gelu_inputs(backend: str, pre: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype]) -> None:
     dtypes = REFERENCE_DTYPES if backend == "torch" else KERNEL_DTYPES
     _check_tensor("pre", pre, dtypes)
     if pre.dim() < 1:
         raise ValueError("pre must have at least one dimension (the hidden features, last)")
-    _check_vector("bias", bias, pre.shape[-1], pre, dtypes, "pre's last dimension")
+    check_vector("bias", bias, pre.shape[-1], pre, dtypes, "pre's last dimension")
     check_dtype_arg("out_dtype", out_dtype, dtypes)
 
 
@@ -123,8 +107,8 @@ def check_mlp_inputs(backend: str, x: Tensor, fc1_weight: Tensor, fc1_bias: Opti
     if fc2_weight.shape[1] != hidden:
         raise ValueError(f"fc2_weight has shape {tuple(fc2_weight.shape)}; expected (out, {hidden}) to match "
                          f"fc1_weight's {hidden} hidden features")
-    _check_vector("fc1_bias", fc1_bias, hidden, x, dtypes, "fc1_weight's hidden features")
-    _check_vector("fc2_bias", fc2_bias, fc2_weight.shape[0], x, dtypes, "fc2_weight's output features")
+    check_vector("fc1_bias", fc1_bias, hidden, x, dtypes, "fc1_weight's hidden features")
+    check_vector("fc2_bias", fc2_bias, fc2_weight.shape[0], x, dtypes, "fc2_weight's output features")
     compute = mlp_compute_dtype(x)
     if backend != "torch" and compute not in KERNEL_DTYPES:
         raise TypeError(f"fused_mlp would compute in {compute} (autocast); the kernels support "
@@ -298,7 +282,7 @@ def fused_bias_gelu(pre: Tensor, bias: Optional[Tensor] = None, out_dtype: Optio
     pre: (..., N); bias: (N,) or None. Differentiable in pre and bias (dbias summed in fp32,
     deterministically); the backward recomputes GELU from pre, so only pre and bias are kept.
     """
-    backend = _resolve(backend, pre)
+    backend = resolve_backend_without_csrc(backend, pre, "pre")
     check_bias_gelu_inputs(backend, pre, bias, out_dtype)
     if backend == "torch":
         return bias_gelu_reference(pre, bias, out_dtype)
@@ -316,7 +300,7 @@ def fused_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_wei
     in the dtypes of x and of the parameters. Saves x and fc1's pre-activation only, one
     (tokens x hidden) tensor fewer than plain autograd.
     """
-    backend = _resolve(backend, x)
+    backend = resolve_backend_without_csrc(backend, x)
     check_mlp_inputs(backend, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
     if backend == "torch":
         return mlp_reference(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+from typing import Optional
+
 import torch
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -42,16 +44,16 @@ def _default_backend(x: torch.Tensor) -> str:
                                   csrc_backend.available())
 
 
-def resolve_backend(backend: str | None, x: torch.Tensor) -> str:
+def resolve_backend(backend: str | None, x: torch.Tensor, name: str = "x") -> str:
     """None -> the measured-faster kernels on CUDA tensors (:func:`choose_default_backend`), the
-    PyTorch reference elsewhere."""
+    PyTorch reference elsewhere. ``name``: what the caller calls ``x``, for the messages."""
     if backend is None:
         return _default_backend(x)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     if backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
-            f"backend='triton' needs CUDA tensors (x is on {x.device}); set TRITON_INTERPRET=1 to run "
+            f"backend='triton' needs CUDA tensors ({name} is on {x.device}); set TRITON_INTERPRET=1 to run "
             "the kernels on the CPU through Triton's interpreter, or use backend='torch'"
         )
     if backend == "cuda":
@@ -65,6 +67,23 @@ def resolve_backend(backend: str | None, x: torch.Tensor) -> str:
         if not x.is_cuda:
             raise ValueError(f"backend='cuda' needs CUDA tensors, x is on {x.device}")
     return backend
+
+
+def resolve_backend_without_csrc(backend: str | None, x: torch.Tensor, name: str = "x") -> str:
+    """:func:`resolve_backend` for an op the csrc extension does not implement: where the residual
+    ops would take ``"cuda"`` (asked for, or chosen by ``backend=None``) it takes Triton."""
+    resolved = resolve_backend("triton" if backend == "cuda" else backend, x, name)
+    return "triton" if resolved == "cuda" else resolved
+
+
+def check_vector(name: str, t: Optional[torch.Tensor], length: int, ref: torch.Tensor, dtypes, what: str) -> None:
+    """An optional (length,) parameter on ``ref``'s device; ``what`` names the size it must match."""
+    if t is None:
+        return
+    _check_tensor(name, t, dtypes)
+    if t.shape != (length,):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({length},) to match {what}")
+    _check_same_device(name, t, ref)
 
 
 def _check_tensor(name: str, t, dtypes) -> None:
@@ -116,13 +135,8 @@ def check_inputs(
         if h.shape != x.shape:
             raise ValueError(f"h has shape {tuple(h.shape)} but x has {tuple(x.shape)}; they must match")
         _check_same_device("h", h, x)
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is None:
-            continue
-        _check_tensor(name, p, dtypes)
-        if p.shape != (dim,):
-            raise ValueError(f"{name} has shape {tuple(p.shape)}; expected ({dim},) to match x's last dimension")
-        _check_same_device(name, p, x)
+    check_vector("weight", weight, dim, x, dtypes, "x's last dimension")
+    check_vector("bias", bias, dim, x, dtypes, "x's last dimension")
     if isinstance(alpha, torch.Tensor):
         _check_tensor("alpha", alpha, dtypes)
         if alpha.numel() != 1:

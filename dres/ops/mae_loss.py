@@ -21,16 +21,13 @@ which is ``forward_loss`` written out (float64-capable).
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
-from dres.ops.checks import KERNEL_DTYPES, REFERENCE_DTYPES, _check_tensor
+from dres.ops.checks import KERNEL_DTYPES, REFERENCE_DTYPES, _check_tensor, resolve_backend_without_csrc
 from dres.ops.registration import with_inductor_fallbacks
 from dres.ops.reference import _compute_dtype
 
-MAE_LOSS_BACKENDS = ("triton", "torch")
 # mask is any float tensor of weights (normally 0/1) or a bool tensor; it is only read
 MASK_DTYPES = REFERENCE_DTYPES + (torch.bool,)
 
@@ -65,20 +62,6 @@ def mae_loss_reference(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int
 
 # ---------------------------------------------------------------------------------------------
 # Argument checks
-
-
-def _resolve_backend(backend: str | None, pred: Tensor) -> str:
-    """None -> Triton for CUDA tensors, the reference elsewhere (there is no csrc version of this op)."""
-    if backend is None:
-        return "triton" if pred.is_cuda else "torch"
-    if backend not in MAE_LOSS_BACKENDS:
-        raise ValueError(f"backend must be one of {MAE_LOSS_BACKENDS} or None for mae_loss, got {backend!r}")
-    if backend == "triton" and not pred.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors (pred is on {pred.device}); set TRITON_INTERPRET=1 to run "
-            "the kernel on the CPU through Triton's interpreter, or use backend='torch'"
-        )
-    return backend
 
 
 def check_mae_loss_inputs(backend: str, pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int,
@@ -193,7 +176,7 @@ def mae_loss(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int, norm_pix
     copied; imgs: (B, C, H, W), any strides; mask: (B, L), 1 = masked (counted). ``backend``: None
     picks Triton for CUDA tensors and :func:`mae_loss_reference` otherwise; "triton" or "torch" force one.
     """
-    backend = _resolve_backend(backend, pred)
+    backend = resolve_backend_without_csrc(backend, pred, "pred")
     check_mae_loss_inputs(backend, pred, imgs, mask, patch_size, norm_pix)
     if backend == "torch":
         return mae_loss_reference(pred, imgs, mask, patch_size, norm_pix, eps)
