@@ -85,3 +85,16 @@ def test_fsdp2_two_cpu_processes_match_one_process_and_dcp_round_trip(tmp_path):
     assert two["before"] > 1e-3 and two["after"] == 0.0
     assert two["optim_state"] > 0
     assert prefetched["step"] == 4 and prefetched["after"] == 0.0
+
+
+def test_units_are_whole_dres_blocks():
+    """A dres Block's forward touches only its own parameters, so each block is one FSDP2 unit (and
+    one torch.compile region): MAE tiny = encoder + decoder blocks, no attention/MLP sub-units."""
+    from dres.models import create_mae
+    from dres.nn import Block
+    from dres.train.distributed import parallel_units
+
+    model = create_mae("mae_vit_test", variant="official", alpha_min=0.6)
+    units = parallel_units(model)
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    assert units == blocks and len(units) == len(model.encoder.transformer.blocks) + len(model.decoder.blocks)

@@ -2,11 +2,10 @@
 the ``torchrun`` environment, and functions that transform a built model in place —
 activation checkpointing, per-unit ``torch.compile``, then DDP or FSDP2 — applied in that order.
 
-*Units.* dres's transformer stacks run the blocks themselves (a residual add and the next norm are
-one fused op straddling two blocks), so a ``Block`` holds parameters but its ``forward`` is never
-called; the modules that *are* called per block are its attention and MLP branches. A unit is
-therefore a block whose class defines ``forward``, or else each of its ``attn``/``mlp`` branches.
-Models may override this by defining ``parallel_units()``.
+*Units.* A unit is a block of a ``blocks`` list whose class defines ``forward`` (a dres
+:class:`~dres.nn.Block` does: it adds the previous block's pending branch fused with its own norm1,
+so a block call touches only its own parameters), or else each of its ``attn``/``mlp`` branches
+(blocks that are parameter holders only). Models may override this by defining ``parallel_units()``.
 """
 
 from __future__ import annotations
@@ -174,15 +173,25 @@ def apply_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
 def fully_shard_units(model: nn.Module, units: list[nn.Module], mp_policy, prefetch: bool = False,
                       mesh=None) -> nn.Module:
     """``fully_shard`` each of ``units`` (listed in execution order), then the root ``model``.
+    dres Blocks are units of their own (41 units became 21 in the MAE ViT-B/16: one per block instead
+    of one per attention and MLP branch).
 
     prefetch: each unit keeps its gathered parameters from forward to backward (one all-gather per
     unit and step instead of two, at the memory of the gathered units) and starts the next unit's
     all-gather during its own forward. On 2 x H200 (MAE ViT-B/16, eager) it raised the two-GPU rate
     1.06-1.27x (BENCHMARKS.md, Target 5)."""
+    import dataclasses
+
     from torch.distributed.fsdp import fully_shard
 
+    from dres.nn import Block
+
+    # A dres Block receives the fp32 residual stream as an argument: FSDP2 must not cast it to the
+    # parameters' dtype on the way in (its default), which would round the stream to bf16.
+    stream_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     for u in units:
-        fully_shard(u, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=not prefetch)
+        fully_shard(u, mesh=mesh, mp_policy=stream_policy if isinstance(u, Block) else mp_policy,
+                    reshard_after_forward=not prefetch)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     if prefetch:
         for unit, nxt in zip(units, units[1:]):

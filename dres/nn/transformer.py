@@ -102,8 +102,13 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    """The parameters of one pre-LN block (timm / MAE names); :class:`TransformerStack` runs it,
-    because the residual adds belong to the fused ops that straddle blocks."""
+    """One pre-LN block (timm / MAE parameter names) on the carried residual stream.
+
+    The block's own MLP add is left pending: the next block fuses it with its norm1 (or the stack
+    with its final norm). So ``forward`` starts by adding the previous block's pending branch, fused
+    with this block's norm1, and every parameter a block call touches is its own: the block is the
+    unit FSDP2 shards and torch.compile compiles (:func:`dres.train.distributed.parallel_units`).
+    """
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  attn_impl: str = "sdpa", eps: float = 1e-6, backend: Optional[str] = None):
@@ -112,6 +117,30 @@ class Block(nn.Module):
         self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_impl=attn_impl)
         self.norm2 = nn.LayerNorm(dim, eps=eps)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), backend=backend)
+        self.backend = backend
+
+    def forward(self, stream: torch.Tensor, pending: Optional[torch.Tensor], pending_alpha, pending_scale,
+                attn_alpha: torch.Tensor, attn_scale) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``stream`` (B, T, D) is the residual stream before the pending add; ``pending`` the branch
+        output still to be added (None for none: the stack's first block), as ``pending_alpha *
+        stream + pending``; ``*_scale`` are ``(row_scale, grad_scale)`` pairs of the two residuals.
+        Returns ``(entering, residual, h)``: the stream entering this block (after the pending add),
+        the stream after this block's attention add, and its MLP output, pending in turn."""
+        be = self.backend
+        branch_dtype = autocast_dtype(stream)
+        residual_dtype = torch.float32 if branch_dtype is not None else None
+        n1, n2 = self.norm1, self.norm2
+        if pending is None:
+            entering = stream
+            y = ops.layer_norm(stream, n1.weight, n1.bias, eps=n1.eps, out_dtype=branch_dtype, backend=be)
+        else:
+            entering, y = ops.residual_layer_norm(stream, pending, n1.weight, n1.bias, alpha=pending_alpha, eps=n1.eps,
+                                                  row_scale=pending_scale[0], grad_scale=pending_scale[1],
+                                                  residual_dtype=residual_dtype, backend=be)
+        residual, y = ops.residual_layer_norm(entering, self.attn(y), n2.weight, n2.bias, alpha=attn_alpha, eps=n2.eps,
+                                              row_scale=attn_scale[0], grad_scale=attn_scale[1],
+                                              residual_dtype=residual_dtype, backend=be)
+        return entering, residual, self.mlp(y)
 
 
 def init_vit_weights(module: nn.Module) -> None:
@@ -187,51 +216,46 @@ class TransformerStack(nn.Module):
         be = self.backend
         n = len(self.blocks)
         outputs: dict[int, torch.Tensor] = {}
+        no_scale = (None, None)
 
-        def no_scale(i):
-            return (None, None) if scales is None else scales[i]
+        def scale(r: int):
+            return no_scale if scales is None else scales[r]
 
-        def enter(k: int, stream: torch.Tensor, norm: nn.LayerNorm):
-            """The stream entering block k and its norm1 output, through block k's hook if any."""
-            if k in hooks:
-                h, a = hooks[k](stream, outputs)
-                return ops.residual_layer_norm(stream, h, norm.weight, norm.bias, alpha=a, eps=norm.eps,
-                                               residual_dtype=residual_dtype, backend=be)
-            return stream, ops.layer_norm(stream, norm.weight, norm.bias, eps=norm.eps, out_dtype=branch_dtype,
-                                          backend=be)
+        def complete(stream, pending, r):
+            """``stream`` with the pending branch of residual r added (an unfused add)."""
+            return ops.residual_add(stream, pending, alpha=self._alpha(r), row_scale=scale(r)[0],
+                                    grad_scale=scale(r)[1], residual_dtype=residual_dtype, backend=be)
 
-        residual, y = enter(0, x, self.blocks[0].norm1)
+        stream, pending, pending_alpha, pending_scale = x, None, None, no_scale
         for k, blk in enumerate(self.blocks):
-            r = 2 * k
-            row, grad = no_scale(r)
-            residual, y = ops.residual_layer_norm(residual, blk.attn(y), blk.norm2.weight, blk.norm2.bias,
-                                                  alpha=self._alpha(r), eps=blk.norm2.eps, row_scale=row,
-                                                  grad_scale=grad, residual_dtype=residual_dtype, backend=be)
-            h = blk.mlp(y)
-            row, grad = no_scale(r + 1)
-            nxt = self.blocks[k + 1].norm1 if k + 1 < n else self.norm
-            if nxt is not None and (k + 1) not in hooks:
-                residual, y = ops.residual_layer_norm(residual, h, nxt.weight, nxt.bias, alpha=self._alpha(r + 1),
-                                                      eps=nxt.eps, row_scale=row, grad_scale=grad,
-                                                      residual_dtype=residual_dtype, backend=be)
-                if k in collect:
-                    outputs[k] = residual
-                continue
-            residual = ops.residual_add(residual, h, alpha=self._alpha(r + 1), row_scale=row, grad_scale=grad,
-                                        residual_dtype=residual_dtype, backend=be)
-            if k in collect:
-                outputs[k] = residual
-            if k + 1 < n:
-                residual, y = enter(k + 1, residual, nxt)
-            else:
-                y = residual
+            if k in hooks:  # the hook sees the stream after block k-1, so that add cannot wait
+                if pending is not None:
+                    stream = complete(stream, pending, 2 * k - 1)
+                    if k - 1 in collect:
+                        outputs[k - 1] = stream
+                pending, pending_alpha = hooks[k](stream, outputs)
+                pending_scale = no_scale
+            entering, stream, pending = blk(stream, pending, pending_alpha, pending_scale, self._alpha(2 * k),
+                                            scale(2 * k))
+            if k > 0 and k not in hooks and k - 1 in collect:
+                outputs[k - 1] = entering
+            pending_alpha, pending_scale = self._alpha(2 * k + 1), scale(2 * k + 1)
+        last = 2 * n - 1
+        if self.norm is not None:
+            stream, y = ops.residual_layer_norm(stream, pending, self.norm.weight, self.norm.bias, alpha=self._alpha(last),
+                                                eps=self.norm.eps, row_scale=scale(last)[0], grad_scale=scale(last)[1],
+                                                residual_dtype=residual_dtype, backend=be)
+        else:
+            stream = y = complete(stream, pending, last)
+        if n - 1 in collect:
+            outputs[n - 1] = stream
         return y, outputs
 
 
 def set_backend(module: nn.Module, backend: Optional[str]) -> nn.Module:
     """Point every fused stack inside ``module`` at ``backend`` (None, "torch", "triton", "cuda")."""
     for m in module.modules():
-        if hasattr(m, "backend") and (isinstance(m, (TransformerStack, Mlp)) or getattr(m, "_dres_fused", False)):
+        if hasattr(m, "backend") and (isinstance(m, (TransformerStack, Block, Mlp)) or getattr(m, "_dres_fused", False)):
             m.backend = backend
     return module
 
