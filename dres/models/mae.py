@@ -200,9 +200,8 @@ class MAE(nn.Module):
         """The (norm-pix) MSE on masked patches, in at least fp32 whatever pred's dtype."""
         fused = (not torch.compiler.is_compiling()) if self.fused_loss is None else self.fused_loss
         if fused:
-            backend = self.encoder.transformer.backend
             return ops.mae_loss(pred, imgs, mask, self.patch_size, self.norm_pix_loss,
-                                backend=None if backend == "cuda" else backend)  # no csrc kernel: Triton
+                                backend=self.encoder.transformer.backend)
         return mae_loss_reference(pred, imgs, mask, self.patch_size, self.norm_pix_loss)
 
     def forward(self, imgs: torch.Tensor, mask_ratio: Optional[float] = None, noise: Optional[torch.Tensor] = None):

@@ -5,7 +5,9 @@ residual add is fused with the norm that follows it (DESIGN.md, "Carrying the re
 blocks"): the stack keeps ``(residual, y)`` pairs, where ``y`` is the normalised input of the next
 sub-layer, and one :func:`dres.ops.residual_layer_norm` produces both. The stack's first norm is a
 :func:`dres.ops.layer_norm`; its last add is fused with the final norm, or is a
-:func:`dres.ops.residual_add` when there is none.
+:func:`dres.ops.residual_add` when there is none. A :class:`Block` runs from its norm1 to its MLP:
+it receives the previous block's MLP output still to be added (fused with its own norm1) and
+returns its own, so each block call uses only that block's parameters (one FSDP2 unit per block).
 
 Mixed precision: under ``torch.autocast`` the residual stream stays float32 and the branches run in
 the autocast dtype (the normalised ``y`` has the branch's dtype), the common fast case.
@@ -96,8 +98,8 @@ class Mlp(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = (not torch.compiler.is_compiling()) if self.fused is None else self.fused
         if fused:
-            backend = None if self.backend == "cuda" else self.backend
-            return ops.fused_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, backend=backend)
+            return ops.fused_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias,
+                                 backend=self.backend)
         return self.fc2(self.act(self.fc1(x)))
 
 

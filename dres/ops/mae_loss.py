@@ -174,7 +174,8 @@ def mae_loss(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int, norm_pix
 
     pred: (B, L, p*p*C) (bf16 under autocast, or fp32/fp16), unit stride along the last dim or it is
     copied; imgs: (B, C, H, W), any strides; mask: (B, L), 1 = masked (counted). ``backend``: None
-    picks Triton for CUDA tensors and :func:`mae_loss_reference` otherwise; "triton" or "torch" force one.
+    picks Triton for CUDA tensors and :func:`mae_loss_reference` otherwise; "triton" or "torch" force one
+    ("cuda", the csrc extension's name, has no kernel for this op and runs Triton).
     """
     backend = resolve_backend_without_csrc(backend, pred, "pred")
     check_mae_loss_inputs(backend, pred, imgs, mask, patch_size, norm_pix)
