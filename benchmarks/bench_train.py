@@ -327,19 +327,18 @@ def max_batch(bench: str, name: str, checkpointing: bool, start: int, step: int,
 
 
 def shard_model(model: torch.nn.Module, tuned: bool = False) -> None:
-    """FSDP2 with bf16 parameters (fp32 gradient reduction): every attention and MLP module is its
-    own unit (dres' blocks are parameter holders the stack calls into, so the branch modules are what
-    runs; the same units are used for the baselines), then the root (norms, embeddings, heads).
+    """FSDP2 with bf16 parameters (fp32 gradient reduction), the trainer's wrapping: one unit per
+    transformer block (:func:`dres.train.distributed.parallel_units`: timm's and U-ViT's blocks, and
+    dres Blocks, which run from their norm1 to their MLP), then the root (embeddings, final norms,
+    heads, skip layers). Until 2026-11-26 (commit cab017d) the benchmark sharded every attention and
+    MLP module instead (41 units for the MAE ViT-B/16, 21 now); BENCHMARKS.md says which runs used which.
     tuned: the trainer's ``fsdp_prefetch`` (dres.train.distributed.fully_shard_units)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from dres.train.distributed import fully_shard_units
+    from dres.train.distributed import fully_shard_units, parallel_units
 
-    units = [m for m in model.modules()  # registration order = execution order for these models
-             if type(m).__name__ in ("Attention", "UViTAttention", "Mlp")
-             or (type(m).__name__ == "Sequential" and _is_uvit_mlp(m))]
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    fully_shard_units(model, units, mp, prefetch=tuned)
+    fully_shard_units(model, parallel_units(model), mp, prefetch=tuned)
 
 
 def fsdp_worker(args) -> int:
