@@ -330,7 +330,7 @@ def shard_model(model: torch.nn.Module, tuned: bool = False) -> None:
     """FSDP2 with bf16 parameters (fp32 gradient reduction), the trainer's wrapping: one unit per
     transformer block (:func:`dres.train.distributed.parallel_units`: timm's and U-ViT's blocks, and
     dres Blocks, which run from their norm1 to their MLP), then the root (embeddings, final norms,
-    heads, skip layers). Until 2026-11-26 (commit cab017d) the benchmark sharded every attention and
+    heads, skip layers). Before commit 086f98d the benchmark sharded every attention and
     MLP module instead (41 units for the MAE ViT-B/16, 21 now); BENCHMARKS.md says which runs used which.
     tuned: the trainer's ``fsdp_prefetch`` (dres.train.distributed.fully_shard_units)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy

@@ -362,3 +362,17 @@ def test_branch_ops_plan_markdown_and_bad_arguments(capsys):
     assert rows[0].startswith("| fused_mlp | 12800x768x3072 | dres | 972.6 | 910.9 | 85 MiB")  # dres first
     assert rows[1].startswith("| fused_mlp | 12800x768x3072 | eager | 764.0")
     assert rows[2].startswith("| mae_loss | 256x224x16 | compile | 322.4 | 348.3 | 22% |") and "MISMATCH" in rows[2]
+
+
+def test_fsdp_units_are_blocks_for_baselines_and_dres():
+    """bench_train shards like the trainer: one FSDP2 unit per transformer block, in execution order,
+    for the timm-style MAE, the plain U-ViT and dres' U-ViT alike."""
+    from benchmarks.baselines import plain_uvit_small_2, timm_mae_vit_base_patch16
+    from dres.models import uvit_small_2
+    from dres.train.distributed import parallel_units
+
+    timm_mae = timm_mae_vit_base_patch16()
+    assert parallel_units(timm_mae) == list(timm_mae.blocks) + list(timm_mae.decoder_blocks)
+    plain = plain_uvit_small_2()
+    assert parallel_units(plain) == list(plain.in_blocks) + [plain.mid_block] + list(plain.out_blocks)
+    assert len(parallel_units(uvit_small_2())) == 13
