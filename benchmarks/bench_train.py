@@ -263,7 +263,7 @@ def run_one(bench: str, name: str, mode: str, batch: int, args, env: dict, card:
     rec = {
         "kind": "throughput", "bench": bench, "model": name, "description": MODELS[bench][name], "mode": mode,
         "batch": batch, "world_size": world_size, "fsdp": fsdp, "checkpointing": False,
-        # what torch.compile covered: FSDP2 runs compile each block (since commit 086f98d's successor;
+        # what torch.compile covered: FSDP2 runs compile each block (since commit 3961519;
         # earlier FSDP2 compile records, without this field, compiled the whole wrapped model)
         "compile_scope": None if mode == "eager" else ("per_block" if fsdp and mode == "compile" else "model"),
         "images_per_s": ips, "images_per_s_per_gpu": ips, "step_ms": ms,
