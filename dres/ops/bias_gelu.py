@@ -37,7 +37,7 @@ from torch import Tensor
 from dres.ops.checks import (KERNEL_DTYPES, REFERENCE_DTYPES, _check_same_device, _check_tensor, check_dtype_arg,
                              check_vector, resolve_backend_without_csrc)
 from dres.ops.reference import _compute_dtype
-from dres.ops.registration import with_inductor_fallbacks
+from dres.ops.registration import eager_autograd_function, with_inductor_fallbacks
 
 __all__ = ["fused_bias_gelu", "fused_mlp", "bias_gelu_reference", "mlp_reference", "mlp_compute_dtype"]
 
@@ -214,14 +214,9 @@ def _backward(g, pre, bias, act_dtype, need_dbias, dpre_into_g=False):
     return _bias_gelu_backward_body(g, pre, bias, act_dtype, need_dbias, dpre_into_g)
 
 
-@functools.cache
-def _eager_bias_gelu():
-    """The eager fast path of the standalone op: residual_norm's ctx-taking autograd.Function
-    builder around the same body and formulas (built on first use: it imports the kernels)."""
-    from dres.ops.residual_norm import _autograd_function
-
-    return _autograd_function("TritonBiasGelu", bias_gelu_impl, _bias_gelu_setup, _bias_gelu_backward,
-                              bias_gelu_backward_impl).apply
+# The eager fast path of the standalone op: the same body and formulas without custom-op dispatch.
+_EAGER_BIAS_GELU = eager_autograd_function("TritonBiasGelu", bias_gelu_impl, _bias_gelu_setup,
+                                           functools.partial(_bias_gelu_backward, bias_gelu_backward_impl)).apply
 
 
 class FusedMLP(torch.autograd.Function):
@@ -288,7 +283,7 @@ def fused_bias_gelu(pre: Tensor, bias: Optional[Tensor] = None, out_dtype: Optio
         return bias_gelu_reference(pre, bias, out_dtype)
     if torch.compiler.is_compiling():
         return bias_gelu_op(pre, bias, out_dtype)
-    return _eager_bias_gelu()(pre, bias, out_dtype)
+    return _EAGER_BIAS_GELU(pre, bias, out_dtype)
 
 
 def fused_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_weight: Tensor,

@@ -4,7 +4,6 @@ argument, never as a Triton compiler trace or silent garbage."""
 from __future__ import annotations
 
 import os
-
 from typing import Optional
 
 import torch

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from dres.ops.checks import KERNEL_DTYPES, REFERENCE_DTYPES, _check_tensor, resolve_backend_without_csrc
-from dres.ops.registration import with_inductor_fallbacks
+from dres.ops.registration import eager_autograd_function, with_inductor_fallbacks
 from dres.ops.reference import _compute_dtype
 
 # mask is any float tensor of weights (normally 0/1) or a bool tensor; it is only read
@@ -149,19 +149,8 @@ torch.library.register_fake("dres::mae_loss", with_inductor_fallbacks(["dres::ma
 torch.library.register_autograd("dres::mae_loss", _backward, setup_context=_setup)
 
 
-class MAELossFunction(torch.autograd.Function):
-    """The eager fast path: the op's body and autograd formulas without custom-op dispatch. The
-    ctx-taking forward (no separate setup_context) avoids per-call argument binding."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = mae_loss_impl(*inputs)
-        _setup(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _backward(ctx, *grads)
+# The eager fast path: the op's body and autograd formulas without custom-op dispatch.
+_EAGER_MAE_LOSS = eager_autograd_function("TritonMaeLoss", mae_loss_impl, _setup, _backward).apply
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,5 +175,5 @@ def mae_loss(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int, norm_pix
     if torch.compiler.is_compiling():
         loss, _ = mae_loss_op(*args)
     else:
-        loss, _ = MAELossFunction.apply(*args)
+        loss, _ = _EAGER_MAE_LOSS(*args)
     return loss

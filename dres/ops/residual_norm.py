@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from dres.kernels import residual_norm_backward, residual_norm_forward
-from dres.ops.registration import with_inductor_fallbacks
+from dres.ops.registration import eager_autograd_function, with_inductor_fallbacks
 
 
 def as_rows(t: Tensor) -> Tensor:
@@ -268,9 +268,9 @@ FAKE_IMPLS = {"residual_layer_norm": _rln_fake, "residual_add": _add_fake, "laye
 def register_fakes(namespace: str) -> None:
     """Register FAKE_IMPLS for ``torch.ops.<namespace>``; torch checks the *caller's* module against
     the one a C++ library names (set_python_module), hence ``_stacklevel=2``."""
-    for name, fake in FAKE_IMPLS.items():
-        fake = with_inductor_fallbacks([f"{namespace}::{n}" for n in FAKE_IMPLS], fake)
-        torch.library.register_fake(f"{namespace}::{name}", fake, _stacklevel=2)
+    qualnames = [f"{namespace}::{name}" for name in FAKE_IMPLS]
+    for qualname, fake in zip(qualnames, FAKE_IMPLS.values()):
+        torch.library.register_fake(qualname, with_inductor_fallbacks(qualnames, fake), _stacklevel=2)
 
 
 def register_autograd(residual_layer_norm, residual_add, layer_norm, backward_op) -> None:
@@ -292,27 +292,16 @@ register_autograd(residual_layer_norm_op, residual_add_op, layer_norm_op, residu
 # is more than the kernels themselves. torch.compile traces the custom ops instead.
 
 
-def _autograd_function(name: str, body, setup, backward, backward_body) -> type[torch.autograd.Function]:
-    # The ctx-taking forward, not forward + setup_context: with a separate setup_context,
-    # Function.apply binds the arguments through inspect.signature on every call (tens of
-    # microseconds on the device's CPU, measured with cProfile).
-    def forward(ctx, *inputs):
-        output = body(*inputs)
-        setup(ctx, inputs, output)
-        return output
-
-    def backward_fn(ctx, *grads):
-        return backward(backward_body, ctx, *grads)
-
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward_fn)})
-
-
 def eager_functions(prefix: str, backward_body, **bodies) -> dict:
     """``{op name: autograd.Function.apply}`` for one backend's forward bodies and backward body."""
     formulas = {"residual_layer_norm": (_rln_setup, _rln_backward), "residual_add": (_add_setup, _add_backward),
                 "layer_norm": (_ln_setup, _ln_backward)}
-    return {name: _autograd_function(f"{prefix}_{name}", body, *formulas[name], backward_body).apply
-            for name, body in bodies.items()}
+    functions = {}
+    for name, body in bodies.items():
+        setup, backward = formulas[name]
+        functions[name] = eager_autograd_function(f"{prefix}_{name}", body, setup,
+                                                  functools.partial(backward, backward_body)).apply
+    return functions
 
 
 EAGER = eager_functions("Triton", residual_norm_backward_impl, residual_layer_norm=residual_layer_norm_impl,
