@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import dres.ops as ops
-from benchmarks.bench_kernels import capture_graph
 from dres.ops import bias_gelu as bg
-from test_ops import BF16, F16, F32, TOLERANCE, assert_close, grads, rel_err
+from helpers import BF16, F16, F32, TOLERANCE, as_f64, assert_close, capture_graph, grads, leaves, rel_err
 
 MLP_GRAD_NAMES = ("dx", "dW1", "db1", "dW2", "db2")
 
@@ -39,14 +38,6 @@ def make_mlp(shape, hidden, out_features, dtype, device, param_dtype=None):
     w2 = (torch.randn(out_features, hidden, device=device) / hidden**0.5).to(param_dtype)
     b2 = (0.1 * torch.randn(out_features, device=device)).to(param_dtype)
     return x, w1, b1, w2, b2
-
-
-def leaves(*ts):
-    return [None if t is None else t.detach().clone().requires_grad_(True) for t in ts]
-
-
-def as_f64(*ts):
-    return [None if t is None else t.detach().double().requires_grad_(True) for t in ts]
 
 
 def bias_gelu_against_float64(pre, bias, g=None, backend="triton"):

@@ -20,14 +20,11 @@ import torch
 
 import dres.ops as ops
 from dres.ops import csrc_backend, reference
+from helpers import (BF16, F16, F32, MODES, TOLERANCE, assert_close, capture_graph, f64, grads, leaves, make_case,
+                     mode_scales)
 
-F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPS = ("residual_layer_norm", "residual_add", "layer_norm", "residual_norm_backward")
-
-# ||got - want|| / ||want|| bound by the dtype a result is stored in (as tests/test_ops.py).
-TOLERANCE = {F32: 1e-5, F16: 2e-3, BF16: 1.2e-2}
-MODES = ["plain", "drop_path", "rdp_even", "rdp_odd"]
 
 built = pytest.mark.skipif(not csrc_backend.available(), reason="dres._C (csrc) not built")
 
@@ -35,52 +32,6 @@ built = pytest.mark.skipif(not csrc_backend.available(), reason="dres._C (csrc) 
 def gpu(test):
     """GPU test of the extension: marked gpu, and skipped too when dres._C is not built."""
     return pytest.mark.gpu(built(test))
-
-
-def rel_err(a, ref):
-    a, ref = a.double(), ref.double()
-    assert torch.isfinite(a).all(), "non-finite values in the result"
-    denom = ref.norm().item()
-    return (a - ref).norm().item() / (denom if denom > 0 else 1.0)
-
-
-def assert_close(name, a, ref, dtype):
-    assert a.shape == ref.shape, f"{name}: shape {tuple(a.shape)} != {tuple(ref.shape)}"
-    err = rel_err(a, ref)
-    assert err <= TOLERANCE[dtype], f"{name}: relative error {err:.2e} above {TOLERANCE[dtype]:.0e} ({dtype})"
-
-
-def mode_scales(mode, batch, device="cuda", drop_prob=0.4):
-    if mode == "plain":
-        return None, None
-    m = (torch.rand(batch) >= drop_prob).float()
-    m[0], m[-1] = 1.0, 0.0
-    m = m.to(device)
-    keep = 1.0 - drop_prob
-    return {"drop_path": (m / keep, m / keep), "rdp_even": (m, m), "rdp_odd": (None, 1.0 - m)}[mode]
-
-
-def make_case(shape, x_dtype, h_dtype, device="cuda"):
-    dim = shape[-1]
-    x = torch.randn(shape, device=device).to(x_dtype)
-    h = torch.randn(shape, device=device).to(h_dtype)
-    w = 1.0 + 0.5 * torch.randn(dim, device=device)
-    b = 0.5 * torch.randn(dim, device=device)
-    return x, h, w, b
-
-
-def leaves(*ts):
-    return [None if t is None else t.detach().clone().requires_grad_(True) for t in ts]
-
-
-def grads(outputs, cotangents, inputs):
-    present = [t for t in inputs if t is not None]
-    it = iter(torch.autograd.grad(outputs, present, cotangents))
-    return [None if t is None else next(it) for t in inputs]
-
-
-def f64(t):
-    return None if t is None else t.detach().double()
 
 
 def rln_run(backend, x, h, w, b, alpha, row_scale, grad_scale, g_out, g_y, stored_out=None):
@@ -169,8 +120,8 @@ def compare_rln(x, h, w, b, alpha, row_scale, grad_scale, g_out=None, g_y=None):
 def test_residual_layer_norm_parity(mode, x_dtype, h_dtype, dim, alpha_kind):
     torch.manual_seed(hash((mode, str(x_dtype), str(h_dtype), dim, alpha_kind)) % 2**31)
     shape = (5, 7, dim)  # 35 rows: not a multiple of the 8 rows of a warp-per-row block
-    x, h, w, b = make_case(shape, x_dtype, h_dtype)
-    row_scale, grad_scale = mode_scales(mode, shape[0])
+    x, h, w, b = make_case(shape, x_dtype, h_dtype, "cuda")
+    row_scale, grad_scale = mode_scales(mode, shape[0], "cuda")
     alpha = torch.tensor(0.7, device="cuda") if alpha_kind == "tensor" else 0.7
     compare_rln(x, h, w, b, alpha, row_scale, grad_scale)
 
@@ -182,8 +133,8 @@ def test_odd_sizes(dim, rows):
     torch.manual_seed(dim * 7 + rows)
     if dim * rows > 4_000_000:
         rows = 130
-    x, h, w, b = make_case((rows, dim), F32, BF16)
-    rs, gs = mode_scales("drop_path", rows)
+    x, h, w, b = make_case((rows, dim), F32, BF16, "cuda")
+    rs, gs = mode_scales("drop_path", rows, "cuda")
     compare_rln(x, h, w, b, torch.tensor(0.6, device="cuda"), rs, gs)
 
 
@@ -191,7 +142,7 @@ def test_odd_sizes(dim, rows):
 def test_alpha_tensor_dtypes_and_gradient():
     torch.manual_seed(3)
     for adt in (F32, BF16, F16):
-        x, h, w, b = make_case((4, 9, 64), F32, BF16)
+        x, h, w, b = make_case((4, 9, 64), F32, BF16, "cuda")
         compare_rln(x, h, w, b, torch.tensor(0.85, device="cuda", dtype=adt), None, None)
 
 
@@ -202,8 +153,8 @@ def test_alpha_tensor_dtypes_and_gradient():
 def test_residual_add_parity(mode, x_dtype, h_dtype, alpha_kind):
     torch.manual_seed(hash((mode, str(x_dtype), alpha_kind)) % 2**31)
     shape = (6, 11, 200)
-    x, h, _, _ = make_case(shape, x_dtype, h_dtype)
-    rs, gs = mode_scales(mode, shape[0])
+    x, h, _, _ = make_case(shape, x_dtype, h_dtype, "cuda")
+    rs, gs = mode_scales(mode, shape[0], "cuda")
     alpha = torch.tensor(0.5, device="cuda") if alpha_kind == "tensor" else 0.5
     g = torch.randn(shape, device="cuda").to(x_dtype)
     results = {}
@@ -234,7 +185,7 @@ def test_residual_add_parity(mode, x_dtype, h_dtype, alpha_kind):
 @pytest.mark.parametrize("affine", [True, False])
 def test_layer_norm_parity(x_dtype, out_dtype, dim, affine):
     torch.manual_seed(dim)
-    x, _, w, b = make_case((3, 13, dim), x_dtype, x_dtype)
+    x, _, w, b = make_case((3, 13, dim), x_dtype, x_dtype, "cuda")
     if not affine:
         w = b = None
     y_dtype = out_dtype or x_dtype
@@ -267,8 +218,8 @@ def test_non_contiguous_gradients_and_inputs():
     inputs whose rows are not 16-byte aligned (forcing the scalar path)."""
     torch.manual_seed(11)
     B, T, D = 4, 6, 200
-    x, h, w, b = make_case((B, T, D), F32, BF16)
-    rs, gs = mode_scales("rdp_odd", B)
+    x, h, w, b = make_case((B, T, D), F32, BF16, "cuda")
+    rs, gs = mode_scales("rdp_odd", B, "cuda")
     alpha = torch.tensor(0.9, device="cuda")
     g_out = torch.randn(D, device="cuda").expand(B, T, D)  # row stride 0
     g_y = torch.randn(B, T, D + 3, device="cuda").to(BF16)[..., :D]  # row stride D + 3
@@ -292,8 +243,8 @@ def test_every_output_element_is_written():
     try:
         assert torch.isnan(torch.empty(8, device="cuda")).all(), "allocations are not being poisoned"
         for dim in (72, 100, 4104, 1030):
-            x, h, w, b = make_case((7, 9, dim), F32, BF16)
-            rs, gs = mode_scales("drop_path", 7)
+            x, h, w, b = make_case((7, 9, dim), F32, BF16, "cuda")
+            rs, gs = mode_scales("drop_path", 7, "cuda")
             xl, hl, wl, bl = leaves(x, h, w, b)
             al = torch.tensor(0.8, device="cuda", requires_grad=True)
             out, y = ops.residual_layer_norm(xl, hl, wl, bl, al, row_scale=rs, grad_scale=gs, backend="cuda")
@@ -314,7 +265,7 @@ def test_every_output_element_is_written():
 @pytest.mark.parametrize("shape", [(4097, 768), (515, 4104), (333, 100)])
 def test_weight_gradients_are_deterministic(shape):
     torch.manual_seed(13)
-    x, h, w, b = make_case(shape, F32, BF16)
+    x, h, w, b = make_case(shape, F32, BF16, "cuda")
     g_out, g_y = torch.randn(shape, device="cuda"), torch.randn(shape, device="cuda").to(BF16)
     runs = []
     for _ in range(3):
@@ -330,7 +281,7 @@ def test_weight_gradients_are_deterministic(shape):
 
 @gpu
 def test_empty_rows():
-    x, h, w, b = make_case((0, 64), F32, BF16)
+    x, h, w, b = make_case((0, 64), F32, BF16, "cuda")
     xl, hl, wl, bl = leaves(x, h, w, b)
     out, y = ops.residual_layer_norm(xl, hl, wl, bl, backend="cuda")
     assert out.shape == (0, 64) and y.shape == (0, 64)
@@ -341,7 +292,7 @@ def test_empty_rows():
 @gpu
 def test_opcheck():
     torch.manual_seed(2)
-    x, h, w, b = make_case((4, 3, 32), F32, BF16)
+    x, h, w, b = make_case((4, 3, 32), F32, BF16, "cuda")
     rs = torch.tensor([1.0, 0.0, 1.0, 1.0], device="cuda")
     alpha = torch.tensor(0.9, device="cuda")
     req = lambda *ts: [t.clone().requires_grad_(True) for t in ts]  # noqa: E731
@@ -360,7 +311,7 @@ def test_opcheck():
 @gpu
 def test_compile_fullgraph():
     torch.manual_seed(4)
-    x, h, w, b = make_case((3, 5, 64), F32, BF16)
+    x, h, w, b = make_case((3, 5, 64), F32, BF16, "cuda")
     m = torch.tensor([1.0, 0.0, 1.0], device="cuda")
 
     def two_sublayers(x, h, w, b, alpha):
@@ -394,15 +345,8 @@ def test_compile_fullgraph():
 @gpu
 def test_cuda_graph_capture():
     torch.manual_seed(6)
-    x, h, w, b = make_case((64, 768), F32, BF16)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up outside capture (occupancy query, attributes)
-        ops.residual_layer_norm(x, h, w, b, 0.9, backend="cuda")
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, y = ops.residual_layer_norm(x, h, w, b, 0.9, backend="cuda")
+    x, h, w, b = make_case((64, 768), F32, BF16, "cuda")
+    graph, (out, y) = capture_graph(lambda: ops.residual_layer_norm(x, h, w, b, 0.9, backend="cuda"))
     x.copy_(torch.randn_like(x))
     graph.replay()
     want_out, want_y = ops.residual_layer_norm(x, h, w, b, 0.9, backend="cuda")
@@ -413,7 +357,7 @@ def test_cuda_graph_capture():
 def test_default_backend_is_csrc_in_eager_at_small_sizes_and_triton_otherwise():
     """backend=None with the extension built: csrc for small eager calls, Triton for large tensors
     and under CUDA-graph capture (checks.choose_default_backend); both give the same values."""
-    x, h, w, b = make_case((4, 50, 768), F32, BF16)
+    x, h, w, b = make_case((4, 50, 768), F32, BF16, "cuda")
     x.requires_grad_(True)
     out, y = ops.residual_layer_norm(x, h, w, b)
     assert type(out.grad_fn).__name__.startswith("Csrc")
@@ -437,7 +381,7 @@ def test_default_backend_is_csrc_in_eager_at_small_sizes_and_triton_otherwise():
 @gpu
 def test_public_api_rejects_bad_input_before_the_extension():
     """dres.ops validates in Python before calling dres_cuda, so users get a ValueError/TypeError."""
-    x, h, w, b = make_case((2, 3, 64), F32, BF16)
+    x, h, w, b = make_case((2, 3, 64), F32, BF16, "cuda")
     with pytest.raises(ValueError, match="weight has shape"):
         ops.residual_layer_norm(x, h, w[:10], b, backend="cuda")
     with pytest.raises(ValueError, match="h has shape"):
@@ -454,7 +398,7 @@ def test_public_api_rejects_bad_input_before_the_extension():
 def test_bad_input_names_the_argument():
     """Direct calls of the C++ ops raise RuntimeErrors naming the argument and its shape (issue 6:
     this segfaulted on the GPU image while the messages streamed integers; see csrc/ops.cpp num())."""
-    x, h, w, b = make_case((2, 3, 64), F32, BF16)
+    x, h, w, b = make_case((2, 3, 64), F32, BF16, "cuda")
     c = torch.ops.dres_cuda
     with pytest.raises(RuntimeError, match=r"weight has shape \[10\]; expected \(64,\)"):
         c.residual_layer_norm(x, h, w[:10], b, None, 1.0, 1e-6, None, None, None, None)

@@ -14,7 +14,7 @@ import torch
 import dres.ops as ops
 from dres.models import create_mae
 from dres.ops.mae_loss import mae_loss_op, mae_loss_reference, patchify
-from test_ops import BF16, F16, F32, TOLERANCE, assert_close, rel_err
+from helpers import BF16, F16, F32, TOLERANCE, assert_close, inductor_caches_off, rel_err
 
 # (patch_size, channels, grid_h, grid_w): CIFAR-like patches of 2 on an odd 3x5 grid, one channel,
 # and a p=16 ImageNet patch (P = 768, not a power of two).
@@ -219,14 +219,13 @@ def test_inductor_lowers_the_op_through_a_registered_fallback(triton_device, mon
     op = torch.ops.dres.mae_loss.default
     monkeypatch.delitem(lowerings, op, raising=False)  # start from an Inductor that has never seen the op
     monkeypatch.setattr(registration, "FALLBACKS_REGISTERED", set())
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # a cache hit skips lowering
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     _, imgs, mask = make_case(2, 2, 3, 3, 5, F32, triton_device, seed=12)
     tokens, weight = torch.randn(2, 16, 8, device=triton_device), torch.randn(12, 8, device=triton_device)
     compiled = torch.compile(_decoder_head_loss, fullgraph=True, backend="inductor")
     w = weight.clone().requires_grad_(True)
-    loss = compiled(tokens, w, imgs, mask)
-    loss.backward()
+    with inductor_caches_off():
+        loss = compiled(tokens, w, imgs, mask)
+        loss.backward()
     assert "dres::mae_loss" in registration.FALLBACKS_REGISTERED and op in lowerings
     w_eager = weight.clone().requires_grad_(True)
     want = _decoder_head_loss(tokens, w_eager, imgs, mask)

@@ -6,76 +6,17 @@ run on the GPU, where ``gpu``-marked ones add realistic shapes, torch.compile an
 
 from __future__ import annotations
 
-import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import dres.ops as ops
-from benchmarks.bench_kernels import capture_graph
 from dres.ops import reference
-
-F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
-
-# Relative error bound ||kernel - ref|| / ||ref|| by the dtype a result is stored in. fp32 results
-# differ from float64 only by fp32 rounding and summation order; bf16 and fp16 results carry one
-# rounding of their own (unit roundoff 2**-8 and 2**-11), so the bound is a few units of that.
-TOLERANCE = {F32: 1e-5, F16: 2e-3, BF16: 1.2e-2}
-
-MODES = ["plain", "drop_path", "rdp_even", "rdp_odd"]
-
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.double(), ref.double()
-    assert torch.isfinite(a).all(), "non-finite values in the result"
-    denom = ref.norm().item()
-    return (a - ref).norm().item() / (denom if denom > 0 else 1.0)
-
-
-def assert_close(name: str, a: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
-    err = rel_err(a, ref)
-    assert err <= TOLERANCE[dtype], f"{name}: relative error {err:.2e} above {TOLERANCE[dtype]:.0e} ({dtype})"
-
-
-def mode_scales(mode: str, batch: int, device, drop_prob: float = 0.4, generator=None):
-    """(row_scale, grad_scale) for each row of DESIGN.md's table; masks drawn fresh each call."""
-    if mode == "plain":
-        return None, None
-    m = (torch.rand(batch, generator=generator) >= drop_prob).float()
-    m[0], m[-1] = 1.0, 0.0  # both kinds of sample present whatever the draw
-    m = m.to(device)
-    keep = 1.0 - drop_prob
-    if mode == "drop_path":
-        return m / keep, m / keep
-    if mode == "rdp_even":
-        return m, m
-    if mode == "rdp_odd":
-        return None, 1.0 - m
-    raise ValueError(mode)
-
-
-def make_case(shape, x_dtype, h_dtype, device, weight=True, bias=True):
-    dim = shape[-1]
-    x = torch.randn(shape, device=device).to(x_dtype)
-    h = torch.randn(shape, device=device).to(h_dtype)
-    w = (1.0 + 0.5 * torch.randn(dim, device=device)) if weight else None
-    b = 0.5 * torch.randn(dim, device=device) if bias else None
-    return x, h, w, b
-
-
-def leaves(*ts):
-    return [None if t is None else t.detach().clone().requires_grad_(True) for t in ts]
-
-
-def as_f64(*ts):
-    return [None if t is None else t.detach().double().requires_grad_(True) for t in ts]
-
-
-def grads(outputs, cotangents, inputs):
-    present = [t for t in inputs if t is not None]
-    got = torch.autograd.grad(outputs, present, cotangents)
-    it = iter(got)
-    return [None if t is None else next(it) for t in inputs]
+from helpers import (BF16, F16, F32, MODES, as_f64, assert_close, capture_graph, f64, grads, inductor_caches_off,
+                     leaves, make_case, mode_scales, rel_err)
 
 
 def rln_against_float64(x, h, w, b, alpha, row_scale=None, grad_scale=None, backend=None):
@@ -85,7 +26,6 @@ def rln_against_float64(x, h, w, b, alpha, row_scale=None, grad_scale=None, back
     g_out, g_y = torch.randn_like(out), torch.randn_like(y)
     got = grads((out, y), (g_out, g_y), (xl, hl, wl, bl))
     x6, h6, w6, b6 = as_f64(x, h, w, b)
-    f64 = lambda s: None if s is None else s.double()  # noqa: E731
     out6, y6 = reference.residual_layer_norm(x6, h6, w6, b6, alpha, row_scale=f64(row_scale), grad_scale=f64(grad_scale))
     want = grads((out6, y6), (g_out.double(), g_y.double()), (x6, h6, w6, b6))
     return (out, y, *got), (out6, y6, *want)
@@ -227,7 +167,6 @@ def test_residual_add_matches_float64(triton_device, mode, x_dtype, h_dtype):
     g = torch.randn_like(out)
     dx, dh = grads(out, g, (xl, hl))
     x6, h6 = as_f64(x, h)
-    f64 = lambda s: None if s is None else s.double()  # noqa: E731
     out6 = reference.residual_add(x6, h6, 0.6, f64(row_scale), f64(grad_scale))
     dx6, dh6 = grads(out6, g.double(), (x6, h6))
     assert_close("out", out, out6, x_dtype)
@@ -443,15 +382,14 @@ def test_inductor_lowers_the_ops_through_registered_fallbacks(triton_device, mon
     monkeypatch.setattr(logger, "level", logging.INFO)
     logger.addHandler(handler)
 
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # a cache hit skips lowering
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     x, h, w, b = make_case((2, 3, 32), F32, F32, triton_device)
     h.requires_grad_(True)
     f = torch.compile(lambda x, h: ops.residual_add(*ops.residual_layer_norm(x, h, w, b, backend="triton"),
                                                     backend="triton"), backend="inductor", fullgraph=True)
     try:
-        out = f(x, h)
-        out.sum().backward()
+        with inductor_caches_off():
+            out = f(x, h)
+            out.sum().backward()
     finally:
         logger.removeHandler(handler)
     assert not [t for t in implicit if any(n.replace("::", ".") in t or n in t for n in names)], implicit
@@ -459,6 +397,26 @@ def test_inductor_lowers_the_ops_through_registered_fallbacks(triton_device, mon
     assert all(getattr(torch.ops.dres, n).default in lowerings for n in rn.FAKE_IMPLS)
     want_out, want_y = reference.residual_layer_norm(x, h, w, b)
     torch.testing.assert_close(out, want_out + want_y)
+
+
+def test_inductor_caches_off_restores_the_config_keys():
+    """The compile tests switch Inductor's caches off through the configs' own patch(): afterwards
+    the keys are back with their values (pytest 9's monkeypatch deleted them, failing later tests)."""
+    before = (torch._inductor.config.fx_graph_cache, torch._functorch.config.enable_autograd_cache)
+    with inductor_caches_off():
+        assert not torch._inductor.config.fx_graph_cache and not torch._functorch.config.enable_autograd_cache
+    assert (torch._inductor.config.fx_graph_cache, torch._functorch.config.enable_autograd_cache) == before
+
+
+def test_op_test_files_collect_without_the_repository_root_on_sys_path(tmp_path):
+    """Each op test file collects on its own, as `pytest tests/test_ops.py` from anywhere: shared
+    helpers live in tests/helpers.py, never in benchmarks/ (importable only from the repo root)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    files = [os.path.join(tests, f) for f in ("test_ops.py", "test_csrc.py", "test_mae_loss.py", "test_bias_gelu.py")]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------

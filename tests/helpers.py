@@ -1,0 +1,104 @@
+"""Helpers shared by the op tests (test_ops, test_csrc, test_mae_loss, test_bias_gelu): per-dtype
+tolerances against float64, the drop-path modes of the op table, random cases, gradient plumbing
+and CUDA-graph capture. Imported as ``helpers`` (pytest puts tests/ on sys.path), so any one test
+file collects on its own."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+import torch._functorch.config
+import torch._inductor.config
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+
+# Relative error bound ||kernel - ref|| / ||ref|| by the dtype a result is stored in. fp32 results
+# differ from float64 only by fp32 rounding and summation order; bf16 and fp16 results carry one
+# rounding of their own (unit roundoff 2**-8 and 2**-11), so the bound is a few units of that.
+TOLERANCE = {F32: 1e-5, F16: 2e-3, BF16: 1.2e-2}
+
+MODES = ["plain", "drop_path", "rdp_even", "rdp_odd"]
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.double(), ref.double()
+    assert torch.isfinite(a).all(), "non-finite values in the result"
+    denom = ref.norm().item()
+    return (a - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def assert_close(name: str, a: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert a.shape == ref.shape, f"{name}: shape {tuple(a.shape)} != {tuple(ref.shape)}"
+    err = rel_err(a, ref)
+    assert err <= TOLERANCE[dtype], f"{name}: relative error {err:.2e} above {TOLERANCE[dtype]:.0e} ({dtype})"
+
+
+def mode_scales(mode: str, batch: int, device, drop_prob: float = 0.4, generator=None):
+    """(row_scale, grad_scale) for each row of the README's drop-path table; masks drawn fresh each call."""
+    if mode == "plain":
+        return None, None
+    m = (torch.rand(batch, generator=generator) >= drop_prob).float()
+    m[0], m[-1] = 1.0, 0.0  # both kinds of sample present whatever the draw
+    m = m.to(device)
+    keep = 1.0 - drop_prob
+    if mode == "drop_path":
+        return m / keep, m / keep
+    if mode == "rdp_even":
+        return m, m
+    if mode == "rdp_odd":
+        return None, 1.0 - m
+    raise ValueError(mode)
+
+
+def make_case(shape, x_dtype, h_dtype, device, weight=True, bias=True):
+    """(x, h, weight, bias) of a residual_layer_norm call, drawn fresh."""
+    dim = shape[-1]
+    x = torch.randn(shape, device=device).to(x_dtype)
+    h = torch.randn(shape, device=device).to(h_dtype)
+    w = (1.0 + 0.5 * torch.randn(dim, device=device)) if weight else None
+    b = 0.5 * torch.randn(dim, device=device) if bias else None
+    return x, h, w, b
+
+
+def leaves(*ts):
+    return [None if t is None else t.detach().clone().requires_grad_(True) for t in ts]
+
+
+def as_f64(*ts):
+    return [None if t is None else t.detach().double().requires_grad_(True) for t in ts]
+
+
+def f64(t):
+    return None if t is None else t.detach().double()
+
+
+def grads(outputs, cotangents, inputs):
+    """torch.autograd.grad over the inputs that are not None; None stays None in the result."""
+    present = [t for t in inputs if t is not None]
+    it = iter(torch.autograd.grad(outputs, present, cotangents))
+    return [None if t is None else next(it) for t in inputs]
+
+
+def capture_graph(step: Callable):
+    """Capture ``step`` in a CUDA graph after warming it on a side stream (PyTorch's CUDA-graph
+    docs); returns the graph and the captured outputs, which the replays overwrite."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    torch.cuda.synchronize()
+    return graph, outs
+
+
+@contextlib.contextmanager
+def inductor_caches_off():
+    """Inductor without its FX-graph and AOTAutograd caches (a cache hit skips lowering), through
+    the configs' own ``patch``: monkeypatch's undo deletes config keys under pytest 9."""
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
