@@ -20,8 +20,10 @@ from dres.ops import reference
 from dres.ops.bias_gelu import fused_bias_gelu, fused_mlp
 from dres.ops.checks import check_inputs, resolve_backend
 from dres.ops.mae_loss import mae_loss, mae_loss_reference
+from dres.ops.residual_act import residual_act
 
-__all__ = ["fused_bias_gelu", "fused_mlp", "residual_layer_norm", "residual_add", "layer_norm", "mae_loss", "mae_loss_reference", "reference"]
+__all__ = ["fused_bias_gelu", "fused_mlp", "residual_layer_norm", "residual_add", "layer_norm", "mae_loss", "mae_loss_reference", "reference",
+           "residual_act"]
 
 
 def _alpha_args(alpha):

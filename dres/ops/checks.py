@@ -103,6 +103,17 @@ def check_dtype_arg(name: str, dtype, dtypes) -> None:
         raise TypeError(f"{name} must be None or one of {[str(d) for d in dtypes]}, got {dtype!r}")
 
 
+def check_alpha(alpha, x: torch.Tensor, dtypes) -> None:
+    """alpha: a Python number or a one-element tensor on x's device."""
+    if isinstance(alpha, torch.Tensor):
+        _check_tensor("alpha", alpha, dtypes)
+        if alpha.numel() != 1:
+            raise ValueError(f"alpha must be a float or a 0-dim tensor, got shape {tuple(alpha.shape)}")
+        _check_same_device("alpha", alpha, x)
+    elif not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise TypeError(f"alpha must be a float or a 0-dim tensor, got {type(alpha).__name__}")
+
+
 def check_inputs(
     backend: str,
     x: torch.Tensor,
@@ -136,13 +147,7 @@ def check_inputs(
         _check_same_device("h", h, x)
     check_vector("weight", weight, dim, x, dtypes, "x's last dimension")
     check_vector("bias", bias, dim, x, dtypes, "x's last dimension")
-    if isinstance(alpha, torch.Tensor):
-        _check_tensor("alpha", alpha, dtypes)
-        if alpha.numel() != 1:
-            raise ValueError(f"alpha must be a float or a 0-dim tensor, got shape {tuple(alpha.shape)}")
-        _check_same_device("alpha", alpha, x)
-    elif not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise TypeError(f"alpha must be a float or a 0-dim tensor, got {type(alpha).__name__}")
+    check_alpha(alpha, x, dtypes)
     rows = x.numel() // dim
     for name, s in (("row_scale", row_scale), ("grad_scale", grad_scale)):
         if s is None:

@@ -76,3 +76,10 @@ def residual_layer_norm(x, h, weight, bias, alpha=1.0, eps=1e-6, row_scale=None,
     out = residual_add(x, h, alpha, row_scale, grad_scale, residual_dtype)
     y = layer_norm(out, weight, bias, eps, out_dtype or h.dtype)
     return out, y
+
+
+def residual_act(x, h, alpha=1.0, row_scale=None, grad_scale=None, act="relu"):
+    """act(alpha * x + row_scale[b] * h) for x, h of shape (B, ...), act "relu" or "identity":
+    computed in fp32 (fp64 if any input is), stored in x.dtype; the ReLU backward is torch's."""
+    out = residual_add(x, h, alpha, row_scale, grad_scale, residual_dtype=_compute_dtype(x, h))
+    return (torch.relu(out) if act == "relu" else out).to(x.dtype)

@@ -1,0 +1,224 @@
+"""The convolutional residual ``out = act(alpha * x + row_scale[b] * h)`` as one fused op.
+
+    out = residual_act(x, h, alpha, row_scale, grad_scale, act="relu")
+        out = act(alpha * x + row_scale[b] * h)       act: "relu" (ResNet) or "identity"
+        backward: g' = g * act'(out);  dx = alpha * g';  dh = grad_scale[b] * g'  (None = row_scale)
+                  dalpha = sum(g' * x) when alpha is a tensor that requires grad
+
+x is the shortcut (identity or downsample), h the branch; both are (B, ...) with B samples, NCHW or
+channels_last or any layout whose batch dimension is outermost in memory: the kernels treat each as
+B samples of C*H*W elements in physical order, so a feature map of any size is one flat 1-D launch.
+h is laid out like x (copied when it is not); out is stored in x's dtype and x's layout. The ReLU
+backward reads only the stored ``out``, like torch's relu, so x and h are not kept (x only for dalpha).
+
+``ResidualActFn`` is the op's autograd.Function (the eager path); ``dres::residual_act`` with its
+backward ``dres::residual_act_backward`` are the custom ops torch.compile, CUDA graphs and opcheck
+see, registered with the same forward body and autograd formulas. ``backend``: None runs Triton on
+CUDA tensors and the float64-capable PyTorch reference (:func:`dres.ops.reference.residual_act`)
+elsewhere; "triton" forces the kernels (on CPU under TRITON_INTERPRET=1); "torch" the reference;
+"cuda" (the csrc extension has no such kernel) runs Triton.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from dres.ops import reference
+from dres.ops.checks import (KERNEL_DTYPES, REFERENCE_DTYPES, _check_same_device, _check_tensor, check_alpha,
+                             check_vector, resolve_backend_without_csrc)
+from dres.ops.registration import with_inductor_fallbacks
+
+ACTS = ("relu", "identity")
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout: B samples of per_sample elements each, in the tensor's physical order
+
+
+def sample_major_dense(t: Tensor) -> bool:
+    """Whether ``t`` fills its memory without gaps or overlaps with the batch dimension outermost
+    (NCHW and channels_last both do), so element e of its storage belongs to sample e // per_sample."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return t.shape[0] <= 1 or t.stride(0) * t.shape[0] == t.numel()
+
+
+def _same_layout(strides_a, strides_b, shape) -> bool:
+    return all(sa == sb for sa, sb, n in zip(strides_a, strides_b, shape) if n > 1)
+
+
+def kernel_strides(t: Tensor) -> tuple[int, ...]:
+    """The strides the op works in for ``t``: its own when sample-major dense, else contiguous ones."""
+    if sample_major_dense(t):
+        return tuple(t.stride())
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _empty_laid_out(shape, strides, dtype, device) -> tuple[Tensor, Tensor]:
+    """(a tensor of ``shape`` with ``strides``, its flat 1-D storage in physical order)."""
+    flat = torch.empty((torch.Size(shape).numel(),), dtype=dtype, device=device)
+    return flat.as_strided(shape, strides), flat
+
+
+def _flat_in(t: Tensor, strides) -> Tensor:
+    """``t``'s elements as a flat 1-D tensor in the physical order of ``strides`` (for t's shape);
+    copies only when t is not already laid out that way (h unlike x, a strided gradient)."""
+    if sample_major_dense(t) and _same_layout(t.stride(), strides, t.shape):
+        return t.as_strided((t.numel(),), (1,))
+    laid, flat = _empty_laid_out(t.shape, strides, t.dtype, t.device)
+    laid.copy_(t)
+    return flat
+
+
+def _per_sample(t: Tensor) -> int:
+    return t.numel() // t.shape[0] if t.shape[0] else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Op bodies (Triton)
+
+
+def residual_act_impl(x: Tensor, h: Tensor, alpha: Optional[Tensor], alpha_value: float,
+                      row_scale: Optional[Tensor], grad_scale: Optional[Tensor], act: str) -> Tensor:
+    """``grad_scale`` is unused here: the forward op carries it for the autograd's setup."""
+    from dres.kernels.residual_act import residual_act_forward
+
+    strides = kernel_strides(x)
+    out, out_flat = _empty_laid_out(x.shape, strides, x.dtype, x.device)
+    residual_act_forward(_flat_in(x, strides), _flat_in(h, strides),
+                         alpha if alpha is not None else alpha_value,
+                         None if row_scale is None else row_scale.contiguous(), _per_sample(x), act == "relu", out_flat)
+    return out
+
+
+def _residual_act_fake(x, h, alpha, alpha_value, row_scale, grad_scale, act):
+    return x.new_empty_strided(x.shape, kernel_strides(x), dtype=x.dtype)
+
+
+def residual_act_backward_impl(g: Tensor, out: Optional[Tensor], x: Optional[Tensor], alpha: Optional[Tensor],
+                               alpha_value: float, grad_scale: Optional[Tensor], x_dtype: torch.dtype,
+                               h_dtype: Optional[torch.dtype], need_dalpha: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dh, dalpha fp32 0-dim) in g's layout; ``out`` given means ReLU (its act' is out > 0), x
+    is read for dalpha only; dh (``h_dtype=None``) and dalpha come back as empty tensors when not asked for."""
+    from dres.kernels.residual_act import residual_act_backward
+
+    strides = kernel_strides(g)
+    dx, dx_flat = _empty_laid_out(g.shape, strides, x_dtype, g.device)
+    dh, dh_flat = _empty_laid_out(g.shape, strides, h_dtype, g.device) if h_dtype is not None else (None, None)
+    flat = lambda t: None if t is None else _flat_in(t, strides)  # noqa: E731
+    dalpha = residual_act_backward(flat(g), flat(out), flat(x) if need_dalpha else None,
+                                   alpha if alpha is not None else alpha_value,
+                                   None if grad_scale is None else grad_scale.contiguous(), _per_sample(g),
+                                   dx_flat, dh_flat)
+    empty = lambda dtype: g.new_empty((0,), dtype=dtype)  # noqa: E731  (distinct: no aliasing)
+    return dx, dh if dh is not None else empty(x_dtype), dalpha if dalpha is not None else empty(torch.float32)
+
+
+def _residual_act_backward_fake(g, out, x, alpha, alpha_value, grad_scale, x_dtype, h_dtype, need_dalpha):
+    strides = kernel_strides(g)
+    dx = g.new_empty_strided(g.shape, strides, dtype=x_dtype)
+    dh = g.new_empty_strided(g.shape, strides, dtype=h_dtype) if h_dtype is not None else g.new_empty((0,), dtype=x_dtype)
+    return dx, dh, g.new_empty(() if need_dalpha else (0,), dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd formulas, shared by ResidualActFn (eager) and the custom op's register_autograd
+
+
+def _setup(ctx, inputs, output):
+    x, h, alpha, alpha_value, row_scale, grad_scale, act = inputs
+    ctx.set_materialize_grads(False)
+    need_dalpha = alpha is not None and ctx.needs_input_grad[2]
+    ctx.save_for_backward(output if act == "relu" else None, x if need_dalpha else None, alpha,
+                          grad_scale if grad_scale is not None else row_scale)
+    ctx.alpha_value, ctx.x_dtype, ctx.h_dtype = alpha_value, x.dtype, h.dtype
+    ctx.need = (ctx.needs_input_grad[1], need_dalpha)
+
+
+def _backward(backward_op, ctx, g):
+    if g is None:
+        return (None,) * 7
+    out, x, alpha, grad_scale = ctx.saved_tensors
+    need_dh, need_dalpha = ctx.need
+    dx, dh, dalpha = backward_op(g, out, x, alpha, ctx.alpha_value, grad_scale, ctx.x_dtype,
+                                 ctx.h_dtype if need_dh else None, need_dalpha)
+    return (dx, dh if need_dh else None, dalpha.to(alpha.dtype).reshape(alpha.shape) if need_dalpha else None,
+            None, None, None, None)
+
+
+class ResidualActFn(torch.autograd.Function):
+    """The eager path: the op's body and formulas without custom-op dispatch (tens of microseconds a call)."""
+
+    @staticmethod
+    def forward(ctx, x, h, alpha, alpha_value, row_scale, grad_scale, act):
+        out = residual_act_impl(x, h, alpha, alpha_value, row_scale, grad_scale, act)
+        _setup(ctx, (x, h, alpha, alpha_value, row_scale, grad_scale, act), out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return _backward(residual_act_backward_impl, ctx, g)
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom ops (what torch.compile, opcheck and the dispatcher see)
+
+residual_act_op = torch.library.custom_op("dres::residual_act", mutates_args=())(residual_act_impl)
+residual_act_backward_op = torch.library.custom_op("dres::residual_act_backward", mutates_args=())(
+    residual_act_backward_impl)
+# The fakes register Inductor's fallback lowerings of both ops first (dres.ops.registration says why).
+_QUALNAMES = ("dres::residual_act", "dres::residual_act_backward")
+residual_act_op.register_fake(with_inductor_fallbacks(_QUALNAMES, _residual_act_fake))
+residual_act_backward_op.register_fake(with_inductor_fallbacks(_QUALNAMES, _residual_act_backward_fake))
+residual_act_op.register_autograd(functools.partial(_backward, residual_act_backward_op), setup_context=_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks and the public function
+
+
+def check_residual_act_inputs(backend: str, x, h, alpha, row_scale, grad_scale, act) -> None:
+    dtypes = REFERENCE_DTYPES if backend == "torch" else KERNEL_DTYPES
+    _check_tensor("x", x, dtypes)
+    if x.dim() < 1:
+        raise ValueError("x must have a batch dimension first: (B, C, H, W) or any (B, ...)")
+    _check_tensor("h", h, dtypes)
+    if h.shape != x.shape:
+        raise ValueError(f"h has shape {tuple(h.shape)} but x has {tuple(x.shape)}; they must match")
+    _check_same_device("h", h, x)
+    check_alpha(alpha, x, dtypes)
+    for name, s in (("row_scale", row_scale), ("grad_scale", grad_scale)):
+        check_vector(name, s, x.shape[0], x, dtypes, "x's batch size")
+    if act not in ACTS:
+        raise ValueError(f"act must be one of {ACTS}, got {act!r}")
+
+
+def residual_act(x: Tensor, h: Tensor, alpha=1.0, row_scale: Optional[Tensor] = None,
+                 grad_scale: Optional[Tensor] = None, act: str = "relu", backend: Optional[str] = None) -> Tensor:
+    """Fused ``act(alpha*x + row_scale[b]*h)`` for a ResNet block: x the shortcut, h the branch.
+
+    x, h: (B, ...) of one shape (NCHW, channels_last or any batch-outermost layout). row_scale,
+    grad_scale: (B,) per-sample factors or None (grad_scale None = row_scale; the README's table).
+    alpha: float or 0-dim tensor (gets a gradient if it requires one). out: x's dtype and layout.
+    """
+    backend = resolve_backend_without_csrc(backend, x)
+    check_residual_act_inputs(backend, x, h, alpha, row_scale, grad_scale, act)
+    if backend == "torch":
+        return reference.residual_act(x, h, alpha, row_scale, grad_scale, act)
+    from dres.ops import _alpha_args
+
+    alpha_t, alpha_v = _alpha_args(alpha)
+    if torch.compiler.is_compiling():
+        return residual_act_op(x, h, alpha_t, alpha_v, row_scale, grad_scale, act)
+    return ResidualActFn.apply(x, h, alpha_t, alpha_v, row_scale, grad_scale, act)

@@ -1,0 +1,123 @@
+"""Triton kernels for the convolutional residual ``out = act(alpha * x + row_scale[b] * h)`` and launchers.
+
+The tensors are flat, 1-D views of N elements in their physical order (NCHW or channels_last: both
+store the batch outermost), with ``per_sample`` elements per sample, so element e belongs to sample
+``e // per_sample`` whatever the feature-map size. act is ReLU or the identity::
+
+    forward:   out = act(alpha * x + row_scale[b] * h)            (stored in out's dtype)
+    backward:  g'  = g * act'(out)      act' = (out > 0) for ReLU, 1 for the identity
+               dx  = alpha * g',  dh = grad_scale[b] * g'
+               dalpha = sum(g' * x): one fp32 partial sum per program, added afterwards in order
+
+The ReLU backward reads the stored ``out`` (as torch's relu backward does), so x and h need not be
+kept. All arithmetic is fp32 whatever the storage dtypes. Kernels and launchers only: the autograd
+lives in ``dres.ops.residual_act``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Elements per program and warps: 16 values a thread, enough bytes in flight for a streaming kernel.
+BLOCK = 4096
+NUM_WARPS = 8
+
+
+@triton.jit
+def _residual_act_fwd_kernel(
+    X, H, OUT, ALPHA, ROW_SCALE,
+    N, per_sample, alpha_value,
+    ALPHA_IS_PTR: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+    RELU: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # int64 offsets: a ResNet50 stage at batch 256 holds 2**29 elements, and larger batches pass 2**31.
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    if ALPHA_IS_PTR:
+        alpha = tl.load(ALPHA).to(tl.float32)
+    else:
+        alpha = alpha_value
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ROW_SCALE:
+        h = h * tl.load(ROW_SCALE + offs // per_sample, mask=mask, other=0.0).to(tl.float32)
+    v = alpha * x + h
+    if RELU:
+        v = tl.where(v < 0.0, 0.0, v)  # NaN stays NaN, as in torch.relu
+    tl.store(OUT + offs, v.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _residual_act_bwd_kernel(
+    G, OUT, X, DX, DH, ALPHA, GRAD_SCALE, DALPHA_PART,
+    N, per_sample, alpha_value,
+    ALPHA_IS_PTR: tl.constexpr,
+    HAS_GRAD_SCALE: tl.constexpr,
+    RELU: tl.constexpr,
+    HAS_DH: tl.constexpr,
+    NEED_DALPHA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    if ALPHA_IS_PTR:
+        alpha = tl.load(ALPHA).to(tl.float32)
+    else:
+        alpha = alpha_value
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    if RELU:
+        out = tl.load(OUT + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.where(out <= 0.0, 0.0, g)  # torch's threshold_backward on the relu result
+    tl.store(DX + offs, (alpha * g).to(DX.dtype.element_ty), mask=mask)
+    if HAS_DH:
+        dh = g
+        if HAS_GRAD_SCALE:
+            dh = g * tl.load(GRAD_SCALE + offs // per_sample, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DH + offs, dh.to(DH.dtype.element_ty), mask=mask)
+    if NEED_DALPHA:
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DALPHA_PART + pid, tl.sum(g * x, axis=0))
+
+
+def residual_act_forward(x: torch.Tensor, h: torch.Tensor, alpha: torch.Tensor | float,
+                         row_scale: torch.Tensor | None, per_sample: int, relu: bool, out: torch.Tensor) -> None:
+    """Write ``out = act(alpha * x + row_scale[e // per_sample] * h)``; x, h, out are 1-D and contiguous."""
+    n = x.numel()
+    if n == 0:
+        return
+    alpha_is_ptr = isinstance(alpha, torch.Tensor)
+    _residual_act_fwd_kernel[(triton.cdiv(n, BLOCK),)](
+        x, h, out, alpha if alpha_is_ptr else x, row_scale if row_scale is not None else x,
+        n, per_sample, 1.0 if alpha_is_ptr else float(alpha),
+        ALPHA_IS_PTR=alpha_is_ptr, HAS_ROW_SCALE=row_scale is not None, RELU=relu,
+        BLOCK=BLOCK, num_warps=NUM_WARPS,
+    )
+
+
+def residual_act_backward(g: torch.Tensor, out: torch.Tensor | None, x: torch.Tensor | None,
+                          alpha: torch.Tensor | float, grad_scale: torch.Tensor | None, per_sample: int,
+                          dx: torch.Tensor, dh: torch.Tensor | None) -> torch.Tensor | None:
+    """Write dx (and dh when given) from g; ``out`` given means ReLU; returns dalpha (fp32, 0-dim)
+    when ``x`` is given. All tensors are 1-D and contiguous, in one physical order."""
+    n = g.numel()
+    need_dalpha = x is not None
+    if n == 0:
+        return g.new_zeros((), dtype=torch.float32) if need_dalpha else None
+    programs = triton.cdiv(n, BLOCK)
+    partials = torch.empty((programs,), dtype=torch.float32, device=g.device) if need_dalpha else None
+    alpha_is_ptr = isinstance(alpha, torch.Tensor)
+    _residual_act_bwd_kernel[(programs,)](
+        g, out if out is not None else g, x if need_dalpha else g, dx, dh if dh is not None else dx,
+        alpha if alpha_is_ptr else g, grad_scale if grad_scale is not None else g,
+        partials if need_dalpha else dx,
+        n, per_sample, 1.0 if alpha_is_ptr else float(alpha),
+        ALPHA_IS_PTR=alpha_is_ptr, HAS_GRAD_SCALE=grad_scale is not None, RELU=out is not None,
+        HAS_DH=dh is not None, NEED_DALPHA=need_dalpha, BLOCK=BLOCK, num_warps=NUM_WARPS,
+    )
+    # torch's sum over a fixed shape uses a fixed reduction order: deterministic.
+    return partials.sum() if need_dalpha else None
