@@ -212,6 +212,7 @@ def residual_act(x: Tensor, h: Tensor, alpha=1.0, row_scale: Optional[Tensor] = 
     grad_scale: (B,) per-sample factors or None (grad_scale None = row_scale; the README's table).
     alpha: float or 0-dim tensor (gets a gradient if it requires one). out: x's dtype and layout.
     """
+    _check_tensor("x", x, REFERENCE_DTYPES)  # before the backend looks at x's device
     backend = resolve_backend_without_csrc(backend, x)
     check_residual_act_inputs(backend, x, h, alpha, row_scale, grad_scale, act)
     if backend == "torch":

@@ -1,0 +1,295 @@
+"""dres.ops.residual_act: the fused convolutional residual ``act(alpha*x + row_scale[b]*h)``.
+
+Every case compares the Triton kernels (CPU: TRITON_INTERPRET=1) with the float64 reference on fresh
+random inputs, forward and backward, at per-dtype tolerances: the four drop-path uses of the README
+table, ReLU and identity, NCHW and channels_last, odd sizes, strided gradients, poisoned outputs,
+alpha as a tensor with a gradient, bad arguments, opcheck and torch.compile. ``gpu``-marked tests add
+ResNet-sized feature maps, more than 2**20 elements per sample, Inductor and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import BF16, F16, F32, MODES, assert_close, capture_graph, grads, mode_scales
+
+import dres.ops as ops
+from dres.ops import reference
+from dres.ops.residual_act import residual_act_op, sample_major_dense
+
+DTYPE_PAIRS = [(F32, F32), (BF16, BF16), (F16, F16), (F32, BF16)]  # (x = shortcut, h = branch)
+ACTS = ["relu", "identity"]
+LAYOUTS = ["nchw", "channels_last"]
+
+
+def make(shape, dtype, device, layout="nchw"):
+    t = torch.randn(shape, device=device).to(dtype)
+    return t.to(memory_format=torch.channels_last) if layout == "channels_last" else t
+
+
+def against_float64(x, h, alpha=0.8, row_scale=None, grad_scale=None, act="relu", g=None, backend="triton"):
+    """((out, dx, dh, dalpha) of the op, the same of the float64 reference) for cotangent g.
+
+    alpha: a float, or a tensor that then gets a gradient."""
+    is_t = isinstance(alpha, torch.Tensor)
+    xl, hl = x.detach().clone().requires_grad_(True), h.detach().clone().requires_grad_(True)
+    al = alpha.detach().clone().requires_grad_(True) if is_t else alpha
+    out = ops.residual_act(xl, hl, al, row_scale, grad_scale, act, backend=backend)
+    g = torch.randn(out.shape, device=out.device).to(out.dtype) if g is None else g
+    got = [out] + grads(out, g, [xl, hl, al if is_t else None])
+    x6, h6 = x.detach().double().requires_grad_(True), h.detach().double().requires_grad_(True)
+    a6 = alpha.detach().double().requires_grad_(True) if is_t else alpha
+    f64 = lambda s: None if s is None else s.double()  # noqa: E731
+    ref = reference.residual_act(x6, h6, a6, f64(row_scale), f64(grad_scale), act)
+    want = [ref] + grads(ref, g.double(), [x6, h6, a6 if is_t else None])
+    return got, want
+
+
+def check_all(got, want, x_dtype, h_dtype):
+    for name, a, r, dt in zip(("out", "dx", "dh", "dalpha"), got, want, (x_dtype, x_dtype, h_dtype, F32)):
+        if r is not None:
+            assert_close(name, a, r, dt)
+
+
+# ---------------------------------------------------------------------------------------------
+# The float64 reference: dtypes x drop-path uses x activations x layouts
+
+
+@pytest.mark.parametrize("x_dtype,h_dtype", DTYPE_PAIRS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_matches_float64(triton_device, x_dtype, h_dtype, mode, act, layout):
+    torch.manual_seed(hash((str(x_dtype), mode, act, layout)) % 1000)
+    shape = (3, 5, 7, 9)
+    x, h = make(shape, x_dtype, triton_device, layout), make(shape, h_dtype, triton_device, layout)
+    row_scale, grad_scale = mode_scales(mode, 3, triton_device)
+    got, want = against_float64(x, h, 0.85, row_scale, grad_scale, act)
+    check_all(got, want, x_dtype, h_dtype)
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    assert got[0].is_contiguous(memory_format=memory_format) and got[0].dtype == x_dtype
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 3, 37, 41), (5, 17), (4,), (2, 3, 4, 5, 3), (0, 3, 2, 2)])
+def test_odd_sizes(triton_device, shape):
+    """(2, 3, 37, 41): 4551 elements per sample, so program boundaries (4096) fall inside samples."""
+    torch.manual_seed(sum(shape))
+    x, h = make(shape, F32, triton_device), make(shape, BF16, triton_device)
+    row_scale, grad_scale = mode_scales("rdp_even", shape[0], triton_device) if shape[0] > 1 else (None, None)
+    got, want = against_float64(x, h, torch.tensor(0.7, device=triton_device), row_scale, grad_scale)
+    if x.numel():
+        check_all(got, want, F32, BF16)
+    else:
+        assert got[0].shape == shape and got[3].item() == 0.0
+
+
+@pytest.mark.parametrize("mode", ["plain", "rdp_odd"])
+def test_alpha_tensor_gets_gradient(triton_device, mode):
+    torch.manual_seed(5)
+    x, h = make((4, 6, 5, 5), F32, triton_device, "channels_last"), make((4, 6, 5, 5), F32, triton_device, "channels_last")
+    row_scale, grad_scale = mode_scales(mode, 4, triton_device)
+    got, want = against_float64(x, h, torch.tensor(0.6, device=triton_device), row_scale, grad_scale)
+    check_all(got, want, F32, F32)
+    assert got[3].shape == () and got[3].dtype == F32
+
+
+def test_drop_path_uses_route_gradients(triton_device):
+    """Even RDP iteration (m, m): dropped samples are the shortcut alone and their branch gets no
+    gradient. Odd iteration (None, 1 - m): the value of the plain residual, gradient only into the
+    branches that were dropped."""
+    torch.manual_seed(6)
+    x, h = make((6, 4, 5, 3), F32, triton_device), make((6, 4, 5, 3), F32, triton_device)
+    m = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0], device=triton_device)
+    hl = h.clone().requires_grad_(True)
+    even = ops.residual_act(x, hl, 0.9, m, m, backend="triton")
+    torch.testing.assert_close(even[m == 0], torch.relu(0.9 * x[m == 0]))
+    even.sum().backward()
+    assert torch.equal(hl.grad.flatten(1).abs().sum(1) == 0, m == 0)
+    hl.grad = None
+    odd = ops.residual_act(x, hl, 0.9, None, 1 - m, backend="triton")
+    torch.testing.assert_close(odd, ops.residual_act(x, h, 0.9, backend="triton"))
+    odd.sum().backward()
+    assert torch.equal(hl.grad.flatten(1).abs().sum(1) == 0, m == 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts and strides
+
+
+def test_gradients_with_any_strides(triton_device):
+    """Upstream gradients that are slices, expanded or in the other memory format are read correctly."""
+    torch.manual_seed(7)
+    shape = (3, 4, 6, 5)
+    x, h = make(shape, F32, triton_device, "channels_last"), make(shape, BF16, triton_device, "channels_last")
+    rs, gs = mode_scales("drop_path", 3, triton_device)
+    big = torch.randn(3, 8, 6, 5, device=triton_device)
+    for g in (big[:, ::2], torch.randn(1, 1, 1, 1, device=triton_device).expand(shape),
+              torch.randn(shape, device=triton_device), torch.randn(5, 6, 4, 3, device=triton_device).permute(3, 2, 1, 0)):
+        got, want = against_float64(x, h, torch.tensor(0.75, device=triton_device), rs, gs, g=g)
+        check_all(got, want, F32, BF16)
+
+
+def test_mixed_and_non_sample_major_layouts(triton_device):
+    """h in another layout than x is read in x's layout; x whose batch is not outermost is copied."""
+    torch.manual_seed(8)
+    x = make((3, 5, 4, 6), F32, triton_device, "channels_last")
+    h = make((3, 5, 4, 6), F32, triton_device)
+    got, want = against_float64(x, h, 0.9, *mode_scales("rdp_even", 3, triton_device))
+    check_all(got, want, F32, F32)
+    assert got[0].is_contiguous(memory_format=torch.channels_last)
+    xt = torch.randn(5, 3, 4, 6, device=triton_device).transpose(0, 1)  # batch not outermost
+    assert not sample_major_dense(xt) and sample_major_dense(x) and sample_major_dense(h)
+    got, want = against_float64(xt, h, 0.9, *mode_scales("rdp_odd", 3, triton_device))
+    check_all(got, want, F32, F32)
+    assert got[0].is_contiguous()
+
+
+def test_every_output_element_is_written(triton_device, poisoned_allocations):
+    """Outputs start as NaN: a skipped element shows (3 programs, the last one partial)."""
+    torch.manual_seed(9)
+    shape = (2, 3, 37, 41)
+    for layout in LAYOUTS:
+        x, h = make(shape, BF16, triton_device, layout), make(shape, BF16, triton_device, layout)
+        got, want = against_float64(x, h, torch.tensor(0.5, device=triton_device),
+                                    *mode_scales("drop_path", 2, triton_device), act="identity")
+        check_all(got, want, BF16, BF16)
+
+
+def test_reference_backend_runs_float64():
+    x, h = torch.randn(2, 3, 4, 4, dtype=torch.float64), torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    out = ops.residual_act(x, h, 0.5, backend="torch")
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, torch.relu(0.5 * x + h))
+    assert ops.residual_act(x, h).dtype == torch.float64  # CPU default: the reference
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration: opcheck and torch.compile
+
+
+def test_opcheck(triton_device):
+    torch.manual_seed(10)
+    req = lambda t: t.clone().requires_grad_(True)  # noqa: E731
+    x = req(make((4, 3, 5, 6), F32, triton_device, "channels_last"))
+    h = req(make((4, 3, 5, 6), BF16, triton_device, "channels_last"))
+    m = torch.tensor([1.0, 0.0, 1.0, 1.0], device=triton_device)
+    alpha = req(torch.tensor(0.9, device=triton_device))
+    cases = [(x, h, None, 0.7, m, None, "relu"), (x, h, alpha, 1.0, None, 1 - m, "relu"),
+             (x, h, alpha, 1.0, m / 0.5, m / 0.5, "identity"), (req(torch.randn(3, 7, device=triton_device)),
+                                                                 req(torch.randn(3, 7, device=triton_device)),
+                                                                 None, 0.5, None, None, "identity")]
+    for args in cases:
+        torch.library.opcheck(residual_act_op, args,
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_compile_fullgraph_traces_forward_and_backward(triton_device):
+    """Dynamo + AOTAutograd trace the op and its backward with no graph break."""
+    torch.manual_seed(11)
+    shape = (3, 4, 5, 5)
+    x, h = make(shape, F32, triton_device, "channels_last"), make(shape, F32, triton_device, "channels_last")
+    m = torch.tensor([1.0, 0.0, 1.0], device=triton_device)
+
+    def two_blocks(x, h, alpha):
+        out = ops.residual_act(x, h, alpha, None, 1 - m, backend="triton")
+        return ops.residual_act(out, torch.tanh(h), alpha, m, m, act="identity", backend="triton")
+
+    compiled = torch.compile(two_blocks, fullgraph=True, backend="aot_eager")
+    alpha = torch.tensor(0.8, device=triton_device)
+    xa, ha = x.clone().requires_grad_(True), h.clone().requires_grad_(True)
+    xb, hb = x.clone().requires_grad_(True), h.clone().requires_grad_(True)
+    eager, comp = two_blocks(xa, ha, alpha), compiled(xb, hb, alpha)
+    torch.testing.assert_close(comp, eager)
+    g = torch.randn_like(eager)
+    for a, c in zip(grads(eager, g, (xa, ha)), grads(comp, g, (xb, hb))):
+        torch.testing.assert_close(c, a)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad arguments: one-line errors naming the argument
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_bad_arguments_name_the_argument(triton_device, backend):
+    dev = triton_device
+    x, h = torch.randn(2, 3, 4, 4, device=dev), torch.randn(2, 3, 4, 4, device=dev)
+    bad = [
+        (dict(x=x.numpy() if dev.type == "cpu" else x.cpu()), TypeError if dev.type == "cpu" else ValueError, "x"),
+        (dict(x=x.long()), TypeError, "x has dtype"),
+        (dict(h=h[:, :2]), ValueError, "h has shape"),
+        (dict(h=h.int()), TypeError, "h has dtype"),
+        (dict(alpha=torch.ones(2, device=dev)), ValueError, "alpha must be"),
+        (dict(alpha="0.5"), TypeError, "alpha must be"),
+        (dict(row_scale=torch.ones(3, device=dev)), ValueError, "row_scale has shape"),
+        (dict(grad_scale=torch.ones(2, 1, device=dev)), ValueError, "grad_scale has shape"),
+        (dict(act="gelu"), ValueError, "act must be"),
+        (dict(x=torch.tensor(1.0, device=dev), h=torch.tensor(1.0, device=dev)), ValueError, "x must have a batch"),
+    ]
+    for kwargs, exc, match in bad:
+        args = dict(x=x, h=h, alpha=0.9, row_scale=None, grad_scale=None, act="relu") | kwargs
+        with pytest.raises(exc, match=match) as info:
+            ops.residual_act(backend=backend, **args)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="backend must be"):
+        ops.residual_act(x, h, backend="cudnn")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: ResNet feature maps, > 2**20 elements per sample, Inductor, CUDA graphs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(256, 256, 56, 56), (256, 2048, 7, 7), (2, 64, 160, 160), (3, 5, 600, 700)])
+@pytest.mark.parametrize("dtype", [BF16, F32])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_resnet_and_large_feature_maps(shape, dtype, layout):
+    """ResNet50 stages at batch 256, and 1.6M / 2.1M elements per sample (above 2**20)."""
+    torch.manual_seed(shape[1])
+    x, h = make(shape, dtype, "cuda", layout), make(shape, dtype, "cuda", layout)
+    for mode in ("plain", "rdp_odd"):
+        got, want = against_float64(x, h, torch.tensor(0.9, device="cuda"), *mode_scales(mode, shape[0], "cuda"))
+        check_all(got, want, dtype, dtype)
+        del got, want
+
+
+@pytest.mark.gpu
+def test_gpu_compile_inductor_resnet_block():
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(64, 64, 3, padding=1).cuda().to(memory_format=torch.channels_last)
+    x = torch.randn(8, 64, 16, 16, device="cuda").to(memory_format=torch.channels_last)
+    m = (torch.rand(8, device="cuda") > 0.3).float()
+
+    def block(x, alpha):
+        return ops.residual_act(x, conv(x), alpha, m, m)
+
+    compiled = torch.compile(block, fullgraph=True)
+    alpha = torch.tensor(0.9, device="cuda")
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    eager, comp = block(xa, alpha), compiled(xb, alpha)
+    torch.testing.assert_close(comp, eager)
+    g = torch.randn_like(eager)
+    torch.testing.assert_close(grads(comp, g, [xb])[0], grads(eager, g, [xa])[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_and_replay():
+    torch.manual_seed(1)
+    shape = (16, 32, 14, 14)
+    x = make(shape, BF16, "cuda", "channels_last").requires_grad_(True)
+    h = make(shape, BF16, "cuda", "channels_last").requires_grad_(True)
+    alpha = torch.tensor(0.7, device="cuda")
+    m = (torch.rand(16, device="cuda") > 0.3).float()
+    g = torch.randn(shape, device="cuda").to(BF16)
+
+    def step():
+        out = ops.residual_act(x, h, alpha, None, 1 - m)
+        return (out,) + tuple(torch.autograd.grad(out, (x, h), g))
+
+    graph, outs = capture_graph(step)
+    with torch.no_grad():
+        x.copy_(torch.randn(shape, device="cuda"))
+        alpha.fill_(0.4)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, r in zip(outs, step()):
+        torch.testing.assert_close(a, r)
