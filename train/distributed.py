@@ -10,6 +10,7 @@ so a block call touches only its own parameters), or else each of its ``attn``/`
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import os
@@ -48,11 +49,8 @@ def init(device="auto", mode="none") -> DistInfo:
         rank, world = dist.get_rank(), dist.get_world_size()
         local = int(os.environ.get("LOCAL_RANK", rank))
         return DistInfo(rank, world, local, pick_device(device, local))
-    if world == 1:
-        if mode != "none":
-            pass  # a one-process DDP/FSDP run is allowed (FSDP2 on a 1-rank mesh) below
-        else:
-            return DistInfo(0, 1, 0, pick_device(device, 0))
+    if world == 1 and mode == "none":  # a one-process DDP/FSDP run joins a 1-rank group below
+        return DistInfo(0, 1, 0, pick_device(device, 0))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     dev = pick_device(device, local)
     if dev.type == "cuda":
@@ -217,15 +215,7 @@ def set_grad_sync(model: nn.Module, enabled: bool):
     """Skip the gradient all-reduce/reduce-scatter on the micro-batches before the last one."""
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(enabled)
-        return _Null()
+        return contextlib.nullcontext()
     if isinstance(model, nn.parallel.DistributedDataParallel) and not enabled:
         return model.no_sync()
-    return _Null()
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+    return contextlib.nullcontext()
