@@ -113,6 +113,10 @@ class TimmMAE(nn.Module):
         mask = torch.gather(mask, 1, ids_restore)
         return x_masked, mask, ids_restore
 
+    def parallel_units(self) -> list[nn.Module]:
+        """Encoder then decoder blocks: the FSDP2 units / compile regions of the trainer's layout."""
+        return list(self.blocks) + list(self.decoder_blocks)
+
     def forward_encoder(self, imgs: torch.Tensor, mask_ratio: float):
         x = self.patch_embed(imgs)
         x = x + self.pos_embed[:, 1:, :]
@@ -224,6 +228,9 @@ class PlainUViT(nn.Module):
                 nn.init.trunc_normal_(m.weight, std=0.02)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
+
+    def parallel_units(self) -> list[nn.Module]:
+        return list(self.in_blocks) + [self.mid_block] + list(self.out_blocks)
 
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
         x = self.patch_embed(x).flatten(2).transpose(1, 2)

@@ -2,10 +2,10 @@
 
 ``convert_timm_vit(model, alpha_min, schedule)`` replaces ``model.blocks`` (an ``nn.Sequential`` of
 timm ``Block``) by :class:`FusedTimmBlocks`, an ``nn.Sequential`` subclass holding the very same
-block modules: parameters, their names and the ``state_dict`` are unchanged. Its forward carries the
-residual stream through :mod:`dres.ops` like :class:`dres.nn.TransformerStack`: each block's
-attention and MLP add (with the block's LayerScale and DropPath applied to the branch) is fused with
-the next norm; the last add is a ``residual_add`` and the model's own ``norm`` follows as before.
+block modules: parameters, their names and the ``state_dict`` are unchanged. Its forward is the
+residual-stream loop of :class:`dres.nn.TransformerStack` (:class:`dres.nn.transformer.ResidualStream`):
+each block's attention and MLP add (with the block's LayerScale and DropPath applied to the branch)
+is fused with the next norm; the last add is a ``residual_add`` and the model's own ``norm`` follows.
 
 Paths that call blocks one at a time (gradient checkpointing's ``checkpoint_seq``, attention masks,
 ``forward_intermediates``) get each block's decayed but unfused forward, so every path computes the
@@ -20,9 +20,8 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from dres import ops
 from dres.nn.schedule import decay_schedule
-from dres.nn.transformer import autocast_dtype
+from dres.nn.transformer import ResidualStream, add_and_norm
 
 _BLOCK_PARTS = ("norm1", "attn", "norm2", "mlp")
 
@@ -41,39 +40,38 @@ def _decayed_block_forward(blk: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
     return a2 * x + _branch_tail(blk, 2)(blk.mlp(blk.norm2(x)))
 
 
-class FusedTimmBlocks(nn.Sequential):
-    """timm ViT blocks run on the fused residual stream (same children, same state_dict keys)."""
+def _fused_block_forward(blk: nn.Module, hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
+                         scales=None, *, backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A timm Block in the fused-residual form of :meth:`dres.nn.Block.forward` (its own DropPath
+    modules drop the branches, so ``scales`` is never set)."""
+    entering, y = add_and_norm(hidden_states, residual, blk.norm1, blk.alphas[0], backend=backend)
+    residual, y = add_and_norm(_branch_tail(blk, 1)(blk.attn(y)), entering, blk.norm2, blk.alphas[1], backend=backend)
+    return _branch_tail(blk, 2)(blk.mlp(y)), residual
+
+
+class FusedTimmBlocks(ResidualStream, nn.Sequential):
+    """timm ViT blocks run on the fused residual stream (same children, same state_dict keys): each
+    block gets the non-persistent ``alphas`` buffer of a :class:`dres.nn.Block`."""
 
     _dres_fused = True
 
     def __init__(self, blocks: Sequence[nn.Module], alphas: Sequence[float], backend: Optional[str] = None):
         super().__init__(*blocks)
-        self.register_buffer("alphas", torch.tensor(list(alphas), dtype=torch.float32), persistent=False)
+        device = blocks[0].norm1.weight.device
+        for blk in blocks:
+            blk.register_buffer("alphas", torch.ones(2, device=device), persistent=False)
+        self.register_buffer("final_alpha", torch.ones((), device=device), persistent=False)
+        self.set_alphas(alphas)
         self.backend = backend
 
+    def stream_blocks(self) -> Sequence[nn.Module]:
+        return list(self)
+
+    def fused_call(self, block: nn.Module):
+        return functools.partial(_fused_block_forward, block, backend=self.backend)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        branch_dtype = autocast_dtype(x)
-        residual_dtype = torch.float32 if branch_dtype is not None else None
-        if branch_dtype is not None:
-            x = x.float()
-        blocks, be = list(self), self.backend
-        first = blocks[0].norm1
-        residual = x
-        y = ops.layer_norm(x, first.weight, first.bias, eps=first.eps, out_dtype=branch_dtype, backend=be)
-        for k, blk in enumerate(blocks):
-            h = _branch_tail(blk, 1)(blk.attn(y))
-            residual, y = ops.residual_layer_norm(residual, h, blk.norm2.weight, blk.norm2.bias,
-                                                  alpha=self.alphas[2 * k], eps=blk.norm2.eps,
-                                                  residual_dtype=residual_dtype, backend=be)
-            h = _branch_tail(blk, 2)(blk.mlp(y))
-            if k + 1 < len(blocks):
-                nxt = blocks[k + 1].norm1
-                residual, y = ops.residual_layer_norm(residual, h, nxt.weight, nxt.bias, alpha=self.alphas[2 * k + 1],
-                                                      eps=nxt.eps, residual_dtype=residual_dtype, backend=be)
-            else:
-                residual = ops.residual_add(residual, h, alpha=self.alphas[2 * k + 1], residual_dtype=residual_dtype,
-                                            backend=be)
-        return residual
+        return self.run_stream(x, norm=None)[0]  # the model's own norm follows, as before
 
 
 def _check_block(i: int, blk: nn.Module) -> None:

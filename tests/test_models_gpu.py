@@ -82,10 +82,13 @@ def test_residual_droppath_compiled_bf16_two_steps():
     model = create_classifier("vit_small_cifar", drop_path=0.2, droppath_mode="residual_droppath").cuda().train()
     compiled = torch.compile(model)
     imgs, labels = torch.randn(32, 3, 32, 32, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
+    masks = []
     for _ in range(2):  # even, then odd iteration
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = torch.nn.functional.cross_entropy(compiled(imgs), labels)
         loss.backward()
         assert torch.isfinite(loss)
+        masks.append(model.droppath.masks)
         model.droppath.next_iteration()
-    assert model.droppath.iteration == 2 and model.droppath.mask_iteration == 0
+    assert model.droppath.iteration == 2 and model.droppath.counter.is_cuda
+    assert masks[0].is_cuda and torch.equal(masks[0], masks[1])  # the odd iteration reuses the even one's masks

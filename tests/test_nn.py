@@ -259,7 +259,7 @@ def test_residual_droppath_two_steps_gradient_semantics():
     # the next even iteration draws fresh masks
     dp.next_iteration()
     dp.scales(B, x.device)
-    assert dp.mask_iteration == 2 and not torch.equal(dp.masks, masks)
+    assert dp.iteration == 2 and not torch.equal(dp.masks, masks)
     for h in handles:
         h.remove()
 
@@ -273,7 +273,7 @@ def test_residual_droppath_scales_table():
     assert dp.scales(8, "cpu") is even  # micro-batches of one iteration share masks
     dp.next_iteration()
     for r, (row, grad) in enumerate(dp.scales(8, "cpu")):
-        assert row is None and torch.equal(grad, 1 - m[r])
+        assert torch.equal(row, torch.ones(8)) and torch.equal(grad, 1 - m[r])  # row 1: the plain value
 
     timm = ResidualDroppath(0.25, 4, mode="drop_path", depth_linear=False)
     first = [row.clone() for row, _ in timm.scales(4096, "cpu")]
@@ -301,22 +301,20 @@ def test_residual_droppath_eval_and_zero_rate_ignore_masks():
     dp.eval()
     assert dp.scales(8, "cpu") == [(None, None)] * 4
     assert dp.scales(3, "cpu") == [(None, None)] * 4  # any batch size in eval
-    assert torch.equal(dp.masks, drawn) and dp.mask_iteration == 0
+    assert torch.equal(dp.masks, drawn) and dp.iteration == 0 and dp.slots == 8
     assert ResidualDroppath(0.0, 4).scales(8, "cpu") == [(None, None)] * 4
 
 
 def test_residual_droppath_batch_size_mismatch_raises():
     dp = ResidualDroppath(0.5, 4)
     dp.scales(8, "cpu")
-    with pytest.raises(ValueError, match="batch size 6"):
+    with pytest.raises(ValueError, match="batch size 6 differs from the 8 sample slots"):
         dp.scales(6, "cpu")  # a second micro-batch of another size in the even iteration
     dp.next_iteration()
     with pytest.raises(ValueError, match="batch size 5 differs from the 8 sample slots"):
         dp.scales(5, "cpu")  # odd iteration, last partial batch
-    fresh = ResidualDroppath(0.5, 4)
-    fresh.next_iteration()
-    with pytest.raises(RuntimeError, match="odd iteration 1 needs the masks of even iteration 0"):
-        fresh.scales(8, "cpu")
+    with pytest.raises(ValueError, match="sample slots"):
+        ResidualDroppath(0.5, 4).scales(2 ** 20 + 1, "cpu")
 
 
 def test_residual_droppath_state_dict_resume():
@@ -327,10 +325,10 @@ def test_residual_droppath_state_dict_resume():
     torch.save(a.state_dict(), buf)
     buf.seek(0)
     b = ResidualDroppath(0.5, 6, depth_linear=False, seed=999)
-    b.load_state_dict(torch.load(buf, weights_only=False))
-    assert b.iteration == 1 and b.odd
+    b.load_state_dict(torch.load(buf, weights_only=True))  # plain ints and strings: safe to load
+    assert b.iteration == 1 and b.odd and b.seed == 11
     for (ra, ga), (rb, gb) in zip(a.scales(8, "cpu"), b.scales(8, "cpu")):
-        assert ra is None and rb is None and torch.equal(ga, gb)
+        assert torch.equal(ra, rb) and torch.equal(ga, gb)
     for _ in range(3):  # the alternation and the mask sequence continue identically
         a.next_iteration()
         b.next_iteration()
@@ -339,3 +337,108 @@ def test_residual_droppath_state_dict_resume():
         assert torch.equal(a.masks, b.masks) and a.odd == b.odd
     with pytest.raises(ValueError, match="mode"):
         ResidualDroppath(0.5, 6, mode="drop_path").load_state_dict(a.state_dict())
+
+
+def run_masks(dp, iterations, batch=16):
+    out = []
+    for _ in range(iterations):
+        dp.scales(batch, "cpu")
+        out.append(dp.masks)
+        dp.next_iteration()
+    return torch.stack(out)
+
+
+def test_residual_droppath_masks_per_rank_deterministic_and_resumable():
+    """Ranks draw different masks, each a function of (seed, rank); a checkpoint (written by any rank)
+    resumes every rank on its own stream exactly."""
+    def make(seed, rank):
+        return ResidualDroppath(0.5, 6, depth_linear=False, seed=seed, rank=rank)
+
+    rank0, rank1 = run_masks(make(3, 0), 6), run_masks(make(3, 1), 6)
+    assert torch.equal(run_masks(make(3, 1), 6), rank1)  # deterministic from (seed, rank)
+    assert not torch.equal(rank0, rank1) and not torch.equal(run_masks(make(4, 0), 6), rank0)
+    agree = (rank0[0::2] == rank1[0::2]).float().mean().item()
+    assert 0.35 < agree < 0.65  # independent Bernoulli(0.5) draws agree half the time
+    assert torch.equal(run_masks(ResidualDroppath(0.5, 6, depth_linear=False, seed=3), 6), rank0)  # no process group
+
+    writer = make(3, 0)
+    run_masks(writer, 3)  # stops after 3 steps: odd iteration 3 next, which reuses draw 1
+    resumed = make(0, 1)
+    resumed.load_state_dict(writer.state_dict())
+    assert torch.equal(run_masks(resumed, 3), rank1[3:])
+
+
+def lowbias32(x):
+    """The hash in plain Python integers (the reference for the tensor version)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_mask_bits_match_python_reference_and_statistics():
+    from dres.nn.droppath import mask_bits, stream_key
+
+    key = stream_key(5, 2)
+    assert key != stream_key(5, 3) and key != stream_key(6, 2) and key == stream_key(5, 2)
+    draw = torch.tensor(2 ** 33 + 7)  # draws past 2**32 wrap, as the reference's masking does
+    bits = mask_bits(key, draw, 3, 5)
+    draw_word = lowbias32((draw.item() & 0xFFFFFFFF) ^ key[0])
+    want = [[lowbias32(lowbias32((((r << 20) | b) + draw_word) & 0xFFFFFFFF) ^ key[1]) >> 8 for b in range(5)]
+            for r in range(3)]
+    assert bits.tolist() == want
+
+    dp = ResidualDroppath(0.3, 8, depth_linear=False, seed=1)
+    masks = run_masks(dp, 40, batch=512)[0::2]  # 20 independent draws of (8, 512)
+    keep = dp.keep_threshold[0].item() / 2 ** 24
+    assert keep == pytest.approx(0.7, abs=2 ** -24)
+    n = masks.numel()
+    assert abs(masks.mean().item() - keep) < 4 * (keep * (1 - keep) / n) ** 0.5  # 4 sigma
+    flat = masks.permute(1, 0, 2).reshape(8, -1)  # per residual
+    corr = torch.corrcoef(flat)
+    assert (corr - torch.eye(8)).abs().max() < 0.05  # residuals draw independently
+    lag = torch.corrcoef(torch.stack([masks[:-1].flatten(), masks[1:].flatten()]))[0, 1]
+    assert abs(lag) < 0.05  # and so do consecutive draws
+
+
+def test_residual_droppath_follows_the_model_and_keeps_masks_under_double():
+    dp = ResidualDroppath(0.4, 4, depth_linear=False, seed=2)
+    want = run_masks(dp, 2)
+    moved = ResidualDroppath(0.4, 4, depth_linear=False, seed=2).double()
+    assert torch.equal(run_masks(moved, 2), want) and moved.keep_threshold.dtype == torch.int64
+
+
+@pytest.mark.gpu
+def test_residual_droppath_cuda_graph_replay_matches_cpu():
+    """On CUDA the scales and next_iteration() run without a host sync and can be captured in a CUDA
+    graph: each replay advances the counter and gives the masks the CPU controller gives, bit for bit."""
+    B = 64
+    for mode in ("residual_droppath", "drop_path"):
+        cpu = ResidualDroppath(0.3, 6, mode=mode, seed=9)
+        gpu = ResidualDroppath(0.3, 6, mode=mode, seed=9).cuda()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            gpu.scales(B, "cuda")  # eager: no host sync
+            gpu.next_iteration()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        cpu.scales(B, "cpu")
+        cpu.next_iteration()
+        rows = torch.zeros(6, B, device="cuda")
+        grads = torch.zeros(6, B, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            scales = gpu.scales(B, "cuda")
+            rows.copy_(torch.stack([torch.ones(B, device="cuda") if r is None else r for r, _ in scales]))
+            grads.copy_(torch.stack([torch.ones(B, device="cuda") if g is None else g for _, g in scales]))
+            gpu.next_iteration()
+        assert gpu.iteration == 1  # capture records, it does not run
+        for _ in range(5):
+            graph.replay()
+            want = cpu.scales(B, "cpu")
+            want_rows = torch.stack([torch.ones(B) if r is None else r for r, _ in want])
+            want_grads = torch.stack([torch.ones(B) if g is None else g for _, g in want])
+            assert torch.equal(rows.cpu(), want_rows) and torch.equal(grads.cpu(), want_grads)
+            cpu.next_iteration()
+        assert gpu.iteration == cpu.iteration == 6

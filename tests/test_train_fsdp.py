@@ -90,7 +90,7 @@ def test_fsdp2_two_cpu_processes_match_one_process_and_dcp_round_trip(tmp_path):
 def test_units_are_whole_dres_blocks():
     """A dres Block's forward touches only its own parameters, so each block is one FSDP2 unit (and
     one torch.compile region): MAE tiny = encoder + decoder blocks, no attention/MLP sub-units."""
-    from dres.models import create_mae
+    from dres.models import create_classifier, create_mae, create_uvit
     from dres.nn import Block
     from dres.train.distributed import parallel_units
 
@@ -98,11 +98,17 @@ def test_units_are_whole_dres_blocks():
     units = parallel_units(model)
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     assert units == blocks and len(units) == len(model.encoder.transformer.blocks) + len(model.decoder.blocks)
+    classifier, uvit = create_classifier("vit_test"), create_uvit("uvit_test")
+    assert parallel_units(classifier) == list(classifier.encoder.transformer.blocks)
+    assert parallel_units(uvit) == list(uvit.transformer.blocks)  # in-, mid and out-blocks; skip Linears in the root
+    with pytest.raises(TypeError, match="Linear does not list its blocks"):
+        parallel_units(torch.nn.Linear(2, 2))
 
 
 def test_per_block_compile_matches_eager():
-    """The trainer's compile=true compiles each unit (each dres Block, whose forward takes the pending
-    branch, 0-dim alpha tensors and hook alphas as floats): loss and gradients match eager."""
+    """The trainer's compile=true compiles each unit (each dres Block, called as (hidden_states,
+    residual), with a hook's alpha as a float or with the entering stream returned): loss and
+    gradients match eager."""
     import copy
 
     from dres.models import create_mae

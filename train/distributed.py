@@ -2,10 +2,9 @@
 the ``torchrun`` environment, and functions that transform a built model in place —
 activation checkpointing, per-unit ``torch.compile``, then DDP or FSDP2 — applied in that order.
 
-*Units.* A unit is a block of a ``blocks`` list whose class defines ``forward`` (a dres
-:class:`~dres.nn.Block` does: it adds the previous block's pending branch fused with its own norm1,
-so a block call touches only its own parameters), or else each of its ``attn``/``mlp`` branches
-(blocks that are parameter holders only). Models may override this by defining ``parallel_units()``.
+*Units.* A unit is a transformer block, as the model's ``parallel_units()`` lists them (a dres
+:class:`~dres.nn.Block` adds the previous block's pending branch fused with its own norm1, so a
+block call touches only its own parameters).
 """
 
 from __future__ import annotations
@@ -99,20 +98,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def parallel_units(model: nn.Module) -> list[nn.Module]:
-    """The repeated, independently called modules (see the module docstring)."""
-    if hasattr(model, "parallel_units"):
-        return list(model.parallel_units())
-    units = []
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and name.split(".")[-1].endswith("blocks"):
-            for blk in mod:
-                if type(blk).forward is not nn.Module.forward:
-                    units.append(blk)
-                else:
-                    units.extend(getattr(blk, n) for n in ("attn", "mlp") if hasattr(blk, n))
-        elif name.split(".")[-1] in ("mid_block",) and type(mod).forward is not nn.Module.forward:
-            units.append(mod)
-    return units
+    """The model's transformer blocks, as its ``parallel_units()`` method lists them in execution order."""
+    if not hasattr(model, "parallel_units"):
+        raise TypeError(f"{type(model).__name__} does not list its blocks: define parallel_units() "
+                        "(the repeated blocks, in execution order) to compile or shard it per block")
+    return list(model.parallel_units())
 
 
 def _selective_policy():

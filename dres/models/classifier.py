@@ -40,6 +40,9 @@ class ViTClassifier(nn.Module):
     def droppath(self) -> Optional[ResidualDroppath]:
         return self.encoder.droppath
 
+    def parallel_units(self) -> list[nn.Module]:
+        return self.encoder.parallel_units()
+
     def forward_features(self, imgs: torch.Tensor, layer: int = -1) -> dict[str, torch.Tensor]:
         return self.encoder.forward_features(imgs, layer)
 

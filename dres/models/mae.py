@@ -145,6 +145,10 @@ class MAE(nn.Module):
     def droppath(self) -> Optional[ResidualDroppath]:
         return self.encoder.droppath
 
+    def parallel_units(self) -> list[nn.Module]:
+        """Encoder blocks, then decoder blocks (execution order), each one FSDP2 unit / compile region."""
+        return self.encoder.parallel_units() + self.decoder.parallel_units()
+
     # ------------------------------------------------------------------------------------------
     def patchify(self, imgs: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> (B, N, p*p*C), MAE's layout."""

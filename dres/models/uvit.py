@@ -26,7 +26,7 @@ from torch import nn
 
 from dres.models.vit import build_from_config
 from dres.nn import (PatchEmbed, ResidualDroppath, TransformerStack, build_droppath, decay_schedule,
-                     describe_schedule)
+                     describe_schedule, droppath_scales)
 
 log = logging.getLogger("dres")
 
@@ -129,16 +129,18 @@ class UViT(nn.Module):
             dtype = torch.promote_types(dtype, p.dtype)
         return torch.cat([p.to(dtype) for p in parts], dim=1) + self.pos_embed
 
+    def parallel_units(self) -> list[nn.Module]:
+        """The transformer blocks, each one FSDP2 unit / torch.compile region (the skip Linears stay in the root)."""
+        return self.transformer.parallel_units()
+
     def run_blocks(self, tokens: torch.Tensor, collect=()):
-        dp = self.droppath
-        scales = dp.scales(tokens.shape[0], tokens.device) if dp is not None and dp.training and dp.drop_prob > 0 else None
         hooks = {}
         for k in range(self.num_in_blocks + 1, self.num_blocks):
             j, src = k - self.num_in_blocks - 1, self.skip_source(k)
             hooks[k] = (lambda stream, outs, j=j, src=src:
                         (self.skip_linears[j](torch.cat([stream, outs[src]], dim=-1)), 0.0))
         collect = sorted(set(range(self.num_in_blocks)) | set(collect))
-        return self.transformer(tokens, scales=scales, hooks=hooks, collect=collect)
+        return self.transformer(tokens, scales=droppath_scales(self.droppath, tokens), hooks=hooks, collect=collect)
 
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Prediction (noise, for noise-prediction training) of the same shape as ``x``."""

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dres.nn import (PatchEmbed, ResidualDroppath, TransformerStack, build_droppath, decay_schedule,
-                     describe_schedule, init_vit_weights, sincos_2d)
+                     describe_schedule, droppath_scales, init_vit_weights, sincos_2d)
 
 log = logging.getLogger("dres")
 
@@ -73,16 +73,12 @@ class ViTEncoder(nn.Module):
         cls = (self.cls_token + self.pos_embed[:, :1, :]).expand(x.shape[0], -1, -1)
         return torch.cat((cls.to(x.dtype), x), dim=1)
 
-    def droppath_scales(self, x: torch.Tensor):
-        """Per-residual scales for this batch, or None (eval, or no drop path) without touching the controller."""
-        dp = self.droppath
-        if dp is None or not dp.training or dp.drop_prob == 0.0:
-            return None
-        return dp.scales(x.shape[0], x.device)
+    def parallel_units(self) -> list[nn.Module]:
+        return self.transformer.parallel_units()
 
     def run_blocks(self, tokens: torch.Tensor, collect: Sequence[int] = (), hooks=None):
         """The stack on ``tokens`` (class token first): ``(y, {block: stream after it})``."""
-        return self.transformer(tokens, scales=self.droppath_scales(tokens), hooks=hooks, collect=collect)
+        return self.transformer(tokens, scales=droppath_scales(self.droppath, tokens), hooks=hooks, collect=collect)
 
     def forward(self, imgs: torch.Tensor, collect: Sequence[int] = ()):
         """All patches (no masking): ``(y, outputs)`` as :meth:`TransformerStack.forward`."""

@@ -2,13 +2,13 @@
 
 The controller owns the iteration count (its parity picks the kind of iteration) and the
 per-(residual, sample-slot) masks. For residual ``i`` and a batch of ``B`` samples it hands out the
-``(row_scale, grad_scale)`` pair that :func:`dres.ops.residual_layer_norm` takes (DESIGN.md table):
+``(row_scale, grad_scale)`` pair that :func:`dres.ops.residual_layer_norm` takes (README table):
 
 =======================================  ==============  ===============
 iteration                                row_scale       grad_scale
 =======================================  ==============  ===============
 residual_droppath, even iteration        m               m
-residual_droppath, odd iteration         None (= 1)      1 - m
+residual_droppath, odd iteration         1               1 - m
 drop_path (timm, scale by keep)          m / keep        m / keep
 eval (``not self.training``) or p = 0    None            None
 =======================================  ==============  ===============
@@ -16,32 +16,42 @@ eval (``not self.training``) or p = 0    None            None
 ``m`` is a per-sample Bernoulli(keep) mask. Even iterations draw fresh masks; the odd iteration that
 follows reuses them, slot by slot, so the samples whose branch was dropped are the ones whose branch
 alone is trained (``X + f(X).detach() * m + f(X) * (1 - m)``: the value of a plain residual).
+drop_path mode draws fresh masks every iteration (shared by the iteration's micro-batches), which
+has the same distribution as timm's per-forward draw.
 
-Contract with the trainer:
+The masks are counter-based: the mask of (residual, slot) in draw ``d`` is a hash of
+``(seed, rank, d, residual, slot)`` computed with integer tensor ops on the scales' device. So
 
-* call :meth:`next_iteration` once per optimizer step, after it;
-* all micro-batches (gradient accumulation) of one iteration share the iteration's masks slot by slot,
-  so they must all have the batch size the masks were drawn for. A batch of another size (a last,
-  partial batch; an odd iteration after an even one of another size) raises ``ValueError`` rather
-  than reuse masks that belong to other slots: use ``drop_last=True`` and equal micro-batches;
-* drop_path mode also draws once per iteration (fresh every iteration, shared by micro-batches),
-  which has the same distribution as timm's per-forward draw.
+* every data-parallel rank draws its own masks (timm draws per rank), deterministic from (seed, rank);
+* the only state is the iteration counter, a device tensor: :meth:`next_iteration` is one in-place
+  add and :meth:`scales` reads the parity on the device (``torch.where``), with no host sync, so a
+  whole training step including both can be captured in a CUDA graph and replayed;
+* resume is exact on any number of ranks (the state is the counter and the seed, not a generator),
+  and CPU and CUDA draw the same masks bit for bit.
 
-The state (iteration, masks, the iteration they were drawn in, the generator's state) is this
-module's extra state, so it is part of the owning model's ``state_dict`` and a resumed run continues
-the alternation, and the mask sequence, exactly.
+Contract with the trainer: call :meth:`next_iteration` once per optimizer step, after it. All
+training batches of a run have the size of the first one (the masks pair slots of an even and an
+odd iteration); another size raises ``ValueError``: use ``drop_last=True`` and equal micro-batches.
+The state (counter, seed) is this module's extra state, so it is part of the owning model's
+``state_dict``.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 MODES = ("residual_droppath", "drop_path")
 
 Scales = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
+NO_SCALES: Scales = (None, None)
+
+_M32 = 0xFFFFFFFF
+_SLOT_BITS = 20  # a residual's slots are hashed as residual * 2**20 + slot: batches up to 2**20 per rank
 
 
 def depth_linear_rates(drop_prob: float, num_residuals: int, residuals_per_block: int = 2) -> list[float]:
@@ -51,19 +61,60 @@ def depth_linear_rates(drop_prob: float, num_residuals: int, residuals_per_block
     return [block_rates[i // residuals_per_block] for i in range(num_residuals)]
 
 
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32), split in 16-bit halves so int64 never overflows."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (C. Wellons, hash-prospector): a bijection of [0, 2**32) with near-ideal avalanche."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def stream_key(seed: int, rank: int) -> tuple[int, int]:
+    """Two 32-bit words naming the mask stream of (seed, rank): distinct streams for distinct pairs."""
+    digest = hashlib.sha256(f"dres.ResidualDroppath:{seed}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")
+
+
+def mask_bits(key: tuple[int, int], draw: torch.Tensor, num_residuals: int, batch_size: int) -> torch.Tensor:
+    """(num_residuals, batch_size) int64 uniform in [0, 2**24): draw number ``draw`` (a 0-dim int64
+    tensor, on the device the bits are made on) of the stream ``key``."""
+    if batch_size > 1 << _SLOT_BITS:
+        raise ValueError(f"ResidualDroppath: batch size {batch_size} exceeds the {1 << _SLOT_BITS} sample slots")
+    device = draw.device
+    slots = torch.arange(batch_size, dtype=torch.int64, device=device)
+    residuals = torch.arange(num_residuals, dtype=torch.int64, device=device).unsqueeze(1)
+    counter = (residuals << _SLOT_BITS) | slots
+    draw_word = _hash32((draw & _M32) ^ key[0])
+    return _hash32(_hash32((counter + draw_word) & _M32) ^ key[1]) >> 8
+
+
+def default_rank() -> int:
+    """This process's rank in the default process group (0 outside torch.distributed)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 class ResidualDroppath(nn.Module):
     """Per-residual, per-sample scales for ResidualDroppath or timm drop path (see the module doc).
 
     drop_prob: the drop rate (of the deepest residual when ``depth_linear``).
-    num_residuals: how many residuals the controlled stack has (2 per transformer block).
+    num_residuals: how many residuals the controlled network has (2 per transformer block).
     mode: ``"residual_droppath"`` (alternate even/odd iterations) or ``"drop_path"`` (timm).
     depth_linear: timm's linear-in-depth rate over blocks of ``residuals_per_block`` residuals;
         False gives every residual ``drop_prob``.
-    seed: seeds the controller's own CPU generator (masks do not consume the global RNG).
+    seed: with ``rank``, names the mask stream (masks do not consume any torch RNG).
+    rank: the data-parallel rank; None takes the process's rank in the default process group,
+        read at the first draw.
     """
 
     def __init__(self, drop_prob: float, num_residuals: int, mode: str = "residual_droppath",
-                 depth_linear: bool = True, residuals_per_block: int = 2, seed: int = 0):
+                 depth_linear: bool = True, residuals_per_block: int = 2, seed: int = 0,
+                 rank: Optional[int] = None):
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -76,11 +127,15 @@ class ResidualDroppath(nn.Module):
         self.mode = mode
         self.rates = (depth_linear_rates(drop_prob, num_residuals, residuals_per_block) if depth_linear
                       else [float(drop_prob)] * num_residuals)
-        self.generator = torch.Generator().manual_seed(seed)
-        self.iteration = 0
-        self.masks: Optional[torch.Tensor] = None  # (num_residuals, B) float32 on CPU, 1 = keep
-        self.mask_iteration = -1  # the iteration the masks were drawn in
-        self._device_scales: Optional[tuple[torch.device, list[Scales]]] = None
+        self.seed = int(seed)
+        self.rank = rank
+        self.slots: Optional[int] = None  # the batch size of the run, fixed by the first training batch
+        # the iteration counter lives on the model's device, so a captured step advances it on replay
+        self.register_buffer("counter", torch.zeros((), dtype=torch.int64), persistent=False)
+        # keep iff bits < threshold: P(keep) = threshold / 2**24 exactly (integers: untouched by .double())
+        self.register_buffer("keep_threshold", torch.tensor([round((1.0 - r) * 2 ** 24) for r in self.rates],
+                                                             dtype=torch.int64), persistent=False)
+        self._scales: Optional[tuple[tuple[torch.device, int], list[Scales]]] = None
 
     def extra_repr(self) -> str:
         return f"drop_prob={self.drop_prob}, num_residuals={self.num_residuals}, mode={self.mode}"
@@ -91,92 +146,84 @@ class ResidualDroppath(nn.Module):
         return self.training and self.drop_prob > 0
 
     @property
+    def iteration(self) -> int:
+        """The iteration count (reads the device counter: a host sync; for logs and tests)."""
+        return int(self.counter.item())
+
+    @property
     def odd(self) -> bool:
         return self.iteration % 2 == 1
 
     def next_iteration(self) -> None:
-        """Advance to the next optimizer step (call once per step, after it)."""
-        self.iteration += 1
-        self._device_scales = None
+        """Advance to the next optimizer step (call once per step, after it). One in-place add on the
+        counter's device, so it can be captured in a CUDA graph with the step."""
+        self.counter.add_(1)
+        self._scales = None
 
-    def _draw(self, batch_size: int) -> None:
-        keep = torch.tensor([1.0 - r for r in self.rates], dtype=torch.float32).unsqueeze(1)
-        uniform = torch.rand((self.num_residuals, batch_size), generator=self.generator)
-        self.masks = (uniform < keep).to(torch.float32)
-        self.mask_iteration = self.iteration
-        self._device_scales = None
+    def _draw_index(self) -> torch.Tensor:
+        # an odd residual_droppath iteration reuses the masks of the even one before it
+        return self.counter if self.mode == "drop_path" else self.counter >> 1
 
-    def _check_batch(self, batch_size: int, what: str) -> None:
-        if self.masks.shape[1] != batch_size:
+    def masks_on(self, batch_size: int, device) -> torch.Tensor:
+        """The current masks, (num_residuals, batch_size) float32 on ``device``, 1 = keep."""
+        if self.rank is None:
+            self.rank = default_rank()
+        bits = mask_bits(stream_key(self.seed, self.rank), self._draw_index().to(device), self.num_residuals,
+                         batch_size)
+        return (bits < self.keep_threshold.to(device).unsqueeze(1)).to(torch.float32)
+
+    @property
+    def masks(self) -> Optional[torch.Tensor]:
+        """The masks of the current iteration for the run's batch size (None before the first batch)."""
+        return None if self.slots is None else self.masks_on(self.slots, self.counter.device)
+
+    def _check_batch(self, batch_size: int) -> None:
+        if self.slots is None:
+            self.slots = batch_size
+        elif batch_size != self.slots:
             raise ValueError(
-                f"ResidualDroppath: batch size {batch_size} differs from the {self.masks.shape[1]} sample slots "
-                f"of the masks {what}; masks are per sample slot and never reused for another batch size. "
-                "Use equal-sized batches and micro-batches (drop_last=True)."
+                f"ResidualDroppath: batch size {batch_size} differs from the {self.slots} sample slots of this "
+                "run's masks (an odd iteration reuses the masks of the even one slot by slot). Use equal-sized "
+                "batches and micro-batches (drop_last=True)."
             )
 
-    def _prepare(self, batch_size: int) -> None:
-        if self.mode == "drop_path" or not self.odd:
-            if self.mask_iteration != self.iteration:
-                self._draw(batch_size)
-            else:
-                self._check_batch(batch_size, f"drawn earlier in iteration {self.iteration}")
-            return
-        if self.masks is None or self.mask_iteration != self.iteration - 1:
-            raise RuntimeError(
-                f"ResidualDroppath: odd iteration {self.iteration} needs the masks of even iteration "
-                f"{self.iteration - 1}, but the last masks were drawn in iteration {self.mask_iteration} "
-                "(was there a training forward in the even iteration, and next_iteration() once per step?)"
-            )
-        self._check_batch(batch_size, f"of even iteration {self.mask_iteration}")
-
-    def _scales_on(self, device: torch.device) -> list[Scales]:
-        if self._device_scales is not None and self._device_scales[0] == device:
-            return self._device_scales[1]
-        masks = self.masks.to(device)
-        scales: list[Scales] = []
-        for i, rate in enumerate(self.rates):
-            m = masks[i]
-            if rate == 0.0:
-                scales.append((None, None))
-            elif self.mode == "drop_path":
-                s = m / (1.0 - rate)
-                scales.append((s, s))
-            elif self.odd:
-                scales.append((None, 1.0 - m))
-            else:
-                scales.append((m, m))
-        self._device_scales = (device, scales)
-        return scales
+    def _compute_scales(self, batch_size: int, device: torch.device) -> list[Scales]:
+        m = self.masks_on(batch_size, device)
+        if self.mode == "drop_path":
+            keep = self.keep_threshold.to(device, torch.float32) * 2.0 ** -24  # exact: thresholds are < 2**25
+            pairs = [(s, s) for s in (m / keep.unsqueeze(1)).unbind(0)]
+        else:
+            odd = (self.counter.to(device) & 1).bool()  # the parity stays on the device: no host sync
+            row = torch.where(odd, torch.ones_like(m), m)
+            grad = torch.where(odd, 1.0 - m, m)
+            pairs = list(zip(row.unbind(0), grad.unbind(0)))
+        return [NO_SCALES if rate == 0.0 else pair for rate, pair in zip(self.rates, pairs)]
 
     @torch.compiler.disable
     def scales(self, batch_size: int, device) -> list[Scales]:
-        """``(row_scale, grad_scale)`` for every residual, for a batch of ``batch_size`` on ``device``."""
+        """``(row_scale, grad_scale)`` for every residual, for a batch of ``batch_size`` on ``device``.
+
+        Computed on ``device`` from the counter without a host sync; the micro-batches of one
+        iteration share them (recomputed after :meth:`next_iteration`, inside a captured step too)."""
         if not self.active:
-            return [(None, None)] * self.num_residuals
-        self._prepare(int(batch_size))
-        return self._scales_on(torch.device(device))
+            return [NO_SCALES] * self.num_residuals
+        batch_size, device = int(batch_size), torch.device(device)
+        self._check_batch(batch_size)
+        if self._scales is None or self._scales[0] != (device, batch_size):
+            self._scales = ((device, batch_size), self._compute_scales(batch_size, device))
+        return self._scales[1]
 
-    def residual_scales(self, index: int, batch_size: int, device) -> Scales:
-        """``(row_scale, grad_scale)`` of residual ``index`` (see :meth:`scales`)."""
-        if not 0 <= index < self.num_residuals:
-            raise IndexError(f"residual index {index} out of range for {self.num_residuals} residuals")
-        return self.scales(batch_size, device)[index]
-
-    # state_dict: parity, masks and RNG travel with the model's checkpoint
+    # state_dict: the counter and the seed travel with the model's checkpoint (each rank adds its own rank)
     def get_extra_state(self) -> dict:
-        return {"iteration": self.iteration, "mask_iteration": self.mask_iteration,
-                "masks": None if self.masks is None else self.masks.clone(),
-                "generator": self.generator.get_state(), "mode": self.mode, "rates": list(self.rates)}
+        return {"iteration": self.iteration, "seed": self.seed, "mode": self.mode, "rates": list(self.rates)}
 
     def set_extra_state(self, state: dict) -> None:
         if state["mode"] != self.mode or len(state["rates"]) != self.num_residuals:
             raise ValueError(f"ResidualDroppath state is for mode={state['mode']!r} with {len(state['rates'])} "
                              f"residuals; this controller has mode={self.mode!r} with {self.num_residuals}")
-        self.iteration = int(state["iteration"])
-        self.mask_iteration = int(state["mask_iteration"])
-        self.masks = None if state["masks"] is None else state["masks"].to("cpu", torch.float32).clone()
-        self.generator.set_state(state["generator"].to("cpu"))
-        self._device_scales = None
+        self.counter.fill_(int(state["iteration"]))  # in place: a captured step keeps reading this buffer
+        self.seed = int(state["seed"])
+        self._scales = None
 
 
 def build_droppath(droppath: Optional[ResidualDroppath], drop_path: float, droppath_mode: str,
@@ -189,3 +236,8 @@ def build_droppath(droppath: Optional[ResidualDroppath], drop_path: float, dropp
     if drop_path > 0:
         return ResidualDroppath(drop_path, num_residuals, mode=droppath_mode, seed=seed)
     return None
+
+
+def droppath_scales(droppath: Optional[ResidualDroppath], x: torch.Tensor) -> Optional[list[Scales]]:
+    """The scales of ``droppath`` for the batch ``x`` (batch first), None without a controller."""
+    return None if droppath is None else droppath.scales(x.shape[0], x.device)

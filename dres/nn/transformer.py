@@ -2,12 +2,13 @@
 
 A plain pre-LN block computes ``x = a1*x + attn(norm1(x)); x = a2*x + mlp(norm2(x))``. Here each
 residual add is fused with the norm that follows it (DESIGN.md, "Carrying the residual stream across
-blocks"): the stack keeps ``(residual, y)`` pairs, where ``y`` is the normalised input of the next
-sub-layer, and one :func:`dres.ops.residual_layer_norm` produces both. The stack's first norm is a
-:func:`dres.ops.layer_norm`; its last add is fused with the final norm, or is a
-:func:`dres.ops.residual_add` when there is none. A :class:`Block` runs from its norm1 to its MLP:
-it receives the previous block's MLP output still to be added (fused with its own norm1) and
-returns its own, so each block call uses only that block's parameters (one FSDP2 unit per block).
+blocks"): one :func:`dres.ops.residual_layer_norm` produces the new stream and the normalised input
+of the next sub-layer. Blocks take flash-attn's fused-residual form (``modules/block.py``),
+``hidden_states, residual = block(hidden_states, residual)``: a block receives the previous block's
+MLP output still to be added, adds it fused with its own norm1 and returns its own MLP output,
+pending in turn, so each block call uses only that block's parameters (one FSDP2 unit per block).
+The first block's norm1 is a plain :func:`dres.ops.layer_norm`; the last add is fused with the final
+norm, or is a :func:`dres.ops.residual_add` when there is none.
 
 Mixed precision: under ``torch.autocast`` the residual stream stays float32 and the branches run in
 the autocast dtype (the normalised ``y`` has the branch's dtype), the common fast case.
@@ -28,10 +29,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from dres import ops
+from dres.nn.droppath import NO_SCALES, Scales
 
 ATTN_IMPLS = ("sdpa", "flash", "xformers")
 
 Hook = Callable[[torch.Tensor, dict], tuple[torch.Tensor, float]]
+BlockScales = tuple[Scales, Scales]  # drop-path scales of the residual entering a block and of its attention add
 
 
 def autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
@@ -103,13 +106,36 @@ class Mlp(nn.Module):
         return self.fc2(self.act(self.fc1(x)))
 
 
-class Block(nn.Module):
-    """One pre-LN block (timm / MAE parameter names) on the carried residual stream.
+def add_and_norm(hidden_states: torch.Tensor, residual: Optional[torch.Tensor], norm: Optional[nn.LayerNorm],
+                 alpha, scales: Scales = NO_SCALES, backend: Optional[str] = None):
+    """``residual = alpha * residual + scales * hidden_states`` fused with ``y = norm(residual)``; returns
+    ``(residual, y)``. With ``residual`` None, ``hidden_states`` is the stream itself (the first block:
+    a plain LayerNorm); with ``norm`` None the add alone (``y`` is the new residual). Under autocast the
+    residual stays float32 and the first norm's ``y`` takes the autocast dtype."""
+    branch_dtype = autocast_dtype(hidden_states)
+    if residual is None:
+        return hidden_states, ops.layer_norm(hidden_states, norm.weight, norm.bias, eps=norm.eps,
+                                             out_dtype=branch_dtype, backend=backend)
+    residual_dtype = torch.float32 if branch_dtype is not None else None
+    row_scale, grad_scale = scales
+    if norm is None:
+        out = ops.residual_add(residual, hidden_states, alpha=alpha, row_scale=row_scale, grad_scale=grad_scale,
+                               residual_dtype=residual_dtype, backend=backend)
+        return out, out
+    return ops.residual_layer_norm(residual, hidden_states, norm.weight, norm.bias, alpha=alpha, eps=norm.eps,
+                                   row_scale=row_scale, grad_scale=grad_scale, residual_dtype=residual_dtype,
+                                   backend=backend)
 
-    The block's own MLP add is left pending: the next block fuses it with its norm1 (or the stack
-    with its final norm). So ``forward`` starts by adding the previous block's pending branch, fused
-    with this block's norm1, and every parameter a block call touches is its own: the block is the
-    unit FSDP2 shards and torch.compile compiles (:func:`dres.train.distributed.parallel_units`).
+
+class Block(nn.Module):
+    """One pre-LN block (timm / MAE parameter names) on the carried residual stream, in flash-attn's
+    fused-residual form: ``forward(hidden_states, residual) -> (hidden_states, residual)``.
+
+    ``hidden_states`` is the previous block's MLP output, still to be added to ``residual``: the block
+    adds it fused with its norm1 (the residual entering the block, whose alpha ``alphas[0]`` it
+    owns), runs attention, adds that fused with norm2 (``alphas[1]``) and returns its own MLP output,
+    pending in turn. So every parameter a block call touches is its own: the block is the unit that
+    FSDP2 shards and torch.compile compiles (:meth:`TransformerStack.parallel_units`).
     """
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
@@ -120,29 +146,24 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim, eps=eps)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), backend=backend)
         self.backend = backend
+        # float32 0-dim views the kernels read, so torch.compile never specialises on their values
+        self.register_buffer("alphas", torch.ones(2), persistent=False)  # (entering, attention)
 
-    def forward(self, stream: torch.Tensor, pending: Optional[torch.Tensor], pending_alpha, pending_scale,
-                attn_alpha: torch.Tensor, attn_scale) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``stream`` (B, T, D) is the residual stream before the pending add; ``pending`` the branch
-        output still to be added (None for none: the stack's first block), as ``pending_alpha *
-        stream + pending``; ``*_scale`` are ``(row_scale, grad_scale)`` pairs of the two residuals.
-        Returns ``(entering, residual, h)``: the stream entering this block (after the pending add),
-        the stream after this block's attention add, and its MLP output, pending in turn."""
-        be = self.backend
-        branch_dtype = autocast_dtype(stream)
-        residual_dtype = torch.float32 if branch_dtype is not None else None
-        n1, n2 = self.norm1, self.norm2
-        if pending is None:
-            entering = stream
-            y = ops.layer_norm(stream, n1.weight, n1.bias, eps=n1.eps, out_dtype=branch_dtype, backend=be)
-        else:
-            entering, y = ops.residual_layer_norm(stream, pending, n1.weight, n1.bias, alpha=pending_alpha, eps=n1.eps,
-                                                  row_scale=pending_scale[0], grad_scale=pending_scale[1],
-                                                  residual_dtype=residual_dtype, backend=be)
-        residual, y = ops.residual_layer_norm(entering, self.attn(y), n2.weight, n2.bias, alpha=attn_alpha, eps=n2.eps,
-                                              row_scale=attn_scale[0], grad_scale=attn_scale[1],
-                                              residual_dtype=residual_dtype, backend=be)
-        return entering, residual, self.mlp(y)
+    def forward(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor] = None,
+                scales: Optional[BlockScales] = None, entering_alpha=None, return_entering: bool = False):
+        """hidden_states: the pending branch output (B, T, D), or the stream itself when ``residual`` is
+        None (the first block). scales: ``(entering, attention)`` drop-path ``(row_scale, grad_scale)``
+        pairs (None: none). entering_alpha: replaces ``alphas[0]`` (a skip hook's add).
+        Returns ``(hidden_states, residual)``: this block's MLP output, pending, and the stream after
+        its attention add; with ``return_entering`` also the stream entering the block (after the
+        pending add), which is the output of the block before."""
+        entering_scales, attention_scales = (NO_SCALES, NO_SCALES) if scales is None else scales
+        alpha = self.alphas[0] if entering_alpha is None else entering_alpha
+        entering, y = add_and_norm(hidden_states, residual, self.norm1, alpha, entering_scales, self.backend)
+        residual, y = add_and_norm(self.attn(y), entering, self.norm2, self.alphas[1], attention_scales,
+                                   self.backend)
+        hidden_states = self.mlp(y)
+        return (hidden_states, residual, entering) if return_entering else (hidden_states, residual)
 
 
 def init_vit_weights(module: nn.Module) -> None:
@@ -157,12 +178,93 @@ def init_vit_weights(module: nn.Module) -> None:
             nn.init.zeros_(m.bias)
 
 
-class TransformerStack(nn.Module):
+class ResidualStream:
+    """The residual-stream loop over blocks in the fused-residual form, with per-residual alphas.
+
+    Residual ``2k`` is block k's attention add and ``2k+1`` its MLP add, which is the residual
+    entering block k+1 (owned by it, ``blocks[k+1].alphas[0]``) or, after the last block, the
+    stream's final add (``self.final_alpha``). Mixed into :class:`TransformerStack` and dres.convert's
+    ``FusedTimmBlocks``, which define ``stream_blocks()`` (the blocks in order) and may override
+    :meth:`fused_call`.
+    """
+
+    backend: Optional[str]
+    final_alpha: torch.Tensor
+
+    def fused_call(self, block: nn.Module) -> Callable:
+        """``block``'s ``(hidden_states, residual, scales, ...) -> (hidden_states, residual)`` form."""
+        return block
+
+    @property
+    def num_residuals(self) -> int:
+        return 2 * len(self.stream_blocks())
+
+    @property
+    def alphas(self) -> torch.Tensor:
+        """The ``num_residuals`` alphas, shallowest first (a copy; :meth:`set_alphas` writes them)."""
+        owned = [blk.alphas[1:] if k == 0 else blk.alphas for k, blk in enumerate(self.stream_blocks())]
+        return torch.cat(owned + [self.final_alpha.reshape(1)])
+
+    @torch.no_grad()
+    def set_alphas(self, alphas: Sequence[float]) -> None:
+        if len(alphas) != self.num_residuals:
+            raise ValueError(f"alphas has {len(alphas)} values; this stack has {self.num_residuals} residuals")
+        alphas = [float(a) for a in alphas]
+        for k, blk in enumerate(self.stream_blocks()):
+            blk.alphas.copy_(torch.tensor([alphas[2 * k - 1] if k else 1.0, alphas[2 * k]]))
+        self.final_alpha.fill_(alphas[-1])
+
+    def run_stream(self, x: torch.Tensor, norm: Optional[nn.LayerNorm], scales: Optional[Sequence[Scales]] = None,
+                   hooks: Optional[dict[int, Hook]] = None,
+                   collect: Sequence[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The blocks on tokens ``x`` (B, T, D), the last add fused with ``norm`` (none: the raw stream).
+
+        scales: per residual ``(row_scale, grad_scale)`` (from a ResidualDroppath controller) or None.
+        hooks: ``{block: fn(stream, outputs) -> (h, a)}``, the stream entering ``block`` becomes ``a*stream + h``.
+        collect: block indices whose output stream (after the block's MLP add) to return.
+        Returns ``(y, outputs)``: y the final-normed output (the raw stream when there is no final
+        norm) and ``outputs[k]`` the residual stream after block k for k in collect.
+        """
+        hooks = hooks or {}
+        if autocast_dtype(x) is not None:
+            x = x.float()  # the stream stays fp32 under autocast; the branches run in the autocast dtype
+        blocks = self.stream_blocks()
+
+        def scale(r: int) -> Scales:
+            return NO_SCALES if scales is None or r < 0 else scales[r]
+
+        outputs: dict[int, torch.Tensor] = {}
+        hidden_states, residual = x, None
+        for k, blk in enumerate(blocks):
+            block = self.fused_call(blk)
+            block_scales = (scale(2 * k - 1), scale(2 * k))
+            if k in hooks:  # the hook reads the stream after block k-1, so that add cannot wait for norm1
+                if residual is not None:
+                    hidden_states, _ = add_and_norm(hidden_states, residual, None, blk.alphas[0], block_scales[0],
+                                                    self.backend)
+                    if k - 1 in collect:
+                        outputs[k - 1] = hidden_states
+                skip, skip_alpha = hooks[k](hidden_states, outputs)
+                hidden_states, residual = block(skip, hidden_states, (NO_SCALES, block_scales[1]),
+                                                entering_alpha=skip_alpha)
+            elif k > 0 and k - 1 in collect:
+                hidden_states, residual, outputs[k - 1] = block(hidden_states, residual, block_scales,
+                                                                return_entering=True)
+            else:
+                hidden_states, residual = block(hidden_states, residual, block_scales)
+        stream, y = add_and_norm(hidden_states, residual, norm, self.final_alpha, scale(2 * len(blocks) - 1),
+                                 self.backend)
+        if len(blocks) - 1 in collect:
+            outputs[len(blocks) - 1] = stream
+        return y, outputs
+
+
+class TransformerStack(ResidualStream, nn.Module):
     """``depth`` pre-LN blocks with per-residual alphas, fused adds and an optional final norm.
 
-    alphas: ``2*depth`` floats (attention, MLP, attention, ...), default all ones; kept as the
-        non-persistent float32 buffer ``alphas``, read by the kernels as 0-dim tensors so that
-        torch.compile does not specialise on their values.
+    alphas: ``2*depth`` floats (attention, MLP, attention, ...), default all ones; each block keeps
+        the alphas of the residual entering it and of its attention add as a non-persistent float32
+        buffer, the stack the last one (``final_alpha``); ``self.alphas`` reads them all.
     final_norm: a final LayerNorm (``self.norm``) fused with the last add; else the stack returns the
         raw stream.
     backend: passed to every :mod:`dres.ops` call (None: Triton on CUDA, reference on CPU).
@@ -175,20 +277,16 @@ class TransformerStack(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, num_heads, mlp_ratio, qkv_bias, attn_impl, eps, backend)
                                     for _ in range(depth))
         self.norm = nn.LayerNorm(dim, eps=eps) if final_norm else None
-        alphas = [1.0] * (2 * depth) if alphas is None else [float(a) for a in alphas]
-        if len(alphas) != 2 * depth:
-            raise ValueError(f"alphas has {len(alphas)} values; a stack of depth {depth} has {2 * depth} residuals")
-        self.register_buffer("alphas", torch.tensor(alphas, dtype=torch.float32), persistent=False)
+        self.register_buffer("final_alpha", torch.ones(()), persistent=False)
+        self.set_alphas([1.0] * (2 * depth) if alphas is None else alphas)
         self.backend = backend
 
-    @property
-    def num_residuals(self) -> int:
-        return 2 * len(self.blocks)
+    def stream_blocks(self) -> Sequence[nn.Module]:
+        return self.blocks
 
-    def set_alphas(self, alphas: Sequence[float]) -> None:
-        if len(alphas) != self.num_residuals:
-            raise ValueError(f"alphas has {len(alphas)} values; this stack has {self.num_residuals} residuals")
-        self.alphas.copy_(torch.tensor([float(a) for a in alphas], dtype=torch.float32))
+    def parallel_units(self) -> list[nn.Module]:
+        """The blocks: each is one FSDP2 unit and one torch.compile region."""
+        return list(self.blocks)
 
     def zero_init_branch_ends(self) -> None:
         """Zero the last Linear of every branch (attention proj, MLP fc2): needed for alpha_min <= 0.7."""
@@ -197,61 +295,11 @@ class TransformerStack(nn.Module):
                 nn.init.zeros_(linear.weight)
                 nn.init.zeros_(linear.bias)
 
-    def _alpha(self, i: int) -> torch.Tensor:
-        return self.alphas[i]  # a 0-dim view: the kernels read it, so its value is never baked in
-
-    def forward(self, x: torch.Tensor, scales: Optional[Sequence] = None, hooks: Optional[dict[int, Hook]] = None,
+    def forward(self, x: torch.Tensor, scales: Optional[Sequence[Scales]] = None,
+                hooks: Optional[dict[int, Hook]] = None,
                 collect: Sequence[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Run the stack on tokens ``x`` (B, T, D).
-
-        scales: per residual ``(row_scale, grad_scale)`` (from a ResidualDroppath controller) or None.
-        hooks: ``{block: fn(stream, outputs) -> (h, a)}``, the stream entering ``block`` becomes ``a*stream + h``.
-        collect: block indices whose output stream (after the block's MLP add) to return.
-        Returns ``(y, outputs)``: y the final-normed output (the raw stream when there is no final
-        norm) and ``outputs[k]`` the residual stream after block k for k in collect.
-        """
-        hooks = hooks or {}
-        branch_dtype = autocast_dtype(x)
-        residual_dtype = torch.float32 if branch_dtype is not None else None
-        if branch_dtype is not None:
-            x = x.float()  # the stream stays fp32 under autocast; the branches run in branch_dtype
-        be = self.backend
-        n = len(self.blocks)
-        outputs: dict[int, torch.Tensor] = {}
-        no_scale = (None, None)
-
-        def scale(r: int):
-            return no_scale if scales is None else scales[r]
-
-        def complete(stream, pending, r):
-            """``stream`` with the pending branch of residual r added (an unfused add)."""
-            return ops.residual_add(stream, pending, alpha=self._alpha(r), row_scale=scale(r)[0],
-                                    grad_scale=scale(r)[1], residual_dtype=residual_dtype, backend=be)
-
-        stream, pending, pending_alpha, pending_scale = x, None, None, no_scale
-        for k, blk in enumerate(self.blocks):
-            if k in hooks:  # the hook sees the stream after block k-1, so that add cannot wait
-                if pending is not None:
-                    stream = complete(stream, pending, 2 * k - 1)
-                    if k - 1 in collect:
-                        outputs[k - 1] = stream
-                pending, pending_alpha = hooks[k](stream, outputs)
-                pending_scale = no_scale
-            entering, stream, pending = blk(stream, pending, pending_alpha, pending_scale, self._alpha(2 * k),
-                                            scale(2 * k))
-            if k > 0 and k not in hooks and k - 1 in collect:
-                outputs[k - 1] = entering
-            pending_alpha, pending_scale = self._alpha(2 * k + 1), scale(2 * k + 1)
-        last = 2 * n - 1
-        if self.norm is not None:
-            stream, y = ops.residual_layer_norm(stream, pending, self.norm.weight, self.norm.bias, alpha=self._alpha(last),
-                                                eps=self.norm.eps, row_scale=scale(last)[0], grad_scale=scale(last)[1],
-                                                residual_dtype=residual_dtype, backend=be)
-        else:
-            stream = y = complete(stream, pending, last)
-        if n - 1 in collect:
-            outputs[n - 1] = stream
-        return y, outputs
+        """The stack on tokens ``x`` (B, T, D): ``(y, outputs)`` as :meth:`ResidualStream.run_stream`."""
+        return self.run_stream(x, self.norm, scales, hooks, collect)
 
 
 def set_backend(module: nn.Module, backend: Optional[str]) -> nn.Module:
