@@ -29,4 +29,8 @@ def __getattr__(name):
         from dres.convert import convert_timm_vit
 
         return convert_timm_vit
+    if name == "convert_timm_resnet":
+        from dres.convert_resnet import convert_timm_resnet
+
+        return convert_timm_resnet
     raise AttributeError(f"module 'dres' has no attribute {name!r}")

@@ -1,0 +1,248 @@
+"""dres.convert_timm_resnet: timm ResNet / ResNet-D blocks on the fused residual_act with decayed
+shortcuts, drop path and ResidualDroppath; same parameters and state_dict keys, the same function
+as the unconverted model at the defaults, gradient routing of ResidualDroppath as for the ViT."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import dres
+from dres.convert_resnet import residual_blocks
+from dres.nn import set_backend
+
+timm = pytest.importorskip("timm")
+from timm.models.resnet import BasicBlock, Bottleneck, ResNet  # noqa: E402
+
+
+def tiny_resnet(block, deep: bool, **kw) -> nn.Module:
+    """One block per stage (the first of each with a downsample shortcut); ``deep``: ResNet-D
+    (deep stem, average-pool downsample), as resnet50d has."""
+    extra = dict(stem_type="deep", stem_width=8, avg_down=True) if deep else {}
+    return ResNet(block, layers=(1, 1, 1, 1), num_classes=10, **extra, **kw)
+
+
+def randomize_norms_(model: nn.Module) -> nn.Module:
+    """Non-trivial BatchNorm statistics and affine parameters, so eval mode tests something."""
+    g = torch.Generator().manual_seed(0)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.1)
+            m.running_var.copy_(torch.rand(m.running_var.shape, generator=g) + 0.5)
+            m.weight.data.copy_(1 + 0.3 * torch.randn(m.weight.shape, generator=g))
+            m.bias.data.copy_(0.1 * torch.randn(m.bias.shape, generator=g))
+    return model
+
+
+def converted_pair(model, dtype=torch.float64, **convert_kw):
+    model = randomize_norms_(model).to(dtype)
+    return model, dres.convert_timm_resnet(copy.deepcopy(model), **convert_kw)
+
+
+def forward_and_grads(model, x):
+    out = model(x)
+    grads = torch.autograd.grad(out.square().sum(), [p for p in model.parameters()])
+    return out, grads
+
+
+# ---------------------------------------------------------------------------------------------
+# The same function and the same keys
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "resnet50d"])
+def test_defaults_compute_the_original_function(arch):
+    """timm's resnet18 (BasicBlock) and resnet50d (Bottleneck, deep stem, avg-pool shortcut) in fp64."""
+    torch.manual_seed(0)
+    original, converted = converted_pair(timm.create_model(arch, pretrained=False, num_classes=10), backend="torch")
+    assert list(converted.state_dict()) == list(original.state_dict())
+    assert [n for n, _ in converted.named_parameters()] == [n for n, _ in original.named_parameters()]
+    assert not hasattr(converted, "droppath")
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    for train in (True, False):
+        original.train(train), converted.train(train)
+        (out_a, grads_a), (out_b, grads_b) = forward_and_grads(original, x), forward_and_grads(converted, x)
+        torch.testing.assert_close(out_b, out_a, rtol=1e-12, atol=1e-12)
+        for a, b in zip(grads_a, grads_b):
+            torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("block,deep", [(BasicBlock, False), (Bottleneck, True)])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_triton_kernels_in_a_resnet(triton_device, block, deep, layout):
+    """The Triton op (interpreter on CPU) inside a small ResNet / ResNet-D, fp32, both layouts."""
+    torch.manual_seed(1)
+    original, converted = converted_pair(tiny_resnet(block, deep), torch.float32, backend="triton")
+    original, converted = original.to(triton_device), converted.to(triton_device)
+    x = torch.randn(2, 3, 32, 32, device=triton_device)
+    if layout == "channels_last":
+        original, converted = (m.to(memory_format=torch.channels_last) for m in (original, converted))
+        x = x.to(memory_format=torch.channels_last)
+    (out_a, grads_a), (out_b, grads_b) = forward_and_grads(original, x), forward_and_grads(converted, x)
+    torch.testing.assert_close(out_b, out_a, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_timm_drop_path_of_the_model_is_kept():
+    """A model created with timm's drop_path_rate keeps its DropPath on the branch (same function)."""
+    torch.manual_seed(2)
+    original, converted = converted_pair(tiny_resnet(Bottleneck, True, drop_path_rate=0.5), backend="torch")
+    x = torch.randn(4, 3, 32, 32, dtype=torch.float64)
+    outs = []
+    for model in (original, converted):
+        torch.manual_seed(3)
+        outs.append(model(x))
+    torch.testing.assert_close(outs[1], outs[0])
+    with pytest.raises(ValueError, match="drop_path_rate=0"):
+        dres.convert_timm_resnet(copy.deepcopy(original), drop_path=0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decayed shortcuts
+
+
+def test_decayed_shortcuts_follow_the_schedule():
+    torch.manual_seed(4)
+    original, converted = converted_pair(tiny_resnet(Bottleneck, True), alpha_min=0.5, backend="torch")
+    alphas = [blk.dres_alpha.item() for blk in residual_blocks(converted)]
+    assert alphas == pytest.approx(dres.nn.decay_schedule(4, 0.5))
+    assert list(converted.state_dict()) == list(original.state_dict())  # alphas are not saved
+    converted.eval()
+    blk, ref = converted.layer2[0], original.layer2[0].eval()
+    x = torch.randn(2, blk.conv1.in_channels, 8, 8, dtype=torch.float64)
+    ref_branch = ref.bn3(ref.conv3(ref.act2(ref.bn2(ref.conv2(ref.act1(ref.bn1(ref.conv1(x))))))))
+    torch.testing.assert_close(blk(x), torch.relu(alphas[1] * ref.downsample(x) + ref_branch))
+
+
+def test_set_backend_reaches_the_blocks():
+    model = dres.convert_timm_resnet(tiny_resnet(BasicBlock, False), backend="torch")
+    set_backend(model, "triton")
+    assert all(blk.backend == "triton" for blk in residual_blocks(model))
+
+
+# ---------------------------------------------------------------------------------------------
+# Drop path and ResidualDroppath
+
+
+def branch_outputs(model):
+    """Record the gradient of every block's branch output (its last norm) by sample."""
+    grads, handles = {}, []
+    for i, blk in enumerate(residual_blocks(model)):
+        last = blk.bn3 if isinstance(blk, Bottleneck) else blk.bn2
+
+        def hook(mod, inp, out, i=i):
+            out.register_hook(lambda g: grads.__setitem__(i, g.detach().flatten(1).abs().sum(1)))
+
+        handles.append(last.register_forward_hook(hook))
+    return grads, handles
+
+
+@pytest.mark.parametrize("block,deep", [(BasicBlock, False), (Bottleneck, True)])
+def test_residual_droppath_routes_gradients(block, deep):
+    """Even iteration: only kept branches get gradient; odd iteration (same masks): the value of the
+    plain network and gradient only into the dropped branches (tests/test_nn.py does it for the ViT)."""
+    torch.manual_seed(5)
+    B = 8
+    model = randomize_norms_(tiny_resnet(block, deep)).double()
+    dres.convert_timm_resnet(model, drop_path=0.6, droppath_mode="residual_droppath", backend="torch")
+    dp = model.droppath
+    assert dp.rates == pytest.approx([0.0, 0.2, 0.4, 0.6])  # timm's linear-in-depth rule over blocks
+    grads, handles = branch_outputs(model)
+    x = torch.randn(B, 3, 32, 32, dtype=torch.float64)
+    model(x).square().sum().backward()
+    masks = dp.masks.clone()
+    for i in range(1, 4):
+        assert torch.equal(grads[i] == 0, masks[i] == 0), f"block {i}, even iteration"
+    assert (grads[0] > 0).all()  # rate 0: never dropped
+
+    dp.next_iteration()
+    x2 = torch.randn(B, 3, 32, 32, dtype=torch.float64)
+    out = model(x2)
+    assert torch.equal(dp.masks, masks)
+    dp.eval()  # the plain network, batch statistics as before
+    torch.testing.assert_close(out, model(x2))
+    dp.train()
+    out.square().sum().backward()
+    for i in range(1, 4):
+        assert torch.equal(grads[i] == 0, masks[i] == 1), f"block {i}, odd iteration"
+    for h in handles:
+        h.remove()
+
+
+def test_drop_path_scales_kept_samples():
+    """timm drop path: the deepest block's branch is scaled by m / keep (rate 0.5 there)."""
+    torch.manual_seed(6)
+    model = randomize_norms_(tiny_resnet(BasicBlock, False)).double()
+    dres.convert_timm_resnet(model, drop_path=0.5, droppath_mode="drop_path", backend="torch")
+    blk = model.layer4[0]
+    x = torch.randn(16, blk.conv1.in_channels, 2, 2, dtype=torch.float64)
+    out = blk(x)
+    m = model.droppath.masks[3]
+    assert 0 < m.sum() < 16
+    branch = blk.bn2(blk.conv2(blk.act1(blk.bn1(blk.conv1(x)))))
+    torch.testing.assert_close(out, torch.relu(blk.downsample(x) + (m / 0.5).view(-1, 1, 1, 1) * branch))
+
+
+def test_controller_state_travels_with_the_state_dict():
+    model = dres.convert_timm_resnet(tiny_resnet(BasicBlock, False), drop_path=0.1,
+                                     droppath_mode="residual_droppath")
+    keys = list(model.state_dict())
+    assert keys == list(tiny_resnet(BasicBlock, False).state_dict()) + ["droppath._extra_state"]
+    model(torch.randn(4, 3, 32, 32))
+    model.droppath.next_iteration()
+    other = dres.convert_timm_resnet(tiny_resnet(BasicBlock, False), drop_path=0.1, droppath_mode="residual_droppath")
+    other.load_state_dict(model.state_dict())
+    assert other.droppath.iteration == 1
+
+
+def test_bad_models_and_arguments():
+    with pytest.raises(TypeError, match="timm ResNet"):
+        dres.convert_timm_resnet(nn.Linear(2, 2))
+    model = dres.convert_timm_resnet(tiny_resnet(BasicBlock, False))
+    with pytest.raises(ValueError, match="already converted"):
+        dres.convert_timm_resnet(model)
+    with pytest.raises(ValueError, match="droppath_mode"):
+        dres.convert_timm_resnet(tiny_resnet(BasicBlock, False), droppath_mode="dropout")
+    with pytest.raises(ValueError, match="alpha_min"):
+        dres.convert_timm_resnet(tiny_resnet(BasicBlock, False), alpha_min=1.5)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+
+
+def test_compile_fullgraph_of_a_converted_resnet(triton_device):
+    torch.manual_seed(7)
+    _, model = converted_pair(tiny_resnet(Bottleneck, True), torch.float32, alpha_min=0.7, backend="triton")
+    model = model.to(triton_device).eval()
+    x = torch.randn(2, 3, 32, 32, device=triton_device)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), model(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["none", "residual_droppath"])
+def test_gpu_resnet50d_compiled_matches_eager(mode):
+    torch.manual_seed(8)
+    model = timm.create_model("resnet50d", pretrained=False, num_classes=10)
+    dres.convert_timm_resnet(model, alpha_min=0.8, drop_path=0.1 if mode != "none" else 0.0,
+                             droppath_mode="residual_droppath")
+    model = model.cuda().to(memory_format=torch.channels_last)
+    compiled_model = copy.deepcopy(model)
+    compiled_model.compile()
+    x = torch.randn(16, 3, 64, 64, device="cuda").to(memory_format=torch.channels_last)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        for step in range(2):  # an even and an odd iteration
+            a, b = model(x), compiled_model(x)
+            torch.testing.assert_close(b.float(), a.float(), rtol=5e-2, atol=5e-2)
+            a.float().square().mean().backward()
+            b.float().square().mean().backward()
+            if mode != "none":
+                model.droppath.next_iteration()
+                compiled_model.droppath.next_iteration()
+    for (n, p), q in zip(model.named_parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(q.grad.float(), p.grad.float(), rtol=0.1, atol=0.1 * p.grad.abs().max().item() + 1e-6,
+                                   msg=n)
