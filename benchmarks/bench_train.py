@@ -24,6 +24,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -58,7 +59,7 @@ MODELS = {
 }
 BASELINE = {"mae": "timm", "uvit": "plain"}
 DEFAULT_BATCH = {"mae": 256, "uvit": 128}
-TRAIN_KEY = ("card", "bench", "model", "mode", "batch", "world_size", "checkpointing", "kind")
+TRAIN_KEY = ("card", "bench", "model", "mode", "batch", "world_size", "checkpointing", "kind", "dist", "fsdp_variant")
 
 
 # Variants named by a suffix, measured only when named (--models): "_csrc" needs the optional
@@ -204,13 +205,14 @@ def time_steps(step, steps: int) -> list[float]:
     return [start.elapsed_time(end) for start, end in events]
 
 
-def first_training_step(bench: str, model: torch.nn.Module, mode: str, x: torch.Tensor, fsdp: bool):
+def first_training_step(bench: str, model: torch.nn.Module, x: torch.Tensor, compile_mode: str = "eager",
+                        sharded: bool = False):
     """``(step, optimizer kind)`` after running the first step: ``step()`` is one bf16-autocast
-    forward + backward + fused AdamW step + zero_grad of ``model`` (compiled per ``mode``) on ``x``.
-    Under FSDP2, on a torch whose fused AdamW rejects DTensor parameters, the step falls back to the
+    forward + backward + fused AdamW step + zero_grad of ``model`` (wrapped by ``compile_for(model,
+    compile_mode)``; "eager" when its blocks were compiled already) on ``x``. When ``sharded``
+    (FSDP2) and this torch's fused AdamW rejects DTensor parameters, the step falls back to the
     foreach kernel, the next fastest; the kind says which runs."""
-    # Under FSDP2 the blocks were compiled one by one before sharding (run_one); elsewhere the model.
-    fwd = model if (fsdp and mode == "compile") else compile_for(model, mode)
+    fwd = compile_for(model, compile_mode)
     opt = make_optimizer(model)
 
     def step():
@@ -224,48 +226,42 @@ def first_training_step(bench: str, model: torch.nn.Module, mode: str, x: torch.
         step()
         return step, "fused"
     except Exception:
-        if not fsdp:
+        if not sharded:
             raise
         opt = make_optimizer(model, fused=False)
         step()
         return step, "foreach"
 
 
-def run_one(bench: str, name: str, mode: str, batch: int, args, env: dict, card: str, peak_tflops: float,
-            world_size: int = 1, fsdp: bool = False) -> dict:
-    """Images/s, peak memory, FLOPs and MFU of one (model, mode, batch)."""
-    device = torch.device("cuda")
-    torch._dynamo.reset()
-    free_memory()
-    model = build_model(bench, name).to(device)
-    if fsdp:
-        if mode == "compile":  # per block, then FSDP2 over the compiled blocks: the trainer's order
-            from dres.train.distributed import apply_compile
-
-            apply_compile(model)
-        shard_model(model, tuned=getattr(args, "fsdp_tuned", False))
-    model.train()
-    x = make_batch(bench, batch, device)
-    flops = None
-    if not args.no_flops and not fsdp:
-        flops = count_flops(bench, model, x)
-    t0 = time.time()
-    step, optimizer_kind = first_training_step(bench, model, mode, x, fsdp)
-    for _ in range(max(1, args.warmup) - 1):
+def warm_and_time(step, warmup: int, steps: int, t0: float) -> tuple[list[float], float, float]:
+    """``(step milliseconds, warm-up seconds since t0, peak GiB)``: ``warmup`` - 1 more untimed steps
+    after the first (compilation happens there), then ``steps`` timed ones with the peak memory reset."""
+    for _ in range(max(1, warmup) - 1):
         step()
     torch.cuda.synchronize()
     warm_s = time.time() - t0
     torch.cuda.reset_peak_memory_stats()
-    times = time_steps(step, args.steps)
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    times = time_steps(step, steps)
+    return times, warm_s, torch.cuda.max_memory_allocated() / 2**30
+
+
+def run_one(bench: str, name: str, mode: str, batch: int, args, env: dict, card: str, peak_tflops: float) -> dict:
+    """Images/s, peak memory, FLOPs and MFU of one (model, mode, batch) on one GPU, unwrapped."""
+    device = torch.device("cuda")
+    torch._dynamo.reset()
+    free_memory()
+    model = build_model(bench, name).to(device).train()
+    x = make_batch(bench, batch, device)
+    flops = None if args.no_flops else count_flops(bench, model, x)
+    t0 = time.time()
+    step, optimizer_kind = first_training_step(bench, model, x, compile_mode=mode)
+    times, warm_s, peak = warm_and_time(step, args.warmup, args.steps, t0)
     ms = statistics.median(times)
     ips = batch / (ms / 1e3)
     rec = {
         "kind": "throughput", "bench": bench, "model": name, "description": MODELS[bench][name], "mode": mode,
-        "batch": batch, "world_size": world_size, "fsdp": fsdp, "checkpointing": False,
-        # what torch.compile covered: FSDP2 runs compile each block (since commit 3961519;
-        # earlier FSDP2 compile records, without this field, compiled the whole wrapped model)
-        "compile_scope": None if mode == "eager" else ("per_block" if fsdp and mode == "compile" else "model"),
+        "batch": batch, "world_size": 1, "fsdp": False, "checkpointing": False,
+        "compile_scope": None if mode == "eager" else "model",
         "images_per_s": ips, "images_per_s_per_gpu": ips, "step_ms": ms,
         "step_ms_min": min(times), "step_ms_max": max(times), "steps": len(times), "warmup_s": warm_s,
         "peak_mem_gib": peak, "card": card, "torch": env["torch"], "triton": env["triton"],
@@ -331,86 +327,267 @@ def max_batch(bench: str, name: str, checkpointing: bool, start: int, step: int,
 
 
 # ---------------------------------------------------------------------------------------------
-# FSDP2
+# Several GPUs: DDP and FSDP2 (the trainer's wrapping), and the trainer itself, under torchrun
+
+# "fsdp:VARIANT" picks a candidate FSDP2 setting (dres.train.distributed.apply_fsdp): reshard_after_forward
+# for every unit ("always", FSDP2's default), all but the last ("except_last") or none ("never"), or
+# "prefetch" (the trainer's fsdp_prefetch: no resharding plus forward prefetch).
+FSDP_VARIANTS = ("always", "except_last", "never", "prefetch")
+# NVLink multicast (NVLS) stays off on the lent machines; NCCL falls back to its ring/tree paths.
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def shard_model(model: torch.nn.Module, tuned: bool = False) -> None:
-    """FSDP2 with bf16 parameters (fp32 gradient reduction), the trainer's wrapping: one unit per
-    transformer block (:func:`dres.train.distributed.parallel_units`: timm's and U-ViT's blocks, and
-    dres Blocks, which run from their norm1 to their MLP), then the root (embeddings, final norms,
-    heads, skip layers). Before commit 086f98d the benchmark sharded every attention and
-    MLP module instead (41 units for the MAE ViT-B/16, 21 now); BENCHMARKS.md says which runs used which.
-    tuned: the trainer's ``fsdp_prefetch`` (dres.train.distributed.fully_shard_units)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    from dres.train.distributed import fully_shard_units, parallel_units
-
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    fully_shard_units(model, parallel_units(model), mp, prefetch=tuned)
+def parse_worlds(spec: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (sorted, distinct, each >= 1)."""
+    try:
+        worlds = sorted({int(w) for w in spec.split(",") if w.strip()})
+    except ValueError:
+        raise SystemExit(f"--scaling: expected a comma list of GPU counts like 1,2,4, got {spec!r}") from None
+    if not worlds or worlds[0] < 1:
+        raise SystemExit(f"--scaling: GPU counts must be >= 1, got {spec!r}")
+    return worlds
 
 
-def fsdp_worker(args) -> int:
-    """Runs under torchrun: one measurement per (model, mode), rank 0 writes."""
+def parse_dists(spec: str) -> list[tuple[str, str]]:
+    """``"ddp,fsdp,fsdp:except_last"`` -> ``[("ddp", ""), ("fsdp", "always"), ("fsdp", "except_last")]``."""
+    out = []
+    for item in (s.strip() for s in spec.split(",") if s.strip()):
+        kind, _, variant = item.partition(":")
+        if kind not in ("none", "ddp", "fsdp") or (kind != "fsdp" and variant):
+            raise SystemExit(f"--dist: unknown {item!r}; choose from none, ddp, fsdp, fsdp:VARIANT")
+        if kind == "fsdp":
+            variant = variant or "always"
+            if variant not in FSDP_VARIANTS:
+                raise SystemExit(f"--dist: unknown FSDP2 variant {variant!r}; choose from {', '.join(FSDP_VARIANTS)}")
+        if (kind, variant) not in out:
+            out.append((kind, variant))
+    if not out:
+        raise SystemExit("--dist: give at least one of none, ddp, fsdp")
+    return out
+
+
+def dists_at(world: int, dists: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The wrappings measured on ``world`` GPUs: on one GPU, DDP is the unwrapped model ("none"), as
+    the trainer wraps nothing there; "none" on several GPUs would be an unsynchronised run."""
+    out = []
+    for kind, variant in dists:
+        if world == 1 and kind == "ddp":
+            kind = "none"
+        if world > 1 and kind == "none":
+            continue
+        if (kind, variant) not in out:
+            out.append((kind, variant))
+    return out
+
+
+def wrap_model(model: torch.nn.Module, kind: str, variant: str, info) -> torch.nn.Module:
+    """The trainer's wrapping (dres.train.distributed): DDP, or FSDP2 per block with bf16 parameters
+    and fp32 gradient reduction, in the ``variant`` of FSDP_VARIANTS."""
+    from dres.train import distributed as D
+
+    if kind == "ddp":
+        return D.apply_ddp(model, info)
+    if kind == "fsdp":
+        prefetch = variant == "prefetch"
+        return D.apply_fsdp(model, info, "bf16", prefetch=prefetch, reshard="never" if prefetch else variant)
+    return model
+
+
+def run_dist(bench: str, name: str, mode: str, batch: int, args, env: dict, card: str, info,
+             kind: str, variant: str) -> dict:
+    """One (model, mode, wrapping) on every rank of the process group: the blocks compiled one by
+    one before wrapping (the trainer's order), ``batch`` images per GPU; the step time is the
+    slowest rank's median."""
     import torch.distributed as dist
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl")
-    world = dist.get_world_size()
-    rank = dist.get_rank()
+    from dres.train.distributed import apply_compile
+
+    torch._dynamo.reset()
+    free_memory()
+    model = build_model(bench, name).to(info.device)
+    if mode == "compile":
+        apply_compile(model)
+    wrapped = wrap_model(model, kind, variant, info).train()
+    x = make_batch(bench, batch, info.device)
+    t0 = time.time()
+    step, optimizer_kind = first_training_step(bench, wrapped, x, sharded=kind == "fsdp")
+    times, warm_s, peak = warm_and_time(step, args.warmup, args.steps, t0)
+    ms_all = torch.tensor([statistics.median(times), peak], device=info.device)
+    dist.all_reduce(ms_all, op=dist.ReduceOp.MAX)
+    ms, peak_max = ms_all.tolist()
+    world = info.world
+    rec = {
+        "kind": "dist", "bench": bench, "model": name, "description": MODELS[bench][name], "mode": mode,
+        "batch": batch, "world_size": world, "dist": kind, "fsdp_variant": variant or None, "checkpointing": False,
+        "compile_scope": None if mode == "eager" else "per_block",
+        "images_per_s": world * batch / (ms / 1e3), "images_per_s_per_gpu": batch / (ms / 1e3), "step_ms": ms,
+        "step_ms_min": min(times), "step_ms_max": max(times), "steps": len(times), "warmup_s": warm_s,
+        "peak_mem_gib": peak_max, "card": card, "gpus": world, "torch": env["torch"], "triton": env["triton"],
+        "date": common.today(), "optimizer": optimizer_kind,
+    }
+    del model, wrapped, step, x
+    free_memory()
+    return rec
+
+
+def dist_worker(args) -> int:
+    """Runs under torchrun: every (model, mode, wrapping) of the plan on all ranks; rank 0 writes
+    after each, so a run stopped at its time limit keeps what it measured."""
+    import torch.distributed as dist
+
+    from dres.train import distributed as D
+
+    info = D.init("auto", "ddp")
     env, card = common.versions(), common.card_name()
-    records = []
+    wraps = dists_at(info.world, parse_dists(args.dist))
     for bench in benches(args):
         batch = args.batch or DEFAULT_BATCH[bench]
         for name in models_for(bench, args):
             for mode in modes(args):
-                dist.barrier()
-                try:
-                    rec = run_one(bench, name, mode, batch, args, env, card, 0.0, world_size=world, fsdp=True)
-                    if args.fsdp_tuned:
-                        rec["model"] = f"{name}_fsdp_tuned"
-                except Exception as e:
-                    if rank == 0:
-                        print(f"FAILED fsdp {bench} {name} {mode}: {type(e).__name__}: {e}", flush=True)
-                        traceback.print_exc()
-                    continue
-                rec["kind"] = "fsdp"
-                # every rank processes `batch` images per step: per-GPU rate is batch / step time
-                rec["images_per_s"] = rec["images_per_s_per_gpu"] * world
-                rec.pop("matmul_tflops", None)
-                if rank == 0:
-                    print(f"fsdp world={world} {bench} {name} {mode}: {rec['images_per_s_per_gpu']:.0f} img/s/GPU",
-                          flush=True)
-                records.append(rec)
-    if rank == 0:
-        write_outputs(Path(args.out), card, records)
+                for kind, variant in wraps:
+                    dist.barrier()
+                    t0 = time.time()
+                    try:
+                        rec = run_dist(bench, name, mode, batch, args, env, card, info, kind, variant)
+                    except Exception as e:  # one configuration failing must not lose the others
+                        if info.main:
+                            print(f"FAILED {bench} {name} {mode} {kind} {variant} on {info.world} GPU(s): "
+                                  f"{type(e).__name__}: {e}", flush=True)
+                            traceback.print_exc()
+                        free_memory()
+                        continue
+                    if info.main:
+                        print(f"{bench} {name} {mode} {_dist_label(rec)} x{info.world}: "
+                              f"{rec['images_per_s']:.0f} img/s ({rec['images_per_s_per_gpu']:.0f}/GPU), "
+                              f"peak {rec['peak_mem_gib']:.1f} GiB [{time.time() - t0:.0f}s]", flush=True)
+                        write_outputs(Path(args.out), card, [rec])
     dist.barrier()
-    dist.destroy_process_group()
+    D.cleanup()
     return 0
 
 
-def fsdp_scaling(args, argv: list[str]) -> int:
-    """Launch the FSDP2 measurement on 1 GPU, then on ``args.fsdp_scaling`` GPUs (torchrun each)."""
-    n = args.fsdp_scaling
-    if torch.cuda.device_count() < n:
-        print(f"--fsdp-scaling {n} needs {n} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
-        return 2
-    passthrough, skip = [], False
-    for a in argv:  # everything but "--fsdp-scaling N" / "--fsdp-scaling=N"
+def _without_option(argv: list[str], name: str) -> list[str]:
+    """``argv`` less ``name VALUE`` / ``name=VALUE``."""
+    out, skip = [], False
+    for a in argv:
         if skip:
             skip = False
-        elif a == "--fsdp-scaling":
+        elif a == name:
             skip = True
-        elif not a.startswith("--fsdp-scaling="):
-            passthrough.append(a)
-    # NVLink multicast (NVLS) stays off on the lent machines; NCCL falls back to its ring/tree paths.
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    rc = 0
-    for world in (1, n):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               "-m", "benchmarks.bench_train", "--fsdp", *passthrough]
-        print("#", " ".join(cmd), flush=True)
-        rc |= subprocess.call(cmd, cwd=str(common.REPO_ROOT), env=env)
+        elif not a.startswith(name + "="):
+            out.append(a)
+    return out
+
+
+def torchrun_cmd(world: int, module: str, *rest: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+            "-m", module, *rest]
+
+
+def scaling_commands(args, argv: list[str]) -> list[list[str]]:
+    """One torchrun per GPU count of ``--scaling``, each measuring every wrapping of ``--dist``."""
+    rest = ["--dist-worker", *_without_option(argv, "--scaling")]
+    return [torchrun_cmd(w, "benchmarks.bench_train", *rest) for w in parse_worlds(args.scaling)]
+
+
+TRAINER_EVAL_OFF = ("eval.probe=false", "eval.knn=false", "eval.effective_rank=false", "eval.recon=false",
+                    "eval.tsne=false")
+
+
+def trainer_plan(args) -> list[dict]:
+    """The trainer runs of ``--trainer PRESET``: every GPU count x wrapping x mode, each with
+    ``batch`` images per GPU, ``--trainer-steps`` steps logged every ``--trainer-log-every``, its
+    evaluation off and the user's ``--set`` overrides last."""
+    from dres.train.config import load_preset
+
+    preset = load_preset(args.trainer)
+    task = preset.get("task", "mae")
+    batch = args.batch or DEFAULT_BATCH.get(task, 256)
+    runs = []
+    for world in parse_worlds(args.scaling or "1"):
+        for kind, variant in dists_at(world, parse_dists(args.dist)):
+            if kind == "fsdp" and variant not in ("always", "prefetch"):
+                raise SystemExit(f"--trainer: the trainer has no FSDP2 variant {variant!r} (fsdp, fsdp:prefetch)")
+            for mode in modes(args):
+                sets = [f"compile={'true' if mode == 'compile' else 'false'}", f"dist={kind}",
+                        f"fsdp_prefetch={'true' if variant == 'prefetch' else 'false'}",
+                        f"batch_size={batch * world}", f"steps={args.trainer_steps}",
+                        f"log.every={args.trainer_log_every}", "log.progress=false", "log.tensorboard=false",
+                        "ckpt.every=0", *TRAINER_EVAL_OFF, *args.overrides]
+                runs.append({"task": task, "preset": args.trainer, "world": world, "dist": kind,
+                             "variant": variant or None, "mode": mode, "batch": batch, "sets": sets})
+    return runs
+
+
+def trainer_cmd(run: dict, out_dir: str) -> list[str]:
+    sets = [a for kv in run["sets"] for a in ("--set", kv)]
+    return torchrun_cmd(run["world"], f"dres.train.{run['task']}", "--preset", run["preset"], "--out", out_dir, *sets)
+
+
+def steady_state_rate(metrics: list[dict], global_batch: int, skip: int = 1) -> tuple[float, int]:
+    """``(images/s, steps)`` over the logged intervals of ``metrics.jsonl`` after the first ``skip``
+    (warm-up: compilation, allocator growth): images over the summed interval times."""
+    recs = sorted(metrics, key=lambda r: r["step"])
+    images = seconds = 0.0
+    steps, prev = 0, 0
+    for i, r in enumerate(recs):
+        n = r["step"] - prev
+        prev = r["step"]
+        if i < skip or n <= 0:
+            continue
+        images += n * global_batch
+        seconds += n * global_batch / r["img_per_s"]
+        steps += n
+    if not steps:
+        raise ValueError(f"no logged interval after the first {skip}: {len(recs)} record(s); run more steps")
+    return images / seconds, steps
+
+
+def trainer_record(run: dict, run_dir: Path, env: dict, card: str) -> dict:
+    with open(run_dir / "metrics.jsonl") as f:
+        metrics = [json.loads(line) for line in f if line.strip()]
+    with open(run_dir / "summary.json") as f:
+        summary = json.load(f)
+    world, batch = run["world"], run["batch"]
+    ips, steps = steady_state_rate(metrics, batch * world)
+    return {"kind": "trainer", "bench": run["task"], "model": run["preset"], "mode": run["mode"], "batch": batch,
+            "world_size": world, "dist": run["dist"], "fsdp_variant": run["variant"], "checkpointing": False,
+            "compile_scope": None if run["mode"] == "eager" else "per_block",
+            "images_per_s": ips, "images_per_s_per_gpu": ips / world, "steps": steps,
+            "peak_mem_gib": summary.get("peak_mem_gib"), "final_loss": summary.get("final_loss"),
+            "overrides": run["sets"], "card": card, "gpus": world, "torch": env["torch"], "triton": env["triton"],
+            "date": common.today()}
+
+
+def launch(cmd: list[str]) -> int:
+    print("#", " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, cwd=str(common.REPO_ROOT), env=dict(os.environ, **NCCL_ENV))
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:  # a time limit's SIGINT: let torchrun stop its workers (own sessions) first
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+        raise
+
+
+def run_trainer(args, out: Path, card: str) -> int:
+    import tempfile
+
+    env, rc = common.versions(), 0
+    for run in trainer_plan(args):
+        with tempfile.TemporaryDirectory(prefix="dres-trainer-") as tmp:  # checkpoints are not kept
+            t0 = time.time()
+            code = launch(trainer_cmd(run, tmp))
+            if code != 0:
+                print(f"FAILED trainer {run['preset']} {run['mode']} {run['dist']} x{run['world']}: exit {code}",
+                      flush=True)
+                rc = 1
+                continue
+            rec = trainer_record(run, Path(tmp), env, card)
+        print(f"trainer {run['preset']} {run['mode']} {_dist_label(rec)} x{run['world']}: {rec['images_per_s']:.0f} "
+              f"img/s ({rec['images_per_s_per_gpu']:.0f}/GPU) steady over {rec['steps']} steps "
+              f"[{time.time() - t0:.0f}s]", flush=True)
+        write_outputs(out, card, [rec])
     return rc
 
 
@@ -421,7 +598,11 @@ def fsdp_scaling(args, argv: list[str]) -> int:
 def add_ratios(records: list[dict]) -> None:
     """Ratios the targets are stated in, within one card: images/s and peak memory against the
     benchmark's baseline under torch.compile at the same batch; dres_official against dres_baseline
-    (same mode); FSDP per-GPU rate at world size N against world size 1 (same model and mode)."""
+    (same mode); FSDP per-GPU rate at world size N against world size 1 (same model and mode).
+    Several GPUs (kinds "dist" and "trainer"): ``scaling_efficiency`` = per-GPU rate on N GPUs / the
+    same wrapping's on one GPU (DDP's one-GPU run is the unwrapped model); ``fsdp_vs_ddp`` = an
+    FSDP2 run's rate / DDP's at the same GPU count and batch per GPU, i.e. the same global batch
+    (on one GPU: FSDP2 / no FSDP2)."""
     thr = [r for r in records if r.get("kind") == "throughput"]
     base = {(r["card"], r["bench"], r["batch"]): r for r in thr
             if r["model"] == BASELINE[r["bench"]] and r["mode"] == "compile"}
@@ -439,6 +620,16 @@ def add_ratios(records: list[dict]) -> None:
     for r in fs:
         b = one.get((r["card"], r["bench"], r["model"], r["mode"], r["batch"]))
         r["scaling_efficiency"] = r["images_per_s_per_gpu"] / b["images_per_s_per_gpu"] if b else None
+    multi = [r for r in records if r.get("kind") in ("dist", "trainer")]
+    at = {(r["kind"], r["card"], r["bench"], r["model"], r["mode"], r["batch"], r["world_size"], r["dist"],
+           r.get("fsdp_variant")): r for r in multi}
+    for r in multi:
+        group = (r["kind"], r["card"], r["bench"], r["model"], r["mode"], r["batch"])
+        one_dist = "none" if r["dist"] == "ddp" else r["dist"]
+        b = at.get(group + (1, one_dist, r.get("fsdp_variant")))
+        r["scaling_efficiency"] = r["images_per_s_per_gpu"] / b["images_per_s_per_gpu"] if b else None
+        d = at.get(group + (r["world_size"], "ddp" if r["world_size"] > 1 else "none", None))
+        r["fsdp_vs_ddp"] = r["images_per_s"] / d["images_per_s"] if (d and r["dist"] == "fsdp") else None
 
 
 def _f(v, fmt):
@@ -482,6 +673,12 @@ def train_markdown(records: list[dict]) -> str:
                              f"{r['images_per_s_per_gpu']:.0f} | {_f(r.get('scaling_efficiency'), '.2f')} | "
                              f"{r['peak_mem_gib']:.1f} |")
             lines.append("")
+        for kind, title in (("trainer", "The trainer on several GPUs (steady-state img/s from metrics.jsonl)"),
+                            ("dist", "DDP and FSDP2 on several GPUs (bench_train --scaling, blocks compiled "
+                                     "one by one in compile mode)")):
+            ms = [r for r in recs if r["kind"] == kind]
+            if ms:
+                lines += [f"### {title}", "", *dist_markdown(ms), ""]
         mb = [r for r in recs if r["kind"] == "max_batch"]
         if mb:
             lines += ["### Largest batch that fits (eager, two steps without running out of memory)", "",
@@ -491,6 +688,27 @@ def train_markdown(records: list[dict]) -> str:
                              f"{r['max_batch']}{'+' if r.get('at_cap') else ''} | {r['gpu_mem_gib']:.0f} |")
             lines.append("")
     return "\n".join(lines) if lines else "No measurements.\n"
+
+
+def _dist_label(r: dict) -> str:
+    if r["dist"] == "fsdp" and r.get("fsdp_variant") not in (None, "always"):
+        return f"fsdp:{r['fsdp_variant']}"
+    return r["dist"]
+
+
+def dist_markdown(records: list[dict]) -> list[str]:
+    """Table rows of "dist"/"trainer" records: one per (bench, model, mode, wrapping, GPUs)."""
+    lines = ["| model | mode | wrapping | GPUs | batch/GPU | img/s (all GPUs) | img/s per GPU | scaling vs 1 GPU | "
+             "FSDP2 / DDP (same GPUs) | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    # the unwrapped one-GPU run first, as DDP's first row
+    for r in sorted(records, key=lambda r: (r["bench"], r["model"], r["mode"], _dist_label(r).replace("none", "ddp"),
+                                            r["world_size"])):
+        peak = r.get("peak_mem_gib")
+        lines.append(f"| {r['bench']} {r['model']} | {r['mode']} | {_dist_label(r)} | {r['world_size']} | {r['batch']} | "
+                     f"{r['images_per_s']:.0f} | {r['images_per_s_per_gpu']:.0f} | "
+                     f"{_f(r.get('scaling_efficiency'), '.1%')} | {_f(r.get('fsdp_vs_ddp'), '.2f')} | "
+                     f"{_f(peak, '.1f')} |")
+    return lines
 
 
 def write_outputs(out_dir: Path, card: str, new_records: list[dict]) -> Path:
@@ -555,11 +773,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-step", type=int, default=32, help="granularity of the batch search")
     p.add_argument("--no-checkpointing-search", action="store_true",
                    help="with --max-batch: skip the activation-checkpointing search")
-    p.add_argument("--fsdp", action="store_true", help="(under torchrun) FSDP2 throughput on all ranks")
-    p.add_argument("--fsdp-scaling", type=int, metavar="N",
-                   help="run the FSDP2 measurement under torchrun on 1 GPU and on N GPUs")
-    p.add_argument("--fsdp-tuned", action="store_true",
-                   help="FSDP2 units stay gathered from forward to backward, forward prefetch (models get a _fsdp_tuned suffix)")
+    p.add_argument("--scaling", metavar="N,M,...",
+                   help="launch torchrun on each of these GPU counts (e.g. 1,2,4) and measure every --dist wrapping")
+    p.add_argument("--dist", default="ddp,fsdp",
+                   help="wrappings for --scaling/--trainer: none, ddp, fsdp, fsdp:VARIANT (VARIANT: "
+                        f"{', '.join(FSDP_VARIANTS)}); on one GPU ddp is the unwrapped model")
+    p.add_argument("--dist-worker", action="store_true", help=argparse.SUPPRESS)  # what --scaling launches
+    p.add_argument("--trainer", metavar="PRESET",
+                   help="instead of the bare step: run the trainer (torchrun -m dres.train.TASK --preset PRESET) "
+                        "on each --scaling GPU count, --batch images per GPU, steady-state img/s from metrics.jsonl")
+    p.add_argument("--trainer-steps", type=int, default=30, help="--trainer: optimizer steps per run")
+    p.add_argument("--trainer-log-every", type=int, default=10,
+                   help="--trainer: log interval; the first interval (warm-up) is left out of the rate")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="--trainer: a config override for every run, e.g. data.name=synthetic")
     p.add_argument("--out", default=str(common.RESULTS_DIR), help="results folder")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     return p
@@ -568,23 +795,50 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.trainer_steps <= args.trainer_log_every:
+        raise SystemExit("--trainer-steps must exceed --trainer-log-every (the first interval is warm-up)")
     plan = [(b, m, mode) for b in benches(args) for m in models_for(b, args) for mode in modes(args)]
     if args.dry_run:
+        if args.trainer:
+            for run in trainer_plan(args):
+                print(" ".join(trainer_cmd(run, "<tmp>")))
+            return 0
+        if args.scaling:
+            dists = parse_dists(args.dist)
+            for world in parse_worlds(args.scaling):
+                wraps = ", ".join(_dist_label({"dist": k, "fsdp_variant": v}) for k, v in dists_at(world, dists))
+                for b, m, mode in plan:
+                    print(f"{b} {m} {mode} batch/GPU {args.batch or DEFAULT_BATCH[b]} on {world} GPU(s): {wraps}")
+            return 0
         if args.max_batch:  # the batch search is eager only
             plan = [(b, m, "eager") for b in benches(args) for m in models_for(b, args)]
         for b, m, mode in plan:
             what = "max batch (+/- checkpointing)" if args.max_batch else f"{mode} batch {args.batch or DEFAULT_BATCH[b]}"
-            fsdp = f" FSDP2 on 1 and {args.fsdp_scaling} GPUs" if args.fsdp_scaling else ""
-            print(f"{b} {m}: {MODELS[b][m]} -- {what}{fsdp}")
+            print(f"{b} {m}: {MODELS[b][m]} -- {what}")
         return 0
     if not torch.cuda.is_available():
         print("bench_train needs a CUDA GPU (use --dry-run to see the plan)", file=sys.stderr)
         return 2
     common.configure_caches()
-    if args.fsdp_scaling:
-        return fsdp_scaling(args, argv)
-    if args.fsdp:
-        return fsdp_worker(args)
+    if args.dist_worker:
+        return dist_worker(args)
+    if args.scaling or args.trainer:
+        need = max(parse_worlds(args.scaling or "1"))
+        if torch.cuda.device_count() < need:
+            print(f"--scaling {args.scaling} needs {need} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+            return 2
+        out, card = Path(args.out), common.card_name()
+        if args.trainer:
+            rc = run_trainer(args, out, card)
+        else:
+            rc = 0
+            for cmd in scaling_commands(args, argv):
+                rc |= launch(cmd)
+        records = common.load_records(out / f"{card}-train.json")
+        add_ratios(records)
+        kind = "trainer" if args.trainer else "dist"
+        print("\n".join(dist_markdown([r for r in records if r.get("kind") == kind and r.get("date") == common.today()])))
+        return rc
     env, card = common.versions(), common.card_name()
     out = Path(args.out)
     print(f"# card {card} ({torch.cuda.get_device_name()}), torch {env['torch']}, triton {env['triton']}", flush=True)

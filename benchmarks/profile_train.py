@@ -1,17 +1,22 @@
-"""Where a training step's time goes: GPU kernel time by category against wall time, for the models
-of ``bench_train`` side by side (the profile behind the gaps of targets 3-5 in BENCHMARKS.md).
+"""Where a training step's time goes: GPU kernel time by category against wall time, the top CPU
+operators and GPU kernels, and the GPU's idle fraction, for the models of ``bench_train`` side by
+side, unwrapped and under DDP or FSDP2 (the profile behind the gaps in BENCHMARKS.md).
 
     python -m benchmarks.profile_train --bench mae --models timm,dres_baseline --mode compile
-    torchrun --nproc-per-node 2 -m benchmarks.profile_train --bench mae --models timm --mode eager --fsdp
+    python -m benchmarks.profile_train --models timm,dres_official --mode eager --dist none,fsdp --trace
+    torchrun --nproc-per-node 2 -m benchmarks.profile_train --models timm --mode eager --dist fsdp
 
-Each model: build, (compile,) warm up, then ``torch.profiler`` over ``--steps`` steps of exactly the
-step ``bench_train`` times (``bench_train.first_training_step``: fused AdamW, foreach where FSDP2's
-DTensors need it; the record says which). Kernels are
-grouped by name into matmul, attention, dres fused ops, Inductor norm kernels (the unfused add +
-LayerNorm as Inductor fuses it), other Inductor kernels, optimizer, communication (NCCL) and other
-(eager elementwise, copies). ``gpu_busy_pct`` = summed kernel time / wall time: below 100% the GPU
-waits for the CPU (launch overhead) or, under FSDP, for exposed communication. Writes
-``<out>/<card>-profile.json`` and ``.md`` (rank 0 only under torchrun).
+Each (model, wrapping): build, (compile: each block, before wrapping, as the trainer does), wrap
+(``bench_train.wrap_model``: the trainer's DDP / FSDP2; ``fsdp:VARIANT`` as in bench_train), warm
+up, then ``torch.profiler`` over ``--steps`` steps of the step ``bench_train`` times
+(``bench_train.first_training_step``). One process runs FSDP2 on a one-GPU mesh (issue 15's
+"FSDP2 on one GPU against the same model without"); under torchrun every rank profiles, rank 0
+reports. Kernels are grouped by name into matmul, attention, dres fused ops, Inductor norm kernels,
+other Inductor kernels, optimizer, communication (NCCL) and other (eager elementwise, copies).
+``gpu_busy_pct`` = the union of kernel and copy intervals / wall time (below 100% the GPU waits for
+the CPU, launch overhead, or for exposed communication); ``gpu_idle_pct`` is the rest.
+Writes ``<out>/<card>-profile.json`` and ``.md`` and, with ``--trace``, a gzipped Chrome trace per
+run (``<out>/trace-<model>-<mode>-<wrapping>-<N>gpu.json.gz``, open in chrome://tracing or Perfetto).
 """
 
 from __future__ import annotations
@@ -58,21 +63,41 @@ def _device_time_us(evt) -> float:
     return 0.0
 
 
-def profile_model(bench: str, name: str, mode: str, batch: int, steps: int, warmup: int, fsdp: bool) -> dict:
-    device = torch.device("cuda")
+def union_us(intervals) -> float:
+    """Length of the union of ``(start, end)`` intervals: time the GPU ran anything, counting
+    overlapping kernels (compute beside NCCL on another stream) once."""
+    total, end = 0.0, None
+    for lo, hi in sorted(intervals):
+        if end is None or lo > end:
+            total += hi - lo
+            end = hi
+        elif hi > end:
+            total += hi - end
+            end = hi
+    return total
+
+
+TOP = 15
+PROFILE_KEY = ("card", "bench", "model", "mode", "batch", "dist", "world_size", "compile_scope")
+
+
+def profile_model(bench: str, name: str, mode: str, batch: int, steps: int, warmup: int, kind: str, variant: str,
+                  info, trace_path: Path | None) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from dres.train.distributed import apply_compile
+
     torch._dynamo.reset()
     bench_train.free_memory()
-    model = bench_train.build_model(bench, name).to(device)
-    if fsdp:
-        bench_train.shard_model(model)
-    model.train()
-    x = bench_train.make_batch(bench, batch, device)
-    step, optimizer_kind = bench_train.first_training_step(bench, model, mode, x, fsdp)  # the benchmark's step
+    model = bench_train.build_model(bench, name).to(info.device)
+    if mode == "compile":
+        apply_compile(model)
+    wrapped = bench_train.wrap_model(model, kind, variant, info).train()
+    x = bench_train.make_batch(bench, batch, info.device)
+    step, optimizer_kind = bench_train.first_training_step(bench, wrapped, x, sharded=kind == "fsdp")
     for _ in range(max(1, warmup) - 1):
         step()
     torch.cuda.synchronize()
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -80,31 +105,56 @@ def profile_model(bench: str, name: str, mode: str, batch: int, steps: int, warm
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - t0) * 1e6 / steps
     by_cat: dict[str, float] = {}
-    top: list[tuple[float, str]] = []
+    gpu_top, cpu_top = [], []
     for evt in prof.key_averages():
-        t = _device_time_us(evt)
-        if t <= 0 or evt.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        cat = categorize(evt.key)
-        by_cat[cat] = by_cat.get(cat, 0.0) + t / steps
-        top.append((t / steps, evt.key))
-    busy = sum(by_cat.values())
-    del model, x, step
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            t = _device_time_us(evt)
+            if t > 0:
+                cat = categorize(evt.key)
+                by_cat[cat] = by_cat.get(cat, 0.0) + t / steps
+                gpu_top.append((t / steps, evt.count / steps, evt.key))
+        elif evt.self_cpu_time_total > 0:
+            cpu_top.append((evt.self_cpu_time_total / steps, evt.count / steps, evt.key))
+    busy = union_us((e.time_range.start, e.time_range.end) for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA) / steps
+    if trace_path is not None:
+        prof.export_chrome_trace(str(trace_path))
+    del model, wrapped, x, step
     bench_train.free_memory()
-    return {"bench": bench, "model": name, "mode": mode, "batch": batch, "fsdp": fsdp, "optimizer": optimizer_kind,
-            "world_size": int(os.environ.get("WORLD_SIZE", "1")), "wall_us_per_step": wall_us,
-            "gpu_kernel_us_per_step": busy, "gpu_busy_pct": 100.0 * busy / wall_us,
+    label = bench_train._dist_label({"dist": kind, "fsdp_variant": variant or None})
+    return {"bench": bench, "model": name, "mode": mode, "batch": batch, "dist": label, "fsdp": kind == "fsdp",
+            "compile_scope": None if mode == "eager" else "per_block", "optimizer": optimizer_kind,
+            "world_size": info.world, "wall_us_per_step": wall_us, "gpu_kernel_us_per_step": sum(by_cat.values()),
+            "gpu_busy_us_per_step": busy, "gpu_busy_pct": 100.0 * busy / wall_us,
+            "gpu_idle_pct": 100.0 * (1 - busy / wall_us),
             "categories_us": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
-            "top_kernels": [{"us": round(t, 1), "name": k[:120]} for t, k in sorted(top, reverse=True)[:12]]}
+            "top_kernels": [{"us": round(t, 1), "calls": round(n, 1), "name": k[:120]}
+                            for t, n, k in sorted(gpu_top, reverse=True)[:TOP]],
+            "top_cpu_ops": [{"self_us": round(t, 1), "calls": round(n, 1), "name": k[:120]}
+                            for t, n, k in sorted(cpu_top, reverse=True)[:TOP]],
+            "trace": trace_path.name if trace_path else None}
+
+
+def print_profile(r: dict) -> None:
+    cats = ", ".join(f"{c} {t / 1e3:.1f}" for c, t in r["categories_us"].items())
+    print(f"== {r['bench']} {r['model']} {r['mode']} {r['dist']} x{r['world_size']}: wall {r['wall_us_per_step'] / 1e3:.1f} "
+          f"ms/step, GPU busy {r['gpu_busy_pct']:.0f}% / idle {r['gpu_idle_pct']:.0f}% ({cats} ms)", flush=True)
+    print("   top GPU kernels (us/step, calls/step):")
+    for k in r["top_kernels"]:
+        print(f"   {k['us']:10.1f} {k['calls']:7.1f}  {k['name']}")
+    print("   top CPU ops by self time (us/step, calls/step):")
+    for k in r["top_cpu_ops"]:
+        print(f"   {k['self_us']:10.1f} {k['calls']:7.1f}  {k['name']}", flush=True)
 
 
 def markdown(records: list[dict], card: str) -> str:
     cats = [c for c, _ in CATEGORIES] + [OTHER]
-    head = "| model | mode | GPUs | wall ms/step | GPU busy % | " + " | ".join(f"{c} ms" for c in cats) + " |"
-    lines = [f"# Step profiles: {card}", "", head, "|" + "---|" * (5 + len(cats))]
+    head = ("| model | mode | wrapping | GPUs | wall ms/step | GPU busy % | " + " | ".join(f"{c} ms" for c in cats) + " |")
+    lines = [f"# Step profiles: {card}", "", head, "|" + "---|" * (6 + len(cats))]
     for r in records:
         cells = [f"{r['categories_us'].get(c, 0.0) / 1e3:.1f}" for c in cats]
-        lines.append(f"| {r['bench']} {r['model']} | {r['mode']}{' FSDP2' if r['fsdp'] else ''} | {r['world_size']} | "
+        wrapping = r.get("dist") or ("fsdp" if r["fsdp"] else "none")  # records before --dist have only "fsdp"
+        lines.append(f"| {r['bench']} {r['model']} | {r['mode']} | {wrapping} | {r['world_size']} | "
                      f"{r['wall_us_per_step'] / 1e3:.1f} | {r['gpu_busy_pct']:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -113,48 +163,45 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bench", choices=list(bench_train.MODELS), default="mae")
     p.add_argument("--models", help="comma list (default: all of the benchmark's models)")
-    p.add_argument("--mode", choices=bench_train.MODES, default="compile")
+    p.add_argument("--mode", choices=("eager", "compile"), default="compile")
     p.add_argument("--batch", type=int, help="batch per GPU (default: the benchmark's)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=4, help="steps before profiling, the first included (at least one runs)")
-    p.add_argument("--fsdp", action="store_true", help="FSDP2 as bench_train shards it (run under torchrun)")
+    p.add_argument("--dist", default="none",
+                   help="comma list of wrappings, each profiled: none, ddp, fsdp, fsdp:VARIANT (as bench_train)")
+    p.add_argument("--trace", action="store_true", help="also write a gzipped Chrome trace per run into --out")
     p.add_argument("--out", default=str(common.RESULTS_DIR))
     args = p.parse_args(argv)
     names = bench_train.models_for(args.bench, args)  # as bench_train: csrc variants only when named
     if not names:
         p.error(f"--models: none of {args.models} is a {args.bench} model; known: {list(bench_train.MODELS[args.bench])}")
+    wraps = bench_train.parse_dists(args.dist)
     if not torch.cuda.is_available():
         print("profile_train needs a CUDA GPU", file=sys.stderr)
         return 2
-    rank = 0
-    if args.fsdp:
-        import torch.distributed as dist
+    from dres.train import distributed as D
 
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
-        rank = dist.get_rank()
+    # a process group (one rank without torchrun) whenever a wrapping needs one
+    info = D.init("auto", "fsdp" if any(k != "none" for k, _ in wraps) else "none")
+    wraps = bench_train.dists_at(info.world, wraps)
     common.configure_caches()
     card = common.card_name()
-    records = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for name in names:
-        r = profile_model(args.bench, name, args.mode, args.batch or bench_train.DEFAULT_BATCH[args.bench],
-                          args.steps, args.warmup, args.fsdp)
-        r.update(card=card, date=common.today(), **common.versions())
-        records.append(r)
-        if rank == 0:
-            cats = ", ".join(f"{c} {t / 1e3:.1f}" for c, t in r["categories_us"].items())
-            print(f"{args.bench} {name} {args.mode}: wall {r['wall_us_per_step'] / 1e3:.1f} ms/step, GPU busy "
-                  f"{r['gpu_busy_pct']:.0f}% ({cats} ms)", flush=True)
-    if rank == 0:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        key = ("card", "bench", "model", "mode", "batch", "fsdp", "world_size")
-        path = out / f"{card}-profile.json"
-        merged = common.merge_records(common.load_records(path), records, key)
-        common.write_json_atomic(path, merged)
-        (out / f"{card}-profile.md").write_text(markdown(merged, card))
-    if args.fsdp:
-        torch.distributed.destroy_process_group()
+        for kind, variant in wraps:
+            label = bench_train._dist_label({"dist": kind, "fsdp_variant": variant or None}).replace(":", "-")
+            trace = out / f"trace-{name}-{args.mode}-{label}-{info.world}gpu.json.gz" if args.trace and info.main else None
+            r = profile_model(args.bench, name, args.mode, args.batch or bench_train.DEFAULT_BATCH[args.bench],
+                              args.steps, args.warmup, kind, variant, info, trace)
+            r.update(card=card, date=common.today(), **common.versions())
+            if info.main:  # written after each run, so a run stopped at its time limit keeps the others
+                print_profile(r)
+                path = out / f"{card}-profile.json"
+                merged = common.merge_records(common.load_records(path), [r], PROFILE_KEY)
+                common.write_json_atomic(path, merged)
+                (out / f"{card}-profile.md").write_text(markdown(merged, card))
+    D.cleanup()
     return 0
 
 

@@ -330,7 +330,17 @@ def test_profile_train_groups_kernels_by_name():
     rec = {"bench": "mae", "model": "timm", "mode": "compile", "fsdp": False, "world_size": 1,
            "wall_us_per_step": 50000.0, "gpu_busy_pct": 90.0, "categories_us": {"matmul": 22000.0}}
     table = pt.markdown([rec], "h200")
-    assert "| mae timm | compile | 1 | 50.0 | 90 |" in table and "| 22.0 |" in table
+    assert "| mae timm | compile | none | 1 | 50.0 | 90 |" in table and "| 22.0 |" in table
+    assert "| mae timm | eager | fsdp:never | 1 |" in pt.markdown([dict(rec, mode="eager", dist="fsdp:never")], "h200")
+
+
+def test_profile_union_of_kernel_intervals():
+    from benchmarks import profile_train as pt
+
+    # overlapping compute and NCCL count once; a gap counts zero; an interval inside another adds nothing
+    assert pt.union_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
+    assert pt.union_us([]) == 0
+    assert pt.union_us(iter([(3, 4), (0, 1)])) == 2
 
 
 def test_profile_train_rejects_models_of_another_benchmark(capsys):
@@ -376,3 +386,118 @@ def test_fsdp_units_are_blocks_for_baselines_and_dres():
     plain = plain_uvit_small_2()
     assert parallel_units(plain) == list(plain.in_blocks) + [plain.mid_block] + list(plain.out_blocks)
     assert len(parallel_units(uvit_small_2())) == 13
+
+
+# ---------------------------------------------------------------------------------------------
+# several GPUs: DDP / FSDP2 scaling and the trainer under torchrun
+
+
+def test_scaling_plan_parses_worlds_and_wrappings(capsys):
+    assert bt.parse_worlds("4,1,2,2") == [1, 2, 4]
+    assert bt.parse_dists("ddp,fsdp,fsdp:except_last,fsdp:always") == [
+        ("ddp", ""), ("fsdp", "always"), ("fsdp", "except_last")]
+    # one GPU: DDP is the unwrapped model (the trainer wraps nothing); several: no unwrapped run
+    assert bt.dists_at(1, bt.parse_dists("none,ddp,fsdp")) == [("none", ""), ("fsdp", "always")]
+    assert bt.dists_at(2, bt.parse_dists("none,ddp,fsdp")) == [("ddp", ""), ("fsdp", "always")]
+    for bad, match in (("0,2", "GPU counts must be >= 1"), ("two", "comma list of GPU counts")):
+        with pytest.raises(SystemExit, match=match):
+            bt.parse_worlds(bad)
+    for bad, match in (("ddp:never", "unknown 'ddp:never'"), ("fsdp:sometimes", "unknown FSDP2 variant"),
+                       ("zero", "unknown 'zero'"), (",", "at least one")):
+        with pytest.raises(SystemExit, match=match):
+            bt.parse_dists(bad)
+    assert bt.main(["--dry-run", "--only", "mae", "--models", "timm,dres_official", "--modes", "eager",
+                    "--scaling", "1,2", "--dist", "ddp,fsdp:never"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "mae timm eager batch/GPU 256 on 1 GPU(s): none, fsdp:never",
+        "mae dres_official eager batch/GPU 256 on 1 GPU(s): none, fsdp:never",
+        "mae timm eager batch/GPU 256 on 2 GPU(s): ddp, fsdp:never",
+        "mae dres_official eager batch/GPU 256 on 2 GPU(s): ddp, fsdp:never"]
+    cmds = bt.scaling_commands(bt.build_parser().parse_args(["--scaling", "1,4", "--only", "mae"]),
+                               ["--scaling", "1,4", "--only", "mae"])
+    assert [c[c.index("-m") + 1:] for c in cmds] == [
+        ["torch.distributed.run", "--standalone", f"--nproc_per_node={w}", "-m", "benchmarks.bench_train",
+         "--dist-worker", "--only", "mae"] for w in (1, 4)]
+
+
+def test_trainer_plan_runs_the_preset_per_world_and_wrapping(capsys):
+    assert bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "1,4", "--modes", "eager",
+                    "--set", "data.name=synthetic"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4
+    for line, world, kind in zip(lines, (1, 1, 4, 4), ("none", "fsdp", "ddp", "fsdp")):
+        assert f"--nproc_per_node={world} -m dres.train.mae --preset mae_vit_b16_in1k" in line
+        assert f"--set dist={kind} " in line and f"--set batch_size={256 * world} " in line
+        assert "--set compile=false" in line and line.endswith("--set data.name=synthetic")  # the user's last
+    with pytest.raises(SystemExit, match="no FSDP2 variant 'never'"):
+        bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--dist", "fsdp:never"])
+    with pytest.raises(SystemExit, match="must exceed"):
+        bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--trainer-steps", "10"])
+
+
+def test_trainer_steady_state_leaves_out_the_first_interval(tmp_path):
+    # intervals of 10 steps at a global batch of 512: 10 s of warm-up, then 2 s and 3 s
+    metrics = [{"step": 10, "img_per_s": 512.0}, {"step": 20, "img_per_s": 2560.0},
+               {"step": 30, "img_per_s": 5120 / 3}]
+    ips, steps = bt.steady_state_rate(metrics, 512)
+    assert steps == 20 and ips == pytest.approx(20 * 512 / 5)
+    # the final interval may be shorter than log.every
+    ips, steps = bt.steady_state_rate(metrics[:2] + [{"step": 25, "img_per_s": 1280.0}], 512)
+    assert steps == 15 and ips == pytest.approx(15 * 512 / 4)
+    with pytest.raises(ValueError, match="run more steps"):
+        bt.steady_state_rate(metrics[:1], 512)
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (tmp_path / "summary.json").write_text(json.dumps({"peak_mem_gib": 30.5, "final_loss": 0.9}))
+    run = {"task": "mae", "preset": "mae_vit_b16_in1k", "world": 2, "dist": "ddp", "variant": None, "mode": "eager",
+           "batch": 256, "sets": ["dist=ddp"]}
+    rec = bt.trainer_record(run, tmp_path, {"torch": "2.x", "triton": "3.x"}, "h100-80gb-hbm3")
+    assert rec["kind"] == "trainer" and rec["images_per_s"] == pytest.approx(2048.0)  # 512 images a step
+    assert rec["images_per_s_per_gpu"] == pytest.approx(1024.0) and rec["peak_mem_gib"] == 30.5
+
+
+def _drec(model, dist, world, per_gpu, kind="dist", variant=None, mode="eager"):
+    return {"kind": kind, "bench": "mae", "model": model, "mode": mode, "batch": 256, "world_size": world,
+            "dist": dist, "fsdp_variant": variant, "checkpointing": False, "images_per_s": per_gpu * world,
+            "images_per_s_per_gpu": per_gpu, "peak_mem_gib": 20.0, "card": "h100-80gb-hbm3", "torch": "2.x",
+            "triton": "3.x", "date": "2026-11-27"}
+
+
+def test_dist_ratios_and_table():
+    recs = [_drec("dres_official", "none", 1, 4000), _drec("dres_official", "fsdp", 1, 2200, variant="always"),
+            _drec("dres_official", "ddp", 4, 3900), _drec("dres_official", "fsdp", 4, 1980, variant="always"),
+            _drec("dres_official", "fsdp", 1, 3800, variant="never"),
+            _drec("mae_vit_b16_in1k", "ddp", 2, 2950, kind="trainer"),
+            _drec("mae_vit_b16_in1k", "none", 1, 2971, kind="trainer")]
+    bt.add_ratios(recs)
+    none1, fsdp1, ddp4, fsdp4, never1, tr2, _ = recs
+    assert none1["scaling_efficiency"] == 1 and ddp4["scaling_efficiency"] == pytest.approx(3900 / 4000)
+    assert fsdp4["scaling_efficiency"] == pytest.approx(0.9)  # against FSDP2 on one GPU
+    assert fsdp1["fsdp_vs_ddp"] == pytest.approx(0.55) and fsdp4["fsdp_vs_ddp"] == pytest.approx(1980 / 3900)
+    assert never1["fsdp_vs_ddp"] == pytest.approx(0.95) and ddp4["fsdp_vs_ddp"] is None
+    assert tr2["scaling_efficiency"] == pytest.approx(2950 / 2971)  # trainer records among themselves
+    md = bt.train_markdown(recs)
+    assert "| mae dres_official | eager | ddp | 4 | 256 | 15600 | 3900 | 97.5% |  | 20.0 |" in md
+    assert "| mae dres_official | eager | fsdp:never | 1 | 256 | 3800 | 3800 | 100.0% | 0.95 | 20.0 |" in md
+    rows = [ln.split(" | ")[2:4] for ln in md.splitlines() if ln.startswith("| mae dres_official")]
+    assert rows == [["none", "1"], ["ddp", "4"], ["fsdp", "1"], ["fsdp", "4"], ["fsdp:never", "1"]]
+    assert "### The trainer on several GPUs" in md and "| mae mae_vit_b16_in1k | eager | ddp | 2 |" in md
+
+
+def test_multi_gpu_check_dry_run_fits_the_budget(tmp_path):
+    """The device script's plan on a 4-GPU machine: every stage, in priority order, capped to the budget."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, DRY_RUN="1", NGPU="4", OUT=str(tmp_path / "out"))
+    out = subprocess.run(["bash", str(repo / "benchmarks" / "multi_gpu_check.sh")], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    stages = [ln.split("stage ")[1].split(" ")[0] for ln in out.splitlines() if "] stage " in ln]
+    assert stages == ["profile", "trainer", "eager", "compile", "variants"]
+    assert "--scaling 1,2,4 --dist ddp,fsdp" in out and "--modes compile --scaling 1,4" in out
+    env.update(NGPU="2", BUDGET_S="150", STAGES="trainer compile")
+    out = subprocess.run(["bash", str(repo / "benchmarks" / "multi_gpu_check.sh")], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert "stage trainer (up to 110s)" in out and "--scaling 1,2 " in out
+    assert "SKIPPED" not in out  # dry runs take no time: compile still has the budget
+    assert not (tmp_path / "out").exists()  # a dry run writes nothing

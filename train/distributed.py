@@ -158,28 +158,33 @@ def apply_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
         model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
 
 
-def fully_shard_units(model: nn.Module, units: list[nn.Module], mp_policy, prefetch: bool = False,
-                      mesh=None) -> nn.Module:
-    """``fully_shard`` each of ``units`` (listed in execution order), then the root ``model``.
-    dres Blocks are units of their own (41 units became 21 in the MAE ViT-B/16: one per block instead
-    of one per attention and MLP branch).
+RESHARD_POLICIES = ("always", "except_last", "never")
 
-    prefetch: each unit keeps its gathered parameters from forward to backward (one all-gather per
-    unit and step instead of two, at the memory of the gathered units) and starts the next unit's
-    all-gather during its own forward. On 2 x H200 (MAE ViT-B/16, eager) it raised the two-GPU rate
-    1.06-1.27x (BENCHMARKS.md, Target 5)."""
+
+def fully_shard_units(model: nn.Module, units: list[nn.Module], mp_policy, prefetch: bool = False,
+                      mesh=None, reshard: str = "always") -> nn.Module:
+    """``fully_shard`` each of ``units`` (listed in execution order), then the root ``model``.
+
+    reshard: which units free their gathered parameters after the forward (``reshard_after_forward``):
+    every one ("always", FSDP2's default: least memory, a second all-gather per unit in the backward),
+    all but the last ("except_last": the backward starts with the last unit, so regathering it at
+    once is pure cost) or none ("never": memory of all gathered units, one all-gather per unit).
+    prefetch: additionally start the next unit's all-gather during each unit's forward."""
     import dataclasses
 
     from torch.distributed.fsdp import fully_shard
 
     from dres.nn import Block
 
+    if reshard not in RESHARD_POLICIES:
+        raise ValueError(f"reshard must be one of {', '.join(RESHARD_POLICIES)}; got {reshard!r}")
     # A dres Block receives the fp32 residual stream as an argument: FSDP2 must not cast it to the
     # parameters' dtype on the way in (its default), which would round the stream to bf16.
     stream_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
-    for u in units:
+    for i, u in enumerate(units):
+        keep = reshard == "never" or (reshard == "except_last" and i == len(units) - 1)
         fully_shard(u, mesh=mesh, mp_policy=stream_policy if isinstance(u, Block) else mp_policy,
-                    reshard_after_forward=not prefetch)
+                    reshard_after_forward=not keep)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     if prefetch:
         for unit, nxt in zip(units, units[1:]):
@@ -187,18 +192,22 @@ def fully_shard_units(model: nn.Module, units: list[nn.Module], mp_policy, prefe
     return model
 
 
-def apply_fsdp(model: nn.Module, info: DistInfo, param_dtype="bf16", prefetch: bool = False) -> nn.Module:
+def apply_fsdp(model: nn.Module, info: DistInfo, param_dtype="bf16", prefetch: bool = False,
+               reshard: str | None = None) -> nn.Module:
     """FSDP2 over :func:`parallel_units` (in execution order: encoder blocks, then decoder blocks)
-    and the root (which holds embeddings, norms, heads); ``prefetch`` as in :func:`fully_shard_units`.
-    Mixed precision: parameters gathered in bf16 for compute, gradients reduced in fp32; the
-    sharded master parameters and optimizer states stay fp32."""
+    and the root (which holds embeddings, norms, heads). ``prefetch`` (the config's
+    ``fsdp_prefetch``) keeps every unit gathered from its forward to its backward and prefetches
+    the next; ``reshard`` as in :func:`fully_shard_units` (default: "never" with prefetch, else
+    "always"). Mixed precision: parameters gathered in bf16 for compute, gradients reduced in fp32;
+    the sharded master parameters and optimizer states stay fp32."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mesh = init_device_mesh(info.device.type, (info.world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if param_dtype == "bf16" else torch.float32,
                               reduce_dtype=torch.float32)
-    return fully_shard_units(model, parallel_units(model), mp, prefetch=prefetch, mesh=mesh)
+    reshard = reshard or ("never" if prefetch else "always")
+    return fully_shard_units(model, parallel_units(model), mp, prefetch=prefetch, mesh=mesh, reshard=reshard)
 
 
 def set_grad_sync(model: nn.Module, enabled: bool):

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# One device call on a machine of several GPUs (issues 15 and 19): install, then in priority order
+#   profile  FSDP2 against no FSDP2 on one GPU, eager (top CPU ops, top kernels, GPU idle, Chrome traces)
+#   trainer  torchrun -m dres.train.mae --preset mae_vit_b16_in1k, synthetic data, eager, 256 images/GPU,
+#            dist none|ddp and fsdp on 1, 2, 4 GPUs, steady-state img/s from metrics.jsonl
+#   eager    bench_train --scaling: DDP and FSDP2, official MAE ViT-B/16 and the timm-style baseline
+#   compile  the same, blocks compiled one by one (on 1 and the most GPUs unless COMPILE_SCALING says)
+#   variants FSDP2 candidate settings on one GPU (reshard except_last / never, prefetch)
+# Each stage gets at most its own cap and what is left of BUDGET_S (default 530 s), and is skipped when
+# too little is left; the tools write after every measurement, so a stage cut short keeps what it
+# measured (SIGINT: torchrun stops its workers). Under $OUT (at
+# most 8 files come back): summary.md (every table), log.txt, train.json, profile.json,
+# traces.tar.gz, env.txt. Usage (repository root):
+#   bash benchmarks/multi_gpu_check.sh                      # all stages
+#   STAGES="compile variants" bash benchmarks/multi_gpu_check.sh   # a second call on a warm machine
+# DRY_RUN=1 prints the commands without running them (no GPU needed).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-./device_out}
+STAGES=${STAGES:-profile trainer eager compile variants}
+BUDGET_S=${BUDGET_S:-530}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+START=$(date +%s)
+if [ -n "${DRY_RUN:-}" ]; then
+  NGPU=${NGPU:-4} STAGE_DIR='$STAGE_DIR' LOG=/dev/null
+else
+  NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+  STAGE_DIR=$(mktemp -d /tmp/dres-multi-gpu.XXXXXX)  # everything the tools write; packed into $OUT at the end
+  mkdir -p "$OUT"
+  LOG="$OUT/log.txt"
+  : >"$LOG"
+fi
+WORLDS=$(for w in 1 2 4 8; do [ "$w" -le "$NGPU" ] && echo -n "$w,"; done)
+WORLDS=${WORLDS%,}
+MAXW=${WORLDS##*,}
+COMPILE_SCALING=${COMPILE_SCALING:-$( [ "$MAXW" = 1 ] && echo 1 || echo "1,$MAXW" )}
+MODELS=${MODELS:-dres_official,timm}
+PROFILE_MODELS=${PROFILE_MODELS:-dres_official,timm,dres_baseline}
+
+want() { [[ " $STAGES " == *" $1 "* ]]; }
+say() { echo "[multi_gpu_check +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
+# stage NAME MIN_S MAX_S CMD...: run CMD for at most MAX_S seconds and what is left of the budget (less
+# the grace for torchrun to stop its workers), if at least MIN_S are left
+GRACE_S=40
+status=0
+stage() {
+  local name=$1 min=$2 max=$3
+  shift 3
+  want "$name" || return 0
+  local left=$(( START + BUDGET_S - GRACE_S - $(date +%s) ))
+  [ "$left" -gt "$max" ] && left=$max
+  if [ "$left" -lt "$min" ]; then
+    say "SKIPPED $name: ${left}s left, needs ${min}s (run it again with STAGES=$name)"
+    return 0
+  fi
+  say "stage $name (up to ${left}s): $*"
+  [ -n "${DRY_RUN:-}" ] && return 0
+  timeout --signal=INT --kill-after=$GRACE_S "$left" "$@" 2>&1 | tee -a "$LOG"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 0 ] || { say "stage $name ended with status $rc"; status=1; }
+}
+
+if [ -z "${DRY_RUN:-}" ]; then
+  {
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    nvidia-smi topo -m
+    python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)'
+  } >"$OUT/env.txt" 2>&1
+  cat "$OUT/env.txt" | tee -a "$LOG"
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || { say "install failed"; exit 1; }
+fi
+say "GPUs: $NGPU; worlds $WORLDS; compile on $COMPILE_SCALING; stages: $STAGES"
+
+stage profile 60 120 python3 -m benchmarks.profile_train --bench mae --models "$PROFILE_MODELS" --mode eager \
+  --dist none,fsdp --steps 3 --warmup 4 --trace --out "$STAGE_DIR"
+stage trainer 90 210 python3 -m benchmarks.bench_train --trainer mae_vit_b16_in1k --scaling "$WORLDS" --dist ddp,fsdp \
+  --modes eager --batch 256 --trainer-steps 30 --trainer-log-every 10 \
+  --set data.name=synthetic --set data.synthetic_size=2048 --out "$STAGE_DIR"
+stage eager 60 170 python3 -m benchmarks.bench_train --only mae --models "$MODELS" --modes eager --scaling "$WORLDS" \
+  --dist ddp,fsdp --steps 10 --warmup 3 --out "$STAGE_DIR"
+stage compile 90 600 python3 -m benchmarks.bench_train --only mae --models "$MODELS" --modes compile \
+  --scaling "$COMPILE_SCALING" --dist ddp,fsdp --steps 10 --warmup 4 --out "$STAGE_DIR"
+stage variants 45 120 python3 -m benchmarks.bench_train --only mae --models "$MODELS" --modes eager --scaling 1 \
+  --dist fsdp:except_last,fsdp:never,fsdp:prefetch --steps 10 --warmup 3 --out "$STAGE_DIR"
+
+[ -n "${DRY_RUN:-}" ] && exit 0
+# pack: at most 8 files come back from $OUT
+{
+  echo "# multi_gpu_check $(date -u +%Y-%m-%d) on $NGPU x $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+  echo
+  for f in "$STAGE_DIR"/*-train.md "$STAGE_DIR"/*-profile.md; do [ -f "$f" ] && { cat "$f"; echo; }; done
+} >"$OUT/summary.md"
+for f in "$STAGE_DIR"/*-train.json; do [ -f "$f" ] && cp "$f" "$OUT/train.json"; done
+for f in "$STAGE_DIR"/*-profile.json; do [ -f "$f" ] && cp "$f" "$OUT/profile.json"; done
+ls "$STAGE_DIR"/trace-*.json.gz >/dev/null 2>&1 && tar -C "$STAGE_DIR" -cf "$OUT/traces.tar.gz" $(cd "$STAGE_DIR" && ls trace-*.json.gz)
+say "done (status $status); files: $(ls "$OUT" | tr '\n' ' ')"
+cat "$OUT/summary.md"
+exit $status
