@@ -124,29 +124,20 @@ def make_batch(bench: str, batch: int, device) -> torch.Tensor:
     return torch.randn(batch, 3, size, size, device=device).clamp_(-1, 1)
 
 
-def vp_sde_marginal(t: torch.Tensor, beta_min: float = 0.1, beta_max: float = 20.0):
-    """Mean and std of x_t given x_0 for U-ViT's continuous VP-SDE (linear beta 0.1 to 20)."""
-    log_mean = -0.25 * t ** 2 * (beta_max - beta_min) - 0.5 * t * beta_min
-    return torch.exp(log_mean), torch.sqrt(1.0 - torch.exp(2.0 * log_mean))
-
-
 def loss_fn(bench: str, model, x: torch.Tensor) -> torch.Tensor:
-    """The training loss: MAE's own (norm-pix MSE on masked patches); for U-ViT, noise prediction
-    MSE at a random time of the VP-SDE (timesteps t * 999, as U-ViT feeds them)."""
+    """The training loss: MAE's own (norm-pix MSE on masked patches); for U-ViT, the trainer's
+    noise-prediction MSE at a random time of the VP-SDE (dres.eval.noise_prediction_loss)."""
     if bench == "mae":
         return model(x)[0]
-    t = torch.rand(x.shape[0], device=x.device) * (1 - 1e-3) + 1e-3
-    noise = torch.randn_like(x)
-    mean, std = vp_sde_marginal(t)
-    xt = mean[:, None, None, None] * x + std[:, None, None, None] * noise
-    pred = model(xt, t * 999)
-    return ((pred.float() - noise) ** 2).mean()
+    from dres.eval import VPSDE, noise_prediction_loss
+
+    return noise_prediction_loss(model, x, VPSDE())
 
 
 def apply_checkpointing(model: torch.nn.Module) -> int:
     """Activation checkpointing at branch granularity (every attention and MLP module recomputed in
-    backward), the same for the baselines and dres: dres' stacks run blocks as pairs of branches
-    joined by fused ops, so the branch is the unit both can checkpoint. Returns how many."""
+    backward), the same for the baselines and dres: the residual adds and norms between branches
+    (dres' fused ops) are kept, only the branches' activations are recomputed. Returns how many."""
     from torch.utils.checkpoint import checkpoint
 
     n = 0
