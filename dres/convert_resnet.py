@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from dres import ops
-from dres.nn.droppath import MODES, ResidualDroppath
+from dres.nn.droppath import ResidualDroppath
 from dres.nn.schedule import decay_schedule
 
 
@@ -74,8 +74,8 @@ def convert_timm_resnet(model: nn.Module, alpha_min: float = 1.0, schedule: str 
     """Make ``model`` (a timm ResNet or ResNet-D) use fused, decayed residuals; returns the same object.
 
     alpha_min / schedule: :func:`dres.nn.decay_schedule` over the blocks (one residual each).
-    drop_path: the deepest block's drop rate (0: none); droppath_mode: "drop_path" (timm, scaled by
-    1/keep) or "residual_droppath" (Park). backend: of :func:`dres.ops.residual_act`
+    drop_path: the deepest block's drop rate (0: none, whatever the mode); droppath_mode: "drop_path"
+    (timm, scaled by 1/keep) or "residual_droppath" (Park). backend: of :func:`dres.ops.residual_act`
     (``dres.nn.set_backend`` changes it later). Weights are not touched.
     """
     from timm.models.resnet import BasicBlock, Bottleneck
@@ -92,8 +92,6 @@ def convert_timm_resnet(model: nn.Module, alpha_min: float = 1.0, schedule: str 
         if drop_path > 0 and blk.drop_path is not None:
             raise ValueError("the model already drops paths with timm's DropPath; create it with drop_path_rate=0 "
                              "and pass drop_path= here")
-    if droppath_mode not in MODES:
-        raise ValueError(f"droppath_mode must be one of {MODES}, got {droppath_mode!r}")
     droppath = (ResidualDroppath(drop_path, len(blocks), mode=droppath_mode, residuals_per_block=1, seed=droppath_seed)
                 if drop_path > 0 else None)
     alphas = decay_schedule(len(blocks), alpha_min, schedule)

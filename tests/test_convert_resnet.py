@@ -204,8 +204,8 @@ def test_bad_models_and_arguments():
     model = dres.convert_timm_resnet(tiny_resnet(BasicBlock, False))
     with pytest.raises(ValueError, match="already converted"):
         dres.convert_timm_resnet(model)
-    with pytest.raises(ValueError, match="droppath_mode"):
-        dres.convert_timm_resnet(tiny_resnet(BasicBlock, False), droppath_mode="dropout")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        dres.convert_timm_resnet(tiny_resnet(BasicBlock, False), drop_path=0.1, droppath_mode="dropout")
     with pytest.raises(ValueError, match="alpha_min"):
         dres.convert_timm_resnet(tiny_resnet(BasicBlock, False), alpha_min=1.5)
 
@@ -246,3 +246,42 @@ def test_gpu_resnet50d_compiled_matches_eager(mode):
     for (n, p), q in zip(model.named_parameters(), compiled_model.parameters()):
         torch.testing.assert_close(q.grad.float(), p.grad.float(), rtol=0.1, atol=0.1 * p.grad.abs().max().item() + 1e-6,
                                    msg=n)
+
+
+# ---------------------------------------------------------------------------------------------
+# The classification presets
+
+
+@pytest.mark.parametrize("preset,arch,millions", [("classify_resnet50d_cifar10", "resnet50d", (23, 24)),
+                                                  ("classify_resnet50_cifar10", "resnet50", (23, 24))])
+def test_resnet_presets_build_timm_models(preset, arch, millions):
+    from dres.train import cli
+    from dres.train.config import build_config
+
+    cfg = build_config(None, preset)
+    assert cfg.model.arch == arch and cfg.model.droppath_mode == "residual_droppath"
+    model = cli.get_task("classify").build_model(cfg)
+    n = sum(p.numel() for p in model.parameters()) / 1e6
+    assert millions[0] < n < millions[1], n  # timm's resnet50(d) with a 10-class head
+    assert model.droppath.mode == "residual_droppath" and model.droppath.rates[-1] == pytest.approx(0.1)
+    assert len(model.parallel_units()) == 16
+
+
+@pytest.mark.parametrize("mode", ["none", "drop_path", "residual_droppath"])
+def test_classify_resnet_preset_trains_in_each_mode(tmp_path, mode):
+    """The ResNet50d preset's three arms run end to end on the CPU (resnet18-sized, synthetic images)."""
+    import json
+
+    from dres.train import cli
+
+    overrides = ["data.name=synthetic", "data.synthetic_size=16", "data.gpu_resident=false", "model.arch=resnet18",
+                 f"model.droppath_mode={mode}", "model.drop_path=0.5", "batch_size=8", "steps=4",
+                 "optim.warmup_steps=1", "compile=false", "log.progress=false", "log.tensorboard=false",
+                 "ckpt.every=0"]
+    assert cli.main(["classify", "--preset", "classify_resnet50d_cifar10", "--out", str(tmp_path)]
+                    + sum([["--set", o] for o in overrides], [])) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert 0.0 <= summary["eval"]["top1"] <= 1.0
+    state = torch.load(next((tmp_path / "checkpoints").rglob("*.pt")), weights_only=False)
+    keys = state["model"] if "model" in state else state
+    assert any(k.endswith("droppath._extra_state") for k in keys) == (mode != "none")

@@ -1,7 +1,8 @@
-"""Supervised ViT classification (decayed shortcuts, drop path or ResidualDroppath), e.g. the
-CIFAR-10 comparison of standard / drop path / ResidualDroppath training.
+"""Supervised classification with a ViT or a timm ResNet (decayed shortcuts, drop path or
+ResidualDroppath), e.g. the CIFAR-10 comparison of standard / drop path / ResidualDroppath training.
 
     dres-train classify --preset classify_cifar10 --set model.droppath_mode=residual_droppath
+    dres-train classify --preset classify_resnet50d_cifar10 --set model.droppath_mode=none
 """
 
 from __future__ import annotations
@@ -18,9 +19,13 @@ class ClassifyTask:
     name = "classify"
 
     def build_model(self, cfg):
-        from dres.models import ViTClassifier
+        from dres.models import ResNetClassifier, ViTClassifier
 
-        return ViTClassifier(**model_kwargs(ViTClassifier, cfg))
+        cls = ViTClassifier if cfg.model.arch == "vit" else ResNetClassifier
+        kwargs = model_kwargs(cls, cfg)
+        if cfg.model.droppath_mode == "none":  # the standard arm: no drop path whatever model.drop_path says
+            kwargs.update(drop_path=0.0, droppath_mode="drop_path")
+        return cls(**kwargs)
 
     def loss(self, model, batch, cfg):
         logits = model(batch["image"])

@@ -53,6 +53,7 @@ class ModelConfig:
     # Keyword arguments of the model class (dres.models.MAE / UViT / ViTClassifier); keys a model
     # does not accept are dropped by the task with a note, so one dataclass serves every task.
     variant: str = "official"
+    arch: str = "vit"             # classify: vit (dres ViT) | resnet18 | resnet50 | resnet50d (timm, convert_timm_resnet)
     img_size: int = 32
     patch_size: int = 4
     in_chans: int = 3
@@ -68,7 +69,7 @@ class ModelConfig:
     alpha_min: float = 1.0
     schedule: str = "linspace"
     drop_path: float = 0.0
-    droppath_mode: str = "drop_path"  # drop_path (timm) | residual_droppath (Park); active when drop_path > 0
+    droppath_mode: str = "drop_path"  # drop_path (timm) | residual_droppath (Park), active when drop_path > 0 | none (classify: off)
     per_block: bool = False       # one alpha per block instead of per sub-layer
     num_classes: int = 0
     global_pool: str = "cls"      # classifier head input: cls | avg
@@ -163,7 +164,8 @@ CHOICES = {
     "task": TASKS, "precision": ("auto", "bf16", "fp16", "fp32"), "act_ckpt": ("none", "full", "selective"),
     "dist": ("none", "ddp", "fsdp"), "fsdp_param_dtype": ("bf16", "fp32"),
     "data.name": ("digits", "cifar10_wds", "wds", "imagefolder", "cifar_tv", "synthetic"),
-    "data.aug": ("rrc_flip", "flip", "none"), "model.droppath_mode": ("drop_path", "residual_droppath"),
+    "data.aug": ("rrc_flip", "flip", "none"), "model.droppath_mode": ("drop_path", "residual_droppath", "none"),
+    "model.arch": ("vit", "resnet18", "resnet50", "resnet50d"),
     "model.variant": ("baseline", "official", "paper"), "model.schedule": ("linspace", "paper"), "optim.schedule": ("cosine", "constant"),
     "ckpt.format": ("auto", "file", "dcp"), "eval.sampler": ("dpm", "em"), "eval.feature": ("cls", "mean"),
 }

@@ -1,7 +1,7 @@
 """dres.models: ViT encoder, MAE (baseline / official / paper), U-ViT and a ViT classifier, all on the
 fused residual stream of :mod:`dres.nn`."""
 
-from dres.models.classifier import CLASSIFIER_CONFIGS, ViTClassifier, create_classifier
+from dres.models.classifier import CLASSIFIER_CONFIGS, RESNET_ARCHS, ResNetClassifier, ViTClassifier, create_classifier
 from dres.models.mae import (MAE, MAE_CONFIGS, create_mae, mae_vit_base_patch16, mae_vit_large_patch16,
                              mae_vit_small_cifar, mae_vit_small_patch16, mae_vit_tiny_cifar)
 from dres.models.uvit import UVIT_CONFIGS, UViT, create_uvit, uvit_mid, uvit_small_2
@@ -11,4 +11,5 @@ __all__ = [
     "ViTEncoder", "MAE", "MAE_CONFIGS", "create_mae", "mae_vit_small_patch16", "mae_vit_base_patch16",
     "mae_vit_large_patch16", "mae_vit_tiny_cifar", "mae_vit_small_cifar", "UViT", "UVIT_CONFIGS", "create_uvit",
     "uvit_small_2", "uvit_mid", "ViTClassifier", "CLASSIFIER_CONFIGS", "create_classifier",
+    "ResNetClassifier", "RESNET_ARCHS",
 ]

@@ -62,3 +62,41 @@ CLASSIFIER_CONFIGS: dict[str, dict] = {
 
 def create_classifier(name: str, **overrides) -> ViTClassifier:
     return build_from_config(ViTClassifier, CLASSIFIER_CONFIGS, "classifier", name, overrides)
+
+
+RESNET_ARCHS = ("resnet18", "resnet50", "resnet50d")
+
+
+class ResNetClassifier(nn.Module):
+    """A timm ResNet (``arch``) on the fused residual of :func:`dres.convert_timm_resnet`: decayed
+    shortcuts, drop path or ResidualDroppath (``model.droppath``). timm's own architecture and
+    initialisation are kept, ImageNet stem included (the RDP paper trains timm's models on CIFAR as
+    they are); weights and activations are channels_last, the fast layout for convolutions.
+    """
+
+    def __init__(self, arch: str = "resnet50d", num_classes: int = 10, in_chans: int = 3, alpha_min: float = 1.0,
+                 schedule: str = "linspace", drop_path: float = 0.0, droppath_mode: str = "drop_path",
+                 droppath_seed: int = 0, backend: Optional[str] = None):
+        super().__init__()
+        if arch not in RESNET_ARCHS:
+            raise ValueError(f"arch must be one of {RESNET_ARCHS}, got {arch!r}")
+        import timm
+
+        from dres.convert_resnet import convert_timm_resnet
+
+        self.net = timm.create_model(arch, pretrained=False, num_classes=num_classes, in_chans=in_chans)
+        convert_timm_resnet(self.net, alpha_min, schedule, drop_path, droppath_mode, backend, droppath_seed)
+        self.net.to(memory_format=torch.channels_last)
+
+    @property
+    def droppath(self) -> Optional[ResidualDroppath]:
+        return getattr(self.net, "droppath", None)
+
+    def parallel_units(self) -> list[nn.Module]:
+        from dres.convert_resnet import residual_blocks
+
+        return residual_blocks(self.net)
+
+    def forward(self, imgs: torch.Tensor) -> torch.Tensor:
+        """Logits (B, num_classes)."""
+        return self.net(imgs.contiguous(memory_format=torch.channels_last))
