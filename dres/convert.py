@@ -42,8 +42,8 @@ def _decayed_block_forward(blk: nn.Module, x: torch.Tensor, *args, **kwargs) -> 
 
 def _fused_block_forward(blk: nn.Module, hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
                          scales=None, *, backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A timm Block in the fused-residual form of :meth:`dres.nn.Block.forward` (its own DropPath
-    modules drop the branches, so ``scales`` is never set)."""
+    """A timm Block in the fused-residual form of :meth:`dres.nn.Block.forward`. ``scales`` (from the
+    shared loop) are all None here: the block's own DropPath modules drop its branches."""
     entering, y = add_and_norm(hidden_states, residual, blk.norm1, blk.alphas[0], backend=backend)
     residual, y = add_and_norm(_branch_tail(blk, 1)(blk.attn(y)), entering, blk.norm2, blk.alphas[1], backend=backend)
     return _branch_tail(blk, 2)(blk.mlp(y)), residual
@@ -104,5 +104,4 @@ def convert_timm_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "
         blk._dres_alphas = (alphas[2 * i], alphas[2 * i + 1])
         blk.forward = functools.partial(_decayed_block_forward, blk)
     model.blocks = FusedTimmBlocks(list(blocks), alphas, backend)
-    model.dres_alpha_min, model.dres_schedule = alpha_min, schedule
     return model

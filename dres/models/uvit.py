@@ -81,10 +81,9 @@ class UViT(nn.Module):
 
         self.num_in_blocks = depth // 2
         num_blocks = 2 * self.num_in_blocks + 1  # in-blocks, mid block, out-blocks
-        self.alpha_values = decay_schedule(2 * num_blocks, alpha_min, schedule, per_block)
-        self.schedule_description = describe_schedule(self.alpha_values, schedule, alpha_min, per_block, "U-ViT")
-        log.info(self.schedule_description)
-        self.transformer = TransformerStack(embed_dim, num_blocks, num_heads, mlp_ratio, qkv_bias, self.alpha_values,
+        alphas = decay_schedule(2 * num_blocks, alpha_min, schedule, per_block)
+        log.info(describe_schedule(alphas, schedule, alpha_min, per_block, "U-ViT"))
+        self.transformer = TransformerStack(embed_dim, num_blocks, num_heads, mlp_ratio, qkv_bias, alphas,
                                             final_norm=True, attn_impl=attn_impl, backend=backend)
         self.skip_linears = nn.ModuleList(nn.Linear(2 * embed_dim, embed_dim) for _ in range(self.num_in_blocks))
         self.patch_dim = patch_size ** 2 * in_chans

@@ -50,10 +50,9 @@ class ViTEncoder(nn.Module):
             self.pos_embed = nn.Parameter(torch.zeros(1, num_patches + 1, embed_dim))
         else:
             raise ValueError(f"pos_embed must be 'sincos' or 'learned', got {pos_embed!r}")
-        self.alpha_values = decay_schedule(2 * depth, alpha_min, schedule, per_block)
-        self.schedule_description = describe_schedule(self.alpha_values, schedule, alpha_min, per_block, "ViT encoder")
-        log.info(self.schedule_description)
-        self.transformer = TransformerStack(embed_dim, depth, num_heads, mlp_ratio, qkv_bias, self.alpha_values,
+        alphas = decay_schedule(2 * depth, alpha_min, schedule, per_block)
+        log.info(describe_schedule(alphas, schedule, alpha_min, per_block, "ViT encoder"))
+        self.transformer = TransformerStack(embed_dim, depth, num_heads, mlp_ratio, qkv_bias, alphas,
                                             final_norm=final_norm, attn_impl=attn_impl, backend=backend)
         self.droppath = build_droppath(droppath, drop_path, droppath_mode, 2 * depth, droppath_seed)
 
