@@ -293,3 +293,38 @@ def test_gpu_cuda_graph_capture_and_replay():
     torch.cuda.synchronize()
     for a, r in zip(outs, step()):
         torch.testing.assert_close(a, r)
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark's harness on the CPU (the GPU numbers come from the device)
+
+
+def test_benchmark_plan_and_cpu_run(tmp_path, capsys):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ is not installed
+    from benchmarks import bench_residual_act as bra
+
+    assert bra.main(["--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # 8 ResNet50 stages x 2 dtypes x 2 layouts x 1 mode x 3 impls, then 2 sizes x 2 models x 2 modes
+    assert len([ln for ln in lines if ln.startswith("kernel")]) == 8 * 2 * 2 * 3
+    assert "kernel 256x256x56x56 bf16 channels_last scaled dres bytes=2877294592" in lines
+    assert lines[-1] == "train resnet50d 256x3x32x32 dres compile" and len(lines) == 96 + 8
+    with pytest.raises(SystemExit, match="--impls: unknown"):
+        bra.main(["--dry-run", "--impls", "cudnn"])
+    with pytest.raises(SystemExit, match="--shapes"):
+        bra.main(["--dry-run", "--shapes", "64"])
+    if torch.cuda.is_available():
+        return
+    assert bra.main(["--device", "cpu", "--shapes", "3x4x33x40", "--impls", "dres,eager", "--dtypes", "bf16",
+                     "--layouts", "channels_last", "--modes", "plain,scaled", "--train", "32", "--train-arch",
+                     "resnet18", "--batch", "2", "--train-modes", "eager", "--train-steps", "1",
+                     "--out", str(tmp_path)]) == 0
+    records = json.loads((tmp_path / "cpu-residual_act.json").read_text())
+    assert len(records) == 4 + 2
+    assert all(r["check_ok"] for r in records if r["kind"] == "kernel")
+    table = (tmp_path / "cpu-residual_act.md").read_text()
+    assert "| 3x4x33x40 | bf16 | channels_last | scaled | dres |" in table and "| resnet18 2x3x32x32 | dres | eager |" in table
