@@ -146,6 +146,8 @@ class Config:
     steps: int = 0            # ... or in optimizer steps (steps wins when > 0)
     precision: str = "auto"   # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
     compile: bool = False     # torch.compile each transformer block
+    # capture the whole train step as one CUDA graph: auto (on where supported: CUDA, one process) | true | false
+    cuda_graphs: str = "auto"
     act_ckpt: str = "none"    # none | full | selective
     dist: str = "none"        # none | ddp | fsdp
     fsdp_param_dtype: str = "bf16"  # bf16 | fp32 (mixed-precision policy of FSDP2)
@@ -162,6 +164,7 @@ class Config:
 
 CHOICES = {
     "task": TASKS, "precision": ("auto", "bf16", "fp16", "fp32"), "act_ckpt": ("none", "full", "selective"),
+    "cuda_graphs": ("auto", "true", "false"),
     "dist": ("none", "ddp", "fsdp"), "fsdp_param_dtype": ("bf16", "fp32"),
     "data.name": ("digits", "cifar10_wds", "wds", "imagefolder", "cifar_tv", "synthetic"),
     "data.aug": ("rrc_flip", "flip", "none"), "model.droppath_mode": ("drop_path", "residual_droppath", "none"),
@@ -199,6 +202,8 @@ def _coerce(value, typ, key):
             return int(value)
         raise ConfigError(f"config key '{key}' expects an integer, got {value!r}")
     if typ is str:
+        if isinstance(value, bool):  # YAML reads true/false as booleans; str keys keep the words
+            return "true" if value else "false"
         return "" if value is None else str(value)
     if typ is list:
         if isinstance(value, (list, tuple)):

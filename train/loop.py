@@ -33,6 +33,7 @@ from dres.data import build_loader
 from dres.train import checkpoint as C
 from dres.train import distributed as D
 from dres.train.config import Config, save_config, to_dict
+from dres.train.graph_step import GraphedStep, graph_plan
 
 
 class NonFiniteLoss(RuntimeError):
@@ -144,14 +145,19 @@ class Trainer:
         self.warmup = min(warmup, self.total_steps)
         groups, _ = param_groups(self.raw_model, o.weight_decay)
         fused = o.fused and self.device.type == "cuda"
+        graphs, why = graph_plan(cfg, self.device, self.precision, self.droppath, self.info.world)
         self.optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=tuple(o.betas), eps=o.eps,
-                                           **({"fused": True} if fused else {}))
+                                           **({"fused": True} if fused else {}),
+                                           **({"capturable": True} if graphs else {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(self.total_steps, self.warmup, o.schedule, o.min_lr / self.lr if self.lr else 0))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         # EMA of the parameters (fp32; sharded like the parameters under FSDP)
         self.ema = ({n: p.detach().clone().float() for n, p in self.raw_model.named_parameters()}
                     if o.ema_decay > 0 else None)
+        self.graphed = GraphedStep(self, warmup_steps=3) if graphs and train else None
+        if train:
+            self.log(f"[dres] cuda graphs: {why}")
         torch.manual_seed(cfg.seed + 1000003 * self.info.rank)  # per-rank randomness (masks, noise)
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -213,7 +219,10 @@ class Trainer:
         ema = list(self.ema.values())
         torch._foreach_lerp_(ema, [p.detach().float() for p in params], 1.0 - d)
 
-    def train_step(self, batch):
+    def step_body(self, batch):
+        """One optimizer step on ``batch`` with device work only (no host sync, so that
+        :class:`~dres.train.graph_step.GraphedStep` can capture it): returns the step's mean loss and
+        metrics as device tensors. The LR scheduler is stepped by :meth:`train_step`."""
         cfg, model = self.cfg, self.model
         A = cfg.accum_steps
         n = next(iter(batch.values())).shape[0]
@@ -235,16 +244,22 @@ class Trainer:
             metrics_sum["grad_norm"] = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.ema is not None:
             self._ema_update()
         if self.droppath is not None:
             self.droppath.next_iteration()
-        # non-finite detection without a per-step host sync: checked at log/checkpoint steps
+        # non-finite detection without a per-step host sync: checked at log/checkpoint steps; in place,
+        # so that a captured step keeps updating the flag the loop reads
         bad = ~torch.isfinite(loss_sum)
-        self._bad = bad if self._bad is None else (self._bad | bad)
+        self._bad = bad if self._bad is None else self._bad.logical_or_(bad)
         return loss_sum, metrics_sum
+
+    def train_step(self, batch):
+        """One optimizer step: the captured step when CUDA graphs are on, else :meth:`step_body`."""
+        out = self.graphed(batch) if self.graphed is not None else self.step_body(batch)
+        self.scheduler.step()
+        return out
 
     def _check_finite(self):
         if self._bad is not None and bool(D.all_sum(self._bad.float().reshape(1))[0] > 0):

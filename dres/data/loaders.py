@@ -38,47 +38,62 @@ def _mix(*xs) -> int:
     return h
 
 
-def rrc_params(n, gen, scale=(0.2, 1.0), ratio=(3 / 4, 4 / 3), tries=10):
-    """Batched torchvision RandomResizedCrop parameters as fractions of the image: (w, h, cx, cy).
-    Like torchvision, up to ``tries`` draws per sample; samples with no valid draw use the whole
-    image (torchvision's fallback is a centre crop of clipped ratio, the whole image for square
-    inputs)."""
+def rrc_params(n, gen, scale=(0.2, 1.0), ratio=(3 / 4, 4 / 3), tries=10, aspect=1.0):
+    """Batched torchvision RandomResizedCrop parameters for ``n`` images of width/height ``aspect``:
+    crop width and height as fractions of the image's, and the crop centre in [-1, 1] grid units
+    ``(w, h, cx, cy)``. As torchvision draws them (area fraction uniform in ``scale``, log aspect
+    ratio uniform in ``log(ratio)``, the first of ``tries`` draws that fits, position uniform), all
+    tries at once and without rounding to whole pixels; a sample with no fitting draw gets
+    torchvision's fallback, the centred crop of the whole image with its ratio clipped to ``ratio``."""
     area = torch.empty(n, tries).uniform_(scale[0], scale[1], generator=gen)
     logr = torch.empty(n, tries).uniform_(math.log(ratio[0]), math.log(ratio[1]), generator=gen)
     r = torch.exp(logr)
-    w, h = torch.sqrt(area * r), torch.sqrt(area / r)
+    w, h = torch.sqrt(area * r / aspect), torch.sqrt(area * aspect / r)
     ok = (w <= 1) & (h <= 1)
     first = torch.where(ok.any(1), ok.float().argmax(1), torch.full((n,), -1))
     idx = first.clamp(min=0)[:, None]
-    w = torch.where(first >= 0, w.gather(1, idx)[:, 0], torch.ones(n))
-    h = torch.where(first >= 0, h.gather(1, idx)[:, 0], torch.ones(n))
-    u = torch.rand(n, 2, generator=gen)
+    lo, hi = min(ratio), max(ratio)
+    fallback_w = min(1.0, hi / aspect)  # image wider than the widest ratio: full height, clipped width
+    fallback_h = min(1.0, aspect / lo)  # taller than the narrowest ratio: full width, clipped height
+    w = torch.where(first >= 0, w.gather(1, idx)[:, 0], torch.full((n,), fallback_w))
+    h = torch.where(first >= 0, h.gather(1, idx)[:, 0], torch.full((n,), fallback_h))
+    u = torch.where((first >= 0)[:, None], torch.rand(n, 2, generator=gen), 0.5)  # the fallback is centred
     cx = (u[:, 0] * (1 - w) + w / 2) * 2 - 1  # crop centre in [-1, 1] grid coordinates
     cy = (u[:, 1] * (1 - h) + h / 2) * 2 - 1
     return w, h, cx, cy
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device`` without a host sync: a CPU tensor goes to a CUDA device from pinned memory,
+    asynchronously (a copy from pageable memory would wait for the stream)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def device_augment(x_uint8, size, gen, rrc=True, flip=True, scale=(0.2, 1.0), mean=None, std=None):
     """uint8 (B,C,H,W) on any device -> float (B,C,size,size): RandomResizedCrop + horizontal flip
-    by one batched bilinear resample, then normalisation. Parameters come from the CPU generator
-    ``gen`` so that they do not depend on the device or on the world size."""
+    for the whole batch by one ``affine_grid``/``grid_sample`` bilinear resample, then normalisation.
+    Parameters come from the CPU generator ``gen`` so that they do not depend on the device or on the
+    world size; they reach the device without a host sync."""
     b = x_uint8.shape[0]
     x = x_uint8.float().div_(255)
     if rrc or flip:
         if rrc:
-            w, h, cx, cy = rrc_params(b, gen, scale)
+            w, h, cx, cy = rrc_params(b, gen, scale, aspect=x.shape[-1] / x.shape[-2])
         else:
             w, h, cx, cy = torch.ones(b), torch.ones(b), torch.zeros(b), torch.zeros(b)
         sx = w * torch.where(torch.rand(b, generator=gen) < 0.5, -1.0, 1.0) if flip else w
         theta = torch.zeros(b, 2, 3)
         theta[:, 0, 0], theta[:, 0, 2], theta[:, 1, 1], theta[:, 1, 2] = sx, cx, h, cy
-        grid = F.affine_grid(theta.to(x.device), (b, x.shape[1], size, size), align_corners=False)
+        grid = F.affine_grid(to_device(theta, x.device), (b, x.shape[1], size, size), align_corners=False)
         x = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
     elif x.shape[-1] != size:
         x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
     if mean is not None:
-        m = torch.tensor(mean, device=x.device)[: x.shape[1]].view(1, -1, 1, 1)
-        s = torch.tensor(std, device=x.device)[: x.shape[1]].view(1, -1, 1, 1)
+        m = to_device(torch.tensor(mean), x.device)[: x.shape[1]].view(1, -1, 1, 1)
+        s = to_device(torch.tensor(std), x.device)[: x.shape[1]].view(1, -1, 1, 1)
         x = (x - m) / s
     return x
 
@@ -120,13 +135,18 @@ class InMemoryLoader(_Position):
         self.aug, self.crop_min, self.mean, self.std = aug, crop_min, mean, std
         self.steps_per_epoch = len(images) // global_batch
         self.corrupt = 0
+        self._epoch_perm = None  # (epoch, its sample order on the device)
 
     def __len__(self):
         return self.steps_per_epoch
 
     def _perm(self, epoch):
-        g = torch.Generator().manual_seed(_mix(self.seed, epoch, 1))
-        return torch.randperm(len(self.images), generator=g)
+        """The epoch's sample order on the data's device: drawn on the CPU (the same on any device),
+        sent once per epoch."""
+        if self._epoch_perm is None or self._epoch_perm[0] != epoch:
+            g = torch.Generator().manual_seed(_mix(self.seed, epoch, 1))
+            self._epoch_perm = (epoch, to_device(torch.randperm(len(self.images), generator=g), self.images.device))
+        return self._epoch_perm[1]
 
     def next(self):
         if self.batch >= self.steps_per_epoch:
@@ -135,7 +155,7 @@ class InMemoryLoader(_Position):
         gidx = perm[self.batch * self.global_batch:(self.batch + 1) * self.global_batch]
         g = torch.Generator().manual_seed(_mix(self.seed, self.epoch, self.batch, 2))
         # draw augmentation for the whole global batch, then keep this rank's slice
-        x = self.images[gidx.to(self.images.device)]
+        x = self.images[gidx]
         if self.aug != "none":
             x = device_augment(x, self.size, g, rrc=self.aug == "rrc_flip", flip=True,
                                scale=(self.crop_min, 1.0), mean=self.mean, std=self.std)
@@ -143,7 +163,7 @@ class InMemoryLoader(_Position):
             x = normalize(x, self.size, self.mean, self.std)
         lo, hi = self.rank * self.local, (self.rank + 1) * self.local
         self.batch += 1
-        return {"image": x[lo:hi], "label": self.labels[gidx.to(self.labels.device)][lo:hi]}
+        return {"image": x[lo:hi], "label": self.labels[gidx][lo:hi]}
 
     def eval_batches(self, batch_size):
         """Unaugmented pass over all samples (for features), in order."""

@@ -1,0 +1,96 @@
+"""Batched GPU-style augmentation (dres.data.loaders.rrc_params / device_augment), on the CPU:
+torchvision's RandomResizedCrop distribution, the crop geometry of the batched resample, flips,
+determinism."""
+
+import math
+
+import pytest
+import torch
+from torchvision.transforms import RandomResizedCrop
+
+from dres.data import device_augment, rrc_params
+
+
+def _torchvision_crops(n, height, width, scale, seed):
+    """(w, h) fractions and whether the fallback was taken, from torchvision's own sampler."""
+    torch.manual_seed(seed)
+    ws, hs = [], []
+    for _ in range(n):
+        _, _, h, w = RandomResizedCrop.get_params(torch.empty(1, height, width), list(scale), [3 / 4, 4 / 3])
+        ws.append(w / width)
+        hs.append(h / height)
+    return torch.tensor(ws), torch.tensor(hs)
+
+
+@pytest.mark.parametrize("aspect", [1.0, 1.6])
+def test_rrc_distribution_matches_torchvision(aspect):
+    # a large image, so torchvision's rounding to whole pixels is negligible
+    n, height = 4000, 1000
+    scale = (0.2, 1.0)
+    w, h, cx, cy = rrc_params(n, torch.Generator().manual_seed(0), scale, aspect=aspect)
+    tw, th = _torchvision_crops(n, height, int(height * aspect), scale, seed=0)
+    for ours, ref, name in ((w * h, tw * th, "area"), (torch.log(w * aspect / h), torch.log(tw * aspect / th), "log ratio"),
+                            (w, tw, "width"), (h, th, "height")):
+        se = math.sqrt(ours.var() / n + ref.var() / n)
+        assert abs(ours.mean() - ref.mean()) < 4 * se + 2e-3, (name, ours.mean(), ref.mean())
+        assert abs(ours.std() - ref.std()) < 0.1 * ref.std() + 2e-3, (name, ours.std(), ref.std())
+    assert (w <= 1).all() and (h <= 1).all() and (w > 0).all() and (h > 0).all()
+    drawn = (w < 1) | (h < 1)  # the whole-image fallback aside, the area lies within the scale
+    assert ((w * h)[drawn] >= scale[0] - 1e-6).all()
+    # the crop lies inside the image: centre +- half the size, in [-1, 1] grid units
+    assert ((cx - w) >= -1 - 1e-6).all() and ((cx + w) <= 1 + 1e-6).all()
+    assert ((cy - h) >= -1 - 1e-6).all() and ((cy + h) <= 1 + 1e-6).all()
+
+
+def test_rrc_fallback_is_torchvisions_centre_crop():
+    # a 3:1 image with area >= 0.9: no draw of ratio <= 4/3 fits, so every sample takes the fallback
+    w, h, cx, cy = rrc_params(256, torch.Generator().manual_seed(1), (0.9, 1.0), aspect=3.0)
+    tw, th = _torchvision_crops(16, 300, 900, (0.9, 1.0), seed=1)
+    assert torch.allclose(w, torch.full_like(w, (4 / 3) / 3.0)) and torch.equal(h, torch.ones_like(h))
+    assert torch.equal(cx, torch.zeros_like(cx)) and torch.equal(cy, torch.zeros_like(cy))
+    assert torch.allclose(tw, torch.full_like(tw, 400 / 900)) and torch.equal(th, torch.ones_like(th))
+    # and a tall image: full width, height clipped to ratio 3/4
+    w, h, _, _ = rrc_params(64, torch.Generator().manual_seed(1), (0.9, 1.0), aspect=1 / 3)
+    assert torch.equal(w, torch.ones_like(w)) and torch.allclose(h, torch.full_like(h, (1 / 3) / (3 / 4)))
+
+
+def test_batched_crop_samples_the_drawn_box_and_flips():
+    # each pixel holds its column index: the output's columns must read the crop box's columns
+    size, width, height, n = 16, 64, 48, 256
+    cols = torch.arange(width, dtype=torch.uint8).view(1, 1, 1, width).expand(n, 1, height, width).contiguous()
+    out = device_augment(cols, size, torch.Generator().manual_seed(5), scale=(0.3, 1.0)) * 255
+    g = torch.Generator().manual_seed(5)  # the same draws: crop parameters, then flips
+    w, h, cx, _ = rrc_params(n, g, (0.3, 1.0), aspect=width / height)
+    flip = torch.rand(n, generator=g) < 0.5
+    k = torch.arange(size, dtype=torch.float64)
+    u = (2 * k + 1) / size - 1  # output pixel centres in grid units
+    sign = torch.where(flip, -1.0, 1.0).double()[:, None]
+    gx = sign * w.double()[:, None] * u + cx.double()[:, None]  # sampled positions in grid units
+    src = ((gx + 1) * width - 1) / 2  # ... in source pixel coordinates (align_corners=False)
+    inside = (src >= 0) & (src <= width - 1)  # a linear ramp interpolates exactly away from the border
+    got = out[:, 0].double().mean(1)  # every row reads the same columns
+    assert inside.float().mean() > 0.9
+    assert torch.allclose(got[inside], src[inside], atol=1e-3)
+    assert 0.4 < flip.float().mean() < 0.6
+
+
+def test_flips_are_half_and_exact_mirrors():
+    n, size = 2000, 8
+    ramp = torch.arange(size, dtype=torch.uint8).view(1, 1, 1, size).expand(n, 3, size, size).contiguous()
+    out = device_augment(ramp, size, torch.Generator().manual_seed(0), rrc=False, flip=True) * 255
+    same = torch.isclose(out, ramp.float(), atol=1e-3).flatten(1).all(1)
+    mirrored = torch.isclose(out, ramp.float().flip(-1), atol=1e-3).flatten(1).all(1)
+    assert (same ^ mirrored).all()
+    assert abs(mirrored.float().mean().item() - 0.5) < 0.05  # 2000 fair coins: 4.5 standard deviations
+
+
+def test_augment_shape_range_normalisation_and_determinism():
+    x = torch.randint(0, 256, (32, 3, 20, 24), dtype=torch.uint8)
+    mean, std = [0.4, 0.5, 0.6], [0.2, 0.25, 0.3]
+    a = device_augment(x, 16, torch.Generator().manual_seed(7), mean=mean, std=std)
+    b = device_augment(x, 16, torch.Generator().manual_seed(7), mean=mean, std=std)
+    c = device_augment(x, 16, torch.Generator().manual_seed(8), mean=mean, std=std)
+    assert a.shape == (32, 3, 16, 16) and a.dtype == torch.float32
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    raw = a * torch.tensor(std).view(1, 3, 1, 1) + torch.tensor(mean).view(1, 3, 1, 1)
+    assert raw.min() >= -1e-5 and raw.max() <= 1 + 1e-5  # bilinear samples stay within the pixel range

@@ -1,0 +1,229 @@
+"""The CUDA-graphed train step (dres.train.graph_step): on the CPU, which configurations capture and
+the device LR table; on the device (``gpu``), graphed steps against eager ones (accumulation,
+clipping, EMA, ResidualDroppath, fp16 overflow skips, classification metrics), exact resume of a
+graphed run, and steps with no host synchronisation."""
+
+import types
+
+import pytest
+import torch
+
+from dres.nn import ResidualDroppath
+from dres.train.config import ConfigError, build_config
+from dres.train.graph_step import GraphedStep, graph_plan, schedule_table
+from dres.train.loop import Trainer, lr_lambda
+
+CUDA = torch.device("cuda", 0)
+
+
+# ------------------------------------------------------------------------------------------ CPU
+def _plan(overrides=(), device=CUDA, precision="bf16", droppath=None, world=1):
+    cfg = build_config("mae", None, list(overrides))
+    return graph_plan(cfg, device, precision, droppath, world)
+
+
+def test_plan_captures_single_process_cuda_by_default():
+    on, why = _plan()
+    assert on and why.startswith("on")
+    assert _plan(["cuda_graphs=true"])[0]
+    assert _plan(["precision=fp16"], precision="fp16")[0]  # GradScaler with the fused AdamW
+    assert _plan(["dist=ddp"], world=1)[0]  # a one-process "DDP" run is not wrapped
+    assert _plan(["model.drop_path=0.2"], droppath=ResidualDroppath(0.2, 4))[0] == hasattr(
+        ResidualDroppath(0.2, 4), "counter")
+
+
+@pytest.mark.parametrize("overrides,kw,reason", [
+    (["cuda_graphs=false"], {}, "cuda_graphs=false"),
+    (["cuda_graphs=true"], {"device": torch.device("cpu")}, "the device is cpu, not CUDA"),
+    (["dist=fsdp"], {}, "FSDP2"),
+    (["dist=ddp"], {"world": 2}, "DDP"),
+    (["act_ckpt=selective"], {}, "activation checkpointing"),
+    (["precision=fp16", "optim.fused=false"], {"precision": "fp16"}, "fused AdamW"),
+    ([], {"droppath": types.SimpleNamespace(drop_prob=0.1)}, "ResidualDroppath keeps its iteration on the host"),
+])
+def test_plan_falls_back_with_a_reason(overrides, kw, reason):
+    on, why = _plan(overrides, **kw)
+    assert not on and reason in why and "\n" not in why
+    if reason != "cuda_graphs=false":
+        assert why.endswith("the step runs eagerly")
+
+
+def test_cuda_graphs_key_accepts_yaml_booleans_and_rejects_others():
+    assert build_config("mae", None, ["cuda_graphs=false"]).cuda_graphs == "false"
+    assert build_config("mae", None, ["cuda_graphs=true"]).cuda_graphs == "true"
+    assert build_config("mae", "mae_cifar10").cuda_graphs == "auto"
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        build_config("mae", None, ["cuda_graphs=sometimes"])
+
+
+def test_schedule_table_equals_lambda_lr():
+    total, warmup, base = 50, 7, 3e-4
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))]
+    opt = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}], lr=base)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, warmup, "cosine", 0.1))
+    table = schedule_table(sched, total, "cpu")
+    assert table.shape == (2, total + 1) and table.dtype == torch.float32
+    for i in range(total + 1):
+        assert sched.last_epoch == i
+        want = torch.tensor(sched.get_last_lr(), dtype=torch.float32)
+        assert torch.equal(table[:, i], want), i
+        opt.step()
+        sched.step()
+
+
+def test_cpu_trainer_runs_eagerly_and_says_why(tmp_path):
+    cfg = build_config("mae", None, _TINY + ["cuda_graphs=true", "device=cpu", "steps=2", f"out={tmp_path}"])
+    lines = []
+    tr = Trainer(cfg, _task(), log=lines.append).setup()
+    assert tr.graphed is None
+    assert any("cuda graphs: off (the device is cpu, not CUDA)" in m for m in lines), lines
+
+
+# ------------------------------------------------------------------------------------------ GPU
+# a tiny official-variant MAE (decayed) on random 16x16 images, resident on the device
+_TINY = ["data.name=synthetic", "data.synthetic_size=512", "data.img_size=16", "data.crop_min=0.3",
+         "model.variant=official", "model.img_size=16", "model.patch_size=4", "model.embed_dim=64", "model.depth=2",
+         "model.num_heads=2", "model.decoder_embed_dim=32", "model.decoder_depth=1", "model.decoder_num_heads=2",
+         "model.alpha_min=0.6", "batch_size=64", "optim.blr=1e-3", "optim.warmup_steps=3", "log.every=1",
+         "log.progress=false", "log.tensorboard=false", "eval.probe=false", "eval.knn=false", "ckpt.every=0"]
+_CLASSIFY = ["data.name=synthetic", "data.synthetic_size=512", "data.img_size=16", "model.img_size=16",
+             "model.patch_size=4", "model.embed_dim=64", "model.depth=2", "model.num_heads=2", "model.num_classes=10",
+             "batch_size=64", "optim.lr=1e-3", "optim.warmup_steps=3", "log.every=1", "log.progress=false",
+             "log.tensorboard=false", "ckpt.every=0"]
+
+
+def _task(name="mae"):
+    import importlib
+
+    return importlib.import_module(f"dres.train.{name}").TASK
+
+
+def _fit(out, overrides, steps, task="mae", warmup=None, scaler_init=None, log=None):
+    base = _CLASSIFY if task == "classify" else _TINY
+    cfg = build_config(task, None, base + list(overrides) + [f"steps={steps}", f"out={out}"])
+    tr = Trainer(cfg, _task(task), log=log or (lambda m: None)).setup()
+    if warmup is not None:  # more eager warm-up steps than the run has: the same body, never captured
+        tr.graphed = GraphedStep(tr, warmup_steps=warmup)
+    if scaler_init is not None:
+        tr.scaler = torch.amp.GradScaler("cuda", init_scale=scaler_init)
+    tr.fit()
+    return tr
+
+
+def _deterministic(tmp_path, overrides, task):
+    """Whether two eager runs agree bit for bit (then graphed runs must too)."""
+    a = _fit(tmp_path / "det_a", overrides + ["cuda_graphs=false"], 4, task)
+    b = _fit(tmp_path / "det_b", overrides + ["cuda_graphs=false"], 4, task)
+    return [h["loss"] for h in a.history] == [h["loss"] for h in b.history]
+
+
+def _params(tr):
+    return [p.detach().clone() for p in tr.raw_model.parameters()]
+
+
+CASES = {
+    "plain": ([], "mae"),
+    "accum_clip_ema": (["accum_steps=2", "optim.clip_grad=0.5", "optim.ema_decay=0.9"], "mae"),
+    "residual_droppath": (["model.drop_path=0.3", "model.droppath_mode=residual_droppath", "accum_steps=2"], "mae"),
+    "drop_path": (["model.drop_path=0.3", "model.droppath_mode=drop_path"], "mae"),
+    "fp16": (["precision=fp16", "optim.clip_grad=1.0"], "mae"),
+    "classify": (["model.drop_path=0.2", "model.droppath_mode=residual_droppath"], "classify"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_graphed_steps_match_eager_steps(tmp_path, case):
+    overrides, task = CASES[case]
+    steps = 16 if case == "fp16" else 9  # 3 eager warm-up steps, then replays (both parities)
+    # fp16: a huge first scale overflows, so the first steps are skipped and the scale backs off
+    scaler_init = 2.0 ** 24 if case == "fp16" else None
+    lines = []
+    graphed = _fit(tmp_path / "graphed", overrides + ["cuda_graphs=true"], steps, task, scaler_init=scaler_init,
+                   log=lines.append)
+    if graphed.graphed is None:  # a configuration the graph cannot take must say so
+        assert any("cuda graphs: off (" in m for m in lines), lines
+        pytest.skip(next(m for m in lines if "cuda graphs: off" in m))
+    assert graphed.graphed.graph is not None and any("captured the train step" in m for m in lines)
+    body = _fit(tmp_path / "body", overrides + ["cuda_graphs=true"], steps, task, warmup=steps + 1,
+                scaler_init=scaler_init)
+    eager = _fit(tmp_path / "eager", overrides + ["cuda_graphs=false"], steps, task, scaler_init=scaler_init)
+    assert body.graphed.graph is None and eager.graphed is None
+    keys = [k for k in graphed.history[0] if k not in ("img_per_s", "lr", "step", "epoch")]
+    assert "loss" in keys and (task != "classify" or "train_acc" in keys)
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in graphed.history)
+    # replays compute what the same step computes eagerly: bitwise where the kernels are deterministic
+    same = [[h[k] for k in keys] for h in graphed.history] == [[h[k] for k in keys] for h in body.history]
+    if _deterministic(tmp_path, overrides, task):
+        assert same, ([h["loss"] for h in graphed.history], [h["loss"] for h in body.history])
+        for a, b in zip(_params(graphed), _params(body)):
+            assert torch.equal(a, b)
+    # the eager trainer rounds nothing to float32 in its learning rate: equal to float32 rounding
+    g, e = torch.tensor([h["loss"] for h in graphed.history]), torch.tensor([h["loss"] for h in eager.history])
+    torch.testing.assert_close(g, e, rtol=2e-4, atol=1e-6)
+    for a, b in zip(_params(graphed), _params(eager)):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    assert [h["lr"] for h in graphed.history] == [h["lr"] for h in eager.history]
+    if graphed.ema is not None:
+        for k in graphed.ema:
+            torch.testing.assert_close(graphed.ema[k], eager.ema[k], rtol=1e-3, atol=1e-5)
+    if graphed.droppath is not None:
+        assert graphed.droppath.iteration == eager.droppath.iteration == steps
+    if case == "fp16":
+        assert graphed.scaler.get_scale() == eager.scaler.get_scale() < scaler_init  # the same skips and backoffs
+        st = graphed.optimizer.state[next(iter(graphed.raw_model.parameters()))]["step"]
+        assert st.item() == eager.optimizer.state[next(iter(eager.raw_model.parameters()))]["step"].item() < steps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["accum_clip_ema", "residual_droppath", "fp16"])
+def test_graphed_run_resumes_exactly(tmp_path, case):
+    overrides, task = CASES[case]
+    k = 6  # the checkpoint falls after replays; the resumed run warms up again, then replays
+    run = overrides + ["cuda_graphs=true", f"ckpt.every={k}"]
+    full = _fit(tmp_path / "full", run, 2 * k, task)
+    rng_full = torch.cuda.get_rng_state()  # the philox offset the replays advanced
+    if full.graphed is None:
+        pytest.skip("this configuration runs eagerly (see test_graphed_steps_match_eager_steps)")
+    cfg = build_config(task, None, _TINY + run + [f"steps={2 * k}", f"out={tmp_path / 'half'}"])
+    half = Trainer(cfg, _task(task), log=lambda m: None).setup()
+    half.total_steps = k  # a 2k-step run stopped after its checkpoint at k
+    half.fit()
+    resumed = Trainer(cfg, _task(task), log=lambda m: None).setup()
+    assert resumed.resume("auto") and resumed.step == k
+    resumed.fit()
+    assert resumed.graphed.graph is not None
+    assert torch.equal(torch.cuda.get_rng_state(), rng_full)  # the resumed run drew the same random numbers
+    got = [h["loss"] for h in half.history + resumed.history]
+    want = [h["loss"] for h in full.history]
+    if _deterministic(tmp_path, overrides, task):
+        assert got == want
+        for a, b in zip(_params(full), _params(resumed)):
+            assert torch.equal(a, b)
+    else:
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-6)
+    assert full.scheduler.get_last_lr() == resumed.scheduler.get_last_lr()
+    assert full.scaler.state_dict() == resumed.scaler.state_dict()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", ["true", "false"])
+def test_steps_do_not_synchronise_with_the_host(tmp_path, graphs):
+    # mae_cifar10-like: per-block compile, bf16, augmentation on the device; RRC + flip on every batch
+    cfg = build_config("mae", None, _TINY + ["compile=true", f"cuda_graphs={graphs}", "steps=20",
+                                             "model.drop_path=0.2", "model.droppath_mode=residual_droppath",
+                                             "optim.clip_grad=1.0", "optim.ema_decay=0.99", f"out={tmp_path}"])
+    tr = Trainer(cfg, _task(), log=lambda m: None).setup()
+    tr.model.train()
+    for _ in range(4):  # warm-up steps and the capture synchronise; they are not measured
+        tr.train_step(tr.loader.next())
+    torch.cuda.synchronize()
+    acc = torch.zeros((), device=tr.device)
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        for _ in range(8):
+            loss, _ = tr.train_step(tr.loader.next())
+            acc += loss
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(acc) and acc > 0

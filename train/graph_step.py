@@ -1,0 +1,145 @@
+"""The trainer's step as one CUDA graph, kept apart from the loop (torchtitan style).
+
+:class:`GraphedStep` wraps :meth:`Trainer.step_body <dres.train.loop.Trainer.step_body>` — forward
+and backward of every micro-batch, loss scaling, gradient clipping, the optimizer, EMA, the
+ResidualDroppath iteration and the non-finite flag — without changing it: it runs the body eagerly
+for a few warm-up steps on a side stream (lazy initialisation, torch.compile and Triton autotuning
+happen there, as torch's "whole network capture" recipe asks), captures it once, and replays the
+graph for every later step. What the body reads and writes stays at fixed addresses:
+
+* the batch is copied into static input tensors before each replay (a device-to-device copy: the
+  GPU-resident loader's batches are already on the device);
+* the learning rate of each parameter group is a device tensor that the graph fills from a table of
+  the LR schedule indexed by a device step counter (the fused AdamW reads a tensor lr); the host's
+  scheduler still steps, with floats, for logs and checkpoints;
+* fp16 loss scaling goes through ``GradScaler`` unchanged: with the fused AdamW its scale, overflow
+  check and skipped step are device tensors (``found_inf``), so nothing reads a value on the host;
+* random draws (MAE masks, U-ViT noise) use the CUDA generator, whose philox offset each replay
+  advances by what the captured draws consume, as the eager step would: the RNG state a checkpoint
+  saves resumes the same sequence; ResidualDroppath masks hash a device counter.
+
+Warm-up steps and replays run the same body, so they compute the same values; the eager trainer
+(``cuda_graphs=false``) differs only in the learning rate's rounding (a Python float there, a float32
+tensor here). :func:`graph_plan` decides whether a run captures its step; a configuration that
+cannot be captured runs the eager step and says why in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+
+def graph_plan(cfg, device: torch.device, precision: str, droppath, world: int) -> tuple[bool, str]:
+    """``(capture, why)``: whether the trainer captures its step (``cfg.cuda_graphs`` auto|true|false)
+    and a one-line reason; unsupported configurations run eagerly whatever the setting."""
+    if cfg.cuda_graphs == "false":
+        return False, "off (cuda_graphs=false)"
+    reason = None
+    if device.type != "cuda":
+        reason = f"the device is {device.type}, not CUDA"
+    elif cfg.dist == "fsdp":
+        reason = "FSDP2 gathers and frees parameters through hooks that a graph cannot capture"
+    elif cfg.dist == "ddp" and world > 1:
+        reason = "DDP's gradient all-reduce is not captured yet"
+    elif cfg.act_ckpt != "none":
+        reason = "activation checkpointing saves and restores the RNG state on the host in the backward"
+    elif precision == "fp16" and not cfg.optim.fused:
+        reason = "fp16 loss scaling skips overflowed steps without a host sync only with the fused AdamW"
+    elif droppath is not None and droppath.drop_prob > 0 and not isinstance(getattr(droppath, "counter", None),
+                                                                             torch.Tensor):
+        reason = "this ResidualDroppath keeps its iteration on the host"
+    if reason is not None:
+        return False, f"off ({reason}); the step runs eagerly"
+    return True, "on (the whole step is captured after warm-up steps and replayed)"
+
+
+def schedule_table(scheduler, total_steps: int, device) -> torch.Tensor:
+    """(groups, total_steps + 1) float32: the learning rate a ``LambdaLR`` gives each parameter group
+    at every position 0..total_steps (the last value also serves positions past the end)."""
+    rows = [[base * fn(i) for i in range(total_steps + 1)]
+            for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    return torch.tensor(rows, dtype=torch.float32, device=device)
+
+
+class GraphedStep:
+    """``step(batch) -> (loss, metrics)`` like :meth:`Trainer.step_body`, captured as one CUDA graph
+    after ``warmup_steps`` eager steps (every call is one real training step). The returned tensors
+    are the graph's static outputs: read them before the next call (the loop accumulates them)."""
+
+    def __init__(self, trainer, warmup_steps: int = 3):
+        if warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 1 (lazy initialisation cannot be captured), got {warmup_steps}")
+        self.tr, self.warmup_steps = trainer, warmup_steps
+        self.warmed = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs: dict | None = None
+        self.outputs = None
+        self.stream = torch.cuda.Stream(trainer.device)
+        self.lr_table = schedule_table(trainer.scheduler, trainer.total_steps, trainer.device)
+        self.position = torch.zeros(1, dtype=torch.int64, device=trainer.device)
+        self._index = torch.zeros(1, dtype=torch.int64, device=trainer.device)
+        self._lrs = torch.zeros(self.lr_table.shape[0], 1, device=trainer.device)
+        self.lrs = list(self._lrs[:, 0].unbind(0))  # one 0-dim view per parameter group
+
+    # ------------------------------------------------------------------ the captured function
+    @contextlib.contextmanager
+    def _device_lr(self):
+        """The parameter groups read their lr from the device tensors inside the step."""
+        groups = self.tr.optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        for g, lr in zip(groups, self.lrs):
+            g["lr"] = lr
+        try:
+            yield
+        finally:
+            for g, lr in zip(groups, saved):
+                g["lr"] = lr
+
+    def _step(self):
+        torch.clamp(self.position, max=self.lr_table.shape[1] - 1, out=self._index)
+        torch.index_select(self.lr_table, 1, self._index, out=self._lrs)
+        self.position.add_(1)
+        with self._device_lr():
+            return self.tr.step_body(self.inputs)
+
+    # ------------------------------------------------------------------ per call
+    def _load(self, batch: dict):
+        if self.inputs is None:
+            self.inputs = {k: torch.empty_like(v) for k, v in batch.items()}
+            self.position.fill_(self.tr.scheduler.last_epoch)  # after any resume
+        for k, v in batch.items():
+            dst = self.inputs.get(k)
+            if dst is None or dst.shape != v.shape or dst.dtype != v.dtype:
+                have = {n: (tuple(t.shape), str(t.dtype)) for n, t in self.inputs.items()}
+                raise ValueError(f"cuda_graphs: batch '{k}' is {tuple(v.shape)} {v.dtype}, but the captured step "
+                                 f"takes {have}; use fixed-size batches or cuda_graphs=false")
+            dst.copy_(v)
+
+    def _warmup(self):
+        cur = torch.cuda.current_stream(self.tr.device)
+        self.stream.wait_stream(cur)
+        with torch.cuda.stream(self.stream), warnings.catch_warnings():
+            # the optimizer is built capturable for the graph; these steps are its deliberate eager ones
+            warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
+            out = self._step()
+        cur.wait_stream(self.stream)
+        self.warmed += 1
+        return out
+
+    def _capture(self):
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode="thread_local"):
+            self.outputs = self._step()
+        self.tr.log(f"[dres] cuda graphs: captured the train step after {self.warmed} warm-up steps")
+
+    def __call__(self, batch: dict):
+        self._load(batch)
+        if self.graph is None and self.warmed < self.warmup_steps:
+            return self._warmup()
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.outputs
