@@ -87,6 +87,35 @@ def test_fsdp2_two_cpu_processes_match_one_process_and_dcp_round_trip(tmp_path):
     assert prefetched["step"] == 4 and prefetched["after"] == 0.0
 
 
+def _droppath_worker(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import torch.distributed as dist
+
+    from dres.models import create_classifier
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = create_classifier("vit_test", drop_path=0.5, droppath_mode="residual_droppath", droppath_seed=3)
+    model.train()(torch.randn(64, 3, 8, 8))
+    torch.save({"masks": model.droppath.masks, "rank": model.droppath.rank}, f"{out}/masks{rank}.pt")
+    dist.destroy_process_group()
+    os._exit(0)  # as _worker: skip gloo's static destructors
+
+
+def test_droppath_masks_differ_per_rank_under_torch_distributed(tmp_path):
+    """Issue 13 item 9: a model built the trainer's way (one seed for all ranks) draws other masks on
+    every rank, each the masks of an explicitly ranked controller of the same seed."""
+    from dres.nn import ResidualDroppath
+
+    mp.spawn(_droppath_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(tmp_path / f"masks{r}.pt") for r in range(2)]
+    assert [g["rank"] for g in got] == [0, 1]
+    assert not torch.equal(got[0]["masks"], got[1]["masks"])
+    for r in range(2):
+        want = ResidualDroppath(0.5, 4, mode="residual_droppath", seed=3, rank=r)
+        want.scales(64, "cpu")
+        assert torch.equal(got[r]["masks"], want.masks)
+
+
 def test_units_are_whole_dres_blocks():
     """A dres Block's forward touches only its own parameters, so each block is one FSDP2 unit (and
     one torch.compile region): MAE tiny = encoder + decoder blocks, no attention/MLP sub-units."""

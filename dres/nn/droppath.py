@@ -76,7 +76,7 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def stream_key(seed: int, rank: int) -> tuple[int, int]:
-    """Two 32-bit words naming the mask stream of (seed, rank): distinct streams for distinct pairs."""
+    """Two 32-bit words naming the mask stream of (seed, rank) (sha256: unrelated streams for distinct pairs)."""
     digest = hashlib.sha256(f"dres.ResidualDroppath:{seed}:{rank}".encode()).digest()
     return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:8], "little")
 
