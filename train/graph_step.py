@@ -131,8 +131,13 @@ class GraphedStep:
 
     def _capture(self):
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode="thread_local"):
-            self.outputs = self._step()
+        try:
+            with torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode="thread_local"):
+                self.outputs = self._step()
+        except RuntimeError as e:  # something in the step synchronised or allocated on the host
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RuntimeError(f"cuda_graphs: capturing the train step failed ({first}); "
+                               "run it eagerly with --set cuda_graphs=false") from e
         self.tr.log(f"[dres] cuda graphs: captured the train step after {self.warmed} warm-up steps")
 
     def __call__(self, batch: dict):
