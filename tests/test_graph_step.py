@@ -3,12 +3,9 @@ the device LR table; on the device (``gpu``), graphed steps against eager ones (
 clipping, EMA, ResidualDroppath, fp16 overflow skips, classification metrics), exact resume of a
 graphed run, and steps with no host synchronisation."""
 
-import types
-
 import pytest
 import torch
 
-from dres.nn import ResidualDroppath
 from dres.train.config import ConfigError, build_config
 from dres.train.graph_step import GraphedStep, graph_plan, schedule_table
 from dres.train.loop import Trainer, lr_lambda
@@ -17,9 +14,9 @@ CUDA = torch.device("cuda", 0)
 
 
 # ------------------------------------------------------------------------------------------ CPU
-def _plan(overrides=(), device=CUDA, precision="bf16", droppath=None, world=1):
+def _plan(overrides=(), device=CUDA, precision="bf16", world=1):
     cfg = build_config("mae", None, list(overrides))
-    return graph_plan(cfg, device, precision, droppath, world)
+    return graph_plan(cfg, device, precision, world)
 
 
 def test_plan_captures_single_process_cuda_by_default():
@@ -28,8 +25,7 @@ def test_plan_captures_single_process_cuda_by_default():
     assert _plan(["cuda_graphs=true"])[0]
     assert _plan(["precision=fp16"], precision="fp16")[0]  # GradScaler with the fused AdamW
     assert _plan(["dist=ddp"], world=1)[0]  # a one-process "DDP" run is not wrapped
-    assert _plan(["model.drop_path=0.2"], droppath=ResidualDroppath(0.2, 4))[0] == hasattr(
-        ResidualDroppath(0.2, 4), "counter")
+    assert _plan(["model.drop_path=0.2", "model.droppath_mode=residual_droppath"])[0]  # masks from a device counter
 
 
 @pytest.mark.parametrize("overrides,kw,reason", [
@@ -39,7 +35,6 @@ def test_plan_captures_single_process_cuda_by_default():
     (["dist=ddp"], {"world": 2}, "DDP"),
     (["act_ckpt=selective"], {}, "activation checkpointing"),
     (["precision=fp16", "optim.fused=false"], {"precision": "fp16"}, "fused AdamW"),
-    ([], {"droppath": types.SimpleNamespace(drop_prob=0.1)}, "ResidualDroppath keeps its iteration on the host"),
 ])
 def test_plan_falls_back_with_a_reason(overrides, kw, reason):
     on, why = _plan(overrides, **kw)

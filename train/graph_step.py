@@ -32,7 +32,7 @@ import warnings
 import torch
 
 
-def graph_plan(cfg, device: torch.device, precision: str, droppath, world: int) -> tuple[bool, str]:
+def graph_plan(cfg, device: torch.device, precision: str, world: int) -> tuple[bool, str]:
     """``(capture, why)``: whether the trainer captures its step (``cfg.cuda_graphs`` auto|true|false)
     and a one-line reason; unsupported configurations run eagerly whatever the setting."""
     if cfg.cuda_graphs == "false":
@@ -48,9 +48,6 @@ def graph_plan(cfg, device: torch.device, precision: str, droppath, world: int) 
         reason = "activation checkpointing saves and restores the RNG state on the host in the backward"
     elif precision == "fp16" and not cfg.optim.fused:
         reason = "fp16 loss scaling skips overflowed steps without a host sync only with the fused AdamW"
-    elif droppath is not None and droppath.drop_prob > 0 and not isinstance(getattr(droppath, "counter", None),
-                                                                             torch.Tensor):
-        reason = "this ResidualDroppath keeps its iteration on the host"
     if reason is not None:
         return False, f"off ({reason}); the step runs eagerly"
     return True, "on (the whole step is captured after warm-up steps and replayed)"

@@ -145,7 +145,7 @@ class Trainer:
         self.warmup = min(warmup, self.total_steps)
         groups, _ = param_groups(self.raw_model, o.weight_decay)
         fused = o.fused and self.device.type == "cuda"
-        graphs, why = graph_plan(cfg, self.device, self.precision, self.droppath, self.info.world)
+        graphs, why = graph_plan(cfg, self.device, self.precision, self.info.world)
         self.optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=tuple(o.betas), eps=o.eps,
                                            **({"fused": True} if fused else {}),
                                            **({"capturable": True} if graphs else {}))
