@@ -4,6 +4,7 @@ builds its model, one-line errors for bad input, U-ViT and classification tasks 
 import json
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import yaml
@@ -55,11 +56,34 @@ def test_overrides_coerce_types_and_reject_unknown_keys():
     (["mae", "--preset", "mae_vit_b16_in1k"], "no training data path"),
     (["mae", "--preset", "mae_cifar10", "--set", "data.path=/nonexistent/cifar"], "data path not found: /nonexistent/cifar"),
     (["mae", "--preset", "quickstart", "--set", "batch_size=100", "--set", "accum_steps=3"], "cannot be split"),
+    # issue 13 item 6: each of these was a traceback
+    (["mae"], "no --preset given: one of"),
+    (["mae", "--preset", "quickstart", "--set", "steps=-5"], "config key 'steps' must be >= 0"),
+    (["mae", "--preset", "quickstart", "--set", "batch_size=0"], "config key 'batch_size' must be a positive integer"),
+    (["mae", "--preset", "quickstart", "--set", "model.patch_size=5"], "'model.patch_size' must divide model.img_size (16)"),
+    (["mae", "--preset", "quickstart", "--set", "model.num_heads=3"], "'model.num_heads' must divide model.embed_dim (64)"),
+    (["mae", "--preset", "quickstart", "--set", "model.alpha_min=-3"], "'model.alpha_min' must be in (0, 1]"),
+    (["mae", "--preset", "quickstart", "--set", "model.alpha_min=1.5"], "'model.alpha_min' must be in (0, 1]"),
+    (["classify", "--preset", "classify_cifar10", "--set", "data.name=digits", "--set", "data.num_classes=5",
+      "--set", "model.num_classes=5", "--set", "data.img_size=8", "--set", "model.img_size=8", "--set", "data.in_chans=1",
+      "--set", "model.in_chans=1"], "range over [0, 9] but data.num_classes=5"),
 ])
 def test_cli_bad_input_is_one_line_error(args, msg, capsys, tmp_path):
-    assert cli.main(args + ["--out", str(tmp_path)]) == 2
+    assert cli.main(args + ["--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert msg in err and len(err.splitlines()) == 1, err
+
+
+def test_malformed_preset_yaml_is_one_line_error_and_debug_shows_the_traceback(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("task: mae\nmodel: {depth: 2, embed_dim: [\n")
+    assert cli.main(["mae", "--preset", str(bad), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{bad} is not valid YAML at line" in err and len(err.splitlines()) == 1, err
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        cli.main(["mae", "--preset", str(bad), "--debug"])
+    with mock.patch.dict("os.environ", {"DRES_DEBUG": "1"}), pytest.raises(ConfigError, match="not valid YAML"):
+        cli.main(["mae", "--preset", str(bad)])
 
 
 def test_quickstart_end_to_end(tmp_path):
@@ -77,10 +101,11 @@ def test_quickstart_end_to_end(tmp_path):
     assert yaml.safe_load((out / "config.yaml").read_text())["model"]["alpha_min"] == 0.6
     losses = [json.loads(l)["loss"] for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert losses[-1] < losses[0]
-    # --eval-only reloads the newest checkpoint and reproduces the probe
+    # --eval-only reloads the newest checkpoint and reproduces the probe, in eval.json (summary.json stays)
     assert cli.main(["mae", "--preset", "quickstart", "--out", str(out), "--eval-only", "--set", "eval.recon=false"]) == 0
-    again = json.loads((out / "summary.json").read_text())["eval"]["linear_probe_acc"]
+    again = json.loads((out / "eval.json").read_text())["eval"]["linear_probe_acc"]
     assert abs(again - acc) < 1e-6
+    assert json.loads((out / "summary.json").read_text()) == summary
 
 
 TINY_UVIT = ["data.name=digits", "data.img_size=8", "data.in_chans=1", "data.mean=[0.5]", "data.std=[0.5]",

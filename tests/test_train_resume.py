@@ -1,5 +1,7 @@
 """Exact resume and atomic checkpoints (single process, fixed seeds, CPU)."""
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -56,8 +58,15 @@ def test_killed_save_leaves_previous_checkpoint_usable(tmp_path):
     for _ in range(2):  # train on, then die while saving step 4
         tr.train_step(tr.loader.next())
         tr.step += 1
-    with pytest.raises(RuntimeError, match="simulated crash"):
-        tr.save(_fail_after_tmp=True)  # dies after writing part of the file, before the rename
+    real_save = torch.save
+
+    def dies_mid_write(obj, f):  # the process dies after writing part of the file, before the rename
+        real_save(obj, f)
+        f.truncate(f.tell() // 2)
+        raise RuntimeError("simulated crash")
+
+    with mock.patch.object(C.torch, "save", dies_mid_write), pytest.raises(RuntimeError, match="simulated crash"):
+        tr.save()
     assert [p.name for p in C.list_checkpoints(tr.ckpt_dir)] == [good.name]
     assert list(tr.ckpt_dir.glob(".step_*tmp"))  # the partial write exists but is ignored
     again = _trainer(tmp_path, 6)

@@ -13,6 +13,19 @@ to load (disk trouble) is skipped with a warning in favour of the one before it.
 
 Formats: one ``torch.save`` file (single process and DDP: rank 0 writes) or a
 ``torch.distributed.checkpoint`` (DCP) directory (FSDP: every rank writes its shards).
+
+Safety: every file is read with ``torch.load(weights_only=True)``, which unpickles only tensors and
+plain containers/primitives, so a crafted ``.pt`` cannot run code; everything saved here is such
+plain state (the numpy RNG state is stored as a tensor for that reason). A DCP directory's
+``.metadata`` is read by torch's own DCP reader: load DCP checkpoints only from directories you trust.
+
+Errors: a file that cannot be read is *unreadable* (:class:`UnreadableCheckpoint`: corrupt,
+truncated, or not plain state); one that reads but was saved for another configuration (its
+fingerprint, :func:`dres.train.config.fingerprint`, differs, or its tensors do not fit the model) is
+*incompatible* (:class:`IncompatibleCheckpoint`). Both are one-line messages.
+
+Rotation keeps the newest ``keep`` checkpoints up to the step just written; it never deletes the
+checkpoint just written nor one of a later step.
 """
 
 from __future__ import annotations
@@ -29,12 +42,32 @@ import torch
 import torch.distributed as dist
 
 from dres.train import distributed as D
+from dres.train.config import fingerprint_diff
 
 _NAME = re.compile(r"^step_(\d{8})(\.pt)?$")
 
 
+class CheckpointError(RuntimeError):
+    """A one-line, user-facing checkpoint problem."""
+
+
+class UnreadableCheckpoint(CheckpointError):
+    """The file is corrupt, truncated, or holds more than plain state."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
+
+
+class IncompatibleCheckpoint(CheckpointError):
+    """The file reads, but was saved for another configuration."""
+
+
 def rng_state(device: torch.device) -> dict:
-    s = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    s = {"python": random.getstate(), "torch": torch.get_rng_state(),
+         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                   "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}}
     if device.type == "cuda":
         s["cuda"] = torch.cuda.get_rng_state(device)
     return s
@@ -42,7 +75,9 @@ def rng_state(device: torch.device) -> dict:
 
 def set_rng_state(s: dict, device: torch.device):
     random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
+    n = s["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
     torch.set_rng_state(s["torch"])
     if device.type == "cuda" and "cuda" in s:
         torch.cuda.set_rng_state(s["cuda"], device)
@@ -54,6 +89,10 @@ def _gather(obj):
         dist.all_gather_object(out, obj)
         return out
     return [obj]
+
+
+def step_of(path) -> int:
+    return int(_NAME.match(Path(path).name).group(1))
 
 
 def list_checkpoints(ckpt_dir) -> list[Path]:
@@ -82,9 +121,9 @@ def _model_optim_state(model, optimizer, dcp_format: bool):
 
 
 def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool, keep: int = 2,
-         device=torch.device("cpu"), ema=None, _fail_after_tmp=False) -> Path:
-    """Write checkpoint ``step`` atomically; every rank must call it. ``extra`` holds picklable
-    trainer state (scheduler, scaler, data position, config); RNG states are added here."""
+         device=torch.device("cpu"), ema=None) -> Path:
+    """Write checkpoint ``step`` atomically; every rank must call it. ``extra`` holds plain trainer
+    state (scheduler, scaler, data position, config, fingerprint); RNG states are added here."""
     ckpt_dir = Path(ckpt_dir)
     main = not D.is_dist() or dist.get_rank() == 0
     if main:
@@ -105,8 +144,6 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
         dcp.save(state, checkpoint_id=str(tmp))
         if main:
             torch.save(extra, tmp / "extra.pt")
-            if _fail_after_tmp:
-                raise RuntimeError("simulated crash during checkpoint write")
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -117,14 +154,13 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
             payload = {"model": msd, "optim": osd, "ema": ema, **extra}
             with open(tmp, "wb") as f:
                 torch.save(payload, f)
-                if _fail_after_tmp:
-                    raise RuntimeError("simulated crash during checkpoint write")
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
         D.barrier()
     if main and keep > 0:
-        for old in list_checkpoints(ckpt_dir)[:-keep]:
+        older = [c for c in list_checkpoints(ckpt_dir) if step_of(c) < step]
+        for old in older[:max(len(older) - (keep - 1), 0)]:
             shutil.rmtree(old) if old.is_dir() else old.unlink()
         for t in ckpt_dir.glob(".step_*tmp"):  # leftovers of killed saves
             if t.name not in (tmp.name,):
@@ -133,47 +169,110 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
     return final
 
 
-def _load_one(path: Path, model, optimizer, ema, device):
+def _first_line(e: BaseException) -> str:
+    """The informative line of an exception (torch's weights_only refusal is a paragraph)."""
+    lines = [l.strip() for l in str(e).splitlines() if l.strip()]
+    for l in lines:
+        if "WeightsUnpickler error:" in l:
+            why = l.split("error:", 1)[1].split(". Please use")[0].strip()
+            return f"refused to unpickle it, as it holds more than plain tensors and containers: {why}"
+    head = " ".join(lines[:2]) if len(lines) > 1 and lines[0].endswith(":") else (lines[0] if lines else "")
+    return f"{type(e).__name__}: {head.split('. ')[0]}"
+
+
+def _unreadable(path, reason: str) -> UnreadableCheckpoint:
+    return UnreadableCheckpoint(f"checkpoint {path} is unreadable ({reason})", reason)
+
+
+def read_file(path) -> dict:
+    """``torch.load(path, weights_only=True)`` onto the CPU; any failure is an
+    :class:`UnreadableCheckpoint` naming the file."""
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # damaged bytes surface as many exception types; all mean "unreadable"
+        raise _unreadable(path, _first_line(e)) from e
+    if not isinstance(obj, dict):
+        raise _unreadable(path, f"holds a {type(obj).__name__}, not a dict")
+    return obj
+
+
+def _check_fingerprint(path, extra: dict, fingerprint):
+    if fingerprint is None:
+        return
+    saved = extra.get("fingerprint")
+    if saved is None and isinstance(extra.get("config"), dict):
+        from dres.train.config import fingerprint as fingerprint_of
+
+        saved = fingerprint_of(extra["config"])
+    diff = fingerprint_diff(saved, fingerprint) if saved is not None else ""
+    if diff:
+        raise IncompatibleCheckpoint(f"checkpoint {path} was saved with another config: {diff}")
+
+
+def _apply(path, fn, *args):
+    """Run a ``load_state_dict``; a mismatch is an :class:`IncompatibleCheckpoint`."""
+    try:
+        fn(*args)
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise IncompatibleCheckpoint(f"checkpoint {path} does not fit this model/optimizer ({_first_line(e)})") from e
+
+
+def _load_one(path: Path, model, optimizer, ema, fingerprint):
     m = D.unwrap(model)
     if path.is_dir():
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        extra = read_file(path / "extra.pt")
+        _check_fingerprint(path, extra, fingerprint)
         msd, osd = get_state_dict(m, optimizer) if optimizer is not None else (get_state_dict(m, [])[0], None)
         state = {"model": msd}
         if osd is not None:
             state["optim"] = osd
         if ema is not None:
             state["ema"] = ema
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(m, optimizer if optimizer is not None else [], model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}))
-        extra = torch.load(path / "extra.pt", map_location="cpu", weights_only=False)
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except Exception as e:  # DCP raises its own CheckpointException for missing/bad shards
+            raise _unreadable(path, _first_line(e)) from e
+        _apply(path, lambda: set_state_dict(m, optimizer if optimizer is not None else [],
+                                            model_state_dict=state["model"], optim_state_dict=state.get("optim", {})))
         return extra
-    payload = torch.load(path, map_location="cpu", weights_only=False)
-    m.load_state_dict(payload.pop("model"))
-    osd = payload.pop("optim")
+    payload = read_file(path)
+    _check_fingerprint(path, payload, fingerprint)
+    if "model" not in payload:
+        raise _unreadable(path, "no 'model' entry: not a dres checkpoint")
+    _apply(path, m.load_state_dict, payload.pop("model"))
+    osd = payload.pop("optim", None)
     if optimizer is not None:
-        optimizer.load_state_dict(osd)
+        _apply(path, optimizer.load_state_dict, osd)
     e = payload.pop("ema", None)
     if ema is not None and e is not None:
-        for k, v in e.items():
-            ema[k].copy_(v)
+        _apply(path, lambda: [ema[k].copy_(v) for k, v in e.items()])
     return payload
 
 
-def load(path_or_dir, model, optimizer=None, *, ema=None, device=torch.device("cpu"), restore_rng=True):
+def load(path_or_dir, model, optimizer=None, *, ema=None, device=torch.device("cpu"), restore_rng=True,
+         fingerprint=None):
     """Load a checkpoint file/dir, or the newest loadable one in a directory. Returns the extra
-    state (step, data position, scheduler, ...) or None when there is none."""
+    state (step, data position, scheduler, ...), or None when the directory holds no checkpoint.
+
+    ``fingerprint`` (of the current config) is compared with the saved one first. In a directory an
+    unreadable checkpoint is skipped with a warning in favour of the one before it; when none is
+    readable, or the one asked for is not, :class:`UnreadableCheckpoint`; an incompatible one is
+    :class:`IncompatibleCheckpoint` at once (older ones of the same run would not fit either)."""
     p = Path(path_or_dir)
-    candidates = [p] if _NAME.match(p.name) else list(reversed(list_checkpoints(p)))
+    single = p.is_file() or bool(_NAME.match(p.name))
+    candidates = [p] if single else list(reversed(list_checkpoints(p)))
+    failures = []
     for c in candidates:
         try:
-            extra = _load_one(c, model, optimizer, ema, device)
-        except Exception as e:  # a damaged final file: fall back to the previous checkpoint
-            if len(candidates) == 1:
+            extra = _load_one(c, model, optimizer, ema, fingerprint)
+        except UnreadableCheckpoint as e:
+            if single:
                 raise
-            warnings.warn(f"checkpoint {c} is unreadable ({type(e).__name__}: {e}); trying an older one")
+            warnings.warn(f"{e}; trying an older one")
+            failures.append(f"{c.name} ({e.reason})")
             continue
         rank = dist.get_rank() if D.is_dist() else 0
         if restore_rng:
@@ -181,4 +280,6 @@ def load(path_or_dir, model, optimizer=None, *, ema=None, device=torch.device("c
             set_rng_state(rng[rank] if rank < len(rng) else rng[0], device)
         extra["path"] = str(c)
         return extra
+    if failures:
+        raise UnreadableCheckpoint(f"no readable checkpoint in {p}: " + "; ".join(failures))
     return None

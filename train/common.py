@@ -5,17 +5,26 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-
-import torch
+import os
 
 from dres.data import DataError, build_loader
+from dres.train.config import ModelConfig
+
+_NOTED: set = set()
 
 
 def model_kwargs(cls, cfg) -> dict:
     """The ModelConfig fields that ``cls.__init__`` accepts (one config dataclass serves all tasks),
-    plus the run's seed for the ResidualDroppath controller's own generator."""
+    plus the run's seed for the ResidualDroppath controller's own generator. Fields set away from
+    their default that ``cls`` does not take are dropped with a note (once per process)."""
     params = inspect.signature(cls.__init__).parameters
-    kw = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k in params}
+    values, defaults = dataclasses.asdict(cfg.model), dataclasses.asdict(ModelConfig())
+    kw = {k: v for k, v in values.items() if k in params}
+    ignored = tuple(f"model.{k}" for k, v in values.items() if k not in params and v != defaults[k])
+    if ignored and (cls, ignored) not in _NOTED:
+        _NOTED.add((cls, ignored))
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[dres] note: {cls.__name__} does not take {', '.join(ignored)}; ignored")
     if "droppath_seed" in params:
         kw["droppath_seed"] = cfg.seed
     return kw
@@ -26,11 +35,14 @@ def eval_loader(tr, split, batch):
     a message) when the data set has no such split configured."""
     cfg = tr.cfg
     try:
-        ld = build_loader(cfg.data, split, 1, device=tr.device, train=False)  # batching: eval_batches()
+        ld = build_loader(cfg.data, split, 1, device=tr.device, train=False, log=tr.log)  # batching: eval_batches()
     except DataError as e:
-        tr.log(f"[dres] no {split} split for evaluation ({e}); skipping")
+        tr.log(f"[dres] evaluation on the {split} split skipped: {e}")
         return None
     if not hasattr(ld, "eval_batches"):
+        tr.log(f"[dres] evaluation on the {split} split skipped: the streaming data.name={cfg.data.name} loader has "
+               "no in-order pass; evaluate a subset in memory with dres-eval RUN --set data.gpu_resident=true "
+               "--set data.limit=N --set data.val_limit=M")
         return None
     return ld
 
@@ -46,11 +58,9 @@ def cap(batches, limit):
         yield b
 
 
-@torch.no_grad()
 def features(tr, fn, loader, limit=0, batch=256):
-    feats, labels = [], []
+    """:func:`dres.eval.extract_features` over the loader's first ``limit`` samples, under the run's autocast."""
+    from dres.eval import extract_features
+
     with tr.autocast():
-        for b in cap(loader.eval_batches(batch), limit):
-            feats.append(fn(b["image"]).float().cpu())
-            labels.append(b["label"].cpu())
-    return torch.cat(feats), torch.cat(labels)
+        return extract_features(fn, cap(loader.eval_batches(batch), limit))

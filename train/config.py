@@ -46,12 +46,15 @@ class DataConfig:
     limit: int = 0           # use only the first N training samples (0: all)
     val_limit: int = 0
     synthetic_size: int = 4096
+    # stop when more than this fraction of samples (or of shards) is unreadable
+    max_corrupt_frac: float = 0.001
+    verify_manifest: bool = True  # check shards against their folder's manifest.json sha256 before use
 
 
 @dataclass
 class ModelConfig:
-    # Keyword arguments of the model class (dres.models.MAE / UViT / ViTClassifier); keys a model
-    # does not accept are dropped by the task with a note, so one dataclass serves every task.
+    # Keyword arguments of the model class (dres.models.MAE / UViT / ViTClassifier); one dataclass
+    # serves every task, so a key a model does not accept is dropped (with a note when it was set).
     variant: str = "official"
     arch: str = "vit"             # classify: vit (dres ViT) | resnet18 | resnet50 | resnet50d (timm, convert_timm_resnet)
     img_size: int = 32
@@ -212,10 +215,6 @@ def _coerce(value, typ, key):
     return value
 
 
-def _field_types(obj):
-    return {f.name: t for f, t in zip(dataclasses.fields(obj), typing.get_type_hints(type(obj)).values())}
-
-
 def set_key(cfg: Config, dotted: str, value, *, prefix=""):
     """Set ``cfg.a.b = value`` for ``dotted='a.b'``, with type coercion and unknown-key errors."""
     parts = dotted.split(".")
@@ -263,11 +262,20 @@ def load_preset(name: str) -> dict:
     if not path.exists():
         raise ConfigError(f"unknown preset '{name}'{_suggest(name, list_presets())}; available: "
                           f"{', '.join(list_presets())} (or a path to a .yaml file)")
-    with open(path) as f:
-        d = yaml.safe_load(f) or {}
+    d = _read_yaml(path) or {}
     if not isinstance(d, dict):
         raise ConfigError(f"preset {path} must be a YAML mapping")
     return d
+
+
+def _read_yaml(path):
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise ConfigError(f"{path} is not valid YAML{at}: {getattr(e, 'problem', None) or type(e).__name__}") from e
 
 
 def parse_override(s: str):
@@ -306,7 +314,89 @@ def build_config(task: str | None = None, preset: str | None = None, overrides=(
         if preset and cfg.task != task:
             raise ConfigError(f"preset '{preset}' is for task '{cfg.task}', not '{task}'")
         cfg.task = task
+    validate(cfg)
     return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Value checks that a type cannot express; each failure is one line naming the key."""
+    def need(ok, key, what):
+        if not ok:
+            value = cfg
+            for part in key.split("."):
+                value = getattr(value, part)
+            raise ConfigError(f"config key '{key}' {what}; got {value!r}")
+
+    m, d, o = cfg.model, cfg.data, cfg.optim
+    need(cfg.batch_size > 0, "batch_size", "must be a positive integer")
+    need(cfg.accum_steps > 0, "accum_steps", "must be a positive integer")
+    need(cfg.steps >= 0, "steps", "must be >= 0 (0: use epochs)")
+    need(cfg.epochs >= 0, "epochs", "must be >= 0")
+    need(cfg.log.every > 0, "log.every", "must be a positive integer")
+    need(cfg.ckpt.every >= 0, "ckpt.every", "must be >= 0 (0: only at the end)")
+    need(cfg.ckpt.keep >= 0, "ckpt.keep", "must be >= 0 (0: keep all)")
+    need(cfg.eval.every >= 0, "eval.every", "must be >= 0")
+    need(d.img_size > 0, "data.img_size", "must be a positive integer")
+    need(d.in_chans > 0, "data.in_chans", "must be a positive integer")
+    need(d.limit >= 0, "data.limit", "must be >= 0")
+    need(d.val_limit >= 0, "data.val_limit", "must be >= 0")
+    need(0 <= d.max_corrupt_frac <= 1, "data.max_corrupt_frac", "must be in [0, 1]")
+    need(0 < d.crop_min <= 1, "data.crop_min", "must be in (0, 1]")
+    if d.normalize:
+        need(len(d.mean) >= d.in_chans and len(d.std) >= d.in_chans, "data.mean",
+             f"and data.std need a value per channel (data.in_chans={d.in_chans})")
+        need(all(s > 0 for s in d.std), "data.std", "must be positive")
+    need(m.img_size == d.img_size, "model.img_size", f"must equal data.img_size ({d.img_size})")
+    need(m.in_chans == d.in_chans, "model.in_chans", f"must equal data.in_chans ({d.in_chans})")
+    need(m.patch_size > 0 and m.img_size % m.patch_size == 0, "model.patch_size",
+         f"must divide model.img_size ({m.img_size})")
+    need(m.num_heads > 0 and m.embed_dim % m.num_heads == 0, "model.num_heads",
+         f"must divide model.embed_dim ({m.embed_dim})")
+    need(m.depth > 0, "model.depth", "must be a positive integer")
+    if cfg.task == "mae":
+        need(m.decoder_num_heads > 0 and m.decoder_embed_dim % m.decoder_num_heads == 0, "model.decoder_num_heads",
+             f"must divide model.decoder_embed_dim ({m.decoder_embed_dim})")
+        need(0 <= m.mask_ratio < 1, "model.mask_ratio", "must be in [0, 1)")
+    need(0 < m.alpha_min <= 1, "model.alpha_min", "must be in (0, 1] (1: plain residuals)")
+    need(0 <= m.drop_path < 1, "model.drop_path", "must be in [0, 1)")
+    need(m.mlp_ratio > 0, "model.mlp_ratio", "must be positive")
+    if cfg.task == "classify":
+        need(m.num_classes == d.num_classes, "model.num_classes", f"must equal data.num_classes ({d.num_classes})")
+    if cfg.task == "uvit":
+        need(0 <= m.num_classes <= d.num_classes, "model.num_classes",
+             f"must be 0 (unconditional) or at most data.num_classes ({d.num_classes})")
+    need(o.blr > 0 or o.lr > 0, "optim.lr", "or optim.blr must be positive")
+    need(0 <= o.ema_decay < 1, "optim.ema_decay", "must be in [0, 1)")
+    need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", "must be two numbers in [0, 1)")
+
+
+# Keys that decide the shapes of the model, optimizer state and data position: a checkpoint saved
+# under other values cannot continue this run. lr, steps, seed and eval settings may change.
+FINGERPRINT_KEYS = ("task", "batch_size", "data.img_size", "data.in_chans", "data.num_classes", "optim.ema_decay")
+_MODEL_KEYS_NOT_IN_FINGERPRINT = ("backend", "attn_impl")  # implementation choices, same parameters
+
+
+def fingerprint(cfg) -> dict:
+    """The flat ``{dotted key: value}`` of :data:`FINGERPRINT_KEYS` and the model's keys, from a
+    :class:`Config` or its dict (a saved ``config.yaml``)."""
+    d = to_dict(cfg) if dataclasses.is_dataclass(cfg) else cfg
+
+    def get(key):
+        v = d
+        for part in key.split("."):
+            v = v.get(part) if isinstance(v, dict) else None
+        return v
+
+    fp = {k: get(k) for k in FINGERPRINT_KEYS}
+    fp.update({f"model.{k}": v for k, v in sorted((d.get("model") or {}).items())
+               if k not in _MODEL_KEYS_NOT_IN_FINGERPRINT})
+    return fp
+
+
+def fingerprint_diff(saved: dict, now: dict) -> str:
+    """'' when equal, else one line naming each differing key with both values."""
+    keys = sorted(set(saved) | set(now))
+    return ", ".join(f"{k} {saved.get(k)!r} (saved) vs {now.get(k)!r} (now)" for k in keys if saved.get(k) != now.get(k))
 
 
 def to_dict(cfg) -> dict:
@@ -319,5 +409,7 @@ def save_config(cfg: Config, path):
 
 
 def load_config(path) -> Config:
-    with open(path) as f:
-        return update_from_dict(Config(), yaml.safe_load(f))
+    d = _read_yaml(path)
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path} must be a YAML mapping")
+    return update_from_dict(Config(), d)

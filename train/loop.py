@@ -32,7 +32,8 @@ import torch.nn as nn
 from dres.data import build_loader
 from dres.train import checkpoint as C
 from dres.train import distributed as D
-from dres.train.config import Config, save_config, to_dict
+from dres.train import rundir
+from dres.train.config import Config, ConfigError, fingerprint, save_config, to_dict
 from dres.train.graph_step import GraphedStep, graph_plan
 
 
@@ -95,8 +96,8 @@ class Trainer:
         self.out = Path(cfg.out or f"runs/{cfg.task}_{cfg.preset or 'custom'}")
         self.ckpt_dir = self.out / "checkpoints"
         self.precision = resolve_precision(cfg.precision, self.device)
-        if self.precision in ("bf16", "fp16") and self.device.type == "cpu" and self.precision == "fp16":
-            raise ValueError("precision fp16 needs a CUDA device (use bf16 or fp32 on CPU)")
+        if self.precision == "fp16" and self.device.type == "cpu":
+            raise ConfigError("precision fp16 needs a CUDA device (use bf16 or fp32 on CPU)")
         if cfg.dist == "fsdp" and cfg.ckpt.format == "file":
             self.dcp = False
         else:
@@ -117,12 +118,6 @@ class Trainer:
         self.raw_model = model.to(self.device)
         self.droppath = getattr(model, "droppath", None)
         self.n_params = sum(p.numel() for p in model.parameters())
-        groups, nd = param_groups(model, cfg.optim.weight_decay)
-        self.log(f"[dres] {cfg.task}: {type(model).__name__} {self.n_params / 1e6:.2f}M params; "
-                 f"{len(nd)} tensors without weight decay; precision {self.precision}; device {self.device}; "
-                 f"world {self.info.world} ({cfg.dist})")
-        if hasattr(model, "describe"):
-            self.log(f"[dres] {model.describe()}")
         n_ac = D.apply_activation_checkpointing(model, cfg.act_ckpt)
         n_c = D.apply_compile(model) if cfg.compile else 0
         if n_ac or n_c:
@@ -132,18 +127,23 @@ class Trainer:
         elif cfg.dist == "ddp" and self.info.world > 1:
             model = D.apply_ddp(model, self.info)
         self.model = model
+        # after sharding: the groups must hold the parameters the optimizer will see (DTensors under FSDP)
+        groups, nd = param_groups(self.raw_model, cfg.optim.weight_decay)
+        self.log(f"[dres] {cfg.task}: {type(self.raw_model).__name__} {self.n_params / 1e6:.2f}M params; "
+                 f"{len(nd)} tensors without weight decay; precision {self.precision}; device {self.device}; "
+                 f"world {self.info.world} ({cfg.dist})")
         # data: this rank's slice of every global batch
         self.loader = build_loader(cfg.data, "train", cfg.batch_size, rank=self.info.rank, world=self.info.world,
-                                   accum=cfg.accum_steps, seed=cfg.seed, device=self.device, train=True) if train else None
+                                   accum=cfg.accum_steps, seed=cfg.seed, device=self.device, train=True,
+                                   log=self.log) if train else None
         spe = len(self.loader) if train else 0
         self.total_steps = cfg.steps if cfg.steps > 0 else int(round(cfg.epochs * spe))
         if train and self.total_steps <= 0:
-            raise ValueError("training length is zero: set steps=N or epochs=E (with a data set of known size)")
+            raise ConfigError("training length is zero: set steps=N or epochs=E (with a data set of known size)")
         o = cfg.optim
         self.lr = o.lr if o.lr > 0 else o.blr * cfg.batch_size / 256
         warmup = o.warmup_steps if o.warmup_steps >= 0 else int(round(o.warmup_epochs * spe))
         self.warmup = min(warmup, self.total_steps)
-        groups, _ = param_groups(self.raw_model, o.weight_decay)
         fused = o.fused and self.device.type == "cuda"
         graphs, why = graph_plan(cfg, self.device, self.precision, self.info.world)
         self.optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=tuple(o.betas), eps=o.eps,
@@ -161,7 +161,9 @@ class Trainer:
         torch.manual_seed(cfg.seed + 1000003 * self.info.rank)  # per-rank randomness (masks, noise)
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
+        if self.main and train:  # the run's record (see rundir); evaluation leaves it as training wrote it
             save_config(cfg, self.out / "config.yaml")
+            rundir.write_fingerprint(self.out, fingerprint(cfg))
         return self
 
     def autocast(self):
@@ -173,22 +175,24 @@ class Trainer:
     def _extra(self):
         return {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
                 "data": self.loader.state_dict() if self.loader else None, "config": to_dict(self.cfg),
-                "history_len": len(self.history)}
+                "fingerprint": fingerprint(self.cfg), "history_len": len(self.history)}
 
-    def save(self, _fail_after_tmp=False):
+    def save(self):
         if self._bad is not None and bool(self._bad):
             raise NonFiniteLoss("non-finite loss; not saving")
         p = C.save(self.ckpt_dir, self.step, self.model, self.optimizer, self._extra(), dcp_format=self.dcp,
-                   keep=self.cfg.ckpt.keep, device=self.device, ema=self.ema, _fail_after_tmp=_fail_after_tmp)
+                   keep=self.cfg.ckpt.keep, device=self.device, ema=self.ema)
         self.last_good = p
         return p
 
     def resume(self, what="auto"):
-        """``auto``: the newest good checkpoint of this run directory (none: start fresh); or a path."""
+        """``auto``: the newest readable checkpoint of this run directory (none at all: start fresh);
+        or a path. Unreadable or incompatible checkpoints are :class:`~dres.train.checkpoint.CheckpointError`."""
         target = self.ckpt_dir if what == "auto" else Path(what)
         if what != "auto" and not target.exists():
             raise FileNotFoundError(f"checkpoint not found: {target}")
-        extra = C.load(target, self.model, self.optimizer, ema=self.ema, device=self.device)
+        extra = C.load(target, self.model, self.optimizer, ema=self.ema, device=self.device,
+                       fingerprint=fingerprint(self.cfg))
         if extra is None:
             self.log(f"[dres] no checkpoint in {target}; starting from scratch")
             return False
@@ -202,15 +206,17 @@ class Trainer:
         return True
 
     def load_weights(self, path):
-        extra = C.load(path, self.model, None, ema=self.ema, device=self.device, restore_rng=False)
+        extra = C.load(path, self.model, None, ema=self.ema, device=self.device, restore_rng=False,
+                       fingerprint=fingerprint(self.cfg))
         if extra is None:
             raise FileNotFoundError(f"no checkpoint in {path}")
-        self.step = int(extra["step"])
+        self.step, self.loaded_from = int(extra["step"]), extra["path"]
         self.log(f"[dres] loaded weights of step {self.step} from {extra['path']}")
 
     # ----------------------------------------------------------------- train
     _bad = None
     last_good = None
+    loaded_from = None
 
     @torch.no_grad()
     def _ema_update(self):
@@ -344,7 +350,7 @@ class Trainer:
                         "final_loss": self.history[-1]["loss"] if self.history else None,
                         "peak_mem_gib": (torch.cuda.max_memory_allocated(self.device) / 2**30
                                          if self.device.type == "cuda" else None),
-                        "corrupt_samples_skipped": getattr(self.loader, "corrupt", 0)}
+                        "lost_data": self.loader.counter.summary()}
         return self.summary
 
     # ------------------------------------------------------------------ eval
@@ -354,19 +360,26 @@ class Trainer:
             res = self.task.evaluate(self)
         return res
 
-    def finish(self, eval_metrics: dict | None = None):
-        s = dict(self.summary)
-        if eval_metrics:
-            s["eval"] = eval_metrics
-        if self.main:
-            with open(self.out / "summary.json", "w") as f:
-                json.dump(s, f, indent=1, default=str)
-            lines = [f"[dres] done: {self.summary.get('steps', 0)} steps in {self.summary.get('wall_s', 0):.1f}s, "
-                     f"{self.summary.get('img_per_s', 0):.1f} img/s, final loss {self.summary.get('final_loss')}"]
-            if self.summary.get("peak_mem_gib") is not None:
+    def finish(self, eval_metrics: dict | None = None, *, eval_only=False):
+        """Write the results: after training ``summary.json`` (evaluation under "eval"); after an
+        evaluation alone ``eval.json``, so the training summary stays as training wrote it."""
+        if eval_only:
+            s, name, lines = {"step": self.step, "checkpoint": self.loaded_from, "eval": eval_metrics or {}}, "eval.json", []
+        else:
+            s, name = dict(self.summary), "summary.json"
+            if eval_metrics:
+                s["eval"] = eval_metrics
+            lost = self.summary["lost_data"]
+            lines = [f"[dres] done: {self.summary['steps']} steps in {self.summary['wall_s']:.1f}s, "
+                     f"{self.summary['img_per_s']:.1f} img/s, final loss {self.summary['final_loss']}"]
+            if self.summary["peak_mem_gib"] is not None:
                 lines.append(f"[dres] peak memory {self.summary['peak_mem_gib']:.2f} GiB")
-            if self.summary.get("corrupt_samples_skipped"):
-                lines.append(f"[dres] skipped {self.summary['corrupt_samples_skipped']} corrupt samples")
+            if lost["corrupt_samples"] or lost["damaged_shards"]:
+                lines.append(f"[dres] lost {lost['corrupt_samples']} corrupt samples and {len(lost['damaged_shards'])} "
+                             f"damaged shards {lost['damaged_shards'][:3]} (summary.json, lost_data)")
+        if self.main:
+            with open(self.out / name, "w") as f:
+                json.dump(s, f, indent=1, default=str)
             for k, v in (eval_metrics or {}).items():
                 lines.append(f"[dres] {k}: {v:.4f}" if isinstance(v, float) else f"[dres] {k}: {v}")
             self.log("\n".join(lines))
@@ -378,10 +391,6 @@ class Trainer:
         return s
 
     # ------------------------------------------------------ eval helpers
-    def eval_model(self):
-        """The model to evaluate: the EMA weights when kept (loaded into a copy), else the model."""
-        return self.raw_model
-
     def full_state_copy(self):
         """A plain (unsharded) copy of the model for evaluation on one rank; EMA weights if kept."""
         import copy
@@ -403,14 +412,19 @@ class Trainer:
         return fresh.eval()
 
 
-def run(cfg: Config, task, *, resume=None, eval_only=False, ckpt=None, log=print) -> dict:
-    """Train (or only evaluate) one configuration end to end; returns the summary."""
-    tr = Trainer(cfg, task, log=log).setup(train=True)
+def run(cfg: Config, task, *, resume=None, eval_only=False, ckpt=None, overwrite=False, log=print) -> dict:
+    """Train (or only evaluate) one configuration end to end; returns the summary. A training run
+    first claims its run directory (:func:`dres.train.rundir.claim`: ``resume``/``overwrite``)."""
+    tr = Trainer(cfg, task, log=log)
+    if not eval_only:
+        rundir.claim(tr.out, cfg, resume=resume, overwrite=overwrite, main=tr.main, log=tr.log)
+        D.barrier()
+    tr.setup(train=not eval_only)
     try:
         if eval_only:
             tr.load_weights(ckpt or tr.ckpt_dir)
             ev = tr.evaluate() if tr.main or cfg.dist != "none" else {}
-            return tr.finish(ev)
+            return tr.finish(ev, eval_only=True)
         if resume:
             tr.resume(resume)
         tr.fit()

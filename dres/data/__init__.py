@@ -14,6 +14,13 @@ synthetic       random images (throughput runs)
 
 With ``gpu_resident`` (default; only for sources that fit in memory) the whole split is decoded
 once and augmented on the device; otherwise it streams through DataLoader workers.
+
+Data accounting: every unreadable sample or shard is logged as it happens (one line each,
+rate-limited) and counted in the loader's ``counter`` (:class:`CorruptCounter`, which the trainer
+writes to ``summary.json``); when more than ``data.max_corrupt_frac`` of the samples or shards is
+lost, loading stops with a :class:`DataError`. Shards listed in their folder's ``manifest.json`` are
+checked against its sha256 before use (``data.verify_manifest``). Labels must be below
+``data.num_classes``.
 """
 
 from __future__ import annotations
@@ -24,12 +31,14 @@ import torch
 
 from dres.data.loaders import (FolderLoader, InMemoryLoader, ShardLoader, check_split, device_augment,
                                normalize, rrc_params)
-from dres.data.sources import (CorruptCounter, DataError, cifar10_pattern, default_cifar10_dir, expand_shards,
-                               iter_shard, read_cifar_torchvision, read_digits, read_image_folder, read_shards)
+from dres.data.sources import (CorruptCounter, DataError, check_labels, cifar10_pattern, default_cifar10_dir,
+                               expand_shards, iter_shard, read_cifar_torchvision, read_digits, read_image_folder,
+                               read_shards, verify_manifest)
 
 __all__ = ["build_loader", "load_arrays", "DataError", "InMemoryLoader", "FolderLoader", "ShardLoader",
            "device_augment", "normalize", "rrc_params", "read_shards", "read_digits", "iter_shard",
-           "expand_shards", "default_cifar10_dir", "cifar10_pattern", "check_split", "CorruptCounter"]
+           "expand_shards", "default_cifar10_dir", "cifar10_pattern", "check_split", "CorruptCounter",
+           "verify_manifest"]
 
 
 def _pattern(d, split):
@@ -47,47 +56,63 @@ def _pattern(d, split):
     return p
 
 
-def load_arrays(d, split: str, seed: int = 0):
-    """Decode a whole split into memory: ``(uint8 (N,C,H,W), int64 (N,), corrupt_count)``."""
+def load_arrays(d, split: str, seed: int = 0, log=None):
+    """Decode a whole split into memory: ``(uint8 (N,C,H,W), int64 (N,), CorruptCounter)``; losses
+    go to ``log`` as they happen."""
     limit = d.val_limit if split == "val" else d.limit
+    counter = CorruptCounter(log)
     if d.name == "digits":
         x, y = read_digits("test" if split == "val" else "train", d.img_size, seed=0)
-        return (x[:limit], y[:limit], 0) if limit else (x, y, 0)
+        return (x[:limit], y[:limit], counter) if limit else (x, y, counter)
     if d.name in ("cifar10_wds", "wds"):
-        x, y, c = read_shards(_pattern(d, split), d.in_chans, limit)
-        return x, y, c.count
+        x, y, c = read_shards(_shard_pattern(d, split), d.in_chans, limit, counter)
+        return x, y, c
     if d.name == "cifar_tv":
         root = (d.val_path or d.path) if split == "val" else d.path
         if not root:
             raise DataError("no data path (set data.path=<folder holding cifar-10-batches-py>)")
         x, y = read_cifar_torchvision(root, train=split != "val")
-        return (x[:limit], y[:limit], 0) if limit else (x, y, 0)
+        return (x[:limit], y[:limit], counter) if limit else (x, y, counter)
     if d.name == "imagefolder":
-        x, y, c = read_image_folder(_pattern(d, split), d.in_chans, d.img_size, limit)
-        return x, y, c.count
+        x, y, c = read_image_folder(_pattern(d, split), d.in_chans, d.img_size, limit, counter)
+        return x, y, c
     if d.name == "synthetic":
         n = d.synthetic_size if split != "val" else max(d.synthetic_size // 4, 1)
         g = torch.Generator().manual_seed(1234 + (split == "val"))
         x = torch.randint(0, 256, (n, d.in_chans, d.img_size, d.img_size), dtype=torch.uint8, generator=g)
-        return x, torch.randint(0, max(d.num_classes, 1), (n,), generator=g), 0
+        return x, torch.randint(0, max(d.num_classes, 1), (n,), generator=g), counter
     raise DataError(f"unknown data source '{d.name}'")
 
 
-def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, seed=0, device="cpu", train=True):
-    """A resumable loader of this rank's share of each global batch."""
+def _shard_pattern(d, split):
+    """The shard pattern of ``split``, its shards checked against their manifest first."""
+    pattern = _pattern(d, split)
+    if d.verify_manifest:
+        verify_manifest(expand_shards(pattern))
+    return pattern
+
+
+def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, seed=0, device="cpu", train=True,
+                 log=None):
+    """A resumable loader of this rank's share of each global batch; ``log`` gets lost-data lines."""
     mean, std = (d.mean, d.std) if d.normalize else (None, None)
     aug = d.aug if train else "none"
+    where = f"the {split} split of data.name={d.name}"
     if d.gpu_resident or d.name in ("digits", "cifar_tv", "synthetic"):
-        x, y, bad = load_arrays(d, split)
+        x, y, counter = load_arrays(d, split, log=log)
+        counter.check(len(x), d.max_corrupt_frac, where)
+        check_labels(y, d.num_classes, where)
         loader = InMemoryLoader(x, y, global_batch, rank=rank, world=world, accum=accum, seed=seed, device=device,
                                 img_size=d.img_size, aug=aug, crop_min=d.crop_min, mean=mean, std=std)
-        loader.corrupt = bad
+        loader.counter = counter
         return loader
     if d.name == "imagefolder":
         return FolderLoader(_pattern(d, split), global_batch, rank=rank, world=world, accum=accum, seed=seed,
                             device=device, img_size=d.img_size, in_chans=d.in_chans, train=train,
-                            crop_min=d.crop_min, mean=mean, std=std, num_workers=d.num_workers, limit=d.limit)
-    return ShardLoader(_pattern(d, split), global_batch, rank=rank, world=world, accum=accum, seed=seed,
+                            crop_min=d.crop_min, mean=mean, std=std, num_workers=d.num_workers, limit=d.limit,
+                            num_classes=d.num_classes, max_corrupt_frac=d.max_corrupt_frac, log=log)
+    return ShardLoader(_shard_pattern(d, split), global_batch, rank=rank, world=world, accum=accum, seed=seed,
                        device=device, img_size=d.img_size, in_chans=d.in_chans, train=train, crop_min=d.crop_min,
                        mean=mean, std=std, num_workers=d.num_workers, buffer=d.shuffle_buffer,
-                       samples_per_epoch=d.limit or None)
+                       samples_per_epoch=d.limit or None, num_classes=d.num_classes,
+                       max_corrupt_frac=d.max_corrupt_frac, log=log)

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dres.data.sources import CorruptCounter, DataError, decode_image, expand_shards, iter_shard, list_image_folder
+from dres.data.sources import (CorruptCounter, DataError, check_labels, decode_image, expand_shards, iter_shard,
+                               list_image_folder)
 
 
 def _mix(*xs) -> int:
@@ -134,7 +135,7 @@ class InMemoryLoader(_Position):
         self.size = img_size or images.shape[-1]
         self.aug, self.crop_min, self.mean, self.std = aug, crop_min, mean, std
         self.steps_per_epoch = len(images) // global_batch
-        self.corrupt = 0
+        self.counter = CorruptCounter()  # build_loader hands over the reader's
         self._epoch_perm = None  # (epoch, its sample order on the device)
 
     def __len__(self):
@@ -217,32 +218,36 @@ class _FolderDataset(torch.utils.data.Dataset):
             with Image.open(self.paths[idx]) as im:
                 im = pil_rrc(im.convert("RGB"), self.size, random.Random(seed), (self.crop_min, 1.0),
                              rrc=self.train, flip=self.train)
-                return _pil_to_uint8(im, self.in_chans), self.labels[idx], 0
-        except Exception:
-            return None, -1, 1
+                return _pil_to_uint8(im, self.in_chans), self.labels[idx], ""
+        except Exception as e:  # any decode failure is one lost sample, not a fatal error
+            return None, -1, f"{self.paths[idx]}: {type(e).__name__}"
 
 
 def _collate_skip(batch):
-    """Drop corrupt samples (None) and report how many were dropped."""
+    """Drop corrupt samples (None); the third item lists their paths and errors."""
     good = [b for b in batch if b[0] is not None]
-    bad = sum(b[2] for b in batch)
+    lost = [b[2] for b in batch if b[0] is None]
     if not good:
-        return None, None, bad
-    return torch.stack([g[0] for g in good]), torch.tensor([g[1] for g in good]), bad
+        return None, None, lost
+    return torch.stack([g[0] for g in good]), torch.tensor([g[1] for g in good]), lost
 
 
 class FolderLoader(_Position):
     def __init__(self, root, global_batch, *, rank=0, world=1, accum=1, seed=0, device="cpu", img_size=224,
-                 in_chans=3, train=True, crop_min=0.2, mean=None, std=None, num_workers=8, limit=0):
+                 in_chans=3, train=True, crop_min=0.2, mean=None, std=None, num_workers=8, limit=0,
+                 num_classes=0, max_corrupt_frac=1.0, log=None):
         self.local = check_split(global_batch, world, accum)
         paths, labels, self.classes = list_image_folder(root)
         if limit:
             paths, labels = paths[:limit], labels[:limit]
+        check_labels(torch.tensor(labels), num_classes, root)
+        self.root, self.max_corrupt_frac = root, max_corrupt_frac
+        self.counter = CorruptCounter(log)
+        self.counter.shards_total, self._read = len(paths), 0
         self.ds = _FolderDataset(paths, labels, img_size, in_chans, train, crop_min)
         self.global_batch, self.rank, self.world, self.seed, self.device = global_batch, rank, world, seed, device
         self.mean, self.std, self.size, self.num_workers = mean, std, img_size, num_workers
         self.steps_per_epoch = len(paths) // global_batch
-        self.corrupt = 0
         self._it = None
 
     def __len__(self):
@@ -270,9 +275,13 @@ class FolderLoader(_Position):
             self.epoch, self.batch, self._it = self.epoch + 1, 0, None
         if self._it is None:
             self._start()
-        x, y, bad = next(self._it)
+        x, y, lost = next(self._it)
         self.batch += 1
-        self.corrupt += bad
+        self._read += 0 if x is None else len(x)
+        if lost:
+            for what in lost:
+                self.counter.add(what, what.rsplit(": ", 1)[0])
+            self.counter.check(self._read, self.max_corrupt_frac, self.root, expected=len(self.ds) // self.world)
         if x is None:
             return self.next()
         return {"image": normalize(x.to(self.device, non_blocking=True), self.size, self.mean, self.std),
@@ -301,7 +310,7 @@ class _ShardStream(torch.utils.data.IterableDataset):
             mine, keep = shards[slot::nslots], None
         else:
             mine, keep = shards, slot
-        counter = CorruptCounter()
+        counter = CorruptCounter(collect=True)  # its events travel with the samples to the main process
         buf, n = [], 0
 
         def samples():
@@ -315,21 +324,18 @@ class _ShardStream(torch.utils.data.IterableDataset):
                     im = pil_rrc(im, self.size, rng, (self.crop_min, 1.0), rrc=self.train, flip=self.train)
                     yield _pil_to_uint8(im, self.in_chans), label
 
-        reported = 0
         for s in samples():
             if self.train and self.buffer > 1:
                 buf.append(s)
                 if len(buf) < self.buffer:
                     continue
                 s = buf.pop(rng.randrange(len(buf)))
-            yield s[0], s[1], counter.count - reported
-            reported = counter.count
+            yield s[0], s[1], counter.drain()
         rng.shuffle(buf)
         for s in buf:
-            yield s[0], s[1], counter.count - reported
-            reported = counter.count
-        if counter.count > reported:
-            yield None, -1, counter.count - reported
+            yield s[0], s[1], counter.drain()
+        if counter.pending:
+            yield None, -1, counter.drain()
 
 
 class ShardLoader(_Position):
@@ -337,14 +343,19 @@ class ShardLoader(_Position):
 
     def __init__(self, pattern, global_batch, *, rank=0, world=1, accum=1, seed=0, device="cpu", img_size=32,
                  in_chans=3, train=True, crop_min=0.2, mean=None, std=None, num_workers=4, buffer=2000,
-                 samples_per_epoch=None):
+                 samples_per_epoch=None, num_classes=0, max_corrupt_frac=1.0, log=None):
         self.local = check_split(global_batch, world, accum)
         self.shards = expand_shards(pattern)
+        self.num_classes, self.max_corrupt_frac = num_classes, max_corrupt_frac
+        self.counter = CorruptCounter(log)
+        self.counter.shards_total, self._read = len(self.shards), 0
+        # the fraction's denominator: this rank's share of an epoch, or enough samples to judge it
+        self._expected = (samples_per_epoch // world if samples_per_epoch else
+                          math.ceil(1 / max_corrupt_frac) if max_corrupt_frac > 0 else 0)
         self.global_batch, self.rank, self.world, self.seed, self.device = global_batch, rank, world, seed, device
         self.size, self.in_chans, self.train, self.crop_min, self.buffer = img_size, in_chans, train, crop_min, buffer
         self.mean, self.std, self.num_workers = mean, std, num_workers
         self.steps_per_epoch = (samples_per_epoch // global_batch) if samples_per_epoch else None
-        self.corrupt = 0
         self._it = None
 
     def __len__(self):
@@ -354,10 +365,16 @@ class ShardLoader(_Position):
         ds = _ShardStream(self.shards, self.rank, self.world, self.seed, self.epoch, self.size, self.in_chans,
                           self.train, self.crop_min, self.buffer)
         dl = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=self.num_workers)
-        for img, label, bad in dl:
-            self.corrupt += int(bad)
+        for img, label, lost in dl:
+            self._account(lost, img is not None)
             if img is not None:
                 yield img, label
+
+    def _account(self, lost, read: bool):
+        self._read += read
+        if lost:
+            self.counter.replay(lost)
+            self.counter.check(self._read, self.max_corrupt_frac, f"{len(self.shards)} shard(s)", self._expected)
 
     def _batches(self):
         xs, ys = [], []
@@ -365,6 +382,7 @@ class ShardLoader(_Position):
             xs.append(img)
             ys.append(int(label))
             if len(xs) == self.local:
+                check_labels(torch.tensor(ys), self.num_classes, f"{len(self.shards)} shard(s)")
                 yield torch.stack(xs), torch.tensor(ys)
                 xs, ys = [], []
 
@@ -393,8 +411,8 @@ class ShardLoader(_Position):
     def eval_batches(self, batch_size):
         ds = _ShardStream(self.shards, self.rank, self.world, self.seed, 0, self.size, self.in_chans, False, 0, 0)
         xs, ys = [], []
-        for img, label, bad in ds:
-            self.corrupt += int(bad)
+        for img, label, lost in ds:
+            self._account(lost, img is not None)
             if img is None:
                 continue
             xs.append(img)

@@ -13,12 +13,14 @@ of ``(uint8 CHW image, label)`` samples.
 from __future__ import annotations
 
 import glob
+import hashlib
 import io
+import json
 import os
-import re
 import pickle
+import re
 import tarfile
-from dataclasses import dataclass, field
+import time
 from pathlib import Path
 
 import numpy as np
@@ -31,15 +33,117 @@ class DataError(ValueError):
     """A one-line, user-facing data problem (missing/empty path, no samples)."""
 
 
-@dataclass
 class CorruptCounter:
-    count: int = 0
-    examples: list = field(default_factory=list)
+    """Samples lost to unreadable data and the shards they came from, reported as they happen.
 
-    def add(self, what: str):
-        self.count += 1
-        if len(self.examples) < 5:
+    ``log`` (when given) gets one line per loss, rate-limited: the first :attr:`LOG_FIRST`, then at
+    most one line every :attr:`LOG_EVERY_S` seconds that also counts the losses in between. With
+    ``collect=True`` each event is also kept in :attr:`pending` for a DataLoader worker to hand to
+    the main process (:meth:`drain`, then :meth:`replay` there)."""
+
+    LOG_FIRST = 10
+    LOG_EVERY_S = 30.0
+
+    def __init__(self, log=None, collect=False):
+        self.count = 0           # samples lost
+        self.damaged: list = []  # shards that could not be read to their end (their losses are uncounted)
+        self.examples: list = []
+        self.shards_total = 0    # shards (or files) read, for the damaged fraction
+        self.log, self.collect, self.pending = log, collect, []
+        self._logged, self._quiet, self._last = 0, 0, 0.0
+
+    def add(self, what: str, shard: str = "", damaged: bool = False):
+        """One lost sample (or, with ``damaged``, the unread rest of ``shard``)."""
+        if damaged:
+            self.damaged.append(shard)
+        else:
+            self.count += 1
+        if len(self.examples) < 20:
             self.examples.append(what)
+        if self.collect:
+            self.pending.append((what, shard, damaged))
+        self._report(what)
+
+    def drain(self) -> list:
+        out, self.pending = self.pending, []
+        return out
+
+    def replay(self, events):
+        for what, shard, damaged in events:
+            self.add(what, shard, damaged)
+
+    def _report(self, what):
+        if self.log is None:
+            return
+        now = time.monotonic()
+        if self._logged < self.LOG_FIRST or now - self._last >= self.LOG_EVERY_S:
+            more = f" (and {self._quiet} more since the last report)" if self._quiet else ""
+            self.log(f"[dres] lost data: {what}{more}; {self.count} sample(s) and {len(self.damaged)} "
+                     f"shard(s) lost so far")
+            self._logged, self._last, self._quiet = self._logged + 1, now, 0
+        else:
+            self._quiet += 1
+
+    def summary(self) -> dict:
+        return {"corrupt_samples": self.count, "damaged_shards": list(self.damaged), "examples": self.examples[:10]}
+
+    def check(self, samples_read: int, max_frac: float, where: str, expected: int = 0):
+        """Raise :class:`DataError` when the lost fraction of samples (of ``max(read + lost,
+        expected)``) or of shards exceeds ``max_frac``."""
+        samples = max(samples_read + self.count, expected, 1)
+        shard_frac = len(self.damaged) / self.shards_total if self.shards_total else 0.0
+        if self.count / samples <= max_frac and shard_frac <= max_frac:
+            return
+        names = ", ".join(self.damaged[:3]) + (" ..." if len(self.damaged) > 3 else "")
+        raise DataError(f"too much unreadable data in {where}: {self.count} of {samples} samples and "
+                        f"{len(self.damaged)} of {self.shards_total} shards lost{' (' + names + ')' if names else ''}"
+                        f", above data.max_corrupt_frac={max_frac} (repair the data, or raise the limit)")
+
+
+def check_labels(labels: torch.Tensor, num_classes: int, where: str):
+    """Labels must lie in [0, num_classes) (a larger label fails deep inside the loss or the probe)."""
+    if num_classes > 0 and len(labels) and (int(labels.max()) >= num_classes or int(labels.min()) < 0):
+        raise DataError(f"labels in {where} range over [{int(labels.min())}, {int(labels.max())}] but "
+                        f"data.num_classes={num_classes}; set data.num_classes to the data's class count")
+
+
+_SHA_CACHE: dict = {}
+
+
+def _sha256(path: str) -> str:
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    if key not in _SHA_CACHE:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        _SHA_CACHE[key] = h.hexdigest()
+    return _SHA_CACHE[key]
+
+
+def verify_manifest(shards: list[str]) -> int:
+    """Check each shard listed in its folder's ``manifest.json`` (``{"shards": {name: {"sha256": ...}}}``)
+    against its sha256 before use; a mismatch is a :class:`DataError` naming the shard. Returns how
+    many shards were checked (files without a manifest entry are not)."""
+    checked, manifests = 0, {}
+    for s in shards:
+        folder = os.path.dirname(os.path.abspath(s))
+        if folder not in manifests:
+            mf = os.path.join(folder, "manifest.json")
+            try:
+                manifests[folder] = json.load(open(mf))["shards"] if os.path.exists(mf) else {}
+            except (ValueError, KeyError, TypeError) as e:
+                raise DataError(f"{mf} is not a shard manifest ({type(e).__name__}: {e})") from e
+        entry = manifests[folder].get(os.path.basename(s))
+        if not entry or "sha256" not in entry:
+            continue
+        got = _sha256(s)
+        if got != entry["sha256"]:
+            raise DataError(f"shard {s} does not match {folder}/manifest.json (sha256 {got[:12]}..., expected "
+                            f"{entry['sha256'][:12]}...): re-fetch it, or set data.verify_manifest=false to use it as is")
+        checked += 1
+    return checked
 
 
 def repo_root() -> Path:
@@ -109,7 +213,7 @@ def iter_shard(path: str, counter: CorruptCounter, in_chans: int = 3):
     try:
         tf = tarfile.open(path, "r:*")
     except (tarfile.TarError, OSError, EOFError) as e:
-        counter.add(f"{os.path.basename(path)}: unreadable shard ({type(e).__name__})")
+        counter.add(f"{os.path.basename(path)}: unreadable shard ({type(e).__name__})", path, damaged=True)
         return
     cur_key, parts = None, {}
 
@@ -121,7 +225,7 @@ def iter_shard(path: str, counter: CorruptCounter, in_chans: int = 3):
             img = decode_image(img_bytes, in_chans)
             label = int(parts["cls"].decode().strip())
         except Exception as e:  # any decode failure is one corrupt sample, not a fatal error
-            counter.add(f"{os.path.basename(path)}:{key}: {type(e).__name__}")
+            counter.add(f"{os.path.basename(path)}:{key}: {type(e).__name__}", path)
             return None
         return key, img, label
 
@@ -147,7 +251,8 @@ def iter_shard(path: str, counter: CorruptCounter, in_chans: int = 3):
                     yield s
     except (tarfile.TarError, OSError, EOFError, zlib_error()) as e:
         # a truncated/corrupt shard: keep what was read, count the rest as one corrupt entry
-        counter.add(f"{os.path.basename(path)}: truncated or corrupt shard ({type(e).__name__})")
+        counter.add(f"{os.path.basename(path)}: truncated or corrupt shard ({type(e).__name__}), the rest of it "
+                    "is lost", path, damaged=True)
 
 
 def zlib_error():
@@ -161,6 +266,7 @@ def read_shards(pattern: str, in_chans=3, limit=0, counter: CorruptCounter | Non
     counter = counter or CorruptCounter()
     imgs, labels = [], []
     for shard in expand_shards(pattern):
+        counter.shards_total += 1
         for _, img, label in iter_shard(shard, counter, in_chans):
             imgs.append(img)
             labels.append(label)
@@ -182,7 +288,12 @@ def cifar10_pattern(root: str | os.PathLike, split: str) -> str:
 
 
 def read_cifar_torchvision(root: str, train: bool):
-    """torchvision's CIFAR-10/100 python format (``cifar-10-batches-py`` or ``cifar-100-python``)."""
+    """torchvision's CIFAR-10/100 python format (``cifar-10-batches-py`` or ``cifar-100-python``).
+
+    Trust boundary: that format is a Python pickle, and unpickling runs whatever code the file
+    names, so ``root`` must hold the official files (or ones you made): never point ``data.path`` of
+    ``data.name=cifar_tv`` at downloaded data you have not checked. The shard sources do not
+    unpickle anything."""
     root = Path(root)
     for sub, files, key in (("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"], b"labels"),
                             ("cifar-100-python", ["train"] if train else ["test"], b"fine_labels")):
@@ -241,6 +352,7 @@ def read_image_folder(root: str, in_chans=3, img_size=None, limit=0, counter=Non
 
     counter = counter or CorruptCounter()
     paths, labels, _ = list_image_folder(root)
+    counter.shards_total = len(paths)
     xs, ys = [], []
     for p, y in zip(paths, labels):
         try:
@@ -250,7 +362,7 @@ def read_image_folder(root: str, in_chans=3, img_size=None, limit=0, counter=Non
                     im = im.resize((img_size, img_size), Image.BICUBIC)
                 a = np.asarray(im, dtype=np.uint8)
         except Exception as e:
-            counter.add(f"{p}: {type(e).__name__}")
+            counter.add(f"{p}: {type(e).__name__}", p)
             continue
         xs.append(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))
         ys.append(y)

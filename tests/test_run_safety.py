@@ -1,0 +1,154 @@
+"""Never lose a run (issue 13): run-directory ownership, checkpoint rotation, safe loading, unreadable
+vs incompatible checkpoints (CPU, a tiny MAE on 8x8 digits)."""
+
+import json
+
+import pytest
+import torch
+
+from dres.train import checkpoint as C
+from dres.train import cli
+from dres.train.config import build_config
+from dres.train.loop import Trainer
+from dres.train.mae import TASK
+
+TINY = ["data.img_size=8", "model.img_size=8", "model.patch_size=4", "model.embed_dim=32", "model.depth=1",
+        "model.num_heads=2", "model.decoder_embed_dim=32", "model.decoder_depth=1", "model.decoder_num_heads=2",
+        "batch_size=32", "optim.warmup_steps=1", "ckpt.every=2", "ckpt.keep=2", "log.every=1", "log.progress=false",
+        "log.tensorboard=false", "eval.probe=false", "eval.knn=false", "eval.effective_rank=false",
+        "eval.recon=false"]
+
+
+def _train(out, *extra, steps=4):
+    args = ["mae", "--preset", "quickstart", "--out", str(out), "--set", f"steps={steps}"]
+    return cli.main(args + sum([["--set", o] for o in TINY], []) + list(extra))
+
+
+def _one_line_error(capsys):
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def _snapshot(ckpt_dir):
+    return {p.name: p.read_bytes() for p in sorted(ckpt_dir.iterdir())}
+
+
+def test_resume_with_another_config_refuses_and_keeps_the_checkpoints(tmp_path, capsys):
+    """Item 1: a mismatched --resume auto used to report 'unreadable', start from scratch and let
+    rotation delete the trained checkpoints."""
+    out = tmp_path / "run"
+    assert _train(out) == 0
+    before = _snapshot(out / "checkpoints")
+    assert list(before) == ["step_00000002.pt", "step_00000004.pt"]
+    assert _train(out, "--set", "model.embed_dim=16", "--resume", "auto", steps=6) == 2
+    err = _one_line_error(capsys)
+    assert "another config" in err and "model.embed_dim 32 (saved) vs 16 (now)" in err, err
+    assert "scratch" not in err
+    assert _snapshot(out / "checkpoints") == before
+    # the checkpoint itself also says "incompatible", not "unreadable" (e.g. a run folder without its record)
+    (out / "fingerprint.json").unlink()
+    (out / "config.yaml").unlink()
+    cfg = build_config("mae", "quickstart", TINY + ["model.embed_dim=16", f"out={out}", "steps=6"])
+    with pytest.raises(C.IncompatibleCheckpoint, match=r"step_00000004.pt was saved with another config: "
+                                                       r"model.embed_dim 32 \(saved\) vs 16 \(now\)"):
+        Trainer(cfg, TASK, log=lambda m: None).setup().resume("auto")
+    assert _snapshot(out / "checkpoints") == before
+
+
+def test_checkpoint_that_reads_but_does_not_fit_is_incompatible(tmp_path):
+    cfg = build_config("mae", "quickstart", TINY + [f"out={tmp_path}", "steps=2"])
+    tr = Trainer(cfg, TASK, log=lambda m: None).setup()
+    tr.fit()
+    small = build_config("mae", "quickstart", TINY + [f"out={tmp_path}", "model.embed_dim=16"])
+    other = Trainer(small, TASK, log=lambda m: None).setup()
+    with pytest.raises(C.IncompatibleCheckpoint, match="does not fit this model/optimizer .*size mismatch"):
+        C.load(tr.last_good, other.model, other.optimizer)  # no fingerprint given: the tensors decide
+
+
+def test_fresh_run_into_a_run_directory_refuses_and_overwrite_moves_it_aside(tmp_path, capsys):
+    """Item 2: a second run into a finished run's folder used to lose its own checkpoints to rotation
+    and mix metrics.jsonl."""
+    out = tmp_path / "run"
+    assert _train(out, steps=6) == 0
+    before = _snapshot(out / "checkpoints")
+    assert _train(out, steps=2) == 2
+    err = _one_line_error(capsys)
+    assert f"run directory {out} is not empty" in err and "--resume auto" in err and "--overwrite" in err
+    assert _snapshot(out / "checkpoints") == before
+    assert _train(out, "--overwrite", steps=2) == 0
+    aside = list(tmp_path.glob("run.old-*"))
+    assert len(aside) == 1 and _snapshot(aside[0] / "checkpoints") == before
+    assert [p.name for p in C.list_checkpoints(out / "checkpoints")] == ["step_00000002.pt"]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    assert _train(out, "--overwrite", "--resume", "auto", steps=2) == 2
+    assert "exclude each other" in _one_line_error(capsys)
+
+
+def test_rotation_never_deletes_the_checkpoint_just_written_nor_later_ones(tmp_path):
+    cfg = build_config("mae", "quickstart", TINY + [f"out={tmp_path}", "steps=6"])
+    first = Trainer(cfg, TASK, log=lambda m: None).setup()
+    first.fit()
+    assert [C.step_of(p) for p in C.list_checkpoints(first.ckpt_dir)] == [4, 6]
+    again = Trainer(build_config("mae", "quickstart", TINY + [f"out={tmp_path}", "steps=4"]), TASK,
+                    log=lambda m: None).setup()
+    again.fit()  # a second lineage in the same folder (library use, no claim): saves 2 and 4
+    assert [C.step_of(p) for p in C.list_checkpoints(first.ckpt_dir)] == [2, 4, 6]
+
+
+class _WritesMarker:
+    """A pickle payload: unpickling it calls open(marker, 'w'), creating the file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_crafted_checkpoint_is_refused_and_its_payload_does_not_run(tmp_path, capsys):
+    """Item 3: torch.load(weights_only=False) used to run a crafted .pt's payload."""
+    marker = tmp_path / "payload_ran"
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": _WritesMarker(marker), "step": 1}, evil)
+    args = ["--eval-only", "--ckpt", str(evil)]
+    assert _train(tmp_path / "run", *args) == 2
+    err = _one_line_error(capsys)
+    assert f"checkpoint {evil} is unreadable (refused to unpickle it" in err, err
+    assert not marker.exists()
+    cfg = build_config("mae", "quickstart", TINY + [f"out={tmp_path / 'run'}"])
+    tr = Trainer(cfg, TASK, log=lambda m: None).setup()
+    with pytest.raises(C.UnreadableCheckpoint, match="GLOBAL io.open was not an allowed global"):
+        C.load(evil, tr.model, tr.optimizer)
+    assert not marker.exists()
+
+
+def test_checkpoints_hold_only_plain_state(tmp_path):
+    cfg = build_config("mae", "quickstart", TINY + [f"out={tmp_path}", "steps=2"])
+    tr = Trainer(cfg, TASK, log=lambda m: None).setup()
+    tr.fit()
+    payload = torch.load(tr.last_good, weights_only=True)  # raises if anything but plain state was saved
+    assert payload["fingerprint"]["model.embed_dim"] == 32 and payload["step"] == 2
+
+
+def test_all_checkpoints_unreadable_is_an_error_not_a_fresh_start(tmp_path, capsys):
+    """Item 4: all-corrupt checkpoints used to give 'starting from scratch', exit 0; --resume PATH to a
+    corrupt file was a traceback."""
+    out = tmp_path / "run"
+    assert _train(out) == 0
+    for p in C.list_checkpoints(out / "checkpoints"):
+        p.write_bytes(p.read_bytes()[:100])
+    assert _train(out, "--resume", "auto", steps=6) == 2
+    err = _one_line_error(capsys)
+    assert f"no readable checkpoint in {out / 'checkpoints'}: step_00000004.pt (" in err and "step_00000002.pt (" in err
+    assert _train(out, "--resume", str(out / "checkpoints" / "step_00000004.pt"), steps=6) == 2
+    assert f"checkpoint {out / 'checkpoints' / 'step_00000004.pt'} is unreadable" in _one_line_error(capsys)
+    assert len(C.list_checkpoints(out / "checkpoints")) == 2  # nothing was rotated away
+
+
+def test_resume_auto_on_an_empty_directory_starts_fresh(tmp_path, capsys):
+    assert _train(tmp_path / "new", "--resume", "auto", steps=2) == 0
+    assert "no checkpoint in" in capsys.readouterr().out
+    assert _train(tmp_path / "new", "--resume", "auto", steps=4) == 0  # continues its own run
+    assert "resumed from" in capsys.readouterr().out
