@@ -112,6 +112,10 @@ def _deterministic(tmp_path, overrides, task):
     return [h["loss"] for h in a.history] == [h["loss"] for h in b.history]
 
 
+def _logged(tr, keys):
+    return torch.tensor([[h[k] for k in keys] for h in tr.history], dtype=torch.float64)
+
+
 def _params(tr):
     return [p.detach().clone() for p in tr.raw_model.parameters()]
 
@@ -148,9 +152,9 @@ def test_graphed_steps_match_eager_steps(tmp_path, case):
     assert "loss" in keys and (task != "classify" or "train_acc" in keys)
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in graphed.history)
     # replays compute what the same step computes eagerly: bitwise where the kernels are deterministic
-    same = [[h[k] for k in keys] for h in graphed.history] == [[h[k] for k in keys] for h in body.history]
+    # (fp16's overflowed steps log a non-finite grad_norm: NaN equals NaN here)
     if _deterministic(tmp_path, overrides, task):
-        assert same, ([h["loss"] for h in graphed.history], [h["loss"] for h in body.history])
+        torch.testing.assert_close(_logged(graphed, keys), _logged(body, keys), rtol=0, atol=0, equal_nan=True)
         for a, b in zip(_params(graphed), _params(body)):
             assert torch.equal(a, b)
     # the eager trainer rounds nothing to float32 in its learning rate: equal to float32 rounding
