@@ -2,7 +2,7 @@
 
 The tensors are flat, 1-D views of N elements in their physical order (NCHW or channels_last: both
 store the batch outermost), with ``per_sample`` elements per sample, so element e belongs to sample
-``e // per_sample`` whatever the feature-map size. act is ReLU or the identity::
+``e // per_sample`` whatever the feature-map size (computed without a 64-bit division per element). act is ReLU or the identity::
 
     forward:   out = act(alpha * x + row_scale[b] * h)            (stored in out's dtype)
     backward:  g'  = g * act'(out)      act' = (out > 0) for ReLU, 1 for the identity
@@ -26,16 +26,30 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def _sample_index(start, per_sample, BLOCK: tl.constexpr, WIDE_SAMPLES: tl.constexpr):
+    """The sample of each element start .. start + BLOCK - 1. One int64 division per program, none
+    per element when samples are at least BLOCK long (the block then spans at most two samples),
+    else an int32 division of offsets local to the block's first sample."""
+    first = start // per_sample
+    local = start - first * per_sample  # < per_sample
+    if WIDE_SAMPLES:
+        return first + ((local + tl.arange(0, BLOCK)) >= per_sample).to(tl.int64)
+    return first + (local.to(tl.int32) + tl.arange(0, BLOCK)) // per_sample  # i32: per_sample < BLOCK
+
+
+@triton.jit
 def _residual_act_fwd_kernel(
     X, H, OUT, ALPHA, ROW_SCALE,
     N, per_sample, alpha_value,
     ALPHA_IS_PTR: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr,
     RELU: tl.constexpr,
+    WIDE_SAMPLES: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # int64 offsets: a ResNet50 stage at batch 256 holds 2**29 elements, and larger batches pass 2**31.
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
     mask = offs < N
     if ALPHA_IS_PTR:
         alpha = tl.load(ALPHA).to(tl.float32)
@@ -44,7 +58,8 @@ def _residual_act_fwd_kernel(
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_ROW_SCALE:
-        h = h * tl.load(ROW_SCALE + offs // per_sample, mask=mask, other=0.0).to(tl.float32)
+        sample = _sample_index(start, per_sample, BLOCK, WIDE_SAMPLES)
+        h = h * tl.load(ROW_SCALE + sample, mask=mask, other=0.0).to(tl.float32)
     v = alpha * x + h
     if RELU:
         v = tl.where(v < 0.0, 0.0, v)  # NaN stays NaN, as in torch.relu
@@ -60,10 +75,12 @@ def _residual_act_bwd_kernel(
     RELU: tl.constexpr,
     HAS_DH: tl.constexpr,
     NEED_DALPHA: tl.constexpr,
+    WIDE_SAMPLES: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    start = pid.to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
     mask = offs < N
     if ALPHA_IS_PTR:
         alpha = tl.load(ALPHA).to(tl.float32)
@@ -77,7 +94,8 @@ def _residual_act_bwd_kernel(
     if HAS_DH:
         dh = g
         if HAS_GRAD_SCALE:
-            dh = g * tl.load(GRAD_SCALE + offs // per_sample, mask=mask, other=0.0).to(tl.float32)
+            sample = _sample_index(start, per_sample, BLOCK, WIDE_SAMPLES)
+            dh = g * tl.load(GRAD_SCALE + sample, mask=mask, other=0.0).to(tl.float32)
         tl.store(DH + offs, dh.to(DH.dtype.element_ty), mask=mask)
     if NEED_DALPHA:
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
@@ -95,7 +113,7 @@ def residual_act_forward(x: torch.Tensor, h: torch.Tensor, alpha: torch.Tensor |
         x, h, out, alpha if alpha_is_ptr else x, row_scale if row_scale is not None else x,
         n, per_sample, 1.0 if alpha_is_ptr else float(alpha),
         ALPHA_IS_PTR=alpha_is_ptr, HAS_ROW_SCALE=row_scale is not None, RELU=relu,
-        BLOCK=BLOCK, num_warps=NUM_WARPS,
+        WIDE_SAMPLES=per_sample >= BLOCK, BLOCK=BLOCK, num_warps=NUM_WARPS,
     )
 
 
@@ -117,7 +135,8 @@ def residual_act_backward(g: torch.Tensor, out: torch.Tensor | None, x: torch.Te
         partials if need_dalpha else dx,
         n, per_sample, 1.0 if alpha_is_ptr else float(alpha),
         ALPHA_IS_PTR=alpha_is_ptr, HAS_GRAD_SCALE=grad_scale is not None, RELU=out is not None,
-        HAS_DH=dh is not None, NEED_DALPHA=need_dalpha, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        HAS_DH=dh is not None, NEED_DALPHA=need_dalpha, WIDE_SAMPLES=per_sample >= BLOCK,
+        BLOCK=BLOCK, num_warps=NUM_WARPS,
     )
     # torch's sum over a fixed shape uses a fixed reduction order: deterministic.
     return partials.sum() if need_dalpha else None

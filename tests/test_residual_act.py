@@ -70,9 +70,11 @@ def test_matches_float64(triton_device, x_dtype, h_dtype, mode, act, layout):
     assert got[0].is_contiguous(memory_format=memory_format) and got[0].dtype == x_dtype
 
 
-@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 3, 37, 41), (5, 17), (4,), (2, 3, 4, 5, 3), (0, 3, 2, 2)])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 3, 37, 41), (3, 4096), (5, 1000), (5, 17), (4,),
+                                   (2, 3, 4, 5, 3), (0, 3, 2, 2)])
 def test_odd_sizes(triton_device, shape):
-    """(2, 3, 37, 41): 4551 elements per sample, so program boundaries (4096) fall inside samples."""
+    """Samples longer than a program's 4096 elements (4551; exactly 4096) and shorter ones with a
+    program boundary inside a sample (5 x 1000), one element per sample, 5-D, empty."""
     torch.manual_seed(sum(shape))
     x, h = make(shape, F32, triton_device), make(shape, BF16, triton_device)
     row_scale, grad_scale = mode_scales("rdp_even", shape[0], triton_device) if shape[0] > 1 else (None, None)
