@@ -38,6 +38,18 @@ def _sample_index(start, per_sample, BLOCK: tl.constexpr, WIDE_SAMPLES: tl.const
 
 
 @triton.jit
+def _program_elements(N, ALPHA, alpha_value, ALPHA_IS_PTR: tl.constexpr, BLOCK: tl.constexpr):
+    """(first element, offsets, in-bounds mask, alpha in fp32) of this program's block."""
+    # int64 offsets: a ResNet50 stage at batch 256 holds 2**29 elements, and larger batches pass 2**31.
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    alpha = alpha_value
+    if ALPHA_IS_PTR:
+        alpha = tl.load(ALPHA).to(tl.float32)
+    return start, offs, offs < N, alpha
+
+
+@triton.jit
 def _residual_act_fwd_kernel(
     X, H, OUT, ALPHA, ROW_SCALE,
     N, per_sample, alpha_value,
@@ -47,14 +59,7 @@ def _residual_act_fwd_kernel(
     WIDE_SAMPLES: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # int64 offsets: a ResNet50 stage at batch 256 holds 2**29 elements, and larger batches pass 2**31.
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < N
-    if ALPHA_IS_PTR:
-        alpha = tl.load(ALPHA).to(tl.float32)
-    else:
-        alpha = alpha_value
+    start, offs, mask, alpha = _program_elements(N, ALPHA, alpha_value, ALPHA_IS_PTR, BLOCK)
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     h = tl.load(H + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_ROW_SCALE:
@@ -78,14 +83,7 @@ def _residual_act_bwd_kernel(
     WIDE_SAMPLES: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    start = pid.to(tl.int64) * BLOCK
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < N
-    if ALPHA_IS_PTR:
-        alpha = tl.load(ALPHA).to(tl.float32)
-    else:
-        alpha = alpha_value
+    start, offs, mask, alpha = _program_elements(N, ALPHA, alpha_value, ALPHA_IS_PTR, BLOCK)
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     if RELU:
         out = tl.load(OUT + offs, mask=mask, other=0.0).to(tl.float32)
@@ -99,7 +97,7 @@ def _residual_act_bwd_kernel(
         tl.store(DH + offs, dh.to(DH.dtype.element_ty), mask=mask)
     if NEED_DALPHA:
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DALPHA_PART + pid, tl.sum(g * x, axis=0))
+        tl.store(DALPHA_PART + tl.program_id(0), tl.sum(g * x, axis=0))
 
 
 def residual_act_forward(x: torch.Tensor, h: torch.Tensor, alpha: torch.Tensor | float,
