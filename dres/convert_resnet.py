@@ -104,5 +104,4 @@ def convert_timm_resnet(model: nn.Module, alpha_min: float = 1.0, schedule: str 
         blk.forward = functools.partial(_fused_block_forward, blk, branch, getattr(blk, last_act), i, droppath)
     if droppath is not None:
         model.droppath = droppath.to(next(model.parameters()).device)
-    model.dres_alpha_min, model.dres_schedule = alpha_min, schedule
     return model
