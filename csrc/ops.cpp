@@ -19,7 +19,7 @@
 
 #include <array>
 #include <atomic>
-
+#include <cmath>
 #include <initializer_list>
 #include <optional>
 #include <string>
@@ -118,6 +118,9 @@ Tensor sample_scale(const OptTensor& t, const char* name, const Tensor& x, int64
   return t->contiguous();
 }
 
+// eps first: a scalar, so the check holds before (and without) any tensor or device access.
+void check_eps(double eps) { TORCH_CHECK(std::isfinite(eps) && eps > 0, "eps must be a positive finite float"); }
+
 void check_x(const Tensor& x, const char* name = "x") {
   TORCH_CHECK(x.defined(), name, " is an undefined tensor");
   TORCH_CHECK(x.is_cuda(), name, " must be a CUDA tensor, got one on ", x.device());
@@ -211,6 +214,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> residual_layer_norm(
     double alpha_value, double eps, const OptTensor& row_scale, const OptTensor& grad_scale,
     std::optional<at::ScalarType> residual_dtype, std::optional<at::ScalarType> out_dtype) {
   // Every argument is checked before anything else happens (device guard, allocations).
+  check_eps(eps);
   check_x(x);
   check_rows(h, "h", x);
   const int64_t rows = x.numel() / x.size(-1);
@@ -252,6 +256,7 @@ Tensor residual_add(const Tensor& x, const Tensor& h, const OptTensor& alpha, do
 
 std::tuple<Tensor, Tensor, Tensor> layer_norm(const Tensor& x, const OptTensor& weight, const OptTensor& bias,
                                               double eps, std::optional<at::ScalarType> out_dtype) {
+  check_eps(eps);
   check_x(x);
   const Tensor w = param(weight, "weight", x), b = param(bias, "bias", x);
   if (out_dtype.has_value()) dtype_code(*out_dtype, "out_dtype");

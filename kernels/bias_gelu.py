@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .residual_norm import _sum_partials_kernel, persistent_programs, scratch_buffer
+from .utils import CachedLaunch, persistent_programs, scratch_buffer, sum_partials
 
 
 @triton.jit
@@ -108,10 +108,8 @@ def forward_config(n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of the forward for rows of ``n`` columns.
 
     Tiles of 4096 elements, up to 256 columns by 16 rows for wide hidden layers and more rows when N
-    is small, so that a tile is never mostly padding columns. In a sweep on an H200 (2026-11-26;
-    12800 x 1536/3072 and 50432 x 2048, bf16 and fp32; BLOCK_N 128-1024, tiles 2048-8192, 4 or 8
-    warps) this one came within 4% of the best on every shape and dtype (bf16 12800 x 3072: 63 us,
-    2.5 TB/s; eager ``F.gelu(pre + bias)`` 154 us).
+    is small, so that a tile is never mostly padding columns: within 4% of the best of a tile sweep
+    on every shape and dtype measured (BENCHMARKS.md, "Fusion in the branches").
     """
     block_n = min(256, triton.next_power_of_2(max(n, 16)))
     return 4096 // block_n, block_n, 4
@@ -121,13 +119,15 @@ def forward_config(n: int) -> tuple[int, int, int]:
 def backward_config(n: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, programs per SM) of the backward for rows of ``n`` columns.
 
-    From the same sweep (BLOCK_N 64-256, tiles 1024-4096, 4 or 8 warps, 2/4/8 programs per SM):
-    column blocks of 128 by 32 rows, 8 warps, 4 programs per SM came within 6% of the best on
-    every shape and dtype (bf16 12800 x 3072: 110 us for g, pre -> dpre, act and dbias, 2.9 TB/s);
-    the forward's 256 x 16 tiles at 4 warps were 15-25% slower.
+    Column blocks of 128 by 32 rows, 8 warps, 4 programs per SM: within 6% of the best of the same
+    sweep everywhere, where the forward's wider tiles were 15-25% slower.
     """
     block_n = min(128, triton.next_power_of_2(max(n, 16)))
     return 4096 // block_n, block_n, 8, 4
+
+
+_FORWARD = CachedLaunch(_bias_gelu_fwd_kernel)
+_BACKWARD = CachedLaunch(_bias_gelu_bwd_kernel)
 
 
 def bias_gelu_forward(pre: torch.Tensor, bias: torch.Tensor | None, act: torch.Tensor) -> None:
@@ -137,12 +137,10 @@ def bias_gelu_forward(pre: torch.Tensor, bias: torch.Tensor | None, act: torch.T
     if M == 0 or N == 0:
         return
     block_m, block_n, num_warps = forward_config(N)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _bias_gelu_fwd_kernel[grid](
-        pre, bias if bias is not None else pre, act,
-        pre.stride(0), act.stride(0), M, N,
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )
+    _FORWARD((triton.cdiv(M, block_m), triton.cdiv(N, block_n)), (
+        pre, bias if bias is not None else pre, act, pre.stride(0), act.stride(0), M, N,
+        bias is not None, block_m, block_n,
+    ), num_warps)
 
 
 def bias_gelu_backward(
@@ -177,23 +175,18 @@ def bias_gelu_backward(
     partials = None
     if need_dbias and strips == 1:  # one strip: its partial sums are dbias itself, the output
         partials = torch.empty((1, N), **f32)
-    elif need_dbias:  # in the residual-norm backward's reusable scratch: no allocation per call
+    elif need_dbias:  # in reusable scratch: no allocation per call
         partials = scratch_buffer(device, strips * N).view(strips, N)
-    _bias_gelu_bwd_kernel[(col_blocks, strips)](
+    _BACKWARD((col_blocks, strips), (
         g, pre, bias if bias is not None else pre, dpre, act if act is not None else dpre,
         partials if need_dbias else dpre,
         g.stride(0), pre.stride(0), dpre.stride(0), act.stride(0) if act is not None else 0,
-        M, N, rows_per_strip,
-        HAS_BIAS=bias is not None, STORE_ACT=act is not None, NEED_DBIAS=need_dbias,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )
+        M, N, rows_per_strip, bias is not None, act is not None, need_dbias, block_m, block_n,
+    ), num_warps)
     if not need_dbias:
         return None
     if strips == 1:
         return partials.view(N)
     dbias = torch.empty((N,), **f32)
-    # The residual kernels' fixed-order column sum, with a single output (grid axis 1 of size 1).
-    block_c = min(32, triton.next_power_of_2(N))
-    _sum_partials_kernel[(triton.cdiv(N, block_c), 1)](
-        partials, dbias, dbias, strips, N, BLOCK_R=128, BLOCK_C=block_c, num_warps=4)
+    sum_partials(partials.view(1, strips, N), [dbias])
     return dbias

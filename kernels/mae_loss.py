@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .residual_norm import MAX_DIM
+from .utils import CachedLaunch
 
 # A patch row is held in registers like a LayerNorm row: the same limit applies.
 MAX_PATCH_DIM = MAX_DIM
@@ -81,7 +82,9 @@ def _mae_loss_kernel(
     diff = tl.where(mask, pred - target, 0.0)
     # A row with mask 0 gets weight 0 and so exactly zero loss term and gradient (0 * finite).
     weight = tl.load(MASK + b * stride_mask_b + patch * stride_mask_l, mask=row_ok, other=0.0).to(tl.float32)
-    weight = weight / tl.load(MASK_SUM).to(tl.float32)
+    mask_sum = tl.load(MASK_SUM).to(tl.float32)
+    # An all-zero mask counts no patch: loss 0 and zero gradient rather than 0 / 0.
+    weight = weight * tl.where(mask_sum != 0.0, 1.0 / mask_sum, 0.0)
     tl.store(ROW_TERMS + rows, weight * (tl.sum(diff * diff, axis=1) / P), mask=row_ok)
 
     if NEED_DPRED:
@@ -93,14 +96,16 @@ def _mae_loss_kernel(
 def mae_loss_config(patch_dim: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_P, num_warps) for patches of ``patch_dim`` values.
 
-    From a sweep on an H200 (2026-11-26; bf16 pred, fp32 imgs, B=256 224px p=16, B=256 32px p=2,
-    B=64 224px p=32): small tiles win, about 2048 elements and 32 values per thread (p=16: 2 rows,
-    2 warps, 92 us = 3.3 TB/s against 114 us for 4096-element tiles); p=32 takes one 4096 row, 4 warps.
+    Small tiles won a tile sweep (BENCHMARKS.md, "Fusion in the branches"): about 2048 elements and
+    32 values per thread; the widest patches (p = 32) take one 4096-value row on 4 warps.
     """
     block_p = triton.next_power_of_2(max(patch_dim, 16))
     block_m = max(1, min(64, 2048 // block_p))
     num_warps = max(2, min(16, block_m * block_p // 1024))
     return block_m, block_p, num_warps
+
+
+_MAE_LOSS = CachedLaunch(_mae_loss_kernel)
 
 
 def mae_loss_forward(
@@ -127,13 +132,11 @@ def mae_loss_forward(
     if M == 0:
         return
     block_m, block_p, num_warps = mae_loss_config(P)
-    grid = (triton.cdiv(M, block_m),)
-    _mae_loss_kernel[grid](
+    _MAE_LOSS((triton.cdiv(M, block_m),), (
         pred, imgs, mask, mask_sum, row_terms, dpred if dpred is not None else row_terms,
         pred.stride(0), pred.stride(1),
         imgs.stride(0), imgs.stride(1), imgs.stride(2), imgs.stride(3),
         mask.stride(0), mask.stride(1),
         M, L, imgs.shape[3] // patch_size, eps,
-        PATCH=patch_size, CHANNELS=channels, NORM_PIX=norm_pix, NEED_DPRED=dpred is not None,
-        BLOCK_M=block_m, BLOCK_P=block_p, num_warps=num_warps,
-    )
+        patch_size, channels, norm_pix, dpred is not None, block_m, block_p,
+    ), num_warps)

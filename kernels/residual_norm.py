@@ -22,11 +22,12 @@ launchers only: no autograd, no modules (those live in ``dres.ops``).
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 import triton
 import triton.language as tl
+
+from .utils import CachedLaunch, persistent_programs, scratch_buffer, sum_partials
 
 # The largest row length the kernels keep in registers in one tile.
 MAX_DIM = 16384
@@ -165,25 +166,6 @@ def _residual_norm_bwd_kernel(
         tl.store(DBIAS_PART + pid * D + cols, dbias_acc, mask=col_ok)
 
 
-@triton.jit
-def _sum_partials_kernel(PART, OUT0, OUT1, num_rows, D, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """OUTk[:] = sum over rows of PART[k, :, :] (k = 0, 1), rows added in a fixed order (deterministic)."""
-    k = tl.program_id(1)
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < D
-    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
-    base = PART + k * num_rows * D
-    for start in range(0, num_rows, BLOCK_R):
-        rows = start + tl.arange(0, BLOCK_R)
-        mask = (rows < num_rows)[:, None] & col_ok[None, :]
-        acc += tl.load(base + rows[:, None] * D + cols[None, :], mask=mask, other=0.0)
-    total = tl.sum(acc, axis=0)
-    if k == 0:
-        tl.store(OUT0 + cols, total, mask=col_ok)
-    else:
-        tl.store(OUT1 + cols, total, mask=col_ok)
-
-
 # ----------------------------------------------------------------------------------------------
 # Launch configuration: a pure function of (D, element size), cached, so choosing it costs no
 # time per call and never autotunes at run time.
@@ -207,13 +189,9 @@ def launch_config(dim: int, max_elem_bytes: int = 4) -> tuple[int, int, int]:
 def backward_config(dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_D, num_warps, programs per SM) for the backward.
 
-    From ``python -m benchmarks.tune_backward`` on an H200 (2026-11-26, 12800-262144 rows, D 384-1024,
-    bf16 and fp32 residual, BLOCK_M x warps x programs/SM x num_stages): for BLOCK_D 512-1024 the best
-    or within 2% of the best config everywhere is 8 rows per tile, 64 values of a tile per thread and
-    8 warps per SM in all (D 384 bf16: 324 us against 489 us for the previous 4096-element tiles at 8
-    programs per SM; D 512: 383 against 547; D 1024: 189 against 204); num_stages made no difference.
-    Narrower and wider rows keep the earlier rule (tiles of ~4096 elements, 32 values per thread,
-    8 programs per SM), which that sweep did not cover.
+    For BLOCK_D 512-1024: 8-row tiles, 64 values of a tile per thread, 8 warps per SM in all, the
+    best or within 2% of it in the ``benchmarks.tune_backward`` sweep (BENCHMARKS.md, Target 1).
+    Other widths keep tiles of ~4096 elements, 32 values per thread, 8 programs per SM.
     """
     block_d = triton.next_power_of_2(max(dim, 16))
     if 512 <= block_d <= 1024:
@@ -225,44 +203,8 @@ def backward_config(dim: int) -> tuple[int, int, int, int]:
     return block_m, block_d, num_warps, 8
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def persistent_programs(device: torch.device, num_tiles: int, programs_per_sm: int = 4) -> int:
-    """Programs for the backward's persistent grid: a few per SM, never more than tiles."""
-    if device.type == "cuda":
-        slots = programs_per_sm * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    else:  # the Triton interpreter on CPU: a handful of programs exercises the strided loop
-        slots = 4
-    return max(1, min(num_tiles, slots))
-
-
-# Scratch for the backward's partial sums, kept between calls: one buffer per (device, stream,
-# thread), grown to the largest request. Reuse is safe because kernels on one stream run in launch
-# order, so a later backward cannot overwrite partials an earlier one has yet to reduce; the
-# thread is in the key because two threads launching on one stream could interleave a backward
-# and a reduction. During CUDA-graph capture the scratch is allocated per call instead: the graph
-# keeps its own copy in its memory pool, and a cached buffer must not be baked into a graph.
-_SCRATCH: dict[tuple, torch.Tensor] = {}
-SCRATCH_MAX_BYTES = 64 << 20  # larger requests (very wide rows) are allocated per call
-
-
-def scratch_buffer(device: torch.device, numel: int) -> torch.Tensor:
-    """A float32 buffer of ``numel`` elements that the caller may overwrite until it returns."""
-    if numel * 4 > SCRATCH_MAX_BYTES:
-        return torch.empty((numel,), dtype=torch.float32, device=device)
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return torch.empty((numel,), dtype=torch.float32, device=device)
-        key = (device.type, device.index, torch.cuda.current_stream(device).stream_id, threading.get_ident())
-    else:
-        key = (device.type, device.index, 0, threading.get_ident())
-    buf = _SCRATCH.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = _SCRATCH[key] = torch.empty((numel,), dtype=torch.float32, device=device)
-    return buf[:numel]
+_FORWARD = CachedLaunch(_residual_norm_fwd_kernel)
+_BACKWARD = CachedLaunch(_residual_norm_bwd_kernel)
 
 
 def residual_norm_forward(
@@ -290,20 +232,17 @@ def residual_norm_forward(
     has_norm = y is not None
     alpha_is_ptr = isinstance(alpha, torch.Tensor)
     block_m, block_d, num_warps = launch_config(D)
-    grid = (triton.cdiv(M, block_m),)
     dummy = x
-    _residual_norm_fwd_kernel[grid](
+    _FORWARD((triton.cdiv(M, block_m),), (
         x, h if has_h else dummy, out if has_h else dummy, y if has_norm else dummy,
         weight if weight is not None else dummy, bias if bias is not None else dummy,
         alpha if alpha_is_ptr else dummy, row_scale if row_scale is not None else dummy,
         mean if has_norm else dummy, rstd if has_norm else dummy,
         x.stride(0), h.stride(0) if has_h else 0, out.stride(0) if has_h else 0, y.stride(0) if has_norm else 0,
         M, D, rows_per_sample, 1.0 if alpha_is_ptr else float(alpha), eps,
-        HAS_H=has_h, HAS_NORM=has_norm,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        ALPHA_IS_PTR=alpha_is_ptr, HAS_ROW_SCALE=row_scale is not None,
-        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
-    )
+        has_h, has_norm, weight is not None, bias is not None, alpha_is_ptr, row_scale is not None,
+        block_m, block_d,
+    ), num_warps)
 
 
 def residual_norm_backward(
@@ -338,55 +277,45 @@ def residual_norm_backward(
     if config is not None:  # (BLOCK_M, num_warps, programs per SM[, num_stages]): for tuning sweeps
         block_m, num_warps, programs_per_sm = config[:3]
         num_stages = config[3] if len(config) > 3 else None
+    f32 = dict(dtype=torch.float32, device=device)
+    if M == 0:  # nothing to launch; parameter gradients of no rows are zero
+        zeros = lambda shape: torch.zeros(shape, **f32)  # noqa: E731
+        return (zeros((D,)) if need_dweight else None, zeros((D,)) if need_dbias else None,
+                zeros(()) if need_dalpha else None)
     num_tiles = triton.cdiv(M, block_m)
-    programs = persistent_programs(device, num_tiles, programs_per_sm) if M > 0 else 1
+    programs = persistent_programs(device, num_tiles, programs_per_sm)
     # dweight and dbias partials share one buffer so that one reduction launch sums both; with
     # dalpha's per-row sums they live in reusable scratch (every program writes its whole row of
-    # partials before the reduction reads it, and every row's dalpha term is written). With no
-    # rows at all nothing runs, so the scratch starts at 0.
-    f32 = dict(dtype=torch.float32, device=device)
+    # partials before the reduction reads it, and every row's dalpha term is written).
     num_partials = int(need_dweight) + int(need_dbias)
     partials_numel = num_partials * programs * D
     scratch_numel = partials_numel + (M if need_dalpha else 0)
-    if M == 0:
-        scratch = torch.zeros((scratch_numel,), **f32)
-    else:
-        scratch = scratch_buffer(device, scratch_numel) if scratch_numel else None
+    scratch = scratch_buffer(device, scratch_numel) if scratch_numel else None
     partials = scratch[:partials_numel].view(num_partials, programs, D) if num_partials else None
-    dweight_part = partials[0] if need_dweight else None
-    dbias_part = partials[num_partials - 1] if need_dbias else None
     dalpha_row = scratch[partials_numel:] if need_dalpha else None
-    if M > 0:
-        alpha_is_ptr = isinstance(alpha, torch.Tensor)
-        dummy = dx
-        _residual_norm_bwd_kernel[(programs,)](
-            g_out if g_out is not None else dummy, g_y if g_y is not None else dummy,
-            normed if normed is not None else dummy, x if x is not None else dummy,
-            weight if weight is not None else dummy,
-            mean if mean is not None else dummy, rstd if rstd is not None else dummy,
-            alpha if alpha_is_ptr else dummy, grad_scale if grad_scale is not None else dummy,
-            dx, dh if dh is not None else dummy,
-            dweight_part if need_dweight else dummy, dbias_part if need_dbias else dummy,
-            dalpha_row if need_dalpha else dummy,
-            g_out.stride(0) if g_out is not None else 0, g_y.stride(0) if g_y is not None else 0,
-            normed.stride(0) if normed is not None else 0, x.stride(0) if x is not None else 0,
-            dx.stride(0), dh.stride(0) if dh is not None else 0,
-            M, D, rows_per_sample, 1.0 if alpha_is_ptr else float(alpha), num_tiles,
-            HAS_G_OUT=g_out is not None, HAS_G_Y=g_y is not None, HAS_H=dh is not None,
-            HAS_WEIGHT=weight is not None, NEED_DWEIGHT=need_dweight, NEED_DBIAS=need_dbias,
-            ALPHA_IS_PTR=alpha_is_ptr, HAS_GRAD_SCALE=grad_scale is not None, NEED_DALPHA=need_dalpha,
-            BLOCK_M=block_m, BLOCK_D=block_d, num_warps=num_warps,
-            **({} if num_stages is None else {"num_stages": num_stages}),
-        )
+    alpha_is_ptr = isinstance(alpha, torch.Tensor)
+    dummy = dx
+    _BACKWARD((programs,), (
+        g_out if g_out is not None else dummy, g_y if g_y is not None else dummy,
+        normed if normed is not None else dummy, x if x is not None else dummy,
+        weight if weight is not None else dummy,
+        mean if mean is not None else dummy, rstd if rstd is not None else dummy,
+        alpha if alpha_is_ptr else dummy, grad_scale if grad_scale is not None else dummy,
+        dx, dh if dh is not None else dummy,
+        partials[0] if need_dweight else dummy, partials[num_partials - 1] if need_dbias else dummy,
+        dalpha_row if need_dalpha else dummy,
+        g_out.stride(0) if g_out is not None else 0, g_y.stride(0) if g_y is not None else 0,
+        normed.stride(0) if normed is not None else 0, x.stride(0) if x is not None else 0,
+        dx.stride(0), dh.stride(0) if dh is not None else 0,
+        M, D, rows_per_sample, 1.0 if alpha_is_ptr else float(alpha), num_tiles,
+        g_out is not None, g_y is not None, dh is not None, weight is not None, need_dweight, need_dbias,
+        alpha_is_ptr, grad_scale is not None, need_dalpha, block_m, block_d,
+    ), num_warps, num_stages)
     dweight = dbias = None
     if num_partials:
         # Separate outputs (not views of one buffer): the backward op's results must not alias.
         sums = [torch.empty((D,), **f32) for _ in range(num_partials)]
-        # Narrow column strips so that many programs share the (programs x D) partials; each
-        # walks all partial rows in order, 128 at a time.
-        block_c = min(32, triton.next_power_of_2(D))
-        _sum_partials_kernel[(triton.cdiv(D, block_c), num_partials)](
-            partials, sums[0], sums[-1], programs, D, BLOCK_R=128, BLOCK_C=block_c, num_warps=4)
+        sum_partials(partials, sums)
         dweight = sums[0] if need_dweight else None
         dbias = sums[-1] if need_dbias else None
     # torch's sum over a fixed shape uses a fixed reduction order: deterministic.

@@ -119,11 +119,11 @@ def test_backward_op_recomputes_the_forward_activation(triton_device):
     """bias_gelu_backward's act (what fc2's weight gradient uses) is the forward's act, bit for bit."""
     torch.manual_seed(4)
     pre, bias = make_pre(70, 300, BF16, triton_device)
-    act = bg.bias_gelu_impl(pre, bias, None)
-    dpre, act_again, dbias = bg.bias_gelu_backward_impl(torch.randn_like(pre), pre, bias, BF16, True)
+    act = bg.bias_gelu_triton(pre, bias, None)
+    dpre, act_again, dbias = bg.bias_gelu_backward_triton(torch.randn_like(pre), pre, bias, BF16, True)
     assert torch.equal(act_again, act)
     assert dbias.shape == (300,) and dpre.shape == pre.shape
-    dpre, no_act, no_dbias = bg.bias_gelu_backward_impl(torch.randn_like(pre), pre, bias, None, False)
+    dpre, no_act, no_dbias = bg.bias_gelu_backward_triton(torch.randn_like(pre), pre, bias, None, False)
     assert no_act.numel() == 0 and no_dbias.numel() == 0
 
 
@@ -137,7 +137,7 @@ def test_every_output_element_is_written(triton_device, poisoned_allocations):
     for rows, hidden in ((129, 37), (129, 300)):
         pre, bias = make_pre(rows, hidden, BF16, triton_device)
         (act, dpre, dbias), _ = bias_gelu_against_float64(pre, bias)
-        _, act_again, _ = bg.bias_gelu_backward_impl(torch.randn_like(pre), pre, bias, F32, False)
+        _, act_again, _ = bg.bias_gelu_backward_triton(torch.randn_like(pre), pre, bias, F32, False)
         out, *mlp_grads = mlp_against_float64(*make_mlp((rows, 24), hidden, 20, F32, triton_device))[0]
         for name, t in dict(act=act, dpre=dpre, dbias=dbias, act_again=act_again, out=out,
                             **dict(zip(MLP_GRAD_NAMES, mlp_grads))).items():
@@ -150,9 +150,9 @@ def test_dbias_is_not_overwritten_by_later_calls(triton_device):
     torch.manual_seed(11)
     for rows in (3, 257):
         pre, bias = make_pre(rows, 96, BF16, triton_device)
-        dbias = bg.bias_gelu_backward_impl(torch.randn_like(pre), pre, bias, None, True)[2]
+        dbias = bg.bias_gelu_backward_triton(torch.randn_like(pre), pre, bias, None, True)[2]
         kept = dbias.clone()
-        bg.bias_gelu_backward_impl(torch.randn_like(pre), pre, bias, None, True)
+        bg.bias_gelu_backward_triton(torch.randn_like(pre), pre, bias, None, True)
         assert torch.equal(dbias, kept), f"{rows} rows: dbias changed under a later call"
 
 
@@ -298,9 +298,9 @@ def test_opcheck(triton_device):
 def test_eager_calls_bypass_the_custom_ops(triton_device):
     """Outside torch.compile the ops run as plain autograd.Functions (no dispatcher cost)."""
     pre, bias = leaves(*make_pre(4, 37, F32, triton_device))
-    assert type(ops.fused_bias_gelu(pre, bias, backend="triton").grad_fn).__name__ == "TritonBiasGeluBackward"
+    assert type(ops.fused_bias_gelu(pre, bias, backend="triton").grad_fn).__name__ == "BiasGeluFnBackward"
     x, w1, b1, w2, b2 = leaves(*make_mlp((4, 8), 16, 8, F32, triton_device))
-    assert type(ops.fused_mlp(x, w1, b1, w2, b2, backend="triton").grad_fn).__name__ == "FusedMLPBackward"
+    assert type(ops.fused_mlp(x, w1, b1, w2, b2, backend="triton").grad_fn).__name__ == "FusedMlpFnBackward"
 
 
 def _recording_backend(forward_targets, backward_targets):
@@ -416,7 +416,7 @@ def test_gpu_vit_b_bias_gelu(dtype):
     again = bias_gelu_against_float64(pre, bias, g, backend=None)[0]
     for name, a, c in zip(("act", "dpre", "dbias"), (act, dpre, dbias), again):
         assert torch.equal(a, c), f"{name} differs between two identical runs"
-    _, act_again, _ = bg.bias_gelu_backward_impl(g, pre, bias, dtype, False)
+    _, act_again, _ = bg.bias_gelu_backward_triton(g, pre, bias, dtype, False)
     assert torch.equal(act_again, act)
 
 

@@ -52,6 +52,13 @@ CHECK_LOADED = textwrap.dedent("""
             assert "x must be a CUDA tensor" in str(e), str(e)
         else:
             raise AssertionError("a CPU tensor reached the CUDA kernel without an error")
+        for eps in (0.0, -1e-6, float("nan")):
+            try:
+                torch.ops.dres_cuda.layer_norm.default(x, None, None, eps, None)
+            except RuntimeError as e:
+                assert "eps must be a positive finite float" in str(e), str(e)
+            else:
+                raise AssertionError(f"eps={eps} reached the CUDA kernel without an error")
     print("extension ok")
 """)
 

@@ -13,7 +13,8 @@ import torch
 
 import dres.ops as ops
 from dres.models import create_mae
-from dres.ops.mae_loss import mae_loss_op, mae_loss_reference, patchify
+from dres.ops.mae_loss import mae_loss_op, mae_loss_reference
+from dres.ops.utils import patchify, unpatchify
 from helpers import BF16, F16, F32, TOLERANCE, assert_close, inductor_caches_off, rel_err
 
 # (patch_size, channels, grid_h, grid_w): CIFAR-like patches of 2 on an odd 3x5 grid, one channel,
@@ -87,6 +88,28 @@ def test_masks(triton_device, mask_kind):
     # Uncounted patches get exactly zero gradient, not a rounding residue.
     assert (dpred[mask == 0] == 0).all()
     assert (dpred[mask == 1] != 0).any()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_all_zero_mask_gives_zero_loss_and_zero_gradient(triton_device, backend):
+    """No counted patch (mask_ratio 0, or a batch with nothing masked): the loss is 0 with a zero
+    gradient on every backend, not 0 / 0 = NaN."""
+    for norm_pix in (True, False):
+        pred, imgs, mask = make_case(2, 2, 3, 3, 5, F32, triton_device, seed=14)
+        for zeros in (torch.zeros_like(mask), torch.zeros_like(mask, dtype=torch.bool)):
+            loss, dpred = fused_loss_and_grad(pred, imgs, zeros, 2, norm_pix, backend=backend)
+            assert loss.item() == 0.0 and loss.dtype == F32
+            assert torch.equal(dpred, torch.zeros_like(pred))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_eps_must_be_a_positive_float(triton_device, backend):
+    pred, imgs, mask = make_case(2, 2, 3, 3, 5, F32, triton_device)
+    with pytest.raises(TypeError, match="eps must be a positive float, got str"):
+        ops.mae_loss(pred, imgs, mask, 2, eps="1e-6", backend=backend)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="eps must be a positive finite float"):
+            ops.mae_loss(pred, imgs, mask, 2, eps=bad, backend=backend)
 
 
 def test_bool_mask_equals_float_mask(triton_device):
@@ -246,6 +269,10 @@ def test_patchify_layout():
     assert got.shape == (2, (H // p) * (W // p), p * p * C)
     for b, i, j, pp, q, c in itertools.product(range(2), range(H // p), range(W // p), range(p), range(p), range(C)):
         assert got[b, i * (W // p) + j, (pp * p + q) * C + c] == imgs[b, c, i * p + pp, j * p + q]
+    square = torch.randn(2, C, 6, 6)
+    assert torch.equal(unpatchify(patchify(square, 3), C), square)
+    with pytest.raises(ValueError, match="cannot unpatchify"):
+        unpatchify(got, C)  # a 2 x 3 grid of patches is not square
 
 
 @pytest.mark.parametrize("norm_pix", [True, False])

@@ -270,7 +270,7 @@ def test_backward_scratch_is_reused_and_fully_rewritten(triton_device):
     """The backward's partial sums live in scratch kept between calls (no allocation per call): a
     second call reuses the buffer, and stale contents (poisoned with NaN here) never leak into
     the weight gradients or dalpha."""
-    from dres.kernels import residual_norm as kernels
+    from dres.kernels import utils as kernels
 
     torch.manual_seed(17)
     x, h, w, b = make_case((5, 41, 96), F32, BF16, triton_device)
@@ -458,6 +458,38 @@ def test_bad_input_errors_name_the_argument(triton_device, backend):
         ops.layer_norm(torch.ones(16, device=triton_device), None, None, backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_eps_must_be_a_positive_float_on_every_backend(triton_device, backend):
+    """eps <= 0 gives NaN in y for a row of zero variance; a string was taken by one backend and
+    refused by another. Now one contract: TypeError or ValueError naming eps."""
+    x, h, w, b = _base(triton_device)
+    for call in (lambda eps: ops.residual_layer_norm(x, h, w, b, eps=eps, backend=backend),
+                 lambda eps: ops.layer_norm(x, w, b, eps=eps, backend=backend)):
+        for bad in ("1e-6", None, torch.tensor(1e-6), True):
+            with pytest.raises(TypeError, match="eps must be a positive float"):
+                call(bad)
+        for bad in (0.0, -1e-6, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="eps must be a positive finite float"):
+                call(bad)
+    out, y = ops.residual_layer_norm(x, h, w, b, eps=1, backend=backend)  # an int is a number too
+    assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_per_sample_factors_that_require_grad_are_refused(triton_device, backend):
+    """row_scale/grad_scale are masks (data): the torch backend used to differentiate row_scale and
+    Triton silently not. Now every backend refuses one that requires grad, naming it."""
+    x, h, w, b = _base(triton_device)
+    m = torch.tensor([1.0, 0.0, 1.0, 1.0], device=triton_device, requires_grad=True)
+    for name in ("row_scale", "grad_scale"):
+        with pytest.raises(ValueError, match=f"{name} requires grad.*pass {name}.detach"):
+            ops.residual_layer_norm(x, h, w, b, backend=backend, **{name: m})
+        with pytest.raises(ValueError, match=f"{name} requires grad"):
+            ops.residual_add(x, h, backend=backend, **{name: m})
+    out, _ = ops.residual_layer_norm(x, h, w, b, row_scale=m.detach(), backend=backend)
+    torch.testing.assert_close(out[1], x[1])
+
+
 def test_dim_above_maximum(triton_device):
     from dres.kernels import MAX_DIM
 
@@ -568,6 +600,46 @@ def test_gpu_cuda_graph_capture_and_replay():
         eager = step()
         for a, c in zip(static, eager):
             assert torch.equal(a, c)
+
+
+@pytest.mark.gpu
+def test_gpu_cached_launch_equals_tritons_own_launch():
+    """After the first launch of a specialisation the compiled kernel is called directly
+    (dres.kernels.utils.CachedLaunch). Results equal Triton's own launch bit for bit, also when a
+    later call differs in what Triton specialises on (alignment, strides, dtypes, flags) from the
+    one that filled the cache."""
+    from unittest import mock
+
+    from dres.kernels import residual_norm as kernels
+    from dres.kernels import utils
+
+    torch.manual_seed(21)
+    base = torch.randn(130, 3 * 200, device="cuda")
+    cases = [  # each differs from the one before in a specialisation Triton makes
+        (base[:, :200].contiguous(), F32, None),
+        (base[:, 1:201], F32, None),  # misaligned rows, odd row stride
+        (base[:, :200].contiguous(), BF16, None),
+        (base[:, :200].contiguous(), F32, torch.tensor(0.7, device="cuda")),
+        (base[:, :208].contiguous(), F32, None),  # D and strides divisible by 16
+    ]
+
+    def run(x, h_dtype, alpha):
+        h = torch.randn(x.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1)).to(h_dtype)
+        w, b = torch.linspace(0.5, 1.5, x.shape[1], device="cuda"), torch.linspace(-1, 1, x.shape[1], device="cuda")
+        m = (torch.arange(130, device="cuda") % 3 > 0).float()
+        xl, hl, wl, bl = leaves(x, h, w, b)
+        out, y = ops.residual_layer_norm(xl, hl, wl, bl, 0.8 if alpha is None else alpha, row_scale=m,
+                                         backend="triton")
+        g = torch.linspace(-1, 1, x.numel(), device="cuda").view(x.shape)
+        return (out, y, *grads((out, y), (g, g.to(y.dtype)), (xl, hl, wl, bl)))
+
+    with mock.patch.object(utils, "_raw_stream", None):  # Triton's own launch on every call
+        want = [run(*case) for case in cases]
+    for _ in range(2):  # the first pass may compile and cache, the second calls the cache
+        for case, expected in zip(cases, want):
+            for a, c in zip(run(*case), expected):
+                assert torch.equal(a, c)
+    assert kernels._FORWARD.compiled and kernels._BACKWARD.compiled, "the direct launch was never taken"
 
 
 def test_default_backend_follows_the_measurements():

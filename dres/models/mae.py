@@ -36,7 +36,8 @@ from torch import nn
 from dres import ops
 from dres.models.vit import ViTEncoder, build_from_config
 from dres.nn import ResidualDroppath, TransformerStack, init_vit_weights, sincos_2d
-from dres.ops.mae_loss import mae_loss_reference, patchify
+from dres.ops.mae_loss import mae_loss_reference
+from dres.ops.utils import patchify, unpatchify
 
 VARIANTS = ("baseline", "official", "paper")
 
@@ -156,12 +157,7 @@ class MAE(nn.Module):
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
         """(B, N, p*p*C) -> (B, C, H, W)."""
-        p, c = self.patch_size, self.in_chans
-        h = w = int(x.shape[1] ** 0.5)
-        if h * w != x.shape[1]:
-            raise ValueError(f"{x.shape[1]} patches do not form a square grid")
-        x = x.reshape(x.shape[0], h, w, p, p, c)
-        return torch.einsum("nhwpqc->nchpwq", x).reshape(x.shape[0], c, h * p, w * p)
+        return unpatchify(x, self.in_chans)
 
     @staticmethod
     def random_masking(x: torch.Tensor, mask_ratio: float, noise: Optional[torch.Tensor] = None):

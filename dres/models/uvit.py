@@ -27,6 +27,7 @@ from torch import nn
 from dres.models.vit import build_from_config
 from dres.nn import (PatchEmbed, ResidualDroppath, TransformerStack, build_droppath, decay_schedule,
                      describe_schedule, droppath_scales)
+from dres.ops.utils import unpatchify
 
 log = logging.getLogger("dres")
 
@@ -40,25 +41,6 @@ def timestep_embedding(timesteps: torch.Tensor, dim: int, max_period: int = 1000
     if dim % 2:
         emb = torch.cat([emb, torch.zeros_like(emb[:, :1])], dim=-1)
     return emb
-
-
-def patchify(imgs: torch.Tensor, patch_size: int) -> torch.Tensor:
-    """(B, C, H, W) -> (B, N, p*p*C), U-ViT's ``B C (h p1) (w p2) -> B (h w) (p1 p2 C)``."""
-    B, C, H, W = imgs.shape
-    p = patch_size
-    x = imgs.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 3, 5, 1)
-    return x.reshape(B, (H // p) * (W // p), p * p * C)
-
-
-def unpatchify(x: torch.Tensor, channels: int) -> torch.Tensor:
-    """(B, N, p*p*C) -> (B, C, H, W), the inverse of :func:`patchify`."""
-    B, N, P = x.shape
-    p = int(math.isqrt(P // channels))
-    h = int(math.isqrt(N))
-    if h * h != N or p * p * channels != P:
-        raise ValueError(f"cannot unpatchify {tuple(x.shape)} with {channels} channels")
-    x = x.reshape(B, h, h, p, p, channels).permute(0, 5, 1, 3, 2, 4)
-    return x.reshape(B, channels, h * p, h * p)
 
 
 class UViT(nn.Module):

@@ -13,21 +13,19 @@ bias add + GELU fused into one kernel. Its autograd keeps only ``x`` and ``pre =
 so an MLP stores one (tokens x hidden) activation fewer than under plain autograd (which keeps both
 ``fc1(x)`` for GELU's backward and ``gelu(fc1(x))`` for fc2's).
 
-Registration follows :mod:`dres.ops.residual_norm`: ``torch.library.custom_op`` + ``register_fake``
-+ ``register_autograd`` (eager, ``torch.compile(fullgraph=True)``, CUDA graphs, ``opcheck``), and
-outside torch.compile plain ``autograd.Function``s run the same bodies without the custom-op
-dispatch cost. ``backend``: None runs the Triton kernels on CUDA tensors and the PyTorch reference
+As in :mod:`dres.ops.residual_norm`: one explicit ``autograd.Function`` per op (``BiasGeluFn``,
+``FusedMlpFn``) whose launches take the backend, and ``torch.library`` custom ops (``dres::bias_gelu``,
+``dres::bias_gelu_backward``) built from the same launches and formulas for ``torch.compile`` and
+``opcheck``; eager calls skip the custom-op dispatch cost. ``backend``: None runs the Triton kernels on CUDA tensors and the PyTorch reference
 (float64-capable, below) elsewhere; "triton" forces the kernels (on CPU under TRITON_INTERPRET=1);
 "torch" the reference; "cuda" (the csrc extension, which has no such kernel) runs Triton.
 
-Importing this module registers the ops but does not import Triton: the kernels and the
-residual-norm helpers they share are imported on the first Triton call, so ``import dres.ops``
-stays light.
+Importing this module registers the ops but does not import Triton (the kernels are imported on
+the first Triton call), so ``import dres.ops`` works where Triton is not installed.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -37,7 +35,8 @@ from torch import Tensor
 from dres.ops.checks import (KERNEL_DTYPES, REFERENCE_DTYPES, _check_same_device, _check_tensor, check_dtype_arg,
                              check_vector, resolve_backend_without_csrc)
 from dres.ops.reference import _compute_dtype
-from dres.ops.registration import eager_autograd_function, with_inductor_fallbacks
+from dres.ops.registration import with_inductor_fallbacks
+from dres.ops.utils import as_rows, param_grad
 
 __all__ = ["fused_bias_gelu", "fused_mlp", "bias_gelu_reference", "mlp_reference", "mlp_compute_dtype"]
 
@@ -116,43 +115,39 @@ def check_mlp_inputs(backend: str, x: Tensor, fc1_weight: Tensor, fc1_bias: Opti
 
 
 # ---------------------------------------------------------------------------------------------
-# Op bodies (Triton)
+# Triton launches (also the bodies of the dres:: custom ops)
 
 
-def bias_gelu_impl(pre: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype]) -> Tensor:
+def bias_gelu_triton(pre: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype]) -> Tensor:
     from dres.kernels.bias_gelu import bias_gelu_forward
-    from dres.ops.residual_norm import as_rows
 
     act = torch.empty(pre.shape, dtype=out_dtype or pre.dtype, device=pre.device)
     bias_gelu_forward(as_rows(pre), bias, act.view(-1, pre.shape[-1]))
     return act
 
 
-def _bias_gelu_fake(pre, bias, out_dtype):
-    return pre.new_empty(pre.shape, dtype=out_dtype or pre.dtype)
-
-
-def bias_gelu_backward_impl(g: Tensor, pre: Tensor, bias: Optional[Tensor], act_dtype: Optional[torch.dtype],
-                            need_dbias: bool) -> tuple[Tensor, Tensor, Tensor]:
+def bias_gelu_backward_triton(g: Tensor, pre: Tensor, bias: Optional[Tensor], act_dtype: Optional[torch.dtype],
+                              need_dbias: bool, dpre: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dpre in pre's dtype, act recomputed in ``act_dtype``, dbias fp32); act (``act_dtype=None``)
-    and dbias (not needed, or no bias) come back as distinct empty tensors when not asked for."""
-    return _bias_gelu_backward_body(g, pre, bias, act_dtype, need_dbias)
+    and dbias (not needed, or no bias) come back as distinct empty tensors when not asked for.
 
-
-def _bias_gelu_backward_body(g: Tensor, pre: Tensor, bias: Optional[Tensor], act_dtype: Optional[torch.dtype],
-                             need_dbias: bool, dpre_into_g: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """bias_gelu_backward_impl, optionally writing dpre over ``g`` (same shape and dtype as pre,
-    contiguous): each element of g is read before its dpre is stored, by the same program."""
+    ``dpre``: where to write dpre (fresh when None). The MLP's eager backward passes ``g`` itself
+    (contiguous, pre's shape and dtype): each element of g is read before its dpre is stored, by
+    the same program. The custom op's schema leaves ``dpre`` out, so the op never mutates g.
+    """
     from dres.kernels.bias_gelu import bias_gelu_backward
-    from dres.ops.residual_norm import as_rows
 
     dim = pre.shape[-1]
-    dpre = g if dpre_into_g else torch.empty(pre.shape, dtype=pre.dtype, device=pre.device)
+    dpre = torch.empty(pre.shape, dtype=pre.dtype, device=pre.device) if dpre is None else dpre
     act = torch.empty(pre.shape, dtype=act_dtype, device=pre.device) if act_dtype is not None else None
     dbias = bias_gelu_backward(as_rows(g), as_rows(pre), bias, dpre.view(-1, dim),
                                None if act is None else act.view(-1, dim), need_dbias and bias is not None)
     return (dpre, act if act is not None else pre.new_empty((0,)),
             dbias if dbias is not None else pre.new_empty((0,), dtype=torch.float32))
+
+
+def _bias_gelu_fake(pre, bias, out_dtype):
+    return pre.new_empty(pre.shape, dtype=out_dtype or pre.dtype)
 
 
 def _bias_gelu_backward_fake(g, pre, bias, act_dtype, need_dbias):
@@ -161,82 +156,75 @@ def _bias_gelu_backward_fake(g, pre, bias, act_dtype, need_dbias):
     return pre.new_empty(pre.shape), act, dbias
 
 
-# ---------------------------------------------------------------------------------------------
-# Autograd of the standalone op (shared by the custom op and the eager Function)
+# Launches by backend: "triton" runs the kernels directly (eager), "dres" the custom ops (traced
+# by torch.compile, where Inductor calls them as fallbacks).
 
 
-def _bias_gelu_setup(ctx, inputs, output):
-    pre, bias, out_dtype = inputs
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(pre, bias)
-    ctx.need = (ctx.needs_input_grad[0], bias is not None and ctx.needs_input_grad[1])
+def bias_gelu_fwd(backend: str, pre: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype]) -> Tensor:
+    if backend == "dres":
+        return torch.ops.dres.bias_gelu(pre, bias, out_dtype)
+    return bias_gelu_triton(pre, bias, out_dtype)
 
 
-def _bias_gelu_backward(backward_op, ctx, g):
-    from dres.ops.residual_norm import _param_grad
-
-    pre, bias = ctx.saved_tensors
-    need_dpre, need_dbias = ctx.need
-    if g is None:
-        return None, None, None
-    dpre, _, dbias = backward_op(g, pre, bias, None, need_dbias)
-    return dpre if need_dpre else None, _param_grad(dbias, bias, need_dbias), None
+def bias_gelu_bwd(backend: str, g: Tensor, pre: Tensor, bias: Optional[Tensor], act_dtype: Optional[torch.dtype],
+                  need_dbias: bool, dpre: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``dpre``: see :func:`bias_gelu_backward_triton`; the custom op allocates its own (compiled
+    graphs leave buffer reuse to Inductor's memory planning)."""
+    if backend == "dres":
+        return torch.ops.dres.bias_gelu_backward(g, pre, bias, act_dtype, need_dbias)
+    return bias_gelu_backward_triton(g, pre, bias, act_dtype, need_dbias, dpre)
 
 
 # ---------------------------------------------------------------------------------------------
-# The custom ops
-
-bias_gelu_op = torch.library.custom_op("dres::bias_gelu", mutates_args=())(bias_gelu_impl)
-bias_gelu_backward_op = torch.library.custom_op("dres::bias_gelu_backward", mutates_args=())(bias_gelu_backward_impl)
-# The fakes register Inductor's fallback lowerings of both ops first (dres.ops.registration says why).
-_QUALNAMES = ("dres::bias_gelu", "dres::bias_gelu_backward")
-bias_gelu_op.register_fake(with_inductor_fallbacks(_QUALNAMES, _bias_gelu_fake))
-bias_gelu_backward_op.register_fake(with_inductor_fallbacks(_QUALNAMES, _bias_gelu_backward_fake))
-bias_gelu_op.register_autograd(functools.partial(_bias_gelu_backward, bias_gelu_backward_op),
-                               setup_context=_bias_gelu_setup)
+# The autograd Functions
 
 
-# ---------------------------------------------------------------------------------------------
-# Which body runs: the custom ops while torch.compile traces (Inductor calls them as fallbacks),
-# the plain bodies otherwise (no dispatcher cost).
+class BiasGeluFn(torch.autograd.Function):
+    """act = gelu(pre + bias); dpre = g * gelu'(pre + bias) with GELU recomputed from pre, dbias = sum(dpre)."""
+
+    @staticmethod
+    def forward(ctx, pre, bias, out_dtype, backend):
+        act = bias_gelu_fwd(backend, pre, bias, out_dtype)
+        BiasGeluFn.save(ctx, backend, pre, bias)
+        return act
+
+    @staticmethod
+    def save(ctx, backend, pre, bias):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(pre, bias)
+        ctx.backend = backend
+        ctx.need = (ctx.needs_input_grad[0], bias is not None and ctx.needs_input_grad[1])
+
+    @staticmethod
+    def backward(ctx, g):
+        pre, bias = ctx.saved_tensors
+        need_dpre, need_dbias = ctx.need
+        if g is None:
+            return None, None, None, None
+        dpre, _, dbias = bias_gelu_bwd(ctx.backend, g, pre, bias, None, need_dbias)
+        return dpre if need_dpre else None, param_grad(dbias, bias, need_dbias), None, None
 
 
-def _forward(pre: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype]) -> Tensor:
-    return (bias_gelu_op if torch.compiler.is_compiling() else bias_gelu_impl)(pre, bias, out_dtype)
-
-
-def _backward(g, pre, bias, act_dtype, need_dbias, dpre_into_g=False):
-    """``dpre_into_g``: in eager mode dpre overwrites g (a buffer the caller owns), so the MLP's
-    backward holds one hidden-sized tensor fewer; compiled graphs keep the functional op and leave
-    buffer reuse to Inductor's memory planning."""
-    if torch.compiler.is_compiling():
-        return bias_gelu_backward_op(g, pre, bias, act_dtype, need_dbias)
-    return _bias_gelu_backward_body(g, pre, bias, act_dtype, need_dbias, dpre_into_g)
-
-
-# The eager fast path of the standalone op: the same body and formulas without custom-op dispatch.
-_EAGER_BIAS_GELU = eager_autograd_function("TritonBiasGelu", bias_gelu_impl, _bias_gelu_setup,
-                                           functools.partial(_bias_gelu_backward, bias_gelu_backward_impl)).apply
-
-
-class FusedMLP(torch.autograd.Function):
+class FusedMlpFn(torch.autograd.Function):
     """fc2(gelu(fc1(x))) saving x and pre (not the activation); GELU is recomputed in the backward.
 
     Matmuls run in ``compute_dtype`` (the caller's :func:`mlp_compute_dtype`) on tensors cast once
     here, so the result is the same inside or outside autocast and the backward, which autocast does
     not reach, uses the very tensors the forward did. Gradients come back in each input's dtype.
+    ``backend``: "triton" (eager) or "dres" (the custom ops, under torch.compile).
     """
 
     @staticmethod
-    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, compute_dtype):
+    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, compute_dtype, backend):
         x_c, w1, w2 = x.to(compute_dtype), fc1_weight.to(compute_dtype), fc2_weight.to(compute_dtype)
         pre = F.linear(x_c, w1)
-        act = _forward(pre, fc1_bias, None)
+        act = bias_gelu_fwd(backend, pre, fc1_bias, None)
         out = F.linear(act, w2, None if fc2_bias is None else fc2_bias.to(compute_dtype))
         # The cast weights are what the backward multiplies by (the originals themselves when no
         # cast was needed); plain autograd under autocast keeps the same casts.
         ctx.save_for_backward(x_c, pre, w1, fc1_bias, w2)
         ctx.dtypes = (x.dtype, fc1_weight.dtype, fc2_weight.dtype, None if fc2_bias is None else fc2_bias.dtype)
+        ctx.backend = backend
         return out
 
     @staticmethod
@@ -251,9 +239,10 @@ class FusedMLP(torch.autograd.Function):
         if need_b2 and b2_dtype is not None:
             db2 = g.sum(0, dtype=torch.float32).to(b2_dtype)
         if need_x or need_w1 or need_b1 or need_w2:
-            dact = g @ w2  # a fresh contiguous buffer in pre's dtype: dpre may overwrite it
-            dpre, act, dbias = _backward(dact, pre.view(-1, hidden), fc1_bias, w2.dtype if need_w2 else None, need_b1,
-                                         dpre_into_g=dact.dtype == pre.dtype)
+            dact = g @ w2  # a fresh contiguous buffer in pre's dtype: in eager mode dpre overwrites it
+            in_place = ctx.backend == "triton" and dact.dtype == pre.dtype
+            dpre, act, dbias = bias_gelu_bwd(ctx.backend, dact, pre.view(-1, hidden), fc1_bias,
+                                             w2.dtype if need_w2 else None, need_b1, dact if in_place else None)
             if need_w2:
                 dw2 = (g.t() @ act).to(w2_dtype)
             del act  # free the recomputed activation before the two matmuls that follow
@@ -263,7 +252,22 @@ class FusedMLP(torch.autograd.Function):
                 dw1 = (dpre.t() @ x_c.reshape(-1, dim)).to(w1_dtype)
             if need_x:
                 dx = (dpre @ w1).view(x_c.shape).to(x_dtype)
-        return dx, dw1, db1, dw2, db2, None
+        return dx, dw1, db1, dw2, db2, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom ops
+
+bias_gelu_op = torch.library.custom_op("dres::bias_gelu", mutates_args=())(bias_gelu_triton)
+bias_gelu_backward_op = torch.library.custom_op(
+    "dres::bias_gelu_backward", bias_gelu_backward_triton, mutates_args=(),
+    schema="(Tensor g, Tensor pre, Tensor? bias, ScalarType? act_dtype, bool need_dbias) -> (Tensor, Tensor, Tensor)")
+# The fakes register Inductor's fallback lowerings of both ops first (dres.ops.registration says why).
+_QUALNAMES = ("dres::bias_gelu", "dres::bias_gelu_backward")
+bias_gelu_op.register_fake(with_inductor_fallbacks(_QUALNAMES, _bias_gelu_fake))
+bias_gelu_backward_op.register_fake(with_inductor_fallbacks(_QUALNAMES, _bias_gelu_backward_fake))
+bias_gelu_op.register_autograd(lambda ctx, g: BiasGeluFn.backward(ctx, g)[:-1],  # the op takes no backend
+                               setup_context=lambda ctx, inputs, output: BiasGeluFn.save(ctx, "dres", *inputs[:2]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +287,7 @@ def fused_bias_gelu(pre: Tensor, bias: Optional[Tensor] = None, out_dtype: Optio
         return bias_gelu_reference(pre, bias, out_dtype)
     if torch.compiler.is_compiling():
         return bias_gelu_op(pre, bias, out_dtype)
-    return _EAGER_BIAS_GELU(pre, bias, out_dtype)
+    return BiasGeluFn.apply(pre, bias, out_dtype, backend)
 
 
 def fused_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_weight: Tensor,
@@ -299,4 +303,5 @@ def fused_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_wei
     check_mlp_inputs(backend, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
     if backend == "torch":
         return mlp_reference(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
-    return FusedMLP.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, mlp_compute_dtype(x))
+    return FusedMlpFn.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, mlp_compute_dtype(x),
+                            "dres" if torch.compiler.is_compiling() else "triton")

@@ -3,6 +3,8 @@ argument, never as a Triton compiler trace or silent garbage."""
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from typing import Optional
 
@@ -14,13 +16,9 @@ BACKENDS = ("triton", "torch", "cuda")
 
 
 # backend=None on CUDA tensors takes whichever implementation measured faster (BENCHMARKS.md,
-# "Default backend"; H200, 2026-11-26). In eager mode at small sizes the csrc ops win because a C++
-# op launches in microseconds while a Triton launch costs 40-90 us of Python on the device's CPU:
-# 12800x768 forward+backward 189-261 us against 604-803 us (back-to-back loop). On large tensors the
-# GPU time dominates and Triton's kernels are faster (262144x768 bf16 997 vs 1410 us; 65536x768 is a
-# toss-up between runs); under torch.compile and CUDA-graph capture launch cost is gone and Triton
-# is faster (graphs at 12800x768: 80-115 vs 110-115 us).
-CSRC_EAGER_MAX_ELEMENTS = 1 << 24  # 16.8M: MAE ViT-B/16 encoder residuals at batch 256 are 9.8M
+# "Default backend"): csrc in eager mode up to this size, where launch cost dominates; Triton for
+# larger tensors and under torch.compile or CUDA-graph capture, where its kernels are faster.
+CSRC_EAGER_MAX_ELEMENTS = 1 << 24  # MAE ViT-B/16 encoder residuals at batch 256 (9.8M) stay below
 
 
 def choose_default_backend(is_cuda: bool, numel: int, compiling: bool, capturing: bool, csrc_built: bool) -> str:
@@ -98,6 +96,23 @@ def _check_same_device(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
         raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all tensors must share one device")
 
 
+def check_eps(eps, name: str = "eps") -> None:
+    """A positive, finite Python number (a string or a tensor is refused on every backend alike)."""
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
+        raise TypeError(f"{name} must be a positive float, got {type(eps).__name__}")
+    if not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"{name} must be a positive finite float, got {eps!r}")
+
+
+def check_factors_are_data(**factors: Optional[torch.Tensor]) -> None:
+    """Per-sample factors (row_scale, grad_scale: drop-path masks) get no gradient on any backend, so
+    one that requires grad is refused rather than silently left without."""
+    for name, t in factors.items():
+        if t is not None and t.requires_grad:
+            raise ValueError(f"{name} requires grad, but per-sample factors are data and get no gradient; "
+                             f"pass {name}.detach()")
+
+
 def check_dtype_arg(name: str, dtype, dtypes) -> None:
     if dtype is not None and dtype not in dtypes:
         raise TypeError(f"{name} must be None or one of {[str(d) for d in dtypes]}, got {dtype!r}")
@@ -127,7 +142,8 @@ def check_inputs(
     out_dtype: torch.dtype | None = None,
     check_h: bool = True,
 ) -> None:
-    """Validate the arguments of any of the three ops (``check_h=False`` for layer_norm)."""
+    """Validate the arguments of any of the three ops (``check_h=False`` for layer_norm; eps is
+    :func:`check_eps`'s)."""
     dtypes = REFERENCE_DTYPES if backend == "torch" else KERNEL_DTYPES
     _check_tensor("x", x, dtypes)
     if x.dim() < 2:
@@ -164,5 +180,6 @@ def check_inputs(
         _check_same_device(name, s, x)
     if row_scale is not None and grad_scale is not None and row_scale.shape != grad_scale.shape:
         raise ValueError(f"row_scale {tuple(row_scale.shape)} and grad_scale {tuple(grad_scale.shape)} must have one length")
+    check_factors_are_data(row_scale=row_scale, grad_scale=grad_scale)
     check_dtype_arg("residual_dtype", residual_dtype, dtypes)
     check_dtype_arg("out_dtype", out_dtype, dtypes)

@@ -7,8 +7,10 @@ Importing ``dres._C`` defines ``torch.ops.dres_cuda.{residual_layer_norm, residu
 layer_norm, residual_norm_backward}`` (CUDA kernels, same schemas as the ``dres::`` Triton ops).
 This module adds what is written in Python for both backends alike, from
 :mod:`dres.ops.residual_norm`: the fake (meta) kernels, so the ops trace under
-``torch.compile``, and the autograd formulas, here calling the C++ backward op. The C++ library
-names this module (``set_python_module``), so torch imports it whenever it needs the fakes.
+``torch.compile``, and the autograd formulas (the autograd Functions' own), here calling the C++
+backward op. The C++ library names this module (``set_python_module``), so torch imports it
+whenever it needs the fakes. Eager calls reach the C++ kernels through the same Functions
+(``ResidualLayerNormFn`` & co. with ``backend="cuda"``).
 """
 
 from __future__ import annotations
@@ -17,9 +19,6 @@ import os
 import warnings
 
 import torch
-
-OPS = ("residual_layer_norm", "residual_add", "layer_norm", "residual_norm_backward")
-
 
 def _load() -> str | None:
     """Import the extension; None on success, else why it is unavailable."""
@@ -43,28 +42,11 @@ def available() -> bool:
     return LOAD_ERROR is None
 
 
-def _below_autograd(op):
-    """``op`` called straight at its CUDA kernel: inside an autograd.Function the Python autograd
-    registration would only redispatch, at tens of microseconds per call."""
-    def call(*args):
-        with torch._C._AutoDispatchBelowAutograd():
-            return op(*args)
-
-    return call
-
-
-EAGER: dict = {}
-
-
 def _register() -> None:
     from dres.ops import residual_norm as shared
 
-    c = torch.ops.dres_cuda
     shared.register_fakes("dres_cuda")  # called from this module, the one the C++ library names
-    shared.register_autograd(*(f"dres_cuda::{n}" for n in OPS[:3]), c.residual_norm_backward)
-    # Eager fast path, as for the Triton ops: autograd.Functions around the C++ kernels.
-    EAGER.update(shared.eager_functions("Csrc", _below_autograd(c.residual_norm_backward.default),
-                                        **{n: _below_autograd(getattr(c, n).default) for n in OPS[:3]}))
+    shared.register_autograd("dres_cuda")
 
 
 if LOAD_ERROR is None:

@@ -12,11 +12,11 @@ the same pass, writes the gradient of the loss w.r.t. ``pred``; the autograd sav
 gradient and its backward is ``dpred * grad_output``. ``imgs`` and ``mask`` are data: they get no
 gradient, and passing one that requires grad is an error rather than a silently missing gradient.
 
-Registered as the custom op ``dres::mae_loss`` (``register_fake`` + ``register_autograd``) for
-``torch.compile(fullgraph=True)`` and ``opcheck``; eager calls take a plain autograd.Function, as
-the residual ops do (:data:`dres.ops.residual_norm.EAGER`), because custom-op dispatch costs tens
-of microseconds per call. ``backend="torch"`` (the default on CPU) runs :func:`mae_loss_reference`,
-which is ``forward_loss`` written out (float64-capable).
+Eager calls run :class:`MAELossFn`; under ``torch.compile(fullgraph=True)`` (and for ``opcheck``)
+the custom op ``dres::mae_loss``, built from the same launch and formulas (custom-op dispatch
+costs tens of microseconds per call, so eager calls skip it). ``backend="torch"`` (the default
+on CPU) runs :func:`mae_loss_reference`, which is ``forward_loss`` written out (float64-capable).
+A mask with no counted patch (all zero) gives loss 0 and a zero gradient on every backend.
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dres.ops.checks import KERNEL_DTYPES, REFERENCE_DTYPES, _check_tensor, resolve_backend_without_csrc
-from dres.ops.registration import eager_autograd_function, with_inductor_fallbacks
+from dres.ops.checks import KERNEL_DTYPES, REFERENCE_DTYPES, _check_tensor, check_eps, resolve_backend_without_csrc
 from dres.ops.reference import _compute_dtype
+from dres.ops.registration import with_inductor_fallbacks
+from dres.ops.utils import patchify
 
 # mask is any float tensor of weights (normally 0/1) or a bool tensor; it is only read
 MASK_DTYPES = REFERENCE_DTYPES + (torch.bool,)
@@ -34,16 +35,6 @@ MASK_DTYPES = REFERENCE_DTYPES + (torch.bool,)
 
 # ---------------------------------------------------------------------------------------------
 # Reference
-
-
-def patchify(imgs: Tensor, patch_size: int) -> Tensor:
-    """(B, C, H, W) -> (B, L, p*p*C) in MAE's layout: column (pp*p + q)*C + c of patch (i, j) is
-    ``imgs[b, c, i*p + pp, j*p + q]`` (the same as ``dres.models.mae.MAE.patchify``)."""
-    p = patch_size
-    B, C, H, W = imgs.shape
-    h, w = H // p, W // p
-    x = imgs.reshape(B, C, h, p, w, p)
-    return torch.einsum("nchpwq->nhwpqc", x).reshape(B, h * w, p * p * C)
 
 
 def mae_loss_reference(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int, norm_pix: bool = True,
@@ -57,7 +48,9 @@ def mae_loss_reference(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int
         target = (target - mean) / (var + eps) ** 0.5
     loss = ((pred.to(dtype) - target) ** 2).mean(dim=-1)
     mask = mask.to(dtype)
-    return (loss * mask).sum() / mask.sum()
+    mask_sum = mask.sum()
+    # An all-zero mask counts no patch: loss 0 and zero gradient rather than 0 / 0.
+    return (loss * mask).sum() / torch.where(mask_sum != 0, mask_sum, torch.ones_like(mask_sum))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,7 +58,7 @@ def mae_loss_reference(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int
 
 
 def check_mae_loss_inputs(backend: str, pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int,
-                          norm_pix: bool) -> None:
+                          norm_pix: bool, eps: float) -> None:
     """Validate mae_loss's arguments; errors name the argument."""
     dtypes = REFERENCE_DTYPES if backend == "torch" else KERNEL_DTYPES
     _check_tensor("pred", pred, dtypes)
@@ -95,6 +88,7 @@ def check_mae_loss_inputs(backend: str, pred: Tensor, imgs: Tensor, mask: Tensor
     if norm_pix and patch_dim == 1:
         raise ValueError("norm_pix needs more than one value per patch "
                          "(the unbiased variance of one value is undefined)")
+    check_eps(eps)
     if backend != "torch":
         from dres.kernels.mae_loss import MAX_PATCH_DIM
 
@@ -104,11 +98,12 @@ def check_mae_loss_inputs(backend: str, pred: Tensor, imgs: Tensor, mask: Tensor
 
 
 # ---------------------------------------------------------------------------------------------
-# The op: (loss, dpred), dpred the gradient of loss w.r.t. pred (empty when not needed)
+# The launch: (loss, dpred), dpred the gradient of loss w.r.t. pred (empty when not needed). Also
+# the body of the dres::mae_loss custom op.
 
 
-def mae_loss_impl(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int, norm_pix: bool, eps: float,
-                  need_dpred: bool) -> tuple[Tensor, Tensor]:
+def mae_loss_triton(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int, norm_pix: bool, eps: float,
+                    need_dpred: bool) -> tuple[Tensor, Tensor]:
     from dres.kernels.mae_loss import mae_loss_forward
 
     if pred.stride(-1) != 1:
@@ -128,29 +123,40 @@ def _mae_loss_fake(pred, imgs, mask, patch_size, norm_pix, eps, need_dpred):
     return pred.new_empty((), dtype=torch.float32), dpred
 
 
-def _setup(ctx, inputs, output):
+class MAELossFn(torch.autograd.Function):
+    """loss = sum_r mask[r] * mean_P (pred[r] - t_r)^2 / sum(mask), t = patchify(imgs) (norm-pix);
+    the forward writes dloss/dpred in the same pass, so the backward is dpred * grad_loss."""
+
+    @staticmethod
+    def forward(ctx, pred, imgs, mask, patch_size, norm_pix, eps, need_dpred):
+        loss, dpred = mae_loss_triton(pred, imgs, mask, patch_size, norm_pix, eps, need_dpred)
+        MAELossFn.save(ctx, dpred)
+        return loss
+
+    @staticmethod
+    def save(ctx, dpred):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(dpred)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_dpred_grad):
+        if grad_loss is None:
+            return (None,) * 7
+        (dpred,) = ctx.saved_tensors
+        # dpred is the gradient for grad_loss = 1; a 0-dim multiply keeps pred's dtype and never syncs.
+        return dpred * grad_loss, None, None, None, None, None, None
+
+
+def _setup_context(ctx, inputs, output):
     _, dpred = output
-    ctx.set_materialize_grads(False)
     ctx.mark_non_differentiable(dpred)
-    ctx.save_for_backward(dpred)
+    MAELossFn.save(ctx, dpred)
 
 
-def _backward(ctx, grad_loss, _grad_dpred):
-    if grad_loss is None:
-        return (None,) * 7
-    (dpred,) = ctx.saved_tensors
-    # dpred is the gradient for grad_loss = 1; a 0-dim multiply keeps pred's dtype and never syncs.
-    return dpred * grad_loss, None, None, None, None, None, None
-
-
-mae_loss_op = torch.library.custom_op("dres::mae_loss", mutates_args=())(mae_loss_impl)
+mae_loss_op = torch.library.custom_op("dres::mae_loss", mutates_args=())(mae_loss_triton)
 # The fake registers Inductor's fallback lowering of the op first (dres.ops.registration says why).
 torch.library.register_fake("dres::mae_loss", with_inductor_fallbacks(["dres::mae_loss"], _mae_loss_fake))
-torch.library.register_autograd("dres::mae_loss", _backward, setup_context=_setup)
-
-
-# The eager fast path: the op's body and autograd formulas without custom-op dispatch.
-_EAGER_MAE_LOSS = eager_autograd_function("TritonMaeLoss", mae_loss_impl, _setup, _backward).apply
+torch.library.register_autograd("dres::mae_loss", MAELossFn.backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,18 +168,18 @@ def mae_loss(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int, norm_pix
     """MAE's (norm-pix) MSE on the masked patches, as a 0-dim fp32 tensor; gradient into ``pred`` only.
 
     pred: (B, L, p*p*C) (bf16 under autocast, or fp32/fp16), unit stride along the last dim or it is
-    copied; imgs: (B, C, H, W), any strides; mask: (B, L), 1 = masked (counted). ``backend``: None
+    copied; imgs: (B, C, H, W), any strides; mask: (B, L), 1 = masked (counted); an all-zero mask
+    gives loss 0 with a zero gradient. eps: a positive float. ``backend``: None
     picks Triton for CUDA tensors and :func:`mae_loss_reference` otherwise; "triton" or "torch" force one
     ("cuda", the csrc extension's name, has no kernel for this op and runs Triton).
     """
     backend = resolve_backend_without_csrc(backend, pred, "pred")
-    check_mae_loss_inputs(backend, pred, imgs, mask, patch_size, norm_pix)
+    check_mae_loss_inputs(backend, pred, imgs, mask, patch_size, norm_pix, eps)
     if backend == "torch":
         return mae_loss_reference(pred, imgs, mask, patch_size, norm_pix, eps)
     # In evaluation the kernel skips writing the gradient.
     args = (pred, imgs, mask, patch_size, bool(norm_pix), float(eps), pred.requires_grad and torch.is_grad_enabled())
     if torch.compiler.is_compiling():
         loss, _ = mae_loss_op(*args)
-    else:
-        loss, _ = _EAGER_MAE_LOSS(*args)
-    return loss
+        return loss
+    return MAELossFn.apply(*args)

@@ -1,12 +1,11 @@
-"""What the op modules share when registering their custom ops with torch (imports no Triton):
-Inductor fallback lowerings, and the plain autograd.Functions of the eager fast path.
+"""Inductor fallback lowerings for the dres custom ops (imports no Triton).
 
 Inductor lowers an op it has no lowering for as an "implicit fallback" (a call to the op's kernel),
 but before torch 2.12 it first formats, eagerly, a log message holding the IR of every input; the IR
-prints as a tree, so a deep graph feeding the op takes minutes to print (the ViT-B/16 ``official``
-MAE compiled for more than 500 s on torch 2.11, 40 s with this). Registering the same fallback, with
-the layout constraint Inductor would choose, skips that message. The fake kernels run during
-tracing, before any lowering: a real-Python moment to do it.
+prints as a tree, so a deep graph feeding the op takes minutes to print (BENCHMARKS.md: the compile
+time of the ViT-B/16 ``official`` MAE). Registering the same fallback, with the layout constraint
+Inductor would choose, skips that message. The fake kernels run during tracing, before any
+lowering: a real-Python moment to do it.
 """
 
 from __future__ import annotations
@@ -51,23 +50,3 @@ def with_inductor_fallbacks(qualnames: Iterable[str], fake: Callable) -> Callabl
         return fake(*args, **kwargs)
 
     return fake_registering_fallbacks
-
-
-def eager_autograd_function(name: str, body: Callable, setup: Callable, backward: Callable) -> type[torch.autograd.Function]:
-    """An ``autograd.Function`` named ``name`` running an op's body and its custom-op autograd
-    formulas (``setup(ctx, inputs, output)``, ``backward(ctx, *grads)``) without the custom-op
-    dispatch, which costs tens of microseconds per call: the eager fast path of every op module.
-
-    The forward takes ctx itself, not forward + setup_context: with a separate setup_context,
-    Function.apply binds the arguments through inspect.signature on every call (tens of
-    microseconds on the device's CPU, measured with cProfile).
-    """
-    def forward(ctx, *inputs):
-        output = body(*inputs)
-        setup(ctx, inputs, output)
-        return output
-
-    def backward_fn(ctx, *grads):
-        return backward(ctx, *grads)
-
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward), "backward": staticmethod(backward_fn)})

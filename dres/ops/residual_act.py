@@ -29,7 +29,7 @@ from torch import Tensor
 
 from dres.ops import reference
 from dres.ops.checks import (KERNEL_DTYPES, REFERENCE_DTYPES, _check_same_device, _check_tensor, check_alpha,
-                             check_vector, resolve_backend_without_csrc)
+                             check_factors_are_data, check_vector, resolve_backend_without_csrc)
 from dres.ops.registration import with_inductor_fallbacks
 
 ACTS = ("relu", "identity")
@@ -200,6 +200,7 @@ def check_residual_act_inputs(backend: str, x, h, alpha, row_scale, grad_scale, 
     check_alpha(alpha, x, dtypes)
     for name, s in (("row_scale", row_scale), ("grad_scale", grad_scale)):
         check_vector(name, s, x.shape[0], x, dtypes, "x's batch size")
+    check_factors_are_data(row_scale=row_scale, grad_scale=grad_scale)
     if act not in ACTS:
         raise ValueError(f"act must be one of {ACTS}, got {act!r}")
 
@@ -217,9 +218,9 @@ def residual_act(x: Tensor, h: Tensor, alpha=1.0, row_scale: Optional[Tensor] = 
     check_residual_act_inputs(backend, x, h, alpha, row_scale, grad_scale, act)
     if backend == "torch":
         return reference.residual_act(x, h, alpha, row_scale, grad_scale, act)
-    from dres.ops import _alpha_args
+    from dres.ops.utils import alpha_args
 
-    alpha_t, alpha_v = _alpha_args(alpha)
+    alpha_t, alpha_v = alpha_args(alpha)
     if torch.compiler.is_compiling():
         return residual_act_op(x, h, alpha_t, alpha_v, row_scale, grad_scale, act)
     return ResidualActFn.apply(x, h, alpha_t, alpha_v, row_scale, grad_scale, act)

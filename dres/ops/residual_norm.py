@@ -1,135 +1,270 @@
-"""The fused residual ops as torch custom ops with autograd, backed by the Triton kernels.
+"""The fused residual ops: ``residual_layer_norm``, ``residual_add``, ``layer_norm``.
 
-Registered with ``torch.library.custom_op`` + ``register_fake`` + ``register_autograd`` so the ops
-run in eager mode, under ``torch.compile(fullgraph=True)`` (opaque to Inductor, no graph breaks),
-under CUDA-graph capture and FSDP2, and pass ``torch.library.opcheck``.
+One ``autograd.Function`` per op, with the backend (``"triton"`` or ``"cuda"``, the csrc
+extension) a parameter of its launches::
 
-Forward ops return extra outputs (mean, rstd) that the backward needs; the public functions in
-:mod:`dres.ops` drop them. The backward is a custom op of its own so that compiled graphs trace
-straight through it.
+    residual_layer_norm(...)                      argument checks, backend choice
+      -> ResidualLayerNormFn.apply(..., backend)  eager
+           forward:  residual_layer_norm_fwd(backend, ...)  -> dres.kernels.residual_norm_forward | csrc op
+           backward: residual_norm_bwd(backend, ...)        -> dres.kernels.residual_norm_backward | csrc op
+
+Under ``torch.compile`` the public functions call the ``torch.library`` custom ops instead
+(``torch.ops.dres.*`` run the Triton launches, ``torch.ops.dres_cuda.*`` are the csrc ops), whose
+autograd is the same Functions' ``save``/``backward`` with the backward custom op of the op's
+namespace, so compiled graphs trace the backward too. Eager calls skip the custom ops: their
+dispatch costs tens of microseconds per call, more than the kernels at MAE sizes.
+
+Forward ops return (mean, rstd) too, which the backward needs; the public functions drop them.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from dres.kernels import residual_norm_backward, residual_norm_forward
-from dres.ops.registration import eager_autograd_function, with_inductor_fallbacks
+from dres.ops import reference
+from dres.ops.checks import check_eps, check_inputs, resolve_backend
+from dres.ops.registration import with_inductor_fallbacks
+from dres.ops.utils import alpha_args, as_rows, param_grad, rows_per_sample
 
-
-def as_rows(t: Tensor) -> Tensor:
-    """A 2-D (rows, D) view of ``t`` with unit stride along D; copies only when no such view exists.
-
-    Gradients may arrive with any strides (a slice of a larger tensor, an expanded tensor with row
-    stride 0): those keep their strides and the kernels read them in place.
-    """
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:
-        return t.contiguous().view(-1, t.shape[-1])
-
-
-def _rows_per_sample(x: Tensor, scale: Optional[Tensor]) -> int:
-    return 1 if scale is None else (x.numel() // x.shape[-1]) // scale.shape[0]
-
-
-def _empty_stats(x: Tensor) -> tuple[Tensor, Tensor]:
-    rows = x.numel() // x.shape[-1]
-    return (x.new_empty((rows,), dtype=torch.float32), x.new_empty((rows,), dtype=torch.float32))
+__all__ = ["residual_layer_norm", "residual_add", "layer_norm", "ResidualLayerNormFn", "ResidualAddFn", "LayerNormFn"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Forward ops
+# Triton launches: allocate the outputs, run the kernels of dres.kernels.residual_norm. These are
+# also the bodies of the dres:: custom ops, hence the full signatures.
 
 
-def residual_layer_norm_impl(
+def _stats(x: Tensor) -> tuple[Tensor, Tensor]:
+    rows = x.numel() // x.shape[-1]
+    return x.new_empty((rows,), dtype=torch.float32), x.new_empty((rows,), dtype=torch.float32)
+
+
+def residual_layer_norm_triton(
     x: Tensor, h: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], alpha: Optional[Tensor],
     alpha_value: float, eps: float, row_scale: Optional[Tensor], grad_scale: Optional[Tensor],
     residual_dtype: Optional[torch.dtype], out_dtype: Optional[torch.dtype],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    from dres.kernels.residual_norm import residual_norm_forward
+
     out = torch.empty(x.shape, dtype=residual_dtype or x.dtype, device=x.device)
     y = torch.empty(x.shape, dtype=out_dtype or h.dtype, device=x.device)
-    mean, rstd = _empty_stats(x)
-    residual_norm_forward(
-        as_rows(x), as_rows(h), weight, bias, alpha if alpha is not None else alpha_value, eps,
-        row_scale, _rows_per_sample(x, row_scale), out.view(-1, x.shape[-1]), y.view(-1, x.shape[-1]), mean, rstd,
-    )
+    mean, rstd = _stats(x)
+    dim = x.shape[-1]
+    residual_norm_forward(as_rows(x), as_rows(h), weight, bias, alpha if alpha is not None else alpha_value, eps,
+                          row_scale, rows_per_sample(x, row_scale), out.view(-1, dim), y.view(-1, dim), mean, rstd)
     return out, y, mean, rstd
 
 
-def _rln_fake(x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype):
-    out = x.new_empty(x.shape, dtype=residual_dtype or x.dtype)
-    y = x.new_empty(x.shape, dtype=out_dtype or h.dtype)
-    return (out, y) + _empty_stats(x)
-
-
-def residual_add_impl(
+def residual_add_triton(
     x: Tensor, h: Tensor, alpha: Optional[Tensor], alpha_value: float,
     row_scale: Optional[Tensor], grad_scale: Optional[Tensor], residual_dtype: Optional[torch.dtype],
 ) -> Tensor:
+    from dres.kernels.residual_norm import residual_norm_forward
+
     out = torch.empty(x.shape, dtype=residual_dtype or x.dtype, device=x.device)
-    residual_norm_forward(
-        as_rows(x), as_rows(h), None, None, alpha if alpha is not None else alpha_value, 0.0,
-        row_scale, _rows_per_sample(x, row_scale), out.view(-1, x.shape[-1]), None, None, None,
-    )
+    residual_norm_forward(as_rows(x), as_rows(h), None, None, alpha if alpha is not None else alpha_value, 0.0,
+                          row_scale, rows_per_sample(x, row_scale), out.view(-1, x.shape[-1]), None, None, None)
     return out
 
 
-def _add_fake(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype):
-    return x.new_empty(x.shape, dtype=residual_dtype or x.dtype)
-
-
-def layer_norm_impl(
+def layer_norm_triton(
     x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, out_dtype: Optional[torch.dtype],
 ) -> tuple[Tensor, Tensor, Tensor]:
+    from dres.kernels.residual_norm import residual_norm_forward
+
     y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
-    mean, rstd = _empty_stats(x)
+    mean, rstd = _stats(x)
     residual_norm_forward(as_rows(x), None, weight, bias, 1.0, eps, None, 1, None, y.view(-1, x.shape[-1]), mean, rstd)
     return y, mean, rstd
 
 
-def _ln_fake(x, weight, bias, eps, out_dtype):
-    return (x.new_empty(x.shape, dtype=out_dtype or x.dtype),) + _empty_stats(x)
-
-
-# ---------------------------------------------------------------------------------------------
-# The one backward op
-
-
-def residual_norm_backward_impl(
+def residual_norm_backward_triton(
     g_out: Optional[Tensor], g_y: Optional[Tensor], normed: Optional[Tensor], x: Optional[Tensor],
     weight: Optional[Tensor], mean: Optional[Tensor], rstd: Optional[Tensor],
     alpha: Optional[Tensor], alpha_value: float, grad_scale: Optional[Tensor],
     x_dtype: torch.dtype, h_dtype: Optional[torch.dtype],
     need_dweight: bool, need_dbias: bool, need_dalpha: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dh, dweight fp32, dbias fp32, dalpha fp32); gradients not asked for come back empty.
+    """(dx, dh, dweight fp32, dbias fp32, dalpha fp32); gradients not asked for come back as
+    distinct empty tensors. ``h_dtype=None``: no branch input (layer_norm) or no gradient for it."""
+    from dres.kernels.residual_norm import residual_norm_backward
 
-    ``h_dtype=None`` means there is no branch input (layer_norm) or it needs no gradient.
-    """
     ref = g_out if g_out is not None else g_y
     shape, dim = ref.shape, ref.shape[-1]
     dx = torch.empty(shape, dtype=x_dtype, device=ref.device)
     dh = torch.empty(shape, dtype=h_dtype, device=ref.device) if h_dtype is not None else None
-    rows = lambda t: None if t is None else as_rows(t)  # noqa: E731
     dweight, dbias, dalpha = residual_norm_backward(
-        rows(g_out), rows(g_y) if g_y is not None else None, rows(normed), rows(x), weight, mean, rstd,
-        alpha if alpha is not None else alpha_value, grad_scale,
-        1 if grad_scale is None else (ref.numel() // dim) // grad_scale.shape[0],
+        None if g_out is None else as_rows(g_out), None if g_y is None else as_rows(g_y),
+        None if normed is None else as_rows(normed), None if x is None else as_rows(x), weight, mean, rstd,
+        alpha if alpha is not None else alpha_value, grad_scale, rows_per_sample(ref, grad_scale),
         dx.view(-1, dim), None if dh is None else dh.view(-1, dim), need_dweight, need_dbias, need_dalpha,
     )
     empty = lambda dtype=torch.float32: ref.new_empty((0,), dtype=dtype)  # noqa: E731  (distinct: no aliasing)
-    return (
-        dx, dh if dh is not None else empty(x_dtype),
-        dweight if dweight is not None else empty(), dbias if dbias is not None else empty(),
-        dalpha if dalpha is not None else empty(),
-    )
+    return (dx, dh if dh is not None else empty(x_dtype), dweight if dweight is not None else empty(),
+            dbias if dbias is not None else empty(), dalpha if dalpha is not None else empty())
+
+
+# ---------------------------------------------------------------------------------------------
+# Launches by backend: "triton" and "cuda" run the kernels directly (the eager Functions); the
+# backward also takes a custom-op namespace, "dres" or "dres_cuda" (the custom ops' autograd).
+
+
+def _below_autograd(op, *args):
+    """A csrc op called straight at its CUDA kernel: inside an autograd.Function its Python autograd
+    registration would only redispatch, at tens of microseconds per call."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args)
+
+
+def residual_layer_norm_fwd(backend: str, *args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if backend == "cuda":
+        return _below_autograd(torch.ops.dres_cuda.residual_layer_norm.default, *args)
+    return residual_layer_norm_triton(*args)
+
+
+def residual_add_fwd(backend: str, *args) -> Tensor:
+    if backend == "cuda":
+        return _below_autograd(torch.ops.dres_cuda.residual_add.default, *args)
+    return residual_add_triton(*args)
+
+
+def layer_norm_fwd(backend: str, *args) -> tuple[Tensor, Tensor, Tensor]:
+    if backend == "cuda":
+        return _below_autograd(torch.ops.dres_cuda.layer_norm.default, *args)
+    return layer_norm_triton(*args)
+
+
+def residual_norm_bwd(backend: str, *args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if backend == "triton":
+        return residual_norm_backward_triton(*args)
+    if backend == "cuda":
+        return _below_autograd(torch.ops.dres_cuda.residual_norm_backward.default, *args)
+    return getattr(torch.ops, backend).residual_norm_backward(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# The autograd Functions
+
+
+class ResidualLayerNormFn(torch.autograd.Function):
+    """out = alpha*x + row_scale[b]*h, y = LayerNorm(out); g = g_out + LN_bwd(g_y), dx = alpha*g,
+    dh = grad_scale[b]*g (grad_scale None = row_scale), dweight, dbias and dalpha = sum(g*x)."""
+
+    @staticmethod
+    def forward(ctx, x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype,
+                backend):
+        out, y, mean, rstd = residual_layer_norm_fwd(backend, x, h, weight, bias, alpha, alpha_value, eps, row_scale,
+                                                     grad_scale, residual_dtype, out_dtype)
+        ResidualLayerNormFn.save(ctx, backend, x, h, weight, bias, alpha, alpha_value, row_scale, grad_scale, out,
+                                 mean, rstd)
+        return out, y
+
+    @staticmethod
+    def save(ctx, backend, x, h, weight, bias, alpha, alpha_value, row_scale, grad_scale, out, mean, rstd):
+        ctx.set_materialize_grads(False)
+        need_dalpha = alpha is not None and ctx.needs_input_grad[4]
+        ctx.save_for_backward(out, weight, bias, mean, rstd, alpha, grad_scale if grad_scale is not None else row_scale,
+                              x if need_dalpha else None)
+        ctx.backend, ctx.alpha_value = backend, alpha_value
+        ctx.x_dtype, ctx.h_dtype = x.dtype, h.dtype
+        ctx.need = (ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3], need_dalpha)
+
+    @staticmethod
+    def backward(ctx, g_out, g_y, *_stats_grads):
+        out, weight, bias, mean, rstd, alpha, grad_scale, x = ctx.saved_tensors
+        need_dh, need_dweight, need_dbias, need_dalpha = ctx.need
+        if g_out is None and g_y is None:
+            return (None,) * 12
+        dx, dh, dweight, dbias, dalpha = residual_norm_bwd(
+            ctx.backend, g_out, g_y, out, x, weight, mean, rstd, alpha, ctx.alpha_value, grad_scale,
+            ctx.x_dtype, ctx.h_dtype if need_dh else None, need_dweight and weight is not None,
+            need_dbias and bias is not None, need_dalpha)
+        return (dx, dh if need_dh else None, param_grad(dweight, weight, need_dweight),
+                param_grad(dbias, bias, need_dbias),
+                dalpha.to(alpha.dtype).reshape(alpha.shape) if need_dalpha else None,
+                None, None, None, None, None, None, None)
+
+
+class ResidualAddFn(torch.autograd.Function):
+    """out = alpha*x + row_scale[b]*h; dx = alpha*g, dh = grad_scale[b]*g, dalpha = sum(g*x)."""
+
+    @staticmethod
+    def forward(ctx, x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype, backend):
+        out = residual_add_fwd(backend, x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype)
+        ResidualAddFn.save(ctx, backend, x, h, alpha, alpha_value, row_scale, grad_scale)
+        return out
+
+    @staticmethod
+    def save(ctx, backend, x, h, alpha, alpha_value, row_scale, grad_scale):
+        ctx.set_materialize_grads(False)
+        need_dalpha = alpha is not None and ctx.needs_input_grad[2]
+        ctx.save_for_backward(alpha, grad_scale if grad_scale is not None else row_scale, x if need_dalpha else None)
+        ctx.backend, ctx.alpha_value = backend, alpha_value
+        ctx.x_dtype, ctx.h_dtype = x.dtype, h.dtype
+        ctx.need = (ctx.needs_input_grad[1], need_dalpha)
+
+    @staticmethod
+    def backward(ctx, g_out):
+        alpha, grad_scale, x = ctx.saved_tensors
+        need_dh, need_dalpha = ctx.need
+        if g_out is None:
+            return (None,) * 8
+        dx, dh, _, _, dalpha = residual_norm_bwd(
+            ctx.backend, g_out, None, None, x, None, None, None, alpha, ctx.alpha_value, grad_scale,
+            ctx.x_dtype, ctx.h_dtype if need_dh else None, False, False, need_dalpha)
+        return (dx, dh if need_dh else None, dalpha.to(alpha.dtype).reshape(alpha.shape) if need_dalpha else None,
+                None, None, None, None, None)
+
+
+class LayerNormFn(torch.autograd.Function):
+    """y = LayerNorm(x) * weight + bias, normalised in fp32 registers."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, out_dtype, backend):
+        y, mean, rstd = layer_norm_fwd(backend, x, weight, bias, eps, out_dtype)
+        LayerNormFn.save(ctx, backend, x, weight, bias, mean, rstd)
+        return y
+
+    @staticmethod
+    def save(ctx, backend, x, weight, bias, mean, rstd):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.backend, ctx.x_dtype = backend, x.dtype
+        ctx.need = (ctx.needs_input_grad[1], ctx.needs_input_grad[2])
+
+    @staticmethod
+    def backward(ctx, g_y, *_stats_grads):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        need_dweight, need_dbias = ctx.need
+        if g_y is None:
+            return (None,) * 6
+        dx, _, dweight, dbias, _ = residual_norm_bwd(
+            ctx.backend, None, g_y, x, None, weight, mean, rstd, None, 1.0, None, ctx.x_dtype, None,
+            need_dweight and weight is not None, need_dbias and bias is not None, False)
+        return dx, param_grad(dweight, weight, need_dweight), param_grad(dbias, bias, need_dbias), None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom ops (what torch.compile, opcheck and the dispatcher see). dres:: runs the Triton
+# launches; dres_cuda:: (the csrc extension, defined in C++ with the same schemas) gets the same
+# fake kernels and autograd from dres.ops.csrc_backend.
+
+
+def _rln_fake(x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype):
+    out = x.new_empty(x.shape, dtype=residual_dtype or x.dtype)
+    y = x.new_empty(x.shape, dtype=out_dtype or h.dtype)
+    return (out, y) + _stats(x)
+
+
+def _add_fake(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype):
+    return x.new_empty(x.shape, dtype=residual_dtype or x.dtype)
+
+
+def _ln_fake(x, weight, bias, eps, out_dtype):
+    return (x.new_empty(x.shape, dtype=out_dtype or x.dtype),) + _stats(x)
 
 
 def _bwd_fake(g_out, g_y, normed, x, weight, mean, rstd, alpha, alpha_value, grad_scale, x_dtype, h_dtype,
@@ -146,120 +281,7 @@ def _bwd_fake(g_out, g_y, normed, x, weight, mean, rstd, alpha, alpha_value, gra
     return dx, dh, dweight, dbias, dalpha
 
 
-def _param_grad(grad: Tensor, like: Optional[Tensor], needed: bool) -> Optional[Tensor]:
-    """Cast an fp32 parameter gradient to the parameter's dtype; zeros when the norm got no gradient."""
-    if like is None or not needed:
-        return None
-    if grad.numel() == 0:
-        return torch.zeros_like(like)
-    return grad.to(like.dtype).reshape(like.shape)
-
-
-def _alpha_needs_grad(ctx, alpha_index: int, alpha: Optional[Tensor]) -> bool:
-    return alpha is not None and ctx.needs_input_grad[alpha_index]
-
-
-# ---------------------------------------------------------------------------------------------
-# Autograd
-
-
-def _rln_setup(ctx, inputs, output):
-    x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype = inputs
-    out, y, mean, rstd = output
-    ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(mean, rstd)
-    need_dalpha = _alpha_needs_grad(ctx, 4, alpha)
-    ctx.save_for_backward(out, weight, bias, mean, rstd, alpha, grad_scale if grad_scale is not None else row_scale,
-                          x if need_dalpha else None)
-    ctx.alpha_value = alpha_value
-    ctx.x_dtype, ctx.h_dtype = x.dtype, h.dtype
-    ctx.need = (ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3], need_dalpha)
-
-
-def _rln_backward(backward_op, ctx, g_out, g_y, _g_mean, _g_rstd):
-    out, weight, bias, mean, rstd, alpha, grad_scale, x = ctx.saved_tensors
-    need_dh, need_dweight, need_dbias, need_dalpha = ctx.need
-    if g_out is None and g_y is None:
-        return (None,) * 11
-    dx, dh, dweight, dbias, dalpha = backward_op(
-        g_out, g_y, out, x, weight, mean, rstd, alpha, ctx.alpha_value, grad_scale,
-        ctx.x_dtype, ctx.h_dtype if need_dh else None, need_dweight and weight is not None,
-        need_dbias and bias is not None, need_dalpha,
-    )
-    return (
-        dx, dh if need_dh else None, _param_grad(dweight, weight, need_dweight), _param_grad(dbias, bias, need_dbias),
-        dalpha.to(alpha.dtype).reshape(alpha.shape) if need_dalpha else None,
-        None, None, None, None, None, None,
-    )
-
-
-
-def _add_setup(ctx, inputs, output):
-    x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype = inputs
-    ctx.set_materialize_grads(False)
-    need_dalpha = _alpha_needs_grad(ctx, 2, alpha)
-    ctx.save_for_backward(alpha, grad_scale if grad_scale is not None else row_scale, x if need_dalpha else None)
-    ctx.alpha_value = alpha_value
-    ctx.x_dtype, ctx.h_dtype = x.dtype, h.dtype
-    ctx.need = (ctx.needs_input_grad[1], need_dalpha)
-
-
-def _add_backward(backward_op, ctx, g_out):
-    alpha, grad_scale, x = ctx.saved_tensors
-    need_dh, need_dalpha = ctx.need
-    if g_out is None:
-        return (None,) * 7
-    dx, dh, _, _, dalpha = backward_op(
-        g_out, None, None, x, None, None, None, alpha, ctx.alpha_value, grad_scale,
-        ctx.x_dtype, ctx.h_dtype if need_dh else None, False, False, need_dalpha,
-    )
-    return (
-        dx, dh if need_dh else None,
-        dalpha.to(alpha.dtype).reshape(alpha.shape) if need_dalpha else None, None, None, None, None,
-    )
-
-
-
-def _ln_setup(ctx, inputs, output):
-    x, weight, bias, eps, out_dtype = inputs
-    y, mean, rstd = output
-    ctx.set_materialize_grads(False)
-    ctx.mark_non_differentiable(mean, rstd)
-    ctx.save_for_backward(x, weight, bias, mean, rstd)
-    ctx.x_dtype = x.dtype
-    ctx.need = (ctx.needs_input_grad[1], ctx.needs_input_grad[2])
-
-
-def _ln_backward(backward_op, ctx, g_y, _g_mean, _g_rstd):
-    x, weight, bias, mean, rstd = ctx.saved_tensors
-    need_dweight, need_dbias = ctx.need
-    if g_y is None:
-        return (None,) * 5
-    dx, _, dweight, dbias, _ = backward_op(
-        None, g_y, x, None, weight, mean, rstd, None, 1.0, None, ctx.x_dtype, None,
-        need_dweight and weight is not None, need_dbias and bias is not None, False,
-    )
-    return dx, _param_grad(dweight, weight, need_dweight), _param_grad(dbias, bias, need_dbias), None, None
-
-
-
-# ---------------------------------------------------------------------------------------------
-# The custom ops (what torch.compile, opcheck and the dispatcher see)
-
-residual_layer_norm_op = torch.library.custom_op("dres::residual_layer_norm", mutates_args=())(residual_layer_norm_impl)
-residual_add_op = torch.library.custom_op("dres::residual_add", mutates_args=())(residual_add_impl)
-layer_norm_op = torch.library.custom_op("dres::layer_norm", mutates_args=())(layer_norm_impl)
-residual_norm_backward_op = torch.library.custom_op("dres::residual_norm_backward", mutates_args=())(
-    residual_norm_backward_impl)
-
-
-# ---------------------------------------------------------------------------------------------
-# Registration, shared by every backend whose ops have these schemas: the Triton ops here and the
-# csrc ops (torch.ops.dres_cuda, registered from dres.ops.csrc_backend). The backends differ only
-# in the kernels behind the ops and in which backward op the autograd formulas call.
-
-
-# Fake (meta) kernels by op name. Each backend registers them itself: torch requires the fake of
+# Fake (meta) kernels by op name. Each namespace registers them itself: torch requires the fake of
 # an op defined in C++ to be registered from the module its library names (set_python_module).
 FAKE_IMPLS = {"residual_layer_norm": _rln_fake, "residual_add": _add_fake, "layer_norm": _ln_fake,
               "residual_norm_backward": _bwd_fake}
@@ -273,36 +295,96 @@ def register_fakes(namespace: str) -> None:
         torch.library.register_fake(qualname, with_inductor_fallbacks(qualnames, fake), _stacklevel=2)
 
 
-def register_autograd(residual_layer_norm, residual_add, layer_norm, backward_op) -> None:
-    """Autograd for one backend's forward ops; ``backward_op`` is that backend's backward op."""
-    for op, backward, setup in ((residual_layer_norm, _rln_backward, _rln_setup),
-                                (residual_add, _add_backward, _add_setup),
-                                (layer_norm, _ln_backward, _ln_setup)):
-        torch.library.register_autograd(op, functools.partial(backward, backward_op), setup_context=setup)
+def register_autograd(namespace: str) -> None:
+    """The Functions' save/backward as the autograd of ``torch.ops.<namespace>``'s forward ops; their
+    backward calls that namespace's backward op. The custom ops return (mean, rstd) as outputs and
+    take no backend argument: the backward drops the Function's last (backend) gradient."""
+
+    def rln_setup(ctx, inputs, output):
+        x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype = inputs
+        out, y, mean, rstd = output
+        ctx.mark_non_differentiable(mean, rstd)
+        ResidualLayerNormFn.save(ctx, namespace, x, h, weight, bias, alpha, alpha_value, row_scale, grad_scale, out,
+                                 mean, rstd)
+
+    def add_setup(ctx, inputs, output):
+        x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype = inputs
+        ResidualAddFn.save(ctx, namespace, x, h, alpha, alpha_value, row_scale, grad_scale)
+
+    def ln_setup(ctx, inputs, output):
+        x, weight, bias, eps, out_dtype = inputs
+        y, mean, rstd = output
+        ctx.mark_non_differentiable(mean, rstd)
+        LayerNormFn.save(ctx, namespace, x, weight, bias, mean, rstd)
+
+    for name, fn, setup in (("residual_layer_norm", ResidualLayerNormFn, rln_setup),
+                            ("residual_add", ResidualAddFn, add_setup), ("layer_norm", LayerNormFn, ln_setup)):
+        torch.library.register_autograd(f"{namespace}::{name}", lambda ctx, *grads, fn=fn: fn.backward(ctx, *grads)[:-1],
+                                        setup_context=setup)
 
 
+residual_layer_norm_op = torch.library.custom_op("dres::residual_layer_norm", mutates_args=())(residual_layer_norm_triton)
+residual_add_op = torch.library.custom_op("dres::residual_add", mutates_args=())(residual_add_triton)
+layer_norm_op = torch.library.custom_op("dres::layer_norm", mutates_args=())(layer_norm_triton)
+residual_norm_backward_op = torch.library.custom_op("dres::residual_norm_backward", mutates_args=())(
+    residual_norm_backward_triton)
 register_fakes("dres")
-register_autograd(residual_layer_norm_op, residual_add_op, layer_norm_op, residual_norm_backward_op)
+register_autograd("dres")
+
+
+def _custom_op(backend: str, name: str):
+    """The custom op torch.compile traces for ``backend``: dres:: for Triton, dres_cuda:: for csrc."""
+    return getattr(torch.ops.dres_cuda if backend == "cuda" else torch.ops.dres, name)
 
 
 # ---------------------------------------------------------------------------------------------
-# Eager fast path. Outside torch.compile the ops run through plain autograd.Functions built from
-# the same bodies and the same setup/backward formulas: the custom-op machinery (dispatcher,
-# schema checks, aliasing checks) costs tens of microseconds per call, which at MAE-sized tensors
-# is more than the kernels themselves. torch.compile traces the custom ops instead.
+# Public functions
 
 
-def eager_functions(prefix: str, backward_body, **bodies) -> dict:
-    """``{op name: autograd.Function.apply}`` for one backend's forward bodies and backward body."""
-    formulas = {"residual_layer_norm": (_rln_setup, _rln_backward), "residual_add": (_add_setup, _add_backward),
-                "layer_norm": (_ln_setup, _ln_backward)}
-    functions = {}
-    for name, body in bodies.items():
-        setup, backward = formulas[name]
-        functions[name] = eager_autograd_function(f"{prefix}_{name}", body, setup,
-                                                  functools.partial(backward, backward_body)).apply
-    return functions
+def residual_layer_norm(x, h, weight, bias, alpha=1.0, eps=1e-6, row_scale=None, grad_scale=None,
+                        residual_dtype=None, out_dtype=None, backend=None):
+    """Fused ``out = alpha*x + row_scale[b]*h`` and ``y = LayerNorm(out)``; returns ``(out, y)``.
+
+    x, h: (B, T, D) or (M, D). row_scale, grad_scale: (B,) per-sample factors or None
+    (grad_scale None = row_scale), data: refused if they require grad. alpha: float or 0-dim tensor
+    (gets a gradient if it requires one). eps: a positive float. out has ``residual_dtype``
+    (default x.dtype); y has ``out_dtype`` (default h.dtype).
+    """
+    backend = resolve_backend(backend, x)
+    check_inputs(backend, x, h, weight, bias, alpha, row_scale, grad_scale, residual_dtype, out_dtype)
+    check_eps(eps)
+    if backend == "torch":
+        return reference.residual_layer_norm(x, h, weight, bias, alpha, eps, row_scale, grad_scale,
+                                             residual_dtype, out_dtype)
+    alpha_t, alpha_v = alpha_args(alpha)
+    if torch.compiler.is_compiling():
+        out, y, _, _ = _custom_op(backend, "residual_layer_norm")(
+            x, h, weight, bias, alpha_t, alpha_v, float(eps), row_scale, grad_scale, residual_dtype, out_dtype)
+        return out, y
+    return ResidualLayerNormFn.apply(x, h, weight, bias, alpha_t, alpha_v, float(eps), row_scale, grad_scale,
+                                     residual_dtype, out_dtype, backend)
 
 
-EAGER = eager_functions("Triton", residual_norm_backward_impl, residual_layer_norm=residual_layer_norm_impl,
-                        residual_add=residual_add_impl, layer_norm=layer_norm_impl)
+def residual_add(x, h, alpha=1.0, row_scale=None, grad_scale=None, residual_dtype=None, backend=None):
+    """``out = alpha*x + row_scale[b]*h`` with gradient ``grad_scale[b]*g`` into h (no norm)."""
+    backend = resolve_backend(backend, x)
+    check_inputs(backend, x, h, None, None, alpha, row_scale, grad_scale, residual_dtype)
+    if backend == "torch":
+        return reference.residual_add(x, h, alpha, row_scale, grad_scale, residual_dtype)
+    alpha_t, alpha_v = alpha_args(alpha)
+    if torch.compiler.is_compiling():
+        return _custom_op(backend, "residual_add")(x, h, alpha_t, alpha_v, row_scale, grad_scale, residual_dtype)
+    return ResidualAddFn.apply(x, h, alpha_t, alpha_v, row_scale, grad_scale, residual_dtype, backend)
+
+
+def layer_norm(x, weight, bias, eps=1e-6, out_dtype=None, backend=None):
+    """LayerNorm over the last dimension in fp32; y has ``out_dtype`` (default x.dtype)."""
+    backend = resolve_backend(backend, x)
+    check_inputs(backend, x, None, weight, bias, out_dtype=out_dtype, check_h=False)
+    check_eps(eps)
+    if backend == "torch":
+        return reference.layer_norm(x, weight, bias, eps, out_dtype)
+    if torch.compiler.is_compiling():
+        y, _, _ = _custom_op(backend, "layer_norm")(x, weight, bias, float(eps), out_dtype)
+        return y
+    return LayerNormFn.apply(x, weight, bias, float(eps), out_dtype, backend)

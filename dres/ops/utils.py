@@ -1,0 +1,68 @@
+"""Helpers the op modules (and the models) share. Imports no Triton, so that models can use the
+patch layout without the kernels; the Triton-side helpers live in ``dres.kernels.utils``."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def as_rows(t: Tensor) -> Tensor:
+    """A 2-D (rows, D) view of ``t`` with unit stride along D; copies only when no such view exists.
+
+    Gradients may arrive with any strides (a slice of a larger tensor, an expanded tensor with row
+    stride 0): those keep their strides and the kernels read them in place.
+    """
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return t.contiguous().view(-1, t.shape[-1])
+
+
+def rows_per_sample(t: Tensor, scale: Optional[Tensor]) -> int:
+    """Rows of ``t`` (as (rows, D)) that share one per-sample factor of ``scale`` (B,)."""
+    return 1 if scale is None else (t.numel() // t.shape[-1]) // scale.shape[0]
+
+
+def alpha_args(alpha) -> tuple[Optional[Tensor], float]:
+    """alpha as the ops take it, (tensor or None, float): a tensor is read by the kernel, so a new
+    value needs no recompilation; a Python number is passed by value."""
+    if isinstance(alpha, torch.Tensor):
+        return alpha.reshape(()), 1.0
+    return None, float(alpha)
+
+
+def param_grad(grad: Tensor, like: Optional[Tensor], needed: bool) -> Optional[Tensor]:
+    """An fp32 parameter gradient in the parameter's dtype and shape; zeros when the kernel had none
+    to give (an empty tensor: the op's norm output got no gradient)."""
+    if like is None or not needed:
+        return None
+    if grad.numel() == 0:
+        return torch.zeros_like(like)
+    return grad.to(like.dtype).reshape(like.shape)
+
+
+def patchify(imgs: Tensor, patch_size: int) -> Tensor:
+    """(B, C, H, W) -> (B, L, p*p*C), MAE's and U-ViT's layout: column (pp*p + q)*C + c of patch
+    (i, j) is ``imgs[b, c, i*p + pp, j*p + q]``."""
+    p = patch_size
+    B, C, H, W = imgs.shape
+    x = imgs.reshape(B, C, H // p, p, W // p, p).permute(0, 2, 4, 3, 5, 1)
+    return x.reshape(B, (H // p) * (W // p), p * p * C)
+
+
+def unpatchify(x: Tensor, channels: int) -> Tensor:
+    """(B, L, p*p*C) -> (B, C, H, W) on a square grid of patches, the inverse of :func:`patchify`."""
+    B, L, P = x.shape
+    p = math.isqrt(P // channels)
+    h = math.isqrt(L)
+    if h * h != L or p * p * channels != P:
+        raise ValueError(f"cannot unpatchify {tuple(x.shape)} with {channels} channels: "
+                         f"{L} patches of {P} values do not form a square grid of square patches")
+    x = x.reshape(B, h, h, p, p, channels).permute(0, 5, 1, 3, 2, 4)
+    return x.reshape(B, channels, h * p, h * p)

@@ -1,0 +1,160 @@
+"""What the Triton launchers share: a cached direct launch of compiled kernels, the persistent-grid
+size, reusable fp32 scratch, and the fixed-order column sum that finishes partial reductions.
+
+Kernels and launchers only, like the rest of ``dres.kernels``: no autograd.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+import triton
+import triton.language as tl
+
+
+class CachedLaunch:
+    """Launch a ``@triton.jit`` kernel, calling its compiled binary directly once compiled.
+
+    ``JITFunction.run`` re-derives the specialisation of every argument, looks the kernel up and
+    binds its launcher on each call (tens of microseconds of Python, more than a small kernel's GPU
+    time). Here the first launch of each specialisation goes through Triton as usual and keeps the
+    ``CompiledKernel`` it returns; later launches with the same key call ``CompiledKernel.run``
+    (the signature triton 3.6 and 3.8 share). The key holds what Triton specialises on: constexpr
+    values, tensor dtypes and 16-byte alignment, integer width and divisibility by 16, launch
+    options and the device. Where no compiled kernel comes back (the CPU interpreter, another
+    Triton) or a profiler hook is set, every launch takes Triton's own path.
+
+    ``args``: every kernel parameter in signature order, constexprs included.
+    """
+
+    def __init__(self, kernel: triton.runtime.JITFunction):
+        self.kernel = kernel
+        self.num_args = len(kernel.arg_names)
+        # The CPU interpreter's kernels have no parameter metadata (and nothing compiled to cache).
+        params = getattr(kernel, "params", None)
+        self.constexpr = None if params is None else tuple(p.is_constexpr for p in params)
+        self.compiled: dict[tuple, object] = {}
+
+    def key(self, args: tuple, device_index: int, options: tuple) -> tuple:
+        spec = []
+        for a, is_constexpr in zip(args, self.constexpr):
+            if is_constexpr:
+                spec.append(a)
+            elif isinstance(a, torch.Tensor):
+                spec.append((a.dtype, a.data_ptr() % 16 == 0))
+            elif isinstance(a, bool):
+                spec.append(("i1", a))
+            elif isinstance(a, int):
+                spec.append((a % 16 == 0, a == 1, -(2**31) <= a < 2**31))
+            else:
+                spec.append(type(a))
+        return (device_index, options, *spec)
+
+    def __call__(self, grid: tuple, args: tuple, num_warps: int, num_stages: int | None = None) -> None:
+        if self.constexpr is None or not args[0].is_cuda or _raw_stream is None or _hooks_set():
+            self._launch(grid, args, num_warps, num_stages)
+            return
+        device_index = torch.cuda.current_device()  # where Triton launches, as in JITFunction.run
+        key = self.key(args, device_index, (num_warps, num_stages))
+        compiled = self.compiled.get(key)
+        if compiled is None:
+            compiled = self._launch(grid, args, num_warps, num_stages)
+            if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+                self.compiled[key] = compiled
+            return
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                     _raw_stream(device_index), compiled.function, compiled.packed_metadata, None, None, None, *args)
+
+    def _launch(self, grid, args, num_warps, num_stages):
+        if len(args) != self.num_args:
+            raise TypeError(f"{self.kernel.fn.__name__} takes {self.num_args} arguments, got {len(args)}")
+        options = {"num_warps": num_warps}
+        if num_stages is not None:
+            options["num_stages"] = num_stages
+        return self.kernel[grid](*args, **options)
+
+
+# The current CUDA stream as a raw handle, what a compiled kernel's launcher takes (private torch
+# API, also what Triton itself calls); without it every launch takes Triton's own path.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _hooks_set() -> bool:
+    """A launch hook (a profiler such as proton) wants Triton's own launch path and its metadata."""
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    return runtime is None or runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_programs(device: torch.device, num_tiles: int, programs_per_sm: int = 4) -> int:
+    """Programs for a persistent grid: a few per SM, never more than tiles."""
+    if device.type == "cuda":
+        slots = programs_per_sm * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    else:  # the Triton interpreter on CPU: a handful of programs exercises the strided loop
+        slots = 4
+    return max(1, min(num_tiles, slots))
+
+
+# Scratch for partial sums, kept between calls: one buffer per (device, stream, thread), grown to
+# the largest request. Reuse is safe because kernels on one stream run in launch order, so a later
+# call cannot overwrite partials an earlier one has yet to reduce; the thread is in the key because
+# two threads launching on one stream could interleave. During CUDA-graph capture the scratch is
+# allocated per call: the graph keeps its own copy in its pool, and a cached buffer must not be
+# baked into a graph.
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+SCRATCH_MAX_BYTES = 64 << 20  # larger requests (very wide rows) are allocated per call
+
+
+def scratch_buffer(device: torch.device, numel: int) -> torch.Tensor:
+    """A float32 buffer of ``numel`` elements that the caller may overwrite until it returns."""
+    if numel * 4 > SCRATCH_MAX_BYTES:
+        return torch.empty((numel,), dtype=torch.float32, device=device)
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return torch.empty((numel,), dtype=torch.float32, device=device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key = (device.type, index, torch.cuda.current_stream(index).stream_id, threading.get_ident())
+    else:
+        key = (device.type, device.index, 0, threading.get_ident())
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[key] = torch.empty((numel,), dtype=torch.float32, device=device)
+    return buf[:numel]
+
+
+@triton.jit
+def _sum_partials_kernel(PART, OUT0, OUT1, num_rows, D, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """OUTk[:] = sum over rows of PART[k, :, :] (k = 0, 1), rows added in a fixed order (deterministic)."""
+    k = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < D
+    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
+    base = PART + k * num_rows * D
+    for start in range(0, num_rows, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        mask = (rows < num_rows)[:, None] & col_ok[None, :]
+        acc += tl.load(base + rows[:, None] * D + cols[None, :], mask=mask, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if k == 0:
+        tl.store(OUT0 + cols, total, mask=col_ok)
+    else:
+        tl.store(OUT1 + cols, total, mask=col_ok)
+
+
+_SUM_PARTIALS = CachedLaunch(_sum_partials_kernel)
+
+
+def sum_partials(partials: torch.Tensor, outs: list[torch.Tensor]) -> None:
+    """``outs[k][:] = partials[k].sum(0)`` in a fixed order, for one or two (rows, D) fp32 partials
+    stacked in ``partials`` (k, rows, D), contiguous: one launch for both."""
+    num, rows, dim = partials.shape
+    # Narrow column strips, so that many programs share the partials; each walks all rows in order.
+    block_c = min(32, triton.next_power_of_2(dim))
+    _SUM_PARTIALS((triton.cdiv(dim, block_c), num),
+                  (partials, outs[0], outs[-1], rows, dim, 128, block_c), num_warps=4)
