@@ -154,7 +154,8 @@ def markdown(records: list[dict], card: str) -> str:
     for r in records:
         cells = [f"{r['categories_us'].get(c, 0.0) / 1e3:.1f}" for c in cats]
         wrapping = r.get("dist") or ("fsdp" if r["fsdp"] else "none")  # records before --dist have only "fsdp"
-        lines.append(f"| {r['bench']} {r['model']} | {r['mode']} | {wrapping} | {r['world_size']} | "
+        mode = r["mode"] + (" per block" if r.get("compile_scope") == "per_block" else "")
+        lines.append(f"| {r['bench']} {r['model']} | {mode} | {wrapping} | {r['world_size']} | "
                      f"{r['wall_us_per_step'] / 1e3:.1f} | {r['gpu_busy_pct']:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -332,6 +332,7 @@ def test_profile_train_groups_kernels_by_name():
     table = pt.markdown([rec], "h200")
     assert "| mae timm | compile | none | 1 | 50.0 | 90 |" in table and "| 22.0 |" in table
     assert "| mae timm | eager | fsdp:never | 1 |" in pt.markdown([dict(rec, mode="eager", dist="fsdp:never")], "h200")
+    assert "| mae timm | compile per block | none |" in pt.markdown([dict(rec, compile_scope="per_block")], "h200")
 
 
 def test_profile_union_of_kernel_intervals():
