@@ -131,11 +131,15 @@ setup(
     packages=packages,
     package_dir={"dres": "dres", "dres.kernels": "kernels", "dres.train": "train"},
     package_data={"dres.train": ["presets/*.yaml"]},
-    install_requires=["torch>=2.6", "triton>=3.2; platform_system=='Linux'", "numpy"],
+    # what dres-train / dres-eval import to run: configs (pyyaml), progress (tqdm), image decoding
+    # (pillow), the digits data set and FID's matrix square root (scikit-learn, with scipy)
+    install_requires=["torch>=2.6", "triton>=3.2; platform_system=='Linux'", "numpy", "pyyaml", "tqdm", "pillow",
+                      "scikit-learn>=1.3"],
     extras_require={
-        "dev": ["pytest>=7", "pytest-benchmark>=4", "hypothesis>=6", "timm>=1.0", "pyyaml",
-                "webdataset>=0.2", "scikit-learn>=1.3", "matplotlib>=3.7", "pillow", "tqdm",
-                "tensorboard"],
+        # optional at run time: TensorBoard logs, t-SNE plots (eval.tsne=true), timm model import
+        "extras": ["tensorboard", "matplotlib>=3.7", "timm>=1.0"],
+        "dev": ["pytest>=7", "pytest-benchmark>=4", "hypothesis>=6", "webdataset>=0.2", "tensorboard",
+                "matplotlib>=3.7", "timm>=1.0"],
     },
     entry_points={"console_scripts": ["dres-train=dres.train.cli:main", "dres-eval=dres.train.cli:eval_main"]},
     **cuda_extension_kwargs(),

@@ -4,12 +4,13 @@ augmentation, resumable positions, corrupt and missing input."""
 import io
 import json
 import tarfile
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 
-from dres.data import (DataError, InMemoryLoader, ShardLoader, build_loader, check_split, default_cifar10_dir,
+from dres.data import (CorruptCounter, DataError, InMemoryLoader, ShardLoader, build_loader, check_split, default_cifar10_dir,
                        read_digits, read_shards, rrc_params)
 from dres.train.config import DataConfig
 
@@ -112,7 +113,7 @@ def test_corrupt_samples_and_shards_are_skipped_and_counted(tmp_path):
     data = good.read_bytes()
     (tmp_path / "s-002.tar.gz").write_bytes(data[: len(data) // 2])  # truncated shard
     x, y, bad = read_shards(str(tmp_path / "s-{000..002}.tar.gz"))
-    assert bad.count >= 2  # the bad jpeg and the truncated shard
+    assert bad.count == 1 and bad.damaged == [str(tmp_path / "s-002.tar.gz")]  # the bad jpeg; the truncated shard
     assert 22 <= len(x) < 42 and y[:2].tolist() == [1, 3]
 
 
@@ -139,3 +140,90 @@ def test_brace_notation_matches_webdataset():
     wds = pytest.importorskip("braceexpand")
     for pattern in ("x{0..3}y{a,bc}", "cifar10-train-{000000..000009}.tar.gz"):
         assert braceexpand(pattern) == list(wds.braceexpand(pattern))
+
+
+def _damaged_shards(tmp_path):
+    """s-000: one undecodable sample of three; s-001: 20 good samples; s-002: s-001 cut in half."""
+    _write_shard(tmp_path / "s-000.tar.gz", [("a", _jpeg(10), b"1"), ("b", b"not a jpeg", b"2"), ("c", _jpeg(30), b"3")])
+    good = tmp_path / "s-001.tar.gz"
+    _write_shard(good, [(f"k{i}", _jpeg(i), b"4") for i in range(20)])
+    (tmp_path / "s-002.tar.gz").write_bytes(good.read_bytes()[: len(good.read_bytes()) // 2])
+    return str(tmp_path / "s-{000..002}.tar.gz")
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_lost_data_is_reported_as_it_happens_and_stops_above_the_limit(tmp_path, resident):
+    """Issue 13 item 5: a truncated shard used to lose samples with one line at the very end."""
+    pattern = _damaged_shards(tmp_path)
+    lines = []
+    d = DataConfig(name="wds", path=pattern, img_size=8, gpu_resident=resident, num_workers=0, shuffle_buffer=0,
+                   normalize=False, max_corrupt_frac=0.5)
+    ld = build_loader(d, "train", 4, log=lines.append)
+    for _ in range(3 if resident else 6):
+        ld.next()
+    assert any("s-000.tar.gz:b: " in l and "1 sample(s)" in l for l in lines), lines
+    assert any("s-002.tar.gz: truncated or corrupt shard" in l for l in lines), lines
+    lost = ld.counter.summary()
+    assert lost["corrupt_samples"] == 1 and lost["damaged_shards"] == [str(tmp_path / "s-002.tar.gz")]
+    # the default limit (0.001): one shard in three lost stops the run, naming it
+    with pytest.raises(DataError, match=r"too much unreadable data.*1 of 3 shards lost \(.*s-002.tar.gz\).*"
+                                        r"data.max_corrupt_frac=0.001"):
+        ld = build_loader(DataConfig(name="wds", path=pattern, img_size=8, gpu_resident=resident, num_workers=0,
+                                     shuffle_buffer=0, normalize=False), "train", 4)
+        for _ in range(6):
+            ld.next()
+
+
+def test_lost_data_lines_are_rate_limited():
+    lines = []
+    c = CorruptCounter(lines.append)
+    for i in range(25):
+        c.add(f"x:{i}: OSError", "x")
+    assert len(lines) == CorruptCounter.LOG_FIRST and c.count == 25
+    with mock.patch.object(CorruptCounter, "LOG_EVERY_S", 0.0):
+        c.add("x:25: OSError", "x")
+    assert lines[-1].startswith("[dres] lost data: x:25: OSError (and 15 more since the last report); 26 sample(s)")
+
+
+def test_manifest_sha256_is_checked_before_use(tmp_path):
+    import hashlib
+
+    _write_shard(tmp_path / "s-000.tar.gz", [(f"k{i}", _jpeg(i), b"1") for i in range(8)])
+    _write_shard(tmp_path / "s-001.tar.gz", [(f"k{i}", _jpeg(i), b"2") for i in range(8)])
+    shards = {p.name: {"samples": 8, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+              for p in sorted(tmp_path.glob("s-*.tar.gz"))}
+    (tmp_path / "manifest.json").write_text(json.dumps({"shards": shards}))
+    d = DataConfig(name="wds", path=str(tmp_path / "s-{000..001}.tar.gz"), img_size=8, normalize=False)
+    assert len(build_loader(d, "train", 4)) == 4
+    data = bytearray((tmp_path / "s-001.tar.gz").read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte that might still decode
+    (tmp_path / "s-001.tar.gz").write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"shard .*s-001.tar.gz does not match .*manifest.json \(sha256"):
+        build_loader(d, "train", 4)
+    d.verify_manifest, d.max_corrupt_frac = False, 1.0
+    assert len(build_loader(d, "train", 4, log=lambda m: None)) >= 1  # the user's choice: used as it is
+
+
+def test_labels_beyond_num_classes_are_a_data_error():
+    with pytest.raises(DataError, match=r"labels in the train split of data.name=digits range over \[0, 9\] but "
+                                        r"data.num_classes=5"):
+        build_loader(DataConfig(name="digits", img_size=8, in_chans=1, num_classes=5, mean=[0.3], std=[0.4]), "train", 8)
+
+
+def test_training_summary_records_lost_data(tmp_path):
+    from dres.train.config import build_config
+    from dres.train.loop import Trainer
+    from dres.train.mae import TASK
+
+    pattern = _damaged_shards(tmp_path)
+    cfg = build_config("mae", None, [
+        "data.name=wds", f"data.path={pattern}", "data.img_size=8", "data.normalize=false", "data.aug=none",
+        "data.max_corrupt_frac=0.5", "model.img_size=8", "model.patch_size=4", "model.embed_dim=16",
+        "model.depth=1", "model.num_heads=2", "model.decoder_embed_dim=16", "model.decoder_depth=1",
+        "model.decoder_num_heads=2", "batch_size=8", "steps=1", "log.progress=false", "log.tensorboard=false",
+        f"out={tmp_path / 'run'}"])
+    tr = Trainer(cfg, TASK, log=lambda m: None).setup()
+    tr.fit()
+    tr.finish()
+    lost = json.loads((tmp_path / "run" / "summary.json").read_text())["lost_data"]
+    assert lost["corrupt_samples"] == 1 and lost["damaged_shards"] == [str(tmp_path / "s-002.tar.gz")]

@@ -134,3 +134,107 @@ def test_classify_task_learns_digits(tmp_path):
                     sum([["--set", o] for o in ovr], [])) == 0
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["eval"]["top1"] > 0.5  # chance 0.1
+
+
+def test_dres_eval_writes_eval_json_and_keeps_the_training_summary(tmp_path):
+    """Issue 13 item 8: dres-eval used to overwrite the training summary.json."""
+    out = tmp_path / "run"
+    tiny = ["data.img_size=8", "model.img_size=8", "model.patch_size=4", "model.embed_dim=32", "model.depth=1",
+            "model.num_heads=2", "model.decoder_embed_dim=32", "model.decoder_depth=1", "model.decoder_num_heads=2",
+            "batch_size=32", "steps=2", "log.progress=false", "log.tensorboard=false", "eval.probe=false",
+            "eval.knn=false", "eval.recon=false"]
+    assert cli.main(["mae", "--preset", "quickstart", "--out", str(out)] + sum([["--set", o] for o in tiny], [])) == 0
+    summary = (out / "summary.json").read_text()
+    config = (out / "config.yaml").read_text()
+    assert cli.eval_main([str(out), "--set", "eval.feature=cls"]) == 0
+    assert (out / "summary.json").read_text() == summary and (out / "config.yaml").read_text() == config
+    ev = json.loads((out / "eval.json").read_text())
+    assert ev["step"] == 2 and ev["checkpoint"].endswith("step_00000002.pt") and ev["eval"]["effective_rank"] > 0
+
+
+def test_evaluation_skipped_on_a_streaming_loader_says_why(tmp_path):
+    from types import SimpleNamespace
+
+    import numpy as np
+    from PIL import Image
+
+    from dres.train.common import eval_loader
+
+    for c in ("a", "b"):
+        (tmp_path / c).mkdir()
+        Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / c / "0.png")
+    cfg = build_config("mae", "quickstart", ["data.name=imagefolder", f"data.path={tmp_path}", f"data.val_path={tmp_path}",
+                                             "data.gpu_resident=false", "data.num_workers=0"])
+    lines = []
+    tr = SimpleNamespace(cfg=cfg, device="cpu", log=lines.append)
+    assert eval_loader(tr, "val", 8) is None
+    assert lines == ["[dres] evaluation on the val split skipped: the streaming data.name=imagefolder loader has no "
+                     "in-order pass; evaluate a subset in memory with dres-eval RUN --set data.gpu_resident=true "
+                     "--set data.limit=N --set data.val_limit=M"]
+
+
+def _install_requires() -> list:
+    """setup.py's install_requires, read without running setup()."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "setup.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "install_requires":
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py has no install_requires")
+
+
+def _imported_by_the_package() -> set:
+    """Top-level module names that the package's own sources import (what its dependencies import
+    opportunistically is theirs to declare)."""
+    import ast
+    from pathlib import Path
+
+    root, names = Path(__file__).resolve().parents[1], set()
+    for folder in ("dres", "train", "kernels"):
+        for f in (root / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.Import):
+                    names.update(a.name.split(".")[0] for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names.add(node.module.split(".")[0])
+    return names
+
+
+def _closure(requirements) -> set:
+    """The distributions a plain ``pip install .`` brings: the requirements and theirs, recursively."""
+    import importlib.metadata as md
+
+    from packaging.requirements import Requirement
+
+    seen, todo = set(), [Requirement(r) for r in requirements]
+    while todo:
+        r = todo.pop()
+        name = r.name.lower().replace("_", "-")
+        if name in seen or (r.marker is not None and not r.marker.evaluate({"extra": ""})):
+            continue
+        seen.add(name)
+        try:
+            todo.extend(Requirement(q) for q in (md.requires(r.name) or []))
+        except md.PackageNotFoundError:
+            pass
+    return seen
+
+
+def test_install_requires_covers_what_training_and_evaluation_import(tmp_path):
+    """Issue 13 item 11: dres-train imported pyyaml, tqdm, pillow and scikit-learn, which only the [dev]
+    extra installed."""
+    import importlib.metadata as md
+
+    script = ("import sys\nfrom dres.train import cli\n"
+              f"assert cli.main({['mae', '--preset', 'quickstart', '--out', str(tmp_path / 'run'), '--set', 'steps=2', '--set', 'log.tensorboard=false', '--set', 'eval.probe_epochs=1', '--set', 'batch_size=32']!r}) == 0\n"
+              "print(' '.join(sorted({m.split('.')[0] for m in sys.modules})))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loaded = set(r.stdout.strip().splitlines()[-1].split())
+    modules = (loaded & _imported_by_the_package()) - set(sys.stdlib_module_names) - {"dres"}
+    dists = md.packages_distributions()
+    used = {d.lower().replace("_", "-") for m in modules for d in dists.get(m, [])}
+    missing = used - _closure(_install_requires())
+    assert not missing, f"imported at run time but not installed by `pip install .`: {sorted(missing)}"

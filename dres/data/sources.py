@@ -55,7 +55,8 @@ class CorruptCounter:
     def add(self, what: str, shard: str = "", damaged: bool = False):
         """One lost sample (or, with ``damaged``, the unread rest of ``shard``)."""
         if damaged:
-            self.damaged.append(shard)
+            if shard not in self.damaged:  # a streaming loader meets it again every epoch
+                self.damaged.append(shard)
         else:
             self.count += 1
         if len(self.examples) < 20:

@@ -4,6 +4,10 @@ The expected file is the TorchScript Inception-v3 used by the StyleGAN2-ADA / ED
 (``inception-2015-12-05.pt``, the TF FID graph converted): called as ``net(uint8 NCHW, return_features=True)``
 it returns 2048-d pool features. dres never downloads it; without the path, FID is skipped with a
 message that says so.
+
+Trust boundary: a TorchScript file is a program, and ``torch.jit.load`` runs the code it holds (there
+is no weights-only mode for it). The path given as ``eval.fid_inception`` is therefore trusted code:
+use the published file (check its hash) or one you made, never an unverified download.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ class FIDUnavailable(RuntimeError):
 
 
 def load_inception(path: str, device="cpu"):
+    """The TorchScript Inception at ``path`` (trusted code: see the module docstring)."""
     if not path:
         raise FIDUnavailable("FID skipped: no Inception weights given (set eval.fid_inception=/path/to/"
                              "inception-2015-12-05.pt, the TorchScript FID Inception of StyleGAN2-ADA/EDM)")
