@@ -84,7 +84,8 @@ def _mae_loss_kernel(
     weight = tl.load(MASK + b * stride_mask_b + patch * stride_mask_l, mask=row_ok, other=0.0).to(tl.float32)
     mask_sum = tl.load(MASK_SUM).to(tl.float32)
     # An all-zero mask counts no patch: loss 0 and zero gradient rather than 0 / 0.
-    weight = weight * tl.where(mask_sum != 0.0, 1.0 / mask_sum, 0.0)
+    counted = mask_sum != 0.0
+    weight = tl.where(counted, weight / tl.where(counted, mask_sum, 1.0), 0.0)
     tl.store(ROW_TERMS + rows, weight * (tl.sum(diff * diff, axis=1) / P), mask=row_ok)
 
     if NEED_DPRED:
