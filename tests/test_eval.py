@@ -89,3 +89,121 @@ def test_grids_and_tsne_png(tmp_path):
     x, y = _blobs(200)
     tsne_plot(x, y, tmp_path / "t.png")
     assert (tmp_path / "t.png").stat().st_size > 1000
+
+
+# ------------------------------------------------------------------ curves over training, FD (issue 18)
+
+def test_curve_points_keep_the_last_record_of_a_step_and_plot_several_runs(tmp_path):
+    from dres.eval import plot_curves, read_points, record_point
+
+    record_point(tmp_path / "run", {"step": 2, "epoch": 0.5, "knn_acc": 0.3})
+    record_point(tmp_path / "run", {"step": 4, "epoch": 1.0, "knn_acc": 0.4, "note": "text is not drawn"})
+    png = record_point(tmp_path / "run", {"step": 2, "epoch": 0.5, "knn_acc": 0.35})  # a resumed run repeats step 2
+    assert [(p["step"], p["knn_acc"]) for p in read_points(tmp_path / "run" / "curves.jsonl")] == [(2, 0.35), (4, 0.4)]
+    assert (tmp_path / "run" / "curves.png").stat().st_size > 1000 and png.endswith("curves.png")
+    pts = read_points(tmp_path / "run" / "curves.jsonl")
+    plot_curves({"a": pts, "b": [{"step": 1, "epoch": 0.2, "knn_acc": 0.1}]}, tmp_path / "two.png", ["knn_acc"])
+    assert (tmp_path / "two.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="no numeric metric"):
+        plot_curves({"a": [{"step": 1, "epoch": 0.1}]}, tmp_path / "none.png")
+
+
+def test_knn_runs_on_the_features_device():
+    x, y = _blobs()
+    acc = knn_accuracy(x[:400].double(), y[:400], x[400:].double(), y[400:], k=5)
+    assert acc == knn_accuracy(x[:400], y[:400], x[400:], y[400:], k=5) and acc > 0.95
+
+
+def test_quickstart_records_curves_every_eval_every_steps(tmp_path):
+    """MAE on the digits with eval.every: one point per eval.every steps and one at the end, with
+    the probe / kNN / effective-rank keys, a PNG beside them, the final full evaluation kept."""
+    import json
+
+    from dres.train import cli
+
+    out = tmp_path / "qs"
+    assert cli.main(["mae", "--preset", "quickstart", "--out", str(out)] + sum([["--set", o] for o in [
+        "steps=7", "eval.every=3", "log.every=7", "model.depth=2", "model.decoder_depth=1", "batch_size=64",
+        "eval.probe_epochs=2", "eval.curve_probe_epochs=2", "eval.recon=false", "log.progress=false",
+        "log.tensorboard=false", "optim.warmup_steps=1"]], [])) == 0
+    points = [json.loads(l) for l in (out / "curves.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in points] == [3, 6, 7]
+    for p in points:
+        assert {"epoch", "linear_probe_acc", "linear_probe_train_acc", "knn_acc", "effective_rank"} <= set(p)
+        assert 0 <= p["knn_acc"] <= 1 and p["effective_rank"] >= 1
+    assert (out / "curves.png").stat().st_size > 1000
+    final = json.loads((out / "summary.json").read_text())["eval"]
+    assert {"linear_probe_acc", "knn_acc", "effective_rank"} <= set(final)
+
+
+TINY_DIGITS_8 = ["data.name=digits", "data.img_size=8", "data.in_chans=1", "data.aug=none", "model.img_size=8",
+                 "model.in_chans=1", "model.embed_dim=32", "model.depth=2", "model.num_heads=2",
+                 "log.progress=false", "log.tensorboard=false", "optim.warmup_steps=1", "compile=false"]
+
+
+def _tiny_classifier(out):
+    from dres.train import cli
+
+    assert cli.main(["classify", "--preset", "classify_cifar10", "--out", str(out)] + sum([["--set", o] for o in
+                    TINY_DIGITS_8 + ["data.mean=[0.3]", "data.std=[0.4]", "model.patch_size=4", "batch_size=64",
+                                     "steps=4"]], [])) == 0
+    return out
+
+
+def test_classifier_frechet_distance_of_a_trained_dres_classifier(tmp_path):
+    import numpy as np
+
+    from dres.eval import ClassifierFeatures, classifier_frechet_distance
+    from dres.train.classify import load_trained
+
+    run = _tiny_classifier(tmp_path / "clf")
+    model, cfg = load_trained(run)
+    ckpt = sorted((run / "checkpoints").glob("step_*"))[-1]
+    again, _ = load_trained(ckpt)  # one checkpoint of the run reads the same weights
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values())
+               if torch.is_tensor(a))
+    state = torch.get_rng_state()
+    load_trained(run)
+    assert torch.equal(state, torch.get_rng_state())  # building it leaves the caller's random state alone
+    net = ClassifierFeatures(model, cfg.data.mean, cfg.data.std)
+    g = torch.Generator().manual_seed(0)
+    real = torch.randint(0, 256, (300, 1, 8, 8), generator=g, dtype=torch.uint8)
+    assert net(real[:5]).shape == (5, 32)
+    # pre_logits is the head's input: the classifier's logits from it
+    x = (real[:5].float() / 255 - 0.3) / 0.4
+    torch.testing.assert_close(model.head(model.pre_logits(x)), model(x))
+    assert classifier_frechet_distance(net, real, real) == pytest.approx(0.0, abs=1e-6)
+    other = (real.float() * 0.3).to(torch.uint8)
+    fd = classifier_frechet_distance(net, other, real)
+    from dres.eval.fid import batched_features, frechet_distance, stats
+
+    f1, f2 = batched_features(net, other), batched_features(net, real)
+    assert fd == pytest.approx(frechet_distance(*stats(f1), *stats(f2))) and fd > 0
+    assert np.isfinite(fd)
+    with pytest.raises(FileNotFoundError, match="neither a classify run directory nor a checkpoint"):
+        load_trained(tmp_path)
+
+
+def test_uvit_evaluation_reports_fd_cifar_classifier(tmp_path, capsys):
+    import json
+
+    from dres.train import cli
+    from dres.train.config import ConfigError, build_config
+
+    run = _tiny_classifier(tmp_path / "clf")
+    out = tmp_path / "uvit"
+    assert cli.main(["uvit", "--preset", "uvit_cifar10", "--out", str(out)] + sum([["--set", o] for o in
+                    TINY_DIGITS_8 + ["data.mean=[0.5]", "data.std=[0.5]", "model.patch_size=2", "batch_size=32",
+                                     "steps=4", "eval.every=2", "eval.steps=2", "eval.n_samples=8",
+                                     "eval.probe_epochs=2", "eval.curve_probe_epochs=2", "eval.max_train=128",
+                                     "eval.max_test=64", "eval.fid_samples=40", f"eval.fd_classifier={run}"]],
+                                                                              [])) == 0
+    ev = json.loads((out / "summary.json").read_text())["eval"]
+    assert ev["fd_cifar_classifier_dpm2"] > 0 and not any(k.startswith("fid") for k in ev)
+    assert (out / ev["samples_png"].split("/")[-1]).exists()
+    assert {"probe_t0.1_linear_probe_acc", "probe_t0.1_knn_acc", "probe_t0.1_effective_rank"} <= set(ev)
+    points = [json.loads(l) for l in (out / "curves.jsonl").read_text().splitlines()]
+    assert [p["step"] for p in points] == [2, 4] and "probe_t0.1_linear_probe_acc" in points[0]
+    assert "FID skipped: no Inception weights given" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="eval.fd_classifier' must be a classify run directory"):
+        build_config("uvit", "uvit_cifar10", [f"eval.fd_classifier={tmp_path / 'missing'}"])

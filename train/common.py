@@ -27,6 +27,8 @@ def model_kwargs(cls, cfg) -> dict:
             print(f"[dres] note: {cls.__name__} does not take {', '.join(ignored)}; ignored")
     if "droppath_seed" in params:
         kw["droppath_seed"] = cfg.seed
+    if "zero_init" in kw:  # the config's words; the models take None (their own rule) / True / False
+        kw["zero_init"] = {"auto": None, "true": True, "false": False}[kw["zero_init"]]
     return kw
 
 

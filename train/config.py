@@ -77,6 +77,10 @@ class ModelConfig:
     num_classes: int = 0
     global_pool: str = "cls"      # classifier head input: cls | avg
     attn_impl: str = "sdpa"
+    # zero the last Linear of every branch (ViT: attention proj, MLP fc2; timm ResNet: the last BN):
+    # auto (ViTs: when alpha_min < 1; ResNets: timm's default, on) | true (the decayed-shortcut authors'
+    # code, also at alpha_min 1) | false. The official MAE's SkipLayer ends start at zero whatever this says.
+    zero_init: str = "auto"
     backend: typing.Optional[str] = None  # dres.ops backend: None (Triton on CUDA, reference on CPU) | torch | triton
 
 
@@ -133,8 +137,14 @@ class EvalConfig:
     probe_block: int = -1     # U-ViT feature probe: block index (-1: mid block)
     probe_t: float = 0.1      # and noise level (continuous time in [0, 1])
     fid_inception: str = ""   # path to TorchScript Inception (inception-2015-12-05.pt)
-    fid_samples: int = 10000
-    every: int = 0            # evaluate every N steps during training (0: only at the end)
+    fid_samples: int = 10000  # generated (and real) images for FID and fd_cifar_classifier
+    # Frechet distance in the penultimate features of a classifier trained by dres (a classify run
+    # directory or checkpoint): reported as fd_cifar_classifier, not comparable to published FID
+    fd_classifier: str = ""
+    # every N steps during training (0: never) a cheap evaluation (MAE: kNN, a curve_probe_epochs
+    # probe, effective rank) appended to <out>/curves.jsonl and plotted to <out>/curves.png
+    every: int = 0
+    curve_probe_epochs: int = 20
 
 
 @dataclass
@@ -172,6 +182,7 @@ CHOICES = {
     "data.name": ("digits", "cifar10_wds", "wds", "imagefolder", "cifar_tv", "synthetic"),
     "data.aug": ("rrc_flip", "flip", "none"), "model.droppath_mode": ("drop_path", "residual_droppath", "none"),
     "model.arch": ("vit", "resnet18", "resnet50", "resnet50d"),
+    "model.zero_init": ("auto", "true", "false"),
     "model.variant": ("baseline", "official", "paper"), "model.schedule": ("linspace", "paper"), "optim.schedule": ("cosine", "constant"),
     "ckpt.format": ("auto", "file", "dcp"), "eval.sampler": ("dpm", "em"), "eval.feature": ("cls", "mean"),
 }
@@ -336,6 +347,9 @@ def validate(cfg: Config) -> None:
     need(cfg.ckpt.every >= 0, "ckpt.every", "must be >= 0 (0: only at the end)")
     need(cfg.ckpt.keep >= 0, "ckpt.keep", "must be >= 0 (0: keep all)")
     need(cfg.eval.every >= 0, "eval.every", "must be >= 0")
+    need(cfg.eval.curve_probe_epochs > 0, "eval.curve_probe_epochs", "must be a positive integer")
+    need(not cfg.eval.fd_classifier or Path(cfg.eval.fd_classifier).exists(), "eval.fd_classifier",
+         "must be a classify run directory or checkpoint that exists")
     need(d.img_size > 0, "data.img_size", "must be a positive integer")
     need(d.in_chans > 0, "data.in_chans", "must be a positive integer")
     need(d.limit >= 0, "data.limit", "must be >= 0")

@@ -5,6 +5,7 @@ A *task* (``mae.py``, ``uvit.py``, ``classify.py``) supplies only what differs:
     task.build_model(cfg) -> nn.Module
     task.loss(model, batch, cfg) -> (loss, {name: tensor})      # one micro-batch, under autocast
     task.evaluate(trainer) -> {name: value}                      # probes, samples, ...
+    task.curve(trainer) -> {name: value}                         # the cheap one, every eval.every steps
 
 and the :class:`Trainer` composes the rest: data (:mod:`dres.data`), parallelism
 (:mod:`dres.train.distributed`), precision, optimizer and schedule, EMA, ResidualDroppath
@@ -336,8 +337,8 @@ class Trainer:
                 if (cfg.ckpt.every and self.step % cfg.ckpt.every == 0) or last:
                     self._check_finite()
                     self.save()
-                if cfg.eval.every and self.step % cfg.eval.every == 0 and not last:
-                    self.log(f"[dres] eval at step {self.step}: {self.evaluate()}")
+                if cfg.eval.every and (self.step % cfg.eval.every == 0 or last):
+                    self.log(f"[dres] curve point at step {self.step}: {self.curve_point()}")
                     self.model.train()
         finally:
             if bar:
@@ -359,6 +360,19 @@ class Trainer:
         with torch.no_grad():
             res = self.task.evaluate(self)
         return res
+
+    def curve_point(self) -> dict:
+        """The task's cheap evaluation (``task.curve``), recorded with the step and epoch in
+        ``<out>/curves.jsonl`` and drawn to ``<out>/curves.png`` (:mod:`dres.eval.curves`)."""
+        from dres.eval import record_point
+
+        self.model.eval()
+        with torch.no_grad():
+            point = self.task.curve(self)
+        if self.main and point:
+            point = {"step": self.step, "epoch": self.step / max(len(self.loader), 1), **point}
+            record_point(self.out, point)
+        return point
 
     def finish(self, eval_metrics: dict | None = None, *, eval_only=False):
         """Write the results: after training ``summary.json`` (evaluation under "eval"); after an

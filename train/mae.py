@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from dres.eval import mae_reconstruction_grid, representation_metrics, tsne_plot
 from dres.train.common import eval_loader, features, model_kwargs
 
 
@@ -26,9 +27,42 @@ class MAETask:
         loss, _, _ = model(batch["image"])
         return loss, {}
 
-    def evaluate(self, tr) -> dict:
-        from dres.eval import effective_rank, knn_accuracy, linear_probe, mae_reconstruction_grid, tsne_plot
+    def _representation(self, tr, model, probe_epochs, tsne=False) -> dict:
+        """Probe / kNN / effective rank of the encoder's features (eval.layer, eval.feature; the rank
+        of the class token) on the train and val splits, and a t-SNE plot of the val features when
+        ``tsne``; {} when either split is missing."""
+        cfg, e = tr.cfg, tr.cfg.eval
+        if not (e.probe or e.knn or e.effective_rank or tsne):
+            return {}
+        train, val = eval_loader(tr, "train", 256), eval_loader(tr, "val", 256)
+        if train is None or val is None:
+            return {}
 
+        def fn(x):
+            return model.forward_features(x, e.layer)[e.feature]
+
+        xtr, ytr = features(tr, fn, train, e.max_train)
+        xte, yte = features(tr, fn, val, e.max_test)
+        cls = None
+        if e.effective_rank and e.feature != "cls":
+            cls = features(tr, lambda x: model.forward_features(x, e.layer)["cls"], train, e.max_train)[0]
+        res = representation_metrics(xtr, ytr, xte, yte, rank_features=cls, probe=e.probe, knn=e.knn,
+                                     rank=e.effective_rank, probe_epochs=probe_epochs, probe_lr=e.probe_lr,
+                                     probe_batch=e.probe_batch, probe_wd=e.probe_wd, knn_k=e.knn_k,
+                                     num_classes=cfg.data.num_classes, seed=cfg.seed, device=tr.device)
+        if tsne:
+            res["tsne_png"] = tsne_plot(xte, yte, tr.out / f"tsne_step{tr.step}.png", seed=cfg.seed)
+        return res
+
+    def curve(self, tr) -> dict:
+        """The eval.every point: the representation metrics with an eval.curve_probe_epochs probe."""
+        model = tr.full_state_copy()
+        if not tr.main:
+            return {}
+        model.eval()
+        return self._representation(tr, model, tr.cfg.eval.curve_probe_epochs)
+
+    def evaluate(self, tr) -> dict:
         cfg, e = tr.cfg, tr.cfg.eval
         model = tr.full_state_copy()
         if not tr.main:
@@ -44,28 +78,7 @@ class MAETask:
             with tr.autocast():
                 path = mae_reconstruction_grid(model, imgs, tr.out / f"recon_step{tr.step}.png", mean, std)
             res["recon_png"] = path
-        if not (e.probe or e.knn or e.effective_rank or e.tsne):
-            return res
-        train = eval_loader(tr, "train", 256)
-        if train is None or val is None:
-            return res
-
-        def fn(x):
-            return model.forward_features(x, e.layer)[e.feature]
-
-        xtr, ytr = features(tr, fn, train, e.max_train)
-        xte, yte = features(tr, fn, val, e.max_test)
-        if e.probe:
-            res.update(linear_probe(xtr, ytr, xte, yte, epochs=e.probe_epochs, lr=e.probe_lr, batch_size=e.probe_batch,
-                                    weight_decay=e.probe_wd, num_classes=d.num_classes, seed=cfg.seed, device=tr.device))
-        if e.knn:
-            res["knn_acc"] = knn_accuracy(xtr, ytr, xte, yte, k=e.knn_k, num_classes=d.num_classes)
-        if e.effective_rank:
-            cls = xtr if e.feature == "cls" else features(tr, lambda x: model.forward_features(x, e.layer)["cls"],
-                                                          train, e.max_train)[0]
-            res["effective_rank"] = effective_rank(cls)["effective_rank"]
-        if e.tsne:
-            res["tsne_png"] = tsne_plot(xte, yte, tr.out / f"tsne_step{tr.step}.png", seed=cfg.seed)
+        res.update(self._representation(tr, model, e.probe_epochs, tsne=e.tsne))
         return res
 
 

@@ -1,6 +1,8 @@
 """U-ViT diffusion training (continuous VP-SDE, noise prediction, EMA) and evaluation: a sample
-grid (DPM-Solver or Euler-Maruyama), a linear probe of features at a chosen block and noise level,
-and FID when the Inception weights are given.
+grid (DPM-Solver or Euler-Maruyama), a linear probe (and kNN, effective rank) of features at a chosen
+block and noise level, FID when the Inception weights are given, and ``fd_cifar_classifier`` (the
+Frechet distance in a dres-trained classifier's features, not comparable to FID) when
+``eval.fd_classifier`` names a classify run.
 
     dres-train uvit --preset uvit_cifar10
 """
@@ -35,8 +37,49 @@ class UViTTask:
 
         return noise_prediction_loss(model, batch["image"], self.sde, y=self._labels(cfg, batch)), {}
 
+    def _probe(self, tr, model, probe_epochs) -> dict:
+        """Probe / kNN / effective rank of the features after eval.probe_block (-1: the mid block) at
+        noise level eval.probe_t, keys prefixed ``probe_t<t>_``; {} when a split is missing."""
+        from dres.eval import representation_metrics
+
+        cfg, e = tr.cfg, tr.cfg.eval
+        train, val = eval_loader(tr, "train", 256), eval_loader(tr, "val", 256)
+        if not e.probe or train is None or val is None:
+            return {}
+
+        def fn(img):
+            # a fixed noise draw per batch position keeps the probe deterministic
+            gen = torch.Generator(device=img.device).manual_seed(cfg.seed + 17)
+            noise = torch.randn(img.shape, generator=gen, device=img.device)
+            t = torch.full((img.shape[0],), e.probe_t, device=img.device)
+            xt = self.sde.perturb(img, t, noise)
+            block = e.probe_block if e.probe_block >= 0 else model.num_in_blocks
+            return model.features(xt, t * 999, block)
+
+        xtr, ytr = features(tr, fn, train, e.max_train)
+        xte, yte = features(tr, fn, val, e.max_test)
+        r = representation_metrics(xtr, ytr, xte, yte, probe_epochs=probe_epochs, probe_lr=e.probe_lr,
+                                   probe_batch=e.probe_batch, knn_k=e.knn_k, num_classes=cfg.data.num_classes,
+                                   seed=cfg.seed, device=tr.device)
+        return {f"probe_t{e.probe_t}_" + k: v for k, v in r.items()}
+
+    def curve(self, tr) -> dict:
+        """The eval.every point: the feature probe with an eval.curve_probe_epochs linear head."""
+        model = tr.full_state_copy()  # EMA weights when kept
+        if not tr.main:
+            return {}
+        return self._probe(tr, model.eval(), tr.cfg.eval.curve_probe_epochs)
+
+    def _sample(self, tr, model, n, sampler, generator=None):
+        cfg, e, d = tr.cfg, tr.cfg.eval, tr.cfg.data
+        y = (torch.arange(n, device=tr.device) % cfg.model.num_classes) if cfg.model.num_classes > 0 else None
+        with tr.autocast():
+            return sampler(model, (n, d.in_chans, d.img_size, d.img_size), self.sde, steps=e.steps, y=y,
+                           device=tr.device, generator=generator)
+
     def evaluate(self, tr) -> dict:
-        from dres.eval import FIDUnavailable, dpm_solver, euler_maruyama, linear_probe, save_grid, to_uint8
+        from dres.eval import (ClassifierFeatures, FIDUnavailable, classifier_frechet_distance, dpm_solver,
+                               euler_maruyama, save_grid, to_uint8)
         from dres.eval import fid as fid_fn
 
         cfg, e, d = tr.cfg, tr.cfg.eval, tr.cfg.data
@@ -46,47 +89,36 @@ class UViTTask:
         model.eval()
         res = {}
         mean, std = (d.mean, d.std) if d.normalize else (None, None)
-        shape = (e.n_samples, d.in_chans, d.img_size, d.img_size)
         g = torch.Generator(device=tr.device).manual_seed(cfg.seed)
-        y = (torch.arange(e.n_samples, device=tr.device) % cfg.model.num_classes) if cfg.model.num_classes > 0 else None
         sampler = dpm_solver if e.sampler == "dpm" else euler_maruyama
-        with tr.autocast():
-            x = sampler(model, shape, self.sde, steps=e.steps, y=y, device=tr.device, generator=g)
+        x = self._sample(tr, model, e.n_samples, sampler, g)
         res["samples_png"] = save_grid(to_uint8(x, mean, std), tr.out / f"samples_step{tr.step}_{e.sampler}{e.steps}.png")
-        if e.probe:
-            train, val = eval_loader(tr, "train", 256), eval_loader(tr, "val", 256)
-            if train is not None and val is not None:
-                def fn(img):
-                    # a fixed noise draw per batch position keeps the probe deterministic
-                    gen = torch.Generator(device=img.device).manual_seed(cfg.seed + 17)
-                    noise = torch.randn(img.shape, generator=gen, device=img.device)
-                    t = torch.full((img.shape[0],), e.probe_t, device=img.device)
-                    xt = self.sde.perturb(img, t, noise)
-                    block = e.probe_block if e.probe_block >= 0 else model.num_in_blocks
-                    return model.features(xt, t * 999, block)
+        res.update(self._probe(tr, model, e.probe_epochs))
+        if not e.fid_inception:
+            tr.log("[dres] FID skipped: no Inception weights given (set eval.fid_inception=/path/to/"
+                   "inception-2015-12-05.pt, the TorchScript FID Inception of StyleGAN2-ADA/EDM)")
+        if not (e.fid_inception or e.fd_classifier):
+            return res
+        val = eval_loader(tr, "val", 500)
+        if val is None:
+            return res
+        real = torch.cat([to_uint8(b["image"], mean, std) for b in val.eval_batches(500)])[:e.fid_samples]
+        fake = torch.cat([to_uint8(self._sample(tr, model, min(500, e.fid_samples - n), sampler), mean, std)
+                          for n in range(0, e.fid_samples, 500)])
+        if e.fd_classifier:
+            from dres.train.classify import load_trained
 
-                xtr, ytr = features(tr, fn, train, e.max_train)
-                xte, yte = features(tr, fn, val, e.max_test)
-                r = linear_probe(xtr, ytr, xte, yte, epochs=e.probe_epochs, lr=e.probe_lr, batch_size=e.probe_batch,
-                                 num_classes=d.num_classes, seed=cfg.seed, device=tr.device)
-                res.update({f"probe_t{e.probe_t}_" + k: v for k, v in r.items()})
-        try:
-            if not e.fid_inception:
-                raise FIDUnavailable("FID skipped: no Inception weights given (set eval.fid_inception=/path/to/"
-                                     "inception-2015-12-05.pt, the TorchScript FID Inception of StyleGAN2-ADA/EDM)")
-            val = eval_loader(tr, "val", 500)
-            real = torch.cat([to_uint8(b["image"], mean, std) for b in val.eval_batches(500)])[:e.fid_samples]
-            fakes, n = [], 0
-            while n < e.fid_samples:
-                b = min(500, e.fid_samples - n)
-                yb = (torch.arange(b, device=tr.device) % cfg.model.num_classes) if y is not None else None
-                with tr.autocast():
-                    xs = sampler(model, (b,) + shape[1:], self.sde, steps=e.steps, y=yb, device=tr.device)
-                fakes.append(to_uint8(xs, mean, std))
-                n += b
-            res[f"fid_{e.sampler}{e.steps}"] = fid_fn(e.fid_inception, torch.cat(fakes), real, device=tr.device)
-        except FIDUnavailable as err:
-            tr.log(f"[dres] {err}")
+            clf, ccfg = load_trained(e.fd_classifier, tr.device)
+            cd = ccfg.data
+            c = cd.in_chans
+            net = ClassifierFeatures(clf, cd.mean[:c] if cd.normalize else [0.0] * c,
+                                     cd.std[:c] if cd.normalize else [1.0] * c, autocast=tr.autocast)
+            res[f"fd_cifar_classifier_{e.sampler}{e.steps}"] = classifier_frechet_distance(net, fake, real, tr.device)
+        if e.fid_inception:
+            try:
+                res[f"fid_{e.sampler}{e.steps}"] = fid_fn(e.fid_inception, fake, real, device=tr.device)
+            except FIDUnavailable as err:
+                tr.log(f"[dres] {err}")
         return res
 
 

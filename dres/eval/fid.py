@@ -1,4 +1,5 @@
-"""FID with the standard Inception weights — only when a path to them is given.
+"""FID with the standard Inception weights — only when a path to them is given — and the same
+Frechet distance in the feature space of a CIFAR classifier trained by dres (``fd_cifar_classifier``).
 
 The expected file is the TorchScript Inception-v3 used by the StyleGAN2-ADA / EDM / ADM metric code
 (``inception-2015-12-05.pt``, the TF FID graph converted): called as ``net(uint8 NCHW, return_features=True)``
@@ -36,14 +37,19 @@ def load_inception(path: str, device="cpu"):
 
 
 @torch.no_grad()
-def inception_features(net, images_uint8: torch.Tensor, batch=200, device="cpu") -> np.ndarray:
+def batched_features(fn, images_uint8: torch.Tensor, batch=200, device="cpu") -> np.ndarray:
+    """``fn(uint8 (b, C, H, W) on device) -> (b, D)`` over the images in batches, as float64."""
     out = []
     for i in range(0, len(images_uint8), batch):
-        x = images_uint8[i:i + batch].to(device)
-        if x.shape[1] == 1:
-            x = x.expand(-1, 3, -1, -1)
-        out.append(net(x, return_features=True).double().cpu())
+        out.append(fn(images_uint8[i:i + batch].to(device)).double().cpu())
     return torch.cat(out).numpy()
+
+
+def inception_features(net, images_uint8: torch.Tensor, batch=200, device="cpu") -> np.ndarray:
+    def fn(x):
+        return net(x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x, return_features=True)
+
+    return batched_features(fn, images_uint8, batch, device)
 
 
 def stats(feats: np.ndarray):
@@ -68,4 +74,32 @@ def fid(inception_path: str, fake_uint8: torch.Tensor, real_uint8: torch.Tensor,
     net = load_inception(inception_path, device)
     f1 = inception_features(net, fake_uint8, device=device)
     f2 = inception_features(net, real_uint8, device=device)
+    return frechet_distance(*stats(f1), *stats(f2))
+
+
+class ClassifierFeatures:
+    """uint8 images -> the penultimate features (``pre_logits``) of a trained classifier, after the
+    classifier's own input normalisation (``mean``/``std`` per channel)."""
+
+    def __init__(self, model, mean, std, autocast=None):
+        self.model, self.autocast = model.eval(), autocast
+        c = len(mean)
+        self.mean, self.std = torch.tensor(mean).view(1, c, 1, 1), torch.tensor(std).view(1, c, 1, 1)
+
+    @torch.no_grad()
+    def __call__(self, images_uint8: torch.Tensor) -> torch.Tensor:
+        x = images_uint8.float() / 255
+        x = (x - self.mean.to(x.device)) / self.std.to(x.device)
+        if self.autocast is None:
+            return self.model.pre_logits(x).float()
+        with self.autocast():
+            return self.model.pre_logits(x).float()
+
+
+def classifier_frechet_distance(features: ClassifierFeatures, fake_uint8: torch.Tensor, real_uint8: torch.Tensor,
+                                device="cpu") -> float:
+    """The Frechet distance between fake and real images in a dres classifier's penultimate feature
+    space: the FID formula with another network, so its values are not comparable to published FID."""
+    f1 = batched_features(features, fake_uint8, device=device)
+    f2 = batched_features(features, real_uint8, device=device)
     return frechet_distance(*stats(f1), *stats(f2))

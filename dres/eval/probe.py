@@ -69,7 +69,7 @@ def _train_head(head, opt, sched, train_x, train_y, epochs, batch_size, g, devic
 
 @torch.no_grad()
 def knn_accuracy(train_x, train_y, test_x, test_y, k=20, temperature=0.07, num_classes=None, chunk=1024):
-    """Weighted kNN top-1 accuracy with cosine similarity."""
+    """Weighted kNN top-1 accuracy with cosine similarity, on the features' device."""
     train_x, test_x = F.normalize(train_x.float(), dim=1), F.normalize(test_x.float(), dim=1)
     c = num_classes or int(max(train_y.max(), test_y.max())) + 1
     k = min(k, len(train_x))
@@ -78,8 +78,8 @@ def knn_accuracy(train_x, train_y, test_x, test_y, k=20, temperature=0.07, num_c
         sim = test_x[i:i + chunk] @ train_x.T
         s, idx = sim.topk(k, dim=1)
         w = (s / temperature).exp()
-        votes = torch.zeros(len(s), c).scatter_add_(1, train_y[idx].long(), w)
-        correct += (votes.argmax(1) == test_y[i:i + chunk]).sum().item()
+        votes = torch.zeros(len(s), c, device=s.device).scatter_add_(1, train_y.to(s.device)[idx].long(), w)
+        correct += (votes.argmax(1) == test_y[i:i + chunk].to(s.device)).sum().item()
     return correct / len(test_x)
 
 

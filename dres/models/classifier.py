@@ -46,11 +46,14 @@ class ViTClassifier(nn.Module):
     def forward_features(self, imgs: torch.Tensor, layer: int = -1) -> dict[str, torch.Tensor]:
         return self.encoder.forward_features(imgs, layer)
 
+    def pre_logits(self, imgs: torch.Tensor) -> torch.Tensor:
+        """The head's input (B, embed_dim): the final-normed class token or mean patch token."""
+        y, _ = self.encoder(imgs)
+        return y[:, 0] if self.global_pool == "cls" else y[:, 1:].mean(dim=1)
+
     def forward(self, imgs: torch.Tensor) -> torch.Tensor:
         """Logits (B, num_classes)."""
-        y, _ = self.encoder(imgs)
-        pooled = y[:, 0] if self.global_pool == "cls" else y[:, 1:].mean(dim=1)
-        return self.head(pooled)
+        return self.head(self.pre_logits(imgs))
 
 
 CLASSIFIER_CONFIGS: dict[str, dict] = {
@@ -76,7 +79,7 @@ class ResNetClassifier(nn.Module):
 
     def __init__(self, arch: str = "resnet50d", num_classes: int = 10, in_chans: int = 3, alpha_min: float = 1.0,
                  schedule: str = "linspace", drop_path: float = 0.0, droppath_mode: str = "drop_path",
-                 droppath_seed: int = 0, backend: Optional[str] = None):
+                 droppath_seed: int = 0, zero_init: Optional[bool] = None, backend: Optional[str] = None):
         super().__init__()
         if arch not in RESNET_ARCHS:
             raise ValueError(f"arch must be one of {RESNET_ARCHS}, got {arch!r}")
@@ -84,7 +87,9 @@ class ResNetClassifier(nn.Module):
 
         from dres.convert_resnet import convert_timm_resnet
 
-        self.net = timm.create_model(arch, pretrained=False, num_classes=num_classes, in_chans=in_chans)
+        # zero_init: timm's zero_init_last (the last BN of every block at zero); None keeps timm's default
+        extra = {} if zero_init is None else {"zero_init_last": zero_init}
+        self.net = timm.create_model(arch, pretrained=False, num_classes=num_classes, in_chans=in_chans, **extra)
         convert_timm_resnet(self.net, alpha_min, schedule, drop_path, droppath_mode, backend, droppath_seed)
         self.net.to(memory_format=torch.channels_last)
 
@@ -96,6 +101,11 @@ class ResNetClassifier(nn.Module):
         from dres.convert_resnet import residual_blocks
 
         return residual_blocks(self.net)
+
+    def pre_logits(self, imgs: torch.Tensor) -> torch.Tensor:
+        """The head's input (B, num_features): the globally pooled last feature map."""
+        x = self.net.forward_features(imgs.contiguous(memory_format=torch.channels_last))
+        return self.net.forward_head(x, pre_logits=True)
 
     def forward(self, imgs: torch.Tensor) -> torch.Tensor:
         """Logits (B, num_classes)."""

@@ -1,0 +1,614 @@
+"""Reproduce the papers' claims at CIFAR scale (issue 18): the arm matrix, a runner that trains a
+chosen subset of arms in parallel (one per GPU) and writes one JSON record per finished arm, a
+planner for a device-time budget, and the report (RESULTS.md and curve figures) built from the
+records alone: an arm without a record is "not run yet", never a number.
+
+    python -m benchmarks.repro --list
+    python -m benchmarks.repro --plan --epochs 50 --gpus 2 --budget-min 9 --img-per-s mae=40000,classify=20000,uvit=8000
+    python -m benchmarks.repro --run A.2x2 --epochs 50 --gpus 2 --root /tmp/dres-repro --records "$OUT/repro" \
+        --commit <sha>
+    python -m benchmarks.repro --report                       # results/repro/*.json -> RESULTS.md + figures
+
+Every arm of one call trains for the same ``--epochs`` (a claim's arms must share it: the report
+shows the epochs of every row); nothing is tuned per arm. Runs go to ``--root/<arm>`` with
+``--resume auto``, so a call killed at its time limit continues in the next call on the same machine;
+an arm with a record is skipped unless ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RECORDS_DIR = REPO_ROOT / "results" / "repro"
+RESULTS_MD = REPO_ROOT / "RESULTS.md"
+NOTES_FILE = "notes.md"  # the hand-written verdict per claim ("## A", "## B", "## C"), embedded by the report
+CURVE_POINTS = 10  # curve points per run: every ~10% of it
+TRAIN_SIZES = {"cifar10_wds": 50000, "cifar_tv": 50000}  # to turn epochs into the eval.every step count
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    claim: str                      # A | B | C
+    group: str                      # one setting; its seeds are averaged in the report
+    task: str
+    preset: str
+    overrides: tuple[str, ...]
+    seed: int
+    tags: tuple[str, ...]           # selectors for --run, e.g. "A.2x2"
+    needs: tuple[str, ...] = ()     # arms whose run directory this one reads (B: the FD classifier)
+    paper: tuple[tuple[str, float], ...] = ()  # (what, value) from the papers, for the report
+    labels: dict = field(default_factory=dict, compare=False, hash=False)  # table columns of the setting
+
+
+# ------------------------------------------------------------------------------------------------
+# The matrix (issue 18). Papers' numbers: ../shared/DESIGN.md and the issue text.
+
+MAE_PAPER = {
+    ("official", 1.0): (("IN-100 ViT-B/16 probe", 76.5), ("IN-100 ViT-S/16 probe", 69.2),
+                        ("IN-1K ViT-B/16 probe", 67.8), ("IN-1K ViT-B/16 kNN", 27.4)),
+    ("official", 0.8): (("IN-100 ViT-B/16 probe", 79.8),),
+    ("official", 0.7): (("IN-100 ViT-B/16 probe", 81.8),),
+    ("official", 0.6): (("IN-100 ViT-B/16 probe", 83.6), ("IN-100 ViT-S/16 probe", 78.5),
+                        ("IN-1K ViT-B/16 probe", 72.7), ("IN-1K ViT-B/16 kNN", 63.9)),
+    ("official", 0.5): (("IN-100 ViT-B/16 probe", 82.3),),
+    ("baseline", 0.6): (("IN-100 ViT-B/16 probe, decayed without encoder-decoder skips", 61.5),),
+}
+UVIT_PAPER = {1.0: (("CIFAR-100 probe", 62.5), ("CIFAR-100 FID (Inception)", 14.3)),
+              0.7: (("CIFAR-100 probe", 66.9), ("CIFAR-100 FID (Inception)", 9.0))}
+RDP_PAPER = {("resnet50d", "none"): 89.55, ("resnet50d", "drop_path"): 89.84,
+             ("resnet50d", "residual_droppath"): 90.84, ("resnet50", "none"): 88.07}
+CLASSIFY_PRESETS = {"resnet50d": "classify_resnet50d_cifar10", "resnet50": "classify_resnet50_cifar10",
+                    "vit": "classify_cifar10"}
+MODES = ("none", "drop_path", "residual_droppath")
+FD_CLASSIFIER_ARM = "C-vit-none-s0"
+
+
+def _mae_arm(variant, alpha, seed, tag):
+    # the authors' code zero-initialises every branch end even at alpha_min 1 with skips
+    zero_init = "true" if (variant, alpha) == ("official", 1.0) else "auto"
+    group = f"A-{variant}-a{alpha}"
+    return Arm(f"{group}-s{seed}", "A", group, "mae", "mae_cifar10",
+               (f"model.variant={variant}", f"model.alpha_min={alpha}", f"model.zero_init={zero_init}"), seed,
+               (tag,), paper=MAE_PAPER.get((variant, alpha), ()),
+               labels={"variant": variant, "alpha_min": alpha, "zero_init": zero_init})
+
+
+def _classify_arm(arch, mode, seed):
+    group = f"C-{arch}-{mode}"
+    paper = ((f"CIFAR-10 {arch} top-1", RDP_PAPER[(arch, mode)]),) if (arch, mode) in RDP_PAPER else ()
+    return Arm(f"{group}-s{seed}", "C", group, "classify", CLASSIFY_PRESETS[arch], (f"model.droppath_mode={mode}",),
+               seed, (f"C.{arch}.s{seed}", f"C.{arch}"), paper=paper, labels={"arch": arch, "mode": mode})
+
+
+def _uvit_arm(alpha, seed):
+    group = f"B-uvit-a{alpha}"
+    return Arm(f"{group}-s{seed}", "B", group, "uvit", "uvit_cifar10", (f"model.alpha_min={alpha}",), seed,
+               ("B",), needs=(FD_CLASSIFIER_ARM,), paper=UVIT_PAPER[alpha], labels={"alpha_min": alpha})
+
+
+def build_matrix() -> list[Arm]:
+    """Every arm, in priority order (what a budget should buy first comes first)."""
+    arms = [_mae_arm(v, a, 0, "A.2x2") for v in ("baseline", "official") for a in (1.0, 0.6)]
+    arms += [_classify_arm("resnet50d", m, 0) for m in MODES]
+    arms += [_mae_arm("official", a, 0, "A.sweep") for a in (0.5, 0.7, 0.8)]
+    arms += [_mae_arm("baseline", 1.0, 1, "A.seeds"), _mae_arm("official", 0.6, 1, "A.seeds")]
+    arms += [_classify_arm("vit", m, 0) for m in MODES]
+    arms += [_uvit_arm(a, 0) for a in (1.0, 0.7)]
+    arms += [_classify_arm("resnet50d", m, 1) for m in MODES]
+    arms += [_classify_arm("resnet50", m, 0) for m in MODES]
+    return arms
+
+
+MATRIX = build_matrix()
+BY_NAME = {a.name: a for a in MATRIX}
+
+
+def select(spec: str, matrix=MATRIX) -> list[Arm]:
+    """Arms named by a comma list of arm names, group names, tags (``A.2x2``, ``C.resnet50d.s0``),
+    claims (``A``) or ``all``, in matrix order; the arms they need are added before them."""
+    want: set[str] = set()
+    for word in (w.strip() for w in spec.split(",") if w.strip()):
+        hits = [a.name for a in matrix if word in ("all", a.name, a.group, a.claim) or word in a.tags]
+        if not hits:
+            raise ValueError(f"--run: no arm, group, tag or claim named {word!r} (see --list)")
+        want.update(hits)
+    by_name = {a.name: a for a in matrix}
+    for name in list(want):
+        want.update(by_name[name].needs)
+    return [a for a in matrix if a.name in want]
+
+
+# ------------------------------------------------------------------------------------------------
+# Running
+
+
+def parse_task_map(text: str, what: str, cast=str) -> dict:
+    """``"mae=quickstart,uvit=x"`` -> dict; a bare value applies to every task (key ``"*"``)."""
+    out = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key, _, value = part.rpartition("=")
+        try:
+            out[key or "*"] = cast(value)
+        except ValueError:
+            raise ValueError(f"{what}: {value!r} is not a valid value") from None
+    return out
+
+
+def curve_every(epochs: float, batch: int, data_name: str, given: int) -> int:
+    """The eval.every step count for ~CURVE_POINTS points over the run."""
+    if given:
+        return given
+    if data_name not in TRAIN_SIZES:
+        raise ValueError(f"--curve-every: data {data_name!r} has no known size; give the step count")
+    steps = int(round(epochs * (TRAIN_SIZES[data_name] // batch)))
+    return max(1, steps // CURVE_POINTS)
+
+
+def arm_command(arm: Arm, *, epochs: float, root: Path, presets: dict, extra: list[str], every: int) -> list[str]:
+    cmd = [sys.executable, "-m", f"dres.train.{arm.task}", "--preset", presets.get(arm.task, arm.preset),
+           "--out", str(root / arm.name), "--resume", "auto", "--set", f"seed={arm.seed}",
+           "--set", f"epochs={epochs:g}", "--set", "steps=0", "--set", f"eval.every={every}",
+           "--set", "log.progress=false"]
+    sets = list(arm.overrides)
+    if FD_CLASSIFIER_ARM in arm.needs:
+        sets.append(f"eval.fd_classifier={root / FD_CLASSIFIER_ARM}")
+    for s in sets + list(extra):
+        cmd += ["--set", s]
+    return cmd
+
+
+def resolved_config(arm: Arm, presets: dict, extra: list[str]):
+    from dres.train.config import build_config
+
+    return build_config(arm.task, presets.get(arm.task, arm.preset), list(arm.overrides) + list(extra))
+
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("+dirty" if dirty else "")
+
+
+def card_of(gpu: int | None) -> str:
+    if gpu is None:
+        import platform
+
+        return f"cpu ({platform.processor() or platform.machine()})"
+    import torch
+
+    return torch.cuda.get_device_name(gpu)
+
+
+def make_record(arm: Arm, run_dir: Path, *, epochs: float, command: str, card: str, commit: str,
+                records: Path) -> dict:
+    """The arm's record from its finished run directory; its PNGs copied to ``records/figs``."""
+    from dres.eval.curves import CURVES_JSONL, read_points
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ev = summary.get("eval", {})
+    metrics = {k: v for k, v in ev.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    curves = read_points(run_dir / CURVES_JSONL) if (run_dir / CURVES_JSONL).exists() else []
+    figs = records / "figs"
+    artifacts = {}
+    for key, value in ev.items():
+        if isinstance(value, str) and value.endswith(".png") and Path(value).exists():
+            figs.mkdir(parents=True, exist_ok=True)
+            dest = figs / f"{arm.name}_{key.removesuffix('_png')}.png"
+            shutil.copyfile(value, dest)
+            artifacts[key] = str(dest.relative_to(records))
+    if (run_dir / "curves.png").exists():
+        figs.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(run_dir / "curves.png", figs / f"{arm.name}_curves.png")
+        artifacts["curves_png"] = f"figs/{arm.name}_curves.png"
+    history = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()] \
+        if (run_dir / "metrics.jsonl").exists() else []
+    return {"arm": arm.name, "claim": arm.claim, "group": arm.group, "task": arm.task, "seed": arm.seed,
+            "epochs": epochs, "steps": history[-1]["step"] if history else None,
+            "overrides": list(arm.overrides), "metrics": metrics, "curves": curves,
+            "train": {k: summary.get(k) for k in ("wall_s", "img_per_s", "final_loss", "peak_mem_gib")},
+            "artifacts": artifacts, "card": card, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"), "commit": commit, "command": command}
+
+
+def run_arms(arms: list[Arm], *, epochs: float, gpus: int, jobs: int, root: Path, records: Path, presets: dict,
+             extra: list[str], every: int, commit: str, force: bool, deadline_min: float, log=print) -> dict:
+    """Train ``arms`` (needs first), ``gpus`` at a time one per GPU (0: ``jobs`` at a time on the CPU);
+    returns ``{arm: "done" | "skipped" | "failed" | "blocked" | "not started"}``."""
+    from benchmarks.common import write_json_atomic
+
+    root, records = root.resolve(), records.resolve()
+    (root / "logs").mkdir(parents=True, exist_ok=True)
+    needed = {n for a in arms for n in a.needs}
+
+    def has_record(a):
+        return (records / f"{a.name}.json").exists()
+
+    # an arm others read must also have its run directory here (a fresh machine has none): it reruns,
+    # keeping its earlier record
+    status = {a.name: ("skipped" if has_record(a) and not force and (a.name not in needed or
+                                                                     (root / a.name / "summary.json").exists())
+                       else "pending") for a in arms}
+    slots = list(range(gpus)) if gpus > 0 else [None] * max(1, jobs)
+    free = list(range(len(slots)))
+    running: dict[int, tuple] = {}
+    t0 = time.time()
+
+    def ready(a):
+        return all(status.get(n) in ("done", "skipped") for n in a.needs)
+
+    while True:
+        for a in arms:
+            if status[a.name] == "pending" and any(status.get(n) in ("failed", "blocked") for n in a.needs):
+                status[a.name] = "blocked"
+                log(f"[repro] {a.name}: blocked (needs {', '.join(a.needs)})")
+        late = deadline_min and time.time() - t0 > deadline_min * 60
+        while free and not late:
+            nxt = next((a for a in arms if status[a.name] == "pending" and ready(a)), None)
+            if nxt is None:
+                break
+            k = free.pop(0)
+            cfg = resolved_config(nxt, presets, extra)
+            cmd = arm_command(nxt, epochs=epochs, root=root, presets=presets, extra=extra,
+                              every=curve_every(epochs, cfg.batch_size, cfg.data.name, every))
+            env = dict(os.environ)
+            prefix = ""
+            if slots[k] is not None:
+                env["CUDA_VISIBLE_DEVICES"] = str(slots[k])
+                prefix = f"CUDA_VISIBLE_DEVICES={slots[k]} "
+            logf = open(root / "logs" / f"{nxt.name}.log", "a")
+            proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+            command = prefix + shlex.join(["python"] + cmd[1:])
+            running[k] = (nxt, proc, logf, command)
+            status[nxt.name] = "running"
+            log(f"[repro] start {nxt.name} on {'GPU ' + str(slots[k]) if slots[k] is not None else 'CPU'}: {command}")
+        if not running:
+            break
+        time.sleep(1.0)
+        for k, (a, proc, logf, command) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            logf.close()
+            del running[k]
+            free.append(k)
+            if proc.returncode == 0:
+                status[a.name] = "done"
+                if has_record(a) and not force:
+                    log(f"[repro] done {a.name} (rerun for the arms that read it; its earlier record is kept)")
+                    continue
+                rec = make_record(a, root / a.name, epochs=epochs, command=command, card=card_of(slots[k]),
+                                  commit=commit, records=records)
+                write_json_atomic(records / f"{a.name}.json", rec)
+                log(f"[repro] done {a.name}: {rec['metrics']}")
+            else:
+                status[a.name] = "failed"
+                tail = (root / "logs" / f"{a.name}.log").read_text().splitlines()[-5:]
+                log(f"[repro] FAILED {a.name} (exit {proc.returncode}); log {root / 'logs' / (a.name + '.log')}:\n  "
+                    + "\n  ".join(tail))
+    return {n: ("not started" if s == "pending" else s) for n, s in status.items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# Planning
+
+
+def estimate_s(arm: Arm, epochs: float, img_per_s: dict, overhead_s: float) -> float:
+    rate = img_per_s.get(arm.task, img_per_s.get("*"))
+    if not rate:
+        raise ValueError(f"--img-per-s: no rate for task {arm.task!r} (give {arm.task}=R or one number)")
+    return epochs * TRAIN_SIZES["cifar10_wds"] / rate + overhead_s
+
+
+def plan(arms: list[Arm], *, epochs: float, gpus: int, budget_min: float, img_per_s: dict,
+         overhead_s: float) -> tuple[list[tuple[Arm, int, float]], list[Arm]]:
+    """Arms in priority order onto the least-loaded GPU while the wall time stays within the budget
+    (an arm's needs first): ``([(arm, gpu, est_s)], [arms left out])``."""
+    load = [0.0] * max(1, gpus)
+    chosen, names, left = [], set(), []
+    for a in arms:
+        if not all(n in names for n in a.needs):
+            left.append(a)
+            continue
+        est = estimate_s(a, epochs, img_per_s, overhead_s)
+        g = min(range(len(load)), key=load.__getitem__)
+        if load[g] + est > budget_min * 60:
+            left.append(a)
+            continue
+        load[g] += est
+        chosen.append((a, g, est))
+        names.add(a.name)
+    return chosen, left
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+
+
+def load_records(records: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(Path(records).glob("*.json"))}
+
+
+def stat(values: list[float], scale=1.0, digits=1) -> str:
+    """``mean ± half-range (n)`` over seeds, or the one value."""
+    v = [x * scale for x in values]
+    if len(v) == 1:
+        return f"{v[0]:.{digits}f}"
+    return f"{statistics.fmean(v):.{digits}f} ± {(max(v) - min(v)) / 2:.{digits}f} (n={len(v)})"
+
+
+def metric(rec: dict, name: str):
+    """A metric by name or, for names that carry a sampler suffix (``fd_cifar_classifier``), prefix."""
+    m = rec["metrics"]
+    if name in m:
+        return m[name]
+    hits = [v for k, v in m.items() if k.startswith(name)]
+    return hits[0] if hits else None
+
+
+def group_cells(group: str, recs: dict, columns: list[tuple[str, float, int]]) -> tuple[list[str], list[dict]]:
+    """Cells of one setting's row: epochs, seeds and each (metric, scale, digits) over its records."""
+    rows = [r for r in recs.values() if r["group"] == group]
+    if not rows:
+        return ["not run yet"] + ["—"] * (1 + len(columns)), []
+    epochs = sorted({r["epochs"] for r in rows})
+    seeds = ",".join(str(r["seed"]) for r in sorted(rows, key=lambda r: r["seed"]))
+    cells = ["/".join(f"{e:g}" for e in epochs), seeds]
+    for name, scale, digits in columns:
+        vals = [metric(r, name) for r in rows]
+        vals = [v for v in vals if v is not None]
+        cells.append(stat(vals, scale, digits) if vals else "—")
+    return cells, rows
+
+
+def delta_line(recs: dict, a: str, b: str, name: str, scale: float, what: str) -> str | None:
+    va = [metric(r, name) for r in recs.values() if r["group"] == a]
+    vb = [metric(r, name) for r in recs.values() if r["group"] == b]
+    va, vb = [v for v in va if v is not None], [v for v in vb if v is not None]
+    if not va or not vb:
+        return None
+    d = (statistics.fmean(va) - statistics.fmean(vb)) * scale
+    return f"- {what}: {d:+.2f} ({a} {len(va)} seed(s) vs {b} {len(vb)} seed(s))"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def _paper(arm: Arm) -> str:
+    return "; ".join(f"{v} ({w})" for w, v in arm.paper) or "—"
+
+
+def _groups(claim: str) -> list[Arm]:
+    """The first arm of every group of ``claim`` (matrix order)."""
+    seen, out = set(), []
+    for a in MATRIX:
+        if a.claim == claim and a.group not in seen:
+            seen.add(a.group)
+            out.append(a)
+    return out
+
+
+def _notes(records: Path) -> dict[str, str]:
+    f = Path(records) / NOTES_FILE
+    if not f.exists():
+        return {}
+    out, key = {}, None
+    for line in f.read_text().splitlines():
+        if line.startswith("## "):
+            key = line[3:].strip().split()[0]
+            out[key] = ""
+        elif key:
+            out[key] += line + "\n"
+    return {k: v.strip() for k, v in out.items()}
+
+
+def claim_figure(claim: str, recs: dict, records: Path, keys: list[str], name: str, draw: bool) -> Path | None:
+    """``records/name``: the curves of every arm of ``claim`` that has some (drawn when ``draw``)."""
+    from dres.eval.curves import plot_curves
+
+    series = {r["arm"]: r["curves"] for r in recs.values() if r["claim"] == claim and r["curves"]}
+    keys = [k for k in keys if any(any(k in p for p in pts) for pts in series.values())]
+    if not series or not keys:
+        return None
+    if draw:
+        plot_curves(series, Path(records) / name, keys, title=f"claim {claim}: metrics over training")
+    return Path(records) / name
+
+
+def report(records: Path = RECORDS_DIR, out: Path = RESULTS_MD) -> str:
+    """Write ``out`` (and the claims' curve figures) from the records; returns the text."""
+    text = render(records, Path(out).resolve().parent)
+    Path(out).write_text(text)
+    return text
+
+
+def render(records: Path, base: Path, draw: bool = True) -> str:
+    """The Markdown of the records (and ``records/notes.md``), paths relative to ``base``; the
+    curve figures are drawn when ``draw``."""
+    records, base = Path(records).resolve(), Path(base).resolve()
+    recs = load_records(records)
+    notes = _notes(records)
+
+    def rel(p) -> str:
+        p = Path(p).resolve()
+        return p.relative_to(base).as_posix() if p.is_relative_to(base) else str(p)
+    L = ["# Reproducing the papers' claims at CIFAR scale", "",
+         "Generated by `python -m benchmarks.repro --report` from the records in "
+         f"`{rel(records)}/` (one JSON per finished arm: metrics, seed, epochs, card, date, commit, command). "
+         "An arm without a record reads *not run yet*. Values are mean ± half-range over seeds (n seeds), "
+         "or the single run's value. The papers' numbers are on other data and models (ImageNet, CIFAR-100, "
+         "ViT-B/16): compare directions, not absolute values.", ""]
+    pending = [a.name for a in MATRIX if a.name not in recs]
+
+    def section(claim, title, intro, header, rows, curve_keys, figure, deltas):
+        fig = claim_figure(claim, recs, records, curve_keys, figure, draw)
+        curves = f"![claim {claim} curves]({rel(fig)})" if fig else f"Curves: none yet (no record of claim {claim})."
+        return [f"## {claim}. {title}", "", intro, ""] + _table(header, rows) + ["", curves, ""] + \
+            _claim_tail(claim, deltas, notes)
+
+    rows = []
+    for a in _groups("A"):
+        cells, _ = group_cells(a.group, recs, [("linear_probe_acc", 100, 1), ("knn_acc", 100, 1),
+                                               ("effective_rank", 1, 1)])
+        rows.append([a.labels["variant"], f"{a.labels['alpha_min']:g}", a.labels["zero_init"]] + cells + [_paper(a)])
+    L += section(
+        "A", "Decayed identity shortcuts, MAE on CIFAR-10 (preset `mae_cifar10`, ViT-S/4)",
+        "Linear probe (eval.probe_epochs on frozen cls features) and kNN (k=20, cosine) on the 10k test split; "
+        "effective rank of the last-layer cls features (eq. 6). The official/1.0 arm uses `model.zero_init=true` "
+        "(the authors' initialisation).",
+        ["variant", "alpha_min", "zero_init", "epochs", "seeds", "probe %", "kNN %", "eff. rank", "papers (ImageNet)"],
+        rows, ["linear_probe_acc", "knn_acc", "effective_rank"], "mae_curves.png",
+        [delta_line(recs, "A-official-a0.6", "A-official-a1.0", "linear_probe_acc", 100,
+                    "probe, official 0.6 − official 1.0 (points)"),
+         delta_line(recs, "A-official-a0.6", "A-official-a1.0", "knn_acc", 100,
+                    "kNN, official 0.6 − official 1.0 (points)"),
+         delta_line(recs, "A-baseline-a0.6", "A-baseline-a1.0", "linear_probe_acc", 100,
+                    "probe, baseline 0.6 − baseline 1.0 (points)"),
+         delta_line(recs, "A-official-a1.0", "A-baseline-a1.0", "linear_probe_acc", 100,
+                    "probe, official 1.0 − baseline 1.0 (points; the skips alone)")])
+
+    rows = []
+    for a in _groups("B"):
+        cells, recs_b = group_cells(a.group, recs, [("probe_t0.1_linear_probe_acc", 100, 1),
+                                                    ("probe_t0.1_knn_acc", 100, 1), ("fd_cifar_classifier", 1, 2),
+                                                    ("fid_", 1, 2)])
+        grid = next((r["artifacts"].get("samples_png") for r in recs_b if r["artifacts"].get("samples_png")), None)
+        rows.append([f"{a.labels['alpha_min']:g}"] + cells + [f"![samples]({rel(records / grid)})" if grid else "—",
+                                                              _paper(a)])
+    L += section(
+        "B", "U-ViT, decayed through the whole network (preset `uvit_cifar10`, U-ViT-S/2)",
+        "Probe of the mid-block features at t=0.1 (eval.probe_epochs), and `fd_cifar_classifier`: the Frechet "
+        "distance between generated and test images in the penultimate features of a CIFAR-10 ViT classifier "
+        f"trained by dres (arm `{FD_CLASSIFIER_ARM}`). **It is not FID** and not comparable to published FID values "
+        "(the Inception weights cannot be downloaded here; with `eval.fid_inception=...` the same command reports "
+        "real FID).",
+        ["alpha_min", "epochs", "seeds", "mid-block probe %", "mid-block kNN %", "fd_cifar_classifier", "FID",
+         "samples", "paper (CIFAR-100)"],
+        rows, ["probe_t0.1_linear_probe_acc", "probe_t0.1_knn_acc"], "uvit_curves.png",
+        [delta_line(recs, "B-uvit-a0.7", "B-uvit-a1.0", "probe_t0.1_linear_probe_acc", 100,
+                    "mid-block probe, 0.7 − 1.0 (points)"),
+         delta_line(recs, "B-uvit-a0.7", "B-uvit-a1.0", "fd_cifar_classifier", 1, "fd_cifar_classifier, 0.7 − 1.0")])
+
+    rows = []
+    for a in _groups("C"):
+        cells, _ = group_cells(a.group, recs, [("top1", 100, 2)])
+        rows.append([a.labels["arch"], a.labels["mode"]] + cells + [_paper(a)])
+    L += section(
+        "C", "ResidualDroppath on CIFAR-10 (timm ResNet50d / ResNet50, dres ViT-Ti/4)",
+        "Top-1 on the 10k test split; the three modes differ only in `model.droppath_mode` (drop rate 0.1, linear "
+        "in depth). Presets `classify_resnet50d_cifar10`, `classify_resnet50_cifar10` (their comments give the "
+        "recipe and how it departs from timm's), `classify_cifar10`.",
+        ["model", "mode", "epochs", "seeds", "top-1 %", "paper (CIFAR-10)"], rows, ["top1"], "classify_curves.png",
+        [delta_line(recs, f"C-{arch}-{m}", f"C-{arch}-none", "top1", 100, f"{arch}: {m} − none (points)")
+         for arch in CLASSIFY_PRESETS for m in MODES[1:]])
+
+    # provenance
+    L += ["## Runs", ""]
+    if recs:
+        L += _table(["arm", "epochs", "steps", "card", "date", "commit", "img/s", "command"],
+                    [[r["arm"], f"{r['epochs']:g}", r["steps"], r["card"], r["date"], r["commit"][:12],
+                      f"{r['train']['img_per_s']:.0f}" if r["train"].get("img_per_s") else "—",
+                      f"`{r['command']}`"] for r in recs.values()])
+    else:
+        L += ["No arm has run yet."]
+    L += ["", "Not run yet: " + (", ".join(f"`{n}`" for n in pending) if pending else "none") + ".", "",
+          "Run a subset (one arm per GPU, run folders on local disk, `--resume auto`), then rebuild this file:", "",
+          "```bash",
+          "python -m benchmarks.repro --plan --epochs E --gpus 2 --budget-min 9 --img-per-s mae=R1,classify=R2,uvit=R3",
+          "python -m benchmarks.repro --run A.2x2 --epochs E --gpus 2 --root /tmp/dres-repro --records results/repro",
+          "python -m benchmarks.repro --report", "```", ""]
+    return "\n".join(L)
+
+
+def _claim_tail(claim: str, deltas: list, notes: dict) -> list[str]:
+    deltas = [d for d in deltas if d]
+    out = ["Differences of the means (from the records):", ""] + deltas + [""] if deltas else []
+    verdict = notes.get(claim) or ("Verdict: pending — the arms have not run yet." if not deltas else
+                                   f"Verdict: pending — write it under `## {claim}` in "
+                                   f"results/repro/{NOTES_FILE} and rebuild.")
+    return out + [verdict, ""]
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.repro", description=__doc__.split("\n\n")[0])
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--list", action="store_true", help="print the arm matrix")
+    mode.add_argument("--plan", action="store_true", help="which arms fit --budget-min on --gpus")
+    mode.add_argument("--run", metavar="ARMS", help="arm names, groups, tags (A.2x2, A.sweep, A.seeds, B, "
+                      "C.resnet50d.s0, C.vit, ...), claims or 'all', comma-separated")
+    mode.add_argument("--report", action="store_true", help="write RESULTS.md and the curve figures from the records")
+    p.add_argument("--epochs", type=float, default=0, help="training length of every arm (--run, --plan)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs, one arm each (0: the CPU, --jobs at a time)")
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--root", type=Path, default=Path("/tmp/dres-repro"), help="run directories (local disk)")
+    p.add_argument("--records", type=Path, default=RECORDS_DIR, help="where the JSON records go / are read")
+    p.add_argument("--out", type=Path, default=RESULTS_MD, help="--report: the Markdown file")
+    p.add_argument("--preset", default="", help="task=preset replacements, e.g. mae=quickstart (smoke tests)")
+    p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every arm (data paths, smoke-test sizes); recorded in each command")
+    p.add_argument("--curve-every", type=int, default=0, help="eval.every in steps (default: ~10%% of the run)")
+    p.add_argument("--commit", default="", help="the commit the tree was copied from (default: git rev-parse HEAD)")
+    p.add_argument("--force", action="store_true", help="rerun arms that already have a record")
+    p.add_argument("--deadline-min", type=float, default=0, help="start no arm after this many minutes")
+    p.add_argument("--budget-min", type=float, default=9.0, help="--plan: wall minutes")
+    p.add_argument("--img-per-s", default="", help="--plan: task=rate list (or one rate for all)")
+    p.add_argument("--overhead-s", type=float, default=120.0, help="--plan: start, compile and evaluation per arm")
+    a = p.parse_args(argv)
+    try:
+        if a.list:
+            for arm in MATRIX:
+                print(f"{arm.name:28s} {','.join(arm.tags):22s} {arm.preset:28s} {' '.join(arm.overrides)}"
+                      + (f"  needs {','.join(arm.needs)}" if arm.needs else ""))
+            return 0
+        if a.report:
+            report(a.records, a.out)
+            print(f"[repro] wrote {a.out}")
+            return 0
+        if a.epochs <= 0:
+            raise ValueError("--epochs must be positive (the same for every arm)")
+        if a.plan:
+            chosen, left = plan(MATRIX, epochs=a.epochs, gpus=a.gpus, budget_min=a.budget_min,
+                                img_per_s=parse_task_map(a.img_per_s, "--img-per-s", float), overhead_s=a.overhead_s)
+            for arm, g, est in chosen:
+                print(f"fits  {arm.name:28s} gpu {g}  ~{est / 60:.1f} min")
+            for arm in left:
+                print(f"left  {arm.name}")
+            if chosen:
+                print(f"\npython -m benchmarks.repro --run {','.join(x[0].name for x in chosen)} --epochs {a.epochs:g} "
+                      f"--gpus {a.gpus} --root /tmp/dres-repro --records results/repro")
+            return 0
+        arms = select(a.run)
+        status = run_arms(arms, epochs=a.epochs, gpus=a.gpus, jobs=a.jobs, root=a.root, records=a.records,
+                          presets=parse_task_map(a.preset, "--preset"), extra=a.extra, every=a.curve_every,
+                          commit=a.commit or git_commit(), force=a.force, deadline_min=a.deadline_min)
+    except ValueError as e:
+        print(f"repro: error: {e}", file=sys.stderr)
+        return 2
+    for name, s in status.items():
+        print(f"[repro] {name}: {s}")
+    return 0 if all(s in ("done", "skipped") for s in status.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

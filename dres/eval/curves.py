@@ -1,0 +1,103 @@
+"""Metrics over training (the papers' Fig. 5 at small scale): the cheap evaluation a run records
+every ``eval.every`` steps, one JSON line per point in ``<run>/curves.jsonl``, drawn to
+``<run>/curves.png``; several runs' points drawn together (``benchmarks/repro.py --report``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from dres.eval.probe import effective_rank, knn_accuracy, linear_probe
+
+CURVES_JSONL = "curves.jsonl"
+CURVES_PNG = "curves.png"
+AXES = ("step", "epoch")
+
+
+def representation_metrics(train_x, train_y, test_x, test_y, *, rank_features=None, probe=True, knn=True,
+                           rank=True, probe_epochs=20, probe_lr=1e-2, probe_batch=1024, probe_wd=0.0, knn_k=20,
+                           num_classes=None, seed=0, device="cpu") -> dict:
+    """Linear probe (``linear_probe_acc``, ``linear_probe_train_acc``), kNN (``knn_acc``) and the
+    effective rank (eq. 6) of ``rank_features`` (default ``train_x``) on frozen features; kNN and
+    rank run on ``device``."""
+    res = {}
+    if probe:
+        res.update(linear_probe(train_x, train_y, test_x, test_y, epochs=probe_epochs, lr=probe_lr,
+                                batch_size=probe_batch, weight_decay=probe_wd, num_classes=num_classes, seed=seed,
+                                device=device))
+    if knn:
+        res["knn_acc"] = knn_accuracy(train_x.to(device), train_y, test_x.to(device), test_y, k=knn_k,
+                                      num_classes=num_classes)
+    if rank:
+        res["effective_rank"] = effective_rank((train_x if rank_features is None else rank_features).to(device))[
+            "effective_rank"]
+    return res
+
+
+def append_point(path, point: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(point) + "\n")
+
+
+def read_points(path) -> list[dict]:
+    """The points of a curves file in step order; a step recorded twice (a resumed run repeats the
+    steps after its last checkpoint) keeps its last record."""
+    by_step = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            point = json.loads(line)
+            by_step[point["step"]] = point
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def numeric_keys(series: dict[str, list[dict]]) -> list[str]:
+    """The metric names with a finite number in some point, in first-seen order (axes excluded)."""
+    keys: dict[str, None] = {}
+    for points in series.values():
+        for p in points:
+            for k, v in p.items():
+                if k not in AXES and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    keys.setdefault(k)
+    return list(keys)
+
+
+def plot_curves(series: dict[str, list[dict]], path, keys=None, x="epoch", title=None) -> str:
+    """One panel per metric in ``keys`` (default: every numeric one), one line per ``series`` label
+    against ``x``; written as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(keys) if keys is not None else numeric_keys(series)
+    if not keys:
+        raise ValueError("plot_curves: no numeric metric to draw in the given points")
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for label, points in series.items():
+            pts = [(p[x], p[key]) for p in points if isinstance(p.get(key), (int, float))]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o", markersize=3, label=label)
+        ax.set_xlabel(x)
+        ax.set_title(key, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return str(path)
+
+
+def record_point(run_dir, point: dict) -> str:
+    """Append ``point`` (with ``step`` and ``epoch``) to ``<run_dir>/curves.jsonl`` and redraw
+    ``<run_dir>/curves.png`` from all points so far; returns the PNG's path."""
+    run_dir = Path(run_dir)
+    append_point(run_dir / CURVES_JSONL, point)
+    return plot_curves({run_dir.name: read_points(run_dir / CURVES_JSONL)}, run_dir / CURVES_PNG)

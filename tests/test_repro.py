@@ -1,0 +1,175 @@
+"""Issue 18's pieces (CPU): the model.zero_init switch, and benchmarks/repro.py (arm matrix,
+selection, budget plan, records from real tiny runs, the RESULTS.md report)."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import repro
+from dres.train.cli import get_task
+from dres.train.config import ConfigError, build_config
+
+TINY_VIT = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2"]
+
+
+def _branch_ends(model):
+    """The last Linear of every transformer branch (attention proj, MLP fc2), encoder and decoder."""
+    return [m for name, m in model.named_modules() if name.endswith(("attn.proj", "mlp.fc2"))]
+
+
+def _build(task, preset, overrides):
+    cfg = build_config(task, preset, overrides)
+    torch.manual_seed(0)
+    return get_task(task).build_model(cfg)
+
+
+@pytest.mark.parametrize("task,preset,extra", [
+    ("mae", "quickstart", ["model.decoder_depth=1"]),
+    ("uvit", "uvit_cifar10", ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.img_size=8",
+                              "data.img_size=8", "model.patch_size=2"]),
+    ("classify", "classify_cifar10", TINY_VIT),
+])
+@pytest.mark.parametrize("alpha", [1.0, 0.6])
+def test_zero_init_switch_true_false_auto(task, preset, extra, alpha):
+    base = extra + ([] if task == "uvit" else TINY_VIT) + [f"model.alpha_min={alpha}"]
+    for word, zero in (("true", True), ("false", False), ("auto", alpha < 1)):
+        ends = _branch_ends(_build(task, preset, base + [f"model.zero_init={word}"]))
+        assert ends
+        assert all(bool((m.weight == 0).all()) == zero for m in ends), (word, alpha)
+    # auto is the models' own rule (zero_init=None), parameter for parameter
+    cfg = build_config(task, preset, base)
+    cls = type(get_task(task).build_model(cfg))
+    from dres.train.common import model_kwargs
+
+    kw = model_kwargs(cls, cfg)
+    assert kw["zero_init"] is None
+    torch.manual_seed(0)
+    today = cls(**kw).state_dict()
+    auto = _build(task, preset, base).state_dict()
+    assert today.keys() == auto.keys()
+    assert all(torch.equal(today[k], auto[k]) for k in today if torch.is_tensor(today[k]))
+
+
+def test_zero_init_official_skip_ends_and_config_errors():
+    mae = _build("mae", "quickstart", TINY_VIT + ["model.decoder_depth=1", "model.alpha_min=1.0",
+                                                  "model.zero_init=false"])
+    assert all(bool((s.fc[-1].weight == 0).all()) for s in mae.skips)  # the official variant's own init
+    with pytest.raises(ConfigError, match="model.zero_init' must be one of auto, true, false"):
+        build_config("mae", "quickstart", ["model.zero_init=maybe"])
+
+
+def test_zero_init_resnet_maps_to_timm_zero_init_last():
+    base = ["model.arch=resnet18", "model.droppath_mode=none"]
+    for word, zero in (("true", True), ("false", False), ("auto", True)):  # auto: timm's default
+        net = _build("classify", "classify_resnet50d_cifar10", base + [f"model.zero_init={word}"]).net
+        bns = [blk.bn2.weight for stage in (net.layer1, net.layer2) for blk in stage]
+        assert all(bool((w == 0).all()) == zero for w in bns), word
+
+
+# ---------------------------------------------------------------------------------------------- runner
+
+def test_matrix_holds_the_issue_arms():
+    names = {a.name for a in repro.MATRIX}
+    for v in ("baseline", "official"):
+        for a in (1.0, 0.6):
+            assert f"A-{v}-a{a}-s0" in names
+    assert {"A-official-a0.5-s0", "A-official-a0.7-s0", "A-official-a0.8-s0", "A-baseline-a1.0-s1",
+            "A-official-a0.6-s1", "B-uvit-a1.0-s0", "B-uvit-a0.7-s0"} <= names
+    for arch, seeds in (("resnet50d", (0, 1)), ("resnet50", (0,)), ("vit", (0,))):
+        for m in repro.MODES:
+            for s in seeds:
+                assert f"C-{arch}-{m}-s{s}" in names
+    official_1 = repro.BY_NAME["A-official-a1.0-s0"]
+    assert "model.zero_init=true" in official_1.overrides
+    assert all("model.zero_init=auto" in a.overrides for a in repro.MATRIX if a.claim == "A" and a is not official_1)
+    # every arm's config resolves with its preset (the ResNet presets included)
+    for a in repro.MATRIX:
+        build_config(a.task, a.preset, list(a.overrides) + [f"seed={a.seed}"])
+
+
+def test_select_adds_needs_and_rejects_unknown_words():
+    assert [a.name for a in repro.select("A.2x2")] == [a.name for a in repro.MATRIX if "A.2x2" in a.tags]
+    b = [a.name for a in repro.select("B")]
+    assert b.index("C-vit-none-s0") < b.index("B-uvit-a1.0-s0")  # the FD classifier first
+    assert len(repro.select("all")) == len(repro.MATRIX)
+    with pytest.raises(ValueError, match="no arm, group, tag or claim named 'A.3x3'"):
+        repro.select("A.3x3")
+
+
+def test_plan_packs_arms_within_the_budget():
+    rates = {"mae": 50000.0, "classify": 25000.0, "uvit": 10000.0}
+    chosen, left = repro.plan(repro.MATRIX, epochs=100, gpus=2, budget_min=10, img_per_s=rates, overhead_s=60)
+    # an MAE arm: 100 * 50000 / 50000 + 60 = 160 s; two GPUs, 600 s each
+    load = [0.0, 0.0]
+    for arm, g, est in chosen:
+        load[g] += est
+    assert max(load) <= 600 and chosen[0][0].name == repro.MATRIX[0].name
+    assert {a.name for a in left} | {a.name for a, _, _ in chosen} == set(repro.BY_NAME)
+    names = [a.name for a, _, _ in chosen]
+    assert all(n in names[:names.index(a.name)] for a, _, _ in chosen for n in a.needs)
+    with pytest.raises(ValueError, match="no rate for task 'uvit'"):
+        repro.plan(repro.MATRIX, epochs=1, gpus=1, budget_min=1e6, img_per_s={"mae": 1.0, "classify": 1.0},
+                   overhead_s=0)
+
+
+def test_stat_is_mean_and_half_range():
+    assert repro.stat([0.5]) == "0.5"
+    assert repro.stat([0.80, 0.84], scale=100) == "82.0 ± 2.0 (n=2)"
+
+
+def test_report_without_records_says_not_run_yet_everywhere(tmp_path):
+    text = repro.report(tmp_path / "records", tmp_path / "RESULTS.md")
+    groups = {a.group for a in repro.MATRIX}
+    table_rows = [l for l in text.splitlines() if l.startswith("| ") and "not run yet" in l]
+    assert len(table_rows) == len(groups)
+    for value in ("83.6", "61.5", "62.5", "14.3", "89.55", "89.84", "90.84", "88.07"):  # the papers' numbers
+        assert value in text
+    assert "No arm has run yet." in text and text.count("Verdict: pending") == 3
+    assert "fd_cifar_classifier" in text and "not FID" in text
+
+
+def test_committed_results_md_is_the_report_of_the_committed_records():
+    text = repro.render(repro.RECORDS_DIR, repro.REPO_ROOT, draw=False)
+    assert (repro.REPO_ROOT / "RESULTS.md").read_text() == text, "rebuild it: python -m benchmarks.repro --report"
+
+
+SMOKE = ["--preset", "mae=quickstart", "--set", "model.depth=2", "--set", "model.decoder_depth=1",
+         "--set", "batch_size=64", "--set", "eval.probe_epochs=2", "--set", "eval.curve_probe_epochs=2",
+         "--set", "eval.recon=false", "--set", "log.tensorboard=false", "--set", "log.every=2",
+         "--set", "optim.warmup_steps=1"]
+
+
+def test_runner_trains_two_arms_writes_records_and_report(tmp_path, capsys):
+    records, root = tmp_path / "records", tmp_path / "runs"
+    arms = "A-baseline-a1.0-s0,A-official-a0.6-s0"
+    # digits: 1437 training images, 22 steps of 64 a epoch; 0.2 epochs = 4 steps, a curve point every 2
+    rc = repro.main(["--run", arms, "--epochs", "0.2", "--gpus", "0", "--root", str(root), "--records", str(records),
+                     "--curve-every", "2", "--commit", "abc123"] + SMOKE)
+    assert rc == 0, capsys.readouterr()
+    for name in arms.split(","):
+        rec = json.loads((records / f"{name}.json").read_text())
+        assert rec["arm"] == name and rec["epochs"] == 0.2 and rec["commit"] == "abc123" and rec["card"].startswith("cpu")
+        assert 0 <= rec["metrics"]["linear_probe_acc"] <= 1 and rec["metrics"]["effective_rank"] >= 1
+        assert [p["step"] for p in rec["curves"]] == [2, 4]
+        assert {"knn_acc", "linear_probe_acc", "effective_rank", "epoch"} <= set(rec["curves"][0])
+        assert "--resume auto" in rec["command"] and "epochs=0.2" in rec["command"]
+        assert (records / rec["artifacts"]["curves_png"]).stat().st_size > 0
+    # a second call skips the recorded arms
+    assert repro.main(["--run", arms, "--epochs", "0.2", "--gpus", "0", "--root", str(root), "--records",
+                       str(records), "--curve-every", "2"] + SMOKE) == 0
+    assert "A-baseline-a1.0-s0: skipped" in capsys.readouterr().out
+    text = repro.report(records, tmp_path / "RESULTS.md")
+    row = next(l for l in text.splitlines() if l.startswith("| baseline | 1 |"))
+    assert "not run yet" not in row and "0.2" in row
+    assert next(l for l in text.splitlines() if l.startswith("| official | 0.5 |")).count("not run yet") == 1
+    assert (records / "mae_curves.png").stat().st_size > 0 and "mae_curves.png" in text
+    assert "official 0.6 − baseline" not in text and "probe, official 1.0 − baseline 1.0" not in text
+    assert "`A-official-a0.6-s0`" not in text.split("Not run yet:")[1] and "`A-official-a0.5-s0`" in text
+
+
+def test_runner_bad_override_is_one_line_error(tmp_path, capsys):
+    rc = repro.main(["--run", "A-baseline-a1.0-s0", "--epochs", "1", "--gpus", "0", "--root", str(tmp_path),
+                     "--records", str(tmp_path / "r"), "--set", "model.wat=1"])
+    assert rc == 2 and "unknown config key 'model.wat'" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
