@@ -34,7 +34,15 @@ def model_kwargs(cls, cfg) -> dict:
 
 def eval_loader(tr, split, batch):
     """An unaugmented loader over ``split`` ('train' | 'val') for feature extraction, or None (with
-    a message) when the data set has no such split configured."""
+    a message) when the data set has no such split configured. Built once per trainer and split:
+    decoding a split into memory is the slow part, and every eval.every point reads it again."""
+    built = vars(tr).setdefault("_eval_loaders", {})
+    if split not in built:
+        built[split] = _build_eval_loader(tr, split)
+    return built[split]
+
+
+def _build_eval_loader(tr, split):
     cfg = tr.cfg
     try:
         ld = build_loader(cfg.data, split, 1, device=tr.device, train=False, log=tr.log)  # batching: eval_batches()
