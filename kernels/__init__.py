@@ -1,4 +1,5 @@
-"""Triton kernels of dres and their launchers (installed as ``dres.kernels``).
+"""Triton kernels of dres and their launchers: this folder installs as ``dres.kernels`` (setup.py's
+``package_dir``), so code imports it as ``from dres.kernels import ...``.
 
 No autograd and no modules here: ``dres.ops`` wraps these launchers as torch custom ops.
 """
