@@ -291,7 +291,7 @@ class Inputs:
 
 
 def make_mode_args(case: Case, device) -> tuple:
-    """(alpha, row_scale, grad_scale) of a mode (DESIGN.md table)."""
+    """(alpha, row_scale, grad_scale) of a mode (README's op table)."""
     batch, _ = case.batch_tokens
     gen = torch.Generator(device=device).manual_seed(1)
     m = (torch.rand(batch, device=device, generator=gen) < KEEP).float()

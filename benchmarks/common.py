@@ -113,7 +113,7 @@ OP_MODES = {"residual_layer_norm": MODES, "residual_add": MODES, "layer_norm": (
 
 def kernel_bytes(op: str, pass_: str, rows: int, dim: int, x_dtype: torch.dtype, h_dtype: torch.dtype,
                  mode: str = "plain", batch: int = 1, param_dtype: torch.dtype = torch.float32) -> int:
-    """Bytes the op must move: each input read once, each output written once (DESIGN.md contract).
+    """Bytes the op must move: each input read once, each output written once (the op contract, docs/design.md).
 
     residual_layer_norm: out has x's dtype, y has h's dtype.
       fwd  reads x, h, weight, bias [, row_scale (B fp32)] [, alpha (fp32 scalar)]; writes out, y.

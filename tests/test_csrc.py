@@ -1,5 +1,5 @@
 """The CUDA C++ backend (csrc/, ``backend="cuda"``): against the float64 reference and against the
-Triton backend, forward and backward, every mode of DESIGN.md's table, mixed dtypes, odd sizes
+Triton backend, forward and backward, every mode of README's op table, mixed dtypes, odd sizes
 (both the 16-byte-vector and the scalar paths, warp-per-row and block-per-row), strided gradients,
 poisoned outputs, deterministic weight gradients, opcheck and torch.compile.
 
@@ -38,8 +38,8 @@ def rln_run(backend, x, h, w, b, alpha, row_scale, grad_scale, g_out, g_y, store
     """(out, y, dx, dh, dw, db, dalpha) of residual_layer_norm on ``backend``.
 
     ``"reference"`` is the contract in float64: out exact; y the LayerNorm of ``stored_out`` (the
-    value the kernel actually stored in out, rounded to out's dtype; DESIGN.md: "normalise the
-    value actually stored in out"), with out's gradient passed through unchanged in float64.
+    value the kernel actually stored in out, rounded to out's dtype; docs/design.md: y
+    normalises the stored, rounded out), with out's gradient passed through unchanged in float64.
     Normalising the unrounded out instead would put one bf16 rounding of out (relative 2**-9,
     entering LN_bwd through xhat and rstd) into every fp32 result downstream of it (y, g, dh,
     dweight, dbias, dalpha), which then could only be checked to bf16 accuracy.

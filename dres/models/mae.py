@@ -1,6 +1,6 @@
 """Masked autoencoder (facebookresearch/mae) with decayed identity shortcuts in the encoder.
 
-Variants (DESIGN.md, "Models"):
+Variants (docs/design.md, "Models"):
 
 * ``baseline``: the original MAE. The decoder embeds the encoder's (normed) output, appends mask
   tokens, unshuffles, adds its position embedding.

@@ -6,7 +6,7 @@ where skip is the output of in-block ``depth//2 - 1 - j`` (the deepest first); t
 ``Linear(D -> p*p*C)``, unpatchify and a 3x3 convolution.
 
 All ``2 * (2*(depth//2) + 1)`` residuals (attention and MLP of every block) decay, from the first
-in-block to the last out-block (DESIGN.md: "U-ViT: decay through the whole network"). The blocks run
+in-block to the last out-block (docs/design.md: U-ViT decays the whole network). The blocks run
 as one :class:`~dres.nn.TransformerStack`; the skip Linear of an out-block is a stack hook that
 replaces the stream (``alpha = 0``) and is fused with the block's first norm.
 

@@ -1,6 +1,6 @@
 """Decay schedules for decayed identity shortcuts: ``x_{l+1} = alpha_l * x_l + f_l(x_l)``.
 
-Two schedules (DESIGN.md, "Decay schedule"), both falling linearly with depth from 1:
+Two schedules (docs/design.md, "What the project computes"), both falling linearly with depth from 1:
 
 * ``"linspace"`` (default; the authors' code, xiao7199/decayed_Identity_shortcuts):
   ``alpha_i = 1 - linspace(0, 1, n)[i] * (1 - alpha_min)``, so the last residual is exactly alpha_min.
@@ -46,7 +46,7 @@ def decay_schedule(num_residuals: int, alpha_min: float, schedule: str = "linspa
 
 
 def describe_schedule(alphas: list[float], schedule: str, alpha_min: float, per_block: bool, where: str) -> str:
-    """One log line saying which schedule a model uses (DESIGN.md asks for it in logs)."""
+    """One log line saying which schedule a model uses (the brief asks for it in logs)."""
     unit = "block" if per_block else "sub-layer"
     return (f"decayed shortcuts ({where}): schedule={schedule} alpha_min={alpha_min} per {unit}, "
             f"{len(alphas)} residuals, alpha {alphas[0]:.4f} -> {alphas[-1]:.4f}")

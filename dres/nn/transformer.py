@@ -1,8 +1,8 @@
 """Pre-LN transformer blocks that carry the residual stream through the fused ops.
 
 A plain pre-LN block computes ``x = a1*x + attn(norm1(x)); x = a2*x + mlp(norm2(x))``. Here each
-residual add is fused with the norm that follows it (DESIGN.md, "Carrying the residual stream across
-blocks"): one :func:`dres.ops.residual_layer_norm` produces the new stream and the normalised input
+residual add is fused with the norm that follows it (docs/design.md, "The residual
+stream"): one :func:`dres.ops.residual_layer_norm` produces the new stream and the normalised input
 of the next sub-layer. Blocks take flash-attn's fused-residual form (``modules/block.py``),
 ``hidden_states, residual = block(hidden_states, residual)``: a block receives the previous block's
 MLP output still to be added, adds it fused with its own norm1 and returns its own MLP output,

@@ -1,4 +1,4 @@
-"""dres.ops: the fused residual operations (the contract of DESIGN.md, "The fused operation").
+"""dres.ops: the fused residual operations (the contract: docs/design.md, "The ops").
 
     out, y = residual_layer_norm(x, h, weight, bias, alpha, eps, row_scale, grad_scale)
         out = alpha * x + row_scale[b] * h          (the new residual stream)
