@@ -17,14 +17,16 @@ import triton.language as tl
 class CachedLaunch:
     """Launch a ``@triton.jit`` kernel, calling its compiled binary directly once compiled.
 
-    ``JITFunction.run`` re-derives the specialisation of every argument, looks the kernel up and
-    binds its launcher on each call (tens of microseconds of Python, more than a small kernel's GPU
-    time). Here the first launch of each specialisation goes through Triton as usual and keeps the
-    ``CompiledKernel`` it returns; later launches with the same key call ``CompiledKernel.run``
-    (the signature triton 3.6 and 3.8 share). The key holds what Triton specialises on: constexpr
-    values, tensor dtypes and 16-byte alignment, integer width and divisibility by 16, launch
-    options and the device. Where no compiled kernel comes back (the CPU interpreter, another
-    Triton) or a profiler hook is set, every launch takes Triton's own path.
+    ``JITFunction.run`` re-derives the specialisation of every argument, looks the kernel up, builds
+    launch metadata for profiler hooks and binds its launcher on each call (tens of microseconds of
+    Python, more than a small kernel's GPU time). Here the first launch of each specialisation goes
+    through Triton as usual and keeps the ``CompiledKernel`` it returns; later launches with the
+    same key call ``CompiledKernel.run`` (the signature triton 3.6 and 3.8 share) with no launch
+    metadata and no hooks, which is what Triton's launcher does when no hook is registered. The key
+    holds what Triton specialises on: constexpr values, tensor dtypes and 16-byte alignment, integer
+    width, divisibility by 16 and equality to 1, launch options and the device. Where no compiled
+    kernel comes back (the CPU interpreter, another Triton) or a hook is registered (a profiler such
+    as proton, a kernel's ``pre_run_hooks``), every launch takes Triton's own path.
 
     ``args``: every kernel parameter in signature order, constexprs included.
     """
@@ -35,25 +37,27 @@ class CachedLaunch:
         # The CPU interpreter's kernels have no parameter metadata (and nothing compiled to cache).
         params = getattr(kernel, "params", None)
         self.constexpr = None if params is None else tuple(p.is_constexpr for p in params)
+        self.pre_run_hooks = getattr(kernel, "pre_run_hooks", ())  # the kernel's own list: later additions show
         self.compiled: dict[tuple, object] = {}
 
     def key(self, args: tuple, device_index: int, options: tuple) -> tuple:
-        spec = []
+        spec = [device_index, options]
         for a, is_constexpr in zip(args, self.constexpr):
             if is_constexpr:
                 spec.append(a)
             elif isinstance(a, torch.Tensor):
                 spec.append((a.dtype, a.data_ptr() % 16 == 0))
             elif isinstance(a, bool):
-                spec.append(("i1", a))
+                spec.append(bool)
             elif isinstance(a, int):
-                spec.append((a % 16 == 0, a == 1, -(2**31) <= a < 2**31))
+                spec.append((a % 16 == 0, a == 1, _int_width(a)))
             else:
                 spec.append(type(a))
-        return (device_index, options, *spec)
+        return tuple(spec)
 
     def __call__(self, grid: tuple, args: tuple, num_warps: int, num_stages: int | None = None) -> None:
-        if self.constexpr is None or not args[0].is_cuda or _raw_stream is None or _hooks_set():
+        if (self.constexpr is None or not args[0].is_cuda or _raw_stream is None or _hooks_set()
+                or self.pre_run_hooks):
             self._launch(grid, args, num_warps, num_stages)
             return
         device_index = torch.cuda.current_device()  # where Triton launches, as in JITFunction.run
@@ -64,6 +68,7 @@ class CachedLaunch:
             if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
                 self.compiled[key] = compiled
             return
+        # Argument order as in JITFunction.run: launch metadata, enter and exit hooks (None: none).
         compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                      _raw_stream(device_index), compiled.function, compiled.packed_metadata, None, None, None, *args)
 
@@ -76,15 +81,34 @@ class CachedLaunch:
         return self.kernel[grid](*args, **options)
 
 
+def _int_width(value: int) -> str:
+    """The integer type Triton gives a non-constexpr int argument."""
+    if -(2**31) <= value < 2**31:
+        return "i32"
+    return "i64" if value < 2**63 else "u64"
+
+
 # The current CUDA stream as a raw handle, what a compiled kernel's launcher takes (private torch
 # API, also what Triton itself calls); without it every launch takes Triton's own path.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _hooks_set() -> bool:
-    """A launch hook (a profiler such as proton) wants Triton's own launch path and its metadata."""
+    """A launch hook (a profiler such as proton) wants Triton's own launch path and its metadata.
+
+    In triton 3.6 and 3.8 the hooks are ``HookChain`` objects, never None: a chain counts when it holds calls.
+    """
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    return runtime is None or runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    if runtime is None:  # a Triton without knobs: its launcher's signature is not known here
+        return True
+    return _hook_registered(runtime.launch_enter_hook) or _hook_registered(runtime.launch_exit_hook)
+
+
+def _hook_registered(hook) -> bool:
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)  # a HookChain; anything else set there is a hook itself
+    return bool(calls) if calls is not None else True
 
 
 @functools.lru_cache(maxsize=None)

@@ -6,9 +6,12 @@ run on the GPU, where ``gpu``-marked ones add realistic shapes, torch.compile an
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -640,6 +643,186 @@ def test_gpu_cached_launch_equals_tritons_own_launch():
             for a, c in zip(run(*case), expected):
                 assert torch.equal(a, c)
     assert kernels._FORWARD.compiled and kernels._BACKWARD.compiled, "the direct launch was never taken"
+
+
+class _FakeCompiledKernel:
+    """What CachedLaunch uses of a triton CompiledKernel; records the direct launches."""
+
+    def __init__(self):
+        self.function, self.packed_metadata, self.launches = object(), object(), []
+
+    def run(self, *launch_args):
+        self.launches.append(launch_args)
+
+
+class _FakeJITFunction:
+    """What CachedLaunch uses of a @triton.jit kernel on a GPU: parameters, pre-run hooks, and
+    ``kernel[grid](*args, **options)`` (Triton's own launch), which returns a compiled kernel."""
+
+    def __init__(self, constexpr):
+        self.params = [SimpleNamespace(is_constexpr=c) for c in constexpr]
+        self.arg_names = [f"arg{i}" for i in range(len(constexpr))]
+        self.fn = SimpleNamespace(__name__="fake_kernel")
+        self.pre_run_hooks, self.own_launches, self.compiled = [], [], []
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            self.own_launches.append((grid, args, options))
+            self.compiled.append(_FakeCompiledKernel())
+            return self.compiled[-1]
+        return launch
+
+
+_ON_GPU = SimpleNamespace(is_cuda=True)  # the first argument: CachedLaunch caches only CUDA launches
+
+
+@contextlib.contextmanager
+def _fake_cuda(device_index=0):
+    """A current CUDA device and a raw stream handle (device index + 1000) without a GPU."""
+    from dres.kernels import utils
+
+    with mock.patch.object(utils, "_raw_stream", lambda index: 1000 + index), \
+            mock.patch.object(torch.cuda, "current_device", return_value=device_index):
+        yield
+
+
+def test_cached_launch_calls_the_compiled_kernel_directly_after_the_first_launch():
+    """The regression on triton 3.6 and 3.8: their launch hooks are empty HookChains (never None),
+    which must not count as hooks, or the direct launch is never taken."""
+    from dres.kernels.utils import CachedLaunch, _hooks_set
+
+    assert not _hooks_set()  # the installed Triton's default knobs
+    kernel = _FakeJITFunction([False, False, False, True])
+    launch = CachedLaunch(kernel)
+    x = torch.zeros(64)
+    args = (_ON_GPU, x, 17, 64)
+    with _fake_cuda(device_index=1):
+        launch((5, 3), args, num_warps=4)
+        assert kernel.own_launches == [((5, 3), args, {"num_warps": 4})]
+        launch((6, 2), args, num_warps=4)
+        launch((7,), (_ON_GPU, torch.ones(64), 33, 64), num_warps=4)  # same specialisation, other values
+    assert len(kernel.own_launches) == 1
+    compiled = kernel.compiled[0]
+    # JITFunction.run's order: grid padded to 3-D, stream, function, packed metadata, then no launch
+    # metadata and no hooks, then every kernel argument, constexprs included
+    assert compiled.launches[0] == (6, 2, 1, 1001, compiled.function, compiled.packed_metadata, None, None, None,
+                                    *args)
+    second = compiled.launches[1]
+    assert second[:4] == (7, 1, 1, 1001) and second[9] is _ON_GPU and second[10].eq(1).all() and second[11:] == (33, 64)
+
+
+def test_cached_launch_key_separates_what_triton_specialises_on():
+    """A new specialisation (alignment, dtype, integer width, divisibility by 16 or equality to 1,
+    a constexpr, launch options, device) goes through Triton's own launch again."""
+    from dres.kernels.utils import CachedLaunch
+
+    kernel = _FakeJITFunction([False, False, False, False, True])
+    launch = CachedLaunch(kernel)
+    base = torch.zeros(64)
+    first = (_ON_GPU, base, 17, 0.5, 8)
+    variants = [
+        ((_ON_GPU, base[1:], 17, 0.5, 8), {}),  # 4-byte offset: not 16-byte aligned
+        ((_ON_GPU, base.bfloat16(), 17, 0.5, 8), {}),
+        ((_ON_GPU, base, 32, 0.5, 8), {}),  # divisible by 16
+        ((_ON_GPU, base, 1, 0.5, 8), {}),  # Triton makes 1 a constant
+        ((_ON_GPU, base, 2**31 + 1, 0.5, 8), {}),  # i64
+        ((_ON_GPU, base, 2**63 + 1, 0.5, 8), {}),  # u64
+        ((_ON_GPU, base, 17, 0.5, 16), {}),  # constexpr value
+        (first, {"num_warps": 8}),
+        (first, {"num_stages": 2}),
+        (first, {"device_index": 1}),
+    ]
+    with _fake_cuda():
+        launch((1,), first, num_warps=4)
+    for args, change in variants:
+        before = len(kernel.own_launches)
+        with _fake_cuda(change.get("device_index", 0)):
+            launch((1,), args, num_warps=change.get("num_warps", 4), num_stages=change.get("num_stages"))
+            assert len(kernel.own_launches) == before + 1, (args, change)
+            launch((1,), args, num_warps=change.get("num_warps", 4), num_stages=change.get("num_stages"))
+            assert len(kernel.own_launches) == before + 1, ("not cached", args, change)
+    with _fake_cuda():  # values Triton does not specialise on: still the first entry
+        launch((1,), (_ON_GPU, torch.ones(64), 33, 0.7, 8), num_warps=4)
+    assert len(kernel.compiled[0].launches) == 1
+
+
+def test_cached_launch_key_is_never_coarser_than_tritons_specialisation():
+    """Two arguments Triton's own specialisation tells apart never share a key."""
+    pytest.importorskip("triton._C.libtriton", reason="Triton's native specialisation")
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from dres.kernels.utils import CachedLaunch
+
+    launch = CachedLaunch(_FakeJITFunction([False]))
+    x = torch.zeros(64)
+    values = [0, 1, 2, 16, 17, -16, -1, 2**31 - 16, 2**31, 2**31 + 1, 2**63 - 1, 2**63, True, False, 0.5, None,
+              x, x[1:], x[4:], x.bfloat16(), x.half()[8:], torch.zeros((), dtype=torch.float64)]
+    specs = [native_specialize_impl(BaseBackend, v, False, True, True) for v in values]
+    keys = [launch.key((v,), 0, (4, None)) for v in values]
+    for i in range(len(values)):
+        for j in range(len(values)):
+            if specs[i] != specs[j]:
+                assert keys[i] != keys[j], (values[i], values[j], specs[i], specs[j])
+
+
+def test_cached_launch_takes_tritons_own_path_with_hooks_or_nothing_to_cache():
+    """A registered launch hook (proton), a kernel pre-run hook, no raw-stream API, or a launch that
+    returns no compiled kernel: every call goes through Triton's own launch."""
+    import triton
+
+    from dres.kernels import utils
+
+    args = (_ON_GPU, torch.zeros(64), 17)
+
+    def calls_through_triton(setup=contextlib.nullcontext, kernel=None):
+        kernel = kernel or _FakeJITFunction([False, False, False])
+        launch = utils.CachedLaunch(kernel)
+        with _fake_cuda(), setup():
+            for _ in range(3):
+                launch((1,), args, num_warps=4)
+        return len(kernel.own_launches)
+
+    assert calls_through_triton() == 1
+
+    @contextlib.contextmanager
+    def enter_hook():
+        hook = lambda metadata: None  # noqa: E731
+        triton.knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            yield
+        finally:
+            triton.knobs.runtime.launch_enter_hook.remove(hook)
+
+    assert calls_through_triton(enter_hook) == 3
+    assert not utils._hooks_set()  # removed again
+    assert calls_through_triton(lambda: mock.patch.object(triton.knobs.runtime, "launch_exit_hook",
+                                                          lambda metadata: None)) == 3  # a plain callable
+    with_pre_run_hook = _FakeJITFunction([False, False, False])
+    with_pre_run_hook.pre_run_hooks.append(lambda *args, **kwargs: None)
+    assert calls_through_triton(kernel=with_pre_run_hook) == 3
+    assert calls_through_triton(lambda: mock.patch.object(utils, "_raw_stream", None)) == 3
+
+    class ReturnsNothing(_FakeJITFunction):  # e.g. a Triton whose launch returns no CompiledKernel
+        def __getitem__(self, grid):
+            return lambda *args, **options: self.own_launches.append((grid, args, options))
+
+    assert calls_through_triton(kernel=ReturnsNothing([False, False, False])) == 3
+    with _fake_cuda(), pytest.raises(TypeError, match="fake_kernel takes 3 arguments, got 2"):
+        utils.CachedLaunch(_FakeJITFunction([False, False, False]))((1,), args[:2], num_warps=4)
+
+
+def test_cached_launch_under_the_interpreter_caches_nothing():
+    """The CPU interpreter's kernels have no parameter metadata: Triton's own path, nothing kept."""
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter runs only without a GPU here")
+    from dres.kernels import residual_norm as kernels
+
+    x, h, w, b = leaves(*make_case((3, 5, 24), F32, F32, "cpu"))
+    out, y = ops.residual_layer_norm(x, h, w, b, 0.9, backend="triton")
+    (out.sum() + y.sum()).backward()
+    assert kernels._FORWARD.constexpr is None and kernels._FORWARD.compiled == {} and kernels._BACKWARD.compiled == {}
+    assert x.grad is not None
 
 
 def test_default_backend_follows_the_measurements():
