@@ -165,6 +165,8 @@ class Config:
     dist: str = "none"        # none | ddp | fsdp
     fsdp_param_dtype: str = "bf16"  # bf16 | fp32 (mixed-precision policy of FSDP2)
     fsdp_prefetch: bool = False  # units keep parameters gathered to the backward + forward prefetch
+    # which units free their gathered parameters after the forward: auto (never on 1 GPU, else all but the last)
+    fsdp_reshard: str = "auto"
     device: str = "auto"
     threads: int = 0          # CPU intra-op threads (0: torch default)
     data: DataConfig = field(default_factory=DataConfig)
@@ -179,6 +181,7 @@ CHOICES = {
     "task": TASKS, "precision": ("auto", "bf16", "fp16", "fp32"), "act_ckpt": ("none", "full", "selective"),
     "cuda_graphs": ("auto", "true", "false"),
     "dist": ("none", "ddp", "fsdp"), "fsdp_param_dtype": ("bf16", "fp32"),
+    "fsdp_reshard": ("auto", "always", "except_last", "never"),
     "data.name": ("digits", "cifar10_wds", "wds", "imagefolder", "cifar_tv", "synthetic"),
     "data.aug": ("rrc_flip", "flip", "none"), "model.droppath_mode": ("drop_path", "residual_droppath", "none"),
     "model.arch": ("vit", "resnet18", "resnet50", "resnet50d"),

@@ -153,61 +153,81 @@ def apply_compile(model: nn.Module) -> int:
     return len(units)
 
 
-def apply_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
+def apply_ddp(model: nn.Module, info: DistInfo, bucket_view: bool = False) -> nn.Module:
+    """DDP; ``bucket_view`` makes the gradients views into the all-reduce buckets
+    (``gradient_as_bucket_view``: no copy of each gradient into its bucket and back)."""
     return nn.parallel.DistributedDataParallel(
-        model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+        model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
+        gradient_as_bucket_view=bucket_view)
 
 
-RESHARD_POLICIES = ("always", "except_last", "never")
+RESHARD_POLICIES = ("auto", "always", "except_last", "never")
+
+
+def resolve_reshard(reshard: str, world: int) -> str:
+    """``auto``: "never" on one rank (the shard is the whole parameter, so resharding frees only the
+    gathered low-precision copy and costs a second gather per unit), else "except_last" (torchtitan's
+    default: the last unit is the first the backward needs)."""
+    if reshard not in RESHARD_POLICIES:
+        raise ValueError(f"reshard must be one of {', '.join(RESHARD_POLICIES)}; got {reshard!r}")
+    if reshard != "auto":
+        return reshard
+    return "never" if world == 1 else "except_last"
 
 
 def fully_shard_units(model: nn.Module, units: list[nn.Module], mp_policy, prefetch: bool = False,
-                      mesh=None, reshard: str = "always") -> nn.Module:
-    """``fully_shard`` each of ``units`` (listed in execution order), then the root ``model``.
+                      mesh=None, reshard: str = "always", blocks_per_unit: int = 1) -> nn.Module:
+    """``fully_shard`` ``units`` (listed in execution order) in groups of ``blocks_per_unit``
+    consecutive ones, then the root ``model``.
 
-    reshard: which units free their gathered parameters after the forward (``reshard_after_forward``):
-    every one ("always", FSDP2's default: least memory, a second all-gather per unit in the backward),
-    all but the last ("except_last": the backward starts with the last unit, so regathering it at
-    once is pure cost) or none ("never": memory of all gathered units, one all-gather per unit).
-    prefetch: additionally start the next unit's all-gather during each unit's forward."""
-    import dataclasses
-
+    reshard: which groups free their gathered parameters after the forward (``reshard_after_forward``):
+    every one ("always", FSDP2's default: least memory, a second all-gather per group in the
+    backward), all but the last ("except_last": the backward starts with the last group, so
+    regathering it at once is pure cost) or none ("never": memory of all gathered groups, one
+    all-gather per group); "auto" as :func:`resolve_reshard` on the mesh's size.
+    prefetch: additionally start the next group's all-gather during each group's forward.
+    blocks_per_unit: FSDP2's hooks cost CPU time per group, whatever its size; larger groups
+    issue fewer, larger collectives."""
     from torch.distributed.fsdp import fully_shard
 
-    from dres.nn import Block
-
-    if reshard not in RESHARD_POLICIES:
-        raise ValueError(f"reshard must be one of {', '.join(RESHARD_POLICIES)}; got {reshard!r}")
-    # A dres Block receives the fp32 residual stream as an argument: FSDP2 must not cast it to the
-    # parameters' dtype on the way in (its default), which would round the stream to bf16.
-    stream_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
-    for i, u in enumerate(units):
-        keep = reshard == "never" or (reshard == "except_last" and i == len(units) - 1)
-        fully_shard(u, mesh=mesh, mp_policy=stream_policy if isinstance(u, Block) else mp_policy,
+    if blocks_per_unit < 1:
+        raise ValueError(f"blocks_per_unit must be >= 1; got {blocks_per_unit!r}")
+    reshard = resolve_reshard(reshard, mesh.size() if mesh is not None else dist.get_world_size())
+    groups = [units[i:i + blocks_per_unit] for i in range(0, len(units), blocks_per_unit)]
+    for i, group in enumerate(groups):
+        keep = reshard == "never" or (reshard == "except_last" and i == len(groups) - 1)
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh, mp_policy=mp_policy,
                     reshard_after_forward=not keep)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     if prefetch:
-        for unit, nxt in zip(units, units[1:]):
-            unit.set_modules_to_forward_prefetch([nxt])
+        for group, nxt in zip(groups, groups[1:]):
+            group[0].set_modules_to_forward_prefetch([nxt[0]])
     return model
 
 
 def apply_fsdp(model: nn.Module, info: DistInfo, param_dtype="bf16", prefetch: bool = False,
-               reshard: str | None = None) -> nn.Module:
+               reshard: str = "auto", blocks_per_unit: int = 1) -> nn.Module:
     """FSDP2 over :func:`parallel_units` (in execution order: encoder blocks, then decoder blocks)
     and the root (which holds embeddings, norms, heads). ``prefetch`` (the config's
     ``fsdp_prefetch``) keeps every unit gathered from its forward to its backward and prefetches
-    the next; ``reshard`` as in :func:`fully_shard_units` (default: "never" with prefetch, else
-    "always"). Mixed precision: parameters gathered in bf16 for compute, gradients reduced in fp32;
-    the sharded master parameters and optimizer states stay fp32."""
+    the next; ``reshard`` (the config's ``fsdp_reshard``; "auto" is "never" with prefetch) and
+    ``blocks_per_unit`` as in :func:`fully_shard_units`.
+
+    Mixed precision: parameters gathered in ``param_dtype`` for compute, gradients reduced in fp32;
+    the sharded master parameters and optimizer states stay fp32. Forward inputs are never cast:
+    the root's would round the data (MAE's image and so its norm-pix target, U-ViT's noisy image
+    and diffusion time) and a block's the fp32 residual stream; autocast casts at each matmul, so
+    bf16 parameters expect autocast (the trainer gathers fp32 under ``precision=fp32``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     mesh = init_device_mesh(info.device.type, (info.world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if param_dtype == "bf16" else torch.float32,
-                              reduce_dtype=torch.float32)
-    reshard = reshard or ("never" if prefetch else "always")
-    return fully_shard_units(model, parallel_units(model), mp, prefetch=prefetch, mesh=mesh, reshard=reshard)
+                              reduce_dtype=torch.float32, cast_forward_inputs=False)
+    if prefetch and reshard == "auto":
+        reshard = "never"
+    return fully_shard_units(model, parallel_units(model), mp, prefetch=prefetch, mesh=mesh, reshard=reshard,
+                             blocks_per_unit=blocks_per_unit)
 
 
 def set_grad_sync(model: nn.Module, enabled: bool):

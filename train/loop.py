@@ -124,7 +124,9 @@ class Trainer:
         if n_ac or n_c:
             self.log(f"[dres] activation checkpointing '{cfg.act_ckpt}' on {n_ac} units; compiled {n_c} units")
         if cfg.dist == "fsdp":
-            model = D.apply_fsdp(model, self.info, cfg.fsdp_param_dtype, prefetch=cfg.fsdp_prefetch)
+            # bf16 parameters need autocast (FSDP2 casts no inputs): fp32 ones under precision=fp32
+            param_dtype = "fp32" if self.precision == "fp32" else cfg.fsdp_param_dtype
+            model = D.apply_fsdp(model, self.info, param_dtype, prefetch=cfg.fsdp_prefetch, reshard=cfg.fsdp_reshard)
         elif cfg.dist == "ddp" and self.info.world > 1:
             model = D.apply_ddp(model, self.info)
         self.model = model
