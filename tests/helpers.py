@@ -35,6 +35,16 @@ def assert_close(name: str, a: torch.Tensor, ref: torch.Tensor, dtype: torch.dty
     assert err <= TOLERANCE[dtype], f"{name}: relative error {err:.2e} above {TOLERANCE[dtype]:.0e} ({dtype})"
 
 
+def assert_sum_close(name: str, a: torch.Tensor, ref: torch.Tensor, terms_rss: torch.Tensor, dtype: torch.dtype) -> None:
+    """A sum of N terms of both signs (a dalpha) against its float64 reference, relative to the terms'
+    root-sum-square: at N > 2**20 the sum may cancel to a few % of it by chance, while fp32 rounding
+    errors of fixed-order tree sums scale with it (times about sqrt(log2 N)), not with the result."""
+    assert a.shape == ref.shape, f"{name}: shape {tuple(a.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(a).all(), f"{name}: non-finite values in the result"
+    err = (a.double() - ref.double()).norm().item() / max(terms_rss.item(), 1e-300)
+    assert err <= TOLERANCE[dtype], f"{name}: error {err:.2e} of its terms' root-sum-square above {TOLERANCE[dtype]:.0e} ({dtype})"
+
+
 def mode_scales(mode: str, batch: int, device, drop_prob: float = 0.4, generator=None):
     """(row_scale, grad_scale) for each row of the README's drop-path table; masks drawn fresh each call."""
     if mode == "plain":

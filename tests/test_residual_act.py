@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BF16, F16, F32, MODES, assert_close, capture_graph, grads, mode_scales
+from helpers import BF16, F16, F32, MODES, assert_close, assert_sum_close, capture_graph, grads, mode_scales
 
 import dres.ops as ops
 from dres.ops import reference
@@ -42,13 +42,17 @@ def against_float64(x, h, alpha=0.8, row_scale=None, grad_scale=None, act="relu"
     f64 = lambda s: None if s is None else s.double()  # noqa: E731
     ref = reference.residual_act(x6, h6, a6, f64(row_scale), f64(grad_scale), act)
     want = [ref] + grads(ref, g.double(), [x6, h6, a6 if is_t else None])
+    # dalpha = sum over elements of g * act' * x, and the reference's dx is alpha * g * act'
+    want.append((want[1] / a6.detach() * x6.detach()).norm() if is_t else None)
     return got, want
 
 
 def check_all(got, want, x_dtype, h_dtype):
-    for name, a, r, dt in zip(("out", "dx", "dh", "dalpha"), got, want, (x_dtype, x_dtype, h_dtype, F32)):
-        if r is not None:
-            assert_close(name, a, r, dt)
+    """want: the reference's (out, dx, dh, dalpha, root-sum-square of dalpha's terms)."""
+    for name, a, r, dt in zip(("out", "dx", "dh"), got, want, (x_dtype, x_dtype, h_dtype)):
+        assert_close(name, a, r, dt)
+    if want[3] is not None:
+        assert_sum_close("dalpha", got[3], want[3], want[4], F32)
 
 
 # ---------------------------------------------------------------------------------------------
