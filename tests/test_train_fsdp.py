@@ -159,3 +159,162 @@ def test_per_block_compile_matches_eager():
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
     for (name, a), b in zip(model.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+# FSDP2 wrappings of apply_fsdp/apply_ddp, each against the unwrapped model on the whole batch
+WRAPPINGS = {
+    "fsdp_auto": dict(kind="fsdp"),
+    "fsdp_always": dict(kind="fsdp", reshard="always"),
+    "fsdp_never": dict(kind="fsdp", reshard="never"),
+    "fsdp_except_last_2_blocks": dict(kind="fsdp", reshard="except_last", blocks_per_unit=2),
+    "fsdp_prefetch_2_blocks": dict(kind="fsdp", prefetch=True, blocks_per_unit=2),
+    "ddp_bucket_view": dict(kind="ddp", bucket_view=True),
+}
+
+
+def _mae(variant="official"):
+    from dres.models import create_mae
+
+    torch.manual_seed(0)
+    model = create_mae("mae_vit_test", variant=variant, alpha_min=0.6)
+    with torch.no_grad():  # move every zero-initialised branch end off zero
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def _wrap(model, info, kind, bucket_view=False, **fsdp):
+    from dres.train import distributed as D
+
+    if kind == "ddp":
+        return D.apply_ddp(model, info, bucket_view=bucket_view)
+    return D.apply_fsdp(model, info, "fp32", **fsdp)
+
+
+def _train(model, imgs, noise, steps=3):
+    """Losses (mean over the ranks) of ``steps`` SGD steps on ``imgs`` (SGD: the parameters then
+    differ by the gradients' rounding, which Adam's normalisation would blow up where gradients
+    are tiny; the trainer's FSDP2 test covers AdamW on DTensors)."""
+    from dres.train.distributed import all_mean
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        loss, _, _ = model(imgs, noise=noise)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(all_mean(loss.detach()).item())
+    return losses
+
+
+def _wrappings_worker(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from dres.train import distributed as D
+
+    info = D.init("cpu", "fsdp")
+    g = torch.Generator().manual_seed(1)
+    imgs, noise = torch.randn(8, 3, 8, 8, generator=g), torch.rand(8, 4, generator=g)
+    reference = _mae()
+    res = {"reference": _train(reference, imgs, noise),
+           "reference_params": {n: p.tolist() for n, p in reference.named_parameters()}}
+    mine = slice(rank * 8 // world, (rank + 1) * 8 // world)  # this rank's share of the batch
+    for tag, spec in WRAPPINGS.items():
+        model = _mae()
+        kept = []
+        # the root's forward hook runs after every unit's post-forward: the units that keep their
+        # gathered parameters hold plain tensors then, the resharded ones DTensors
+        def record_kept(*_, model=model, kept=kept):
+            if not kept:
+                kept.extend(not hasattr(next(u.parameters()), "full_tensor") for u in D.parallel_units(model))
+
+        model.register_forward_hook(record_kept)
+        wrapped = _wrap(model, info, **spec)
+        res[tag] = {"losses": _train(wrapped, imgs[mine], noise[mine]), "kept": kept,
+                    "params": {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).tolist()
+                               for n, p in model.named_parameters()}}
+        D.barrier()
+    if rank == 0:
+        with open(f"{out}/wrappings{world}.json", "w") as f:
+            json.dump(res, f)
+    D.cleanup()
+    os._exit(0)  # as _worker: skip gloo's static destructors
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fsdp_reshard_policies_unit_groups_and_ddp_bucket_view_match_one_process(tmp_path, world):
+    """Every candidate wrapping trains like the unwrapped model on the whole batch (fp32: losses,
+    averaged over the ranks, at each step and the final parameters). Which units keep their
+    gathered parameters after the forward follows the reshard policy: auto keeps all on one rank
+    and all but the last elsewhere; a group of 2 blocks reshards as a whole."""
+    mp.spawn(_wrappings_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    with open(tmp_path / f"wrappings{world}.json") as f:
+        res = json.load(f)
+    ref = res["reference_params"]
+    assert res["reference"][0] != res["reference"][-1]  # it trained
+    for tag in WRAPPINGS:
+        got = res[tag]
+        assert got["losses"] == pytest.approx(res["reference"], rel=1e-5), tag
+        for name, want in ref.items():
+            torch.testing.assert_close(torch.tensor(got["params"][name]), torch.tensor(want), rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, n=name, t=tag: f"{t} {n}: {m}")
+    n = len(res["fsdp_auto"]["kept"])
+    assert n == 4 and res["ddp_bucket_view"]["kept"] == [True] * n
+    assert res["fsdp_auto"]["kept"] == ([True] * n if world == 1 else [False] * (n - 1) + [True])
+    assert res["fsdp_always"]["kept"] == [False] * n
+    assert res["fsdp_never"]["kept"] == [True] * n
+    assert res["fsdp_except_last_2_blocks"]["kept"] == [False] * (n - 2) + [True] * 2
+    assert res["fsdp_prefetch_2_blocks"]["kept"] == [True] * n
+
+
+def _input_dtypes_worker(rank, world, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    from dres.models import create_uvit
+    from dres.train import distributed as D
+
+    info = D.init("cpu", "fsdp")
+    seen = {}
+
+    def record(name, block=False):
+        def hook(module, args, kwargs):
+            if block:  # the stream: `residual`, or `hidden_states` for the first block (the pending branch is bf16)
+                residual = args[1] if len(args) > 1 else kwargs.get("residual")
+                floats = [args[0] if residual is None else residual]
+            else:
+                floats = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a) and a.is_floating_point()]
+            seen.setdefault(name, set()).update(str(a.dtype) for a in floats)
+        return hook
+
+    mae, uvit = _mae(), create_uvit("uvit_test")
+    for tag, model in (("mae", mae), ("uvit", uvit)):
+        D.apply_fsdp(model, info, "bf16")
+        # registered after fully_shard: runs after FSDP2's own pre-forward hook, on what the module gets
+        model.register_forward_pre_hook(record(f"{tag} root"), with_kwargs=True)
+        for i, u in enumerate(D.parallel_units(model)):
+            u.register_forward_pre_hook(record(f"{tag} unit {i}", block=True), with_kwargs=True)
+    g = torch.Generator().manual_seed(2)
+    imgs = torch.randn(4, 3, 8, 8, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _, _ = mae(imgs, noise=torch.rand(4, 4, generator=g))
+        eps = uvit(imgs, torch.tensor([1.0, 517.0, 998.0, 999.0]))
+    (loss + eps.float().square().mean()).backward()
+    if rank == 0:
+        with open(f"{out}/dtypes.json", "w") as f:
+            json.dump({k: sorted(v) for k, v in seen.items()}, f)
+    D.cleanup()
+    os._exit(0)  # as _worker: skip gloo's static destructors
+
+
+def test_fsdp_bf16_parameters_leave_inputs_in_fp32(tmp_path):
+    """With bf16 parameters, FSDP2 casts no forward input: MAE's image (and so its norm-pix target)
+    and U-ViT's noisy image and diffusion time (517 is not a bf16 number) reach the model in fp32,
+    and every block receives the fp32 residual stream; autocast does the casting at the matmuls."""
+    mp.spawn(_input_dtypes_worker, args=(1, _free_port(), str(tmp_path)), nprocs=1, join=True)
+    with open(tmp_path / "dtypes.json") as f:
+        seen = json.load(f)
+    assert {"mae root", "uvit root", "mae unit 3", "uvit unit 2"} <= set(seen)
+    assert all(dtypes == ["torch.float32"] for dtypes in seen.values()), seen
