@@ -59,7 +59,8 @@ MODELS = {
 }
 BASELINE = {"mae": "timm", "uvit": "plain"}
 DEFAULT_BATCH = {"mae": 256, "uvit": 128}
-TRAIN_KEY = ("card", "bench", "model", "mode", "batch", "world_size", "checkpointing", "kind", "dist", "fsdp_variant")
+TRAIN_KEY = ("card", "bench", "model", "mode", "batch", "world_size", "checkpointing", "kind", "dist", "fsdp_variant",
+             "ddp_variant")
 
 
 # Variants named by a suffix, measured only when named (--models): "_csrc" needs the optional
@@ -320,10 +321,12 @@ def max_batch(bench: str, name: str, checkpointing: bool, start: int, step: int,
 # ---------------------------------------------------------------------------------------------
 # Several GPUs: DDP and FSDP2 (the trainer's wrapping), and the trainer itself, under torchrun
 
-# "fsdp:VARIANT" picks a candidate FSDP2 setting (dres.train.distributed.apply_fsdp): reshard_after_forward
-# for every unit ("always", FSDP2's default), all but the last ("except_last") or none ("never"), or
-# "prefetch" (the trainer's fsdp_prefetch: no resharding plus forward prefetch).
-FSDP_VARIANTS = ("always", "except_last", "never", "prefetch")
+# "fsdp:VARIANT[:K]" picks a candidate FSDP2 setting (dres.train.distributed.apply_fsdp): reshard_after_forward
+# as the trainer's default ("auto", plain "fsdp"), for every unit ("always", FSDP2's default), all but the
+# last ("except_last") or none ("never"), or "prefetch" (the trainer's fsdp_prefetch: no resharding plus
+# forward prefetch); K blocks per FSDP2 unit (default 1). "ddp:bucket_view": DDP with gradient_as_bucket_view.
+FSDP_VARIANTS = ("auto", "always", "except_last", "never", "prefetch")
+DDP_VARIANTS = ("bucket_view",)
 # NVLink multicast (NVLS) stays off on the lent machines; NCCL falls back to its ring/tree paths.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -339,17 +342,29 @@ def parse_worlds(spec: str) -> list[int]:
     return worlds
 
 
+def fsdp_variant_parts(variant: str) -> tuple[str, int]:
+    """``"never:4"`` -> ``("never", 4)`` (reshard policy or "prefetch", blocks per unit)."""
+    policy, _, blocks = variant.partition(":")
+    return policy, int(blocks or 1)
+
+
 def parse_dists(spec: str) -> list[tuple[str, str]]:
-    """``"ddp,fsdp,fsdp:except_last"`` -> ``[("ddp", ""), ("fsdp", "always"), ("fsdp", "except_last")]``."""
+    """``"ddp,fsdp,fsdp:never:4"`` -> ``[("ddp", ""), ("fsdp", "auto"), ("fsdp", "never:4")]``."""
     out = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         kind, _, variant = item.partition(":")
-        if kind not in ("none", "ddp", "fsdp") or (kind != "fsdp" and variant):
-            raise SystemExit(f"--dist: unknown {item!r}; choose from none, ddp, fsdp, fsdp:VARIANT")
+        if kind not in ("none", "ddp", "fsdp") or (kind == "none" and variant):
+            raise SystemExit(f"--dist: unknown {item!r}; choose from none, ddp, ddp:bucket_view, fsdp, "
+                             "fsdp:VARIANT[:BLOCKS]")
+        if kind == "ddp" and variant not in ("", *DDP_VARIANTS):
+            raise SystemExit(f"--dist: unknown DDP variant {variant!r}; choose from {', '.join(DDP_VARIANTS)}")
         if kind == "fsdp":
-            variant = variant or "always"
-            if variant not in FSDP_VARIANTS:
-                raise SystemExit(f"--dist: unknown FSDP2 variant {variant!r}; choose from {', '.join(FSDP_VARIANTS)}")
+            variant = variant or "auto"
+            policy, _, blocks = variant.partition(":")
+            if policy not in FSDP_VARIANTS or (blocks and not (blocks.isdigit() and int(blocks) >= 1)):
+                raise SystemExit(f"--dist: unknown FSDP2 variant {variant!r}; choose from {', '.join(FSDP_VARIANTS)}, "
+                                 "optionally :BLOCKS per unit (e.g. fsdp:never:4)")
+            variant = policy if int(blocks or 1) == 1 else f"{policy}:{int(blocks)}"
         if (kind, variant) not in out:
             out.append((kind, variant))
     if not out:
@@ -363,7 +378,7 @@ def dists_at(world: int, dists: list[tuple[str, str]]) -> list[tuple[str, str]]:
     out = []
     for kind, variant in dists:
         if world == 1 and kind == "ddp":
-            kind = "none"
+            kind, variant = "none", ""
         if world > 1 and kind == "none":
             continue
         if (kind, variant) not in out:
@@ -372,15 +387,18 @@ def dists_at(world: int, dists: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 
 def wrap_model(model: torch.nn.Module, kind: str, variant: str, info) -> torch.nn.Module:
-    """The trainer's wrapping (dres.train.distributed): DDP, or FSDP2 per block with bf16 parameters
-    and fp32 gradient reduction, in the ``variant`` of FSDP_VARIANTS."""
+    """The trainer's wrapping (dres.train.distributed): DDP (``variant`` "bucket_view": gradients as
+    bucket views), or FSDP2 per block (or ``:K`` blocks) with bf16 parameters and fp32 gradient
+    reduction, in the ``variant`` of FSDP_VARIANTS."""
     from dres.train import distributed as D
 
     if kind == "ddp":
-        return D.apply_ddp(model, info)
+        return D.apply_ddp(model, info, bucket_view=variant == "bucket_view")
     if kind == "fsdp":
-        prefetch = variant == "prefetch"
-        return D.apply_fsdp(model, info, "bf16", prefetch=prefetch, reshard="never" if prefetch else variant)
+        policy, blocks = fsdp_variant_parts(variant)
+        prefetch = policy == "prefetch"
+        return D.apply_fsdp(model, info, "bf16", prefetch=prefetch, reshard="auto" if prefetch else policy,
+                            blocks_per_unit=blocks)
     return model
 
 
@@ -409,7 +427,9 @@ def run_dist(bench: str, name: str, mode: str, batch: int, args, env: dict, card
     world = info.world
     rec = {
         "kind": "dist", "bench": bench, "model": name, "description": MODELS[bench][name], "mode": mode,
-        "batch": batch, "world_size": world, "dist": kind, "fsdp_variant": variant or None, "checkpointing": False,
+        "batch": batch, "world_size": world, "dist": kind, "checkpointing": False,
+        "fsdp_variant": (variant or None) if kind == "fsdp" else None,
+        "ddp_variant": (variant or None) if kind == "ddp" else None,
         "compile_scope": None if mode == "eager" else "per_block",
         "images_per_s": world * batch / (ms / 1e3), "images_per_s_per_gpu": batch / (ms / 1e3), "step_ms": ms,
         "step_ms_min": min(times), "step_ms_max": max(times), "steps": len(times), "warmup_s": warm_s,
@@ -497,11 +517,13 @@ def trainer_plan(args) -> list[dict]:
     runs = []
     for world in parse_worlds(args.scaling or "1"):
         for kind, variant in dists_at(world, parse_dists(args.dist)):
-            if kind == "fsdp" and variant not in ("always", "prefetch"):
-                raise SystemExit(f"--trainer: the trainer has no FSDP2 variant {variant!r} (fsdp, fsdp:prefetch)")
+            if (kind == "ddp" and variant) or ":" in variant:
+                raise SystemExit(f"--trainer: the trainer has no variant {kind}:{variant} (its variants: "
+                                 f"fsdp:{'|'.join(FSDP_VARIANTS)})")
             for mode in modes(args):
                 sets = [f"compile={'true' if mode == 'compile' else 'false'}", f"dist={kind}",
                         f"fsdp_prefetch={'true' if variant == 'prefetch' else 'false'}",
+                        f"fsdp_reshard={variant if variant not in ('', 'prefetch') else 'auto'}",
                         f"batch_size={batch * world}", f"steps={args.trainer_steps}",
                         f"log.every={args.trainer_log_every}", "log.progress=false", "log.tensorboard=false",
                         "ckpt.every=0", *TRAINER_EVAL_OFF, *args.overrides]
@@ -613,13 +635,13 @@ def add_ratios(records: list[dict]) -> None:
         r["scaling_efficiency"] = r["images_per_s_per_gpu"] / b["images_per_s_per_gpu"] if b else None
     multi = [r for r in records if r.get("kind") in ("dist", "trainer")]
     at = {(r["kind"], r["card"], r["bench"], r["model"], r["mode"], r["batch"], r["world_size"], r["dist"],
-           r.get("fsdp_variant")): r for r in multi}
+           r.get("fsdp_variant"), r.get("ddp_variant")): r for r in multi}
     for r in multi:
         group = (r["kind"], r["card"], r["bench"], r["model"], r["mode"], r["batch"])
         one_dist = "none" if r["dist"] == "ddp" else r["dist"]
-        b = at.get(group + (1, one_dist, r.get("fsdp_variant")))
+        b = at.get(group + (1, one_dist, r.get("fsdp_variant"), None))
         r["scaling_efficiency"] = r["images_per_s_per_gpu"] / b["images_per_s_per_gpu"] if b else None
-        d = at.get(group + (r["world_size"], "ddp" if r["world_size"] > 1 else "none", None))
+        d = at.get(group + (r["world_size"], "ddp" if r["world_size"] > 1 else "none", None, None))
         r["fsdp_vs_ddp"] = r["images_per_s"] / d["images_per_s"] if (d and r["dist"] == "fsdp") else None
 
 
@@ -681,10 +703,14 @@ def train_markdown(records: list[dict]) -> str:
     return "\n".join(lines) if lines else "No measurements.\n"
 
 
+def dist_label(kind: str, variant: str | None) -> str:
+    """``--dist`` spelling of a wrapping: "ddp", "ddp:bucket_view", "fsdp" (the trainer's default,
+    "auto"), "fsdp:never:4"."""
+    return f"{kind}:{variant}" if variant and not (kind == "fsdp" and variant == "auto") else kind
+
+
 def _dist_label(r: dict) -> str:
-    if r["dist"] == "fsdp" and r.get("fsdp_variant") not in (None, "always"):
-        return f"fsdp:{r['fsdp_variant']}"
-    return r["dist"]
+    return dist_label(r["dist"], r.get("fsdp_variant") if r["dist"] == "fsdp" else r.get("ddp_variant"))
 
 
 def dist_markdown(records: list[dict]) -> list[str]:
@@ -797,7 +823,7 @@ def main(argv=None) -> int:
         if args.scaling:
             dists = parse_dists(args.dist)
             for world in parse_worlds(args.scaling):
-                wraps = ", ".join(_dist_label({"dist": k, "fsdp_variant": v}) for k, v in dists_at(world, dists))
+                wraps = ", ".join(dist_label(k, v) for k, v in dists_at(world, dists))
                 for b, m, mode in plan:
                     print(f"{b} {m} {mode} batch/GPU {args.batch or DEFAULT_BATCH[b]} on {world} GPU(s): {wraps}")
             return 0

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # One device call on a machine of several GPUs (issues 15 and 19): install, then in priority order
-#   profile  FSDP2 against no FSDP2 on one GPU, eager (top CPU ops, top kernels, GPU idle, Chrome traces)
-#   trainer  torchrun -m dres.train.mae --preset mae_vit_b16_in1k, synthetic data, eager, 256 images/GPU,
-#            dist none|ddp and fsdp on 1, 2, 4 GPUs, steady-state img/s from metrics.jsonl
-#   eager    bench_train --scaling: DDP and FSDP2, official MAE ViT-B/16 and the timm-style baseline
-#   compile  the same, blocks compiled one by one (on 1 and the most GPUs unless COMPILE_SCALING says)
-#   variants FSDP2 candidate settings on one GPU (reshard except_last / never, prefetch)
+#   candidates  bench_train --scaling, eager, official MAE ViT-B/16 and the timm-style baseline on 1, 2, 4
+#               GPUs: each candidate wrapping (CANDIDATES) against DDP and FSDP2's former default
+#               (fsdp:always); plain "fsdp" is the trainer's default (reshard auto)
+#   profile     one GPU, eager: no FSDP2, FSDP2's former default and the trainer's (top CPU ops, top
+#               kernels, GPU idle, Chrome traces)
+#   ddp_profile DDP and DDP with gradients as bucket views on the most GPUs, under torchrun (traces)
+#   trainer     torchrun -m dres.train.mae --preset mae_vit_b16_in1k, synthetic data, eager, 256 images/GPU,
+#               dist none|ddp and fsdp (its default) on TRAINER_SCALING GPUs, steady-state img/s
+#   compile     bench_train --scaling, blocks compiled one by one (on 1 and the most GPUs unless
+#               COMPILE_SCALING says), DDP and the trainer's FSDP2
 # Each stage gets at most its own cap and what is left of BUDGET_S (default 530 s), and is skipped when
 # too little is left; the tools write after every measurement, so a stage cut short keeps what it
 # measured (SIGINT: torchrun stops its workers). Under $OUT (at
@@ -17,7 +21,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./device_out}
-STAGES=${STAGES:-profile trainer eager compile variants}
+STAGES=${STAGES:-candidates profile ddp_profile trainer compile}
 BUDGET_S=${BUDGET_S:-530}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 START=$(date +%s)
@@ -34,8 +38,10 @@ WORLDS=$(for w in 1 2 4 8; do [ "$w" -le "$NGPU" ] && echo -n "$w,"; done)
 WORLDS=${WORLDS%,}
 MAXW=${WORLDS##*,}
 COMPILE_SCALING=${COMPILE_SCALING:-$( [ "$MAXW" = 1 ] && echo 1 || echo "1,$MAXW" )}
+TRAINER_SCALING=${TRAINER_SCALING:-$( [ "$MAXW" = 1 ] && echo 1 || echo "1,$MAXW" )}
 MODELS=${MODELS:-dres_official,timm}
-PROFILE_MODELS=${PROFILE_MODELS:-dres_official,timm,dres_baseline}
+PROFILE_MODELS=${PROFILE_MODELS:-dres_official}
+CANDIDATES=${CANDIDATES:-ddp,ddp:bucket_view,fsdp:always,fsdp,fsdp:never,fsdp:never:4}
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 say() { echo "[multi_gpu_check +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
@@ -72,17 +78,18 @@ if [ -z "${DRY_RUN:-}" ]; then
 fi
 say "GPUs: $NGPU; worlds $WORLDS; compile on $COMPILE_SCALING; stages: $STAGES"
 
-stage profile 60 120 python3 -m benchmarks.profile_train --bench mae --models "$PROFILE_MODELS" --mode eager \
-  --dist none,fsdp --steps 3 --warmup 4 --trace --out "$STAGE_DIR"
-stage trainer 90 210 python3 -m benchmarks.bench_train --trainer mae_vit_b16_in1k --scaling "$WORLDS" --dist ddp,fsdp \
-  --modes eager --batch 256 --trainer-steps 30 --trainer-log-every 10 \
+stage candidates 90 230 python3 -m benchmarks.bench_train --only mae --models "$MODELS" --modes eager \
+  --scaling "$WORLDS" --dist "$CANDIDATES" --steps 20 --warmup 3 --out "$STAGE_DIR"
+stage profile 45 80 python3 -m benchmarks.profile_train --bench mae --models "$PROFILE_MODELS" --mode eager \
+  --dist none,fsdp:always,fsdp --steps 3 --warmup 4 --trace --out "$STAGE_DIR"
+[ "$MAXW" -gt 1 ] && stage ddp_profile 45 60 python3 -m torch.distributed.run --standalone --nproc_per_node="$MAXW" \
+  -m benchmarks.profile_train --bench mae --models "$PROFILE_MODELS" --mode eager --dist ddp,ddp:bucket_view \
+  --steps 3 --warmup 4 --trace --out "$STAGE_DIR"
+stage trainer 90 150 python3 -m benchmarks.bench_train --trainer mae_vit_b16_in1k --scaling "$TRAINER_SCALING" \
+  --dist ddp,fsdp --modes eager --batch 256 --trainer-steps 30 --trainer-log-every 10 \
   --set data.name=synthetic --set data.synthetic_size=2048 --out "$STAGE_DIR"
-stage eager 60 170 python3 -m benchmarks.bench_train --only mae --models "$MODELS" --modes eager --scaling "$WORLDS" \
-  --dist ddp,fsdp --steps 10 --warmup 3 --out "$STAGE_DIR"
 stage compile 90 600 python3 -m benchmarks.bench_train --only mae --models "$MODELS" --modes compile \
   --scaling "$COMPILE_SCALING" --dist ddp,fsdp --steps 10 --warmup 4 --out "$STAGE_DIR"
-stage variants 45 120 python3 -m benchmarks.bench_train --only mae --models "$MODELS" --modes eager --scaling 1 \
-  --dist fsdp:except_last,fsdp:never,fsdp:prefetch --steps 10 --warmup 3 --out "$STAGE_DIR"
 
 [ -n "${DRY_RUN:-}" ] && exit 0
 # pack: at most 8 files come back from $OUT

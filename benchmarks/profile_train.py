@@ -14,7 +14,9 @@ up, then ``torch.profiler`` over ``--steps`` steps of the step ``bench_train`` t
 reports. Kernels are grouped by name into matmul, attention, dres fused ops, Inductor norm kernels,
 other Inductor kernels, optimizer, communication (NCCL) and other (eager elementwise, copies).
 ``gpu_busy_pct`` = the union of kernel and copy intervals / wall time (below 100% the GPU waits for
-the CPU, launch overhead, or for exposed communication); ``gpu_idle_pct`` is the rest.
+the CPU, launch overhead, or for exposed communication); ``gpu_idle_pct`` is the rest. The GPU-side
+spans of ``record_function`` ranges (FSDP2's hooks, ``Optimizer.step``) are not GPU work and count
+in neither.
 Writes ``<out>/<card>-profile.json`` and ``.md`` and, with ``--trace``, a gzipped Chrome trace per
 run (``<out>/trace-<model>-<mode>-<wrapping>-<N>gpu.json.gz``, open in chrome://tracing or Perfetto).
 """
@@ -77,6 +79,12 @@ def union_us(intervals) -> float:
     return total
 
 
+def _is_gpu_work(evt) -> bool:
+    """A kernel, copy or memset: not the GPU-side span of a ``record_function`` range (FSDP's hooks,
+    ``Optimizer.step``), which lasts from its first to its last kernel, idle time included."""
+    return evt.device_type == torch.autograd.DeviceType.CUDA and not getattr(evt, "is_user_annotation", False)
+
+
 TOP = 15
 PROFILE_KEY = ("card", "bench", "model", "mode", "batch", "dist", "world_size", "compile_scope")
 
@@ -107,7 +115,7 @@ def profile_model(bench: str, name: str, mode: str, batch: int, steps: int, warm
     by_cat: dict[str, float] = {}
     gpu_top, cpu_top = [], []
     for evt in prof.key_averages():
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
+        if _is_gpu_work(evt):
             t = _device_time_us(evt)
             if t > 0:
                 cat = categorize(evt.key)
@@ -115,13 +123,12 @@ def profile_model(bench: str, name: str, mode: str, batch: int, steps: int, warm
                 gpu_top.append((t / steps, evt.count / steps, evt.key))
         elif evt.self_cpu_time_total > 0:
             cpu_top.append((evt.self_cpu_time_total / steps, evt.count / steps, evt.key))
-    busy = union_us((e.time_range.start, e.time_range.end) for e in prof.events()
-                    if e.device_type == torch.autograd.DeviceType.CUDA) / steps
+    busy = union_us((e.time_range.start, e.time_range.end) for e in prof.events() if _is_gpu_work(e)) / steps
     if trace_path is not None:
         prof.export_chrome_trace(str(trace_path))
     del model, wrapped, x, step
     bench_train.free_memory()
-    label = bench_train._dist_label({"dist": kind, "fsdp_variant": variant or None})
+    label = bench_train.dist_label(kind, variant)
     return {"bench": bench, "model": name, "mode": mode, "batch": batch, "dist": label, "fsdp": kind == "fsdp",
             "compile_scope": None if mode == "eager" else "per_block", "optimizer": optimizer_kind,
             "world_size": info.world, "wall_us_per_step": wall_us, "gpu_kernel_us_per_step": sum(by_cat.values()),
@@ -191,7 +198,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for name in names:
         for kind, variant in wraps:
-            label = bench_train._dist_label({"dist": kind, "fsdp_variant": variant or None}).replace(":", "-")
+            label = bench_train.dist_label(kind, variant).replace(":", "-")
             trace = out / f"trace-{name}-{args.mode}-{label}-{info.world}gpu.json.gz" if args.trace and info.main else None
             r = profile_model(args.bench, name, args.mode, args.batch or bench_train.DEFAULT_BATCH[args.bench],
                               args.steps, args.warmup, kind, variant, info, trace)

@@ -395,25 +395,32 @@ def test_fsdp_units_are_blocks_for_baselines_and_dres():
 
 def test_scaling_plan_parses_worlds_and_wrappings(capsys):
     assert bt.parse_worlds("4,1,2,2") == [1, 2, 4]
-    assert bt.parse_dists("ddp,fsdp,fsdp:except_last,fsdp:always") == [
-        ("ddp", ""), ("fsdp", "always"), ("fsdp", "except_last")]
-    # one GPU: DDP is the unwrapped model (the trainer wraps nothing); several: no unwrapped run
-    assert bt.dists_at(1, bt.parse_dists("none,ddp,fsdp")) == [("none", ""), ("fsdp", "always")]
-    assert bt.dists_at(2, bt.parse_dists("none,ddp,fsdp")) == [("ddp", ""), ("fsdp", "always")]
+    # plain fsdp is the trainer's default (reshard auto); ":K" blocks per unit, ":1" the same as none
+    assert bt.parse_dists("ddp,fsdp,fsdp:auto,fsdp:except_last,fsdp:always,fsdp:never:4,fsdp:never:1,fsdp:never") == [
+        ("ddp", ""), ("fsdp", "auto"), ("fsdp", "except_last"), ("fsdp", "always"), ("fsdp", "never:4"),
+        ("fsdp", "never")]
+    assert bt.parse_dists("ddp:bucket_view,fsdp:prefetch:2") == [("ddp", "bucket_view"), ("fsdp", "prefetch:2")]
+    assert bt.fsdp_variant_parts("never:4") == ("never", 4) and bt.fsdp_variant_parts("auto") == ("auto", 1)
+    # one GPU: DDP (any variant) is the unwrapped model (the trainer wraps nothing); several: no unwrapped run
+    assert bt.dists_at(1, bt.parse_dists("none,ddp,ddp:bucket_view,fsdp")) == [("none", ""), ("fsdp", "auto")]
+    assert bt.dists_at(2, bt.parse_dists("none,ddp,ddp:bucket_view,fsdp")) == [
+        ("ddp", ""), ("ddp", "bucket_view"), ("fsdp", "auto")]
     for bad, match in (("0,2", "GPU counts must be >= 1"), ("two", "comma list of GPU counts")):
         with pytest.raises(SystemExit, match=match):
             bt.parse_worlds(bad)
-    for bad, match in (("ddp:never", "unknown 'ddp:never'"), ("fsdp:sometimes", "unknown FSDP2 variant"),
+    for bad, match in (("ddp:never", "unknown DDP variant 'never'"), ("fsdp:sometimes", "unknown FSDP2 variant"),
+                       ("fsdp:never:0", "unknown FSDP2 variant 'never:0'"),
+                       ("fsdp:never:two", "unknown FSDP2 variant"), ("none:x", "unknown 'none:x'"),
                        ("zero", "unknown 'zero'"), (",", "at least one")):
         with pytest.raises(SystemExit, match=match):
             bt.parse_dists(bad)
     assert bt.main(["--dry-run", "--only", "mae", "--models", "timm,dres_official", "--modes", "eager",
-                    "--scaling", "1,2", "--dist", "ddp,fsdp:never"]) == 0
+                    "--scaling", "1,2", "--dist", "ddp,ddp:bucket_view,fsdp,fsdp:never:4"]) == 0
     assert capsys.readouterr().out.splitlines() == [
-        "mae timm eager batch/GPU 256 on 1 GPU(s): none, fsdp:never",
-        "mae dres_official eager batch/GPU 256 on 1 GPU(s): none, fsdp:never",
-        "mae timm eager batch/GPU 256 on 2 GPU(s): ddp, fsdp:never",
-        "mae dres_official eager batch/GPU 256 on 2 GPU(s): ddp, fsdp:never"]
+        "mae timm eager batch/GPU 256 on 1 GPU(s): none, fsdp, fsdp:never:4",
+        "mae dres_official eager batch/GPU 256 on 1 GPU(s): none, fsdp, fsdp:never:4",
+        "mae timm eager batch/GPU 256 on 2 GPU(s): ddp, ddp:bucket_view, fsdp, fsdp:never:4",
+        "mae dres_official eager batch/GPU 256 on 2 GPU(s): ddp, ddp:bucket_view, fsdp, fsdp:never:4"]
     cmds = bt.scaling_commands(bt.build_parser().parse_args(["--scaling", "1,4", "--only", "mae"]),
                                ["--scaling", "1,4", "--only", "mae"])
     assert [c[c.index("-m") + 1:] for c in cmds] == [
@@ -430,8 +437,16 @@ def test_trainer_plan_runs_the_preset_per_world_and_wrapping(capsys):
         assert f"--nproc_per_node={world} -m dres.train.mae --preset mae_vit_b16_in1k" in line
         assert f"--set dist={kind} " in line and f"--set batch_size={256 * world} " in line
         assert "--set compile=false" in line and line.endswith("--set data.name=synthetic")  # the user's last
-    with pytest.raises(SystemExit, match="no FSDP2 variant 'never'"):
-        bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--dist", "fsdp:never"])
+        assert kind != "fsdp" or "--set fsdp_reshard=auto " in line  # the trainer's default
+    # the reshard policies are the trainer's fsdp_reshard; prefetch its fsdp_prefetch
+    assert bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "2", "--modes", "eager",
+                    "--dist", "fsdp:never,fsdp:prefetch"]) == 0
+    never, prefetch = capsys.readouterr().out.splitlines()
+    assert "--set fsdp_reshard=never " in never and "--set fsdp_prefetch=false " in never
+    assert "--set fsdp_reshard=auto " in prefetch and "--set fsdp_prefetch=true " in prefetch
+    for bad in ("fsdp:never:4", "ddp:bucket_view"):  # bench-only candidates
+        with pytest.raises(SystemExit, match="the trainer has no variant"):
+            bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "2", "--dist", bad])
     with pytest.raises(SystemExit, match="must exceed"):
         bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--trainer-steps", "10"])
 
@@ -458,19 +473,25 @@ def test_trainer_steady_state_leaves_out_the_first_interval(tmp_path):
 
 def _drec(model, dist, world, per_gpu, kind="dist", variant=None, mode="eager"):
     return {"kind": kind, "bench": "mae", "model": model, "mode": mode, "batch": 256, "world_size": world,
-            "dist": dist, "fsdp_variant": variant, "checkpointing": False, "images_per_s": per_gpu * world,
+            "dist": dist, "fsdp_variant": variant if dist == "fsdp" else None,
+            "ddp_variant": variant if dist == "ddp" else None, "checkpointing": False, "images_per_s": per_gpu * world,
             "images_per_s_per_gpu": per_gpu, "peak_mem_gib": 20.0, "card": "h100-80gb-hbm3", "torch": "2.x",
             "triton": "3.x", "date": "2026-11-27"}
 
 
 def test_dist_ratios_and_table():
-    recs = [_drec("dres_official", "none", 1, 4000), _drec("dres_official", "fsdp", 1, 2200, variant="always"),
-            _drec("dres_official", "ddp", 4, 3900), _drec("dres_official", "fsdp", 4, 1980, variant="always"),
+    recs = [_drec("dres_official", "none", 1, 4000), _drec("dres_official", "fsdp", 1, 2200, variant="auto"),
+            _drec("dres_official", "ddp", 4, 3900), _drec("dres_official", "fsdp", 4, 1980, variant="auto"),
             _drec("dres_official", "fsdp", 1, 3800, variant="never"),
             _drec("mae_vit_b16_in1k", "ddp", 2, 2950, kind="trainer"),
-            _drec("mae_vit_b16_in1k", "none", 1, 2971, kind="trainer")]
+            _drec("mae_vit_b16_in1k", "none", 1, 2971, kind="trainer"),
+            _drec("dres_official", "ddp", 4, 3960, variant="bucket_view"),
+            _drec("dres_official", "fsdp", 1, 2000, variant="always")]
     bt.add_ratios(recs)
-    none1, fsdp1, ddp4, fsdp4, never1, tr2, _ = recs
+    none1, fsdp1, ddp4, fsdp4, never1, tr2, _, view4, always1 = recs
+    # a DDP variant scales against the unwrapped model; FSDP2 / DDP is against plain DDP
+    assert view4["scaling_efficiency"] == pytest.approx(3960 / 4000) and view4["fsdp_vs_ddp"] is None
+    assert always1["fsdp_vs_ddp"] == pytest.approx(0.5) and always1["scaling_efficiency"] == 1
     assert none1["scaling_efficiency"] == 1 and ddp4["scaling_efficiency"] == pytest.approx(3900 / 4000)
     assert fsdp4["scaling_efficiency"] == pytest.approx(0.9)  # against FSDP2 on one GPU
     assert fsdp1["fsdp_vs_ddp"] == pytest.approx(0.55) and fsdp4["fsdp_vs_ddp"] == pytest.approx(1980 / 3900)
@@ -479,8 +500,10 @@ def test_dist_ratios_and_table():
     md = bt.train_markdown(recs)
     assert "| mae dres_official | eager | ddp | 4 | 256 | 15600 | 3900 | 97.5% |  | 20.0 |" in md
     assert "| mae dres_official | eager | fsdp:never | 1 | 256 | 3800 | 3800 | 100.0% | 0.95 | 20.0 |" in md
+    assert "| mae dres_official | eager | ddp:bucket_view | 4 | 256 | 15840 | 3960 | 99.0% |  | 20.0 |" in md
     rows = [ln.split(" | ")[2:4] for ln in md.splitlines() if ln.startswith("| mae dres_official")]
-    assert rows == [["none", "1"], ["ddp", "4"], ["fsdp", "1"], ["fsdp", "4"], ["fsdp:never", "1"]]
+    assert rows == [["none", "1"], ["ddp", "4"], ["ddp:bucket_view", "4"], ["fsdp", "1"], ["fsdp", "4"],
+                    ["fsdp:always", "1"], ["fsdp:never", "1"]]
     assert "### The trainer on several GPUs" in md and "| mae mae_vit_b16_in1k | eager | ddp | 2 |" in md
 
 
@@ -494,11 +517,29 @@ def test_multi_gpu_check_dry_run_fits_the_budget(tmp_path):
     out = subprocess.run(["bash", str(repo / "benchmarks" / "multi_gpu_check.sh")], env=env, capture_output=True,
                          text=True, check=True).stdout
     stages = [ln.split("stage ")[1].split(" ")[0] for ln in out.splitlines() if "] stage " in ln]
-    assert stages == ["profile", "trainer", "eager", "compile", "variants"]
-    assert "--scaling 1,2,4 --dist ddp,fsdp" in out and "--modes compile --scaling 1,4" in out
+    assert stages == ["candidates", "profile", "ddp_profile", "trainer", "compile"]
+    # every candidate against DDP and FSDP2's former default on 1, 2, 4 GPUs; DDP profiled on all 4
+    assert "--scaling 1,2,4 --dist ddp,ddp:bucket_view,fsdp:always,fsdp,fsdp:never,fsdp:never:4 " in out
+    assert "--nproc_per_node=4 -m benchmarks.profile_train" in out and "--dist none,fsdp:always,fsdp " in out
+    assert "--modes compile --scaling 1,4" in out and "--trainer mae_vit_b16_in1k --scaling 1,4 " in out
     env.update(NGPU="2", BUDGET_S="150", STAGES="trainer compile")
     out = subprocess.run(["bash", str(repo / "benchmarks" / "multi_gpu_check.sh")], env=env, capture_output=True,
                          text=True, check=True).stdout
     assert "stage trainer (up to 110s)" in out and "--scaling 1,2 " in out
     assert "SKIPPED" not in out  # dry runs take no time: compile still has the budget
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
+
+
+def test_profile_counts_kernels_not_the_gpu_spans_of_annotated_ranges():
+    """An ``Optimizer.step`` or FSDP2 hook range also appears on the GPU as one span from its first to
+    its last kernel, idle time included: it is neither a kernel nor busy time."""
+    from types import SimpleNamespace
+
+    from benchmarks import profile_train as pt
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    kernel = SimpleNamespace(device_type=cuda, is_user_annotation=False)
+    span = SimpleNamespace(device_type=cuda, is_user_annotation=True)
+    assert pt._is_gpu_work(kernel) and not pt._is_gpu_work(span)
+    assert not pt._is_gpu_work(SimpleNamespace(device_type=cpu, is_user_annotation=False))
+    assert pt._is_gpu_work(SimpleNamespace(device_type=cuda))  # a torch whose events lack the attribute
