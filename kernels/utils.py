@@ -7,6 +7,7 @@ Kernels and launchers only, like the rest of ``dres.kernels``: no autograd.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 import torch
@@ -27,6 +28,9 @@ class CachedLaunch:
     width, divisibility by 16 and equality to 1, launch options and the device. Where no compiled
     kernel comes back (the CPU interpreter, another Triton) or a hook is registered (a profiler such
     as proton, a kernel's ``pre_run_hooks``), every launch takes Triton's own path.
+
+    The direct launch is opt-in (``DRES_TRITON_DIRECT_LAUNCH=1``) until it has passed the GPU test
+    ``test_gpu_cached_launch_equals_tritons_own_launch`` on the supported Triton versions.
 
     ``args``: every kernel parameter in signature order, constexprs included.
     """
@@ -56,7 +60,7 @@ class CachedLaunch:
         return tuple(spec)
 
     def __call__(self, grid: tuple, args: tuple, num_warps: int, num_stages: int | None = None) -> None:
-        if (self.constexpr is None or not args[0].is_cuda or _raw_stream is None or _hooks_set()
+        if (not DIRECT_LAUNCH or self.constexpr is None or not args[0].is_cuda or _raw_stream is None or _hooks_set()
                 or self.pre_run_hooks):
             self._launch(grid, args, num_warps, num_stages)
             return
@@ -87,6 +91,8 @@ def _int_width(value: int) -> str:
         return "i32"
     return "i64" if value < 2**63 else "u64"
 
+
+DIRECT_LAUNCH = os.environ.get("DRES_TRITON_DIRECT_LAUNCH", "0") == "1"
 
 # The current CUDA stream as a raw handle, what a compiled kernel's launcher takes (private torch
 # API, also what Triton itself calls); without it every launch takes Triton's own path.
