@@ -127,6 +127,10 @@ CASES = {
     "drop_path": (["model.drop_path=0.3", "model.droppath_mode=drop_path"], "mae"),
     "fp16": (["precision=fp16", "optim.clip_grad=1.0"], "mae"),
     "classify": (["model.drop_path=0.2", "model.droppath_mode=residual_droppath"], "classify"),
+    # timm's SGD recipe (dres.train.optim): the fused kernel reads the graph's device lr
+    "sgd": (["optim.name=sgd", "optim.lr=0.05", "optim.label_smoothing=0.1", "model.drop_path=0.2",
+             "model.droppath_mode=residual_droppath"], "classify"),
+    "sgd_fp16": (["optim.name=sgd", "optim.lr=0.05", "precision=fp16"], "classify"),
 }
 
 

@@ -29,7 +29,7 @@ class ClassifyTask:
 
     def loss(self, model, batch, cfg):
         logits = model(batch["image"])
-        loss = F.cross_entropy(logits.float(), batch["label"])
+        loss = F.cross_entropy(logits.float(), batch["label"], label_smoothing=cfg.optim.label_smoothing)
         acc = (logits.argmax(1) == batch["label"]).float().mean()
         return loss, {"train_acc": acc}
 

@@ -86,18 +86,21 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"       # adamw | sgd (timm's 'sgd': SGD with Nesterov momentum; dres.train.optim)
     blr: float = 1.5e-4       # lr = blr * global_batch / 256 (MAE convention) unless lr > 0
     lr: float = 0.0
     min_lr: float = 0.0
     weight_decay: float = 0.05
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
+    momentum: float = 0.9     # sgd only (AdamW's are the betas)
+    label_smoothing: float = 0.0  # classify only: cross-entropy against (1 - s) one-hot + s / classes
     schedule: str = "cosine"  # cosine (MAE, classify) | constant (U-ViT); both after linear warmup
     warmup_steps: int = -1    # -1: derived from warmup_epochs
     warmup_epochs: float = 40.0
     clip_grad: float = 0.0    # 0: off
     ema_decay: float = 0.0    # 0: no EMA (U-ViT uses 0.9999)
-    fused: bool = True        # fused AdamW on CUDA
+    fused: bool = True        # fused AdamW / SGD on CUDA
 
 
 @dataclass
@@ -187,6 +190,7 @@ CHOICES = {
     "model.arch": ("vit", "resnet18", "resnet50", "resnet50d"),
     "model.zero_init": ("auto", "true", "false"),
     "model.variant": ("baseline", "official", "paper"), "model.schedule": ("linspace", "paper"), "optim.schedule": ("cosine", "constant"),
+    "optim.name": ("adamw", "sgd"),
     "ckpt.format": ("auto", "file", "dcp"), "eval.sampler": ("dpm", "em"), "eval.feature": ("cls", "mean"),
 }
 
@@ -385,11 +389,18 @@ def validate(cfg: Config) -> None:
     need(o.blr > 0 or o.lr > 0, "optim.lr", "or optim.blr must be positive")
     need(0 <= o.ema_decay < 1, "optim.ema_decay", "must be in [0, 1)")
     need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", "must be two numbers in [0, 1)")
+    need(0 < o.momentum < 1, "optim.momentum", "must be in (0, 1) (optim.name=sgd: Nesterov momentum)")
+    need(0 <= o.label_smoothing < 1, "optim.label_smoothing", "must be in [0, 1)")
+    need(o.label_smoothing == 0 or cfg.task == "classify", "optim.label_smoothing",
+         f"applies to task classify only (this is {cfg.task}); leave it at 0")
 
 
 # Keys that decide the shapes of the model, optimizer state and data position: a checkpoint saved
 # under other values cannot continue this run. lr, steps, seed and eval settings may change.
-FINGERPRINT_KEYS = ("task", "batch_size", "data.img_size", "data.in_chans", "data.num_classes", "optim.ema_decay")
+FINGERPRINT_KEYS = ("task", "batch_size", "data.img_size", "data.in_chans", "data.num_classes", "optim.name",
+                    "optim.ema_decay")
+# keys added to the fingerprint later: a record without one was made under this value
+_FINGERPRINT_BEFORE = {"optim.name": "adamw"}
 _MODEL_KEYS_NOT_IN_FINGERPRINT = ("backend", "attn_impl")  # implementation choices, same parameters
 
 
@@ -412,6 +423,7 @@ def fingerprint(cfg) -> dict:
 
 def fingerprint_diff(saved: dict, now: dict) -> str:
     """'' when equal, else one line naming each differing key with both values."""
+    saved = {**saved, **{k: v for k, v in _FINGERPRINT_BEFORE.items() if saved.get(k) is None}}
     keys = sorted(set(saved) | set(now))
     return ", ".join(f"{k} {saved.get(k)!r} (saved) vs {now.get(k)!r} (now)" for k in keys if saved.get(k) != now.get(k))
 

@@ -46,6 +46,8 @@ def graph_plan(cfg, device: torch.device, precision: str, world: int) -> tuple[b
         reason = "DDP's gradient all-reduce is not captured yet"
     elif cfg.act_ckpt != "none":
         reason = "activation checkpointing saves and restores the RNG state on the host in the backward"
+    elif cfg.optim.name == "sgd" and not cfg.optim.fused:
+        reason = "SGD reads a device learning rate only in its fused kernel (foreach SGD calls .item() on it)"
     elif precision == "fp16" and not cfg.optim.fused:
         reason = "fp16 loss scaling skips overflowed steps without a host sync only with the fused AdamW"
     if reason is not None:

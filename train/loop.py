@@ -36,6 +36,7 @@ from dres.train import distributed as D
 from dres.train import rundir
 from dres.train.config import Config, ConfigError, fingerprint, save_config, to_dict
 from dres.train.graph_step import GraphedStep, graph_plan
+from dres.train.optim import build_optimizer, peak_lr
 
 
 class NonFiniteLoss(RuntimeError):
@@ -144,14 +145,11 @@ class Trainer:
         if train and self.total_steps <= 0:
             raise ConfigError("training length is zero: set steps=N or epochs=E (with a data set of known size)")
         o = cfg.optim
-        self.lr = o.lr if o.lr > 0 else o.blr * cfg.batch_size / 256
+        self.lr = peak_lr(cfg)
         warmup = o.warmup_steps if o.warmup_steps >= 0 else int(round(o.warmup_epochs * spe))
         self.warmup = min(warmup, self.total_steps)
-        fused = o.fused and self.device.type == "cuda"
         graphs, why = graph_plan(cfg, self.device, self.precision, self.info.world)
-        self.optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=tuple(o.betas), eps=o.eps,
-                                           **({"fused": True} if fused else {}),
-                                           **({"capturable": True} if graphs else {}))
+        self.optimizer = build_optimizer(cfg, groups, self.device, capturable=graphs)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(self.total_steps, self.warmup, o.schedule, o.min_lr / self.lr if self.lr else 0))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
