@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    # digits | cifar10_wds | wds | imagefolder | cifar_tv | synthetic
+    # digits | cifar10_wds | wds | imagefolder | cifar_tv | mnist_tv | synthetic
     name: str = "digits"
     path: str = ""           # train data: shard pattern (brace notation), folder, or torchvision root
     val_path: str = ""       # held-out split (probe test set / classification eval)
@@ -185,7 +185,7 @@ CHOICES = {
     "cuda_graphs": ("auto", "true", "false"),
     "dist": ("none", "ddp", "fsdp"), "fsdp_param_dtype": ("bf16", "fp32"),
     "fsdp_reshard": ("auto", "always", "except_last", "never"),
-    "data.name": ("digits", "cifar10_wds", "wds", "imagefolder", "cifar_tv", "synthetic"),
+    "data.name": ("digits", "cifar10_wds", "wds", "imagefolder", "cifar_tv", "mnist_tv", "synthetic"),
     "data.aug": ("rrc_flip", "flip", "none"), "model.droppath_mode": ("drop_path", "residual_droppath", "none"),
     "model.arch": ("vit", "resnet18", "resnet50", "resnet50d"),
     "model.zero_init": ("auto", "true", "false"),

@@ -9,6 +9,7 @@ cifar10_wds     the shared CIFAR-10 WebDataset shards (``path`` = their folder; 
 wds             any WebDataset shards: ``path`` in brace notation, e.g. ``/d/train-{000..099}.tar``
 imagefolder     ImageNet-layout ``root/<class>/<image>`` trees
 cifar_tv        CIFAR-10/100 in torchvision's pickled format (``path`` = the root folder)
+mnist_tv        MNIST in torchvision's idx files (``path`` = the folder holding ``MNIST/raw/``)
 synthetic       random images (throughput runs)
 ==============  ==============================================================================
 
@@ -33,7 +34,7 @@ from dres.data.loaders import (FolderLoader, InMemoryLoader, ShardLoader, check_
                                normalize, rrc_params)
 from dres.data.sources import (CorruptCounter, DataError, check_labels, cifar10_pattern, default_cifar10_dir,
                                expand_shards, iter_shard, read_cifar_torchvision, read_digits, read_image_folder,
-                               read_shards, verify_manifest)
+                               read_mnist_torchvision, read_shards, verify_manifest)
 
 __all__ = ["build_loader", "load_arrays", "DataError", "InMemoryLoader", "FolderLoader", "ShardLoader",
            "device_augment", "normalize", "rrc_params", "read_shards", "read_digits", "iter_shard",
@@ -73,6 +74,9 @@ def load_arrays(d, split: str, seed: int = 0, log=None):
             raise DataError("no data path (set data.path=<folder holding cifar-10-batches-py>)")
         x, y = read_cifar_torchvision(root, train=split != "val")
         return (x[:limit], y[:limit], counter) if limit else (x, y, counter)
+    if d.name == "mnist_tv":
+        x, y = read_mnist_torchvision((d.val_path or d.path) if split == "val" else d.path, split != "val", d.in_chans)
+        return (x[:limit], y[:limit], counter) if limit else (x, y, counter)
     if d.name == "imagefolder":
         x, y, c = read_image_folder(_pattern(d, split), d.in_chans, d.img_size, limit, counter)
         return x, y, c
@@ -98,7 +102,7 @@ def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, 
     mean, std = (d.mean, d.std) if d.normalize else (None, None)
     aug = d.aug if train else "none"
     where = f"the {split} split of data.name={d.name}"
-    if d.gpu_resident or d.name in ("digits", "cifar_tv", "synthetic"):
+    if d.gpu_resident or d.name in ("digits", "cifar_tv", "mnist_tv", "synthetic"):
         x, y, counter = load_arrays(d, split, log=log)
         counter.check(len(x), d.max_corrupt_frac, where)
         check_labels(y, d.num_classes, where)

@@ -6,6 +6,7 @@ of ``(uint8 CHW image, label)`` samples.
   member or a truncated shard is skipped and *counted* instead of killing the run.
 * ImageFolder trees (ImageNet layout: ``root/<class>/<image>``).
 * CIFAR-10/100 in torchvision's pickled ``cifar-10-batches-py`` / ``cifar-100-python`` format.
+* MNIST in torchvision's folder layout (``MNIST/raw/*-ubyte[.gz]``, the idx format; no pickle).
 * scikit-learn's digits (8x8 greyscale, ships with scikit-learn: no download).
 * synthetic random images for throughput runs.
 """
@@ -13,6 +14,7 @@ of ``(uint8 CHW image, label)`` samples.
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
 import io
 import json
@@ -311,6 +313,63 @@ def read_cifar_torchvision(root: str, train: bool):
     if not root.exists():
         raise DataError(f"data path not found: {root}")
     raise DataError(f"no CIFAR data in torchvision format under {root} (expected cifar-10-batches-py/ or cifar-100-python/)")
+
+
+_MNIST_FILES = {True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+               False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+_MNIST_WHERE = ("data.name=mnist_tv needs data.path: the folder holding torchvision's MNIST/ folder (MNIST/raw/"
+               "train-images-idx3-ubyte[.gz] and the other three idx files, as torchvision.datasets.MNIST(root, "
+               "download=True) leaves them under root); dres does not download it")
+
+
+def read_idx(path: Path, ndim: int) -> np.ndarray:
+    """One uint8 idx file (plain or gzip) -> its ``ndim``-dimensional array: magic ``0x0000 08 ndim``
+    (ubyte data), then ``ndim`` big-endian uint32 sizes, then exactly their product of bytes."""
+    try:
+        with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
+            data = f.read()
+    except (EOFError, gzip.BadGzipFile, zlib_error()) as e:  # a truncated or corrupt gzip stream
+        raise DataError(f"{path} is truncated or corrupt ({type(e).__name__}: {e})") from e
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise DataError(f"{path} is truncated: {len(data)} bytes, shorter than its {header}-byte idx header")
+    magic = int.from_bytes(data[:4], "big")
+    if magic != 0x800 + ndim:
+        raise DataError(f"{path} is not a uint8 idx file of {ndim} dimension(s): magic number {magic:#010x}, "
+                        f"expected {0x800 + ndim:#010x}")
+    dims = tuple(int(n) for n in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
+    expected = int(np.prod(dims, dtype=np.int64))
+    if len(data) - header != expected:
+        raise DataError(f"{path} holds {len(data) - header} data bytes but its header says {'x'.join(map(str, dims))}"
+                        f" = {expected} ({'truncated' if len(data) - header < expected else 'trailing bytes'})")
+    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(dims)
+
+
+def read_mnist_torchvision(root: str, train: bool, in_chans: int = 1):
+    """MNIST (or any data set in its idx format: Fashion-MNIST, KMNIST) in torchvision's layout:
+    ``root/MNIST/raw/``, ``root/raw/`` or ``root`` holding ``{train,t10k}-{images-idx3,labels-idx1}-ubyte``,
+    each plain or ``.gz`` -> ``(uint8 (N, in_chans, H, W), int64 (N,))``; the greyscale channel is
+    replicated when ``in_chans`` is 3 (for 3-channel stems)."""
+    if not root:
+        raise DataError(_MNIST_WHERE)
+    if in_chans not in (1, 3):
+        raise DataError(f"data.in_chans must be 1 or 3 for data.name=mnist_tv (greyscale), got {in_chans}")
+    base = Path(root).expanduser()
+    if not base.exists():
+        raise DataError(f"data path not found: {base}")
+    names = _MNIST_FILES[train]
+    for d in (base / "MNIST" / "raw", base / "raw", base):
+        found = [next((d / (n + ext) for ext in ("", ".gz") if (d / (n + ext)).is_file()), None) for n in names]
+        if all(found):
+            break
+    else:
+        raise DataError(f"no MNIST idx files under {base} (expected MNIST/raw/{names[0]}[.gz] and {names[1]}[.gz], "
+                        f"or them in raw/ or {base} itself)")
+    images, labels = read_idx(found[0], 3), read_idx(found[1], 1)
+    if len(images) != len(labels):
+        raise DataError(f"{found[0]} holds {len(images)} images but {found[1]} {len(labels)} labels")
+    x = np.repeat(images[:, None], in_chans, axis=1)  # also the writable copy torch needs (frombuffer's is read-only)
+    return torch.from_numpy(x), torch.from_numpy(labels.astype(np.int64))
 
 
 def read_digits(split: str, img_size: int = 16, seed: int = 0):
