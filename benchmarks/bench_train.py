@@ -568,8 +568,10 @@ def trainer_record(run: dict, run_dir: Path, env: dict, card: str) -> dict:
             "compile_scope": None if run["mode"] == "eager" else "per_block",
             "images_per_s": ips, "images_per_s_per_gpu": ips / world, "steps": steps,
             "peak_mem_gib": summary.get("peak_mem_gib"), "final_loss": summary.get("final_loss"),
-            "overrides": run["sets"], "card": card, "gpus": world, "torch": env["torch"], "triton": env["triton"],
-            "date": common.today()}
+            # the whole-step graph's replay GPU time and the trainer's step against it (absent: eager step)
+            "graph_gpu_ms_per_step": summary.get("graph_gpu_ms_per_step"),
+            "trainer_vs_replay": summary.get("trainer_vs_replay"), "overrides": run["sets"], "card": card,
+            "gpus": world, "torch": env["torch"], "triton": env["triton"], "date": common.today()}
 
 
 def launch(cmd: list[str]) -> int:
@@ -597,8 +599,10 @@ def run_trainer(args, out: Path, card: str) -> int:
                 rc = 1
                 continue
             rec = trainer_record(run, Path(tmp), env, card)
+        replay = ("" if rec["trainer_vs_replay"] is None else f", trainer / replay {rec['trainer_vs_replay']:.3f} "
+                  f"(replay {rec['graph_gpu_ms_per_step']:.2f} ms/step)")
         print(f"trainer {run['preset']} {run['mode']} {_dist_label(rec)} x{run['world']}: {rec['images_per_s']:.0f} "
-              f"img/s ({rec['images_per_s_per_gpu']:.0f}/GPU) steady over {rec['steps']} steps "
+              f"img/s ({rec['images_per_s_per_gpu']:.0f}/GPU) steady over {rec['steps']} steps{replay} "
               f"[{time.time() - t0:.0f}s]", flush=True)
         write_outputs(out, card, [rec])
     return rc
@@ -691,7 +695,7 @@ def train_markdown(records: list[dict]) -> str:
                                      "one by one in compile mode)")):
             ms = [r for r in recs if r["kind"] == kind]
             if ms:
-                lines += [f"### {title}", "", *dist_markdown(ms), ""]
+                lines += [f"### {title}", "", *dist_markdown(ms, replay=kind == "trainer"), ""]
         mb = [r for r in recs if r["kind"] == "max_batch"]
         if mb:
             lines += ["### Largest batch that fits (eager, two steps without running out of memory)", "",
@@ -713,10 +717,14 @@ def _dist_label(r: dict) -> str:
     return dist_label(r["dist"], r.get("fsdp_variant") if r["dist"] == "fsdp" else r.get("ddp_variant"))
 
 
-def dist_markdown(records: list[dict]) -> list[str]:
-    """Table rows of "dist"/"trainer" records: one per (bench, model, mode, wrapping, GPUs)."""
-    lines = ["| model | mode | wrapping | GPUs | batch/GPU | img/s (all GPUs) | img/s per GPU | scaling vs 1 GPU | "
-             "FSDP2 / DDP (same GPUs) | peak GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+def dist_markdown(records: list[dict], replay: bool = False) -> list[str]:
+    """Table rows of "dist"/"trainer" records: one per (bench, model, mode, wrapping, GPUs); ``replay``
+    adds the trainer's graph replay GPU ms per step and its step time against it (issue 14 target 3)."""
+    head = "| model | mode | wrapping | GPUs | batch/GPU | img/s (all GPUs) | img/s per GPU | scaling vs 1 GPU | " \
+           "FSDP2 / DDP (same GPUs) | peak GiB |"
+    if replay:
+        head += " replay GPU ms/step | trainer / replay |"
+    lines = [head, "|---" * head.count(" | ") + "|---|"]
     # the unwrapped one-GPU run first, as DDP's first row
     for r in sorted(records, key=lambda r: (r["bench"], r["model"], r["mode"], _dist_label(r).replace("none", "ddp"),
                                             r["world_size"])):
@@ -724,7 +732,8 @@ def dist_markdown(records: list[dict]) -> list[str]:
         lines.append(f"| {r['bench']} {r['model']} | {r['mode']} | {_dist_label(r)} | {r['world_size']} | {r['batch']} | "
                      f"{r['images_per_s']:.0f} | {r['images_per_s_per_gpu']:.0f} | "
                      f"{_f(r.get('scaling_efficiency'), '.1%')} | {_f(r.get('fsdp_vs_ddp'), '.2f')} | "
-                     f"{_f(peak, '.1f')} |")
+                     f"{_f(peak, '.1f')} |" + (f" {_f(r.get('graph_gpu_ms_per_step'), '.2f')} | "
+                                               f"{_f(r.get('trainer_vs_replay'), '.3f')} |" if replay else ""))
     return lines
 
 
@@ -854,7 +863,8 @@ def main(argv=None) -> int:
         records = common.load_records(out / f"{card}-train.json")
         add_ratios(records)
         kind = "trainer" if args.trainer else "dist"
-        print("\n".join(dist_markdown([r for r in records if r.get("kind") == kind and r.get("date") == common.today()])))
+        today = [r for r in records if r.get("kind") == kind and r.get("date") == common.today()]
+        print("\n".join(dist_markdown(today, replay=kind == "trainer")))
         return rc
     env, card = common.versions(), common.card_name()
     out = Path(args.out)

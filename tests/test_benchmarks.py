@@ -469,6 +469,11 @@ def test_trainer_steady_state_leaves_out_the_first_interval(tmp_path):
     rec = bt.trainer_record(run, tmp_path, {"torch": "2.x", "triton": "3.x"}, "h100-80gb-hbm3")
     assert rec["kind"] == "trainer" and rec["images_per_s"] == pytest.approx(2048.0)  # 512 images a step
     assert rec["images_per_s_per_gpu"] == pytest.approx(1024.0) and rec["peak_mem_gib"] == 30.5
+    assert rec["trainer_vs_replay"] is None and rec["graph_gpu_ms_per_step"] is None  # an eager step
+    (tmp_path / "summary.json").write_text(json.dumps({"graph_gpu_ms_per_step": 40.0, "trainer_vs_replay": 1.031}))
+    rec = bt.trainer_record(run, tmp_path, {"torch": "2.x", "triton": "3.x"}, "h100-80gb-hbm3")
+    assert rec["graph_gpu_ms_per_step"] == 40.0 and rec["trainer_vs_replay"] == 1.031
+    assert bt.dist_markdown([rec], replay=True)[2].endswith("|  | 40.00 | 1.031 |")  # the trainer table's columns
 
 
 def _drec(model, dist, world, per_gpu, kind="dist", variant=None, mode="eager"):

@@ -1,13 +1,17 @@
 """The CUDA-graphed train step (dres.train.graph_step): on the CPU, which configurations capture and
 the device LR table; on the device (``gpu``), graphed steps against eager ones (accumulation,
 clipping, EMA, ResidualDroppath, fp16 overflow skips, classification metrics), exact resume of a
-graphed run, and steps with no host synchronisation."""
+graphed run, steps with no host synchronisation, and the replay time each run reports as its floor."""
+
+import json
+import statistics
+import time
 
 import pytest
 import torch
 
 from dres.train.config import ConfigError, build_config
-from dres.train.graph_step import GraphedStep, graph_plan, schedule_table
+from dres.train.graph_step import GraphedStep, graph_plan, schedule_table, steady_timing, window_timing
 from dres.train.loop import Trainer, lr_lambda
 
 CUDA = torch.device("cuda", 0)
@@ -64,6 +68,44 @@ def test_schedule_table_equals_lambda_lr():
         assert torch.equal(table[:, i], want), i
         opt.step()
         sched.step()
+
+
+def test_window_timing_sets_replay_time_against_wall_time():
+    # 4 replays of 2.5 ms in a 12.5 ms window: the GPU ran the graph 80% of the time
+    assert window_timing([2.0, 3.0, 2.5, 2.5], 4, 12.5) == {"gpu_ms_per_step": 2.5, "gpu_bound": 0.8}
+    # more replays than timed events: the last ones' mean stands for all of them
+    t = window_timing([3.0, 5.0], 6, 30.0)
+    assert t["gpu_ms_per_step"] == 4.0 and t["gpu_bound"] == pytest.approx(0.8)
+    assert window_timing([], 0, 40.0) == {}  # eager warm-up steps only
+    with pytest.raises(ValueError, match="wall_ms"):
+        window_timing([1.0], 1, 0.0)
+
+
+def test_steady_timing_is_the_median_of_the_all_replay_windows_after_the_first_two():
+    def w(steps, replays, wall_ms, gpu_ms=None):
+        return {"steps": steps, "replays": replays, "wall_ms": wall_ms,
+                **window_timing([gpu_ms] * min(replays, 3) if replays else [], replays, wall_ms)}
+
+    windows = [w(10, 0, 900.0), w(10, 10, 30.0, 2.0),  # compilation and capture: left out
+               w(10, 10, 21.0, 2.0), w(10, 10, 20.0, 1.6), w(10, 7, 19.0, 2.0), w(5, 5, 11.0, 2.0)]
+    # the window with eager steps (7 replays of 10) is left out too; trainer / replay 1.05, 1.25, 1.1
+    assert steady_timing(windows) == {"graph_gpu_ms_per_step": 2.0, "trainer_vs_replay": pytest.approx(1.1)}
+    assert steady_timing(windows[:2]) == {} and steady_timing([]) == {}
+    assert steady_timing(windows[:2] + [w(10, 0, 30.0)]) == {}  # an eager run's windows
+
+
+def test_cpu_run_reports_no_replay_timing(tmp_path):
+    cfg = build_config("mae", None, _TINY + ["device=cpu", "steps=3", f"out={tmp_path}"])
+    tr = Trainer(cfg, _task(), log=lambda m: None).setup()
+    tr.fit()
+    tr.finish()
+    with open(tmp_path / "metrics.jsonl") as f:
+        recs = [json.loads(line) for line in f]
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    assert all(set(r) == {"step", "loss", "lr", "img_per_s", "epoch"} for r in recs)
+    with open(tmp_path / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["steps"] == 3 and not {"graph_gpu_ms_per_step", "trainer_vs_replay"} & set(summary)
 
 
 def test_cpu_trainer_runs_eagerly_and_says_why(tmp_path):
@@ -152,7 +194,8 @@ def test_graphed_steps_match_eager_steps(tmp_path, case):
                 scaler_init=scaler_init)
     eager = _fit(tmp_path / "eager", overrides + ["cuda_graphs=false"], steps, task, scaler_init=scaler_init)
     assert body.graphed.graph is None and eager.graphed is None
-    keys = [k for k in graphed.history[0] if k not in ("img_per_s", "lr", "step", "epoch")]
+    keys = [k for k in graphed.history[0] if k not in ("img_per_s", "lr", "step", "epoch", "gpu_ms_per_step",
+                                                        "gpu_bound")]
     assert "loss" in keys and (task != "classify" or "train_acc" in keys)
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in graphed.history)
     # replays compute what the same step computes eagerly: bitwise where the kernels are deterministic
@@ -218,15 +261,41 @@ def test_steps_do_not_synchronise_with_the_host(tmp_path, graphs):
                                              "optim.clip_grad=1.0", "optim.ema_decay=0.99", f"out={tmp_path}"])
     tr = Trainer(cfg, _task(), log=lambda m: None).setup()
     tr.model.train()
+    t0 = time.perf_counter()
     for _ in range(4):  # warm-up steps and the capture synchronise; they are not measured
         tr.train_step(tr.loader.next())
     torch.cuda.synchronize()
     acc = torch.zeros((), device=tr.device)
     try:
         torch.cuda.set_sync_debug_mode("error")
-        for _ in range(8):
+        for _ in range(8):  # replays record their timing events without a sync
             loss, _ = tr.train_step(tr.loader.next())
             acc += loss
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(acc) and acc > 0
+    if tr.graphed is not None:  # the events are read at a log step: the capture step's replay and 8 more
+        torch.cuda.synchronize()
+        timing = tr.graphed.read_window(12, (time.perf_counter() - t0) * 1e3)
+        assert tr.graphed.windows[-1]["replays"] == 9 and timing["gpu_ms_per_step"] > 0
+
+
+@pytest.mark.gpu
+def test_graphed_run_reports_its_replay_floor(tmp_path):
+    # log windows of 2 steps: warm-up steps 1-3, capture and first replay at step 4
+    _fit(tmp_path / "graphed", ["cuda_graphs=true", "log.every=2"], 10).finish()
+    with open(tmp_path / "graphed" / "metrics.jsonl") as f:
+        recs = [json.loads(line) for line in f]
+    assert "gpu_bound" not in recs[0] and "gpu_ms_per_step" not in recs[0]
+    for r in recs[1:]:
+        assert 0 < r["gpu_bound"] <= 1.05 and r["gpu_ms_per_step"] > 0, r
+    with open(tmp_path / "graphed" / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["graph_gpu_ms_per_step"] == statistics.median(r["gpu_ms_per_step"] for r in recs[2:])
+    assert summary["trainer_vs_replay"] >= 0.95
+    # an eager step reports no floor (events around it would time the host's launches)
+    _fit(tmp_path / "eager", ["cuda_graphs=false", "log.every=2"], 6).finish()
+    with open(tmp_path / "eager" / "metrics.jsonl") as f:
+        assert all("gpu_bound" not in json.loads(line) for line in f)
+    with open(tmp_path / "eager" / "summary.json") as f:
+        assert "trainer_vs_replay" not in json.load(f)

@@ -22,11 +22,18 @@ Warm-up steps and replays run the same body, so they compute the same values; th
 (``cuda_graphs=false``) differs only in the learning rate's rounding (a Python float there, a float32
 tensor here). :func:`graph_plan` decides whether a run captures its step; a configuration that
 cannot be captured runs the eager step and says why in one line.
+
+Each replay is timed by a pair of CUDA events on the current stream (recorded outside the graph, read
+only at log steps, where the loop synchronises anyway): the replay's GPU time is the floor of the
+trainer's step (issue 14 target 3), and :func:`window_timing` / :func:`steady_timing` set the wall
+time of the log windows against it. Eager steps are not timed: events around them would measure the
+host's launch time as much as the GPU's, which is no floor.
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
 import warnings
 
 import torch
@@ -63,12 +70,41 @@ def schedule_table(scheduler, total_steps: int, device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32, device=device)
 
 
+def window_timing(replay_ms: list[float], replays: int, wall_ms: float) -> dict:
+    """The metrics.jsonl fields of one log window of ``wall_ms`` in which ``replays`` steps were graph
+    replays, ``replay_ms`` the GPU times of (the last of) them: ``gpu_ms_per_step``, their mean, and
+    ``gpu_bound``, the fraction of the wall time the GPU spent in the step's graph (1.0: the trainer
+    adds nothing to the replays); nothing when no replay ran in the window."""
+    if not replay_ms or replays <= 0:
+        return {}
+    if wall_ms <= 0:
+        raise ValueError(f"wall_ms must be positive, got {wall_ms}")
+    per_step = sum(replay_ms) / len(replay_ms)
+    return {"gpu_ms_per_step": per_step, "gpu_bound": per_step * replays / wall_ms}
+
+
+def steady_timing(windows: list[dict], skip: int = 2) -> dict:
+    """summary.json's ``graph_gpu_ms_per_step`` and ``trainer_vs_replay`` (wall ms per step / replay GPU
+    ms per step; 1.0 is the floor): medians over the log windows after the first ``skip`` (compilation,
+    warm-up, capture) in which every step was a replay. ``windows``: per log window its ``steps``,
+    ``replays`` and ``wall_ms`` with the :func:`window_timing` fields; nothing when no window qualifies."""
+    steady = [w for w in windows[skip:] if w["replays"] == w["steps"] > 0]
+    if not steady:
+        return {}
+    return {"graph_gpu_ms_per_step": statistics.median(w["gpu_ms_per_step"] for w in steady),
+            "trainer_vs_replay": statistics.median(w["wall_ms"] / w["steps"] / w["gpu_ms_per_step"] for w in steady)}
+
+
 class GraphedStep:
     """``step(batch) -> (loss, metrics)`` like :meth:`Trainer.step_body`, captured as one CUDA graph
     after ``warmup_steps`` eager steps (every call is one real training step). The returned tensors
-    are the graph's static outputs: read them before the next call (the loop accumulates them)."""
+    are the graph's static outputs: read them before the next call (the loop accumulates them).
 
-    def __init__(self, trainer, warmup_steps: int = 3):
+    Every replay records a CUDA event pair from a ring of ``timed_replays`` pairs, reused across log
+    windows; :meth:`read_window` reads the window's replay times at a log step and keeps them in
+    ``windows`` for :func:`steady_timing`."""
+
+    def __init__(self, trainer, warmup_steps: int = 3, timed_replays: int = 128):
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (lazy initialisation cannot be captured), got {warmup_steps}")
         self.tr, self.warmup_steps = trainer, warmup_steps
@@ -82,6 +118,12 @@ class GraphedStep:
         self._index = torch.zeros(1, dtype=torch.int64, device=trainer.device)
         self._lrs = torch.zeros(self.lr_table.shape[0], 1, device=trainer.device)
         self.lrs = list(self._lrs[:, 0].unbind(0))  # one 0-dim view per parameter group
+        if timed_replays < 1:
+            raise ValueError(f"timed_replays must be >= 1, got {timed_replays}")
+        self.timed_replays = timed_replays
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # grows to timed_replays, then reused
+        self._replays = 0  # in the current log window
+        self.windows: list[dict] = []
 
     # ------------------------------------------------------------------ the captured function
     @contextlib.contextmanager
@@ -145,5 +187,27 @@ class GraphedStep:
             return self._warmup()
         if self.graph is None:
             self._capture()
+        slot = self._replays % self.timed_replays
+        if slot == len(self._events):
+            self._events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        start, end = self._events[slot]
+        start.record()
         self.graph.replay()
+        end.record()
+        self._replays += 1
         return self.outputs
+
+    # ------------------------------------------------------------------ per log window
+    def read_window(self, steps: int, wall_ms: float) -> dict:
+        """The :func:`window_timing` fields of the log window that ends now (``steps`` steps in
+        ``wall_ms``), recorded in ``windows``; waits for the window's last replay (the loop has already
+        synchronised to read its metrics)."""
+        kept = min(self._replays, self.timed_replays)
+        replay_ms = []
+        if kept:
+            self._events[(self._replays - 1) % self.timed_replays][1].synchronize()
+            replay_ms = [start.elapsed_time(end) for start, end in self._events[:kept]]
+        timing = window_timing(replay_ms, self._replays, wall_ms)
+        self.windows.append({"steps": steps, "replays": self._replays, "wall_ms": wall_ms, **timing})
+        self._replays = 0
+        return timing

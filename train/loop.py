@@ -35,7 +35,7 @@ from dres.train import checkpoint as C
 from dres.train import distributed as D
 from dres.train import rundir
 from dres.train.config import Config, ConfigError, fingerprint, save_config, to_dict
-from dres.train.graph_step import GraphedStep, graph_plan
+from dres.train.graph_step import GraphedStep, graph_plan, steady_timing
 from dres.train.optim import build_optimizer, peak_lr
 
 
@@ -320,6 +320,8 @@ class Trainer:
                     rec = {"step": self.step, "loss": vals[0], "lr": self.scheduler.get_last_lr()[0],
                            "img_per_s": ips, "epoch": self.step / max(len(self.loader), 1)}
                     rec.update({k: v for k, v in zip(acc_metrics, vals[1:])})
+                    if self.graphed is not None:  # the replays' GPU time against this window's wall time
+                        rec.update(self.graphed.read_window(self.step - step_last, (now - t_last) * 1e3))
                     self.history.append(rec)
                     if self.main:
                         metrics_f.write(json.dumps(rec) + "\n")
@@ -352,6 +354,8 @@ class Trainer:
                         "peak_mem_gib": (torch.cuda.max_memory_allocated(self.device) / 2**30
                                          if self.device.type == "cuda" else None),
                         "lost_data": self.loader.counter.summary()}
+        if self.graphed is not None:  # issue 14 target 3: trainer_vs_replay <= 1.05
+            self.summary.update(steady_timing(self.graphed.windows))
         return self.summary
 
     # ------------------------------------------------------------------ eval
