@@ -16,7 +16,7 @@
 # most 8 files come back): summary.md (every table), log.txt, train.json, profile.json,
 # traces.tar.gz, env.txt. Usage (repository root):
 #   bash benchmarks/multi_gpu_check.sh                      # all stages
-#   STAGES="compile variants" bash benchmarks/multi_gpu_check.sh   # a second call on a warm machine
+#   STAGES="trainer compile" bash benchmarks/multi_gpu_check.sh   # a second call on a warm machine
 # DRY_RUN=1 prints the commands without running them (no GPU needed).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -100,3 +100,18 @@ def test_two_nodes_shard_the_data_and_finish(tmp_path):
     assert ranks[0]["param_abs_sum"] == pytest.approx(ranks[1]["param_abs_sum"], rel=1e-6)
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+
+
+def test_several_processes_with_dist_none_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    """Under torchrun (WORLD_SIZE > 1) dist=none would train one separate model per process: refused
+    before any process group is joined or anything is written."""
+    from dres.train import cli
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    out = tmp_path / "run"
+    argv = ["classify", "--preset", "classify_cifar10", "--out", str(out)]
+    argv += [a for kv in OVERRIDES if not kv.startswith("dist=") for a in ("--set", kv)] + ["--set", "dist=none"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "2 processes with dist=none" in err and "dist=ddp" in err
+    assert not out.exists()

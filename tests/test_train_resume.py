@@ -82,10 +82,32 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path):
     names = [p.name for p in C.list_checkpoints(tr.ckpt_dir)]
     assert names == ["step_00000002.pt", "step_00000004.pt"]
     (tr.ckpt_dir / names[-1]).write_bytes(b"garbage")
-    again = _trainer(tmp_path, 4)
-    with pytest.warns(UserWarning, match="unreadable"):
-        assert again.resume("auto")
+    again = _trainer(tmp_path, 6, ["ckpt.every=2", "ckpt.keep=2"])
+    lines = []
+    again._log = lines.append
+    assert again.resume("auto")
     assert again.step == 2
+    assert any("step_00000004.pt is unreadable" in m and "trying an older one" in m for m in lines), lines
+    # the damaged step 4 is moved aside, not deleted, and rotation keeps this run's own line of checkpoints
+    aside = [d for d in again.ckpt_dir.iterdir() if d.name.startswith("superseded-")]
+    assert len(aside) == 1 and (aside[0] / "step_00000004.pt").read_bytes() == b"garbage"
+    again.fit()
+    assert [p.name for p in C.list_checkpoints(again.ckpt_dir)] == ["step_00000004.pt", "step_00000006.pt"]
+    assert C.load(again.ckpt_dir / "step_00000004.pt", _trainer(tmp_path / "other", 6).raw_model)["step"] == 4
+
+
+def test_resuming_an_older_checkpoint_sets_the_later_branch_aside(tmp_path):
+    tr = _trainer(tmp_path, 6, ["ckpt.every=2", "ckpt.keep=5"])
+    tr.fit()
+    older = tr.ckpt_dir / "step_00000002.pt"
+    again = _trainer(tmp_path, 6, ["ckpt.every=2", "ckpt.keep=5"])
+    assert again.resume(str(older)) and again.step == 2
+    assert [p.name for p in C.list_checkpoints(again.ckpt_dir)] == ["step_00000002.pt"]
+    again.fit()
+    # the new line of checkpoints is the folder's; the abandoned steps 4 and 6 are kept aside
+    assert [p.name for p in C.list_checkpoints(again.ckpt_dir)] == [f"step_0000000{i}.pt" for i in (2, 4, 6)]
+    (aside,) = [d for d in again.ckpt_dir.iterdir() if d.name.startswith("superseded-")]
+    assert sorted(p.name for p in aside.iterdir()) == ["step_00000004.pt", "step_00000006.pt"]
 
 
 def test_non_finite_loss_stops_with_clear_message_and_keeps_last_checkpoint(tmp_path):

@@ -25,7 +25,10 @@ fingerprint, :func:`dres.train.config.fingerprint`, differs, or its tensors do n
 *incompatible* (:class:`IncompatibleCheckpoint`). Both are one-line messages.
 
 Rotation keeps the newest ``keep`` checkpoints up to the step just written; it never deletes the
-checkpoint just written nor one of a later step.
+checkpoint just written nor one of a later step. A resume continues one line of checkpoints: those
+of later steps than the one resumed (unreadable ones it skipped, or a branch abandoned by resuming an
+older one) are moved aside into ``superseded-<time>/`` (:func:`set_aside_after`), never deleted, so
+rotation and the next ``--resume auto`` see only the run that goes on.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import os
 import random
 import re
 import shutil
-import warnings
+import time
 from pathlib import Path
 
 import numpy as np
@@ -253,12 +256,12 @@ def _load_one(path: Path, model, optimizer, ema, fingerprint):
 
 
 def load(path_or_dir, model, optimizer=None, *, ema=None, device=torch.device("cpu"), restore_rng=True,
-         fingerprint=None):
+         fingerprint=None, log=print):
     """Load a checkpoint file/dir, or the newest loadable one in a directory. Returns the extra
     state (step, data position, scheduler, ...), or None when the directory holds no checkpoint.
 
     ``fingerprint`` (of the current config) is compared with the saved one first. In a directory an
-    unreadable checkpoint is skipped with a warning in favour of the one before it; when none is
+    unreadable checkpoint is skipped, saying so through ``log``, in favour of the one before it; when none is
     readable, or the one asked for is not, :class:`UnreadableCheckpoint`; an incompatible one is
     :class:`IncompatibleCheckpoint` at once (older ones of the same run would not fit either)."""
     p = Path(path_or_dir)
@@ -271,7 +274,7 @@ def load(path_or_dir, model, optimizer=None, *, ema=None, device=torch.device("c
         except UnreadableCheckpoint as e:
             if single:
                 raise
-            warnings.warn(f"{e}; trying an older one")
+            log(f"[dres] {e}; trying an older one")
             failures.append(f"{c.name} ({e.reason})")
             continue
         rank = dist.get_rank() if D.is_dist() else 0
@@ -283,3 +286,17 @@ def load(path_or_dir, model, optimizer=None, *, ema=None, device=torch.device("c
     if failures:
         raise UnreadableCheckpoint(f"no readable checkpoint in {p}: " + "; ".join(failures))
     return None
+
+
+def set_aside_after(ckpt_dir, step: int) -> Path | None:
+    """Move the checkpoints of ``ckpt_dir`` with a step after ``step`` into ``superseded-<time>/``
+    (main rank; every rank calls it). Returns that folder, or None when there were none."""
+    ckpt_dir = Path(ckpt_dir)
+    later = [c for c in list_checkpoints(ckpt_dir) if step_of(c) > step]
+    aside = ckpt_dir / time.strftime("superseded-%Y%m%d-%H%M%S") if later else None
+    if later and (not D.is_dist() or dist.get_rank() == 0):
+        aside.mkdir(exist_ok=True)
+        for c in later:
+            os.replace(c, aside / c.name)
+    D.barrier()
+    return aside

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dres.train.config import ConfigError
+
 
 @dataclass
 class DistInfo:
@@ -43,9 +45,12 @@ def pick_device(name="auto", local_rank=0) -> torch.device:
 
 def init(device="auto", mode="none") -> DistInfo:
     """Join the process group when launched by torchrun (``WORLD_SIZE`` > 1) or already joined."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and mode == "none":  # each process would silently train a model of its own
+        raise ConfigError(f"launched as {world} processes with dist=none, which would train {world} separate "
+                          "models; set --set dist=ddp (or dist=fsdp)")
     if dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
+        rank = dist.get_rank()
         local = int(os.environ.get("LOCAL_RANK", rank))
         return DistInfo(rank, world, local, pick_device(device, local))
     if world == 1 and mode == "none":  # a one-process DDP/FSDP run joins a 1-rank group below

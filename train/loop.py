@@ -193,7 +193,7 @@ class Trainer:
         if what != "auto" and not target.exists():
             raise FileNotFoundError(f"checkpoint not found: {target}")
         extra = C.load(target, self.model, self.optimizer, ema=self.ema, device=self.device,
-                       fingerprint=fingerprint(self.cfg))
+                       fingerprint=fingerprint(self.cfg), log=self.log)
         if extra is None:
             self.log(f"[dres] no checkpoint in {target}; starting from scratch")
             return False
@@ -204,11 +204,14 @@ class Trainer:
         self.step = int(extra["step"])
         self.last_good = Path(extra["path"])
         self.log(f"[dres] resumed from {extra['path']} at step {self.step}")
+        aside = C.set_aside_after(self.ckpt_dir, self.step)
+        if aside is not None:
+            self.log(f"[dres] checkpoints after step {self.step} (skipped or from an abandoned branch) moved to {aside}")
         return True
 
     def load_weights(self, path):
         extra = C.load(path, self.model, None, ema=self.ema, device=self.device, restore_rng=False,
-                       fingerprint=fingerprint(self.cfg))
+                       fingerprint=fingerprint(self.cfg), log=self.log)
         if extra is None:
             raise FileNotFoundError(f"no checkpoint in {path}")
         self.step, self.loaded_from = int(extra["step"]), extra["path"]
