@@ -211,6 +211,39 @@ def test_compile_fullgraph_traces_forward_and_backward(triton_device):
         torch.testing.assert_close(c, a)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_inductor_dynamic_shapes_match_eager(triton_device, layout, dynamic):
+    """Inductor with symbolic sizes around the op and its backward: ``dynamic=True`` compiles once for
+    every batch and feature-map size, the default recompiles once (automatic dynamic from the second
+    shape on); outputs and the gradients of x, h and alpha equal eager's, with per-sample scales."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from helpers import inductor_caches_off
+
+    def block(x, h, alpha, m):
+        out = ops.residual_act(x, 2 * h, alpha, m, 1 - m, backend="triton")
+        return ops.residual_act(out, h, alpha, m, m, act="identity", backend="triton")
+
+    torch.manual_seed(12)
+    torch._dynamo.reset()  # block's code object keeps its compiles and automatic-dynamic sizes across parameters
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(block, backend=counter, dynamic=dynamic, fullgraph=True)
+    with inductor_caches_off():
+        for shape in [(2, 3, 5, 6), (3, 3, 7, 4), (5, 3, 5, 6)]:  # the 2nd changes every dim but C
+            x, h = make(shape, F32, triton_device, layout), make(shape, F32, triton_device, layout)
+            m, _ = mode_scales("rdp_even", shape[0], triton_device)
+            alpha = torch.tensor(0.8, device=triton_device)
+            inputs = [[t.clone().requires_grad_(True) for t in (x, h, alpha)] for _ in range(2)]
+            eager, comp = block(*inputs[0], m), compiled(*inputs[1], m)
+            assert comp.stride() == eager.stride()
+            torch.testing.assert_close(comp, eager, rtol=1e-6, atol=1e-6)
+            g = torch.randn(*shape[:-1], 2 * shape[-1], device=triton_device)[..., ::2]  # a strided gradient
+            for a, c in zip(grads(eager, g, inputs[0]), grads(comp, g, inputs[1])):
+                torch.testing.assert_close(c, a, rtol=1e-6, atol=1e-6)
+    assert counter.frame_count == (1 if dynamic else 2)
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad arguments: one-line errors naming the argument
 
