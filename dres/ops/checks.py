@@ -100,7 +100,7 @@ def check_eps(eps, name: str = "eps") -> None:
     """A positive, finite Python number (a string or a tensor is refused on every backend alike)."""
     if not isinstance(eps, numbers.Real) or isinstance(eps, bool):
         raise TypeError(f"{name} must be a positive float, got {type(eps).__name__}")
-    if not (math.isfinite(eps) and eps > 0):
+    if not 0 < eps < math.inf:  # not math.isfinite: a SymFloat eps (dynamic=True) has no such op
         raise ValueError(f"{name} must be a positive finite float, got {eps!r}")
 
 
