@@ -360,3 +360,22 @@ def test_classify_resnet_preset_trains_in_each_mode(tmp_path, mode):
     state = torch.load(next((tmp_path / "checkpoints").rglob("*.pt")), weights_only=False)
     keys = state["model"] if "model" in state else state
     assert any(k.endswith("droppath._extra_state") for k in keys) == (mode != "none")
+
+
+def test_trainer_compiles_resnet_blocks_with_static_shapes():
+    """The trainer's per-block compile (train.distributed.apply_compile) gives the ResNet classifier's
+    blocks ``dynamic=False`` (see the test above for why), and the ViT models torch's default."""
+    from unittest import mock
+
+    from dres.models import create_classifier
+    from dres.models.classifier import ResNetClassifier
+    from dres.train.distributed import apply_compile
+
+    calls = []
+    with mock.patch.object(nn.Module, "compile", lambda self, **kw: calls.append(kw)):
+        n = apply_compile(ResNetClassifier("resnet18", num_classes=10, drop_path=0.1,
+                                           droppath_mode="residual_droppath"))
+        assert n == 8 and calls == [{"dynamic": False}] * 8
+        calls.clear()
+        apply_compile(create_classifier("vit_small_cifar"))
+        assert calls and all(kw == {"dynamic": None} for kw in calls)

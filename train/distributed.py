@@ -151,10 +151,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
 
 def apply_compile(model: nn.Module) -> int:
     """``torch.compile`` each unit (repeated structure compiles once and is reused; the fused
-    custom ops between units stay as they are)."""
+    custom ops between units stay as they are). A model may set ``compile_dynamic`` (the
+    ``dynamic`` argument of ``torch.compile``; default None, torch's automatic choice)."""
     units = parallel_units(model)
+    dynamic = getattr(model, "compile_dynamic", None)
     for u in units:
-        u.compile()
+        u.compile(dynamic=dynamic)
     return len(units)
 
 

@@ -97,6 +97,11 @@ class ResNetClassifier(nn.Module):
     def droppath(self) -> Optional[ResidualDroppath]:
         return getattr(self.net, "droppath", None)
 
+    # Blocks of every stage share one forward, so torch's automatic dynamic shapes would make the
+    # second stage's sizes symbolic, which Inductor's BatchNorm backward fails on (torch 2.14,
+    # tests/test_convert_resnet.py): each stage compiles for its own static shapes instead.
+    compile_dynamic = False
+
     def parallel_units(self) -> list[nn.Module]:
         from dres.convert_resnet import residual_blocks
 
