@@ -230,7 +230,7 @@ def make_record(arm: Arm, run_dir: Path, *, epochs: float, command: str, card: s
 
 def run_arms(arms: list[Arm], *, epochs: float, gpus: int, jobs: int, root: Path, records: Path, presets: dict,
              extra: list[str], every: int, commit: str, force: bool, deadline_min: float, log=print) -> dict:
-    """Train ``arms`` (needs first), ``gpus`` at a time one per GPU (0: ``jobs`` at a time on the CPU);
+    """Train ``arms`` (needs first), ``jobs`` at a time on each of ``gpus`` GPUs (0: on the CPU);
     returns ``{arm: "done" | "skipped" | "failed" | "blocked" | "not started"}``."""
     from benchmarks.common import write_json_atomic
 
@@ -246,7 +246,7 @@ def run_arms(arms: list[Arm], *, epochs: float, gpus: int, jobs: int, root: Path
     status = {a.name: ("skipped" if has_record(a) and not force and (a.name not in needed or
                                                                      (root / a.name / "summary.json").exists())
                        else "pending") for a in arms}
-    slots = list(range(gpus)) if gpus > 0 else [None] * max(1, jobs)
+    slots = [g for g in range(gpus) for _ in range(max(1, jobs))] if gpus > 0 else [None] * max(1, jobs)
     free = list(range(len(slots)))
     running: dict[int, tuple] = {}
     t0 = time.time()
@@ -295,6 +295,7 @@ def run_arms(arms: list[Arm], *, epochs: float, gpus: int, jobs: int, root: Path
                     continue
                 rec = make_record(a, root / a.name, epochs=epochs, command=command, card=card_of(slots[k]),
                                   commit=commit, records=records)
+                rec["train"]["arms_per_device"] = max(1, jobs)  # img_per_s is per arm while they share a device
                 write_json_atomic(records / f"{a.name}.json", rec)
                 log(f"[repro] done {a.name}: {rec['metrics']}")
             else:
@@ -559,8 +560,8 @@ def main(argv=None) -> int:
                       "C.resnet50d.s0, C.vit, ...), claims or 'all', comma-separated")
     mode.add_argument("--report", action="store_true", help="write RESULTS.md and the curve figures from the records")
     p.add_argument("--epochs", type=float, default=0, help="training length of every arm (--run, --plan)")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs, one arm each (0: the CPU, --jobs at a time)")
-    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (0: the CPU)")
+    p.add_argument("--jobs", type=int, default=1, help="arms at a time on each GPU (or on the CPU)")
     p.add_argument("--root", type=Path, default=Path("/tmp/dres-repro"), help="run directories (local disk)")
     p.add_argument("--records", type=Path, default=RECORDS_DIR, help="where the JSON records go / are read")
     p.add_argument("--out", type=Path, default=RESULTS_MD, help="--report: the Markdown file")
