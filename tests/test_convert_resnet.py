@@ -364,7 +364,9 @@ def test_classify_resnet_preset_trains_in_each_mode(tmp_path, mode):
 
 def test_trainer_compiles_resnet_blocks_with_static_shapes():
     """The trainer's per-block compile (train.distributed.apply_compile) gives the ResNet classifier's
-    blocks ``dynamic=False`` (see the test above for why), and the ViT models torch's default."""
+    blocks ``dynamic=False`` (see the test above for why), and the ViT models torch's default. The
+    blocks share one forward, so Dynamo's per-code recompile limit must hold an entry per block, mode
+    and batch size: at the default 8, ResNet50d's 16 blocks fell back to eager on an H100."""
     from unittest import mock
 
     from dres.models import create_classifier
@@ -372,10 +374,14 @@ def test_trainer_compiles_resnet_blocks_with_static_shapes():
     from dres.train.distributed import apply_compile
 
     calls = []
-    with mock.patch.object(nn.Module, "compile", lambda self, **kw: calls.append(kw)):
+    with mock.patch.object(nn.Module, "compile", lambda self, **kw: calls.append(kw)), \
+            torch._dynamo.config.patch(recompile_limit=8):
         n = apply_compile(ResNetClassifier("resnet18", num_classes=10, drop_path=0.1,
                                            droppath_mode="residual_droppath"))
         assert n == 8 and calls == [{"dynamic": False}] * 8
+        assert torch._dynamo.config.recompile_limit == 4 * 8
         calls.clear()
-        apply_compile(create_classifier("vit_small_cifar"))
+        with torch._dynamo.config.patch(recompile_limit=8):
+            apply_compile(create_classifier("vit_small_cifar"))
+            assert torch._dynamo.config.recompile_limit == 8
         assert calls and all(kw == {"dynamic": None} for kw in calls)

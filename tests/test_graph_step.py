@@ -32,13 +32,10 @@ def test_plan_captures_single_process_cuda_by_default():
     assert _plan(["model.drop_path=0.2", "model.droppath_mode=residual_droppath"])[0]  # masks from a device counter
 
 
-def test_auto_captures_only_what_has_run_captured_on_a_gpu():
-    cfg = build_config("classify", "classify_resnet50d_cifar10")
-    on, why = graph_plan(cfg, CUDA, "bf16", 1)
-    assert not on and "SGD and model.arch=resnet50d not yet captured on a GPU" in why
-    cfg.cuda_graphs = "true"
-    assert graph_plan(cfg, CUDA, "bf16", 1)[0]
-    assert graph_plan(build_config("classify", "classify_cifar10"), CUDA, "bf16", 1)[0]  # the ViT: measured
+def test_auto_captures_every_classification_preset():
+    for preset in ("classify_resnet50d_cifar10", "classify_resnet50_cifar10", "classify_cifar10"):
+        on, why = graph_plan(build_config("classify", preset), CUDA, "bf16", 1)
+        assert on and why.startswith("on"), (preset, why)
 
 
 @pytest.mark.parametrize("overrides,kw,reason", [

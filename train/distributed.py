@@ -155,6 +155,8 @@ def apply_compile(model: nn.Module) -> int:
     ``dynamic`` argument of ``torch.compile``; default None, torch's automatic choice)."""
     units = parallel_units(model)
     dynamic = getattr(model, "compile_dynamic", None)
+    if dynamic is False:  # units share one forward: static shapes need an entry per unit, mode and batch size
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(units))
     for u in units:
         u.compile(dynamic=dynamic)
     return len(units)

@@ -57,11 +57,6 @@ def graph_plan(cfg, device: torch.device, precision: str, world: int) -> tuple[b
         reason = "SGD reads a device learning rate only in its fused kernel (foreach SGD calls .item() on it)"
     elif precision == "fp16" and not cfg.optim.fused:
         reason = "fp16 loss scaling skips overflowed steps without a host sync only with the fused AdamW"
-    if reason is None and cfg.cuda_graphs == "auto":
-        unverified = [what for what, used in (("SGD", cfg.optim.name == "sgd"),
-                                              (f"model.arch={cfg.model.arch}", cfg.model.arch != "vit")) if used]
-        if unverified:  # auto captures only what has run captured on a GPU
-            reason = f"{' and '.join(unverified)} not yet captured on a GPU (cuda_graphs=true tries it)"
     if reason is not None:
         return False, f"off ({reason}); the step runs eagerly"
     return True, "on (the whole step is captured after warm-up steps and replayed)"
