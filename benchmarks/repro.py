@@ -220,10 +220,14 @@ def make_record(arm: Arm, run_dir: Path, *, epochs: float, command: str, card: s
         artifacts["curves_png"] = f"figs/{arm.name}_curves.png"
     history = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()] \
         if (run_dir / "metrics.jsonl").exists() else []
+    # from the log windows, not summary.json: a resumed run's summary covers only its last process
+    rates = [h["img_per_s"] for h in history[1:] if h.get("img_per_s")]
+    train = {"img_per_s": statistics.median(rates) if rates else None,
+             "final_loss": history[-1].get("loss") if history else None,
+             "wall_s_last_process": summary.get("wall_s"), "peak_mem_gib": summary.get("peak_mem_gib")}
     return {"arm": arm.name, "claim": arm.claim, "group": arm.group, "task": arm.task, "seed": arm.seed,
             "epochs": epochs, "steps": history[-1]["step"] if history else None,
-            "overrides": list(arm.overrides), "metrics": metrics, "curves": curves,
-            "train": {k: summary.get(k) for k in ("wall_s", "img_per_s", "final_loss", "peak_mem_gib")},
+            "overrides": list(arm.overrides), "metrics": metrics, "curves": curves, "train": train,
             "artifacts": artifacts, "card": card, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"), "commit": commit, "command": command}
 
@@ -524,9 +528,10 @@ def render(records: Path, base: Path, draw: bool = True) -> str:
     # provenance
     L += ["## Runs", ""]
     if recs:
-        L += _table(["arm", "epochs", "steps", "card", "date", "commit", "img/s", "command"],
+        L += _table(["arm", "epochs", "steps", "card", "date", "commit", "img/s (arms sharing the GPU)", "command"],
                     [[r["arm"], f"{r['epochs']:g}", r["steps"], r["card"], r["date"], r["commit"][:12],
-                      f"{r['train']['img_per_s']:.0f}" if r["train"].get("img_per_s") else "—",
+                      (f"{r['train']['img_per_s']:.0f} ({r['train'].get('arms_per_device', 1)})"
+                       if r["train"].get("img_per_s") else "—"),
                       f"`{r['command']}`"] for r in recs.values()])
     else:
         L += ["No arm has run yet."]
