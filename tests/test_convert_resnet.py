@@ -288,11 +288,13 @@ def test_inductor_default_compile_follows_the_batch_size(triton_device):
 @pytest.mark.parametrize("precision", ["fp32", "bf16_autocast"])
 def test_gpu_resnet50d_compiled_matches_eager(mode, precision):
     """torch.compile (Inductor) of a converted resnet50d, channels_last, two training steps (an even
-    and an odd iteration): outputs and every parameter gradient against eager, as norm-relative errors.
+    and an odd iteration): outputs and every parameter gradient, eager and compiled, against a float64
+    copy; the compiled error must stay within 2x eager's (plus a floor per dtype).
 
-    fp32 with TF32 off: the same kernels, only reduction orders differ, so 1e-4. bf16 autocast: every
-    conv input is rounded to 8 bits (2**-8), at different points in eager and Inductor, through ~50
-    BatchNorm layers' backward: gradients may differ by a few % in norm; a wrong op differs by O(1)."""
+    Why against float64 and not eager: in training-mode BatchNorm the gradients of the zero-initialised
+    last BN of each branch cancel, so fp32 eager itself is only ~1% accurate there (measured on CPU
+    with Inductor: worst 1.13e-2 eager, 1.13e-2 compiled, ratio <= 1.4); compiled-vs-eager at 1e-4
+    failed on an H100 for that reason, not for a wrong kernel (a wrong op is O(1) off)."""
     from unittest import mock
 
     from helpers import rel_err
@@ -302,25 +304,27 @@ def test_gpu_resnet50d_compiled_matches_eager(mode, precision):
     dres.convert_timm_resnet(model, alpha_min=0.8, drop_path=0.1 if mode != "none" else 0.0,
                              droppath_mode="residual_droppath")
     model = model.cuda().to(memory_format=torch.channels_last)
+    reference = copy.deepcopy(model).double()
     compiled_model = copy.deepcopy(model)
     compiled_model.compile()
     x = torch.randn(16, 3, 64, 64, device="cuda").to(memory_format=torch.channels_last)
     bf16 = precision == "bf16_autocast"
-    out_tol, grad_tol = (5e-2, 1e-1) if bf16 else (1e-4, 1e-4)
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16), torch.backends.cudnn.flags(allow_tf32=False), \
-            mock.patch.object(torch.backends.cuda.matmul, "allow_tf32", False):
+    floor = 1e-2 if bf16 else 1e-5
+    with torch.backends.cudnn.flags(allow_tf32=False), mock.patch.object(torch.backends.cuda.matmul, "allow_tf32", False):
         for step in range(2):  # an even and an odd iteration
-            a, b = model(x), compiled_model(x)
-            assert rel_err(b.float(), a.float()) < out_tol, step
-            a.float().square().mean().backward()
-            b.float().square().mean().backward()
+            want = reference(x.double())
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+                a, b = model(x), compiled_model(x)
+            assert rel_err(b, want) <= 2 * rel_err(a, want) + floor, step
+            for out in (want, a.float(), b.float()):
+                out.square().mean().backward()
             if mode != "none":
-                model.droppath.next_iteration()
-                compiled_model.droppath.next_iteration()
-    errors = {n: rel_err(q.grad.float(), p.grad.float())
-              for (n, p), q in zip(model.named_parameters(), compiled_model.parameters())}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] < grad_tol, (worst, errors[worst])
+                for m in (reference, model, compiled_model):
+                    m.droppath.next_iteration()
+    grads = zip(reference.named_parameters(), model.parameters(), compiled_model.parameters())
+    errors = {n: (rel_err(p.grad, r.grad), rel_err(q.grad, r.grad)) for (n, r), p, q in grads}
+    bad = {n: e for n, e in errors.items() if e[1] > 2 * e[0] + floor}
+    assert not bad, f"(eager, compiled) errors vs float64: {bad}"
 
 
 # ---------------------------------------------------------------------------------------------
