@@ -7,7 +7,6 @@ Kernels and launchers only, like the rest of ``dres.kernels``: no autograd.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 
 import torch
@@ -29,8 +28,8 @@ class CachedLaunch:
     kernel comes back (the CPU interpreter, another Triton) or a hook is registered (a profiler such
     as proton, a kernel's ``pre_run_hooks``), every launch takes Triton's own path.
 
-    The direct launch is opt-in (``DRES_TRITON_DIRECT_LAUNCH=1``) until it has passed the GPU test
-    ``test_gpu_cached_launch_equals_tritons_own_launch`` on the supported Triton versions.
+    ``test_gpu_cached_launch_equals_tritons_own_launch`` checks the results equal Triton's own launch
+    bit for bit on a GPU.
 
     ``args``: every kernel parameter in signature order, constexprs included.
     """
@@ -60,8 +59,7 @@ class CachedLaunch:
         return tuple(spec)
 
     def __call__(self, grid: tuple, args: tuple, num_warps: int, num_stages: int | None = None) -> None:
-        if (not DIRECT_LAUNCH or self.constexpr is None or not args[0].is_cuda or _raw_stream is None or _hooks_set()
-                or self.pre_run_hooks):
+        if self.constexpr is None or not args[0].is_cuda or _raw_stream is None or _hooks_set() or self.pre_run_hooks:
             self._launch(grid, args, num_warps, num_stages)
             return
         device_index = torch.cuda.current_device()  # where Triton launches, as in JITFunction.run
@@ -91,8 +89,6 @@ def _int_width(value: int) -> str:
         return "i32"
     return "i64" if value < 2**63 else "u64"
 
-
-DIRECT_LAUNCH = os.environ.get("DRES_TRITON_DIRECT_LAUNCH", "0") == "1"
 
 # The current CUDA stream as a raw handle, what a compiled kernel's launcher takes (private torch
 # API, also what Triton itself calls); without it every launch takes Triton's own path.

@@ -670,11 +670,10 @@ def test_gpu_cached_launch_equals_tritons_own_launch():
 
     with mock.patch.object(utils, "_raw_stream", None):  # Triton's own launch on every call
         want = [run(*case) for case in cases]
-    with mock.patch.object(utils, "DIRECT_LAUNCH", True):
-        for _ in range(2):  # the first pass may compile and cache, the second calls the cache
-            for case, expected in zip(cases, want):
-                for a, c in zip(run(*case), expected):
-                    assert torch.equal(a, c)
+    for _ in range(2):  # the first pass may compile and cache, the second calls the cache
+        for case, expected in zip(cases, want):
+            for a, c in zip(run(*case), expected):
+                assert torch.equal(a, c)
     assert kernels._FORWARD.compiled and kernels._BACKWARD.compiled, "the direct launch was never taken"
 
 
@@ -714,25 +713,9 @@ def _fake_cuda(device_index=0):
     """A current CUDA device and a raw stream handle (device index + 1000) without a GPU."""
     from dres.kernels import utils
 
-    with mock.patch.object(utils, "DIRECT_LAUNCH", True), \
-            mock.patch.object(utils, "_raw_stream", lambda index: 1000 + index), \
+    with mock.patch.object(utils, "_raw_stream", lambda index: 1000 + index), \
             mock.patch.object(torch.cuda, "current_device", return_value=device_index):
         yield
-
-
-def test_direct_launch_is_opt_in():
-    """Without DRES_TRITON_DIRECT_LAUNCH=1 every launch takes Triton's own path (the direct one
-    awaits its GPU verification)."""
-    from dres.kernels import utils
-    from dres.kernels.utils import CachedLaunch
-
-    kernel = _FakeJITFunction([False, False, False, True])
-    launch = CachedLaunch(kernel)
-    with _fake_cuda(), mock.patch.object(utils, "DIRECT_LAUNCH", False):
-        for _ in range(3):
-            launch((5,), (_ON_GPU, torch.zeros(64), 17, 64), num_warps=4)
-    assert len(kernel.own_launches) == 3 and not launch.compiled
-    assert not any(c.launches for c in kernel.compiled)
 
 
 def test_cached_launch_calls_the_compiled_kernel_directly_after_the_first_launch():
