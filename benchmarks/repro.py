@@ -161,6 +161,7 @@ def arm_command(arm: Arm, *, epochs: float, root: Path, presets: dict, extra: li
     cmd = [sys.executable, "-m", f"dres.train.{arm.task}", "--preset", presets.get(arm.task, arm.preset),
            "--out", str(root / arm.name), "--resume", "auto", "--set", f"seed={arm.seed}",
            "--set", f"epochs={epochs:g}", "--set", "steps=0", "--set", f"eval.every={every}",
+           "--set", f"ckpt.every={every}",  # a call cut by the device's time limit resumes from the last point
            "--set", "log.progress=false"]
     sets = list(arm.overrides)
     if FD_CLASSIFIER_ARM in arm.needs:

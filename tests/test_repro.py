@@ -154,6 +154,8 @@ def test_runner_trains_two_arms_writes_records_and_report(tmp_path, capsys):
         assert [p["step"] for p in rec["curves"]] == [2, 4]
         assert {"knn_acc", "linear_probe_acc", "effective_rank", "epoch"} <= set(rec["curves"][0])
         assert "--resume auto" in rec["command"] and "epochs=0.2" in rec["command"]
+        assert "ckpt.every=2" in rec["command"]  # a checkpoint at every curve point: a cut call resumes from there
+        assert rec["train"]["final_loss"] > 0 and rec["train"]["img_per_s"] > 0  # from metrics.jsonl
         assert (records / rec["artifacts"]["curves_png"]).stat().st_size > 0
     # a second call skips the recorded arms
     assert repro.main(["--run", arms, "--epochs", "0.2", "--gpus", "0", "--root", str(root), "--records",
