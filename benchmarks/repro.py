@@ -567,7 +567,8 @@ def main(argv=None) -> int:
     mode.add_argument("--report", action="store_true", help="write RESULTS.md and the curve figures from the records")
     p.add_argument("--epochs", type=float, default=0, help="training length of every arm (--run, --plan)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs (0: the CPU)")
-    p.add_argument("--jobs", type=int, default=1, help="arms at a time on each GPU (or on the CPU)")
+    p.add_argument("--jobs", type=int, default=1, help="arms at a time on each GPU (or on the CPU); processes sharing a GPU are "
+                   "time-sliced, so more than 1 rarely adds throughput (results/repro/README.md)")
     p.add_argument("--root", type=Path, default=Path("/tmp/dres-repro"), help="run directories (local disk)")
     p.add_argument("--records", type=Path, default=RECORDS_DIR, help="where the JSON records go / are read")
     p.add_argument("--out", type=Path, default=RESULTS_MD, help="--report: the Markdown file")
