@@ -227,3 +227,46 @@ def test_training_summary_records_lost_data(tmp_path):
     tr.finish()
     lost = json.loads((tmp_path / "run" / "summary.json").read_text())["lost_data"]
     assert lost["corrupt_samples"] == 1 and lost["damaged_shards"] == [str(tmp_path / "s-002.tar.gz")]
+
+
+def test_streamed_shards_take_their_epoch_length_from_the_manifest(tmp_path):
+    """A streamed loader's epoch is the manifest's sample count (so epochs=E and warmup_epochs work);
+    without a count for every shard it is unknown (0), and the trainer then logs no epoch."""
+    from dres.data import manifest_samples
+
+    for s in range(2):
+        _write_shard(tmp_path / f"s-00{s}.tar.gz", [(f"k{i}", _jpeg(i), b"1") for i in range(8)])
+    paths = [str(p) for p in sorted(tmp_path.glob("s-*.tar.gz"))]
+    d = DataConfig(name="wds", path=str(tmp_path / "s-{000..001}.tar.gz"), img_size=8, normalize=False,
+                   gpu_resident=False, num_workers=0)
+    assert manifest_samples(paths) is None and len(build_loader(d, "train", 4)) == 0  # no manifest
+    (tmp_path / "manifest.json").write_text(json.dumps({"shards": {"s-000.tar.gz": {"samples": 8}}}))
+    assert manifest_samples(paths) is None and len(build_loader(d, "train", 4)) == 0  # one shard without a count
+    (tmp_path / "manifest.json").write_text(json.dumps({"shards": {f"s-00{s}.tar.gz": {"samples": 8} for s in range(2)}}))
+    assert manifest_samples(paths) == 16 and len(build_loader(d, "train", 4)) == 4
+    d.limit = 8  # data.limit still decides where given
+    assert len(build_loader(d, "train", 4)) == 2
+
+
+def test_trainer_logs_epochs_only_for_data_of_known_size(tmp_path):
+    from dres.train.cli import get_task
+    from dres.train.config import build_config
+    from dres.train.loop import Trainer
+
+    for s in range(2):
+        _write_shard(tmp_path / f"s-00{s}.tar.gz", [(f"k{i}", _jpeg(i), b"1") for i in range(8)])
+    cfg = build_config("classify", None, [
+        "data.name=wds", f"data.path={tmp_path}/s-{{000..001}}.tar.gz", "data.gpu_resident=false",
+        "data.num_workers=0", "data.normalize=false", "data.img_size=8", "model.img_size=8", "model.patch_size=4",
+        "model.embed_dim=16", "model.depth=1", "model.num_heads=2", "model.num_classes=2", "data.num_classes=2",
+        "batch_size=4",
+        "steps=2", "optim.warmup_steps=0", "log.every=1", "log.progress=false", "log.tensorboard=false",
+        "ckpt.every=0", "device=cpu", f"out={tmp_path / 'run'}"])
+    tr = Trainer(cfg, get_task("classify"), log=lambda m: None).setup()
+    tr.fit()
+    assert [h["epoch"] for h in tr.history] == [None, None]  # a stream without counts: no made-up epoch
+    (tmp_path / "manifest.json").write_text(json.dumps({"shards": {f"s-00{s}.tar.gz": {"samples": 8} for s in range(2)}}))
+    cfg.out = str(tmp_path / "run2")
+    tr = Trainer(cfg, get_task("classify"), log=lambda m: None).setup()
+    tr.fit()
+    assert [h["epoch"] for h in tr.history] == [0.25, 0.5]  # 16 samples, 4 steps an epoch

@@ -321,7 +321,7 @@ class Trainer:
                     now = time.time()
                     ips = (self.step - step_last) * cfg.batch_size / max(now - t_last, 1e-9)
                     rec = {"step": self.step, "loss": vals[0], "lr": self.scheduler.get_last_lr()[0],
-                           "img_per_s": ips, "epoch": self.step / max(len(self.loader), 1)}
+                           "img_per_s": ips, "epoch": self.epoch()}
                     rec.update({k: v for k, v in zip(acc_metrics, vals[1:])})
                     if self.graphed is not None:  # the replays' GPU time against this window's wall time
                         rec.update(self.graphed.read_window(self.step - step_last, (now - t_last) * 1e3))
@@ -362,6 +362,11 @@ class Trainer:
         return self.summary
 
     # ------------------------------------------------------------------ eval
+    def epoch(self) -> float | None:
+        """Epochs trained, or None where the training data's size is unknown (a stream without counts)."""
+        steps_per_epoch = len(self.loader)
+        return self.step / steps_per_epoch if steps_per_epoch else None
+
     def evaluate(self) -> dict:
         self.model.eval()
         with torch.no_grad():
@@ -377,7 +382,7 @@ class Trainer:
         with torch.no_grad():
             point = self.task.curve(self)
         if self.main and point:
-            point = {"step": self.step, "epoch": self.step / max(len(self.loader), 1), **point}
+            point = {"step": self.step, "epoch": self.epoch(), **point}
             record_point(self.out, point)
         return point
 

@@ -33,13 +33,13 @@ import torch
 from dres.data.loaders import (FolderLoader, InMemoryLoader, ShardLoader, check_split, device_augment,
                                normalize, rrc_params)
 from dres.data.sources import (CorruptCounter, DataError, check_labels, cifar10_pattern, default_cifar10_dir,
-                               expand_shards, iter_shard, read_cifar_torchvision, read_digits, read_image_folder,
-                               read_mnist_torchvision, read_shards, verify_manifest)
+                               expand_shards, iter_shard, manifest_samples, read_cifar_torchvision, read_digits,
+                               read_image_folder, read_mnist_torchvision, read_shards, verify_manifest)
 
 __all__ = ["build_loader", "load_arrays", "DataError", "InMemoryLoader", "FolderLoader", "ShardLoader",
            "device_augment", "normalize", "rrc_params", "read_shards", "read_digits", "iter_shard",
            "expand_shards", "default_cifar10_dir", "cifar10_pattern", "check_split", "CorruptCounter",
-           "verify_manifest"]
+           "verify_manifest", "manifest_samples"]
 
 
 def _pattern(d, split):
@@ -115,8 +115,10 @@ def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, 
                             device=device, img_size=d.img_size, in_chans=d.in_chans, train=train,
                             crop_min=d.crop_min, mean=mean, std=std, num_workers=d.num_workers, limit=d.limit,
                             num_classes=d.num_classes, max_corrupt_frac=d.max_corrupt_frac, log=log)
-    return ShardLoader(_shard_pattern(d, split), global_batch, rank=rank, world=world, accum=accum, seed=seed,
+    pattern = _shard_pattern(d, split)
+    # an epoch's length from the manifest's counts, so epochs=E and warmup_epochs work on streamed shards
+    return ShardLoader(pattern, global_batch, rank=rank, world=world, accum=accum, seed=seed,
                        device=device, img_size=d.img_size, in_chans=d.in_chans, train=train, crop_min=d.crop_min,
                        mean=mean, std=std, num_workers=d.num_workers, buffer=d.shuffle_buffer,
-                       samples_per_epoch=d.limit or None, num_classes=d.num_classes,
+                       samples_per_epoch=d.limit or manifest_samples(expand_shards(pattern)), num_classes=d.num_classes,
                        max_corrupt_frac=d.max_corrupt_frac, log=log)

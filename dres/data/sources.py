@@ -125,11 +125,10 @@ def _sha256(path: str) -> str:
     return _SHA_CACHE[key]
 
 
-def verify_manifest(shards: list[str]) -> int:
-    """Check each shard listed in its folder's ``manifest.json`` (``{"shards": {name: {"sha256": ...}}}``)
-    against its sha256 before use; a mismatch is a :class:`DataError` naming the shard. Returns how
-    many shards were checked (files without a manifest entry are not)."""
-    checked, manifests = 0, {}
+def manifest_entries(shards: list[str]) -> list[dict]:
+    """Each shard's entry in its folder's ``manifest.json`` (``{"shards": {name: {"sha256": ...,
+    "samples": ...}}}``), ``{}`` for a shard the folder does not list or a folder without a manifest."""
+    manifests, entries = {}, []
     for s in shards:
         folder = os.path.dirname(os.path.abspath(s))
         if folder not in manifests:
@@ -138,8 +137,24 @@ def verify_manifest(shards: list[str]) -> int:
                 manifests[folder] = json.load(open(mf))["shards"] if os.path.exists(mf) else {}
             except (ValueError, KeyError, TypeError) as e:
                 raise DataError(f"{mf} is not a shard manifest ({type(e).__name__}: {e})") from e
-        entry = manifests[folder].get(os.path.basename(s))
-        if not entry or "sha256" not in entry:
+        entries.append(manifests[folder].get(os.path.basename(s)) or {})
+    return entries
+
+
+def manifest_samples(shards: list[str]) -> int | None:
+    """How many samples ``shards`` hold by their manifests, or None unless every shard is listed with a count."""
+    counts = [e.get("samples") for e in manifest_entries(shards)]
+    return sum(counts) if counts and all(isinstance(c, int) and c > 0 for c in counts) else None
+
+
+def verify_manifest(shards: list[str]) -> int:
+    """Check each shard listed in its folder's ``manifest.json`` against its sha256 before use; a
+    mismatch is a :class:`DataError` naming the shard. Returns how many shards were checked (files
+    without a manifest entry are not)."""
+    checked = 0
+    for s, entry in zip(shards, manifest_entries(shards)):
+        folder = os.path.dirname(os.path.abspath(s))
+        if "sha256" not in entry:
             continue
         got = _sha256(s)
         if got != entry["sha256"]:

@@ -100,4 +100,6 @@ def record_point(run_dir, point: dict) -> str:
     ``<run_dir>/curves.png`` from all points so far; returns the PNG's path."""
     run_dir = Path(run_dir)
     append_point(run_dir / CURVES_JSONL, point)
-    return plot_curves({run_dir.name: read_points(run_dir / CURVES_JSONL)}, run_dir / CURVES_PNG)
+    points = read_points(run_dir / CURVES_JSONL)
+    x = "epoch" if all(p.get("epoch") is not None for p in points) else "step"  # a stream of unknown size
+    return plot_curves({run_dir.name: points}, run_dir / CURVES_PNG, x=x)
