@@ -246,6 +246,9 @@ def test_streamed_shards_take_their_epoch_length_from_the_manifest(tmp_path):
     assert manifest_samples(paths) == 16 and len(build_loader(d, "train", 4)) == 4
     d.limit = 8  # data.limit still decides where given
     assert len(build_loader(d, "train", 4)) == 2
+    (tmp_path / "manifest.json").write_text("{not json")  # with verification off, a broken manifest stops nothing
+    d.limit, d.verify_manifest = 0, False
+    assert manifest_samples(paths) is None and len(build_loader(d, "train", 4)) == 0
 
 
 def test_trainer_logs_epochs_only_for_data_of_known_size(tmp_path):

@@ -142,8 +142,12 @@ def manifest_entries(shards: list[str]) -> list[dict]:
 
 
 def manifest_samples(shards: list[str]) -> int | None:
-    """How many samples ``shards`` hold by their manifests, or None unless every shard is listed with a count."""
-    counts = [e.get("samples") for e in manifest_entries(shards)]
+    """How many samples ``shards`` hold by their manifests, or None unless every shard is listed with a count
+    (an unreadable manifest counts as none: only ``verify_manifest`` stops a run over it)."""
+    try:
+        counts = [e.get("samples") for e in manifest_entries(shards)]
+    except DataError:
+        return None
     return sum(counts) if counts and all(isinstance(c, int) and c > 0 for c in counts) else None
 
 
