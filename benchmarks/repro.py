@@ -199,8 +199,9 @@ def card_of(gpu: int | None) -> str:
 
 
 def make_record(arm: Arm, run_dir: Path, *, epochs: float, command: str, card: str, commit: str,
-                records: Path) -> dict:
-    """The arm's record from its finished run directory; its PNGs copied to ``records/figs``."""
+                records: Path, arms_per_device: int = 1) -> dict:
+    """The arm's record from its finished run directory; its PNGs copied to ``records/figs``.
+    ``arms_per_device``: how many arms shared its device (its img/s is per arm)."""
     from dres.eval.curves import CURVES_JSONL, read_points
 
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -225,7 +226,8 @@ def make_record(arm: Arm, run_dir: Path, *, epochs: float, command: str, card: s
     rates = [h["img_per_s"] for h in history[1:] if h.get("img_per_s")]
     train = {"img_per_s": statistics.median(rates) if rates else None,
              "final_loss": history[-1].get("loss") if history else None,
-             "wall_s_last_process": summary.get("wall_s"), "peak_mem_gib": summary.get("peak_mem_gib")}
+             "wall_s_last_process": summary.get("wall_s"), "peak_mem_gib": summary.get("peak_mem_gib"),
+             "arms_per_device": arms_per_device}
     return {"arm": arm.name, "claim": arm.claim, "group": arm.group, "task": arm.task, "seed": arm.seed,
             "epochs": epochs, "steps": history[-1]["step"] if history else None,
             "overrides": list(arm.overrides), "metrics": metrics, "curves": curves, "train": train,
@@ -299,8 +301,7 @@ def run_arms(arms: list[Arm], *, epochs: float, gpus: int, jobs: int, root: Path
                     log(f"[repro] done {a.name} (rerun for the arms that read it; its earlier record is kept)")
                     continue
                 rec = make_record(a, root / a.name, epochs=epochs, command=command, card=card_of(slots[k]),
-                                  commit=commit, records=records)
-                rec["train"]["arms_per_device"] = max(1, jobs)  # img_per_s is per arm while they share a device
+                                  commit=commit, records=records, arms_per_device=max(1, jobs))
                 write_json_atomic(records / f"{a.name}.json", rec)
                 log(f"[repro] done {a.name}: {rec['metrics']}")
             else:

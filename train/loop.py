@@ -277,6 +277,11 @@ class Trainer:
             raise NonFiniteLoss(f"non-finite loss before step {self.step}; stopping ({where}; resume with "
                                 f"--resume auto, perhaps with a lower lr or precision=fp32)")
 
+    def epoch(self) -> float | None:
+        """Epochs trained, or None where the training data's size is unknown (a stream without counts)."""
+        steps_per_epoch = len(self.loader)
+        return self.step / steps_per_epoch if steps_per_epoch else None
+
     def fit(self):
         cfg = self.cfg
         start_step, t0 = self.step, time.time()
@@ -362,11 +367,6 @@ class Trainer:
         return self.summary
 
     # ------------------------------------------------------------------ eval
-    def epoch(self) -> float | None:
-        """Epochs trained, or None where the training data's size is unknown (a stream without counts)."""
-        steps_per_epoch = len(self.loader)
-        return self.step / steps_per_epoch if steps_per_epoch else None
-
     def evaluate(self) -> dict:
         self.model.eval()
         with torch.no_grad():
