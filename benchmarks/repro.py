@@ -254,6 +254,10 @@ def run_arms(arms: list[Arm], *, epochs: float, gpus: int, jobs: int, root: Path
                                                                      (root / a.name / "summary.json").exists())
                        else "pending") for a in arms}
     slots = [g for g in range(gpus) for _ in range(max(1, jobs))] if gpus > 0 else [None] * max(1, jobs)
+    # a slot is an index into this process's visible GPUs; its child sees that one device only
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if visible and gpus > len(visible):
+        raise ValueError(f"--gpus {gpus}: CUDA_VISIBLE_DEVICES={','.join(visible)} shows {len(visible)}")
     free = list(range(len(slots)))
     running: dict[int, tuple] = {}
     t0 = time.time()
@@ -278,8 +282,8 @@ def run_arms(arms: list[Arm], *, epochs: float, gpus: int, jobs: int, root: Path
             env = dict(os.environ)
             prefix = ""
             if slots[k] is not None:
-                env["CUDA_VISIBLE_DEVICES"] = str(slots[k])
-                prefix = f"CUDA_VISIBLE_DEVICES={slots[k]} "
+                env["CUDA_VISIBLE_DEVICES"] = visible[slots[k]] if visible else str(slots[k])
+                prefix = f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} "
             logf = open(root / "logs" / f"{nxt.name}.log", "a")
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
             command = prefix + shlex.join(["python"] + cmd[1:])

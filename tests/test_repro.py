@@ -175,3 +175,30 @@ def test_runner_bad_override_is_one_line_error(tmp_path, capsys):
                      "--records", str(tmp_path / "r"), "--set", "model.wat=1"])
     assert rc == 2 and "unknown config key 'model.wat'" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+def test_runner_maps_gpu_slots_through_cuda_visible_devices(tmp_path, monkeypatch, capsys):
+    """``--gpus 2`` under CUDA_VISIBLE_DEVICES=5,7 starts its arms on devices 5 and 7, not 0 and 1."""
+    started, popen = [], repro.subprocess.Popen
+
+    class ExitedArm:  # an arm that ends at once (failed: no record is made, no GPU is queried)
+        returncode = 1
+
+        def poll(self):
+            return self.returncode
+
+    def fake_popen(cmd, **kw):  # arms only; anything else (git) runs
+        if "--resume" not in cmd:
+            return popen(cmd, **kw)
+        started.append(kw["env"]["CUDA_VISIBLE_DEVICES"])
+        return ExitedArm()
+
+    monkeypatch.setattr(repro.subprocess, "Popen", fake_popen)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    rc = repro.main(["--run", "A-baseline-a1.0-s0,A-official-a0.6-s0", "--epochs", "1", "--gpus", "2",
+                     "--root", str(tmp_path), "--records", str(tmp_path / "r"), "--curve-every", "2"] + SMOKE)
+    assert rc == 1 and sorted(started) == ["5", "7"]
+    assert "CUDA_VISIBLE_DEVICES=5 python" in capsys.readouterr().out
+    assert repro.main(["--run", "A-baseline-a1.0-s0", "--epochs", "1", "--gpus", "3", "--root", str(tmp_path),
+                       "--records", str(tmp_path / "r")]) == 2
+    assert "--gpus 3: CUDA_VISIBLE_DEVICES=5,7 shows 2" in capsys.readouterr().err
