@@ -4,11 +4,12 @@ determinism."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torchvision.transforms import RandomResizedCrop
 
-from dres.data import device_augment, rrc_params
+from dres.data import crop_theta, device_augment, rrc_params
 
 
 def _torchvision_crops(n, height, width, scale, seed):
@@ -22,12 +23,16 @@ def _torchvision_crops(n, height, width, scale, seed):
     return torch.tensor(ws), torch.tensor(hs)
 
 
+def _rrc(*args, **kw):
+    return [torch.from_numpy(v) for v in rrc_params(*args, **kw)]
+
+
 @pytest.mark.parametrize("aspect", [1.0, 1.6])
 def test_rrc_distribution_matches_torchvision(aspect):
     # a large image, so torchvision's rounding to whole pixels is negligible
     n, height = 4000, 1000
     scale = (0.2, 1.0)
-    w, h, cx, cy = rrc_params(n, torch.Generator().manual_seed(0), scale, aspect=aspect)
+    w, h, cx, cy = _rrc(n, np.random.default_rng(0), scale, aspect=aspect)
     tw, th = _torchvision_crops(n, height, int(height * aspect), scale, seed=0)
     for ours, ref, name in ((w * h, tw * th, "area"), (torch.log(w * aspect / h), torch.log(tw * aspect / th), "log ratio"),
                             (w, tw, "width"), (h, th, "height")):
@@ -44,13 +49,13 @@ def test_rrc_distribution_matches_torchvision(aspect):
 
 def test_rrc_fallback_is_torchvisions_centre_crop():
     # a 3:1 image with area >= 0.9: no draw of ratio <= 4/3 fits, so every sample takes the fallback
-    w, h, cx, cy = rrc_params(256, torch.Generator().manual_seed(1), (0.9, 1.0), aspect=3.0)
+    w, h, cx, cy = _rrc(256, np.random.default_rng(1), (0.9, 1.0), aspect=3.0)
     tw, th = _torchvision_crops(16, 300, 900, (0.9, 1.0), seed=1)
     assert torch.allclose(w, torch.full_like(w, (4 / 3) / 3.0)) and torch.equal(h, torch.ones_like(h))
     assert torch.equal(cx, torch.zeros_like(cx)) and torch.equal(cy, torch.zeros_like(cy))
     assert torch.allclose(tw, torch.full_like(tw, 400 / 900)) and torch.equal(th, torch.ones_like(th))
     # and a tall image: full width, height clipped to ratio 3/4
-    w, h, _, _ = rrc_params(64, torch.Generator().manual_seed(1), (0.9, 1.0), aspect=1 / 3)
+    w, h, _, _ = _rrc(64, np.random.default_rng(1), (0.9, 1.0), aspect=1 / 3)
     assert torch.equal(w, torch.ones_like(w)) and torch.allclose(h, torch.full_like(h, (1 / 3) / (3 / 4)))
 
 
@@ -58,10 +63,10 @@ def test_batched_crop_samples_the_drawn_box_and_flips():
     # each pixel holds its column index: the output's columns must read the crop box's columns
     size, width, height, n = 16, 64, 48, 256
     cols = torch.arange(width, dtype=torch.uint8).view(1, 1, 1, width).expand(n, 1, height, width).contiguous()
-    out = device_augment(cols, size, torch.Generator().manual_seed(5), scale=(0.3, 1.0)) * 255
-    g = torch.Generator().manual_seed(5)  # the same draws: crop parameters, then flips
-    w, h, cx, _ = rrc_params(n, g, (0.3, 1.0), aspect=width / height)
-    flip = torch.rand(n, generator=g) < 0.5
+    out = device_augment(cols, size, np.random.default_rng(5), scale=(0.3, 1.0)) * 255
+    g = np.random.default_rng(5)  # the same draws: crop parameters, then flips
+    w, h, cx, _ = _rrc(n, g, (0.3, 1.0), aspect=width / height)
+    flip = torch.from_numpy(g.random(n) < 0.5)
     k = torch.arange(size, dtype=torch.float64)
     u = (2 * k + 1) / size - 1  # output pixel centres in grid units
     sign = torch.where(flip, -1.0, 1.0).double()[:, None]
@@ -77,7 +82,7 @@ def test_batched_crop_samples_the_drawn_box_and_flips():
 def test_flips_are_half_and_exact_mirrors():
     n, size = 2000, 8
     ramp = torch.arange(size, dtype=torch.uint8).view(1, 1, 1, size).expand(n, 3, size, size).contiguous()
-    out = device_augment(ramp, size, torch.Generator().manual_seed(0), rrc=False, flip=True) * 255
+    out = device_augment(ramp, size, np.random.default_rng(0), rrc=False, flip=True) * 255
     same = torch.isclose(out, ramp.float(), atol=1e-3).flatten(1).all(1)
     mirrored = torch.isclose(out, ramp.float().flip(-1), atol=1e-3).flatten(1).all(1)
     assert (same ^ mirrored).all()
@@ -87,10 +92,29 @@ def test_flips_are_half_and_exact_mirrors():
 def test_augment_shape_range_normalisation_and_determinism():
     x = torch.randint(0, 256, (32, 3, 20, 24), dtype=torch.uint8)
     mean, std = [0.4, 0.5, 0.6], [0.2, 0.25, 0.3]
-    a = device_augment(x, 16, torch.Generator().manual_seed(7), mean=mean, std=std)
-    b = device_augment(x, 16, torch.Generator().manual_seed(7), mean=mean, std=std)
-    c = device_augment(x, 16, torch.Generator().manual_seed(8), mean=mean, std=std)
+    a = device_augment(x, 16, np.random.default_rng(7), mean=mean, std=std)
+    b = device_augment(x, 16, np.random.default_rng(7), mean=mean, std=std)
+    c = device_augment(x, 16, np.random.default_rng(8), mean=mean, std=std)
     assert a.shape == (32, 3, 16, 16) and a.dtype == torch.float32
     assert torch.equal(a, b) and not torch.equal(a, c)
     raw = a * torch.tensor(std).view(1, 3, 1, 1) + torch.tensor(mean).view(1, 3, 1, 1)
     assert raw.min() >= -1e-5 and raw.max() <= 1 + 1e-5  # bilinear samples stay within the pixel range
+
+
+def test_crop_draw_runs_no_torch_operator_on_the_host():
+    """The per-step crop draw is numpy: torch's CPU ops enter the intra-op thread pool even at a few
+    thousand elements, and four graphed trainers on one 64-core host ran 20x slower for it."""
+    from torch.overrides import TorchFunctionMode
+
+    class Record(TorchFunctionMode):
+        calls = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Record() as rec:
+        theta = crop_theta(256, np.random.default_rng(0), scale=(0.2, 1.0), aspect=1.0)
+    assert rec.calls == [] and theta.shape == (256, 2, 3) and theta.dtype == np.float32
+    flipped = theta[:, 0, 0] < 0
+    assert 0.3 < flipped.mean() < 0.7 and np.array_equal(theta, crop_theta(256, np.random.default_rng(0)))

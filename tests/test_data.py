@@ -83,7 +83,7 @@ def test_in_memory_loader_world_size_invariant_and_resumable():
 
 
 def test_random_resized_crop_params_in_range():
-    w, h, cx, cy = rrc_params(4096, torch.Generator().manual_seed(0), scale=(0.2, 1.0))
+    w, h, cx, cy = rrc_params(4096, np.random.default_rng(0), scale=(0.2, 1.0))
     area = w * h
     assert area.min() >= 0.2 - 1e-6 and area.max() <= 1 + 1e-6
     assert ((cx - w / 2) >= -1 - 1e-6).all() and ((cx + w / 2) <= 1 + 1e-6).all()  # grid units: [-1, 1], w in [0, 1]

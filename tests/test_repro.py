@@ -178,8 +178,9 @@ def test_runner_bad_override_is_one_line_error(tmp_path, capsys):
 
 
 def test_runner_maps_gpu_slots_through_cuda_visible_devices(tmp_path, monkeypatch, capsys):
-    """``--gpus 2`` under CUDA_VISIBLE_DEVICES=5,7 starts its arms on devices 5 and 7, not 0 and 1."""
-    started, popen = [], repro.subprocess.Popen
+    """``--gpus 2`` under CUDA_VISIBLE_DEVICES=5,7 starts its arms on devices 5 and 7, not 0 and 1, each
+    with half the host's cores for its CPU threads."""
+    started, threads, popen = [], [], repro.subprocess.Popen
 
     class ExitedArm:  # an arm that ends at once (failed: no record is made, no GPU is queried)
         returncode = 1
@@ -191,13 +192,16 @@ def test_runner_maps_gpu_slots_through_cuda_visible_devices(tmp_path, monkeypatc
         if "--resume" not in cmd:
             return popen(cmd, **kw)
         started.append(kw["env"]["CUDA_VISIBLE_DEVICES"])
+        threads.append(int(kw["env"]["OMP_NUM_THREADS"]))
         return ExitedArm()
 
     monkeypatch.setattr(repro.subprocess, "Popen", fake_popen)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     rc = repro.main(["--run", "A-baseline-a1.0-s0,A-official-a0.6-s0", "--epochs", "1", "--gpus", "2",
                      "--root", str(tmp_path), "--records", str(tmp_path / "r"), "--curve-every", "2"] + SMOKE)
     assert rc == 1 and sorted(started) == ["5", "7"]
+    assert threads == [max(1, (repro.os.cpu_count() or 1) // 2)] * 2  # each arm a share of the host's cores
     assert "CUDA_VISIBLE_DEVICES=5 python" in capsys.readouterr().out
     assert repro.main(["--run", "A-baseline-a1.0-s0", "--epochs", "1", "--gpus", "3", "--root", str(tmp_path),
                        "--records", str(tmp_path / "r")]) == 2

@@ -39,29 +39,41 @@ def _mix(*xs) -> int:
     return h
 
 
-def rrc_params(n, gen, scale=(0.2, 1.0), ratio=(3 / 4, 4 / 3), tries=10, aspect=1.0):
-    """Batched torchvision RandomResizedCrop parameters for ``n`` images of width/height ``aspect``:
-    crop width and height as fractions of the image's, and the crop centre in [-1, 1] grid units
-    ``(w, h, cx, cy)``. As torchvision draws them (area fraction uniform in ``scale``, log aspect
-    ratio uniform in ``log(ratio)``, the first of ``tries`` draws that fits, position uniform), all
-    tries at once and without rounding to whole pixels; a sample with no fitting draw gets
-    torchvision's fallback, the centred crop of the whole image with its ratio clipped to ``ratio``."""
-    area = torch.empty(n, tries).uniform_(scale[0], scale[1], generator=gen)
-    logr = torch.empty(n, tries).uniform_(math.log(ratio[0]), math.log(ratio[1]), generator=gen)
-    r = torch.exp(logr)
-    w, h = torch.sqrt(area * r / aspect), torch.sqrt(area * aspect / r)
+def rrc_params(n, rng, scale=(0.2, 1.0), ratio=(3 / 4, 4 / 3), tries=10, aspect=1.0):
+    """Batched torchvision RandomResizedCrop parameters for ``n`` images of width/height ``aspect``,
+    drawn from the numpy generator ``rng``: crop width and height as fractions of the image's, and the
+    crop centre in [-1, 1] grid units ``(w, h, cx, cy)`` (float64 arrays). As torchvision draws them
+    (area fraction uniform in ``scale``, log aspect ratio uniform in ``log(ratio)``, the first of
+    ``tries`` draws that fits, position uniform), all tries at once and without rounding to whole
+    pixels; a sample with no fitting draw gets torchvision's fallback, the centred crop of the whole
+    image with its ratio clipped to ``ratio``. numpy, not torch: torch's CPU ops wake the intra-op
+    thread pool even at this size, and its spinning threads starve other trainers on the host."""
+    area = rng.uniform(scale[0], scale[1], (n, tries))
+    r = np.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1]), (n, tries)))
+    w, h = np.sqrt(area * r / aspect), np.sqrt(area * aspect / r)
     ok = (w <= 1) & (h <= 1)
-    first = torch.where(ok.any(1), ok.float().argmax(1), torch.full((n,), -1))
-    idx = first.clamp(min=0)[:, None]
+    fits, first = ok.any(1), ok.argmax(1)
+    rows = np.arange(n)
     lo, hi = min(ratio), max(ratio)
-    fallback_w = min(1.0, hi / aspect)  # image wider than the widest ratio: full height, clipped width
-    fallback_h = min(1.0, aspect / lo)  # taller than the narrowest ratio: full width, clipped height
-    w = torch.where(first >= 0, w.gather(1, idx)[:, 0], torch.full((n,), fallback_w))
-    h = torch.where(first >= 0, h.gather(1, idx)[:, 0], torch.full((n,), fallback_h))
-    u = torch.where((first >= 0)[:, None], torch.rand(n, 2, generator=gen), 0.5)  # the fallback is centred
+    w = np.where(fits, w[rows, first], min(1.0, hi / aspect))  # wider than the widest ratio: width clipped
+    h = np.where(fits, h[rows, first], min(1.0, aspect / lo))  # taller than the narrowest: height clipped
+    u = np.where(fits[:, None], rng.random((n, 2)), 0.5)  # the fallback is centred
     cx = (u[:, 0] * (1 - w) + w / 2) * 2 - 1  # crop centre in [-1, 1] grid coordinates
     cy = (u[:, 1] * (1 - h) + h / 2) * 2 - 1
     return w, h, cx, cy
+
+
+def crop_theta(n, rng, rrc=True, flip=True, scale=(0.2, 1.0), aspect=1.0):
+    """The ``(n, 2, 3)`` float32 affine matrices of ``affine_grid`` for RandomResizedCrop (``rrc``)
+    and a horizontal flip with probability 1/2 (``flip``), drawn from ``rng`` on the host (numpy)."""
+    if rrc:
+        w, h, cx, cy = rrc_params(n, rng, scale, aspect=aspect)
+    else:
+        w, h, cx, cy = np.ones(n), np.ones(n), np.zeros(n), np.zeros(n)
+    theta = np.zeros((n, 2, 3), np.float32)
+    theta[:, 0, 0] = w * np.where(rng.random(n) < 0.5, -1.0, 1.0) if flip else w
+    theta[:, 0, 2], theta[:, 1, 1], theta[:, 1, 2] = cx, h, cy
+    return theta
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
@@ -73,22 +85,17 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device)
 
 
-def device_augment(x_uint8, size, gen, rrc=True, flip=True, scale=(0.2, 1.0), mean=None, std=None):
+def device_augment(x_uint8, size, rng, rrc=True, flip=True, scale=(0.2, 1.0), mean=None, std=None):
     """uint8 (B,C,H,W) on any device -> float (B,C,size,size): RandomResizedCrop + horizontal flip
     for the whole batch by one ``affine_grid``/``grid_sample`` bilinear resample, then normalisation.
-    Parameters come from the CPU generator ``gen`` so that they do not depend on the device or on the
-    world size; they reach the device without a host sync."""
+    Parameters come from the host generator ``rng`` (``numpy.random.Generator``) so that they do not
+    depend on the device or on the world size; they reach the device without a host sync."""
     b = x_uint8.shape[0]
     x = x_uint8.float().div_(255)
     if rrc or flip:
-        if rrc:
-            w, h, cx, cy = rrc_params(b, gen, scale, aspect=x.shape[-1] / x.shape[-2])
-        else:
-            w, h, cx, cy = torch.ones(b), torch.ones(b), torch.zeros(b), torch.zeros(b)
-        sx = w * torch.where(torch.rand(b, generator=gen) < 0.5, -1.0, 1.0) if flip else w
-        theta = torch.zeros(b, 2, 3)
-        theta[:, 0, 0], theta[:, 0, 2], theta[:, 1, 1], theta[:, 1, 2] = sx, cx, h, cy
-        grid = F.affine_grid(to_device(theta, x.device), (b, x.shape[1], size, size), align_corners=False)
+        theta = crop_theta(b, rng, rrc, flip, scale, aspect=x.shape[-1] / x.shape[-2])
+        grid = F.affine_grid(to_device(torch.from_numpy(theta), x.device), (b, x.shape[1], size, size),
+                             align_corners=False)
         x = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
     elif x.shape[-1] != size:
         x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
@@ -154,11 +161,11 @@ class InMemoryLoader(_Position):
             self.epoch, self.batch = self.epoch + 1, 0
         perm = self._perm(self.epoch)
         gidx = perm[self.batch * self.global_batch:(self.batch + 1) * self.global_batch]
-        g = torch.Generator().manual_seed(_mix(self.seed, self.epoch, self.batch, 2))
+        rng = np.random.default_rng(_mix(self.seed, self.epoch, self.batch, 2))
         # draw augmentation for the whole global batch, then keep this rank's slice
         x = self.images[gidx]
         if self.aug != "none":
-            x = device_augment(x, self.size, g, rrc=self.aug == "rrc_flip", flip=True,
+            x = device_augment(x, self.size, rng, rrc=self.aug == "rrc_flip", flip=True,
                                scale=(self.crop_min, 1.0), mean=self.mean, std=self.std)
         else:
             x = normalize(x, self.size, self.mean, self.std)
