@@ -324,7 +324,8 @@ def max_batch(bench: str, name: str, checkpointing: bool, start: int, step: int,
 # "fsdp:VARIANT[:K]" picks a candidate FSDP2 setting (dres.train.distributed.apply_fsdp): reshard_after_forward
 # as the trainer's default ("auto", plain "fsdp"), for every unit ("always", FSDP2's default), all but the
 # last ("except_last") or none ("never"), or "prefetch" (the trainer's fsdp_prefetch: no resharding plus
-# forward prefetch); K blocks per FSDP2 unit (default 1). "ddp:bucket_view": DDP with gradient_as_bucket_view.
+# forward prefetch); K blocks per FSDP2 unit (default: the trainer's fsdp_blocks_per_unit), e.g. "fsdp:always:1"
+# is FSDP2's own default. "ddp:bucket_view": DDP with gradient_as_bucket_view.
 FSDP_VARIANTS = ("auto", "always", "except_last", "never", "prefetch")
 DDP_VARIANTS = ("bucket_view",)
 # NVLink multicast (NVLS) stays off on the lent machines; NCCL falls back to its ring/tree paths.
@@ -343,9 +344,12 @@ def parse_worlds(spec: str) -> list[int]:
 
 
 def fsdp_variant_parts(variant: str) -> tuple[str, int]:
-    """``"never:4"`` -> ``("never", 4)`` (reshard policy or "prefetch", blocks per unit)."""
+    """``"never:4"`` -> ``("never", 4)`` (reshard policy or "prefetch", blocks per unit; without
+    ``:K`` the trainer's default)."""
+    from dres.train.config import Config
+
     policy, _, blocks = variant.partition(":")
-    return policy, int(blocks or 1)
+    return policy, int(blocks) if blocks else Config.fsdp_blocks_per_unit
 
 
 def parse_dists(spec: str) -> list[tuple[str, str]]:
@@ -364,7 +368,7 @@ def parse_dists(spec: str) -> list[tuple[str, str]]:
             if policy not in FSDP_VARIANTS or (blocks and not (blocks.isdigit() and int(blocks) >= 1)):
                 raise SystemExit(f"--dist: unknown FSDP2 variant {variant!r}; choose from {', '.join(FSDP_VARIANTS)}, "
                                  "optionally :BLOCKS per unit (e.g. fsdp:never:4)")
-            variant = policy if int(blocks or 1) == 1 else f"{policy}:{int(blocks)}"
+            variant = f"{policy}:{int(blocks)}" if blocks else policy
         if (kind, variant) not in out:
             out.append((kind, variant))
     if not out:
@@ -517,13 +521,15 @@ def trainer_plan(args) -> list[dict]:
     runs = []
     for world in parse_worlds(args.scaling or "1"):
         for kind, variant in dists_at(world, parse_dists(args.dist)):
-            if (kind == "ddp" and variant) or ":" in variant:
+            if kind == "ddp" and variant:
                 raise SystemExit(f"--trainer: the trainer has no variant {kind}:{variant} (its variants: "
-                                 f"fsdp:{'|'.join(FSDP_VARIANTS)})")
+                                 f"fsdp:{'|'.join(FSDP_VARIANTS)}[:BLOCKS])")
+            policy, blocks = fsdp_variant_parts(variant or "auto")
             for mode in modes(args):
                 sets = [f"compile={'true' if mode == 'compile' else 'false'}", f"dist={kind}",
-                        f"fsdp_prefetch={'true' if variant == 'prefetch' else 'false'}",
-                        f"fsdp_reshard={variant if variant not in ('', 'prefetch') else 'auto'}",
+                        f"fsdp_prefetch={'true' if policy == 'prefetch' else 'false'}",
+                        f"fsdp_reshard={'auto' if policy == 'prefetch' else policy}",
+                        f"fsdp_blocks_per_unit={blocks}",
                         f"batch_size={batch * world}", f"steps={args.trainer_steps}",
                         f"log.every={args.trainer_log_every}", "log.progress=false", "log.tensorboard=false",
                         "ckpt.every=0", *TRAINER_EVAL_OFF, *args.overrides]

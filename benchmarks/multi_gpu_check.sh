@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One device call on a machine of several GPUs (issues 15 and 19): install, then in priority order
 #   candidates  bench_train --scaling, eager, official MAE ViT-B/16 and the timm-style baseline on 1, 2, 4
-#               GPUs: each candidate wrapping (CANDIDATES) against DDP and FSDP2's former default
-#               (fsdp:always); plain "fsdp" is the trainer's default (reshard auto)
-#   profile     one GPU, eager: no FSDP2, FSDP2's former default and the trainer's (top CPU ops, top
-#               kernels, GPU idle, Chrome traces)
+#               GPUs: each candidate wrapping (CANDIDATES) against DDP; plain "fsdp" is the trainer's
+#               default (reshard auto, 4 blocks a unit), fsdp:auto:1 its former one (a unit per block)
+#   profile     one GPU, eager: no FSDP2, FSDP2 with a unit per block and the trainer's default (top CPU
+#               ops, top kernels, GPU idle, Chrome traces)
 #   ddp_profile DDP and DDP with gradients as bucket views on the most GPUs, under torchrun (traces)
 #   trainer     torchrun -m dres.train.mae --preset mae_vit_b16_in1k, synthetic data, eager, 256 images/GPU,
 #               dist none|ddp and fsdp (its default) on TRAINER_SCALING GPUs, steady-state img/s
@@ -41,7 +41,7 @@ COMPILE_SCALING=${COMPILE_SCALING:-$( [ "$MAXW" = 1 ] && echo 1 || echo "1,$MAXW
 TRAINER_SCALING=${TRAINER_SCALING:-$( [ "$MAXW" = 1 ] && echo 1 || echo "1,$MAXW" )}
 MODELS=${MODELS:-dres_official,timm}
 PROFILE_MODELS=${PROFILE_MODELS:-dres_official}
-CANDIDATES=${CANDIDATES:-ddp,ddp:bucket_view,fsdp:always,fsdp,fsdp:never,fsdp:never:4}
+CANDIDATES=${CANDIDATES:-ddp,fsdp,fsdp:auto:1,fsdp:never:4,fsdp:auto:8}
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 say() { echo "[multi_gpu_check +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
@@ -81,7 +81,7 @@ say "GPUs: $NGPU; worlds $WORLDS; compile on $COMPILE_SCALING; stages: $STAGES"
 stage candidates 90 230 python3 -m benchmarks.bench_train --only mae --models "$MODELS" --modes eager \
   --scaling "$WORLDS" --dist "$CANDIDATES" --steps 20 --warmup 3 --out "$STAGE_DIR"
 stage profile 45 80 python3 -m benchmarks.profile_train --bench mae --models "$PROFILE_MODELS" --mode eager \
-  --dist none,fsdp:always,fsdp --steps 3 --warmup 4 --trace --out "$STAGE_DIR"
+  --dist none,fsdp:auto:1,fsdp --steps 3 --warmup 4 --trace --out "$STAGE_DIR"
 [ "$MAXW" -gt 1 ] && stage ddp_profile 45 60 python3 -m torch.distributed.run --standalone --nproc_per_node="$MAXW" \
   -m benchmarks.profile_train --bench mae --models "$PROFILE_MODELS" --mode eager --dist ddp,ddp:bucket_view \
   --steps 3 --warmup 4 --trace --out "$STAGE_DIR"

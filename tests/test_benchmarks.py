@@ -395,12 +395,13 @@ def test_fsdp_units_are_blocks_for_baselines_and_dres():
 
 def test_scaling_plan_parses_worlds_and_wrappings(capsys):
     assert bt.parse_worlds("4,1,2,2") == [1, 2, 4]
-    # plain fsdp is the trainer's default (reshard auto); ":K" blocks per unit, ":1" the same as none
-    assert bt.parse_dists("ddp,fsdp,fsdp:auto,fsdp:except_last,fsdp:always,fsdp:never:4,fsdp:never:1,fsdp:never") == [
-        ("ddp", ""), ("fsdp", "auto"), ("fsdp", "except_last"), ("fsdp", "always"), ("fsdp", "never:4"),
+    # plain fsdp is the trainer's default (reshard auto, its blocks per unit); ":K" blocks per unit
+    assert bt.parse_dists("ddp,fsdp,fsdp:auto,fsdp:except_last,fsdp:always:1,fsdp:never:4,fsdp:never:04,fsdp:never") == [
+        ("ddp", ""), ("fsdp", "auto"), ("fsdp", "except_last"), ("fsdp", "always:1"), ("fsdp", "never:4"),
         ("fsdp", "never")]
     assert bt.parse_dists("ddp:bucket_view,fsdp:prefetch:2") == [("ddp", "bucket_view"), ("fsdp", "prefetch:2")]
-    assert bt.fsdp_variant_parts("never:4") == ("never", 4) and bt.fsdp_variant_parts("auto") == ("auto", 1)
+    assert bt.fsdp_variant_parts("never:4") == ("never", 4) and bt.fsdp_variant_parts("always:1") == ("always", 1)
+    assert bt.fsdp_variant_parts("auto") == ("auto", 4)  # the trainer's fsdp_blocks_per_unit
     # one GPU: DDP (any variant) is the unwrapped model (the trainer wraps nothing); several: no unwrapped run
     assert bt.dists_at(1, bt.parse_dists("none,ddp,ddp:bucket_view,fsdp")) == [("none", ""), ("fsdp", "auto")]
     assert bt.dists_at(2, bt.parse_dists("none,ddp,ddp:bucket_view,fsdp")) == [
@@ -437,16 +438,16 @@ def test_trainer_plan_runs_the_preset_per_world_and_wrapping(capsys):
         assert f"--nproc_per_node={world} -m dres.train.mae --preset mae_vit_b16_in1k" in line
         assert f"--set dist={kind} " in line and f"--set batch_size={256 * world} " in line
         assert "--set compile=false" in line and line.endswith("--set data.name=synthetic")  # the user's last
-        assert kind != "fsdp" or "--set fsdp_reshard=auto " in line  # the trainer's default
-    # the reshard policies are the trainer's fsdp_reshard; prefetch its fsdp_prefetch
+        assert kind != "fsdp" or "--set fsdp_reshard=auto --set fsdp_blocks_per_unit=4 " in line  # its defaults
+    # the reshard policies are the trainer's fsdp_reshard, prefetch its fsdp_prefetch, :K its fsdp_blocks_per_unit
     assert bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "2", "--modes", "eager",
-                    "--dist", "fsdp:never,fsdp:prefetch"]) == 0
-    never, prefetch = capsys.readouterr().out.splitlines()
+                    "--dist", "fsdp:never,fsdp:prefetch,fsdp:always:1"]) == 0
+    never, prefetch, always = capsys.readouterr().out.splitlines()
     assert "--set fsdp_reshard=never " in never and "--set fsdp_prefetch=false " in never
     assert "--set fsdp_reshard=auto " in prefetch and "--set fsdp_prefetch=true " in prefetch
-    for bad in ("fsdp:never:4", "ddp:bucket_view"):  # bench-only candidates
-        with pytest.raises(SystemExit, match="the trainer has no variant"):
-            bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "2", "--dist", bad])
+    assert "--set fsdp_reshard=always --set fsdp_blocks_per_unit=1 " in always
+    with pytest.raises(SystemExit, match="the trainer has no variant"):  # a bench-only candidate
+        bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "2", "--dist", "ddp:bucket_view"])
     with pytest.raises(SystemExit, match="must exceed"):
         bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--trainer-steps", "10"])
 
@@ -524,8 +525,8 @@ def test_multi_gpu_check_dry_run_fits_the_budget(tmp_path):
     stages = [ln.split("stage ")[1].split(" ")[0] for ln in out.splitlines() if "] stage " in ln]
     assert stages == ["candidates", "profile", "ddp_profile", "trainer", "compile"]
     # every candidate against DDP and FSDP2's former default on 1, 2, 4 GPUs; DDP profiled on all 4
-    assert "--scaling 1,2,4 --dist ddp,ddp:bucket_view,fsdp:always,fsdp,fsdp:never,fsdp:never:4 " in out
-    assert "--nproc_per_node=4 -m benchmarks.profile_train" in out and "--dist none,fsdp:always,fsdp " in out
+    assert "--scaling 1,2,4 --dist ddp,fsdp,fsdp:auto:1,fsdp:never:4,fsdp:auto:8 " in out
+    assert "--nproc_per_node=4 -m benchmarks.profile_train" in out and "--dist none,fsdp:auto:1,fsdp " in out
     assert "--modes compile --scaling 1,4" in out and "--trainer mae_vit_b16_in1k --scaling 1,4 " in out
     env.update(NGPU="2", BUDGET_S="150", STAGES="trainer compile")
     out = subprocess.run(["bash", str(repo / "benchmarks" / "multi_gpu_check.sh")], env=env, capture_output=True,

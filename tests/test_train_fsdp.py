@@ -42,6 +42,10 @@ def _worker(rank, world, port, out, mode, tag, extra):
     tr.fit()
     res = {"losses": [h["loss"] for h in tr.history]}
     if mode == "fsdp":
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        # a group of modules shares one FSDP state (one all-gather, one set of hooks)
+        res["fsdp_units"] = len({id(fully_shard.state(m)) for m in tr.raw_model.modules() if isinstance(m, FSDPModule)})
         tr.save()  # DCP directory (ckpt.format auto under FSDP)
         full = {k: v.full_tensor() for k, v in tr.raw_model.state_dict().items() if hasattr(v, "full_tensor")}
         cfg2 = build_config("classify", None, OVR + extra + [f"dist={mode}", f"out={out}/{tag}", "seed=5"])
@@ -73,11 +77,13 @@ def test_fsdp2_two_cpu_processes_match_one_process_and_dcp_round_trip(tmp_path):
     one = _launch(1, tmp_path, "none")
     two = _launch(2, tmp_path, "fsdp")
     # fsdp_prefetch: units stay gathered to the backward and prefetch the next; the same math
-    prefetched = _launch(2, tmp_path, "fsdp", "fsdp_prefetch", ["fsdp_prefetch=true"])
+    prefetched = _launch(2, tmp_path, "fsdp", "fsdp_prefetch", ["fsdp_prefetch=true", "fsdp_blocks_per_unit=1"])
     assert len(one["losses"]) == len(two["losses"]) == len(prefetched["losses"]) == 4
     for a, b, c in zip(one["losses"], two["losses"], prefetched["losses"]):
         assert abs(a - b) <= 1e-5 * abs(a), (one["losses"], two["losses"])
         assert abs(a - c) <= 1e-5 * abs(a), (one["losses"], prefetched["losses"])
+    # fsdp_blocks_per_unit: the 2 blocks in one unit by default (4 a unit), one each at 1; plus the root
+    assert two["fsdp_units"] == 2 and prefetched["fsdp_units"] == 3
     # the losses move (training happened), so the match is not vacuous
     assert one["losses"][0] != one["losses"][-1]
     # DCP round trip: a differently seeded model differs before loading and is identical after

@@ -127,7 +127,8 @@ class Trainer:
         if cfg.dist == "fsdp":
             # bf16 parameters need autocast (FSDP2 casts no inputs): fp32 ones under precision=fp32
             param_dtype = "fp32" if self.precision == "fp32" else cfg.fsdp_param_dtype
-            model = D.apply_fsdp(model, self.info, param_dtype, prefetch=cfg.fsdp_prefetch, reshard=cfg.fsdp_reshard)
+            model = D.apply_fsdp(model, self.info, param_dtype, prefetch=cfg.fsdp_prefetch, reshard=cfg.fsdp_reshard,
+                                 blocks_per_unit=cfg.fsdp_blocks_per_unit)
         elif cfg.dist == "ddp" and self.info.world > 1:
             model = D.apply_ddp(model, self.info)
         self.model = model
