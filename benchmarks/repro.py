@@ -7,9 +7,10 @@ records alone: an arm without a record is "not run yet", never a number.
     python -m benchmarks.repro --plan --epochs 50 --gpus 2 --budget-min 9 --img-per-s mae=40000,classify=20000,uvit=8000
     python -m benchmarks.repro --run A.2x2 --epochs 50 --gpus 2 --root /tmp/dres-repro --records "$OUT/repro" \
         --commit <sha>
+    python -m benchmarks.repro --run C.resnet50d.s1@100,A.sweep@50 --gpus 4 ...  # one queue, a length per word
     python -m benchmarks.repro --report                       # results/repro/*.json -> RESULTS.md + figures
 
-Every arm of one call trains for the same ``--epochs`` (a claim's arms must share it: the report
+An arm trains for ``--epochs`` or its word's ``@EPOCHS`` (a claim's arms must share it: the report
 shows the epochs of every row); nothing is tuned per arm. Runs go to ``--root/<arm>`` with
 ``--resume auto``, so a call killed at its time limit continues in the next call on the same machine;
 an arm with a record is skipped unless ``--force``.
@@ -116,12 +117,16 @@ MATRIX = build_matrix()
 BY_NAME = {a.name: a for a in MATRIX}
 
 
+def _named(word: str, arm: Arm) -> bool:
+    return word in ("all", arm.name, arm.group, arm.claim) or word in arm.tags
+
+
 def select(spec: str, matrix=MATRIX) -> list[Arm]:
     """Arms named by a comma list of arm names, group names, tags (``A.2x2``, ``C.resnet50d.s0``),
     claims (``A``) or ``all``, in matrix order; the arms they need are added before them."""
     want: set[str] = set()
     for word in (w.strip() for w in spec.split(",") if w.strip()):
-        hits = [a.name for a in matrix if word in ("all", a.name, a.group, a.claim) or word in a.tags]
+        hits = [a.name for a in matrix if _named(word, a)]
         if not hits:
             raise ValueError(f"--run: no arm, group, tag or claim named {word!r} (see --list)")
         want.update(hits)
@@ -129,6 +134,35 @@ def select(spec: str, matrix=MATRIX) -> list[Arm]:
     for name in list(want):
         want.update(by_name[name].needs)
     return [a for a in matrix if a.name in want]
+
+
+def select_epochs(spec: str, default: float, matrix=MATRIX) -> list[tuple[Arm, float]]:
+    """``select`` with a length per word: ``"C.resnet50d.s1@100,A.sweep@50,B"`` trains the ResNet arms for
+    100 epochs, the sweep for 50 and B for ``default``; an arm another needs gets that one's length
+    unless it is named itself. One queue, so several GPUs stay busy however the lengths differ."""
+    named: dict[str, float] = {}
+    implied: dict[str, float] = {}
+    for word in (w.strip() for w in spec.split(",") if w.strip()):
+        word, _, length = word.partition("@")
+        epochs = parse_epochs(length, f"--run {word}@") if length else default
+        if epochs <= 0:
+            raise ValueError(f"--epochs: give a positive --epochs or {word}@EPOCHS (every arm of a claim the same)")
+        for arm in select(word, matrix):
+            if _named(word, arm):
+                if named.get(arm.name, epochs) != epochs:
+                    raise ValueError(f"--run: {arm.name} is given {named[arm.name]:g} and {epochs:g} epochs")
+                named[arm.name] = epochs
+            else:
+                implied.setdefault(arm.name, epochs)
+    lengths = {**implied, **named}
+    return [(a, lengths[a.name]) for a in matrix if a.name in lengths]
+
+
+def parse_epochs(text: str, what: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{what}: {text!r} is not a number of epochs") from None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -235,12 +269,14 @@ def make_record(arm: Arm, run_dir: Path, *, epochs: float, command: str, card: s
                 timespec="seconds"), "commit": commit, "command": command}
 
 
-def run_arms(arms: list[Arm], *, epochs: float, gpus: int, jobs: int, root: Path, records: Path, presets: dict,
+def run_arms(queue: list[tuple[Arm, float]], *, gpus: int, jobs: int, root: Path, records: Path, presets: dict,
              extra: list[str], every: int, commit: str, force: bool, deadline_min: float, log=print) -> dict:
-    """Train ``arms`` (needs first), ``jobs`` at a time on each of ``gpus`` GPUs (0: on the CPU);
-    returns ``{arm: "done" | "skipped" | "failed" | "blocked" | "not started"}``."""
+    """Train the ``(arm, epochs)`` of ``queue`` in order (needs first), ``jobs`` at a time on each of
+    ``gpus`` GPUs (0: on the CPU), each starting on the first free slot; returns
+    ``{arm: "done" | "skipped" | "failed" | "blocked" | "not started"}``."""
     from benchmarks.common import write_json_atomic
 
+    arms, epochs_of = [a for a, _ in queue], {a.name: e for a, e in queue}
     root, records = root.resolve(), records.resolve()
     (root / "logs").mkdir(parents=True, exist_ok=True)
     needed = {n for a in arms for n in a.needs}
@@ -277,6 +313,7 @@ def run_arms(arms: list[Arm], *, epochs: float, gpus: int, jobs: int, root: Path
                 break
             k = free.pop(0)
             cfg = resolved_config(nxt, presets, extra)
+            epochs = epochs_of[nxt.name]
             cmd = arm_command(nxt, epochs=epochs, root=root, presets=presets, extra=extra,
                               every=curve_every(epochs, cfg.batch_size, cfg.data.name, every))
             env = dict(os.environ)
@@ -307,7 +344,7 @@ def run_arms(arms: list[Arm], *, epochs: float, gpus: int, jobs: int, root: Path
                 if has_record(a) and not force:
                     log(f"[repro] done {a.name} (rerun for the arms that read it; its earlier record is kept)")
                     continue
-                rec = make_record(a, root / a.name, epochs=epochs, command=command, card=card_of(slots[k]),
+                rec = make_record(a, root / a.name, epochs=epochs_of[a.name], command=command, card=card_of(slots[k]),
                                   commit=commit, records=records, arms_per_device=max(1, jobs))
                 write_json_atomic(records / f"{a.name}.json", rec)
                 log(f"[repro] done {a.name}: {rec['metrics']}")
@@ -571,9 +608,10 @@ def main(argv=None) -> int:
     mode.add_argument("--list", action="store_true", help="print the arm matrix")
     mode.add_argument("--plan", action="store_true", help="which arms fit --budget-min on --gpus")
     mode.add_argument("--run", metavar="ARMS", help="arm names, groups, tags (A.2x2, A.sweep, A.seeds, B, "
-                      "C.resnet50d.s0, C.vit, ...), claims or 'all', comma-separated")
+                      "C.resnet50d.s0, C.vit, ...), claims or 'all', comma-separated, each optionally @EPOCHS")
     mode.add_argument("--report", action="store_true", help="write RESULTS.md and the curve figures from the records")
-    p.add_argument("--epochs", type=float, default=0, help="training length of every arm (--run, --plan)")
+    p.add_argument("--epochs", type=float, default=0, help="training length of every arm (--plan; --run: of the "
+                   "words without @EPOCHS)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs (0: the CPU)")
     p.add_argument("--jobs", type=int, default=1, help="arms at a time on each GPU (or on the CPU); processes sharing a GPU are "
                    "time-sliced, so more than 1 rarely adds throughput (results/repro/README.md)")
@@ -601,9 +639,9 @@ def main(argv=None) -> int:
             report(a.records, a.out)
             print(f"[repro] wrote {a.out}")
             return 0
-        if a.epochs <= 0:
-            raise ValueError("--epochs must be positive (the same for every arm)")
         if a.plan:
+            if a.epochs <= 0:
+                raise ValueError("--epochs must be positive (the same for every arm)")
             chosen, left = plan(MATRIX, epochs=a.epochs, gpus=a.gpus, budget_min=a.budget_min,
                                 img_per_s=parse_task_map(a.img_per_s, "--img-per-s", float), overhead_s=a.overhead_s)
             for arm, g, est in chosen:
@@ -614,8 +652,7 @@ def main(argv=None) -> int:
                 print(f"\npython -m benchmarks.repro --run {','.join(x[0].name for x in chosen)} --epochs {a.epochs:g} "
                       f"--gpus {a.gpus} --root /tmp/dres-repro --records results/repro")
             return 0
-        arms = select(a.run)
-        status = run_arms(arms, epochs=a.epochs, gpus=a.gpus, jobs=a.jobs, root=a.root, records=a.records,
+        status = run_arms(select_epochs(a.run, a.epochs), gpus=a.gpus, jobs=a.jobs, root=a.root, records=a.records,
                           presets=parse_task_map(a.preset, "--preset"), extra=a.extra, every=a.curve_every,
                           commit=a.commit or git_commit(), force=a.force, deadline_min=a.deadline_min)
     except ValueError as e:

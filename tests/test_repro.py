@@ -206,3 +206,19 @@ def test_runner_maps_gpu_slots_through_cuda_visible_devices(tmp_path, monkeypatc
     assert repro.main(["--run", "A-baseline-a1.0-s0", "--epochs", "1", "--gpus", "3", "--root", str(tmp_path),
                        "--records", str(tmp_path / "r")]) == 2
     assert "--gpus 3: CUDA_VISIBLE_DEVICES=5,7 shows 2" in capsys.readouterr().err
+
+
+def test_run_words_take_their_own_epochs():
+    queue = repro.select_epochs("C.resnet50d.s1@100,A.sweep@50,B", 10)
+    lengths = {a.name: e for a, e in queue}
+    assert lengths == {**{f"C-resnet50d-{m}-s1": 100 for m in ("none", "drop_path", "residual_droppath")},
+                       **{f"A-official-a{x}-s0": 50 for x in (0.5, 0.7, 0.8)},
+                       "B-uvit-a1.0-s0": 10, "B-uvit-a0.7-s0": 10, "C-vit-none-s0": 10}  # B's need: B's length
+    assert [a.name for a, _ in queue] == [a.name for a in repro.MATRIX if a.name in lengths]  # matrix order
+    # a need named itself keeps its own length
+    assert dict((a.name, e) for a, e in repro.select_epochs("B@10,C-vit-none-s0@50", 0))["C-vit-none-s0"] == 50
+    for spec, default, match in (("A.sweep", 0, "give a positive --epochs or A.sweep@EPOCHS"),
+                                 ("A.sweep@x", 0, "'x' is not a number of epochs"),
+                                 ("A.sweep@50,A-official-a0.5-s0@40", 0, "given 50 and 40 epochs")):
+        with pytest.raises(ValueError, match=match):
+            repro.select_epochs(spec, default)
