@@ -325,9 +325,10 @@ def max_batch(bench: str, name: str, checkpointing: bool, start: int, step: int,
 # as the trainer's default ("auto", plain "fsdp"), for every unit ("always", FSDP2's default), all but the
 # last ("except_last") or none ("never"), or "prefetch" (the trainer's fsdp_prefetch: no resharding plus
 # forward prefetch); K blocks per FSDP2 unit (default: the trainer's fsdp_blocks_per_unit), e.g. "fsdp:always:1"
-# is FSDP2's own default. "ddp:bucket_view": DDP with gradient_as_bucket_view.
+# is FSDP2's own default. "ddp:bucket_view": DDP with gradient_as_bucket_view (bench_train's step only);
+# "ddp:graph": the trainer with cuda_graphs=true, its whole step captured, the all-reduce included (--trainer only).
 FSDP_VARIANTS = ("auto", "always", "except_last", "never", "prefetch")
-DDP_VARIANTS = ("bucket_view",)
+DDP_VARIANTS = ("bucket_view", "graph")
 # NVLink multicast (NVLS) stays off on the lent machines; NCCL falls back to its ring/tree paths.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -397,6 +398,8 @@ def wrap_model(model: torch.nn.Module, kind: str, variant: str, info) -> torch.n
     from dres.train import distributed as D
 
     if kind == "ddp":
+        if variant == "graph":
+            raise SystemExit("--dist ddp:graph is the trainer's captured step: use it with --trainer PRESET")
         return D.apply_ddp(model, info, bucket_view=variant == "bucket_view")
     if kind == "fsdp":
         policy, blocks = fsdp_variant_parts(variant)
@@ -521,15 +524,15 @@ def trainer_plan(args) -> list[dict]:
     runs = []
     for world in parse_worlds(args.scaling or "1"):
         for kind, variant in dists_at(world, parse_dists(args.dist)):
-            if kind == "ddp" and variant:
-                raise SystemExit(f"--trainer: the trainer has no variant {kind}:{variant} (its variants: "
+            if kind == "ddp" and variant not in ("", "graph"):
+                raise SystemExit(f"--trainer: the trainer has no variant {kind}:{variant} (its variants: ddp:graph, "
                                  f"fsdp:{'|'.join(FSDP_VARIANTS)}[:BLOCKS])")
             policy, blocks = fsdp_variant_parts(variant or "auto")
             for mode in modes(args):
                 sets = [f"compile={'true' if mode == 'compile' else 'false'}", f"dist={kind}",
                         f"fsdp_prefetch={'true' if policy == 'prefetch' else 'false'}",
                         f"fsdp_reshard={'auto' if policy == 'prefetch' else policy}",
-                        f"fsdp_blocks_per_unit={blocks}",
+                        f"fsdp_blocks_per_unit={blocks}", *(["cuda_graphs=true"] if variant == "graph" else []),
                         f"batch_size={batch * world}", f"steps={args.trainer_steps}",
                         f"log.every={args.trainer_log_every}", "log.progress=false", "log.tensorboard=false",
                         "ckpt.every=0", *TRAINER_EVAL_OFF, *args.overrides]
@@ -570,7 +573,9 @@ def trainer_record(run: dict, run_dir: Path, env: dict, card: str) -> dict:
     world, batch = run["world"], run["batch"]
     ips, steps = steady_state_rate(metrics, batch * world)
     return {"kind": "trainer", "bench": run["task"], "model": run["preset"], "mode": run["mode"], "batch": batch,
-            "world_size": world, "dist": run["dist"], "fsdp_variant": run["variant"], "checkpointing": False,
+            "world_size": world, "dist": run["dist"], "checkpointing": False,
+            "fsdp_variant": run["variant"] if run["dist"] == "fsdp" else None,
+            "ddp_variant": run["variant"] if run["dist"] == "ddp" else None,
             "compile_scope": None if run["mode"] == "eager" else "per_block",
             "images_per_s": ips, "images_per_s_per_gpu": ips / world, "steps": steps,
             "peak_mem_gib": summary.get("peak_mem_gib"), "final_loss": summary.get("final_loss"),

@@ -6,8 +6,10 @@
 #   profile     one GPU, eager: no FSDP2, FSDP2 with a unit per block and the trainer's default (top CPU
 #               ops, top kernels, GPU idle, Chrome traces)
 #   ddp_profile DDP and DDP with gradients as bucket views on the most GPUs, under torchrun (traces)
+#   ddp_graph_test  the two-GPU test of the captured DDP step against eager DDP (tests/test_graph_step.py)
 #   trainer     torchrun -m dres.train.mae --preset mae_vit_b16_in1k, synthetic data, eager, 256 images/GPU,
-#               dist none|ddp and fsdp (its default) on TRAINER_SCALING GPUs, steady-state img/s
+#               dist none|ddp, ddp with the whole step captured (ddp:graph) and fsdp (its default) on
+#               TRAINER_SCALING GPUs, steady-state img/s
 #   compile     bench_train --scaling, blocks compiled one by one (on 1 and the most GPUs unless
 #               COMPILE_SCALING says), DDP and the trainer's FSDP2
 # Each stage gets at most its own cap and what is left of BUDGET_S (default 530 s), and is skipped when
@@ -21,7 +23,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./device_out}
-STAGES=${STAGES:-candidates profile ddp_profile trainer compile}
+STAGES=${STAGES:-candidates profile ddp_profile ddp_graph_test trainer compile}
 BUDGET_S=${BUDGET_S:-530}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 START=$(date +%s)
@@ -85,8 +87,10 @@ stage profile 45 80 python3 -m benchmarks.profile_train --bench mae --models "$P
 [ "$MAXW" -gt 1 ] && stage ddp_profile 45 60 python3 -m torch.distributed.run --standalone --nproc_per_node="$MAXW" \
   -m benchmarks.profile_train --bench mae --models "$PROFILE_MODELS" --mode eager --dist ddp,ddp:bucket_view \
   --steps 3 --warmup 4 --trace --out "$STAGE_DIR"
-stage trainer 90 150 python3 -m benchmarks.bench_train --trainer mae_vit_b16_in1k --scaling "$TRAINER_SCALING" \
-  --dist ddp,fsdp --modes eager --batch 256 --trainer-steps 30 --trainer-log-every 10 \
+[ "$MAXW" -gt 1 ] && stage ddp_graph_test 30 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu \
+  tests/test_graph_step.py -k ddp -rfE
+stage trainer 90 180 python3 -m benchmarks.bench_train --trainer mae_vit_b16_in1k --scaling "$TRAINER_SCALING" \
+  --dist ddp,ddp:graph,fsdp --modes eager --batch 256 --trainer-steps 30 --trainer-log-every 10 \
   --set data.name=synthetic --set data.synthetic_size=2048 --out "$STAGE_DIR"
 stage compile 90 600 python3 -m benchmarks.bench_train --only mae --models "$MODELS" --modes compile \
   --scaling "$COMPILE_SCALING" --dist ddp,fsdp --steps 10 --warmup 4 --out "$STAGE_DIR"

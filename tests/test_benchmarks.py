@@ -448,6 +448,11 @@ def test_trainer_plan_runs_the_preset_per_world_and_wrapping(capsys):
     assert "--set fsdp_reshard=always --set fsdp_blocks_per_unit=1 " in always
     with pytest.raises(SystemExit, match="the trainer has no variant"):  # a bench-only candidate
         bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "2", "--dist", "ddp:bucket_view"])
+    # ddp:graph is the trainer with its whole step captured (DDP's all-reduce inside the graph)
+    assert bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "2", "--modes", "eager",
+                    "--dist", "ddp,ddp:graph"]) == 0
+    plain, graphed = capsys.readouterr().out.splitlines()
+    assert "cuda_graphs=true" not in plain and "--set dist=ddp " in graphed and "--set cuda_graphs=true " in graphed
     with pytest.raises(SystemExit, match="must exceed"):
         bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--trainer-steps", "10"])
 
@@ -523,15 +528,16 @@ def test_multi_gpu_check_dry_run_fits_the_budget(tmp_path):
     out = subprocess.run(["bash", str(repo / "benchmarks" / "multi_gpu_check.sh")], env=env, capture_output=True,
                          text=True, check=True).stdout
     stages = [ln.split("stage ")[1].split(" ")[0] for ln in out.splitlines() if "] stage " in ln]
-    assert stages == ["candidates", "profile", "ddp_profile", "trainer", "compile"]
-    # every candidate against DDP and FSDP2's former default on 1, 2, 4 GPUs; DDP profiled on all 4
+    assert stages == ["candidates", "profile", "ddp_profile", "ddp_graph_test", "trainer", "compile"]
+    # every candidate against DDP on 1, 2, 4 GPUs; DDP profiled on all 4; the captured DDP step tested and timed
     assert "--scaling 1,2,4 --dist ddp,fsdp,fsdp:auto:1,fsdp:never:4,fsdp:auto:8 " in out
     assert "--nproc_per_node=4 -m benchmarks.profile_train" in out and "--dist none,fsdp:auto:1,fsdp " in out
     assert "--modes compile --scaling 1,4" in out and "--trainer mae_vit_b16_in1k --scaling 1,4 " in out
+    assert "tests/test_graph_step.py -k ddp" in out and "--dist ddp,ddp:graph,fsdp " in out
     env.update(NGPU="2", BUDGET_S="150", STAGES="trainer compile")
     out = subprocess.run(["bash", str(repo / "benchmarks" / "multi_gpu_check.sh")], env=env, capture_output=True,
                          text=True, check=True).stdout
-    assert "stage trainer (up to 110s)" in out and "--scaling 1,2 " in out
+    assert "stage trainer (up to 110s)" in out and "--scaling 1,2 " in out  # the budget less the grace
     assert "SKIPPED" not in out  # dry runs take no time: compile still has the budget
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
 

@@ -1,9 +1,12 @@
 """The CUDA-graphed train step (dres.train.graph_step): on the CPU, which configurations capture and
 the device LR table; on the device (``gpu``), graphed steps against eager ones (accumulation,
-clipping, EMA, ResidualDroppath, fp16 overflow skips, classification metrics), exact resume of a
-graphed run, steps with no host synchronisation, and the replay time each run reports as its floor."""
+clipping, EMA, ResidualDroppath, fp16 overflow skips, classification metrics, DDP on two GPUs), exact
+resume of a graphed run, steps with no host synchronisation, and the replay time each run reports as
+its floor."""
 
 import json
+import os
+import socket
 import statistics
 import time
 
@@ -11,7 +14,8 @@ import pytest
 import torch
 
 from dres.train.config import ConfigError, build_config
-from dres.train.graph_step import GraphedStep, graph_plan, schedule_table, steady_timing, window_timing
+from dres.train.graph_step import (DDP_WARMUP_STEPS, GraphedStep, graph_plan, graph_warmup_steps, schedule_table,
+                                   steady_timing, window_timing)
 from dres.train.loop import Trainer, lr_lambda
 
 CUDA = torch.device("cuda", 0)
@@ -30,6 +34,16 @@ def test_plan_captures_single_process_cuda_by_default():
     assert _plan(["precision=fp16"], precision="fp16")[0]  # GradScaler with the fused AdamW
     assert _plan(["dist=ddp"], world=1)[0]  # a one-process "DDP" run is not wrapped
     assert _plan(["model.drop_path=0.2", "model.droppath_mode=residual_droppath"])[0]  # masks from a device counter
+
+
+def test_ddp_on_several_processes_is_captured_only_when_asked():
+    on, why = _plan(["dist=ddp"], world=2)
+    assert not on and "cuda_graphs=true" in why
+    on, why = _plan(["dist=ddp", "cuda_graphs=true"], world=2)
+    assert on and "DDP's gradient all-reduce included" in why and f"{DDP_WARMUP_STEPS} warm-up steps" in why
+    cfg = build_config("mae", None, ["dist=ddp"])
+    assert graph_warmup_steps(cfg, 2) == DDP_WARMUP_STEPS == 11 and graph_warmup_steps(cfg, 1) == 3
+    assert graph_warmup_steps(build_config("mae", None, []), 1) == 3
 
 
 def test_auto_captures_every_classification_preset():
@@ -305,3 +319,47 @@ def test_graphed_run_reports_its_replay_floor(tmp_path):
         assert all("gpu_bound" not in json.loads(line) for line in f)
     with open(tmp_path / "eager" / "summary.json") as f:
         assert "trainer_vs_replay" not in json.load(f)
+
+
+def _ddp_worker(rank, world, port, out, graphs, steps):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    from dres.train import distributed as D
+
+    lines = []
+    overrides = ["dist=ddp", f"cuda_graphs={graphs}", "accum_steps=2", "optim.clip_grad=0.5",
+                 "model.drop_path=0.3", "model.droppath_mode=residual_droppath"]
+    tr = _fit(f"{out}/{graphs}", overrides, steps, log=lines.append)
+    if rank == 0:
+        with open(f"{out}/{graphs}.json", "w") as f:
+            json.dump({"losses": [h["loss"] for h in tr.history], "lines": lines,
+                       "captured": tr.graphed is not None and tr.graphed.graph is not None,
+                       "params": [p.detach().double().sum().item() for p in tr.raw_model.parameters()]}, f)
+    D.cleanup()
+    os._exit(0)  # as test_train_fsdp's workers: skip static destructors of the process group's threads
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_graphed_ddp_steps_match_eager_ddp_steps(tmp_path):
+    """DDP on two GPUs with the whole step captured (the all-reduce inside the graph) against eager DDP:
+    11 warm-up steps, then replays of both ResidualDroppath parities with accumulation and clipping."""
+    import torch.multiprocessing as mp
+
+    steps = DDP_WARMUP_STEPS + 4
+    res = {}
+    for graphs in ("true", "false"):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.spawn(_ddp_worker, args=(2, port, str(tmp_path), graphs, steps), nprocs=2, join=True)
+        with open(tmp_path / f"{graphs}.json") as f:
+            res[graphs] = json.load(f)
+    assert res["true"]["captured"] and not res["false"]["captured"], res["true"]["lines"]
+    assert any("DDP's gradient all-reduce included" in m for m in res["true"]["lines"])
+    g, e = torch.tensor(res["true"]["losses"]), torch.tensor(res["false"]["losses"])
+    assert len(g) == steps and torch.isfinite(g).all() and g[0] != g[-1]
+    # as the one-GPU test: equal up to the float32 rounding of the graph's device learning rate
+    torch.testing.assert_close(g, e, rtol=2e-4, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(res["true"]["params"]), torch.tensor(res["false"]["params"]),
+                               rtol=1e-3, atol=1e-4)

@@ -162,12 +162,19 @@ def apply_compile(model: nn.Module) -> int:
     return len(units)
 
 
-def apply_ddp(model: nn.Module, info: DistInfo, bucket_view: bool = False) -> nn.Module:
+def apply_ddp(model: nn.Module, info: DistInfo, bucket_view: bool = False, stream=None) -> nn.Module:
     """DDP; ``bucket_view`` makes the gradients views into the all-reduce buckets
-    (``gradient_as_bucket_view``: no copy of each gradient into its bucket and back)."""
-    return nn.parallel.DistributedDataParallel(
-        model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
-        gradient_as_bucket_view=bucket_view)
+    (``gradient_as_bucket_view``: no copy of each gradient into its bucket and back). ``stream``: the
+    CUDA stream a captured step will run on; DDP built there records its gradient hooks' work on it
+    (torch's recipe for capturing DDP), and the current stream waits for its parameter broadcast."""
+    ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    with ctx:
+        ddp = nn.parallel.DistributedDataParallel(
+            model, device_ids=[info.device.index] if info.device.type == "cuda" else None,
+            gradient_as_bucket_view=bucket_view)
+    if stream is not None:
+        torch.cuda.current_stream(info.device).wait_stream(stream)
+    return ddp
 
 
 RESHARD_POLICIES = ("auto", "always", "except_last", "never")

@@ -39,18 +39,26 @@ import warnings
 import torch
 
 
+# DDP does host-side work in its first iterations (bucket rebuild, sampled logging): torch's recipe for
+# capturing a whole DDP step runs 11 eager iterations first
+DDP_WARMUP_STEPS = 11
+
+
 def graph_plan(cfg, device: torch.device, precision: str, world: int) -> tuple[bool, str]:
     """``(capture, why)``: whether the trainer captures its step (``cfg.cuda_graphs`` auto|true|false)
-    and a one-line reason; unsupported configurations run eagerly whatever the setting."""
+    and a one-line reason; unsupported configurations run eagerly whatever the setting. DDP on several
+    processes is captured (its all-reduce inside the graph, NCCL >= 2.9) only with cuda_graphs=true
+    until measured against eager DDP."""
     if cfg.cuda_graphs == "false":
         return False, "off (cuda_graphs=false)"
+    ddp = cfg.dist == "ddp" and world > 1
     reason = None
     if device.type != "cuda":
         reason = f"the device is {device.type}, not CUDA"
     elif cfg.dist == "fsdp":
         reason = "FSDP2 gathers and frees parameters through hooks that a graph cannot capture"
-    elif cfg.dist == "ddp" and world > 1:
-        reason = "DDP's gradient all-reduce is not captured yet"
+    elif ddp and cfg.cuda_graphs != "true":
+        reason = "DDP's gradient all-reduce is captured only with cuda_graphs=true until it is measured"
     elif cfg.act_ckpt != "none":
         reason = "activation checkpointing saves and restores the RNG state on the host in the backward"
     elif cfg.optim.name == "sgd" and not cfg.optim.fused:
@@ -59,7 +67,15 @@ def graph_plan(cfg, device: torch.device, precision: str, world: int) -> tuple[b
         reason = "fp16 loss scaling skips overflowed steps without a host sync only with the fused AdamW"
     if reason is not None:
         return False, f"off ({reason}); the step runs eagerly"
+    if ddp:
+        return True, (f"on (the whole step, DDP's gradient all-reduce included, is captured after "
+                      f"{DDP_WARMUP_STEPS} warm-up steps and replayed)")
     return True, "on (the whole step is captured after warm-up steps and replayed)"
+
+
+def graph_warmup_steps(cfg, world: int) -> int:
+    """Eager steps before the capture: lazy initialisation, compilation and autotuning happen in them."""
+    return DDP_WARMUP_STEPS if cfg.dist == "ddp" and world > 1 else 3
 
 
 def schedule_table(scheduler, total_steps: int, device) -> torch.Tensor:
@@ -104,7 +120,7 @@ class GraphedStep:
     windows; :meth:`read_window` reads the window's replay times at a log step and keeps them in
     ``windows`` for :func:`steady_timing`."""
 
-    def __init__(self, trainer, warmup_steps: int = 3, timed_replays: int = 128):
+    def __init__(self, trainer, warmup_steps: int = 3, timed_replays: int = 128, stream=None):
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (lazy initialisation cannot be captured), got {warmup_steps}")
         self.tr, self.warmup_steps = trainer, warmup_steps
@@ -112,7 +128,7 @@ class GraphedStep:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: dict | None = None
         self.outputs = None
-        self.stream = torch.cuda.Stream(trainer.device)
+        self.stream = stream if stream is not None else torch.cuda.Stream(trainer.device)  # warm-up and capture
         self.lr_table = schedule_table(trainer.scheduler, trainer.total_steps, trainer.device)
         self.position = torch.zeros(1, dtype=torch.int64, device=trainer.device)
         self._index = torch.zeros(1, dtype=torch.int64, device=trainer.device)

@@ -35,7 +35,7 @@ from dres.train import checkpoint as C
 from dres.train import distributed as D
 from dres.train import rundir
 from dres.train.config import Config, ConfigError, fingerprint, save_config, to_dict
-from dres.train.graph_step import GraphedStep, graph_plan, steady_timing
+from dres.train.graph_step import GraphedStep, graph_plan, graph_warmup_steps, steady_timing
 from dres.train.optim import build_optimizer, peak_lr
 
 
@@ -124,13 +124,16 @@ class Trainer:
         n_c = D.apply_compile(model) if cfg.compile else 0
         if n_ac or n_c:
             self.log(f"[dres] activation checkpointing '{cfg.act_ckpt}' on {n_ac} units; compiled {n_c} units")
+        graphs, why = graph_plan(cfg, self.device, self.precision, self.info.world)
+        # the captured step warms up and records on its own stream; DDP must be built on that stream
+        capture_stream = torch.cuda.Stream(self.device) if graphs and train else None
         if cfg.dist == "fsdp":
             # bf16 parameters need autocast (FSDP2 casts no inputs): fp32 ones under precision=fp32
             param_dtype = "fp32" if self.precision == "fp32" else cfg.fsdp_param_dtype
             model = D.apply_fsdp(model, self.info, param_dtype, prefetch=cfg.fsdp_prefetch, reshard=cfg.fsdp_reshard,
                                  blocks_per_unit=cfg.fsdp_blocks_per_unit)
         elif cfg.dist == "ddp" and self.info.world > 1:
-            model = D.apply_ddp(model, self.info)
+            model = D.apply_ddp(model, self.info, stream=capture_stream)
         self.model = model
         # after sharding: the groups must hold the parameters the optimizer will see (DTensors under FSDP)
         groups, nd = param_groups(self.raw_model, cfg.optim.weight_decay)
@@ -149,7 +152,6 @@ class Trainer:
         self.lr = peak_lr(cfg)
         warmup = o.warmup_steps if o.warmup_steps >= 0 else int(round(o.warmup_epochs * spe))
         self.warmup = min(warmup, self.total_steps)
-        graphs, why = graph_plan(cfg, self.device, self.precision, self.info.world)
         self.optimizer = build_optimizer(cfg, groups, self.device, capturable=graphs)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(self.total_steps, self.warmup, o.schedule, o.min_lr / self.lr if self.lr else 0))
@@ -157,7 +159,8 @@ class Trainer:
         # EMA of the parameters (fp32; sharded like the parameters under FSDP)
         self.ema = ({n: p.detach().clone().float() for n, p in self.raw_model.named_parameters()}
                     if o.ema_decay > 0 else None)
-        self.graphed = GraphedStep(self, warmup_steps=3) if graphs and train else None
+        self.graphed = (GraphedStep(self, warmup_steps=graph_warmup_steps(cfg, self.info.world), stream=capture_stream)
+                        if graphs and train else None)
         if train:
             self.log(f"[dres] cuda graphs: {why}")
         torch.manual_seed(cfg.seed + 1000003 * self.info.rank)  # per-rank randomness (masks, noise)
