@@ -96,7 +96,10 @@ def _classify_arm(arch, mode, seed):
 
 def _uvit_arm(alpha, seed):
     group = f"B-uvit-a{alpha}"
-    return Arm(f"{group}-s{seed}", "B", group, "uvit", "uvit_cifar10", (f"model.alpha_min={alpha}",), seed,
+    # EMA 0.999 instead of the paper's 0.9999 in both arms: at CIFAR-repro lengths (~10k steps) 0.9999 keeps
+    # most of the initial weights in the evaluated model (notes.md, B)
+    return Arm(f"{group}-s{seed}", "B", group, "uvit", "uvit_cifar10",
+               (f"model.alpha_min={alpha}", "optim.ema_decay=0.999"), seed,
                ("B",), needs=(FD_CLASSIFIER_ARM,), paper=UVIT_PAPER[alpha], labels={"alpha_min": alpha})
 
 
@@ -136,10 +139,11 @@ def select(spec: str, matrix=MATRIX) -> list[Arm]:
     return [a for a in matrix if a.name in want]
 
 
-def select_epochs(spec: str, default: float, matrix=MATRIX) -> list[tuple[Arm, float]]:
+def select_epochs(spec: str, default: float, matrix=MATRIX) -> list[tuple[Arm, float, bool]]:
     """``select`` with a length per word: ``"C.resnet50d.s1@100,A.sweep@50,B"`` trains the ResNet arms for
-    100 epochs, the sweep for 50 and B for ``default``; an arm another needs gets that one's length
-    unless it is named itself. One queue, so several GPUs stay busy however the lengths differ."""
+    100 epochs, the sweep for 50 and B for ``default``, as ``(arm, epochs, named)``; an arm another
+    needs (``named`` False) gets that one's length unless it is named itself. One queue, so several GPUs
+    stay busy however the lengths differ."""
     named: dict[str, float] = {}
     implied: dict[str, float] = {}
     for word in (w.strip() for w in spec.split(",") if w.strip()):
@@ -155,7 +159,7 @@ def select_epochs(spec: str, default: float, matrix=MATRIX) -> list[tuple[Arm, f
             else:
                 implied.setdefault(arm.name, epochs)
     lengths = {**implied, **named}
-    return [(a, lengths[a.name]) for a in matrix if a.name in lengths]
+    return [(a, lengths[a.name], a.name in named) for a in matrix if a.name in lengths]
 
 
 def parse_epochs(text: str, what: str) -> float:
@@ -269,14 +273,16 @@ def make_record(arm: Arm, run_dir: Path, *, epochs: float, command: str, card: s
                 timespec="seconds"), "commit": commit, "command": command}
 
 
-def run_arms(queue: list[tuple[Arm, float]], *, gpus: int, jobs: int, root: Path, records: Path, presets: dict,
-             extra: list[str], every: int, commit: str, force: bool, deadline_min: float, log=print) -> dict:
-    """Train the ``(arm, epochs)`` of ``queue`` in order (needs first), ``jobs`` at a time on each of
-    ``gpus`` GPUs (0: on the CPU), each starting on the first free slot; returns
+def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root: Path, records: Path,
+             presets: dict, extra: list[str], every: int, commit: str, force: bool, deadline_min: float,
+             log=print) -> dict:
+    """Train the ``(arm, epochs, named)`` of ``queue`` (:func:`select_epochs`) in order (needs first),
+    ``jobs`` at a time on each of ``gpus`` GPUs (0: on the CPU), each starting on the first free slot;
+    ``force`` reruns the named arms that have a record. Returns
     ``{arm: "done" | "skipped" | "failed" | "blocked" | "not started"}``."""
     from benchmarks.common import write_json_atomic
 
-    arms, epochs_of = [a for a, _ in queue], {a.name: e for a, e in queue}
+    arms = [a for a, _, _ in queue]
     root, records = root.resolve(), records.resolve()
     (root / "logs").mkdir(parents=True, exist_ok=True)
     needed = {n for a in arms for n in a.needs}
@@ -284,11 +290,13 @@ def run_arms(queue: list[tuple[Arm, float]], *, gpus: int, jobs: int, root: Path
     def has_record(a):
         return (records / f"{a.name}.json").exists()
 
-    # an arm others read must also have its run directory here (a fresh machine has none): it reruns,
-    # keeping its earlier record
-    status = {a.name: ("skipped" if has_record(a) and not force and (a.name not in needed or
-                                                                     (root / a.name / "summary.json").exists())
-                       else "pending") for a in arms}
+    forced = {a.name for a, _, named in queue if named and force}
+    # an arm only needed by others reruns where its run directory is missing (a fresh machine), for as
+    # long as its record says, and keeps that record
+    epochs_of = {a.name: (json.loads((records / f"{a.name}.json").read_text())["epochs"]
+                          if not named and has_record(a) else e) for a, e, named in queue}
+    status = {a.name: ("skipped" if has_record(a) and a.name not in forced and (
+        a.name not in needed or (root / a.name / "summary.json").exists()) else "pending") for a in arms}
     slots = [g for g in range(gpus) for _ in range(max(1, jobs))] if gpus > 0 else [None] * max(1, jobs)
     # a slot is an index into this process's visible GPUs; its child sees that one device only
     visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
@@ -341,7 +349,7 @@ def run_arms(queue: list[tuple[Arm, float]], *, gpus: int, jobs: int, root: Path
             free.append(k)
             if proc.returncode == 0:
                 status[a.name] = "done"
-                if has_record(a) and not force:
+                if has_record(a) and a.name not in forced:
                     log(f"[repro] done {a.name} (rerun for the arms that read it; its earlier record is kept)")
                     continue
                 rec = make_record(a, root / a.name, epochs=epochs_of[a.name], command=command, card=card_of(slots[k]),
@@ -623,7 +631,8 @@ def main(argv=None) -> int:
                    help="a config override for every arm (data paths, smoke-test sizes); recorded in each command")
     p.add_argument("--curve-every", type=int, default=0, help="eval.every in steps (default: ~10%% of the run)")
     p.add_argument("--commit", default="", help="the commit the tree was copied from (default: git rev-parse HEAD)")
-    p.add_argument("--force", action="store_true", help="rerun arms that already have a record")
+    p.add_argument("--force", action="store_true", help="rerun the named arms that already have a record (not "
+                   "the arms they need)")
     p.add_argument("--deadline-min", type=float, default=0, help="start no arm after this many minutes")
     p.add_argument("--budget-min", type=float, default=9.0, help="--plan: wall minutes")
     p.add_argument("--img-per-s", default="", help="--plan: task=rate list (or one rate for all)")

@@ -210,15 +210,53 @@ def test_runner_maps_gpu_slots_through_cuda_visible_devices(tmp_path, monkeypatc
 
 def test_run_words_take_their_own_epochs():
     queue = repro.select_epochs("C.resnet50d.s1@100,A.sweep@50,B", 10)
-    lengths = {a.name: e for a, e in queue}
+    lengths = {a.name: e for a, e, _ in queue}
+    assert [a.name for a, _, named in queue if not named] == ["C-vit-none-s0"]
     assert lengths == {**{f"C-resnet50d-{m}-s1": 100 for m in ("none", "drop_path", "residual_droppath")},
                        **{f"A-official-a{x}-s0": 50 for x in (0.5, 0.7, 0.8)},
                        "B-uvit-a1.0-s0": 10, "B-uvit-a0.7-s0": 10, "C-vit-none-s0": 10}  # B's need: B's length
-    assert [a.name for a, _ in queue] == [a.name for a in repro.MATRIX if a.name in lengths]  # matrix order
+    assert [a.name for a, _, _ in queue] == [a.name for a in repro.MATRIX if a.name in lengths]  # matrix order
     # a need named itself keeps its own length
-    assert dict((a.name, e) for a, e in repro.select_epochs("B@10,C-vit-none-s0@50", 0))["C-vit-none-s0"] == 50
+    assert {a.name: (e, named) for a, e, named in repro.select_epochs("B@10,C-vit-none-s0@50", 0)}[
+        "C-vit-none-s0"] == (50, True)
     for spec, default, match in (("A.sweep", 0, "give a positive --epochs or A.sweep@EPOCHS"),
                                  ("A.sweep@x", 0, "'x' is not a number of epochs"),
                                  ("A.sweep@50,A-official-a0.5-s0@40", 0, "given 50 and 40 epochs")):
         with pytest.raises(ValueError, match=match):
             repro.select_epochs(spec, default)
+
+
+def test_force_reruns_named_arms_only_and_a_rebuilt_need_keeps_its_record(tmp_path, monkeypatch, capsys):
+    """``--run B-uvit-a1.0-s0@25 --force`` on a machine without the FD classifier's run directory rebuilds
+    it for as long as its record says (not B's 25 epochs) and keeps that record; where the directory
+    exists, only the named arm reruns."""
+    records, root = tmp_path / "records", tmp_path / "runs"
+    records.mkdir()
+    need = {"arm": "C-vit-none-s0", "epochs": 50, "metrics": {"top1": 0.77}}
+    for name, rec in (("C-vit-none-s0", need), ("B-uvit-a1.0-s0", {"arm": "B-uvit-a1.0-s0", "epochs": 10})):
+        (records / f"{name}.json").write_text(json.dumps(rec))
+    started, popen = [], repro.subprocess.Popen
+
+    class ExitedArm:
+        returncode = 1
+
+        def poll(self):
+            return self.returncode
+
+    def fake_popen(cmd, **kw):
+        if "--resume" not in cmd:
+            return popen(cmd, **kw)
+        started.append(cmd[cmd.index("--out") + 1].rsplit("/", 1)[-1] + " " +
+                       next(c for c in cmd if c.startswith("epochs=")))
+        return ExitedArm()
+
+    monkeypatch.setattr(repro.subprocess, "Popen", fake_popen)
+    args = ["--run", "B-uvit-a1.0-s0@25", "--force", "--gpus", "0", "--root", str(root), "--records", str(records)]
+    assert repro.main(args) == 1
+    assert started == ["C-vit-none-s0 epochs=50"]  # then B is blocked by the failed need
+    assert json.loads((records / "C-vit-none-s0.json").read_text()) == need
+    (root / "C-vit-none-s0").mkdir(parents=True)
+    (root / "C-vit-none-s0" / "summary.json").write_text("{}")
+    started.clear()
+    assert repro.main(args) == 1
+    assert started == ["B-uvit-a1.0-s0 epochs=25"] and "C-vit-none-s0: skipped" in capsys.readouterr().out
