@@ -119,7 +119,7 @@ def main():
     mask_rng = torch.Generator().manual_seed(a.seed + 1)
     masks, t0, losses = None, time.time(), []
     for step in range(a.steps):
-        idx = order[(step * batch) % len(order):][:batch]
+        idx = order[(step * batch + torch.arange(batch)) % len(order)]  # whole batches across the epoch's end
         x = device_augment(xtr[idx], 32, np.random.default_rng([a.seed, step]),
                            scale=(0.35, 1.0), mean=MEAN, std=STD)
         odd = step % 2 == 1
