@@ -527,7 +527,7 @@ def trainer_plan(args) -> list[dict]:
             if kind == "ddp" and variant not in ("", "graph"):
                 raise SystemExit(f"--trainer: the trainer has no variant {kind}:{variant} (its variants: ddp:graph, "
                                  f"fsdp:{'|'.join(FSDP_VARIANTS)}[:BLOCKS])")
-            policy, blocks = fsdp_variant_parts(variant or "auto")
+            policy, blocks = fsdp_variant_parts(variant if kind == "fsdp" else "auto")  # DDP runs: the defaults
             for mode in modes(args):
                 sets = [f"compile={'true' if mode == 'compile' else 'false'}", f"dist={kind}",
                         f"fsdp_prefetch={'true' if policy == 'prefetch' else 'false'}",

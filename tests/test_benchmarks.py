@@ -453,6 +453,13 @@ def test_trainer_plan_runs_the_preset_per_world_and_wrapping(capsys):
                     "--dist", "ddp,ddp:graph"]) == 0
     plain, graphed = capsys.readouterr().out.splitlines()
     assert "cuda_graphs=true" not in plain and "--set dist=ddp " in graphed and "--set cuda_graphs=true " in graphed
+    assert "--set fsdp_reshard=auto " in graphed  # a DDP variant is no FSDP2 setting (the trainer would refuse it)
+    from dres.train.config import build_config
+
+    plan = bt.trainer_plan(bt.build_parser().parse_args(
+        ["--trainer", "mae_vit_b16_in1k", "--scaling", "1,2", "--dist", "ddp,ddp:graph,fsdp,fsdp:never:4"]))
+    for run in plan:  # every planned run's overrides are a configuration the trainer accepts
+        build_config(run["task"], run["preset"], run["sets"])
     with pytest.raises(SystemExit, match="must exceed"):
         bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--trainer-steps", "10"])
 
