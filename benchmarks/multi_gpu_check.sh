@@ -27,6 +27,8 @@ STAGES=${STAGES:-candidates profile ddp_profile ddp_graph_test trainer compile}
 BUDGET_S=${BUDGET_S:-530}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 START=$(date +%s)
+# seconds since START; a dry run's clock stands still (it runs nothing), so its plan does not depend on timing
+elapsed() { [ -n "${DRY_RUN:-}" ] && echo 0 || echo $(( $(date +%s) - START )); }
 if [ -n "${DRY_RUN:-}" ]; then
   NGPU=${NGPU:-4} STAGE_DIR='$STAGE_DIR' LOG=/dev/null
 else
@@ -46,7 +48,7 @@ PROFILE_MODELS=${PROFILE_MODELS:-dres_official}
 CANDIDATES=${CANDIDATES:-ddp,fsdp,fsdp:auto:1,fsdp:never:4,fsdp:auto:8}
 
 want() { [[ " $STAGES " == *" $1 "* ]]; }
-say() { echo "[multi_gpu_check +$(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
+say() { echo "[multi_gpu_check +$(elapsed)s] $*" | tee -a "$LOG"; }
 # stage NAME MIN_S MAX_S CMD...: run CMD for at most MAX_S seconds and what is left of the budget (less
 # the grace for torchrun to stop its workers), if at least MIN_S are left
 GRACE_S=40
@@ -55,7 +57,7 @@ stage() {
   local name=$1 min=$2 max=$3
   shift 3
   want "$name" || return 0
-  local left=$(( START + BUDGET_S - GRACE_S - $(date +%s) ))
+  local left=$(( BUDGET_S - GRACE_S - $(elapsed) ))
   [ "$left" -gt "$max" ] && left=$max
   if [ "$left" -lt "$min" ]; then
     say "SKIPPED $name: ${left}s left, needs ${min}s (run it again with STAGES=$name)"
