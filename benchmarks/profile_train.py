@@ -89,22 +89,11 @@ TOP = 15
 PROFILE_KEY = ("card", "bench", "model", "mode", "batch", "dist", "world_size", "compile_scope")
 
 
-def profile_model(bench: str, name: str, mode: str, batch: int, steps: int, warmup: int, kind: str, variant: str,
-                  info, trace_path: Path | None) -> dict:
+def profile_steps(step, steps: int, trace_path: Path | None) -> dict:
+    """``torch.profiler`` over ``steps`` calls of ``step`` (warmed up by the caller): wall time, GPU
+    kernel time by category, GPU busy/idle and the top kernels and CPU operators, per step."""
     from torch.profiler import ProfilerActivity, profile
 
-    from dres.train.distributed import apply_compile
-
-    torch._dynamo.reset()
-    bench_train.free_memory()
-    model = bench_train.build_model(bench, name).to(info.device)
-    if mode == "compile":
-        apply_compile(model)
-    wrapped = bench_train.wrap_model(model, kind, variant, info).train()
-    x = bench_train.make_batch(bench, batch, info.device)
-    step, optimizer_kind = bench_train.first_training_step(bench, wrapped, x, sharded=kind == "fsdp")
-    for _ in range(max(1, warmup) - 1):
-        step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -126,20 +115,71 @@ def profile_model(bench: str, name: str, mode: str, batch: int, steps: int, warm
     busy = union_us((e.time_range.start, e.time_range.end) for e in prof.events() if _is_gpu_work(e)) / steps
     if trace_path is not None:
         prof.export_chrome_trace(str(trace_path))
-    del model, wrapped, x, step
-    bench_train.free_memory()
-    label = bench_train.dist_label(kind, variant)
-    return {"bench": bench, "model": name, "mode": mode, "batch": batch, "dist": label, "fsdp": kind == "fsdp",
-            "compile_scope": None if mode == "eager" else "per_block", "optimizer": optimizer_kind,
-            "world_size": info.world, "wall_us_per_step": wall_us, "gpu_kernel_us_per_step": sum(by_cat.values()),
+    return {"wall_us_per_step": wall_us, "gpu_kernel_us_per_step": sum(by_cat.values()),
             "gpu_busy_us_per_step": busy, "gpu_busy_pct": 100.0 * busy / wall_us,
             "gpu_idle_pct": 100.0 * (1 - busy / wall_us),
             "categories_us": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+            "gpu_kernels_per_step": sum(n for _, n, _ in gpu_top),
             "top_kernels": [{"us": round(t, 1), "calls": round(n, 1), "name": k[:120]}
                             for t, n, k in sorted(gpu_top, reverse=True)[:TOP]],
             "top_cpu_ops": [{"self_us": round(t, 1), "calls": round(n, 1), "name": k[:120]}
                             for t, n, k in sorted(cpu_top, reverse=True)[:TOP]],
             "trace": trace_path.name if trace_path else None}
+
+
+def profile_model(bench: str, name: str, mode: str, batch: int, steps: int, warmup: int, kind: str, variant: str,
+                  info, trace_path: Path | None) -> dict:
+    from dres.train.distributed import apply_compile
+
+    torch._dynamo.reset()
+    bench_train.free_memory()
+    model = bench_train.build_model(bench, name).to(info.device)
+    if mode == "compile":
+        apply_compile(model)
+    wrapped = bench_train.wrap_model(model, kind, variant, info).train()
+    x = bench_train.make_batch(bench, batch, info.device)
+    step, optimizer_kind = bench_train.first_training_step(bench, wrapped, x, sharded=kind == "fsdp")
+    for _ in range(max(1, warmup) - 1):
+        step()
+    r = profile_steps(step, steps, trace_path)
+    del model, wrapped, x, step
+    bench_train.free_memory()
+    label = bench_train.dist_label(kind, variant)
+    return {"bench": bench, "model": name, "mode": mode, "batch": batch, "dist": label, "fsdp": kind == "fsdp",
+            "compile_scope": None if mode == "eager" else "per_block", "optimizer": optimizer_kind,
+            "world_size": info.world, **r}
+
+
+def profile_trainer(preset: str, overrides: list[str], batch: int | None, steps: int, warmup: int,
+                    trace_path: Path | None) -> dict:
+    """The trainer's own step as ``fit`` runs it (the loader's next batch, augmentation included, then
+    ``train_step``: the captured graph's replay where ``cuda_graphs`` captures it), on one GPU, after
+    ``warmup`` steps (at least the graph's warm-up and capture); evaluation, checkpoints and logs off."""
+    import tempfile
+
+    from dres.train.cli import get_task
+    from dres.train.config import build_config, load_preset
+    from dres.train.loop import Trainer
+
+    task = load_preset(preset).get("task", "mae")
+    with tempfile.TemporaryDirectory(prefix="dres-profile-") as tmp:
+        sets = ["log.progress=false", "log.tensorboard=false", "ckpt.every=0", f"out={tmp}", "steps=100000",
+                *bench_train.TRAINER_EVAL_OFF, *([f"batch_size={batch}"] if batch else []), *overrides]
+        tr = Trainer(build_config(task, preset, sets), get_task(task), log=lambda m: print(m, flush=True)).setup()
+        tr.model.train()
+
+        def step():
+            tr.train_step(tr.loader.next())
+            tr.step += 1
+
+        for _ in range(max(warmup, (tr.graphed.warmup_steps + 2) if tr.graphed else 1)):
+            step()
+        r = profile_steps(step, steps, trace_path)
+        cfg, mode = tr.cfg, "trainer " + ("graphed" if tr.graphed is not None else "eager")
+        del tr, step
+    bench_train.free_memory()
+    return {"bench": task, "model": preset, "mode": mode + (" compile" if cfg.compile else ""), "batch": cfg.batch_size, "dist": "none", "fsdp": False,
+            "compile_scope": "per_block" if cfg.compile else None, "world_size": 1, "overrides": overrides, **r}
 
 
 def print_profile(r: dict) -> None:
@@ -167,6 +207,32 @@ def markdown(records: list[dict], card: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_record(r: dict, out: Path, card: str) -> None:
+    """Print one profile and merge it into ``<out>/<card>-profile.json`` / ``.md`` (after each run, so
+    a run stopped at its time limit keeps the others)."""
+    print_profile(r)
+    path = out / f"{card}-profile.json"
+    merged = common.merge_records(common.load_records(path), [r], PROFILE_KEY)
+    common.write_json_atomic(path, merged)
+    (out / f"{card}-profile.md").write_text(markdown(merged, card))
+
+
+def main_trainer(args) -> int:
+    if not torch.cuda.is_available():
+        print("profile_train needs a CUDA GPU", file=sys.stderr)
+        return 2
+    common.configure_caches()
+    card = common.card_name()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "-".join(o.replace("=", "_").replace(".", "_") for o in args.overrides)
+    trace = out / f"trace-trainer-{args.trainer}{'-' + tag if tag else ''}.json.gz" if args.trace else None
+    r = profile_trainer(args.trainer, args.overrides, args.batch, args.steps, args.warmup, trace)
+    r.update(card=card, date=common.today(), **common.versions())
+    write_record(r, out, card)
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bench", choices=list(bench_train.MODELS), default="mae")
@@ -178,8 +244,16 @@ def main(argv=None) -> int:
     p.add_argument("--dist", default="none",
                    help="comma list of wrappings, each profiled: none, ddp, fsdp, fsdp:VARIANT (as bench_train)")
     p.add_argument("--trace", action="store_true", help="also write a gzipped Chrome trace per run into --out")
+    p.add_argument("--trainer", metavar="PRESET",
+                   help="profile the trainer's step of this preset on one GPU instead of the bare steps")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --trainer: a config override (repeatable), e.g. cuda_graphs=false")
     p.add_argument("--out", default=str(common.RESULTS_DIR))
     args = p.parse_args(argv)
+    if args.overrides and not args.trainer:
+        p.error("--set: only with --trainer")
+    if args.trainer:
+        return main_trainer(args)
     names = bench_train.models_for(args.bench, args)  # as bench_train: csrc variants only when named
     if not names:
         p.error(f"--models: none of {args.models} is a {args.bench} model; known: {list(bench_train.MODELS[args.bench])}")
@@ -203,12 +277,8 @@ def main(argv=None) -> int:
             r = profile_model(args.bench, name, args.mode, args.batch or bench_train.DEFAULT_BATCH[args.bench],
                               args.steps, args.warmup, kind, variant, info, trace)
             r.update(card=card, date=common.today(), **common.versions())
-            if info.main:  # written after each run, so a run stopped at its time limit keeps the others
-                print_profile(r)
-                path = out / f"{card}-profile.json"
-                merged = common.merge_records(common.load_records(path), [r], PROFILE_KEY)
-                common.write_json_atomic(path, merged)
-                (out / f"{card}-profile.md").write_text(markdown(merged, card))
+            if info.main:
+                write_record(r, out, card)
     D.cleanup()
     return 0
 
