@@ -295,8 +295,6 @@ def test_gpu_resnet50d_compiled_matches_eager(mode, precision):
     last BN of each branch cancel, so fp32 eager itself is only ~1% accurate there (measured on CPU
     with Inductor: worst 1.13e-2 eager, 1.13e-2 compiled, ratio <= 1.4); compiled-vs-eager at 1e-4
     failed on an H100 for that reason, not for a wrong kernel (a wrong op is O(1) off)."""
-    from unittest import mock
-
     from helpers import rel_err
 
     torch.manual_seed(8)
@@ -304,23 +302,28 @@ def test_gpu_resnet50d_compiled_matches_eager(mode, precision):
     dres.convert_timm_resnet(model, alpha_min=0.8, drop_path=0.1 if mode != "none" else 0.0,
                              droppath_mode="residual_droppath")
     model = model.cuda().to(memory_format=torch.channels_last)
-    reference = copy.deepcopy(model).double()
+    reference = set_backend(copy.deepcopy(model).double(), "torch")  # the kernels take no float64
     compiled_model = copy.deepcopy(model)
     compiled_model.compile()
     x = torch.randn(16, 3, 64, 64, device="cuda").to(memory_format=torch.channels_last)
     bf16 = precision == "bf16_autocast"
     floor = 1e-2 if bf16 else 1e-5
-    with torch.backends.cudnn.flags(allow_tf32=False), mock.patch.object(torch.backends.cuda.matmul, "allow_tf32", False):
-        for step in range(2):  # an even and an odd iteration
-            want = reference(x.double())
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-                a, b = model(x), compiled_model(x)
-            assert rel_err(b, want) <= 2 * rel_err(a, want) + floor, step
-            for out in (want, a.float(), b.float()):
-                out.square().mean().backward()
-            if mode != "none":
-                for m in (reference, model, compiled_model):
-                    m.droppath.next_iteration()
+    matmul_tf32 = torch.backends.cuda.matmul.allow_tf32  # a property: mock.patch cannot delete it afterwards
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.backends.cudnn.flags(allow_tf32=False):
+            for step in range(2):  # an even and an odd iteration
+                want = reference(x.double())
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+                    a, b = model(x), compiled_model(x)
+                assert rel_err(b, want) <= 2 * rel_err(a, want) + floor, step
+                for out in (want, a.float(), b.float()):
+                    out.square().mean().backward()
+                if mode != "none":
+                    for m in (reference, model, compiled_model):
+                        m.droppath.next_iteration()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
     grads = zip(reference.named_parameters(), model.parameters(), compiled_model.parameters())
     errors = {n: (rel_err(p.grad, r.grad), rel_err(q.grad, r.grad)) for (n, r), p, q in grads}
     bad = {n: e for n, e in errors.items() if e[1] > 2 * e[0] + floor}
