@@ -86,7 +86,7 @@ def _is_gpu_work(evt) -> bool:
 
 
 TOP = 15
-PROFILE_KEY = ("card", "bench", "model", "mode", "batch", "dist", "world_size", "compile_scope")
+PROFILE_KEY = ("card", "bench", "model", "mode", "batch", "dist", "world_size", "compile_scope", "overrides")
 
 
 def profile_steps(step, steps: int, trace_path: Path | None) -> dict:
@@ -159,27 +159,30 @@ def profile_trainer(preset: str, overrides: list[str], batch: int | None, steps:
 
     from dres.train.cli import get_task
     from dres.train.config import build_config, load_preset
-    from dres.train.loop import Trainer
+    from dres.train.loop import Trainer, sdpa_preference
 
     task = load_preset(preset).get("task", "mae")
     with tempfile.TemporaryDirectory(prefix="dres-profile-") as tmp:
         sets = ["log.progress=false", "log.tensorboard=false", "ckpt.every=0", f"out={tmp}", "steps=100000",
                 *bench_train.TRAINER_EVAL_OFF, *([f"batch_size={batch}"] if batch else []), *overrides]
-        tr = Trainer(build_config(task, preset, sets), get_task(task), log=lambda m: print(m, flush=True)).setup()
-        tr.model.train()
+        cfg = build_config(task, preset, sets)
+        with sdpa_preference(cfg.sdpa_backend):
+            tr = Trainer(cfg, get_task(task), log=lambda m: print(m, flush=True)).setup()
+            tr.model.train()
 
-        def step():
-            tr.train_step(tr.loader.next())
-            tr.step += 1
+            def step():
+                tr.train_step(tr.loader.next())
+                tr.step += 1
 
-        for _ in range(max(warmup, (tr.graphed.warmup_steps + 2) if tr.graphed else 1)):
-            step()
-        r = profile_steps(step, steps, trace_path)
-        cfg, mode = tr.cfg, "trainer " + ("graphed" if tr.graphed is not None else "eager")
+            for _ in range(max(warmup, (tr.graphed.warmup_steps + 2) if tr.graphed else 1)):
+                step()
+            r = profile_steps(step, steps, trace_path)
+        mode = "trainer " + ("graphed" if tr.graphed is not None else "eager")
         del tr, step
     bench_train.free_memory()
-    return {"bench": task, "model": preset, "mode": mode + (" compile" if cfg.compile else ""), "batch": cfg.batch_size, "dist": "none", "fsdp": False,
-            "compile_scope": "per_block" if cfg.compile else None, "world_size": 1, "overrides": overrides, **r}
+    return {"bench": task, "model": preset, "mode": mode + (" compile" if cfg.compile else ""), "batch": cfg.batch_size,
+            "dist": "none", "fsdp": False, "compile_scope": "per_block" if cfg.compile else None, "world_size": 1,
+            "overrides": " ".join(overrides), **r}
 
 
 def print_profile(r: dict) -> None:
@@ -202,7 +205,8 @@ def markdown(records: list[dict], card: str) -> str:
         cells = [f"{r['categories_us'].get(c, 0.0) / 1e3:.1f}" for c in cats]
         wrapping = r.get("dist") or ("fsdp" if r["fsdp"] else "none")  # records before --dist have only "fsdp"
         mode = r["mode"] + (" per block" if r.get("compile_scope") == "per_block" else "")
-        lines.append(f"| {r['bench']} {r['model']} | {mode} | {wrapping} | {r['world_size']} | "
+        model = f"{r['bench']} {r['model']}" + (f" ({r['overrides']})" if r.get("overrides") else "")
+        lines.append(f"| {model} | {mode} | {wrapping} | {r['world_size']} | "
                      f"{r['wall_us_per_step'] / 1e3:.1f} | {r['gpu_busy_pct']:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -352,6 +352,53 @@ def test_profile_train_rejects_models_of_another_benchmark(capsys):
     assert "none of plain is a mae model" in capsys.readouterr().err
 
 
+def test_profile_trainer_profiles_the_trainers_own_step(monkeypatch):
+    """``--trainer``: the trainer's step (loader batch + train_step) under the profiler, here on CPU
+    (the profiler's CUDA synchronisation stubbed): a record with the wall time and the step's CPU ops."""
+    from benchmarks import profile_train as pt
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    r = pt.profile_trainer("quickstart", ["device=cpu", "data.name=synthetic", "data.synthetic_size=256"],
+                           batch=32, steps=2, warmup=1, trace_path=None)
+    assert r["mode"] == "trainer eager" and r["batch"] == 32 and r["wall_us_per_step"] > 0
+    assert r["overrides"] == "device=cpu data.name=synthetic data.synthetic_size=256"
+    assert any(op["name"] == "aten::mm" for op in r["top_cpu_ops"])
+    assert "(device=cpu data.name=synthetic" in pt.markdown([dict(r, card="cpu")], "cpu")
+    with pytest.raises(SystemExit):
+        pt.main(["--set", "compile=true"])  # --set only with --trainer
+
+
+def test_sdpa_preference_puts_the_backend_first_and_restores_the_order():
+    from torch.nn.attention import SDPBackend
+
+    from dres.train.loop import sdpa_preference
+
+    before = torch._C._get_sdp_priority_order()
+    with sdpa_preference("math"):
+        assert torch._C._get_sdp_priority_order()[0] == int(SDPBackend.MATH)
+        q = torch.randn(2, 2, 5, 8)
+        torch.testing.assert_close(torch.nn.functional.scaled_dot_product_attention(q, q, q),
+                                   torch.softmax(q @ q.transpose(-1, -2) / 8 ** 0.5, -1) @ q)
+    assert torch._C._get_sdp_priority_order() == before
+    with sdpa_preference("auto"):
+        assert torch._C._get_sdp_priority_order() == before
+
+
+def test_attention_bench_plan_and_table(capsys):
+    from benchmarks import bench_attention as ba
+
+    assert ba.main(["--dry-run", "--backends", "efficient,cudnn"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(ba.SHAPES) and lines[0].endswith("(1024, 6, 17, 64) x efficient, cudnn")
+    with pytest.raises(SystemExit):
+        ba.main(["--dry-run", "--backends", "xformers"])
+    base = dict(where="mae enc", batch=1024, heads=6, tokens=17, head_dim=64, card="h100")
+    md = ba.markdown([dict(base, backend="cudnn", supported=True, fwd_bwd_us=350.0),
+                      dict(base, backend="efficient", supported=True, fwd_bwd_us=120.0),
+                      dict(base, backend="flash", supported=False)])
+    assert "| 1024, 6, 17, 64 | mae enc | 350 | n/a | 120 | – | efficient |" in md
+
+
 def test_branch_ops_plan_markdown_and_bad_arguments(capsys):
     from benchmarks import bench_branch_ops as bb
 

@@ -321,6 +321,30 @@ def test_graphed_run_reports_its_replay_floor(tmp_path):
         assert "trainer_vs_replay" not in json.load(f)
 
 
+@pytest.mark.gpu
+def test_run_releases_the_captured_graph_before_the_process_group_goes(tmp_path, monkeypatch):
+    """run() frees the captured graph when training ends (a graph holding NCCL collectives keeps the
+    communicator alive, and destroying the process group then hangs); release() is idempotent."""
+    from dres.train.loop import run
+
+    seen = []
+    release = GraphedStep.release
+
+    def spy(self):
+        seen.append(self.graph is not None)
+        release(self)
+        seen.append(self.graph is None)
+
+    monkeypatch.setattr(GraphedStep, "release", spy)
+    cfg = build_config("mae", None, _TINY + ["cuda_graphs=true", "steps=6", f"out={tmp_path / 'run'}"])
+    run(cfg, _task("mae"), log=lambda m: None)
+    assert seen == [True, True]
+    tr = _fit(tmp_path / "again", ["cuda_graphs=true"], 5)
+    tr.graphed.release()
+    tr.graphed.release()
+    assert tr.graphed.graph is None
+
+
 def _ddp_worker(rank, world, port, out, graphs, steps):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -330,10 +354,12 @@ def _ddp_worker(rank, world, port, out, graphs, steps):
     overrides = ["dist=ddp", f"cuda_graphs={graphs}", "accum_steps=2", "optim.clip_grad=0.5",
                  "model.drop_path=0.3", "model.droppath_mode=residual_droppath"]
     tr = _fit(f"{out}/{graphs}", overrides, steps, log=lines.append)
+    captured = tr.graphed is not None and tr.graphed.graph is not None
+    if captured:  # as the trainer's run(): the graph goes before the process group, or destroying the group hangs
+        tr.graphed.release()
     if rank == 0:
         with open(f"{out}/{graphs}.json", "w") as f:
-            json.dump({"losses": [h["loss"] for h in tr.history], "lines": lines,
-                       "captured": tr.graphed is not None and tr.graphed.graph is not None,
+            json.dump({"losses": [h["loss"] for h in tr.history], "lines": lines, "captured": captured,
                        "params": [p.detach().double().sum().item() for p in tr.raw_model.parameters()]}, f)
     D.cleanup()
     os._exit(0)  # as test_train_fsdp's workers: skip static destructors of the process group's threads

@@ -142,8 +142,8 @@ def test_units_are_whole_dres_blocks():
 
 def test_per_block_compile_matches_eager():
     """The trainer's compile=true compiles each unit (each dres Block, called as (hidden_states,
-    residual), with a hook's alpha as a float or with the entering stream returned): loss and
-    gradients match eager."""
+    residual), with a hook's alpha as a float or with the entering stream returned, and the official
+    MAE's skip layers): loss and gradients match eager."""
     import copy
 
     from dres.models import create_mae
@@ -155,7 +155,8 @@ def test_per_block_compile_matches_eager():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     compiled = copy.deepcopy(model)
-    assert apply_compile(compiled) == len(model.encoder.transformer.blocks) + len(model.decoder.blocks)
+    n_units = len(model.encoder.transformer.blocks) + len(model.decoder.blocks) + len(model.skips)
+    assert len(model.skips) > 0 and apply_compile(compiled) == n_units
     imgs, noise = torch.randn(4, 3, 8, 8), torch.rand(4, 4)
     losses = []
     for m in (model, compiled):

@@ -151,9 +151,10 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
 
 def apply_compile(model: nn.Module) -> int:
     """``torch.compile`` each unit (repeated structure compiles once and is reused; the fused
-    custom ops between units stay as they are). A model may set ``compile_dynamic`` (the
+    custom ops between units stay as they are): the model's ``compile_units()`` where it lists more
+    regions than its blocks, else :func:`parallel_units`. A model may set ``compile_dynamic`` (the
     ``dynamic`` argument of ``torch.compile``; default None, torch's automatic choice)."""
-    units = parallel_units(model)
+    units = list(model.compile_units()) if hasattr(model, "compile_units") else parallel_units(model)
     dynamic = getattr(model, "compile_dynamic", None)
     if dynamic is False:  # units share one forward: static shapes need an entry per unit, mode and batch size
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(units))

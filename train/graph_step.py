@@ -213,6 +213,15 @@ class GraphedStep:
         self._replays += 1
         return self.outputs
 
+    def release(self) -> None:
+        """Free the captured graph once training is over. NCCL keeps a communicator alive while a graph
+        that captured its collectives exists, so destroying the process group first hangs
+        (pytorch/pytorch#115388): the trainer releases the graph before it tears the group down."""
+        if self.graph is not None:
+            torch.cuda.synchronize(self.tr.device)
+            self.graph.reset()
+            self.graph = None
+
     # ------------------------------------------------------------------ per log window
     def read_window(self, steps: int, wall_ms: float) -> dict:
         """The :func:`window_timing` fields of the log window that ends now (``steps`` steps in

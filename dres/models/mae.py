@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dres import ops
@@ -52,6 +53,22 @@ def unshuffle_with_mask_tokens(x: torch.Tensor, mask_token: torch.Tensor, ids_re
     return torch.cat([x[:, :1, :], patches], dim=1)
 
 
+def linear_of_skip_and_stream(skip: torch.Tensor, mask_token: torch.Tensor, ids_restore: torch.Tensor,
+                              stream: torch.Tensor, linear: nn.Linear, skip_first: bool) -> torch.Tensor:
+    """``linear(cat(unshuffle(skip), stream))`` (``cat(stream, unshuffle(skip))`` unless ``skip_first``)
+    without building the concatenation: a Linear acts per token, so the skip's columns of its weight
+    project the visible tokens (and the mask token) first, and the unshuffle moves those projections.
+    The same function as the authors' code with ``1 - mask_ratio`` of the skip's rows and no
+    (tokens x (skip + stream)) tensor."""
+    skip_dim = skip.shape[-1]
+    if skip_first:
+        w_skip, w_stream = linear.weight[:, :skip_dim], linear.weight[:, skip_dim:]
+    else:
+        w_stream, w_skip = linear.weight[:, :-skip_dim], linear.weight[:, -skip_dim:]
+    scattered = unshuffle_with_mask_tokens(F.linear(skip, w_skip), F.linear(mask_token, w_skip), ids_restore)
+    return scattered + F.linear(stream, w_stream, linear.bias)
+
+
 class SkipLayer(nn.Module):
     """Official-variant skip: a branch ``fc(cat(scatter(skip), stream))`` added to the decoder stream."""
 
@@ -62,8 +79,8 @@ class SkipLayer(nn.Module):
         self.mask_token = nn.Parameter(torch.randn(1, 1, skip_dim) * 0.02)
 
     def forward(self, stream: torch.Tensor, skip: torch.Tensor, ids_restore: torch.Tensor) -> torch.Tensor:
-        full = unshuffle_with_mask_tokens(skip, self.mask_token, ids_restore)
-        return self.fc(torch.cat([full.to(stream.dtype), stream], dim=-1))
+        h = linear_of_skip_and_stream(skip, self.mask_token, ids_restore, stream, self.fc[0], skip_first=True)
+        return self.fc[2](self.fc[1](h))
 
 
 class PaperSkip(nn.Module):
@@ -75,8 +92,7 @@ class PaperSkip(nn.Module):
         self.mask_token = nn.Parameter(torch.randn(1, 1, skip_dim) * 0.02)
 
     def forward(self, stream: torch.Tensor, skip: torch.Tensor, ids_restore: torch.Tensor) -> torch.Tensor:
-        full = unshuffle_with_mask_tokens(skip, self.mask_token, ids_restore)
-        return self.linear(torch.cat([stream, full.to(stream.dtype)], dim=-1))
+        return linear_of_skip_and_stream(skip, self.mask_token, ids_restore, stream, self.linear, skip_first=False)
 
 
 class MAE(nn.Module):
@@ -149,6 +165,11 @@ class MAE(nn.Module):
     def parallel_units(self) -> list[nn.Module]:
         """Encoder blocks, then decoder blocks (execution order), each one FSDP2 unit / compile region."""
         return self.encoder.parallel_units() + self.decoder.parallel_units()
+
+    def compile_units(self) -> list[nn.Module]:
+        """The blocks and the decoder's skip layers, each one torch.compile region (a skip layer's
+        unshuffle, adds and SiLU are memory-bound work that Inductor fuses around its matmuls)."""
+        return self.parallel_units() + list(self.skips)
 
     # ------------------------------------------------------------------------------------------
     def patchify(self, imgs: torch.Tensor) -> torch.Tensor:

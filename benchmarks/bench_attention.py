@@ -1,0 +1,126 @@
+"""SDPA's backends at the attention shapes of the presets: forward+backward of
+``F.scaled_dot_product_attention(q, k, v)`` with each backend forced (``sdpa_kernel``), bf16.
+
+    python -m benchmarks.bench_attention --out $OUT
+    python -m benchmarks.bench_attention --dry-run        # the plan, no GPU needed
+
+At CIFAR scale the sequences are short (17 visible tokens in the MAE encoder, 65 in its decoder)
+and torch's default order (cuDNN first on Hopper) pads them to its tile; the trainer's
+``sdpa_backend`` key puts the measured-fastest backend first. Each backend's output and gradients are
+checked against the math backend in float32 first (a backend that cannot run a shape is recorded as
+unsupported). Timed by ``triton.testing.do_bench`` (median). Results merge into
+``<out>/<card>-attention.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import common
+
+BACKENDS = ("cudnn", "flash", "efficient", "math")
+# (where, batch, heads, tokens, head dim)
+SHAPES = (
+    ("mae_cifar10 encoder (ViT-S/4, 25% of 64 patches + cls)", 1024, 6, 17, 64),
+    ("mae_cifar10 decoder", 1024, 8, 65, 32),
+    ("classify_cifar10 (ViT-Ti/4)", 256, 3, 65, 64),
+    ("uvit_cifar10 (U-ViT-S/2: 256 patches + time token)", 128, 8, 257, 64),
+    ("mae_vit_b16_in1k encoder", 256, 12, 50, 64),
+    ("mae_vit_b16_in1k decoder", 256, 16, 197, 32),
+)
+RECORD_KEY = ("card", "where", "backend")
+
+
+def fwd_bwd(backend: str, q, k, v, grad):
+    from torch.nn.attention import sdpa_kernel
+
+    from dres.train.loop import sdpa_backends
+
+    with sdpa_kernel(sdpa_backends()[backend]):
+        out = F.scaled_dot_product_attention(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+
+def run_shape(where: str, shape: tuple, backends: list[str], card: str, env: dict) -> list[dict]:
+    from triton.testing import do_bench
+
+    B, H, N, d = shape
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, grad = (torch.randn(B, H, N, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(4))
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    want = fwd_bwd("math", *(t.detach().float().requires_grad_(True) for t in (q, k, v)), grad.float())
+    records = []
+    for name in backends:
+        rec = {"where": where, "batch": B, "heads": H, "tokens": N, "head_dim": d, "backend": name, "card": card,
+               "date": common.today(), **env}
+        try:
+            got = fwd_bwd(name, q, k, v, grad)
+        except RuntimeError as e:  # "No available kernel" for this shape / dtype
+            rec.update(supported=False, why=str(e).strip().splitlines()[0][:160])
+            records.append(rec)
+            print(f"{where:55s} {name:9s} unsupported", flush=True)
+            continue
+        err = max(((g.float() - w).abs().max() / w.abs().max().clamp_min(1e-6)).item() for g, w in zip(got, want))
+        ms = do_bench(lambda: fwd_bwd(name, q, k, v, grad), warmup=25, rep=100)
+        rec.update(supported=True, max_rel_err_vs_math_fp32=err, fwd_bwd_us=ms * 1e3)
+        records.append(rec)
+        print(f"{where:55s} {name:9s} {ms * 1e3:9.1f} us  (max rel err {err:.1e})", flush=True)
+    return records
+
+
+def markdown(records: list[dict]) -> str:
+    lines = ["| shape (B, H, N, d) | where | " + " | ".join(BACKENDS) + " | fastest |", "|---|---|" + "---|" * (len(BACKENDS) + 1)]
+    by_where: dict[str, dict] = {}
+    for r in records:
+        by_where.setdefault(r["where"], {})[r["backend"]] = r
+    for where, recs in by_where.items():
+        r0 = next(iter(recs.values()))
+        times = {b: r["fwd_bwd_us"] for b, r in recs.items() if r.get("supported")}
+        cells = [f"{times[b]:.0f}" if b in times else ("–" if b not in recs else "n/a") for b in BACKENDS]
+        best = min(times, key=times.get) if times else "–"
+        lines.append(f"| {r0['batch']}, {r0['heads']}, {r0['tokens']}, {r0['head_dim']} | {where} | "
+                     + " | ".join(cells) + f" | {best} |")
+    return "Forward+backward, microseconds (bf16; n/a: the backend cannot run the shape)\n\n" + "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list of {', '.join(BACKENDS)}")
+    p.add_argument("--out", default=str(common.RESULTS_DIR), help="results folder")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
+    args = p.parse_args(argv)
+    backends = [b for b in args.backends.split(",") if b]
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown:
+        p.error(f"--backends: unknown {', '.join(unknown)}; known: {', '.join(BACKENDS)}")
+    if args.dry_run:
+        for where, *shape in SHAPES:
+            print(f"{where}: {tuple(shape)} x {', '.join(backends)}")
+        return 0
+    if not torch.cuda.is_available():
+        print("bench_attention needs a CUDA GPU", file=sys.stderr)
+        return 2
+    card, env = common.card_name(), common.versions()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{card}-attention.json"
+    for where, *shape in SHAPES:
+        records = common.merge_records(common.load_records(path), run_shape(where, tuple(shape), backends, card, env),
+                                       RECORD_KEY)
+        common.write_json_atomic(path, records)  # after each shape: a run cut short keeps what it measured
+        (out / f"{card}-attention.md").write_text(markdown(records))
+    print(markdown(common.load_records(path)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
