@@ -4,11 +4,10 @@
     python -m benchmarks.bench_attention --out $OUT
     python -m benchmarks.bench_attention --dry-run        # the plan, no GPU needed
 
-At CIFAR scale the sequences are short (17 visible tokens in the MAE encoder, 65 in its decoder)
-and torch's default order (cuDNN first on Hopper) pads them to its tile; the trainer's
-``sdpa_backend`` key puts the measured-fastest backend first. Each backend's output and gradients are
-checked against the math backend in float32 first (a backend that cannot run a shape is recorded as
-unsupported). Timed by ``triton.testing.do_bench`` (median). Results merge into
+At CIFAR scale the sequences are short (17 visible tokens in the MAE encoder, 65 in its decoder);
+this says which backend wins at each shape against torch's own choice (cuDNN first on Hopper, what
+the trainer runs). Each backend's output and gradients are checked against the math backend in
+float32 first (a backend that cannot run a shape is recorded as unsupported). Timed by ``triton.testing.do_bench`` (median). Results merge into
 ``<out>/<card>-attention.json`` and ``.md``.
 """
 
@@ -39,12 +38,17 @@ SHAPES = (
 RECORD_KEY = ("card", "where", "backend")
 
 
+def sdpa_backend(name: str):
+    from torch.nn.attention import SDPBackend
+
+    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
+
+
 def fwd_bwd(backend: str, q, k, v, grad):
     from torch.nn.attention import sdpa_kernel
 
-    from dres.train.loop import sdpa_backends
-
-    with sdpa_kernel(sdpa_backends()[backend]):
+    with sdpa_kernel(sdpa_backend(backend)):
         out = F.scaled_dot_product_attention(q, k, v)
     return (out, *torch.autograd.grad(out, (q, k, v), grad))
 

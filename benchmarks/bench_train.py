@@ -326,9 +326,11 @@ def max_batch(bench: str, name: str, checkpointing: bool, start: int, step: int,
 # last ("except_last") or none ("never"), or "prefetch" (the trainer's fsdp_prefetch: no resharding plus
 # forward prefetch); K blocks per FSDP2 unit (default: the trainer's fsdp_blocks_per_unit), e.g. "fsdp:always:1"
 # is FSDP2's own default. "ddp:bucket_view": DDP with gradient_as_bucket_view (bench_train's step only);
-# "ddp:graph": the trainer with cuda_graphs=true, its whole step captured, the all-reduce included (--trainer only).
+# "ddp:graph" / "ddp:eager": the trainer with cuda_graphs=true (its whole step captured, the all-reduce
+# included; what plain "ddp" runs by default) / false (--trainer only).
 FSDP_VARIANTS = ("auto", "always", "except_last", "never", "prefetch")
-DDP_VARIANTS = ("bucket_view", "graph")
+DDP_VARIANTS = ("bucket_view", "graph", "eager")
+TRAINER_CUDA_GRAPHS = {"graph": "true", "eager": "false"}
 # NVLink multicast (NVLS) stays off on the lent machines; NCCL falls back to its ring/tree paths.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -398,8 +400,8 @@ def wrap_model(model: torch.nn.Module, kind: str, variant: str, info) -> torch.n
     from dres.train import distributed as D
 
     if kind == "ddp":
-        if variant == "graph":
-            raise SystemExit("--dist ddp:graph is the trainer's captured step: use it with --trainer PRESET")
+        if variant in TRAINER_CUDA_GRAPHS:
+            raise SystemExit(f"--dist ddp:{variant} is the trainer's cuda_graphs setting: use it with --trainer PRESET")
         return D.apply_ddp(model, info, bucket_view=variant == "bucket_view")
     if kind == "fsdp":
         policy, blocks = fsdp_variant_parts(variant)
@@ -524,15 +526,15 @@ def trainer_plan(args) -> list[dict]:
     runs = []
     for world in parse_worlds(args.scaling or "1"):
         for kind, variant in dists_at(world, parse_dists(args.dist)):
-            if kind == "ddp" and variant not in ("", "graph"):
-                raise SystemExit(f"--trainer: the trainer has no variant {kind}:{variant} (its variants: ddp:graph, "
+            if kind == "ddp" and variant not in ("", *TRAINER_CUDA_GRAPHS):
+                raise SystemExit(f"--trainer: the trainer has no variant {kind}:{variant} (its variants: ddp:graph, ddp:eager, "
                                  f"fsdp:{'|'.join(FSDP_VARIANTS)}[:BLOCKS])")
             policy, blocks = fsdp_variant_parts(variant if kind == "fsdp" else "auto")  # DDP runs: the defaults
             for mode in modes(args):
                 sets = [f"compile={'true' if mode == 'compile' else 'false'}", f"dist={kind}",
                         f"fsdp_prefetch={'true' if policy == 'prefetch' else 'false'}",
                         f"fsdp_reshard={'auto' if policy == 'prefetch' else policy}",
-                        f"fsdp_blocks_per_unit={blocks}", *(["cuda_graphs=true"] if variant == "graph" else []),
+                        f"fsdp_blocks_per_unit={blocks}", *([f"cuda_graphs={TRAINER_CUDA_GRAPHS[variant]}"] if kind == "ddp" and variant in TRAINER_CUDA_GRAPHS else []),
                         f"batch_size={batch * world}", f"steps={args.trainer_steps}",
                         f"log.every={args.trainer_log_every}", "log.progress=false", "log.tensorboard=false",
                         "ckpt.every=0", *TRAINER_EVAL_OFF, *args.overrides]

@@ -8,7 +8,7 @@
 #   ddp_profile DDP and DDP with gradients as bucket views on the most GPUs, under torchrun (traces)
 #   ddp_graph_test  the two-GPU test of the captured DDP step against eager DDP (tests/test_graph_step.py)
 #   trainer     torchrun -m dres.train.mae --preset mae_vit_b16_in1k, synthetic data, eager, 256 images/GPU,
-#               dist none|ddp, ddp with the whole step captured (ddp:graph) and fsdp (its default) on
+#               dist none|ddp, DDP eager (ddp:eager) and with the whole step captured (ddp, the default) and fsdp on
 #               TRAINER_SCALING GPUs, steady-state img/s
 #   compile     bench_train --scaling, blocks compiled one by one (on 1 and the most GPUs unless
 #               COMPILE_SCALING says), DDP and the trainer's FSDP2
@@ -92,7 +92,7 @@ stage profile 45 80 python3 -m benchmarks.profile_train --bench mae --models "$P
 [ "$MAXW" -gt 1 ] && stage ddp_graph_test 30 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu \
   tests/test_graph_step.py -k ddp -rfE
 stage trainer 90 180 python3 -m benchmarks.bench_train --trainer mae_vit_b16_in1k --scaling "$TRAINER_SCALING" \
-  --dist ddp,ddp:graph,fsdp --modes eager --batch 256 --trainer-steps 30 --trainer-log-every 10 \
+  --dist ddp:eager,ddp,fsdp --modes eager --batch 256 --trainer-steps 30 --trainer-log-every 10 \
   --set data.name=synthetic --set data.synthetic_size=2048 --out "$STAGE_DIR"
 stage compile 90 600 python3 -m benchmarks.bench_train --only mae --models "$MODELS" --modes compile \
   --scaling "$COMPILE_SCALING" --dist ddp,fsdp --steps 10 --warmup 4 --out "$STAGE_DIR"

@@ -159,24 +159,25 @@ def profile_trainer(preset: str, overrides: list[str], batch: int | None, steps:
 
     from dres.train.cli import get_task
     from dres.train.config import build_config, load_preset
-    from dres.train.loop import Trainer, sdpa_preference
+    from dres.train.loop import Trainer
 
     task = load_preset(preset).get("task", "mae")
     with tempfile.TemporaryDirectory(prefix="dres-profile-") as tmp:
         sets = ["log.progress=false", "log.tensorboard=false", "ckpt.every=0", f"out={tmp}", "steps=100000",
                 *bench_train.TRAINER_EVAL_OFF, *([f"batch_size={batch}"] if batch else []), *overrides]
         cfg = build_config(task, preset, sets)
-        with sdpa_preference(cfg.sdpa_backend):
-            tr = Trainer(cfg, get_task(task), log=lambda m: print(m, flush=True)).setup()
-            tr.model.train()
+        tr = Trainer(cfg, get_task(task), log=lambda m: print(m, flush=True)).setup()
+        tr.model.train()
 
-            def step():
-                tr.train_step(tr.loader.next())
-                tr.step += 1
+        def step():
+            tr.train_step(tr.loader.next())
+            tr.step += 1
 
-            for _ in range(max(warmup, (tr.graphed.warmup_steps + 2) if tr.graphed else 1)):
-                step()
-            r = profile_steps(step, steps, trace_path)
+        for _ in range(max(warmup, (tr.graphed.warmup_steps + 2) if tr.graphed else 1)):
+            step()
+        r = profile_steps(step, steps, trace_path)
+        if tr.graphed is not None:
+            tr.graphed.release()
         mode = "trainer " + ("graphed" if tr.graphed is not None else "eager")
         del tr, step
     bench_train.free_memory()

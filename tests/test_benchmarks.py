@@ -368,22 +368,6 @@ def test_profile_trainer_profiles_the_trainers_own_step(monkeypatch):
         pt.main(["--set", "compile=true"])  # --set only with --trainer
 
 
-def test_sdpa_preference_puts_the_backend_first_and_restores_the_order():
-    from torch.nn.attention import SDPBackend
-
-    from dres.train.loop import sdpa_preference
-
-    before = torch._C._get_sdp_priority_order()
-    with sdpa_preference("math"):
-        assert torch._C._get_sdp_priority_order()[0] == int(SDPBackend.MATH)
-        q = torch.randn(2, 2, 5, 8)
-        torch.testing.assert_close(torch.nn.functional.scaled_dot_product_attention(q, q, q),
-                                   torch.softmax(q @ q.transpose(-1, -2) / 8 ** 0.5, -1) @ q)
-    assert torch._C._get_sdp_priority_order() == before
-    with sdpa_preference("auto"):
-        assert torch._C._get_sdp_priority_order() == before
-
-
 def test_attention_bench_plan_and_table(capsys):
     from benchmarks import bench_attention as ba
 
@@ -495,16 +479,20 @@ def test_trainer_plan_runs_the_preset_per_world_and_wrapping(capsys):
     assert "--set fsdp_reshard=always --set fsdp_blocks_per_unit=1 " in always
     with pytest.raises(SystemExit, match="the trainer has no variant"):  # a bench-only candidate
         bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "2", "--dist", "ddp:bucket_view"])
-    # ddp:graph is the trainer with its whole step captured (DDP's all-reduce inside the graph)
+    # ddp:graph / ddp:eager: the trainer with its whole step captured (DDP's all-reduce inside) or not;
+    # plain ddp takes the trainer's default (cuda_graphs=auto)
     assert bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "2", "--modes", "eager",
-                    "--dist", "ddp,ddp:graph"]) == 0
-    plain, graphed = capsys.readouterr().out.splitlines()
-    assert "cuda_graphs=true" not in plain and "--set dist=ddp " in graphed and "--set cuda_graphs=true " in graphed
+                    "--dist", "ddp,ddp:graph,ddp:eager"]) == 0
+    plain, graphed, eager = capsys.readouterr().out.splitlines()
+    assert "cuda_graphs" not in plain and "--set dist=ddp " in graphed and "--set cuda_graphs=true " in graphed
+    assert "--set cuda_graphs=false " in eager
     assert "--set fsdp_reshard=auto " in graphed  # a DDP variant is no FSDP2 setting (the trainer would refuse it)
+    with pytest.raises(SystemExit, match="use it with --trainer"):
+        bt.wrap_model(torch.nn.Linear(2, 2), "ddp", "eager", None)  # bench_train's own step has no such setting
     from dres.train.config import build_config
 
     plan = bt.trainer_plan(bt.build_parser().parse_args(
-        ["--trainer", "mae_vit_b16_in1k", "--scaling", "1,2", "--dist", "ddp,ddp:graph,fsdp,fsdp:never:4"]))
+        ["--trainer", "mae_vit_b16_in1k", "--scaling", "1,2", "--dist", "ddp,ddp:graph,ddp:eager,fsdp,fsdp:never:4"]))
     for run in plan:  # every planned run's overrides are a configuration the trainer accepts
         build_config(run["task"], run["preset"], run["sets"])
     with pytest.raises(SystemExit, match="must exceed"):
@@ -587,7 +575,7 @@ def test_multi_gpu_check_dry_run_fits_the_budget(tmp_path):
     assert "--scaling 1,2,4 --dist ddp,fsdp,fsdp:auto:1,fsdp:never:4,fsdp:auto:8 " in out
     assert "--nproc_per_node=4 -m benchmarks.profile_train" in out and "--dist none,fsdp:auto:1,fsdp " in out
     assert "--modes compile --scaling 1,4" in out and "--trainer mae_vit_b16_in1k --scaling 1,4 " in out
-    assert "tests/test_graph_step.py -k ddp" in out and "--dist ddp,ddp:graph,fsdp " in out
+    assert "tests/test_graph_step.py -k ddp" in out and "--dist ddp:eager,ddp,fsdp " in out
     env.update(NGPU="2", BUDGET_S="150", STAGES="trainer compile")
     out = subprocess.run(["bash", str(repo / "benchmarks" / "multi_gpu_check.sh")], env=env, capture_output=True,
                          text=True, check=True).stdout

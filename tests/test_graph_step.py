@@ -36,11 +36,11 @@ def test_plan_captures_single_process_cuda_by_default():
     assert _plan(["model.drop_path=0.2", "model.droppath_mode=residual_droppath"])[0]  # masks from a device counter
 
 
-def test_ddp_on_several_processes_is_captured_only_when_asked():
-    on, why = _plan(["dist=ddp"], world=2)
-    assert not on and "cuda_graphs=true" in why
-    on, why = _plan(["dist=ddp", "cuda_graphs=true"], world=2)
-    assert on and "DDP's gradient all-reduce included" in why and f"{DDP_WARMUP_STEPS} warm-up steps" in why
+def test_ddp_on_several_processes_is_captured_with_its_all_reduce():
+    for setting in ("auto", "true"):
+        on, why = _plan(["dist=ddp", f"cuda_graphs={setting}"], world=2)
+        assert on and "DDP's gradient all-reduce included" in why and f"{DDP_WARMUP_STEPS} warm-up steps" in why
+    assert not _plan(["dist=ddp", "cuda_graphs=false"], world=2)[0]
     cfg = build_config("mae", None, ["dist=ddp"])
     assert graph_warmup_steps(cfg, 2) == DDP_WARMUP_STEPS == 11 and graph_warmup_steps(cfg, 1) == 3
     assert graph_warmup_steps(build_config("mae", None, []), 1) == 3
@@ -56,7 +56,6 @@ def test_auto_captures_every_classification_preset():
     (["cuda_graphs=false"], {}, "cuda_graphs=false"),
     (["cuda_graphs=true"], {"device": torch.device("cpu")}, "the device is cpu, not CUDA"),
     (["dist=fsdp"], {}, "FSDP2"),
-    (["dist=ddp"], {"world": 2}, "DDP"),
     (["act_ckpt=selective"], {}, "activation checkpointing"),
     (["precision=fp16", "optim.fused=false"], {"precision": "fp16"}, "fused AdamW"),
 ])

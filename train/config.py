@@ -165,8 +165,6 @@ class Config:
     # capture the whole train step as one CUDA graph: auto (on where supported: CUDA, one process) | true | false
     cuda_graphs: str = "auto"
     act_ckpt: str = "none"    # none | full | selective
-    # the SDPA backend tried first: auto (torch's order) | cudnn | flash | efficient | math
-    sdpa_backend: str = "auto"
     dist: str = "none"        # none | ddp | fsdp
     fsdp_param_dtype: str = "bf16"  # bf16 | fp32 (mixed-precision policy of FSDP2)
     fsdp_prefetch: bool = False  # units keep parameters gathered to the backward + forward prefetch
@@ -186,7 +184,7 @@ class Config:
 
 CHOICES = {
     "task": TASKS, "precision": ("auto", "bf16", "fp16", "fp32"), "act_ckpt": ("none", "full", "selective"),
-    "cuda_graphs": ("auto", "true", "false"), "sdpa_backend": ("auto", "cudnn", "flash", "efficient", "math"),
+    "cuda_graphs": ("auto", "true", "false"),
     "dist": ("none", "ddp", "fsdp"), "fsdp_param_dtype": ("bf16", "fp32"),
     "fsdp_reshard": ("auto", "always", "except_last", "never"),
     "data.name": ("digits", "cifar10_wds", "wds", "imagefolder", "cifar_tv", "mnist_tv", "synthetic"),

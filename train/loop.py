@@ -18,7 +18,6 @@ a step share its parity (and, with equal micro-batch sizes, its masks).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -85,29 +84,6 @@ def lr_lambda(total: int, warmup: int, schedule: str, min_ratio: float):
         return min_ratio + (1 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(t, 1.0)))
 
     return f
-
-
-def sdpa_backends() -> dict:
-    """The config's names of torch's SDPA backends (``sdpa_backend``), in torch's default order."""
-    from torch.nn.attention import SDPBackend
-
-    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-
-
-@contextlib.contextmanager
-def sdpa_preference(backend: str):
-    """Inside the block scaled_dot_product_attention tries ``backend`` first, then torch's other
-    backends (``auto``: torch's own order). Short sequences (CIFAR's 17 and 65 tokens) run faster on
-    another backend than torch's first choice (BENCHMARKS.md, "Attention backends")."""
-    if backend == "auto":
-        yield
-        return
-    from torch.nn.attention import sdpa_kernel
-
-    order = sdpa_backends()
-    with sdpa_kernel([order.pop(backend)] + list(order.values()), set_priority=True):
-        yield
 
 
 class Trainer:
@@ -473,19 +449,18 @@ def run(cfg: Config, task, *, resume=None, eval_only=False, ckpt=None, overwrite
     if not eval_only:
         rundir.claim(tr.out, cfg, resume=resume, overwrite=overwrite, main=tr.main, log=tr.log)
         D.barrier()
-    with sdpa_preference(cfg.sdpa_backend):
-        tr.setup(train=not eval_only)
-        try:
-            if eval_only:
-                tr.load_weights(ckpt or tr.ckpt_dir)
-                ev = tr.evaluate() if tr.main or cfg.dist != "none" else {}
-                return tr.finish(ev, eval_only=True)
-            if resume:
-                tr.resume(resume)
-            tr.fit()
-            ev = tr.evaluate()
-            return tr.finish(ev)
-        finally:
-            if tr.graphed is not None:
-                tr.graphed.release()
-            D.barrier()
+    tr.setup(train=not eval_only)
+    try:
+        if eval_only:
+            tr.load_weights(ckpt or tr.ckpt_dir)
+            ev = tr.evaluate() if tr.main or cfg.dist != "none" else {}
+            return tr.finish(ev, eval_only=True)
+        if resume:
+            tr.resume(resume)
+        tr.fit()
+        ev = tr.evaluate()
+        return tr.finish(ev)
+    finally:
+        if tr.graphed is not None:
+            tr.graphed.release()
+        D.barrier()
