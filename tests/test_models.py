@@ -103,6 +103,16 @@ def test_mae_matches_plain_float64(variant):
     assert len(got) == len([p for p in model.parameters() if p.requires_grad])  # every parameter is used
 
 
+@pytest.mark.parametrize("variant", ["baseline", "official", "paper"])
+def test_mae_gradients_have_their_parameters_strides(variant):
+    """DDP copies a gradient whose strides differ from its parameter's into its bucket and warns on every
+    run ("Grad strides do not match bucket view strides"): every parameter's gradient is laid out like it."""
+    model = create_mae("mae_vit_test", variant=variant, alpha_min=0.6, backend="torch")
+    model(torch.randn(2, 3, 8, 8))[0].backward()
+    odd = {n: (p.grad.stride(), p.stride()) for n, p in model.named_parameters() if p.grad.stride() != p.stride()}
+    assert not odd, odd
+
+
 def test_mae_decayed_matches_plain_float64():
     torch.manual_seed(1)
     model = perturb_(create_mae("mae_vit_test", variant="official", alpha_min=0.6, backend="torch")).double()

@@ -205,8 +205,10 @@ class MAE(nn.Module):
 
     def forward_decoder(self, latent: torch.Tensor, ids_restore: torch.Tensor, skips: dict) -> torch.Tensor:
         if self.variant == "official":
-            start = torch.cat([self.decoder_cls_token, self.decoder_pos_embed[:, 1:]], dim=1)
-            x = self.decoder_embed(start).expand(latent.shape[0], -1, -1)
+            # decoder_embed(cat(cls, pos)) embedded per part: the class token's gradient is then a tensor of
+            # its own, not a strided slice of the cat's (which DDP's gradient buckets warn about)
+            start = [self.decoder_embed(self.decoder_cls_token), self.decoder_embed(self.decoder_pos_embed[:, 1:])]
+            x = torch.cat(start, dim=1).expand(latent.shape[0], -1, -1)
         else:
             x = unshuffle_with_mask_tokens(self.decoder_embed(latent), self.mask_token, ids_restore)
             x = x + self.decoder_pos_embed
