@@ -163,7 +163,8 @@ class MAE(nn.Module):
         return self.encoder.droppath
 
     def parallel_units(self) -> list[nn.Module]:
-        """Encoder blocks, then decoder blocks (execution order), each one FSDP2 unit / compile region."""
+        """Encoder blocks, then decoder blocks (execution order): what FSDP2 groups into units,
+        activation checkpointing wraps and (with the skip layers, :meth:`compile_units`) compile compiles."""
         return self.encoder.parallel_units() + self.decoder.parallel_units()
 
     def compile_units(self) -> list[nn.Module]:

@@ -111,7 +111,8 @@ class UViT(nn.Module):
         return torch.cat([p.to(dtype) for p in parts], dim=1) + self.pos_embed
 
     def parallel_units(self) -> list[nn.Module]:
-        """The transformer blocks, each one FSDP2 unit / torch.compile region (the skip Linears stay in the root)."""
+        """The transformer blocks, each one torch.compile region, grouped into FSDP2 units (the skip
+        Linears stay in the root)."""
         return self.transformer.parallel_units()
 
     def run_blocks(self, tokens: torch.Tensor, collect=()):

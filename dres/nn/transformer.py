@@ -285,7 +285,7 @@ class TransformerStack(ResidualStream, nn.Module):
         return self.blocks
 
     def parallel_units(self) -> list[nn.Module]:
-        """The blocks: each is one FSDP2 unit and one torch.compile region."""
+        """The blocks: each one torch.compile region; FSDP2 groups ``fsdp_blocks_per_unit`` of them a unit."""
         return list(self.blocks)
 
     def zero_init_branch_ends(self) -> None:
