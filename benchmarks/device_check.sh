@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, run the GPU test suite, run the benchmarks; everything
 # lands under $OUT (default ./device_out). Usage:
-#   bash benchmarks/device_check.sh [tests|kernels|train|all]   (default: all)
+#   bash benchmarks/device_check.sh [tests|kernels|train|trainers|all]   (default: all)
 # Stages can be limited with STAGES="tests kernels" and pytest selection with TESTS="tests/test_ops.py".
+# trainers: issue 14's trainer figures (one GPU, steady-state img/s and trainer / replay of each preset,
+# ViT-B/16 beside the compiled bare steps), each run cut at TRAINER_TIMEOUT_S (default 150).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./device_out}
@@ -28,6 +30,23 @@ fi
 if want kernels && [ -f benchmarks/bench_kernels.py ]; then
   python3 -m benchmarks.bench_kernels ${KERNEL_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | tail -n 60
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if want trainers; then
+  T=${TRAINER_TIMEOUT_S:-150}
+  while read -r preset batch steps every extra; do
+    timeout "$T" python3 -m benchmarks.bench_train --trainer "$preset" --batch "$batch" --modes compile --dist none \
+      --trainer-steps "$steps" --trainer-log-every "$every" $extra --out "$OUT" >>"$OUT/trainers.log" 2>&1 || status=1
+  done <<'RUNS'
+mae_cifar10 1024 400 40
+mae_cifar10 256 600 60
+classify_cifar10 256 600 60
+uvit_cifar10 128 600 60 --set eval.n_samples=8
+mae_vit_b16_in1k 256 60 10 --set data.name=synthetic
+RUNS
+  timeout "$T" python3 -m benchmarks.bench_train --only mae --models timm,dres_official --modes compile --batch 256 \
+    --no-flops --out "$OUT" >>"$OUT/trainers.log" 2>&1 || status=1
+  grep -E "^trainer|img/s, step" "$OUT/trainers.log"
 fi
 
 if want train && [ -f benchmarks/bench_train.py ]; then
