@@ -530,11 +530,12 @@ def trainer_plan(args) -> list[dict]:
                 raise SystemExit(f"--trainer: the trainer has no variant {kind}:{variant} (its variants: ddp:graph, ddp:eager, "
                                  f"fsdp:{'|'.join(FSDP_VARIANTS)}[:BLOCKS])")
             policy, blocks = fsdp_variant_parts(variant if kind == "fsdp" else "auto")  # DDP runs: the defaults
+            graphs = [f"cuda_graphs={TRAINER_CUDA_GRAPHS[variant]}"] if kind == "ddp" and variant else []
             for mode in modes(args):
                 sets = [f"compile={'true' if mode == 'compile' else 'false'}", f"dist={kind}",
                         f"fsdp_prefetch={'true' if policy == 'prefetch' else 'false'}",
                         f"fsdp_reshard={'auto' if policy == 'prefetch' else policy}",
-                        f"fsdp_blocks_per_unit={blocks}", *([f"cuda_graphs={TRAINER_CUDA_GRAPHS[variant]}"] if kind == "ddp" and variant in TRAINER_CUDA_GRAPHS else []),
+                        f"fsdp_blocks_per_unit={blocks}", *graphs,
                         f"batch_size={batch * world}", f"steps={args.trainer_steps}",
                         f"log.every={args.trainer_log_every}", "log.progress=false", "log.tensorboard=false",
                         "ckpt.every=0", *TRAINER_EVAL_OFF, *args.overrides]
