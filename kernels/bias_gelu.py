@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import CachedLaunch, persistent_programs, scratch_buffer, sum_partials
+from .utils import CachedLaunch, cdiv, persistent_programs, rows_of, scratch_buffer, sum_partials
 
 
 @triton.jit
@@ -131,14 +131,16 @@ _BACKWARD = CachedLaunch(_bias_gelu_bwd_kernel)
 
 
 def bias_gelu_forward(pre: torch.Tensor, bias: torch.Tensor | None, act: torch.Tensor) -> None:
-    """Write ``act = gelu(pre + bias)`` for 2-D row views ``pre``, ``act`` (M, N) of unit column
-    stride (any row stride); ``bias`` is (N,) or None. ``act``'s dtype is the output dtype."""
-    M, N = pre.shape
-    if M == 0 or N == 0:
+    """Write ``act = gelu(pre + bias)``: ``pre`` (..., N) with evenly spaced rows (others are copied:
+    ``rows_of``), ``act`` contiguous of pre's shape and the output dtype; ``bias`` (N,) or None."""
+    N = pre.shape[-1]
+    M = pre.numel() // N if N else 0
+    if M == 0:
         return
+    pre, stride_pre = rows_of(pre)
     block_m, block_n, num_warps = forward_config(N)
-    _FORWARD((triton.cdiv(M, block_m), triton.cdiv(N, block_n)), (
-        pre, bias if bias is not None else pre, act, pre.stride(0), act.stride(0), M, N,
+    _FORWARD((cdiv(M, block_m), cdiv(N, block_n)), (
+        pre, bias if bias is not None else pre, act, stride_pre, N, M, N,
         bias is not None, block_m, block_n,
     ), num_warps)
 
@@ -154,33 +156,36 @@ def bias_gelu_backward(
     """Write ``dpre = g * gelu'(pre + bias)`` and, when ``act`` is given, ``act = gelu(pre + bias)``;
     return ``dbias`` (fp32, (N,)) when ``need_dbias``, else None.
 
-    All tensors are 2-D (M, N) row views with unit column stride; ``g`` may have any row stride
-    (0 included: an expanded gradient).
+    ``g``, ``pre``: (..., N) with evenly spaced rows (others are copied: ``rows_of``; ``g`` may have
+    row stride 0, an expanded gradient); ``dpre``, ``act``: contiguous, of pre's shape.
     """
-    M, N = pre.shape
+    N = pre.shape[-1]
+    M = pre.numel() // N if N else 0
     device = pre.device
     f32 = dict(dtype=torch.float32, device=device)
     if M == 0 or N == 0:
         return torch.zeros((N,), **f32) if need_dbias else None
     block_m, block_n, num_warps, programs_per_sm = backward_config(N)
-    col_blocks = triton.cdiv(N, block_n)
-    row_tiles = triton.cdiv(M, block_m)
+    col_blocks = cdiv(N, block_n)
+    row_tiles = cdiv(M, block_m)
     # Enough programs to fill the GPU (a few per SM) split between the column blocks; each row
     # strip then holds whole tiles. On the CPU interpreter persistent_programs gives 4, so small
     # test shapes still run several strips and the partials' reduction.
     programs = persistent_programs(device, col_blocks * row_tiles, programs_per_sm)
     strips = max(1, min(row_tiles, programs // col_blocks))
-    rows_per_strip = triton.cdiv(row_tiles, strips) * block_m
-    strips = triton.cdiv(M, rows_per_strip)  # rounding up rows_per_strip may leave a strip empty
+    rows_per_strip = cdiv(row_tiles, strips) * block_m
+    strips = cdiv(M, rows_per_strip)  # rounding up rows_per_strip may leave a strip empty
     partials = None
     if need_dbias and strips == 1:  # one strip: its partial sums are dbias itself, the output
         partials = torch.empty((1, N), **f32)
     elif need_dbias:  # in reusable scratch: no allocation per call
         partials = scratch_buffer(device, strips * N).view(strips, N)
+    g, stride_g = rows_of(g)
+    pre, stride_pre = rows_of(pre)
     _BACKWARD((col_blocks, strips), (
         g, pre, bias if bias is not None else pre, dpre, act if act is not None else dpre,
         partials if need_dbias else dpre,
-        g.stride(0), pre.stride(0), dpre.stride(0), act.stride(0) if act is not None else 0,
+        stride_g, stride_pre, N, N,
         M, N, rows_per_strip, bias is not None, act is not None, need_dbias, block_m, block_n,
     ), num_warps)
     if not need_dbias:

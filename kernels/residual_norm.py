@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .utils import CachedLaunch, persistent_programs, scratch_buffer, sum_partials
+from .utils import CachedLaunch, cdiv, persistent_programs, rows_of, scratch_buffer, sum_partials
 
 # The largest row length the kernels keep in registers in one tile.
 MAX_DIM = 16384
@@ -221,24 +221,29 @@ def residual_norm_forward(
     mean: torch.Tensor | None,
     rstd: torch.Tensor | None,
 ) -> None:
-    """Launch the forward kernel on 2-D row views (last-dim stride 1). Writes out/y/mean/rstd.
+    """Launch the forward kernel. Writes out/y/mean/rstd.
 
-    ``h is None`` means layer_norm only (``out`` unused); ``y is None`` means residual_add only.
+    x, h: (..., D) with evenly spaced rows (any other layout is copied: ``rows_of``); out, y:
+    contiguous, x's shape; mean, rstd: (rows,). ``h is None`` means layer_norm only (``out``
+    unused); ``y is None`` means residual_add only.
     """
-    M, D = x.shape
+    D = x.shape[-1]
+    M = x.numel() // D
     if M == 0:
         return
+    x, stride_x = rows_of(x)
     has_h = h is not None
+    h, stride_h = rows_of(h) if has_h else (x, 0)
     has_norm = y is not None
     alpha_is_ptr = isinstance(alpha, torch.Tensor)
     block_m, block_d, num_warps = launch_config(D)
     dummy = x
-    _FORWARD((triton.cdiv(M, block_m),), (
-        x, h if has_h else dummy, out if has_h else dummy, y if has_norm else dummy,
+    _FORWARD((cdiv(M, block_m),), (
+        x, h, out if has_h else dummy, y if has_norm else dummy,
         weight if weight is not None else dummy, bias if bias is not None else dummy,
         alpha if alpha_is_ptr else dummy, row_scale if row_scale is not None else dummy,
         mean if has_norm else dummy, rstd if has_norm else dummy,
-        x.stride(0), h.stride(0) if has_h else 0, out.stride(0) if has_h else 0, y.stride(0) if has_norm else 0,
+        stride_x, stride_h, D, D,
         M, D, rows_per_sample, 1.0 if alpha_is_ptr else float(alpha), eps,
         has_h, has_norm, weight is not None, bias is not None, alpha_is_ptr, row_scale is not None,
         block_m, block_d,
@@ -266,9 +271,11 @@ def residual_norm_backward(
     """Launch the backward kernel; returns (dweight fp32, dbias fp32, dalpha fp32) where asked.
 
     ``normed`` is the tensor the norm normalised (the stored ``out``, or x for layer_norm);
-    ``x`` is needed only for dalpha.
+    ``x`` is needed only for dalpha. Inputs (..., D) with evenly spaced rows (others are copied:
+    ``rows_of``; a gradient with row stride 0 is read in place); dx, dh contiguous.
     """
-    M, D = dx.shape
+    D = dx.shape[-1]
+    M = dx.numel() // D
     device = dx.device
     need_dweight = need_dweight and g_y is not None
     need_dbias = need_dbias and g_y is not None
@@ -282,7 +289,7 @@ def residual_norm_backward(
         zeros = lambda shape: torch.zeros(shape, **f32)  # noqa: E731
         return (zeros((D,)) if need_dweight else None, zeros((D,)) if need_dbias else None,
                 zeros(()) if need_dalpha else None)
-    num_tiles = triton.cdiv(M, block_m)
+    num_tiles = cdiv(M, block_m)
     programs = persistent_programs(device, num_tiles, programs_per_sm)
     # dweight and dbias partials share one buffer so that one reduction launch sums both; with
     # dalpha's per-row sums they live in reusable scratch (every program writes its whole row of
@@ -295,20 +302,22 @@ def residual_norm_backward(
     dalpha_row = scratch[partials_numel:] if need_dalpha else None
     alpha_is_ptr = isinstance(alpha, torch.Tensor)
     dummy = dx
+    has_g_out, has_g_y = g_out is not None, g_y is not None
+    g_out, stride_gout = rows_of(g_out) if g_out is not None else (dummy, 0)
+    g_y, stride_gy = rows_of(g_y) if g_y is not None else (dummy, 0)
+    normed, stride_normed = rows_of(normed) if normed is not None else (dummy, 0)
+    x, stride_x = rows_of(x) if x is not None else (dummy, 0)
     _BACKWARD((programs,), (
-        g_out if g_out is not None else dummy, g_y if g_y is not None else dummy,
-        normed if normed is not None else dummy, x if x is not None else dummy,
+        g_out, g_y, normed, x,
         weight if weight is not None else dummy,
         mean if mean is not None else dummy, rstd if rstd is not None else dummy,
         alpha if alpha_is_ptr else dummy, grad_scale if grad_scale is not None else dummy,
         dx, dh if dh is not None else dummy,
         partials[0] if need_dweight else dummy, partials[num_partials - 1] if need_dbias else dummy,
         dalpha_row if need_dalpha else dummy,
-        g_out.stride(0) if g_out is not None else 0, g_y.stride(0) if g_y is not None else 0,
-        normed.stride(0) if normed is not None else 0, x.stride(0) if x is not None else 0,
-        dx.stride(0), dh.stride(0) if dh is not None else 0,
+        stride_gout, stride_gy, stride_normed, stride_x, D, D,
         M, D, rows_per_sample, 1.0 if alpha_is_ptr else float(alpha), num_tiles,
-        g_out is not None, g_y is not None, dh is not None, weight is not None, need_dweight, need_dbias,
+        has_g_out, has_g_y, dh is not None, weight is not None, need_dweight, need_dbias,
         alpha_is_ptr, grad_scale is not None, need_dalpha, block_m, block_d,
     ), num_warps, num_stages)
     dweight = dbias = None

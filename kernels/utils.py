@@ -1,5 +1,6 @@
-"""What the Triton launchers share: a cached direct launch of compiled kernels, the persistent-grid
-size, reusable fp32 scratch, and the fixed-order column sum that finishes partial reductions.
+"""What the Triton launchers share: a cached direct launch of compiled kernels, tensors as rows,
+the persistent-grid size, reusable fp32 scratch, and the fixed-order column sum that finishes
+partial reductions.
 
 Kernels and launchers only, like the rest of ``dres.kernels``: no autograd.
 """
@@ -113,6 +114,35 @@ def _hook_registered(hook) -> bool:
     return bool(calls) if calls is not None else True
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids (``triton.cdiv`` is a ConstexprFunction: microseconds per call)."""
+    return -(-a // b)
+
+
+def rows_of(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t`` read as (rows, D) rows of its last dimension: ``(t, row stride)`` without a copy when its
+    rows are evenly spaced with unit stride along D, else ``(contiguous copy, D)``.
+
+    The kernels take a base pointer and a row stride, so N-D tensors need no (rows, D) view: gradients
+    may arrive with any strides (a slice of a larger tensor, an expanded tensor with row stride 0)
+    and are read in place.
+    """
+    shape, strides = t.shape, t.stride()
+    if strides[-1] == 1 or shape[-1] == 1:
+        row_stride = expected = None
+        for size, stride in zip(reversed(shape[:-1]), reversed(strides[:-1])):
+            if size == 1:
+                continue
+            if row_stride is None:
+                row_stride = stride
+            elif stride != expected:
+                break
+            expected = stride * size
+        else:
+            return t, shape[-1] if row_stride is None else row_stride
+    return t.contiguous(), shape[-1]
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -145,7 +175,8 @@ def scratch_buffer(device: torch.device, numel: int) -> torch.Tensor:
         if torch.cuda.is_current_stream_capturing():
             return torch.empty((numel,), dtype=torch.float32, device=device)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (device.type, index, torch.cuda.current_stream(index).stream_id, threading.get_ident())
+        stream = _raw_stream(index) if _raw_stream is not None else torch.cuda.current_stream(index).stream_id
+        key = (device.type, index, stream, threading.get_ident())
     else:
         key = (device.type, device.index, 0, threading.get_ident())
     buf = _SCRATCH.get(key)
@@ -176,11 +207,16 @@ def _sum_partials_kernel(PART, OUT0, OUT1, num_rows, D, BLOCK_R: tl.constexpr, B
 _SUM_PARTIALS = CachedLaunch(_sum_partials_kernel)
 
 
+@functools.lru_cache(maxsize=None)
+def _sum_partials_block(dim: int) -> int:
+    return min(32, triton.next_power_of_2(dim))
+
+
 def sum_partials(partials: torch.Tensor, outs: list[torch.Tensor]) -> None:
     """``outs[k][:] = partials[k].sum(0)`` in a fixed order, for one or two (rows, D) fp32 partials
     stacked in ``partials`` (k, rows, D), contiguous: one launch for both."""
     num, rows, dim = partials.shape
     # Narrow column strips, so that many programs share the partials; each walks all rows in order.
-    block_c = min(32, triton.next_power_of_2(dim))
-    _SUM_PARTIALS((triton.cdiv(dim, block_c), num),
+    block_c = _sum_partials_block(dim)
+    _SUM_PARTIALS((cdiv(dim, block_c), num),
                   (partials, outs[0], outs[-1], rows, dim, 128, block_c), num_warps=4)

@@ -36,7 +36,7 @@ from dres.ops.checks import (KERNEL_DTYPES, REFERENCE_DTYPES, _check_same_device
                              check_vector, resolve_backend_without_csrc)
 from dres.ops.reference import _compute_dtype
 from dres.ops.registration import with_inductor_fallbacks
-from dres.ops.utils import as_rows, param_grad
+from dres.ops.utils import param_grad
 
 __all__ = ["fused_bias_gelu", "fused_mlp", "bias_gelu_reference", "mlp_reference", "mlp_compute_dtype"]
 
@@ -122,7 +122,7 @@ def bias_gelu_triton(pre: Tensor, bias: Optional[Tensor], out_dtype: Optional[to
     from dres.kernels.bias_gelu import bias_gelu_forward
 
     act = torch.empty(pre.shape, dtype=out_dtype or pre.dtype, device=pre.device)
-    bias_gelu_forward(as_rows(pre), bias, act.view(-1, pre.shape[-1]))
+    bias_gelu_forward(pre, bias, act)
     return act
 
 
@@ -137,11 +137,9 @@ def bias_gelu_backward_triton(g: Tensor, pre: Tensor, bias: Optional[Tensor], ac
     """
     from dres.kernels.bias_gelu import bias_gelu_backward
 
-    dim = pre.shape[-1]
     dpre = torch.empty(pre.shape, dtype=pre.dtype, device=pre.device) if dpre is None else dpre
     act = torch.empty(pre.shape, dtype=act_dtype, device=pre.device) if act_dtype is not None else None
-    dbias = bias_gelu_backward(as_rows(g), as_rows(pre), bias, dpre.view(-1, dim),
-                               None if act is None else act.view(-1, dim), need_dbias and bias is not None)
+    dbias = bias_gelu_backward(g, pre, bias, dpre, act, need_dbias and bias is not None)
     return (dpre, act if act is not None else pre.new_empty((0,)),
             dbias if dbias is not None else pre.new_empty((0,), dtype=torch.float32))
 

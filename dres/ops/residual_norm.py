@@ -27,7 +27,7 @@ from torch import Tensor
 from dres.ops import reference
 from dres.ops.checks import check_eps, check_inputs, resolve_backend
 from dres.ops.registration import with_inductor_fallbacks
-from dres.ops.utils import alpha_args, as_rows, param_grad, rows_per_sample
+from dres.ops.utils import alpha_args, param_grad, rows_per_sample
 
 __all__ = ["residual_layer_norm", "residual_add", "layer_norm", "ResidualLayerNormFn", "ResidualAddFn", "LayerNormFn"]
 
@@ -52,9 +52,8 @@ def residual_layer_norm_triton(
     out = torch.empty(x.shape, dtype=residual_dtype or x.dtype, device=x.device)
     y = torch.empty(x.shape, dtype=out_dtype or h.dtype, device=x.device)
     mean, rstd = _stats(x)
-    dim = x.shape[-1]
-    residual_norm_forward(as_rows(x), as_rows(h), weight, bias, alpha if alpha is not None else alpha_value, eps,
-                          row_scale, rows_per_sample(x, row_scale), out.view(-1, dim), y.view(-1, dim), mean, rstd)
+    residual_norm_forward(x, h, weight, bias, alpha if alpha is not None else alpha_value, eps,
+                          row_scale, rows_per_sample(x, row_scale), out, y, mean, rstd)
     return out, y, mean, rstd
 
 
@@ -65,8 +64,8 @@ def residual_add_triton(
     from dres.kernels.residual_norm import residual_norm_forward
 
     out = torch.empty(x.shape, dtype=residual_dtype or x.dtype, device=x.device)
-    residual_norm_forward(as_rows(x), as_rows(h), None, None, alpha if alpha is not None else alpha_value, 0.0,
-                          row_scale, rows_per_sample(x, row_scale), out.view(-1, x.shape[-1]), None, None, None)
+    residual_norm_forward(x, h, None, None, alpha if alpha is not None else alpha_value, 0.0,
+                          row_scale, rows_per_sample(x, row_scale), out, None, None, None)
     return out
 
 
@@ -77,8 +76,28 @@ def layer_norm_triton(
 
     y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     mean, rstd = _stats(x)
-    residual_norm_forward(as_rows(x), None, weight, bias, 1.0, eps, None, 1, None, y.view(-1, x.shape[-1]), mean, rstd)
+    residual_norm_forward(x, None, weight, bias, 1.0, eps, None, 1, None, y, mean, rstd)
     return y, mean, rstd
+
+
+def residual_norm_backward_launch(
+    g_out: Optional[Tensor], g_y: Optional[Tensor], normed: Optional[Tensor], x: Optional[Tensor],
+    weight: Optional[Tensor], mean: Optional[Tensor], rstd: Optional[Tensor],
+    alpha: Optional[Tensor], alpha_value: float, grad_scale: Optional[Tensor],
+    x_dtype: torch.dtype, h_dtype: Optional[torch.dtype],
+    need_dweight: bool, need_dbias: bool, need_dalpha: bool,
+) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """(dx, dh, dweight fp32, dbias fp32, dalpha fp32), None where not asked for (or, for dweight and
+    dbias, where no g_y came). ``h_dtype=None``: no branch input (layer_norm) or no gradient for it."""
+    from dres.kernels.residual_norm import residual_norm_backward
+
+    ref = g_out if g_out is not None else g_y
+    dx = torch.empty(ref.shape, dtype=x_dtype, device=ref.device)
+    dh = torch.empty(ref.shape, dtype=h_dtype, device=ref.device) if h_dtype is not None else None
+    dweight, dbias, dalpha = residual_norm_backward(
+        g_out, g_y, normed, x, weight, mean, rstd, alpha if alpha is not None else alpha_value, grad_scale,
+        rows_per_sample(ref, grad_scale), dx, dh, need_dweight, need_dbias, need_dalpha)
+    return dx, dh, dweight, dbias, dalpha
 
 
 def residual_norm_backward_triton(
@@ -88,21 +107,12 @@ def residual_norm_backward_triton(
     x_dtype: torch.dtype, h_dtype: Optional[torch.dtype],
     need_dweight: bool, need_dbias: bool, need_dalpha: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx, dh, dweight fp32, dbias fp32, dalpha fp32); gradients not asked for come back as
-    distinct empty tensors. ``h_dtype=None``: no branch input (layer_norm) or no gradient for it."""
-    from dres.kernels.residual_norm import residual_norm_backward
-
-    ref = g_out if g_out is not None else g_y
-    shape, dim = ref.shape, ref.shape[-1]
-    dx = torch.empty(shape, dtype=x_dtype, device=ref.device)
-    dh = torch.empty(shape, dtype=h_dtype, device=ref.device) if h_dtype is not None else None
-    dweight, dbias, dalpha = residual_norm_backward(
-        None if g_out is None else as_rows(g_out), None if g_y is None else as_rows(g_y),
-        None if normed is None else as_rows(normed), None if x is None else as_rows(x), weight, mean, rstd,
-        alpha if alpha is not None else alpha_value, grad_scale, rows_per_sample(ref, grad_scale),
-        dx.view(-1, dim), None if dh is None else dh.view(-1, dim), need_dweight, need_dbias, need_dalpha,
-    )
-    empty = lambda dtype=torch.float32: ref.new_empty((0,), dtype=dtype)  # noqa: E731  (distinct: no aliasing)
+    """The backward custom op's body: :func:`residual_norm_backward_launch` with the gradients not
+    asked for as distinct empty tensors (an op returns tensors; distinct: no aliasing)."""
+    dx, dh, dweight, dbias, dalpha = residual_norm_backward_launch(
+        g_out, g_y, normed, x, weight, mean, rstd, alpha, alpha_value, grad_scale, x_dtype, h_dtype,
+        need_dweight, need_dbias, need_dalpha)
+    empty = lambda dtype=torch.float32: dx.new_empty((0,), dtype=dtype)  # noqa: E731
     return (dx, dh if dh is not None else empty(x_dtype), dweight if dweight is not None else empty(),
             dbias if dbias is not None else empty(), dalpha if dalpha is not None else empty())
 
@@ -137,9 +147,11 @@ def layer_norm_fwd(backend: str, *args) -> tuple[Tensor, Tensor, Tensor]:
     return layer_norm_triton(*args)
 
 
-def residual_norm_bwd(backend: str, *args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def residual_norm_bwd(backend: str, *args) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor],
+                                                      Optional[Tensor]]:
+    """(dx, dh, dweight, dbias, dalpha): the gradients not asked for are None (Triton) or empty (the ops)."""
     if backend == "triton":
-        return residual_norm_backward_triton(*args)
+        return residual_norm_backward_launch(*args)
     if backend == "cuda":
         return _below_autograd(torch.ops.dres_cuda.residual_norm_backward.default, *args)
     return getattr(torch.ops, backend).residual_norm_backward(*args)

@@ -10,20 +10,6 @@ import torch
 from torch import Tensor
 
 
-def as_rows(t: Tensor) -> Tensor:
-    """A 2-D (rows, D) view of ``t`` with unit stride along D; copies only when no such view exists.
-
-    Gradients may arrive with any strides (a slice of a larger tensor, an expanded tensor with row
-    stride 0): those keep their strides and the kernels read them in place.
-    """
-    if t.stride(-1) != 1:
-        t = t.contiguous()
-    try:
-        return t.view(-1, t.shape[-1])
-    except RuntimeError:
-        return t.contiguous().view(-1, t.shape[-1])
-
-
 def rows_per_sample(t: Tensor, scale: Optional[Tensor]) -> int:
     """Rows of ``t`` (as (rows, D)) that share one per-sample factor of ``scale`` (B,)."""
     return 1 if scale is None else (t.numel() // t.shape[-1]) // scale.shape[0]
@@ -37,14 +23,16 @@ def alpha_args(alpha) -> tuple[Optional[Tensor], float]:
     return None, float(alpha)
 
 
-def param_grad(grad: Tensor, like: Optional[Tensor], needed: bool) -> Optional[Tensor]:
+def param_grad(grad: Optional[Tensor], like: Optional[Tensor], needed: bool) -> Optional[Tensor]:
     """An fp32 parameter gradient in the parameter's dtype and shape; zeros when the kernel had none
-    to give (an empty tensor: the op's norm output got no gradient)."""
+    to give (None or an empty tensor: the op's norm output got no gradient)."""
     if like is None or not needed:
         return None
-    if grad.numel() == 0:
+    if grad is None or grad.numel() == 0:
         return torch.zeros_like(like)
-    return grad.to(like.dtype).reshape(like.shape)
+    if grad.dtype != like.dtype:
+        grad = grad.to(like.dtype)
+    return grad if grad.shape == like.shape else grad.reshape(like.shape)
 
 
 def patchify(imgs: Tensor, patch_size: int) -> Tensor:
