@@ -7,7 +7,8 @@ fused step (the GPU-bound floor).
 
 Steady state: each implementation is warmed up (Triton compiles, csrc loads, caches fill) before
 it is timed by ``common.loop_median_us`` (calls issued back to back, median of 5 loops), which is
-what a training loop sees; ``do_bench`` flushes L2 between calls and hides launch cost. Prints a
+what a training loop sees; ``do_bench`` flushes L2 between calls and hides launch cost. The
+implementations of a case are timed in interleaved rounds (median of ``--rounds``). Prints a
 table and writes JSON (``--json``, default ``$OUT/eager_launch.json`` or ./eager_launch.json).
 
 impls: ``dres_triton`` and ``dres_cuda`` (when the csrc extension is built) through the eager
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -55,18 +57,24 @@ def step_for(impl: str, case: Case, device: torch.device):
     return make_callable(fn, case, inputs, mode_args, "fwd_bwd")
 
 
-def measure(case: Case, impls: list[str], device: torch.device, warmup: int) -> list[dict]:
+def measure(case: Case, impls: list[str], device: torch.device, warmup: int, rounds: int) -> list[dict]:
+    """Each implementation timed in ``rounds`` interleaved rounds (A B C A B C ...), median per
+    implementation: a host-bound loop's time drifts within a process, and interleaving spreads the
+    drift over every implementation alike instead of charging it to whichever ran last."""
     timer = common.loop_median_us if device.type == "cuda" else common.cpu_median_us
-    records = []
-    for impl in impls:
-        step = step_for(impl, case, device)
+    steps = {impl: step_for(impl, case, device) for impl in impls}
+    for step in steps.values():
         for _ in range(warmup):
             step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        records.append({"op": case.op, "rows": case.rows, "dim": case.dim, "x_dtype": case.x_dtype,
-                        "h_dtype": case.h_dtype, "mode": case.mode, "pass": "fwd_bwd", "impl": impl,
-                        "us_loop": round(timer(step), 1)})
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    times = {impl: [] for impl in impls}
+    for _ in range(rounds):
+        for impl, step in steps.items():
+            times[impl].append(timer(step))
+    records = [{"op": case.op, "rows": case.rows, "dim": case.dim, "x_dtype": case.x_dtype, "h_dtype": case.h_dtype,
+                "mode": case.mode, "pass": "fwd_bwd", "impl": impl, "us_loop": round(statistics.median(t), 1),
+                "us_rounds": [round(v, 1) for v in t]} for impl, t in times.items()]
     unfused = next(r["us_loop"] for r in records if r["impl"] == "unfused")
     for r in records:
         r["vs_unfused"] = round(unfused / r["us_loop"], 3)
@@ -95,10 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="plain,rdp_odd", help="plain, drop_path, rdp_even, rdp_odd (comma-separated)")
     p.add_argument("--impls", default=None, help=f"comma-separated subset of {', '.join(IMPLS)} (default: all available)")
     p.add_argument("--warmup", type=int, default=20, help="untimed calls per implementation before timing")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds per implementation (median)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
 
+    if args.rounds < 1:
+        print(f"bench_eager_launch: --rounds must be at least 1, got {args.rounds}", file=sys.stderr)
+        return 2
     device = torch.device(args.device)
     impls = available_impls(device)
     if args.impls:
@@ -119,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench_eager_launch: unknown mode {mode!r}; choose from {', '.join(MODES)}", file=sys.stderr)
                 return 2
             case = Case("residual_layer_norm", args.rows, args.dim, x_dtype, h_dtype, mode)
-            records.extend(measure(case, impls, device, args.warmup))
+            records.extend(measure(case, impls, device, args.warmup, args.rounds))
     print(table(records))
     out = args.json or Path(os.environ.get("OUT", ".")) / "eager_launch.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -597,3 +598,20 @@ def test_profile_counts_kernels_not_the_gpu_spans_of_annotated_ranges():
     assert pt._is_gpu_work(kernel) and not pt._is_gpu_work(span)
     assert not pt._is_gpu_work(SimpleNamespace(device_type=cpu, is_user_annotation=False))
     assert pt._is_gpu_work(SimpleNamespace(device_type=cuda))  # a torch whose events lack the attribute
+
+
+def test_eager_launch_rounds_are_interleaved_and_recorded(tmp_path, capsys):
+    """Every implementation gets one time per round, the median is its figure, the unfused code is the
+    baseline of each ratio; a round count below one is refused with exit code 2."""
+    from benchmarks import bench_eager_launch as bel
+
+    out = tmp_path / "eager.json"
+    assert bel.main(["--rows", "64", "--dim", "32", "--dtypes", "fp32/fp32", "--modes", "rdp_odd", "--rounds", "3",
+                     "--warmup", "1", "--device", "cpu", "--json", str(out)]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert {r["impl"] for r in records} == {"dres_triton", "unfused"}
+    for r in records:
+        assert len(r["us_rounds"]) == 3 and r["us_loop"] == round(statistics.median(r["us_rounds"]), 1)
+    assert next(r for r in records if r["impl"] == "unfused")["vs_unfused"] == 1.0
+    assert bel.main(["--rounds", "0", "--device", "cpu"]) == 2
+    assert "--rounds must be at least 1" in capsys.readouterr().err
