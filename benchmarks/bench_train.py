@@ -551,8 +551,14 @@ def trainer_cmd(run: dict, out_dir: str) -> list[str]:
 
 def steady_state_rate(metrics: list[dict], global_batch: int, skip: int = 1) -> tuple[float, int]:
     """``(images/s, steps)`` over the logged intervals of ``metrics.jsonl`` after the first ``skip``
-    (warm-up: compilation, allocator growth): images over the summed interval times."""
+    (warm-up: compilation, allocator growth): images over the summed interval times. In a graphed
+    run (intervals with ``gpu_ms_per_step``) the warm-up lasts until the step is captured: the
+    intervals up to the first one with graph replays (eager warm-up steps and the capture) are left
+    out too, as ``trainer_vs_replay`` leaves them out."""
     recs = sorted(metrics, key=lambda r: r["step"])
+    first_replay = next((i for i, r in enumerate(recs) if "gpu_ms_per_step" in r), None)
+    if first_replay is not None:
+        skip = max(skip, first_replay + 1)
     images = seconds = 0.0
     steps, prev = 0, 0
     for i, r in enumerate(recs):

@@ -511,6 +511,12 @@ def test_trainer_steady_state_leaves_out_the_first_interval(tmp_path):
     assert steps == 15 and ips == pytest.approx(15 * 512 / 4)
     with pytest.raises(ValueError, match="run more steps"):
         bt.steady_state_rate(metrics[:1], 512)
+    # a graphed run: the interval of the capture (the first with replays) is warm-up too
+    replayed = {"gpu_ms_per_step": 50.0}
+    graphed = [metrics[0], {"step": 20, "img_per_s": 1024.0, **replayed}, {"step": 30, "img_per_s": 5120.0, **replayed},
+               {"step": 40, "img_per_s": 2560.0, **replayed}]
+    ips, steps = bt.steady_state_rate(graphed, 512)
+    assert steps == 20 and ips == pytest.approx(20 * 512 / 3)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     (tmp_path / "summary.json").write_text(json.dumps({"peak_mem_gib": 30.5, "final_loss": 0.9}))
     run = {"task": "mae", "preset": "mae_vit_b16_in1k", "world": 2, "dist": "ddp", "variant": None, "mode": "eager",
