@@ -5,6 +5,9 @@ side, unwrapped and under DDP or FSDP2 (the profile behind the gaps in BENCHMARK
     python -m benchmarks.profile_train --bench mae --models timm,dres_baseline --mode compile
     python -m benchmarks.profile_train --models timm,dres_official --mode eager --dist none,fsdp --trace
     torchrun --nproc-per-node 2 -m benchmarks.profile_train --models timm --mode eager --dist fsdp
+    python -m benchmarks.profile_train --trainer mae_cifar10 --trace          # the trainer's own step
+    torchrun --nproc-per-node 2 -m benchmarks.profile_train --trainer mae_vit_b16_in1k --set dist=ddp \
+        --set data.name=synthetic --trace                                      # graphed DDP, both ranks
 
 Each (model, wrapping): build, (compile: each block, before wrapping, as the trainer does), wrap
 (``bench_train.wrap_model``: the trainer's DDP / FSDP2; ``fsdp:VARIANT`` as in bench_train), warm
@@ -151,12 +154,15 @@ def profile_model(bench: str, name: str, mode: str, batch: int, steps: int, warm
 
 
 def profile_trainer(preset: str, overrides: list[str], batch: int | None, steps: int, warmup: int,
-                    trace_path: Path | None) -> dict:
+                    trace_path: Path | None) -> dict | None:
     """The trainer's own step as ``fit`` runs it (the loader's next batch, augmentation included, then
-    ``train_step``: the captured graph's replay where ``cuda_graphs`` captures it), on one GPU, after
-    ``warmup`` steps (at least the graph's warm-up and capture); evaluation, checkpoints and logs off."""
+    ``train_step``: the captured graph's replay where ``cuda_graphs`` captures it), after ``warmup``
+    steps (at least the graph's warm-up and capture); evaluation, checkpoints and logs off. One GPU, or
+    every rank under torchrun with ``dist=ddp|fsdp`` among the overrides (the graphed DDP step with its
+    all-reduce): the main rank returns the record and writes the trace, the others return None."""
     import tempfile
 
+    from dres.train import distributed as D
     from dres.train.cli import get_task
     from dres.train.config import build_config, load_preset
     from dres.train.loop import Trainer
@@ -175,15 +181,21 @@ def profile_trainer(preset: str, overrides: list[str], batch: int | None, steps:
 
         for _ in range(max(warmup, (tr.graphed.warmup_steps + 2) if tr.graphed else 1)):
             step()
-        r = profile_steps(step, steps, trace_path)
+        r = profile_steps(step, steps, trace_path if tr.main else None)
         if tr.graphed is not None:
-            tr.graphed.release()
+            tr.graphed.release()  # before the process group goes: NCCL waits on graphs that captured it
         mode = "trainer " + ("graphed" if tr.graphed is not None else "eager")
+        world, main = tr.info.world, tr.main
         del tr, step
+    D.barrier()
+    D.cleanup()
     bench_train.free_memory()
+    if not main:
+        return None
+    dist = cfg.dist if world > 1 else "none"
     return {"bench": task, "model": preset, "mode": mode + (" compile" if cfg.compile else ""), "batch": cfg.batch_size,
-            "dist": "none", "fsdp": False, "compile_scope": "per_block" if cfg.compile else None, "world_size": 1,
-            "overrides": " ".join(overrides), **r}
+            "dist": dist, "fsdp": dist == "fsdp", "compile_scope": "per_block" if cfg.compile else None,
+            "world_size": world, "overrides": " ".join(overrides), **r}
 
 
 def print_profile(r: dict) -> None:
@@ -233,8 +245,9 @@ def main_trainer(args) -> int:
     tag = "-".join(o.replace("=", "_").replace(".", "_") for o in args.overrides)
     trace = out / f"trace-trainer-{args.trainer}{'-' + tag if tag else ''}.json.gz" if args.trace else None
     r = profile_trainer(args.trainer, args.overrides, args.batch, args.steps, args.warmup, trace)
-    r.update(card=card, date=common.today(), **common.versions())
-    write_record(r, out, card)
+    if r is not None:
+        r.update(card=card, date=common.today(), **common.versions())
+        write_record(r, out, card)
     return 0
 
 
@@ -250,7 +263,8 @@ def main(argv=None) -> int:
                    help="comma list of wrappings, each profiled: none, ddp, fsdp, fsdp:VARIANT (as bench_train)")
     p.add_argument("--trace", action="store_true", help="also write a gzipped Chrome trace per run into --out")
     p.add_argument("--trainer", metavar="PRESET",
-                   help="profile the trainer's step of this preset on one GPU instead of the bare steps")
+                   help="profile the trainer's step of this preset instead of the bare steps (one GPU, or "
+                        "every rank under torchrun with --set dist=ddp|fsdp)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="with --trainer: a config override (repeatable), e.g. cuda_graphs=false")
     p.add_argument("--out", default=str(common.RESULTS_DIR))

@@ -621,3 +621,32 @@ def test_eager_launch_rounds_are_interleaved_and_recorded(tmp_path, capsys):
     assert next(r for r in records if r["impl"] == "unfused")["vs_unfused"] == 1.0
     assert bel.main(["--rounds", "0", "--device", "cpu"]) == 2
     assert "--rounds must be at least 1" in capsys.readouterr().err
+
+
+def _profile_trainer_rank(rank: int, port: int, out: str) -> None:
+    """One rank of a 2-process gloo group on CPU running ``profile_trainer`` with DDP."""
+    import os
+
+    from benchmarks import profile_train as pt
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.cuda.synchronize = lambda *a, **k: None  # the profiler's CUDA synchronisation, on CPU
+    r = pt.profile_trainer("quickstart", ["device=cpu", "dist=ddp", "data.name=synthetic", "data.synthetic_size=256"],
+                           batch=32, steps=2, warmup=1, trace_path=None)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(r and {k: r[k] for k in ("dist", "world_size", "mode")}))
+
+
+def test_profile_trainer_under_ddp_reports_from_the_main_rank(tmp_path):
+    """``--trainer`` under torchrun: every rank steps the DDP trainer, rank 0 returns the record (the
+    world size and wrapping named), the others None, and the process group is torn down."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_profile_trainer_rank, args=(port, str(tmp_path)), nprocs=2, join=True)
+    assert json.loads((tmp_path / "rank0.json").read_text()) == {"dist": "ddp", "world_size": 2, "mode": "trainer eager"}
+    assert json.loads((tmp_path / "rank1.json").read_text()) is None
