@@ -10,6 +10,8 @@
 #   trainer     torchrun -m dres.train.mae --preset mae_vit_b16_in1k, synthetic data, eager, 256 images/GPU,
 #               dist none|ddp, DDP eager (ddp:eager) and with the whole step captured (ddp, the default) and fsdp on
 #               TRAINER_SCALING GPUs, steady-state img/s
+#   trainer_profile  the trainer's own step as the preset runs it (compile=true, the graphed step), on one GPU
+#               and under DDP on the most GPUs (profile_train --trainer, Chrome traces)
 #   compile     bench_train --scaling, blocks compiled one by one (on 1 and the most GPUs unless
 #               COMPILE_SCALING says), DDP and the trainer's FSDP2
 # Each stage gets at most its own cap and what is left of BUDGET_S (default 530 s), and is skipped when
@@ -23,7 +25,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./device_out}
-STAGES=${STAGES:-candidates profile ddp_profile ddp_graph_test trainer compile}
+STAGES=${STAGES:-candidates profile ddp_profile ddp_graph_test trainer trainer_profile compile}
 BUDGET_S=${BUDGET_S:-530}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 START=$(date +%s)
@@ -92,8 +94,13 @@ stage profile 45 80 python3 -m benchmarks.profile_train --bench mae --models "$P
 [ "$MAXW" -gt 1 ] && stage ddp_graph_test 30 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu \
   tests/test_graph_step.py -k ddp -rfE
 stage trainer 90 180 python3 -m benchmarks.bench_train --trainer mae_vit_b16_in1k --scaling "$TRAINER_SCALING" \
-  --dist ddp:eager,ddp,fsdp --modes eager --batch 256 --trainer-steps 30 --trainer-log-every 10 \
+  --dist ddp:eager,ddp,fsdp --modes eager --batch 256 --trainer-steps 60 --trainer-log-every 10 \
   --set data.name=synthetic --set data.synthetic_size=2048 --out "$STAGE_DIR"
+stage trainer_profile 90 150 python3 -m benchmarks.profile_train --trainer mae_vit_b16_in1k --set data.name=synthetic \
+  --set data.synthetic_size=2048 --trace --out "$STAGE_DIR"
+[ "$MAXW" -gt 1 ] && stage trainer_profile 90 150 python3 -m torch.distributed.run --standalone --nproc_per_node="$MAXW" \
+  -m benchmarks.profile_train --trainer mae_vit_b16_in1k --set dist=ddp --set data.name=synthetic \
+  --set data.synthetic_size=2048 --trace --out "$STAGE_DIR"
 stage compile 90 600 python3 -m benchmarks.bench_train --only mae --models "$MODELS" --modes compile \
   --scaling "$COMPILE_SCALING" --dist ddp,fsdp --steps 10 --warmup 4 --out "$STAGE_DIR"
 

@@ -577,12 +577,15 @@ def test_multi_gpu_check_dry_run_fits_the_budget(tmp_path):
     out = subprocess.run(["bash", str(repo / "benchmarks" / "multi_gpu_check.sh")], env=env, capture_output=True,
                          text=True, check=True).stdout
     stages = [ln.split("stage ")[1].split(" ")[0] for ln in out.splitlines() if "] stage " in ln]
-    assert stages == ["candidates", "profile", "ddp_profile", "ddp_graph_test", "trainer", "compile"]
+    assert stages == ["candidates", "profile", "ddp_profile", "ddp_graph_test", "trainer", "trainer_profile",
+                      "trainer_profile", "compile"]
     # every candidate against DDP on 1, 2, 4 GPUs; DDP profiled on all 4; the captured DDP step tested and timed
     assert "--scaling 1,2,4 --dist ddp,fsdp,fsdp:auto:1,fsdp:never:4,fsdp:auto:8 " in out
     assert "--nproc_per_node=4 -m benchmarks.profile_train" in out and "--dist none,fsdp:auto:1,fsdp " in out
     assert "--modes compile --scaling 1,4" in out and "--trainer mae_vit_b16_in1k --scaling 1,4 " in out
     assert "tests/test_graph_step.py -k ddp" in out and "--dist ddp:eager,ddp,fsdp " in out
+    # the trainer's own step profiled on one GPU and, graphed with DDP, on all four
+    assert "--nproc_per_node=4 -m benchmarks.profile_train --trainer mae_vit_b16_in1k --set dist=ddp " in out
     env.update(NGPU="2", BUDGET_S="150", STAGES="trainer compile")
     out = subprocess.run(["bash", str(repo / "benchmarks" / "multi_gpu_check.sh")], env=env, capture_output=True,
                          text=True, check=True).stdout
