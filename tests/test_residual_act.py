@@ -337,6 +337,40 @@ def test_gpu_cuda_graph_capture_and_replay():
         torch.testing.assert_close(a, r)
 
 
+@pytest.mark.gpu
+def test_gpu_cached_launch_equals_tritons_own_launch():
+    """residual_act's kernels run through dres.kernels.utils.CachedLaunch: after the first launch of a
+    specialisation the compiled kernel is called directly, with results equal to Triton's own launch
+    bit for bit when later calls change what Triton specialises on (dtype, alpha tensor, flags, size)."""
+    from unittest import mock
+
+    from dres.kernels import residual_act as kernels
+    from dres.kernels import utils
+
+    cases = [  # (shape, dtype, alpha, act, row_scale), each differing from the one before
+        ((8, 16, 7, 7), F32, 0.8, "relu", False),
+        ((8, 16, 7, 7), BF16, 0.8, "relu", False),
+        ((8, 16, 7, 7), BF16, torch.tensor(0.6, device="cuda"), "relu", True),
+        ((5, 24, 9, 11), F32, 0.8, "identity", True),  # odd size: no 16-divisible element count
+    ]
+
+    def run(shape, dtype, alpha, act, with_scale):
+        gen = torch.Generator("cuda").manual_seed(3)
+        x, h = (torch.randn(shape, device="cuda", generator=gen).to(dtype).requires_grad_(True) for _ in range(2))
+        m = (torch.arange(shape[0], device="cuda") % 3 > 0).float() if with_scale else None
+        out = ops.residual_act(x, h, alpha, m, act=act, backend="triton")
+        g = torch.linspace(-1, 1, out.numel(), device="cuda").view(shape).to(dtype)
+        return (out, *torch.autograd.grad(out, (x, h), g))
+
+    with mock.patch.object(utils, "_raw_stream", None):  # Triton's own launch on every call
+        want = [run(*case) for case in cases]
+    for _ in range(2):  # the first pass may compile and cache, the second calls the cache
+        for case, expected in zip(cases, want):
+            for a, c in zip(run(*case), expected):
+                assert torch.equal(a, c)
+    assert kernels._FORWARD.compiled and kernels._BACKWARD.compiled, "the direct launch was never taken"
+
+
 # ---------------------------------------------------------------------------------------------
 # The benchmark's harness on the CPU (the GPU numbers come from the device)
 
