@@ -91,6 +91,23 @@ def grads(outputs, cotangents, inputs):
     return [None if t is None else next(it) for t in inputs]
 
 
+def assert_direct_launch_equals_tritons_own(run: Callable, cases: list, launches: list) -> None:
+    """``run(*case)`` for every case gives bit-equal results through Triton's own launch and through
+    ``CachedLaunch``'s direct call of the compiled kernel (a first pass may compile and cache, a second
+    calls the cache), and every one of ``launches`` (CachedLaunch objects) cached a compiled kernel."""
+    from unittest import mock
+
+    from dres.kernels import utils
+
+    with mock.patch.object(utils, "_raw_stream", None):  # Triton's own launch on every call
+        want = [run(*case) for case in cases]
+    for _ in range(2):
+        for case, expected in zip(cases, want):
+            for a, c in zip(run(*case), expected):
+                assert torch.equal(a, c)
+    assert all(launch.compiled for launch in launches), "the direct launch was never taken"
+
+
 def capture_graph(step: Callable):
     """Capture ``step`` in a CUDA graph after warming it on a side stream (PyTorch's CUDA-graph
     docs); returns the graph and the captured outputs, which the replays overwrite."""

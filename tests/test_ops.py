@@ -18,8 +18,8 @@ import torch
 
 import dres.ops as ops
 from dres.ops import reference
-from helpers import (BF16, F16, F32, MODES, as_f64, assert_close, capture_graph, f64, grads, inductor_caches_off,
-                     leaves, make_case, mode_scales, rel_err)
+from helpers import (BF16, F16, F32, MODES, as_f64, assert_close, assert_direct_launch_equals_tritons_own, capture_graph,
+                     f64, grads, inductor_caches_off, leaves, make_case, mode_scales, rel_err)
 
 
 def rln_against_float64(x, h, w, b, alpha, row_scale=None, grad_scale=None, backend=None):
@@ -643,10 +643,7 @@ def test_gpu_cached_launch_equals_tritons_own_launch():
     (dres.kernels.utils.CachedLaunch). Results equal Triton's own launch bit for bit, also when a
     later call differs in what Triton specialises on (alignment, strides, dtypes, flags) from the
     one that filled the cache."""
-    from unittest import mock
-
     from dres.kernels import residual_norm as kernels
-    from dres.kernels import utils
 
     torch.manual_seed(21)
     base = torch.randn(130, 3 * 200, device="cuda")
@@ -668,13 +665,7 @@ def test_gpu_cached_launch_equals_tritons_own_launch():
         g = torch.linspace(-1, 1, x.numel(), device="cuda").view(x.shape)
         return (out, y, *grads((out, y), (g, g.to(y.dtype)), (xl, hl, wl, bl)))
 
-    with mock.patch.object(utils, "_raw_stream", None):  # Triton's own launch on every call
-        want = [run(*case) for case in cases]
-    for _ in range(2):  # the first pass may compile and cache, the second calls the cache
-        for case, expected in zip(cases, want):
-            for a, c in zip(run(*case), expected):
-                assert torch.equal(a, c)
-    assert kernels._FORWARD.compiled and kernels._BACKWARD.compiled, "the direct launch was never taken"
+    assert_direct_launch_equals_tritons_own(run, cases, [kernels._FORWARD, kernels._BACKWARD])
 
 
 class _FakeCompiledKernel:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BF16, F16, F32, MODES, assert_close, assert_sum_close, capture_graph, grads, mode_scales
+from helpers import (BF16, F16, F32, MODES, assert_close, assert_direct_launch_equals_tritons_own, assert_sum_close,
+                     capture_graph, grads, mode_scales)
 
 import dres.ops as ops
 from dres.ops import reference
@@ -342,10 +343,7 @@ def test_gpu_cached_launch_equals_tritons_own_launch():
     """residual_act's kernels run through dres.kernels.utils.CachedLaunch: after the first launch of a
     specialisation the compiled kernel is called directly, with results equal to Triton's own launch
     bit for bit when later calls change what Triton specialises on (dtype, alpha tensor, flags, size)."""
-    from unittest import mock
-
     from dres.kernels import residual_act as kernels
-    from dres.kernels import utils
 
     cases = [  # (shape, dtype, alpha, act, row_scale), each differing from the one before
         ((8, 16, 7, 7), F32, 0.8, "relu", False),
@@ -362,13 +360,7 @@ def test_gpu_cached_launch_equals_tritons_own_launch():
         g = torch.linspace(-1, 1, out.numel(), device="cuda").view(shape).to(dtype)
         return (out, *torch.autograd.grad(out, (x, h), g))
 
-    with mock.patch.object(utils, "_raw_stream", None):  # Triton's own launch on every call
-        want = [run(*case) for case in cases]
-    for _ in range(2):  # the first pass may compile and cache, the second calls the cache
-        for case, expected in zip(cases, want):
-            for a, c in zip(run(*case), expected):
-                assert torch.equal(a, c)
-    assert kernels._FORWARD.compiled and kernels._BACKWARD.compiled, "the direct launch was never taken"
+    assert_direct_launch_equals_tritons_own(run, cases, [kernels._FORWARD, kernels._BACKWARD])
 
 
 # ---------------------------------------------------------------------------------------------
