@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .utils import CachedLaunch, cdiv
+
 # Elements per program and warps: 16 values a thread, enough bytes in flight for a streaming kernel.
 BLOCK = 4096
 NUM_WARPS = 8
@@ -100,6 +102,10 @@ def _residual_act_bwd_kernel(
         tl.store(DALPHA_PART + tl.program_id(0), tl.sum(g * x, axis=0))
 
 
+_FORWARD = CachedLaunch(_residual_act_fwd_kernel)
+_BACKWARD = CachedLaunch(_residual_act_bwd_kernel)
+
+
 def residual_act_forward(x: torch.Tensor, h: torch.Tensor, alpha: torch.Tensor | float,
                          row_scale: torch.Tensor | None, per_sample: int, relu: bool, out: torch.Tensor) -> None:
     """Write ``out = act(alpha * x + row_scale[e // per_sample] * h)``; x, h, out are 1-D and contiguous."""
@@ -107,12 +113,11 @@ def residual_act_forward(x: torch.Tensor, h: torch.Tensor, alpha: torch.Tensor |
     if n == 0:
         return
     alpha_is_ptr = isinstance(alpha, torch.Tensor)
-    _residual_act_fwd_kernel[(triton.cdiv(n, BLOCK),)](
+    _FORWARD((cdiv(n, BLOCK),), (
         x, h, out, alpha if alpha_is_ptr else x, row_scale if row_scale is not None else x,
         n, per_sample, 1.0 if alpha_is_ptr else float(alpha),
-        ALPHA_IS_PTR=alpha_is_ptr, HAS_ROW_SCALE=row_scale is not None, RELU=relu,
-        WIDE_SAMPLES=per_sample >= BLOCK, BLOCK=BLOCK, num_warps=NUM_WARPS,
-    )
+        alpha_is_ptr, row_scale is not None, relu, per_sample >= BLOCK, BLOCK,
+    ), NUM_WARPS)
 
 
 def residual_act_backward(g: torch.Tensor, out: torch.Tensor | None, x: torch.Tensor | None,
@@ -124,17 +129,16 @@ def residual_act_backward(g: torch.Tensor, out: torch.Tensor | None, x: torch.Te
     need_dalpha = x is not None
     if n == 0:
         return g.new_zeros((), dtype=torch.float32) if need_dalpha else None
-    programs = triton.cdiv(n, BLOCK)
+    programs = cdiv(n, BLOCK)
     partials = torch.empty((programs,), dtype=torch.float32, device=g.device) if need_dalpha else None
     alpha_is_ptr = isinstance(alpha, torch.Tensor)
-    _residual_act_bwd_kernel[(programs,)](
+    _BACKWARD((programs,), (
         g, out if out is not None else g, x if need_dalpha else g, dx, dh if dh is not None else dx,
         alpha if alpha_is_ptr else g, grad_scale if grad_scale is not None else g,
         partials if need_dalpha else dx,
         n, per_sample, 1.0 if alpha_is_ptr else float(alpha),
-        ALPHA_IS_PTR=alpha_is_ptr, HAS_GRAD_SCALE=grad_scale is not None, RELU=out is not None,
-        HAS_DH=dh is not None, NEED_DALPHA=need_dalpha, WIDE_SAMPLES=per_sample >= BLOCK,
-        BLOCK=BLOCK, num_warps=NUM_WARPS,
-    )
+        alpha_is_ptr, grad_scale is not None, out is not None, dh is not None, need_dalpha, per_sample >= BLOCK,
+        BLOCK,
+    ), NUM_WARPS)
     # torch's sum over a fixed shape uses a fixed reduction order: deterministic.
     return partials.sum() if need_dalpha else None

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import BF16, F16, F32, MODES, assert_close, assert_sum_close, capture_graph, grads, mode_scales
+from helpers import (BF16, F16, F32, MODES, assert_close, assert_direct_launch_equals_tritons_own, assert_sum_close,
+                     capture_graph, grads, mode_scales)
 
 import dres.ops as ops
 from dres.ops import reference
@@ -335,6 +336,31 @@ def test_gpu_cuda_graph_capture_and_replay():
     torch.cuda.synchronize()
     for a, r in zip(outs, step()):
         torch.testing.assert_close(a, r)
+
+
+@pytest.mark.gpu
+def test_gpu_cached_launch_equals_tritons_own_launch():
+    """residual_act's kernels run through dres.kernels.utils.CachedLaunch: after the first launch of a
+    specialisation the compiled kernel is called directly, with results equal to Triton's own launch
+    bit for bit when later calls change what Triton specialises on (dtype, alpha tensor, flags, size)."""
+    from dres.kernels import residual_act as kernels
+
+    cases = [  # (shape, dtype, alpha, act, row_scale), each differing from the one before
+        ((8, 16, 7, 7), F32, 0.8, "relu", False),
+        ((8, 16, 7, 7), BF16, 0.8, "relu", False),
+        ((8, 16, 7, 7), BF16, torch.tensor(0.6, device="cuda"), "relu", True),
+        ((5, 24, 9, 11), F32, 0.8, "identity", True),  # odd size: no 16-divisible element count
+    ]
+
+    def run(shape, dtype, alpha, act, with_scale):
+        gen = torch.Generator("cuda").manual_seed(3)
+        x, h = (torch.randn(shape, device="cuda", generator=gen).to(dtype).requires_grad_(True) for _ in range(2))
+        m = (torch.arange(shape[0], device="cuda") % 3 > 0).float() if with_scale else None
+        out = ops.residual_act(x, h, alpha, m, act=act, backend="triton")
+        g = torch.linspace(-1, 1, out.numel(), device="cuda").view(shape).to(dtype)
+        return (out, *torch.autograd.grad(out, (x, h), g))
+
+    assert_direct_launch_equals_tritons_own(run, cases, [kernels._FORWARD, kernels._BACKWARD])
 
 
 # ---------------------------------------------------------------------------------------------
