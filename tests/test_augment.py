@@ -118,3 +118,12 @@ def test_crop_draw_runs_no_torch_operator_on_the_host():
     assert rec.calls == [] and theta.shape == (256, 2, 3) and theta.dtype == np.float32
     flipped = theta[:, 0, 0] < 0
     assert 0.3 < flipped.mean() < 0.7 and np.array_equal(theta, crop_theta(256, np.random.default_rng(0)))
+
+
+def test_augment_rows_of_a_batch_equal_that_batch_sliced():
+    """A rank resamples only its share of the global batch, with the parameters of the whole batch."""
+    x = torch.randint(0, 256, (24, 3, 20, 24), dtype=torch.uint8)
+    whole = device_augment(x, 16, np.random.default_rng(4), scale=(0.3, 1.0))
+    for lo, hi in ((0, 8), (8, 16), (16, 24), (5, 6)):
+        part = device_augment(x[lo:hi], 16, np.random.default_rng(4), scale=(0.3, 1.0), rows=(lo, 24))
+        assert torch.equal(part, whole[lo:hi])

@@ -85,15 +85,18 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device)
 
 
-def device_augment(x_uint8, size, rng, rrc=True, flip=True, scale=(0.2, 1.0), mean=None, std=None):
+def device_augment(x_uint8, size, rng, rrc=True, flip=True, scale=(0.2, 1.0), mean=None, std=None, rows=None):
     """uint8 (B,C,H,W) on any device -> float (B,C,size,size): RandomResizedCrop + horizontal flip
     for the whole batch by one ``affine_grid``/``grid_sample`` bilinear resample, then normalisation.
     Parameters come from the host generator ``rng`` (``numpy.random.Generator``) so that they do not
-    depend on the device or on the world size; they reach the device without a host sync."""
+    depend on the device or on the world size; they reach the device without a host sync.
+    ``rows=(start, n)``: ``x_uint8`` is rows ``start:start + B`` of a batch of ``n`` (a rank's share of
+    the global batch); parameters are drawn for all ``n`` and only these rows are resampled."""
     b = x_uint8.shape[0]
+    start, n = rows if rows is not None else (0, b)
     x = x_uint8.float().div_(255)
     if rrc or flip:
-        theta = crop_theta(b, rng, rrc, flip, scale, aspect=x.shape[-1] / x.shape[-2])
+        theta = crop_theta(n, rng, rrc, flip, scale, aspect=x.shape[-1] / x.shape[-2])[start:start + b]
         grid = F.affine_grid(to_device(torch.from_numpy(theta), x.device), (b, x.shape[1], size, size),
                              align_corners=False)
         x = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
@@ -160,18 +163,18 @@ class InMemoryLoader(_Position):
         if self.batch >= self.steps_per_epoch:
             self.epoch, self.batch = self.epoch + 1, 0
         perm = self._perm(self.epoch)
-        gidx = perm[self.batch * self.global_batch:(self.batch + 1) * self.global_batch]
+        lo = self.rank * self.local
+        idx = perm[self.batch * self.global_batch:(self.batch + 1) * self.global_batch][lo:lo + self.local]
         rng = np.random.default_rng(_mix(self.seed, self.epoch, self.batch, 2))
-        # draw augmentation for the whole global batch, then keep this rank's slice
-        x = self.images[gidx]
+        # augmentation drawn for the whole global batch, applied to this rank's share only
+        x = self.images[idx]
         if self.aug != "none":
             x = device_augment(x, self.size, rng, rrc=self.aug == "rrc_flip", flip=True,
-                               scale=(self.crop_min, 1.0), mean=self.mean, std=self.std)
+                               scale=(self.crop_min, 1.0), mean=self.mean, std=self.std, rows=(lo, self.global_batch))
         else:
             x = normalize(x, self.size, self.mean, self.std)
-        lo, hi = self.rank * self.local, (self.rank + 1) * self.local
         self.batch += 1
-        return {"image": x[lo:hi], "label": self.labels[gidx][lo:hi]}
+        return {"image": x, "label": self.labels[idx]}
 
     def eval_batches(self, batch_size):
         """Unaugmented pass over all samples (for features), in order."""
