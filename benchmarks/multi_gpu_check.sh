@@ -96,10 +96,10 @@ stage profile 45 80 python3 -m benchmarks.profile_train --bench mae --models "$P
 stage trainer 90 180 python3 -m benchmarks.bench_train --trainer mae_vit_b16_in1k --scaling "$TRAINER_SCALING" \
   --dist ddp:eager,ddp,fsdp --modes eager --batch 256 --trainer-steps 60 --trainer-log-every 10 \
   --set data.name=synthetic --set data.synthetic_size=2048 --out "$STAGE_DIR"
-stage trainer_profile 90 150 python3 -m benchmarks.profile_train --trainer mae_vit_b16_in1k --set data.name=synthetic \
+stage trainer_profile 90 150 python3 -m benchmarks.profile_train --trainer mae_vit_b16_in1k --batch 256 --set data.name=synthetic \
   --set data.synthetic_size=2048 --trace --out "$STAGE_DIR"
 [ "$MAXW" -gt 1 ] && stage trainer_profile 90 150 python3 -m torch.distributed.run --standalone --nproc_per_node="$MAXW" \
-  -m benchmarks.profile_train --trainer mae_vit_b16_in1k --set dist=ddp --set data.name=synthetic \
+  -m benchmarks.profile_train --trainer mae_vit_b16_in1k --batch 256 --set dist=ddp --set data.name=synthetic \
   --set data.synthetic_size=2048 --trace --out "$STAGE_DIR"
 stage compile 90 600 python3 -m benchmarks.bench_train --only mae --models "$MODELS" --modes compile \
   --scaling "$COMPILE_SCALING" --dist ddp,fsdp --steps 10 --warmup 4 --out "$STAGE_DIR"

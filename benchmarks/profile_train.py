@@ -170,7 +170,9 @@ def profile_trainer(preset: str, overrides: list[str], batch: int | None, steps:
     task = load_preset(preset).get("task", "mae")
     with tempfile.TemporaryDirectory(prefix="dres-profile-") as tmp:
         sets = ["log.progress=false", "log.tensorboard=false", "ckpt.every=0", f"out={tmp}", "steps=100000",
-                *bench_train.TRAINER_EVAL_OFF, *([f"batch_size={batch}"] if batch else []), *overrides]
+                *bench_train.TRAINER_EVAL_OFF, *overrides]
+        if batch:  # per GPU, as bench_train --trainer counts it
+            sets.append(f"batch_size={batch * int(os.environ.get('WORLD_SIZE', '1'))}")
         cfg = build_config(task, preset, sets)
         tr = Trainer(cfg, get_task(task), log=lambda m: print(m, flush=True)).setup()
         tr.model.train()
@@ -193,7 +195,7 @@ def profile_trainer(preset: str, overrides: list[str], batch: int | None, steps:
     if not main:
         return None
     dist = cfg.dist if world > 1 else "none"
-    return {"bench": task, "model": preset, "mode": mode + (" compile" if cfg.compile else ""), "batch": cfg.batch_size,
+    return {"bench": task, "model": preset, "mode": mode + (" compile" if cfg.compile else ""), "batch": cfg.batch_size // world,
             "dist": dist, "fsdp": dist == "fsdp", "compile_scope": "per_block" if cfg.compile else None,
             "world_size": world, "overrides": " ".join(overrides), **r}
 
@@ -256,7 +258,7 @@ def main(argv=None) -> int:
     p.add_argument("--bench", choices=list(bench_train.MODELS), default="mae")
     p.add_argument("--models", help="comma list (default: all of the benchmark's models)")
     p.add_argument("--mode", choices=("eager", "compile"), default="compile")
-    p.add_argument("--batch", type=int, help="batch per GPU (default: the benchmark's)")
+    p.add_argument("--batch", type=int, help="batch per GPU (default: the benchmark's; with --trainer the preset's)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=4, help="steps before profiling, the first included (at least one runs)")
     p.add_argument("--dist", default="none",

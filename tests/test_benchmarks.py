@@ -585,7 +585,7 @@ def test_multi_gpu_check_dry_run_fits_the_budget(tmp_path):
     assert "--modes compile --scaling 1,4" in out and "--trainer mae_vit_b16_in1k --scaling 1,4 " in out
     assert "tests/test_graph_step.py -k ddp" in out and "--dist ddp:eager,ddp,fsdp " in out
     # the trainer's own step profiled on one GPU and, graphed with DDP, on all four
-    assert "--nproc_per_node=4 -m benchmarks.profile_train --trainer mae_vit_b16_in1k --set dist=ddp " in out
+    assert "--nproc_per_node=4 -m benchmarks.profile_train --trainer mae_vit_b16_in1k --batch 256 --set dist=ddp " in out
     env.update(NGPU="2", BUDGET_S="150", STAGES="trainer compile")
     out = subprocess.run(["bash", str(repo / "benchmarks" / "multi_gpu_check.sh")], env=env, capture_output=True,
                          text=True, check=True).stdout
@@ -637,12 +637,12 @@ def _profile_trainer_rank(rank: int, port: int, out: str) -> None:
     torch.cuda.synchronize = lambda *a, **k: None  # the profiler's CUDA synchronisation, on CPU
     r = pt.profile_trainer("quickstart", ["device=cpu", "dist=ddp", "data.name=synthetic", "data.synthetic_size=256"],
                            batch=32, steps=2, warmup=1, trace_path=None)
-    Path(out, f"rank{rank}.json").write_text(json.dumps(r and {k: r[k] for k in ("dist", "world_size", "mode")}))
+    Path(out, f"rank{rank}.json").write_text(json.dumps(r and {k: r[k] for k in ("dist", "world_size", "mode", "batch")}))
 
 
 def test_profile_trainer_under_ddp_reports_from_the_main_rank(tmp_path):
-    """``--trainer`` under torchrun: every rank steps the DDP trainer, rank 0 returns the record (the
-    world size and wrapping named), the others None, and the process group is torn down."""
+    """``--trainer`` under torchrun: every rank steps the DDP trainer with ``--batch`` images, rank 0 returns
+    the record (the world size and wrapping named), the others None, and the process group is torn down."""
     import socket
 
     import torch.multiprocessing as mp
@@ -652,5 +652,5 @@ def test_profile_trainer_under_ddp_reports_from_the_main_rank(tmp_path):
         port = s.getsockname()[1]
     mp.spawn(_profile_trainer_rank, args=(port, str(tmp_path)), nprocs=2, join=True)
     main_record = json.loads((tmp_path / "rank0.json").read_text())
-    assert main_record == {"dist": "ddp", "world_size": 2, "mode": "trainer eager"}
+    assert main_record == {"dist": "ddp", "world_size": 2, "mode": "trainer eager", "batch": 32}  # --batch is per GPU
     assert json.loads((tmp_path / "rank1.json").read_text()) is None
