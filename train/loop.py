@@ -133,7 +133,8 @@ class Trainer:
             model = D.apply_fsdp(model, self.info, param_dtype, prefetch=cfg.fsdp_prefetch, reshard=cfg.fsdp_reshard,
                                  blocks_per_unit=cfg.fsdp_blocks_per_unit)
         elif cfg.dist == "ddp" and self.info.world > 1:
-            model = D.apply_ddp(model, self.info, stream=capture_stream)
+            # gradients as views into the all-reduce buckets: no per-parameter copy back after the backward
+            model = D.apply_ddp(model, self.info, bucket_view=True, stream=capture_stream)
         self.model = model
         # after sharding: the groups must hold the parameters the optimizer will see (DTensors under FSDP)
         groups, nd = param_groups(self.raw_model, cfg.optim.weight_decay)
