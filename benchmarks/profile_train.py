@@ -195,9 +195,9 @@ def profile_trainer(preset: str, overrides: list[str], batch: int | None, steps:
     if not main:
         return None
     dist = cfg.dist if world > 1 else "none"
-    return {"bench": task, "model": preset, "mode": mode + (" compile" if cfg.compile else ""), "batch": cfg.batch_size // world,
-            "dist": dist, "fsdp": dist == "fsdp", "compile_scope": "per_block" if cfg.compile else None,
-            "world_size": world, "overrides": " ".join(overrides), **r}
+    return {"bench": task, "model": preset, "mode": mode + (" compile" if cfg.compile else ""),
+            "batch": cfg.batch_size // world, "dist": dist, "fsdp": dist == "fsdp",
+            "compile_scope": "per_block" if cfg.compile else None, "world_size": world, "overrides": " ".join(overrides), **r}
 
 
 def print_profile(r: dict) -> None:
