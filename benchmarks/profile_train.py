@@ -6,8 +6,8 @@ side, unwrapped and under DDP or FSDP2 (the profile behind the gaps in BENCHMARK
     python -m benchmarks.profile_train --models timm,dres_official --mode eager --dist none,fsdp --trace
     torchrun --nproc-per-node 2 -m benchmarks.profile_train --models timm --mode eager --dist fsdp
     python -m benchmarks.profile_train --trainer mae_cifar10 --trace          # the trainer's own step
-    torchrun --nproc-per-node 2 -m benchmarks.profile_train --trainer mae_vit_b16_in1k --set dist=ddp \
-        --set data.name=synthetic --trace                                      # graphed DDP, both ranks
+    torchrun --nproc-per-node 2 -m benchmarks.profile_train --trainer mae_vit_b16_in1k --batch 256 \
+        --set dist=ddp --set data.name=synthetic --trace     # graphed DDP, both ranks, 256 images each
 
 Each (model, wrapping): build, (compile: each block, before wrapping, as the trainer does), wrap
 (``bench_train.wrap_model``: the trainer's DDP / FSDP2; ``fsdp:VARIANT`` as in bench_train), warm
