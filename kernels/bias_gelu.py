@@ -163,7 +163,7 @@ def bias_gelu_backward(
     M = pre.numel() // N if N else 0
     device = pre.device
     f32 = dict(dtype=torch.float32, device=device)
-    if M == 0:
+    if M == 0 or N == 0:
         return torch.zeros((N,), **f32) if need_dbias else None
     block_m, block_n, num_warps, programs_per_sm = backward_config(N)
     col_blocks = cdiv(N, block_n)
