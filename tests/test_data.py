@@ -113,7 +113,9 @@ def test_corrupt_samples_and_shards_are_skipped_and_counted(tmp_path):
     data = good.read_bytes()
     (tmp_path / "s-002.tar.gz").write_bytes(data[: len(data) // 2])  # truncated shard
     x, y, bad = read_shards(str(tmp_path / "s-{000..002}.tar.gz"))
-    assert bad.count == 1 and bad.damaged == [str(tmp_path / "s-002.tar.gz")]  # the bad jpeg; the truncated shard
+    # the bad jpeg; the truncated shard, whose loss no manifest counts
+    assert bad.count == 1 and bad.damaged == bad.uncounted == [str(tmp_path / "s-002.tar.gz")]
+    assert bad.summary()["corrupt_samples"] is None and bad.summary()["corrupt_samples_at_least"] == 1
     assert 22 <= len(x) < 42 and y[:2].tolist() == [1, 3]
 
 
@@ -164,7 +166,8 @@ def test_lost_data_is_reported_as_it_happens_and_stops_above_the_limit(tmp_path,
     assert any("s-000.tar.gz:b: " in l and "1 sample(s)" in l for l in lines), lines
     assert any("s-002.tar.gz: truncated or corrupt shard" in l for l in lines), lines
     lost = ld.counter.summary()
-    assert lost["corrupt_samples"] == 1 and lost["damaged_shards"] == [str(tmp_path / "s-002.tar.gz")]
+    assert lost["corrupt_samples"] is None and lost["corrupt_samples_at_least"] == 1  # s-002 has no manifest count
+    assert lost["damaged_shards"] == lost["uncounted_shards"] == [str(tmp_path / "s-002.tar.gz")]
     # the default limit (0.001): one shard in three lost stops the run, naming it
     with pytest.raises(DataError, match=r"too much unreadable data.*1 of 3 shards lost \(.*s-002.tar.gz\).*"
                                         r"data.max_corrupt_frac=0.001"):
@@ -226,7 +229,68 @@ def test_training_summary_records_lost_data(tmp_path):
     tr.fit()
     tr.finish()
     lost = json.loads((tmp_path / "run" / "summary.json").read_text())["lost_data"]
-    assert lost["corrupt_samples"] == 1 and lost["damaged_shards"] == [str(tmp_path / "s-002.tar.gz")]
+    assert lost["corrupt_samples"] is None and lost["corrupt_samples_at_least"] == 1  # no manifest: unknown, not 1
+    assert lost["damaged_shards"] == [str(tmp_path / "s-002.tar.gz")]
+
+
+def _cut_cifar_shard(tmp_path, keep_frac):
+    """Two real CIFAR-10 test shards and their manifest in ``tmp_path``, the second cut to ``keep_frac``
+    of its bytes (with the shard check off, as a user who raised the loss limit would run)."""
+    manifest = json.loads((CIFAR / "manifest.json").read_text())
+    names = [f"cifar10-test-00000{i}.tar.gz" for i in range(2)]
+    for n in names:
+        (tmp_path / n).write_bytes((CIFAR / n).read_bytes())
+    data = (tmp_path / names[1]).read_bytes()
+    (tmp_path / names[1]).write_bytes(data[: int(len(data) * keep_frac)])
+    (tmp_path / "manifest.json").write_text(json.dumps({"shards": {n: manifest["shards"][n] for n in names}}))
+    return str(tmp_path / "cifar10-test-{000000..000001}.tar.gz"), [manifest["shards"][n]["samples"] for n in names]
+
+
+@needs_cifar
+@pytest.mark.parametrize("resident", [True, False])
+def test_lost_samples_of_a_cut_shard_are_counted_from_its_manifest(tmp_path, resident):
+    from dres.data import lost_data_line
+
+    pattern, counts = _cut_cifar_shard(tmp_path, 0.25)
+    d = DataConfig(name="wds", path=pattern, img_size=32, gpu_resident=resident, num_workers=0, shuffle_buffer=0,
+                   verify_manifest=False, max_corrupt_frac=0.9)
+    lines = []
+    ld = build_loader(d, "train", 500, log=lines.append)
+    if resident:
+        read = len(ld.images)
+    else:
+        read = 0
+        for b in ld.eval_batches(1000):
+            read += len(b["label"])
+    lost = ld.counter.summary()
+    assert 0.6 * counts[1] < lost["corrupt_samples"] < 0.8 * counts[1]  # about 3/4 of the cut shard
+    assert read + lost["corrupt_samples"] == sum(counts)  # every sample the manifest lists is read or counted lost
+    assert "uncounted_shards" not in lost
+    assert f"of {counts[1]} samples (manifest.json) are lost" in " ".join(lines)
+    assert lost_data_line(lost).startswith(f"[dres] lost {lost['corrupt_samples']} samples and 1 damaged shards")
+    # the default limit stops on the counted loss
+    with pytest.raises(DataError, match=rf"{lost['corrupt_samples']} of {sum(counts)} samples"):
+        d.max_corrupt_frac = 0.001
+        strict = build_loader(d, "train", 500)
+        if not resident:
+            list(strict.eval_batches(1000))
+
+
+@needs_cifar
+def test_lost_samples_of_a_cut_shard_split_over_slots_are_counted_once(tmp_path):
+    """One shard read by 3 slots (more slots than shards): each slot counts only its own share of the loss."""
+    from dres.data.loaders import _ShardStream
+
+    pattern, counts = _cut_cifar_shard(tmp_path, 0.25)
+    shard = pattern.replace("{000000..000001}", "000001")
+    lost, read = 0, 0
+    for rank in range(3):
+        c = CorruptCounter()
+        for img, _, events in _ShardStream([shard], rank, 3, 0, 0, 32, 3, False, 0, 0):
+            read += img is not None
+            c.replay(events)
+        lost += c.count
+    assert read + lost == counts[1]
 
 
 def test_streamed_shards_take_their_epoch_length_from_the_manifest(tmp_path):

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from dres.data import build_loader
+from dres.data import build_loader, lost_data_line
 from dres.train import checkpoint as C
 from dres.train import distributed as D
 from dres.train import rundir
@@ -405,9 +405,8 @@ class Trainer:
                      f"{self.summary['img_per_s']:.1f} img/s, final loss {self.summary['final_loss']}"]
             if self.summary["peak_mem_gib"] is not None:
                 lines.append(f"[dres] peak memory {self.summary['peak_mem_gib']:.2f} GiB")
-            if lost["corrupt_samples"] or lost["damaged_shards"]:
-                lines.append(f"[dres] lost {lost['corrupt_samples']} corrupt samples and {len(lost['damaged_shards'])} "
-                             f"damaged shards {lost['damaged_shards'][:3]} (summary.json, lost_data)")
+            if lost_data_line(lost):
+                lines.append(lost_data_line(lost))
         if self.main:
             with open(self.out / name, "w") as f:
                 json.dump(s, f, indent=1, default=str)

@@ -33,13 +33,13 @@ import torch
 from dres.data.loaders import (FolderLoader, InMemoryLoader, ShardLoader, check_split, crop_theta,
                                device_augment, normalize, rrc_params)
 from dres.data.sources import (CorruptCounter, DataError, check_labels, cifar10_pattern, default_cifar10_dir,
-                               expand_shards, iter_shard, manifest_samples, read_cifar_torchvision, read_digits,
+                               expand_shards, iter_shard, lost_data_line, manifest_samples, read_cifar_torchvision, read_digits,
                                read_image_folder, read_mnist_torchvision, read_shards, verify_manifest)
 
 __all__ = ["build_loader", "load_arrays", "DataError", "InMemoryLoader", "FolderLoader", "ShardLoader",
            "crop_theta", "device_augment", "normalize", "rrc_params", "read_shards", "read_digits", "iter_shard",
            "expand_shards", "default_cifar10_dir", "cifar10_pattern", "check_split", "CorruptCounter",
-           "verify_manifest", "manifest_samples"]
+           "verify_manifest", "manifest_samples", "lost_data_line"]
 
 
 def _pattern(d, split):

@@ -317,22 +317,22 @@ class _ShardStream(torch.utils.data.IterableDataset):
         if self.train:
             random.Random(_mix(self.seed, self.epoch, 4)).shuffle(shards)
         if len(shards) >= nslots:
-            mine, keep = shards[slot::nslots], None
+            mine, share = shards[slot::nslots], None
         else:
-            mine, keep = shards, slot
+            mine, share = shards, (slot, nslots)
         counter = CorruptCounter(collect=True)  # its events travel with the samples to the main process
-        buf, n = [], 0
+        buf = []
+
+        def decoded():
+            index = 0
+            for s in mine:
+                index = yield from iter_shard(s, counter, self.in_chans, share, index)
 
         def samples():
-            nonlocal n
-            for s in mine:
-                for key, img, label in iter_shard(s, counter, self.in_chans):
-                    n += 1
-                    if keep is not None and (n - 1) % nslots != keep:
-                        continue
-                    im = Image.fromarray(img[0] if img.shape[0] == 1 else img.transpose(1, 2, 0))
-                    im = pil_rrc(im, self.size, rng, (self.crop_min, 1.0), rrc=self.train, flip=self.train)
-                    yield _pil_to_uint8(im, self.in_chans), label
+            for key, img, label in decoded():
+                im = Image.fromarray(img[0] if img.shape[0] == 1 else img.transpose(1, 2, 0))
+                im = pil_rrc(im, self.size, rng, (self.crop_min, 1.0), rrc=self.train, flip=self.train)
+                yield _pil_to_uint8(im, self.in_chans), label
 
         for s in samples():
             if self.train and self.buffer > 1:

@@ -47,24 +47,27 @@ class CorruptCounter:
     LOG_EVERY_S = 30.0
 
     def __init__(self, log=None, collect=False):
-        self.count = 0           # samples lost
-        self.damaged: list = []  # shards that could not be read to their end (their losses are uncounted)
+        self.count = 0           # samples lost (for a damaged shard: what its manifest count says was not read)
+        self.damaged: list = []  # shards that could not be read to their end
+        self.uncounted: list = []  # damaged shards without a manifest count: how many samples they lost is unknown
         self.examples: list = []
         self.shards_total = 0    # shards (or files) read, for the damaged fraction
         self.log, self.collect, self.pending = log, collect, []
         self._logged, self._quiet, self._last = 0, 0, 0.0
 
-    def add(self, what: str, shard: str = "", damaged: bool = False):
-        """One lost sample (or, with ``damaged``, the unread rest of ``shard``)."""
+    def add(self, what: str, shard: str = "", damaged: bool = False, lost: int | None = 1):
+        """One lost sample or, with ``damaged``, the unread rest of ``shard``: ``lost`` samples by its
+        manifest, None when no manifest counts them."""
         if damaged:
             if shard not in self.damaged:  # a streaming loader meets it again every epoch
                 self.damaged.append(shard)
-        else:
-            self.count += 1
+            if lost is None and shard not in self.uncounted:
+                self.uncounted.append(shard)
+        self.count += lost or 0
         if len(self.examples) < 20:
             self.examples.append(what)
         if self.collect:
-            self.pending.append((what, shard, damaged))
+            self.pending.append((what, shard, damaged, lost))
         self._report(what)
 
     def drain(self) -> list:
@@ -72,8 +75,8 @@ class CorruptCounter:
         return out
 
     def replay(self, events):
-        for what, shard, damaged in events:
-            self.add(what, shard, damaged)
+        for what, shard, damaged, lost in events:
+            self.add(what, shard, damaged, lost)
 
     def _report(self, what):
         if self.log is None:
@@ -81,14 +84,23 @@ class CorruptCounter:
         now = time.monotonic()
         if self._logged < self.LOG_FIRST or now - self._last >= self.LOG_EVERY_S:
             more = f" (and {self._quiet} more since the last report)" if self._quiet else ""
-            self.log(f"[dres] lost data: {what}{more}; {self.count} sample(s) and {len(self.damaged)} "
+            self.log(f"[dres] lost data: {what}{more}; {self._samples_lost()} sample(s) and {len(self.damaged)} "
                      f"shard(s) lost so far")
             self._logged, self._last, self._quiet = self._logged + 1, now, 0
         else:
             self._quiet += 1
 
+    def _samples_lost(self) -> str:
+        return f"at least {self.count} (unknown how many more)" if self.uncounted else str(self.count)
+
     def summary(self) -> dict:
-        return {"corrupt_samples": self.count, "damaged_shards": list(self.damaged), "examples": self.examples[:10]}
+        """``corrupt_samples`` is None when a damaged shard's loss is unknown (no manifest count);
+        ``corrupt_samples_at_least`` then says how many were counted."""
+        s = {"corrupt_samples": None if self.uncounted else self.count, "damaged_shards": list(self.damaged),
+             "examples": self.examples[:10]}
+        if self.uncounted:
+            s.update(corrupt_samples_at_least=self.count, uncounted_shards=list(self.uncounted))
+        return s
 
     def check(self, samples_read: int, max_frac: float, where: str, expected: int = 0):
         """Raise :class:`DataError` when the lost fraction of samples (of ``max(read + lost,
@@ -98,9 +110,22 @@ class CorruptCounter:
         if self.count / samples <= max_frac and shard_frac <= max_frac:
             return
         names = ", ".join(self.damaged[:3]) + (" ..." if len(self.damaged) > 3 else "")
-        raise DataError(f"too much unreadable data in {where}: {self.count} of {samples} samples and "
+        raise DataError(f"too much unreadable data in {where}: {self._samples_lost()} of {samples} samples and "
                         f"{len(self.damaged)} of {self.shards_total} shards lost{' (' + names + ')' if names else ''}"
                         f", above data.max_corrupt_frac={max_frac} (repair the data, or raise the limit)")
+
+
+def lost_data_line(lost: dict) -> str:
+    """One line about a :meth:`CorruptCounter.summary`'s losses ('' when nothing was lost)."""
+    damaged = lost["damaged_shards"]
+    if not (lost["corrupt_samples"] or damaged):
+        return ""
+    if lost["corrupt_samples"] is None:
+        samples = (f"at least {lost['corrupt_samples_at_least']} samples (how many more is unknown: "
+                   f"{len(lost['uncounted_shards'])} damaged shard(s) have no count in a manifest.json)")
+    else:
+        samples = f"{lost['corrupt_samples']} samples"
+    return f"[dres] lost {samples} and {len(damaged)} damaged shards {damaged[:3]} (summary.json, lost_data)"
 
 
 def check_labels(labels: torch.Tensor, num_classes: int, where: str):
@@ -230,16 +255,49 @@ def decode_image(data: bytes, in_chans: int = 3) -> np.ndarray:
     return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
 
 
-def iter_shard(path: str, counter: CorruptCounter, in_chans: int = 3):
-    """Yield ``(key, image uint8 CHW, label)`` from one shard; corrupt members/shards are counted."""
+def _shard_count(path: str) -> int | None:
+    """The sample count of ``path`` in its folder's manifest.json, None when it has none."""
+    try:
+        n = manifest_entries([path])[0].get("samples")
+    except DataError:
+        return None
+    return n if isinstance(n, int) and n >= 0 else None
+
+
+def iter_shard(path: str, counter: CorruptCounter, in_chans: int = 3, slot: tuple[int, int] | None = None,
+               first: int = 0):
+    """Yield ``(key, image uint8 CHW, label)`` from one shard; corrupt members/shards are counted, a
+    damaged shard's unread samples by its manifest count (unknown without one).
+
+    With ``slot=(keep, n)`` only the samples whose running index (from ``first``, over every sample
+    read or lost) is ``keep`` mod ``n`` are decoded, yielded and counted when lost. Returns the
+    index after the shard."""
+    seen = 0  # samples of this shard met so far, readable or not
+
+    def mine(i):
+        return slot is None or (first + i) % slot[1] == slot[0]
+
+    def lose_rest(why):
+        total = _shard_count(path)
+        if total is None or total < seen:
+            counter.add(f"{os.path.basename(path)}: {why}, the rest of it is lost", path, damaged=True, lost=None)
+            return first + seen
+        lost = sum(mine(i) for i in range(seen, total))
+        counter.add(f"{os.path.basename(path)}: {why}, its last {total - seen} of {total} samples (manifest.json) "
+                    "are lost", path, damaged=True, lost=lost)
+        return first + total
+
     try:
         tf = tarfile.open(path, "r:*")
     except (tarfile.TarError, OSError, EOFError) as e:
-        counter.add(f"{os.path.basename(path)}: unreadable shard ({type(e).__name__})", path, damaged=True)
-        return
+        return lose_rest(f"unreadable shard ({type(e).__name__})")
     cur_key, parts = None, {}
 
     def emit(key, parts):
+        nonlocal seen
+        seen += 1
+        if not mine(seen - 1):
+            return None
         img_bytes = next((v for k, v in parts.items() if k in IMG_EXT), None)
         try:
             if img_bytes is None or "cls" not in parts:
@@ -272,9 +330,9 @@ def iter_shard(path: str, counter: CorruptCounter, in_chans: int = 3):
                 if s is not None:
                     yield s
     except (tarfile.TarError, OSError, EOFError, zlib_error()) as e:
-        # a truncated/corrupt shard: keep what was read, count the rest as one corrupt entry
-        counter.add(f"{os.path.basename(path)}: truncated or corrupt shard ({type(e).__name__}), the rest of it "
-                    "is lost", path, damaged=True)
+        # a truncated/corrupt shard: keep what was read; the sample being read when it broke is lost too
+        return lose_rest(f"truncated or corrupt shard ({type(e).__name__})")
+    return first + seen
 
 
 def zlib_error():
