@@ -654,3 +654,28 @@ def test_profile_trainer_under_ddp_reports_from_the_main_rank(tmp_path):
     main_record = json.loads((tmp_path / "rank0.json").read_text())
     assert main_record == {"dist": "ddp", "world_size": 2, "mode": "trainer eager", "batch": 32}  # --batch is per GPU
     assert json.loads((tmp_path / "rank1.json").read_text()) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# the records' convention (benchmarks/records/README.md)
+
+REPO = Path(__file__).resolve().parent.parent
+RECORD_NAME = r"[a-z0-9]+-\d{4}-\d{2}-\d{2}(-[a-z0-9]+)+"
+RECORD_ROOTS = ("benchmarks/records",)
+
+
+@pytest.mark.parametrize("root", RECORD_ROOTS)
+def test_records_follow_the_convention(root):
+    import re
+
+    base = REPO / root
+    index = (base / "README.md").read_text()
+    folders = sorted(p for p in base.iterdir() if p.is_dir())
+    assert folders, f"{root} holds no record"
+    assert sorted(p.name for p in base.iterdir() if p.is_file()) == ["README.md"]
+    for folder in folders:
+        assert re.fullmatch(RECORD_NAME, folder.name), f"{folder.name}: not <card>-<YYYY-MM-DD>-<what>"
+        assert f"`{folder.name}`" in index, f"{folder.name} is not in {root}/README.md's index"
+    for path in base.rglob("*"):
+        assert path.suffix not in (".py", ".sh"), f"{path.relative_to(REPO)}: no scripts inside records"
+        assert "session" not in path.name.lower(), f"{path.relative_to(REPO)}: name the measurement, not the session"
