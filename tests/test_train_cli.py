@@ -74,6 +74,78 @@ def test_cli_bad_input_is_one_line_error(args, msg, capsys, tmp_path):
     assert msg in err and len(err.splitlines()) == 1, err
 
 
+def _bad_values():
+    """(key, value, message) for values each key must refuse: NaN, infinities, zero, negatives."""
+    qs = ["mae", "--preset", "quickstart", "--set"]
+    cases = [
+        ("optim.weight_decay", "-0.1", "'optim.weight_decay' must be >= 0; got -0.1"),
+        ("optim.weight_decay", ".nan", "'optim.weight_decay' must be a finite number; got nan"),
+        ("optim.weight_decay", "inf", "'optim.weight_decay' must be a finite number; got inf"),
+        ("optim.clip_grad", ".nan", "'optim.clip_grad' must be a finite number; got nan"),
+        ("optim.clip_grad", "-1", "'optim.clip_grad' must be >= 0 (0: off); got -1.0"),
+        ("optim.lr", "-1e-3", "'optim.lr' must be >= 0 (0: from optim.blr); got -0.001"),
+        ("optim.lr", "-.inf", "'optim.lr' must be a finite number; got -inf"),
+        ("optim.blr", ".nan", "'optim.blr' must be a finite number; got nan"),
+        ("optim.blr", "0", "'optim.blr' must be positive unless optim.lr is (optim.lr is 0); got 0.0"),
+        ("optim.eps", "0", "'optim.eps' must be positive; got 0.0"),
+        ("optim.eps", "NaN", "'optim.eps' must be a finite number; got nan"),
+        ("optim.min_lr", "-1e-6", "'optim.min_lr' must be >= 0; got -1e-06"),
+        ("optim.betas", "[0.9, .nan]", "'optim.betas' must be a finite number; got nan"),
+        ("optim.betas", "[a, b]", "'optim.betas' expects a list of numbers, got 'a'"),
+        ("model.mlp_ratio", "inf", "'model.mlp_ratio' must be a finite number; got inf"),
+        ("model.mlp_ratio", "0", "'model.mlp_ratio' must be positive; got 0.0"),
+        ("model.embed_dim", "0", "'model.embed_dim' must be a positive integer; got 0"),
+        ("model.depth", "1e400", "'model.depth' must be a finite number; got inf"),
+        ("data.std", "[0.2, .inf, 0.2]", "'data.std' must be a finite number; got inf"),
+        ("eval.probe_lr", "-1", "'eval.probe_lr' must be positive; got -1.0"),
+        ("eval.knn_k", "0", "'eval.knn_k' must be a positive integer; got 0"),
+        ("data.num_workers", "-2", "'data.num_workers' must be >= 0; got -2"),
+        ("threads", "-1", "'threads' must be >= 0"),
+        ("seed", "-1", "'seed' must be >= 0; got -1"),
+        ("compile", "1", "'compile' expects true/false, got 1"),
+    ]
+    return [pytest.param(qs + [f"{k}={v}"], m, id=f"{k}={v}") for k, v, m in cases]
+
+
+@pytest.mark.parametrize("args,msg", _bad_values())
+def test_every_bad_config_value_is_one_line_naming_its_key(args, msg, capsys, tmp_path):
+    assert cli.main(args + ["--out", str(tmp_path / "run"), "--print-config"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"dres-train: error: config key {msg}" in err and len(err.splitlines()) == 1, err
+
+
+def test_zero_weight_decay_and_clip_grad_are_allowed_and_yaml_exponents_are_numbers(tmp_path):
+    cfg = build_config("mae", "quickstart", ["optim.weight_decay=0", "optim.clip_grad=0", "optim.lr=0"])
+    assert (cfg.optim.weight_decay, cfg.optim.clip_grad, cfg.optim.lr) == (0.0, 0.0, 0.0)
+    preset = tmp_path / "mine.yaml"
+    preset.write_text("task: mae\noptim: {blr: 1e-3, min_lr: 1E-6, weight_decay: 5e-2}\nmodel: {depth: 2e0}\n"
+                      "data: {path: 1e5}\n")
+    assert yaml.safe_load(preset.read_text())["optim"]["blr"] == "1e-3"  # a string to PyYAML
+    cfg = build_config("mae", str(preset))
+    assert (cfg.optim.blr, cfg.optim.min_lr, cfg.optim.weight_decay, cfg.model.depth) == (1e-3, 1e-6, 0.05, 2)
+    assert cfg.data.path == "1e5"  # a text key keeps the text
+    assert build_config("mae", "quickstart", ["data.path=1e5"]).data.path == "1e5"
+    with pytest.raises(ConfigError, match=r"config key 'optim.blr' expects a number, got 'fast'"):
+        build_config("mae", "quickstart", ["optim.blr=fast"])
+
+
+@pytest.mark.parametrize("make,msg", [
+    (lambda p: p.mkdir(), "{p} is a directory, not a YAML file"),
+    (lambda p: p.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe"), "{p} is a binary file, not a YAML text file"),
+    (lambda p: p.write_bytes(b"task: mae\x00\n"), "{p} is a binary file, not a YAML text file"),
+    (lambda p: p.write_text(""), "preset {p} is empty"),
+    (lambda p: p.write_text("# nothing but a comment\n"), "preset {p} is empty"),
+    (lambda p: None, "preset file not found: {p}"),
+], ids=["directory", "binary", "nul", "empty", "comment-only", "missing"])
+def test_bad_preset_paths_are_one_line_each(make, msg, tmp_path, capsys):
+    for name in ("preset.yaml", "preset"):
+        p = tmp_path / name
+        make(p)
+        assert cli.main(["mae", "--preset", str(p), "--out", str(tmp_path / "run")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"dres-train: error: {msg.format(p=p)}" in err and len(err.splitlines()) == 1, err
+
+
 def test_malformed_preset_yaml_is_one_line_error_and_debug_shows_the_traceback(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("task: mae\nmodel: {depth: 2, embed_dim: [\n")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,6 +204,21 @@ def _suggest(key, valid):
     return f" (did you mean '{close[0]}'?)" if close else ""
 
 
+def _number(value, key, what="a number"):
+    """A finite float from a YAML value: numbers, and strings such as '1e-3' (PyYAML reads floats
+    without a dot as strings); booleans, other strings, NaN and infinities are errors naming the key."""
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise ConfigError(f"config key '{key}' expects {what}, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"config key '{key}' expects {what}, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"config key '{key}' must be a finite number; got {value}")
+    return value
+
+
 def _coerce(value, typ, key):
     """Convert a YAML-parsed value to the dataclass field's type; int->float is allowed, anything
     else mismatched is an error naming the key."""
@@ -215,22 +232,21 @@ def _coerce(value, typ, key):
             return value
         raise ConfigError(f"config key '{key}' expects true/false, got {value!r}")
     if typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"config key '{key}' expects a number, got {value!r}")
+        return float(_number(value, key))
     if typ is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
+        number = _number(value, key, "an integer")
+        if float(number).is_integer():
+            return int(number)
         raise ConfigError(f"config key '{key}' expects an integer, got {value!r}")
     if typ is str:
         if isinstance(value, bool):  # YAML reads true/false as booleans; str keys keep the words
             return "true" if value else "false"
         return "" if value is None else str(value)
-    if typ is list:
+    if typ is list:  # every list key holds numbers (betas, mean, std)
         if isinstance(value, (list, tuple)):
-            return list(value)
+            return [float(_number(v, key, "a list of numbers")) for v in value]
         raise ConfigError(f"config key '{key}' expects a list like [0.9, 0.95], got {value!r}")
     return value
 
@@ -275,23 +291,47 @@ def list_presets():
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
+def _is_path(name: str) -> bool:
+    return os.sep in name or "/" in name or Path(name).suffix in (".yaml", ".yml") or (
+        name not in list_presets() and Path(name).exists())
+
+
 def load_preset(name: str) -> dict:
-    path = Path(name)
-    if not (path.suffix in (".yaml", ".yml") and path.exists()):
+    """A preset by name (``train/presets/<name>.yaml``) or by path; each way it can fail is one line."""
+    if _is_path(name):
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise ConfigError(f"preset file not found: {path}")
+    else:
         path = PRESET_DIR / f"{name}.yaml"
-    if not path.exists():
-        raise ConfigError(f"unknown preset '{name}'{_suggest(name, list_presets())}; available: "
-                          f"{', '.join(list_presets())} (or a path to a .yaml file)")
-    d = _read_yaml(path) or {}
+        if not path.exists():
+            raise ConfigError(f"unknown preset '{name}'{_suggest(name, list_presets())}; available: "
+                              f"{', '.join(list_presets())} (or a path to a .yaml file)")
+    d = _read_yaml(path)
+    if d is None:
+        raise ConfigError(f"preset {path} is empty (expected a YAML mapping such as 'task: mae')")
     if not isinstance(d, dict):
         raise ConfigError(f"preset {path} must be a YAML mapping")
     return d
 
 
 def _read_yaml(path):
+    """The YAML document in ``path`` (None when it is empty); a folder, binary or malformed file is one line."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory, not a YAML file")
     try:
-        with open(path) as f:
-            return yaml.safe_load(f)
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path} cannot be read: {e.strerror or e}") from e
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is None or "\0" in text:
+        raise ConfigError(f"{path} is a binary file, not a YAML text file")
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
@@ -302,17 +342,12 @@ def parse_override(s: str):
     if "=" not in s:
         raise ConfigError(f"override '{s}' must look like key=value (e.g. optim.blr=1e-3)")
     k, v = s.split("=", 1)
-    # YAML gives numbers, booleans, lists and null their natural types; "1e-3" needs help because
-    # YAML 1.1 only reads floats with a dot.
+    # YAML gives numbers, booleans, lists and null their natural types (a number key reads "1e-3",
+    # a string to YAML 1.1, in _coerce)
     try:
         val = yaml.safe_load(v) if v != "" else ""
     except yaml.YAMLError:
         val = v
-    if isinstance(val, str):
-        try:
-            val = float(val) if any(c in val.lower() for c in ".e") and not val.isalpha() else val
-        except ValueError:
-            pass
     return k.strip(), val
 
 
@@ -338,32 +373,46 @@ def build_config(task: str | None = None, preset: str | None = None, overrides=(
     return cfg
 
 
+POSITIVE_KEYS = (
+    "batch_size", "accum_steps", "fsdp_blocks_per_unit", "data.img_size", "data.in_chans", "data.synthetic_size",
+    "model.img_size", "model.patch_size", "model.in_chans", "model.embed_dim", "model.depth", "model.num_heads",
+    "model.decoder_embed_dim", "model.decoder_num_heads", "model.mlp_ratio", "optim.eps", "log.every",
+    "eval.probe_epochs", "eval.probe_lr", "eval.probe_batch", "eval.knn_k", "eval.steps", "eval.n_samples",
+    "eval.fid_samples", "eval.curve_probe_epochs")
+# key: what 0 means ('' when 0 is an ordinary value)
+NON_NEGATIVE_KEYS = {
+    "seed": "", "steps": "use epochs", "epochs": "", "threads": "torch default",
+    "data.num_classes": "", "data.num_workers": "", "data.shuffle_buffer": "", "data.limit": "all",
+    "data.val_limit": "all", "model.decoder_depth": "", "model.num_classes": "", "optim.blr": "",
+    "optim.lr": "from optim.blr", "optim.min_lr": "", "optim.weight_decay": "", "optim.warmup_epochs": "",
+    "optim.clip_grad": "off", "ckpt.every": "only at the end", "ckpt.keep": "keep all", "eval.probe_wd": "",
+    "eval.max_train": "all", "eval.max_test": "all", "eval.every": "never"}
+
+
+def _get(cfg, key):
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def validate(cfg: Config) -> None:
     """Value checks that a type cannot express; each failure is one line naming the key."""
     def need(ok, key, what):
         if not ok:
-            value = cfg
-            for part in key.split("."):
-                value = getattr(value, part)
-            raise ConfigError(f"config key '{key}' {what}; got {value!r}")
+            if what == "must be positive" and isinstance(_get(cfg, key), int):
+                what = "must be a positive integer"
+            raise ConfigError(f"config key '{key}' {what}; got {_get(cfg, key)!r}")
 
     m, d, o = cfg.model, cfg.data, cfg.optim
-    need(cfg.batch_size > 0, "batch_size", "must be a positive integer")
-    need(cfg.accum_steps > 0, "accum_steps", "must be a positive integer")
-    need(cfg.fsdp_blocks_per_unit > 0, "fsdp_blocks_per_unit", "must be a positive integer")
-    need(cfg.steps >= 0, "steps", "must be >= 0 (0: use epochs)")
-    need(cfg.epochs >= 0, "epochs", "must be >= 0")
-    need(cfg.log.every > 0, "log.every", "must be a positive integer")
-    need(cfg.ckpt.every >= 0, "ckpt.every", "must be >= 0 (0: only at the end)")
-    need(cfg.ckpt.keep >= 0, "ckpt.keep", "must be >= 0 (0: keep all)")
-    need(cfg.eval.every >= 0, "eval.every", "must be >= 0")
-    need(cfg.eval.curve_probe_epochs > 0, "eval.curve_probe_epochs", "must be a positive integer")
+    for key in POSITIVE_KEYS:
+        need(_get(cfg, key) > 0, key, "must be positive")
+    for key, zero_means in NON_NEGATIVE_KEYS.items():
+        need(_get(cfg, key) >= 0, key, f"must be >= 0{f' (0: {zero_means})' if zero_means else ''}")
+    need(o.warmup_steps >= -1, "optim.warmup_steps", "must be >= 0, or -1 (from optim.warmup_epochs)")
+    need(0 <= cfg.eval.probe_t <= 1, "eval.probe_t", "must be in [0, 1] (continuous diffusion time)")
     need(not cfg.eval.fd_classifier or Path(cfg.eval.fd_classifier).exists(), "eval.fd_classifier",
          "must be a classify run directory or checkpoint that exists")
-    need(d.img_size > 0, "data.img_size", "must be a positive integer")
-    need(d.in_chans > 0, "data.in_chans", "must be a positive integer")
-    need(d.limit >= 0, "data.limit", "must be >= 0")
-    need(d.val_limit >= 0, "data.val_limit", "must be >= 0")
     need(0 <= d.max_corrupt_frac <= 1, "data.max_corrupt_frac", "must be in [0, 1]")
     need(0 < d.crop_min <= 1, "data.crop_min", "must be in (0, 1]")
     if d.normalize:
@@ -376,20 +425,18 @@ def validate(cfg: Config) -> None:
          f"must divide model.img_size ({m.img_size})")
     need(m.num_heads > 0 and m.embed_dim % m.num_heads == 0, "model.num_heads",
          f"must divide model.embed_dim ({m.embed_dim})")
-    need(m.depth > 0, "model.depth", "must be a positive integer")
     if cfg.task == "mae":
         need(m.decoder_num_heads > 0 and m.decoder_embed_dim % m.decoder_num_heads == 0, "model.decoder_num_heads",
              f"must divide model.decoder_embed_dim ({m.decoder_embed_dim})")
         need(0 <= m.mask_ratio < 1, "model.mask_ratio", "must be in [0, 1)")
     need(0 < m.alpha_min <= 1, "model.alpha_min", "must be in (0, 1] (1: plain residuals)")
     need(0 <= m.drop_path < 1, "model.drop_path", "must be in [0, 1)")
-    need(m.mlp_ratio > 0, "model.mlp_ratio", "must be positive")
     if cfg.task == "classify":
         need(m.num_classes == d.num_classes, "model.num_classes", f"must equal data.num_classes ({d.num_classes})")
     if cfg.task == "uvit":
         need(0 <= m.num_classes <= d.num_classes, "model.num_classes",
              f"must be 0 (unconditional) or at most data.num_classes ({d.num_classes})")
-    need(o.blr > 0 or o.lr > 0, "optim.lr", "or optim.blr must be positive")
+    need(o.blr > 0 or o.lr > 0, "optim.blr", "must be positive unless optim.lr is (optim.lr is 0)")
     need(0 <= o.ema_decay < 1, "optim.ema_decay", "must be in [0, 1)")
     need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", "must be two numbers in [0, 1)")
     need(0 < o.momentum < 1, "optim.momentum", "must be in (0, 1) (optim.name=sgd: Nesterov momentum)")
