@@ -661,7 +661,7 @@ def test_profile_trainer_under_ddp_reports_from_the_main_rank(tmp_path):
 
 REPO = Path(__file__).resolve().parent.parent
 RECORD_NAME = r"[a-z0-9]+-\d{4}-\d{2}-\d{2}(-[a-z0-9]+)+"
-RECORD_ROOTS = ("benchmarks/records",)
+RECORD_ROOTS = ("benchmarks/records", "experiments/records")
 
 
 @pytest.mark.parametrize("root", RECORD_ROOTS)

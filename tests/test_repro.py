@@ -1,4 +1,4 @@
-"""Issue 18's pieces (CPU): the model.zero_init switch, and benchmarks/repro.py (arm matrix,
+"""The reproduction's pieces (CPU): the model.zero_init switch, and experiments/repro.py (arm matrix,
 selection, budget plan, records from real tiny runs, the RESULTS.md report)."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import repro
+from experiments import repro
 from dres.train.cli import get_task
 from dres.train.config import ConfigError, build_config
 
@@ -119,7 +119,8 @@ def test_stat_is_mean_and_half_range():
 
 
 def test_report_without_records_says_not_run_yet_everywhere(tmp_path):
-    text = repro.report(tmp_path / "records", tmp_path / "RESULTS.md")
+    text = repro.report(tmp_path / "records", tmp_path / "RESULTS.md", figures=tmp_path / "figures",
+                        notes=tmp_path / "notes.md")
     groups = {a.group for a in repro.MATRIX}
     table_rows = [l for l in text.splitlines() if l.startswith("| ") and "not run yet" in l]
     assert len(table_rows) == len(groups)
@@ -130,8 +131,23 @@ def test_report_without_records_says_not_run_yet_everywhere(tmp_path):
 
 
 def test_committed_results_md_is_the_report_of_the_committed_records():
-    text = repro.render(repro.RECORDS_DIR, repro.REPO_ROOT, draw=False)
-    assert (repro.REPO_ROOT / "RESULTS.md").read_text() == text, "rebuild it: python -m benchmarks.repro --report"
+    text = repro.render(repro.RECORDS_ROOT, repro.REPO_ROOT, draw=False)
+    assert (repro.REPO_ROOT / "RESULTS.md").read_text() == text, "rebuild it: python -m experiments.repro --report"
+
+
+def test_report_reads_every_records_folder_and_the_latest_record_of_an_arm_wins(tmp_path, capsys):
+    base = {"claim": "C", "group": "C-vit-none", "task": "classify", "seed": 0, "epochs": 10, "steps": 1,
+            "overrides": [], "curves": [], "train": {}, "artifacts": {}, "card": "cpu", "commit": "abc", "command": "x"}
+    for folder, date, top1 in (("cpu-2026-01-01-first", "2026-01-01T00:00:00", 0.5),
+                               ("cpu-2026-02-01-second", "2026-02-01T00:00:00", 0.75)):
+        (tmp_path / folder).mkdir()
+        rec = dict(base, arm="C-vit-none-s0", date=date, metrics={"top1": top1})
+        (tmp_path / folder / "C-vit-none-s0.json").write_text(json.dumps(rec))
+    (tmp_path / "cpu-2026-01-01-first" / "semantics_none_s0.json").write_text("{}")  # not an arm: not read
+    recs = repro.load_records(tmp_path)
+    assert list(recs) == ["C-vit-none-s0"] and recs["C-vit-none-s0"]["metrics"]["top1"] == 0.75
+    assert repro.main(["--run", "C-vit-none-s0", "--epochs", "1", "--gpus", "0"]) == 2
+    assert "--run needs --records FOLDER" in capsys.readouterr().err
 
 
 SMOKE = ["--preset", "mae=quickstart", "--set", "model.depth=2", "--set", "model.decoder_depth=1",
@@ -156,16 +172,16 @@ def test_runner_trains_two_arms_writes_records_and_report(tmp_path, capsys):
         assert "--resume auto" in rec["command"] and "epochs=0.2" in rec["command"]
         assert "ckpt.every=2" in rec["command"]  # a checkpoint at every curve point: a cut call resumes from there
         assert rec["train"]["final_loss"] > 0 and rec["train"]["img_per_s"] > 0  # from metrics.jsonl
-        assert (records / rec["artifacts"]["curves_png"]).stat().st_size > 0
+        assert (records / rec["artifacts"]["curves_png"]).stat().st_size > 0  # relative to its records folder
     # a second call skips the recorded arms
     assert repro.main(["--run", arms, "--epochs", "0.2", "--gpus", "0", "--root", str(root), "--records",
                        str(records), "--curve-every", "2"] + SMOKE) == 0
     assert "A-baseline-a1.0-s0: skipped" in capsys.readouterr().out
-    text = repro.report(records, tmp_path / "RESULTS.md")
+    text = repro.report(records, tmp_path / "RESULTS.md", figures=tmp_path / "figures", notes=tmp_path / "notes.md")
     row = next(l for l in text.splitlines() if l.startswith("| baseline | 1 |"))
     assert "not run yet" not in row and "0.2" in row
     assert next(l for l in text.splitlines() if l.startswith("| official | 0.5 |")).count("not run yet") == 1
-    assert (records / "mae_curves.png").stat().st_size > 0 and "mae_curves.png" in text
+    assert (tmp_path / "figures" / "mae_curves.png").stat().st_size > 0 and "figures/mae_curves.png" in text
     assert "official 0.6 − baseline" not in text and "probe, official 1.0 − baseline 1.0" not in text
     assert "`A-official-a0.6-s0`" not in text.split("Not run yet:")[1] and "`A-official-a0.5-s0`" in text
 

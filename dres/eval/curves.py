@@ -1,6 +1,6 @@
 """Metrics over training (the papers' Fig. 5 at small scale): the cheap evaluation a run records
 every ``eval.every`` steps, one JSON line per point in ``<run>/curves.jsonl``, drawn to
-``<run>/curves.png``; several runs' points drawn together (``benchmarks/repro.py --report``).
+``<run>/curves.png``; several runs' points drawn together (``experiments/repro.py --report``).
 """
 
 from __future__ import annotations

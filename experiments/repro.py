@@ -1,14 +1,17 @@
-"""Reproduce the papers' claims at CIFAR scale (issue 18): the arm matrix, a runner that trains a
-chosen subset of arms in parallel (one per GPU) and writes one JSON record per finished arm, a
-planner for a device-time budget, and the report (RESULTS.md and curve figures) built from the
-records alone: an arm without a record is "not run yet", never a number.
+"""Reproduce the papers' claims at CIFAR scale: the arm matrix, a runner that trains a chosen subset
+of arms in parallel (one per GPU) and writes one JSON record per finished arm, a planner for a
+device-time budget, and the report (RESULTS.md and curve figures) built from the records alone: an
+arm without a record is "not run yet", never a number.
 
-    python -m benchmarks.repro --list
-    python -m benchmarks.repro --plan --epochs 50 --gpus 2 --budget-min 9 --img-per-s mae=40000,classify=20000,uvit=8000
-    python -m benchmarks.repro --run A.2x2 --epochs 50 --gpus 2 --root /tmp/dres-repro --records "$OUT/repro" \
+    python -m experiments.repro --list
+    python -m experiments.repro --plan --epochs 50 --gpus 2 --budget-min 9 --img-per-s mae=40000,classify=20000,uvit=8000
+    python -m experiments.repro --run A.2x2 --epochs 50 --gpus 2 --root /tmp/dres-repro --records "$OUT/repro" \
         --commit <sha>
-    python -m benchmarks.repro --run C.resnet50d.s1@100,A.sweep@50 --gpus 4 ...  # one queue, a length per word
-    python -m benchmarks.repro --report                       # results/repro/*.json -> RESULTS.md + figures
+    python -m experiments.repro --run C.resnet50d.s1@100,A.sweep@50 --gpus 4 ...  # one queue, a length per word
+    python -m experiments.repro --report    # experiments/records/*/*.json -> RESULTS.md + experiments/figures/
+
+Records are kept under ``experiments/records/<card>-<YYYY-MM-DD>-<what>/`` (benchmarks/records/README.md);
+the report reads the arm records of every such folder (the latest record of an arm wins).
 
 An arm trains for ``--epochs`` or its word's ``@EPOCHS`` (a claim's arms must share it: the report
 shows the epochs of every row); nothing is tuned per arm. Runs go to ``--root/<arm>`` with
@@ -32,9 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RECORDS_DIR = REPO_ROOT / "results" / "repro"
+RECORDS_ROOT = REPO_ROOT / "experiments" / "records"
+FIGURES_DIR = REPO_ROOT / "experiments" / "figures"  # the report's curve figures
+NOTES_MD = REPO_ROOT / "experiments" / "notes.md"  # the hand-written verdict per claim ("## A", "## B", "## C")
 RESULTS_MD = REPO_ROOT / "RESULTS.md"
-NOTES_FILE = "notes.md"  # the hand-written verdict per claim ("## A", "## B", "## C"), embedded by the report
 CURVE_POINTS = 10  # curve points per run: every ~10% of it
 TRAIN_SIZES = {"cifar10_wds": 50000, "cifar_tv": 50000}  # to turn epochs into the eval.every step count
 
@@ -55,7 +59,7 @@ class Arm:
 
 
 # ------------------------------------------------------------------------------------------------
-# The matrix (issue 18). Papers' numbers: ../shared/DESIGN.md and the issue text.
+# The matrix. Papers' numbers: the decayed-shortcut, U-ViT and ResidualDroppath papers.
 
 MAE_PAPER = {
     ("official", 1.0): (("IN-100 ViT-B/16 probe", 76.5), ("IN-100 ViT-S/16 probe", 69.2),
@@ -401,7 +405,17 @@ def plan(arms: list[Arm], *, epochs: float, gpus: int, budget_min: float, img_pe
 
 
 def load_records(records: Path) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted(Path(records).glob("*.json"))}
+    """The arm records (files named after an arm of the matrix) in ``records`` and its subfolders,
+    in matrix order, the latest by date where an arm has several; artifact paths made absolute."""
+    found = {}
+    for path in sorted(Path(records).glob("*.json")) + sorted(Path(records).glob("*/*.json")):
+        if path.stem not in BY_NAME:
+            continue
+        rec = json.loads(path.read_text())
+        rec["artifacts"] = {k: str(path.parent.resolve() / v) for k, v in rec.get("artifacts", {}).items()}
+        if path.stem not in found or rec["date"] >= found[path.stem]["date"]:
+            found[path.stem] = rec
+    return {a.name: found[a.name] for a in MATRIX if a.name in found}
 
 
 def stat(values: list[float], scale=1.0, digits=1) -> str:
@@ -465,8 +479,8 @@ def _groups(claim: str) -> list[Arm]:
     return out
 
 
-def _notes(records: Path) -> dict[str, str]:
-    f = Path(records) / NOTES_FILE
+def _notes(f: Path) -> dict[str, str]:
+    f = Path(f)
     if not f.exists():
         return {}
     out, key = {}, None
@@ -479,8 +493,8 @@ def _notes(records: Path) -> dict[str, str]:
     return {k: v.strip() for k, v in out.items()}
 
 
-def claim_figure(claim: str, recs: dict, records: Path, keys: list[str], name: str, draw: bool) -> Path | None:
-    """``records/name``: the curves of every arm of ``claim`` that has some (drawn when ``draw``)."""
+def claim_figure(claim: str, recs: dict, figures: Path, keys: list[str], name: str, draw: bool) -> Path | None:
+    """``figures/name``: the curves of every arm of ``claim`` that has some (drawn when ``draw``)."""
     from dres.eval.curves import plot_curves
 
     series = {r["arm"]: r["curves"] for r in recs.values() if r["claim"] == claim and r["curves"]}
@@ -488,29 +502,32 @@ def claim_figure(claim: str, recs: dict, records: Path, keys: list[str], name: s
     if not series or not keys:
         return None
     if draw:
-        plot_curves(series, Path(records) / name, keys, title=f"claim {claim}: metrics over training")
-    return Path(records) / name
+        Path(figures).mkdir(parents=True, exist_ok=True)
+        plot_curves(series, Path(figures) / name, keys, title=f"claim {claim}: metrics over training")
+    return Path(figures) / name
 
 
-def report(records: Path = RECORDS_DIR, out: Path = RESULTS_MD) -> str:
-    """Write ``out`` (and the claims' curve figures) from the records; returns the text."""
-    text = render(records, Path(out).resolve().parent)
+def report(records: Path = RECORDS_ROOT, out: Path = RESULTS_MD, figures: Path = FIGURES_DIR,
+           notes: Path = NOTES_MD) -> str:
+    """Write ``out`` (and the claims' curve figures under ``figures``) from the records and the
+    verdicts in ``notes``; returns the text."""
+    text = render(records, Path(out).resolve().parent, figures=figures, notes=notes)
     Path(out).write_text(text)
     return text
 
 
-def render(records: Path, base: Path, draw: bool = True) -> str:
-    """The Markdown of the records (and ``records/notes.md``), paths relative to ``base``; the
-    curve figures are drawn when ``draw``."""
-    records, base = Path(records).resolve(), Path(base).resolve()
+def render(records: Path, base: Path, figures: Path = FIGURES_DIR, notes: Path = NOTES_MD, draw: bool = True) -> str:
+    """The Markdown of the records and the verdicts in ``notes``, paths relative to ``base``; the
+    curve figures go to ``figures`` and are drawn when ``draw``."""
+    records, base, figures = Path(records).resolve(), Path(base).resolve(), Path(figures).resolve()
     recs = load_records(records)
-    notes = _notes(records)
+    verdicts = _notes(notes)
 
     def rel(p) -> str:
         p = Path(p).resolve()
         return p.relative_to(base).as_posix() if p.is_relative_to(base) else str(p)
     L = ["# Reproducing the papers' claims at CIFAR scale", "",
-         "Generated by `python -m benchmarks.repro --report` from the records in "
+         "Generated by `python -m experiments.repro --report` from the records in "
          f"`{rel(records)}/` (one JSON per finished arm: metrics, seed, epochs, card, date, commit, command). "
          "An arm without a record reads *not run yet*. Values are mean ± half-range over seeds (n seeds), "
          "or the single run's value. The papers' numbers are on other data and models (ImageNet, CIFAR-100, "
@@ -518,10 +535,10 @@ def render(records: Path, base: Path, draw: bool = True) -> str:
     pending = [a.name for a in MATRIX if a.name not in recs]
 
     def section(claim, title, intro, header, rows, curve_keys, figure, deltas):
-        fig = claim_figure(claim, recs, records, curve_keys, figure, draw)
+        fig = claim_figure(claim, recs, figures, curve_keys, figure, draw)
         curves = f"![claim {claim} curves]({rel(fig)})" if fig else f"Curves: none yet (no record of claim {claim})."
         return [f"## {claim}. {title}", "", intro, ""] + _table(header, rows) + ["", curves, ""] + \
-            _claim_tail(claim, deltas, notes)
+            _claim_tail(claim, deltas, verdicts, rel(notes))
 
     rows = []
     for a in _groups("A"):
@@ -550,7 +567,7 @@ def render(records: Path, base: Path, draw: bool = True) -> str:
                                                     ("probe_t0.1_knn_acc", 100, 1), ("fd_cifar_classifier", 1, 2),
                                                     ("fid_", 1, 2)])
         grid = next((r["artifacts"].get("samples_png") for r in recs_b if r["artifacts"].get("samples_png")), None)
-        rows.append([f"{a.labels['alpha_min']:g}"] + cells + [f"![samples]({rel(records / grid)})" if grid else "—",
+        rows.append([f"{a.labels['alpha_min']:g}"] + cells + [f"![samples]({rel(grid)})" if grid else "—",
                                                               _paper(a)])
     L += section(
         "B", "U-ViT, decayed through the whole network (preset `uvit_cifar10`, U-ViT-S/2)",
@@ -592,18 +609,19 @@ def render(records: Path, base: Path, draw: bool = True) -> str:
     L += ["", "Not run yet: " + (", ".join(f"`{n}`" for n in pending) if pending else "none") + ".", "",
           "Run a subset (one arm per GPU, run folders on local disk, `--resume auto`), then rebuild this file:", "",
           "```bash",
-          "python -m benchmarks.repro --plan --epochs E --gpus 2 --budget-min 9 --img-per-s mae=R1,classify=R2,uvit=R3",
-          "python -m benchmarks.repro --run A.2x2 --epochs E --gpus 2 --root /tmp/dres-repro --records results/repro",
-          "python -m benchmarks.repro --report", "```", ""]
+          "python -m experiments.repro --plan --epochs E --gpus 2 --budget-min 9 --img-per-s mae=R1,classify=R2,uvit=R3",
+          "python -m experiments.repro --run A.2x2 --epochs E --gpus 2 --root /tmp/dres-repro "
+          "--records experiments/records/CARD-DATE-WHAT",
+          "python -m experiments.repro --report", "```", ""]
     return "\n".join(L)
 
 
-def _claim_tail(claim: str, deltas: list, notes: dict) -> list[str]:
+def _claim_tail(claim: str, deltas: list, notes: dict, notes_path: str) -> list[str]:
     deltas = [d for d in deltas if d]
     out = ["Differences of the means (from the records):", ""] + deltas + [""] if deltas else []
     verdict = notes.get(claim) or ("Verdict: pending — the arms have not run yet." if not deltas else
                                    f"Verdict: pending — write it under `## {claim}` in "
-                                   f"results/repro/{NOTES_FILE} and rebuild.")
+                                   f"{notes_path} and rebuild.")
     return out + [verdict, ""]
 
 
@@ -611,7 +629,7 @@ def _claim_tail(claim: str, deltas: list, notes: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.repro", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.repro", description=__doc__.split("\n\n")[0])
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--list", action="store_true", help="print the arm matrix")
     mode.add_argument("--plan", action="store_true", help="which arms fit --budget-min on --gpus")
@@ -622,9 +640,12 @@ def main(argv=None) -> int:
                    "words without @EPOCHS)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs (0: the CPU)")
     p.add_argument("--jobs", type=int, default=1, help="arms at a time on each GPU (or on the CPU); processes sharing a GPU are "
-                   "time-sliced, so more than 1 rarely adds throughput (results/repro/README.md)")
+                   "time-sliced, so more than 1 rarely adds throughput (experiments/README.md)")
     p.add_argument("--root", type=Path, default=Path("/tmp/dres-repro"), help="run directories (local disk)")
-    p.add_argument("--records", type=Path, default=RECORDS_DIR, help="where the JSON records go / are read")
+    p.add_argument("--records", type=Path, help="--run: the folder the JSON records go to (required); --report: "
+                   "the folder read, with its subfolders (default experiments/records)")
+    p.add_argument("--figures", type=Path, default=FIGURES_DIR, help="--report: where the curve figures go")
+    p.add_argument("--notes", type=Path, default=NOTES_MD, help="--report: the verdicts (## A, ## B, ## C)")
     p.add_argument("--out", type=Path, default=RESULTS_MD, help="--report: the Markdown file")
     p.add_argument("--preset", default="", help="task=preset replacements, e.g. mae=quickstart (smoke tests)")
     p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
@@ -645,7 +666,7 @@ def main(argv=None) -> int:
                       + (f"  needs {','.join(arm.needs)}" if arm.needs else ""))
             return 0
         if a.report:
-            report(a.records, a.out)
+            report(a.records or RECORDS_ROOT, a.out, figures=a.figures, notes=a.notes)
             print(f"[repro] wrote {a.out}")
             return 0
         if a.plan:
@@ -658,9 +679,12 @@ def main(argv=None) -> int:
             for arm in left:
                 print(f"left  {arm.name}")
             if chosen:
-                print(f"\npython -m benchmarks.repro --run {','.join(x[0].name for x in chosen)} --epochs {a.epochs:g} "
-                      f"--gpus {a.gpus} --root /tmp/dres-repro --records results/repro")
+                print(f"\npython -m experiments.repro --run {','.join(x[0].name for x in chosen)} --epochs {a.epochs:g} "
+                      f"--gpus {a.gpus} --root /tmp/dres-repro --records experiments/records/CARD-DATE-WHAT")
             return 0
+        if a.records is None:
+            raise ValueError("--run needs --records FOLDER (a new experiments/records/<card>-<YYYY-MM-DD>-<what>, "
+                             "or a scratch folder on the device)")
         status = run_arms(select_epochs(a.run, a.epochs), gpus=a.gpus, jobs=a.jobs, root=a.root, records=a.records,
                           presets=parse_task_map(a.preset, "--preset"), extra=a.extra, every=a.curve_every,
                           commit=a.commit or git_commit(), force=a.force, deadline_min=a.deadline_min)
