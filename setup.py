@@ -139,7 +139,7 @@ setup(
         # optional at run time: TensorBoard logs, t-SNE plots (eval.tsne=true), timm model import
         "extras": ["tensorboard", "matplotlib>=3.7", "timm>=1.0"],
         "dev": ["pytest>=7", "pytest-benchmark>=4", "hypothesis>=6", "webdataset>=0.2", "tensorboard",
-                "matplotlib>=3.7", "timm>=1.0"],
+                "matplotlib>=3.7", "timm>=1.0", "transformers>=4.46"],
     },
     entry_points={"console_scripts": ["dres-train=dres.train.cli:main", "dres-eval=dres.train.cli:eval_main"]},
     **cuda_extension_kwargs(),
