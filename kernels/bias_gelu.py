@@ -179,7 +179,7 @@ def bias_gelu_backward(
     if need_dbias and strips == 1:  # one strip: its partial sums are dbias itself, the output
         partials = torch.empty((1, N), **f32)
     elif need_dbias:  # in reusable scratch: no allocation per call
-        partials = scratch_buffer(device, strips * N).view(strips, N)
+        partials = scratch_buffer(pre, strips * N).view(strips, N)
     g, stride_g = rows_of(g)
     pre, stride_pre = rows_of(pre)
     _BACKWARD((col_blocks, strips), (

@@ -297,7 +297,7 @@ def residual_norm_backward(
     num_partials = int(need_dweight) + int(need_dbias)
     partials_numel = num_partials * programs * D
     scratch_numel = partials_numel + (M if need_dalpha else 0)
-    scratch = scratch_buffer(device, scratch_numel) if scratch_numel else None
+    scratch = scratch_buffer(dx, scratch_numel) if scratch_numel else None
     partials = scratch[:partials_numel].view(num_partials, programs, D) if num_partials else None
     dalpha_row = scratch[partials_numel:] if need_dalpha else None
     alpha_is_ptr = isinstance(alpha, torch.Tensor)

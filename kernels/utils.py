@@ -1,6 +1,6 @@
-"""What the Triton launchers share: a cached direct launch of compiled kernels, tensors as rows,
-the persistent-grid size, reusable fp32 scratch, and the fixed-order column sum that finishes
-partial reductions.
+"""What the Triton launchers share: a cached direct launch of compiled kernels (recorded into the
+graph instead when torch.compile traces the launch), tensors as rows, the persistent-grid size,
+reusable fp32 scratch, and the fixed-order column sum that finishes partial reductions.
 
 Kernels and launchers only, like the rest of ``dres.kernels``: no autograd.
 """
@@ -13,6 +13,14 @@ import threading
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.functional_tensor import FunctionalTensor
+from torch.library import wrap_triton
+
+
+def is_traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor of torch.compile's functional tracing (AOTAutograd), on which a
+    launch is recorded into the graph for Inductor to run rather than run now."""
+    return isinstance(t, FunctionalTensor)
 
 
 class CachedLaunch:
@@ -28,6 +36,9 @@ class CachedLaunch:
     width, divisibility by 16 and equality to 1, launch options and the device. Where no compiled
     kernel comes back (the CPU interpreter, another Triton) or a hook is registered (a profiler such
     as proton, a kernel's ``pre_run_hooks``), every launch takes Triton's own path.
+
+    Under torch.compile's tracing (``is_traced`` arguments) the launch is recorded through
+    ``torch.library.wrap_triton``: Inductor then launches the kernel from its own generated code.
 
     ``test_gpu_cached_launch_equals_tritons_own_launch`` checks the results equal Triton's own launch
     bit for bit on a GPU.
@@ -60,6 +71,9 @@ class CachedLaunch:
         return tuple(spec)
 
     def __call__(self, grid: tuple, args: tuple, num_warps: int, num_stages: int | None = None) -> None:
+        if is_traced(args[0]):
+            self._launch(grid, args, num_warps, num_stages, wrap_triton(self.kernel))
+            return
         if self.constexpr is None or not args[0].is_cuda or _raw_stream is None or _hooks_set() or self.pre_run_hooks:
             self._launch(grid, args, num_warps, num_stages)
             return
@@ -75,13 +89,13 @@ class CachedLaunch:
         compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                      _raw_stream(device_index), compiled.function, compiled.packed_metadata, None, None, None, *args)
 
-    def _launch(self, grid, args, num_warps, num_stages):
+    def _launch(self, grid, args, num_warps, num_stages, kernel=None):
         if len(args) != self.num_args:
             raise TypeError(f"{self.kernel.fn.__name__} takes {self.num_args} arguments, got {len(args)}")
         options = {"num_warps": num_warps}
         if num_stages is not None:
             options["num_stages"] = num_stages
-        return self.kernel[grid](*args, **options)
+        return (kernel or self.kernel)[grid](*args, **options)
 
 
 def _int_width(value: int) -> str:
@@ -160,16 +174,18 @@ def persistent_programs(device: torch.device, num_tiles: int, programs_per_sm: i
 # Scratch for partial sums, kept between calls: one buffer per (device, stream, thread), grown to
 # the largest request. Reuse is safe because kernels on one stream run in launch order, so a later
 # call cannot overwrite partials an earlier one has yet to reduce; the thread is in the key because
-# two threads launching on one stream could interleave. During CUDA-graph capture the scratch is
-# allocated per call: the graph keeps its own copy in its pool, and a cached buffer must not be
-# baked into a graph.
+# two threads launching on one stream could interleave. During CUDA-graph capture and torch.compile's
+# tracing the scratch is allocated per call: the graph keeps its own copy in its pool (Inductor plans
+# it as a buffer), and a cached buffer must not be baked into a graph.
 _SCRATCH: dict[tuple, torch.Tensor] = {}
 SCRATCH_MAX_BYTES = 64 << 20  # larger requests (very wide rows) are allocated per call
 
 
-def scratch_buffer(device: torch.device, numel: int) -> torch.Tensor:
-    """A float32 buffer of ``numel`` elements that the caller may overwrite until it returns."""
-    if numel * 4 > SCRATCH_MAX_BYTES:
+def scratch_buffer(like: torch.Tensor, numel: int) -> torch.Tensor:
+    """A float32 buffer of ``numel`` elements on ``like``'s device that the caller may overwrite until
+    it returns."""
+    device = like.device
+    if numel * 4 > SCRATCH_MAX_BYTES or is_traced(like):
         return torch.empty((numel,), dtype=torch.float32, device=device)
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():

@@ -123,6 +123,34 @@ def capture_graph(step: Callable):
     return graph, outs
 
 
+def recording_backend(forward_targets: set, backward_targets: set):
+    """aot_eager that also records the targets of the forward and backward graphs it compiles."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def recorder(targets):
+        def compiler(gm, example_inputs):
+            targets.update(node.target for node in gm.graph.nodes)
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    return aot_autograd(fw_compiler=recorder(forward_targets), bw_compiler=recorder(backward_targets))
+
+
+def assert_graph_runs(targets: set, op_names: list, device: torch.device) -> None:
+    """On CUDA, torch.compile traces through the dres ops to their Triton launches (no dres op left
+    in the graph); on the CPU interpreter the ops stay opaque graph nodes."""
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
+
+    dres_ops = {getattr(torch.ops.dres, name).default for name in op_names}
+    if device.type == "cuda":
+        assert not dres_ops & targets, dres_ops & targets
+        assert triton_kernel_wrapper_functional in targets
+    else:
+        assert dres_ops <= targets, dres_ops - targets
+
+
 @contextlib.contextmanager
 def inductor_caches_off():
     """Inductor without its FX-graph and AOTAutograd caches (a cache hit skips lowering), through

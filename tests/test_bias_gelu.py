@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 import dres.ops as ops
 from dres.ops import bias_gelu as bg
-from helpers import BF16, F16, F32, TOLERANCE, as_f64, assert_close, capture_graph, grads, leaves, rel_err
+from helpers import (BF16, F16, F32, TOLERANCE, as_f64, assert_close, assert_graph_runs, capture_graph, grads, leaves,
+                     recording_backend, rel_err)
 
 MLP_GRAD_NAMES = ("dx", "dW1", "db1", "dW2", "db2")
 
@@ -303,21 +304,6 @@ def test_eager_calls_bypass_the_custom_ops(triton_device):
     assert type(ops.fused_mlp(x, w1, b1, w2, b2, backend="triton").grad_fn).__name__ == "FusedMlpFnBackward"
 
 
-def _recording_backend(forward_targets, backward_targets):
-    """aot_eager that also records the targets of the forward and backward graphs it compiles."""
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    def recorder(targets):
-        def compiler(gm, example_inputs):
-            targets.update(node.target for node in gm.graph.nodes)
-            return make_boxed_func(gm.forward)
-
-        return compiler
-
-    return aot_autograd(fw_compiler=recorder(forward_targets), bw_compiler=recorder(backward_targets))
-
-
 @pytest.mark.parametrize("autocast", [False, True])
 def test_compile_fullgraph_matches_eager(triton_device, autocast):
     """Dynamo + AOTAutograd trace fused_mlp's Function into the custom ops, forward and backward,
@@ -331,7 +317,7 @@ def test_compile_fullgraph_matches_eager(triton_device, autocast):
 
     forward_targets, backward_targets = set(), set()
     torch._dynamo.reset()  # compile afresh, so that the recording backend sees the graphs
-    compiled = torch.compile(block, fullgraph=True, backend=_recording_backend(forward_targets, backward_targets))
+    compiled = torch.compile(block, fullgraph=True, backend=recording_backend(forward_targets, backward_targets))
     eager_inputs, compiled_inputs = leaves(*params), leaves(*params)
     with torch.autocast(triton_device.type, dtype=BF16, enabled=autocast):
         eager = block(*eager_inputs)
@@ -340,8 +326,8 @@ def test_compile_fullgraph_matches_eager(triton_device, autocast):
     g = torch.randn_like(eager)
     for name, a, c in zip(MLP_GRAD_NAMES, grads(eager, g, eager_inputs), grads(comp, g, compiled_inputs)):
         assert torch.equal(c, a), name
-    assert torch.ops.dres.bias_gelu.default in forward_targets
-    assert torch.ops.dres.bias_gelu_backward.default in backward_targets
+    assert_graph_runs(forward_targets, ["bias_gelu"], triton_device)
+    assert_graph_runs(backward_targets, ["bias_gelu_backward"], triton_device)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import dres.ops as ops
 from dres.models import create_mae
 from dres.ops.mae_loss import mae_loss_op, mae_loss_reference
 from dres.ops.utils import patchify, unpatchify
-from helpers import BF16, F16, F32, TOLERANCE, assert_close, inductor_caches_off, rel_err
+from helpers import (BF16, F16, F32, TOLERANCE, assert_close, assert_graph_runs, inductor_caches_off, recording_backend,
+                     rel_err)
 
 # (patch_size, channels, grid_h, grid_w): CIFAR-like patches of 2 on an odd 3x5 grid, one channel,
 # and a p=16 ImageNet patch (P = 768, not a power of two).
@@ -222,7 +223,10 @@ def test_compile_fullgraph_equals_eager(triton_device):
     _, imgs, mask = make_case(2, 2, 3, 3, 5, F32, triton_device, seed=11)
     tokens = torch.randn(2, 16, 8, device=triton_device)
     weight = torch.randn(12, 8, device=triton_device)
-    compiled = torch.compile(_decoder_head_loss, fullgraph=True, backend="aot_eager")
+    forward_targets, backward_targets = set(), set()
+    torch._dynamo.reset()  # compile afresh, so that the recording backend sees the graphs
+    compiled = torch.compile(_decoder_head_loss, fullgraph=True,
+                             backend=recording_backend(forward_targets, backward_targets))
     results = []
     for fn in (_decoder_head_loss, compiled):
         w = weight.clone().requires_grad_(True)
@@ -230,6 +234,7 @@ def test_compile_fullgraph_equals_eager(triton_device):
         (loss * 1.5).backward()
         results.append((loss, w.grad))
     torch.testing.assert_close(results[1], results[0])
+    assert_graph_runs(forward_targets, ["mae_loss"], triton_device)
 
 
 def test_inductor_lowers_the_op_through_a_registered_fallback(triton_device, monkeypatch):

@@ -18,8 +18,9 @@ import torch
 
 import dres.ops as ops
 from dres.ops import reference
-from helpers import (BF16, F16, F32, MODES, as_f64, assert_close, assert_direct_launch_equals_tritons_own, capture_graph,
-                     f64, grads, inductor_caches_off, leaves, make_case, mode_scales, rel_err)
+from helpers import (BF16, F16, F32, MODES, as_f64, assert_close, assert_direct_launch_equals_tritons_own,
+                     assert_graph_runs, capture_graph, f64, grads, inductor_caches_off, leaves, make_case,
+                     mode_scales, recording_backend, rel_err)
 
 
 def rln_against_float64(x, h, w, b, alpha, row_scale=None, grad_scale=None, backend=None):
@@ -345,7 +346,9 @@ def test_compile_fullgraph_traces_forward_and_backward(triton_device):
         out2, y2 = ops.residual_layer_norm(out, torch.tanh(y), w, b, alpha, backend="triton")
         return ops.residual_add(out2, y2, alpha, backend="triton")
 
-    compiled = torch.compile(two_sublayers, fullgraph=True, backend="aot_eager")
+    forward_targets, backward_targets = set(), set()
+    torch._dynamo.reset()  # compile afresh, so that the recording backend sees the graphs
+    compiled = torch.compile(two_sublayers, fullgraph=True, backend=recording_backend(forward_targets, backward_targets))
     alpha = torch.tensor(0.8, device=triton_device)
     xa, ha, wa, ba = leaves(x, h, w, b)
     xb, hb, wb, bb = leaves(x, h, w, b)
@@ -355,6 +358,8 @@ def test_compile_fullgraph_traces_forward_and_backward(triton_device):
     g = torch.randn_like(eager)
     for a, c in zip(grads(eager, g, (xa, ha, wa, ba)), grads(comp, g, (xb, hb, wb, bb))):
         torch.testing.assert_close(c, a)
+    assert_graph_runs(forward_targets, ["residual_layer_norm", "residual_add"], triton_device)
+    assert_graph_runs(backward_targets, ["residual_norm_backward"], triton_device)
 
 
 def test_inductor_lowers_the_ops_through_registered_fallbacks(triton_device, monkeypatch):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import (BF16, F16, F32, MODES, assert_close, assert_direct_launch_equals_tritons_own, assert_sum_close,
-                     capture_graph, grads, mode_scales)
+from helpers import (BF16, F16, F32, MODES, assert_close, assert_direct_launch_equals_tritons_own, assert_graph_runs,
+                     assert_sum_close, capture_graph, grads, mode_scales, recording_backend)
 
 import dres.ops as ops
 from dres.ops import reference
@@ -201,7 +201,9 @@ def test_compile_fullgraph_traces_forward_and_backward(triton_device):
         out = ops.residual_act(x, h, alpha, None, 1 - m, backend="triton")
         return ops.residual_act(out, torch.tanh(h), alpha, m, m, act="identity", backend="triton")
 
-    compiled = torch.compile(two_blocks, fullgraph=True, backend="aot_eager")
+    forward_targets, backward_targets = set(), set()
+    torch._dynamo.reset()  # compile afresh, so that the recording backend sees the graphs
+    compiled = torch.compile(two_blocks, fullgraph=True, backend=recording_backend(forward_targets, backward_targets))
     alpha = torch.tensor(0.8, device=triton_device)
     xa, ha = x.clone().requires_grad_(True), h.clone().requires_grad_(True)
     xb, hb = x.clone().requires_grad_(True), h.clone().requires_grad_(True)
@@ -210,6 +212,8 @@ def test_compile_fullgraph_traces_forward_and_backward(triton_device):
     g = torch.randn_like(eager)
     for a, c in zip(grads(eager, g, (xa, ha)), grads(comp, g, (xb, hb))):
         torch.testing.assert_close(c, a)
+    assert_graph_runs(forward_targets, ["residual_act"], triton_device)
+    assert_graph_runs(backward_targets, ["residual_act_backward"], triton_device)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -35,7 +35,7 @@ from torch import Tensor
 from dres.ops.checks import (KERNEL_DTYPES, REFERENCE_DTYPES, _check_same_device, _check_tensor, check_dtype_arg,
                              check_vector, resolve_backend_without_csrc)
 from dres.ops.reference import _compute_dtype
-from dres.ops.registration import with_inductor_fallbacks
+from dres.ops.registration import define_op
 from dres.ops.utils import param_grad
 
 __all__ = ["fused_bias_gelu", "fused_mlp", "bias_gelu_reference", "mlp_reference", "mlp_compute_dtype"]
@@ -256,14 +256,11 @@ class FusedMlpFn(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 # The custom ops
 
-bias_gelu_op = torch.library.custom_op("dres::bias_gelu", mutates_args=())(bias_gelu_triton)
-bias_gelu_backward_op = torch.library.custom_op(
-    "dres::bias_gelu_backward", bias_gelu_backward_triton, mutates_args=(),
-    schema="(Tensor g, Tensor pre, Tensor? bias, ScalarType? act_dtype, bool need_dbias) -> (Tensor, Tensor, Tensor)")
-# The fakes register Inductor's fallback lowerings of both ops first (dres.ops.registration says why).
 _QUALNAMES = ("dres::bias_gelu", "dres::bias_gelu_backward")
-bias_gelu_op.register_fake(with_inductor_fallbacks(_QUALNAMES, _bias_gelu_fake))
-bias_gelu_backward_op.register_fake(with_inductor_fallbacks(_QUALNAMES, _bias_gelu_backward_fake))
+bias_gelu_op = define_op("dres::bias_gelu", bias_gelu_triton, _bias_gelu_fake, _QUALNAMES)
+bias_gelu_backward_op = define_op(
+    "dres::bias_gelu_backward", bias_gelu_backward_triton, _bias_gelu_backward_fake, _QUALNAMES,
+    schema="(Tensor g, Tensor pre, Tensor? bias, ScalarType? act_dtype, bool need_dbias) -> (Tensor, Tensor, Tensor)")
 bias_gelu_op.register_autograd(lambda ctx, g: BiasGeluFn.backward(ctx, g)[:-1],  # the op takes no backend
                                setup_context=lambda ctx, inputs, output: BiasGeluFn.save(ctx, "dres", *inputs[:2]))
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from dres.ops.checks import KERNEL_DTYPES, REFERENCE_DTYPES, _check_tensor, check_eps, resolve_backend_without_csrc
 from dres.ops.reference import _compute_dtype
-from dres.ops.registration import with_inductor_fallbacks
+from dres.ops.registration import define_op
 from dres.ops.utils import patchify
 
 # mask is any float tensor of weights (normally 0/1) or a bool tensor; it is only read
@@ -153,10 +153,8 @@ def _setup_context(ctx, inputs, output):
     MAELossFn.save(ctx, dpred)
 
 
-mae_loss_op = torch.library.custom_op("dres::mae_loss", mutates_args=())(mae_loss_triton)
-# The fake registers Inductor's fallback lowering of the op first (dres.ops.registration says why).
-torch.library.register_fake("dres::mae_loss", with_inductor_fallbacks(["dres::mae_loss"], _mae_loss_fake))
-torch.library.register_autograd("dres::mae_loss", MAELossFn.backward, setup_context=_setup_context)
+mae_loss_op = define_op("dres::mae_loss", mae_loss_triton, _mae_loss_fake, ["dres::mae_loss"])
+mae_loss_op.register_autograd(MAELossFn.backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------------------------------------

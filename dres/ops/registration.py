@@ -1,4 +1,11 @@
-"""Inductor fallback lowerings for the dres custom ops (imports no Triton).
+"""How every dres:: custom op is defined (:func:`define_op`), and Inductor fallback lowerings for
+them (imports no Triton).
+
+On CUDA tensors torch.compile sees through the ops: AOTAutograd replaces an op by its body, whose
+Triton launches are recorded into the graph (``torch.library.wrap_triton``, as
+``torch.library.triton_op`` does), so Inductor launches the kernels from its own generated code with
+no Python dispatch per call. Elsewhere (Triton's CPU interpreter, which cannot be traced) and under
+``torch.export`` an op stays opaque, and Inductor calls it as a fallback.
 
 Inductor lowers an op it has no lowering for as an "implicit fallback" (a call to the op's kernel),
 but before torch 2.12 it first formats, eagerly, a log message holding the IR of every input; the IR
@@ -11,9 +18,11 @@ lowering: a real-Python moment to do it.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 # Qualified names ("namespace::name") whose fallbacks are registered (or found already lowered).
 FALLBACKS_REGISTERED: set[str] = set()
@@ -50,3 +59,37 @@ def with_inductor_fallbacks(qualnames: Iterable[str], fake: Callable) -> Callabl
         return fake(*args, **kwargs)
 
     return fake_registering_fallbacks
+
+
+def _export_keeps_ops_opaque() -> bool:
+    try:
+        from torch.export._trace import custom_triton_ops_decomposition_disabled
+    except ImportError:
+        return False
+    return custom_triton_ops_decomposition_disabled()
+
+
+def _inline_on_cuda(body: Callable) -> Callable:
+    """The op's FunctionalTensorMode rule: trace ``body`` into the graph when its tensors are CUDA
+    tensors of plain tracing types (no other subclass), else keep the op opaque."""
+
+    def functional_rule(mode, op, types, args, kwargs):
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        plain = all(t is torch.Tensor or issubclass(t, (FakeTensor, FunctionalTensor)) for t in types)
+        if first is None or first.device.type != "cuda" or not plain or _export_keeps_ops_opaque():
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        with mode:
+            return body(*args, **kwargs)
+
+    return functional_rule
+
+
+def define_op(qualname: str, body: Callable, fake: Callable, module_qualnames: Iterable[str],
+              schema: Optional[str] = None) -> torch.library.CustomOpDef:
+    """The custom op ``qualname`` running ``body`` (the Triton launches), with ``fake`` as its fake
+    kernel (registering the fallbacks of ``module_qualnames``, the ops of one module, first), traced
+    through on CUDA by torch.compile (:func:`_inline_on_cuda`). Autograd is the caller's to add."""
+    op = torch.library.custom_op(qualname, body, mutates_args=(), schema=schema)
+    op.register_fake(with_inductor_fallbacks(module_qualnames, fake))
+    op.register_torch_dispatch(FunctionalTensorMode, _inline_on_cuda(body))
+    return op

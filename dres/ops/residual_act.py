@@ -30,7 +30,7 @@ from torch import Tensor
 from dres.ops import reference
 from dres.ops.checks import (KERNEL_DTYPES, REFERENCE_DTYPES, _check_same_device, _check_tensor, check_alpha,
                              check_factors_are_data, check_vector, resolve_backend_without_csrc)
-from dres.ops.registration import with_inductor_fallbacks
+from dres.ops.registration import define_op
 
 ACTS = ("relu", "identity")
 
@@ -174,13 +174,10 @@ class ResidualActFn(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 # The custom ops (what torch.compile, opcheck and the dispatcher see)
 
-residual_act_op = torch.library.custom_op("dres::residual_act", mutates_args=())(residual_act_impl)
-residual_act_backward_op = torch.library.custom_op("dres::residual_act_backward", mutates_args=())(
-    residual_act_backward_impl)
-# The fakes register Inductor's fallback lowerings of both ops first (dres.ops.registration says why).
 _QUALNAMES = ("dres::residual_act", "dres::residual_act_backward")
-residual_act_op.register_fake(with_inductor_fallbacks(_QUALNAMES, _residual_act_fake))
-residual_act_backward_op.register_fake(with_inductor_fallbacks(_QUALNAMES, _residual_act_backward_fake))
+residual_act_op = define_op("dres::residual_act", residual_act_impl, _residual_act_fake, _QUALNAMES)
+residual_act_backward_op = define_op("dres::residual_act_backward", residual_act_backward_impl,
+                                     _residual_act_backward_fake, _QUALNAMES)
 residual_act_op.register_autograd(functools.partial(_backward, residual_act_backward_op), setup_context=_setup)
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from dres.ops import reference
 from dres.ops.checks import check_eps, check_inputs, resolve_backend
-from dres.ops.registration import with_inductor_fallbacks
+from dres.ops.registration import define_op, with_inductor_fallbacks
 from dres.ops.utils import alpha_args, param_grad, rows_per_sample
 
 __all__ = ["residual_layer_norm", "residual_add", "layer_norm", "ResidualLayerNormFn", "ResidualAddFn", "LayerNormFn"]
@@ -335,12 +335,12 @@ def register_autograd(namespace: str) -> None:
                                         setup_context=setup)
 
 
-residual_layer_norm_op = torch.library.custom_op("dres::residual_layer_norm", mutates_args=())(residual_layer_norm_triton)
-residual_add_op = torch.library.custom_op("dres::residual_add", mutates_args=())(residual_add_triton)
-layer_norm_op = torch.library.custom_op("dres::layer_norm", mutates_args=())(layer_norm_triton)
-residual_norm_backward_op = torch.library.custom_op("dres::residual_norm_backward", mutates_args=())(
-    residual_norm_backward_triton)
-register_fakes("dres")
+_QUALNAMES = [f"dres::{name}" for name in FAKE_IMPLS]
+residual_layer_norm_op = define_op("dres::residual_layer_norm", residual_layer_norm_triton, _rln_fake, _QUALNAMES)
+residual_add_op = define_op("dres::residual_add", residual_add_triton, _add_fake, _QUALNAMES)
+layer_norm_op = define_op("dres::layer_norm", layer_norm_triton, _ln_fake, _QUALNAMES)
+residual_norm_backward_op = define_op("dres::residual_norm_backward", residual_norm_backward_triton, _bwd_fake,
+                                      _QUALNAMES)
 register_autograd("dres")
 
 
