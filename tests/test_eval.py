@@ -1,6 +1,7 @@
 """Evaluation pieces: probes, kNN, effective rank (eq. 6), samplers, FID message, PNG grids."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -207,3 +208,34 @@ def test_uvit_evaluation_reports_fd_cifar_classifier(tmp_path, capsys):
     assert "FID skipped: no Inception weights given" in capsys.readouterr().out
     with pytest.raises(ConfigError, match="eval.fd_classifier' must be a classify run directory"):
         build_config("uvit", "uvit_cifar10", [f"eval.fd_classifier={tmp_path / 'missing'}"])
+
+
+def _run_dir(tmp_path, overrides=()):
+    from dres.train.config import build_config, save_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(build_config("mae", "quickstart", list(overrides)), run / "config.yaml")
+    return run
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--set", "eval.tsne=true"], "eval.tsne=true (t-SNE plot) needs matplotlib, which is not installed: "
+                                  "pip install 'dres[plots]' (or set eval.tsne=false)"),
+    (["--set", "eval.tsne=true", "--set", "eval.every=5"],
+     "eval.tsne=true (t-SNE plot) and eval.every=5 (curves.png) need matplotlib, which is not installed: "
+     "pip install 'dres[plots]' (or set eval.tsne=false and eval.every=0)"),
+])
+def test_plots_without_matplotlib_are_one_line_naming_the_extra(args, msg, tmp_path, capsys, monkeypatch):
+    from dres.train import cli
+
+    run = _run_dir(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: importing it fails
+    assert cli.eval_main([str(run)] + args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"dres-eval: error: {msg}", err
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]  # refused before anything ran
+    assert cli.main(["mae", "--preset", "quickstart", "--out", str(tmp_path / "new")] + args) == 2
+    assert capsys.readouterr().err.strip() == f"dres-train: error: {msg}" and not (tmp_path / "new").exists()
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'dres\[plots\]'"):
+        tsne_plot(torch.randn(20, 4), torch.arange(20) % 2, tmp_path / "t.png")

@@ -396,6 +396,21 @@ def _get(cfg, key):
     return value
 
 
+def _need_plots(cfg: Config) -> None:
+    """t-SNE plots and curves.png draw with matplotlib, an optional dependency: say so before the run."""
+    wanted = [("eval.tsne=true (t-SNE plot)", "eval.tsne=false"), (f"eval.every={cfg.eval.every} (curves.png)",
+                                                                      "eval.every=0")]
+    wanted = [w for w, on in zip(wanted, (cfg.eval.tsne, cfg.eval.every)) if on]
+    if not wanted:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{' and '.join(w for w, _ in wanted)} need{'s' if len(wanted) == 1 else ''} matplotlib, "
+                          f"which is not installed: pip install 'dres[plots]' (or set "
+                          f"{' and '.join(off for _, off in wanted)})") from None
+
+
 def validate(cfg: Config) -> None:
     """Value checks that a type cannot express; each failure is one line naming the key."""
     def need(ok, key, what):
@@ -413,6 +428,7 @@ def validate(cfg: Config) -> None:
     need(0 <= cfg.eval.probe_t <= 1, "eval.probe_t", "must be in [0, 1] (continuous diffusion time)")
     need(not cfg.eval.fd_classifier or Path(cfg.eval.fd_classifier).exists(), "eval.fd_classifier",
          "must be a classify run directory or checkpoint that exists")
+    _need_plots(cfg)
     need(0 <= d.max_corrupt_frac <= 1, "data.max_corrupt_frac", "must be in [0, 1]")
     need(0 < d.crop_min <= 1, "data.crop_min", "must be in (0, 1]")
     if d.normalize:

@@ -68,11 +68,9 @@ def numeric_keys(series: dict[str, list[dict]]) -> list[str]:
 def plot_curves(series: dict[str, list[dict]], path, keys=None, x="epoch", title=None) -> str:
     """One panel per metric in ``keys`` (default: every numeric one), one line per ``series`` label
     against ``x``; written as PNG."""
-    import matplotlib
+    from dres.eval.viz import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     keys = list(keys) if keys is not None else numeric_keys(series)
     if not keys:
         raise ValueError("plot_curves: no numeric metric to draw in the given points")

@@ -72,12 +72,23 @@ def mae_reconstruction_grid(model, imgs: torch.Tensor, path, mean=None, std=None
     return save_grid(grid, path, nrow=4)
 
 
-def tsne_plot(features: torch.Tensor, labels: torch.Tensor, path, max_points=2000, seed=0, title="t-SNE") -> str:
-    import matplotlib
-
+def pyplot():
+    """matplotlib.pyplot drawing to files (Agg); an optional dependency, the ``[plots]`` extra."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ModuleNotFoundError("plots need matplotlib, which is not installed: pip install 'dres[plots]'",
+                                  name="matplotlib") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def tsne_plot(features: torch.Tensor, labels: torch.Tensor, path, max_points=2000, seed=0, title="t-SNE") -> str:
     from sklearn.manifold import TSNE
+
+    plt = pyplot()
 
     f, y = features[:max_points].float().numpy(), labels[:max_points].numpy()
     emb = TSNE(n_components=2, init="pca", random_state=seed, perplexity=min(30, max(5, len(f) // 4))).fit_transform(f)
