@@ -17,4 +17,8 @@ def __getattr__(name):
         from dres.convert_resnet import convert_timm_resnet
 
         return convert_timm_resnet
+    if name in ("convert_hf_vit", "convert_hf_bert"):
+        from dres import convert_hf
+
+        return getattr(convert_hf, name)
     raise AttributeError(f"module 'dres' has no attribute {name!r}")
