@@ -1,5 +1,6 @@
-"""Builds and installs package ``dres``; the top-level ``kernels/`` installs as ``dres.kernels``
-and ``train/`` as ``dres.train`` (the layout the project's owner asked for).
+"""What pyproject.toml cannot express: the top-level ``kernels/`` installs as ``dres.kernels`` and
+``train/`` as ``dres.train`` (the layout the project's owner asked for), and the optional CUDA
+extension. The package's metadata, dependencies and extras are in pyproject.toml.
 
 The optional CUDA C++ extension ``dres._C`` (``csrc/``, the ``backend="cuda"`` ops) is built only
 when asked for:
@@ -123,24 +124,10 @@ def cuda_extension_kwargs() -> dict:
     return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension}}
 
 
+# Everything else (name, version, dependencies, extras, scripts) is in pyproject.toml's [project].
 setup(
-    name="dres",
-    version="0.1.0",
-    description="Fused residual kernels and trainers for decayed identity shortcuts and ResidualDroppath",
-    python_requires=">=3.10",
     packages=packages,
     package_dir={"dres": "dres", "dres.kernels": "kernels", "dres.train": "train"},
-    package_data={"dres.train": ["presets/*.yaml"]},
-    # what dres-train / dres-eval import to run: configs (pyyaml), progress (tqdm), image decoding
-    # (pillow), the digits data set and FID's matrix square root (scikit-learn, with scipy)
-    install_requires=["torch>=2.6", "triton>=3.2; platform_system=='Linux'", "numpy", "pyyaml", "tqdm", "pillow",
-                      "scikit-learn>=1.3"],
-    extras_require={
-        # optional at run time: TensorBoard logs, t-SNE plots (eval.tsne=true), timm model import
-        "extras": ["tensorboard", "matplotlib>=3.7", "timm>=1.0"],
-        "dev": ["pytest>=7", "pytest-benchmark>=4", "hypothesis>=6", "webdataset>=0.2", "tensorboard",
-                "matplotlib>=3.7", "timm>=1.0", "transformers>=4.46"],
-    },
-    entry_points={"console_scripts": ["dres-train=dres.train.cli:main", "dres-eval=dres.train.cli:eval_main"]},
+    package_data={"dres": ["py.typed"], "dres.train": ["presets/*.yaml"]},
     **cuda_extension_kwargs(),
 )

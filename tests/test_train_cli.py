@@ -245,16 +245,19 @@ def test_evaluation_skipped_on_a_streaming_loader_says_why(tmp_path):
                      "--set data.limit=N --set data.val_limit=M"]
 
 
-def _install_requires() -> list:
-    """setup.py's install_requires, read without running setup()."""
-    import ast
+def _pyproject() -> dict:
     from pathlib import Path
 
-    tree = ast.parse((Path(__file__).resolve().parents[1] / "setup.py").read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.keyword) and node.arg == "install_requires":
-            return ast.literal_eval(node.value)
-    raise AssertionError("setup.py has no install_requires")
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    return tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+
+
+def _install_requires() -> list:
+    """pyproject.toml's [project] dependencies: what a plain ``pip install .`` installs."""
+    return _pyproject()["project"]["dependencies"]
 
 
 def _imported_by_the_package() -> set:
@@ -310,3 +313,27 @@ def test_install_requires_covers_what_training_and_evaluation_import(tmp_path):
     used = {d.lower().replace("_", "-") for m in modules for d in dists.get(m, [])}
     missing = used - _closure(_install_requires())
     assert not missing, f"imported at run time but not installed by `pip install .`: {sorted(missing)}"
+
+
+def test_packaging_metadata_has_one_version_and_named_extras():
+    """pyproject.toml holds the metadata, the version comes from dres.__version__ alone, and each
+    optional feature has an extra named for it."""
+    import importlib.metadata as md
+    import re
+    from pathlib import Path
+
+    import dres
+
+    root = Path(__file__).resolve().parents[1]
+    project = _pyproject()["project"]
+    assert project["dynamic"] == ["version"] and "version" not in project
+    assert _pyproject()["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "dres.__version__"}
+    assert not re.search(r"\bversion\s*=", (root / "setup.py").read_text())  # one version source
+    assert md.version("dres") == dres.__version__
+    assert project["requires-python"] and project["description"]
+    assert project["scripts"] == {"dres-train": "dres.train.cli:main", "dres-eval": "dres.train.cli:eval_main"}
+    extras = project["optional-dependencies"]
+    assert {"timm", "tensorboard", "plots", "all", "extras", "dev"} <= set(extras)
+    assert extras["all"] == ["dres[timm,tensorboard,plots]"] and "dres[all]" in extras["dev"]
+    assert not any(r.startswith("hypothesis") for r in extras["dev"])  # the tests never import it
+    assert (root / "dres" / "py.typed").is_file()
