@@ -23,7 +23,7 @@ if __package__ in (None, ""):
 import torch
 import torch.nn.functional as F
 
-from benchmarks import common
+from benchmarks import measure
 
 BACKENDS = ("cudnn", "flash", "efficient", "math")
 # (where, batch, heads, tokens, head dim)
@@ -65,7 +65,7 @@ def run_shape(where: str, shape: tuple, backends: list[str], card: str, env: dic
     records = []
     for name in backends:
         rec = {"where": where, "batch": B, "heads": H, "tokens": N, "head_dim": d, "backend": name, "card": card,
-               "date": common.today(), **env}
+               "date": measure.today(), **env}
         try:
             got = fwd_bwd(name, q, k, v, grad)
         except RuntimeError as e:  # "No available kernel" for this shape / dtype
@@ -99,7 +99,8 @@ def markdown(records: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list of {', '.join(BACKENDS)}")
-    p.add_argument("--out", default=str(common.RESULTS_DIR), help="results folder")
+    p.add_argument("--out", default=measure.default_out("attention"),
+                   help="record folder (default: benchmarks/records/<machine>-<today>-attention)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     args = p.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]
@@ -113,16 +114,16 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_attention needs a CUDA GPU", file=sys.stderr)
         return 2
-    card, env = common.card_name(), common.versions()
+    card, env = measure.card_name(), measure.versions()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{card}-attention.json"
     for where, *shape in SHAPES:
-        records = common.merge_records(common.load_records(path), run_shape(where, tuple(shape), backends, card, env),
+        records = measure.merge_records(measure.load_records(path), run_shape(where, tuple(shape), backends, card, env),
                                        RECORD_KEY)
-        common.write_json_atomic(path, records)  # after each shape: a run cut short keeps what it measured
+        measure.write_json_atomic(path, records)  # after each shape: a run cut short keeps what it measured
         (out / f"{card}-attention.md").write_text(markdown(records))
-    print(markdown(common.load_records(path)))
+    print(markdown(measure.load_records(path)))
     return 0
 
 

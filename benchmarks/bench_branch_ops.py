@@ -30,7 +30,7 @@ if __package__ in (None, ""):
 import torch
 import torch.nn.functional as F
 
-from benchmarks import common
+from benchmarks import measure
 
 IMPLS = ("dres", "eager", "compile")
 # (tokens, dim, hidden): the MAE ViT-B/16 encoder MLP at batch 256 (256 x 50 tokens) and the
@@ -150,16 +150,16 @@ def run(op: str, shape: tuple, impls: list[str], ceiling: float, card: str, env:
             fn = build(op, impl)
             step = fwd_bwd_callable(fn, inputs, wrt, ac_dtype, device)
             err = max_rel_err([t.detach() for t in step()], reference)
-            us = common.do_bench_median_us(step, args.warmup, args.rep)
+            us = measure.do_bench_median_us(step, args.warmup, args.rep)
             rec = {"card": card, "op": op, "shape": "x".join(map(str, shape)),
                    "dtype": "bf16", "pass": "fwd_bwd",  # both cases: bf16 pred / autocast
-                   "impl": impl, "us": us, "us_loop": common.loop_median_us(step), "check_rel_err": err,
+                   "impl": impl, "us": us, "us_loop": measure.loop_median_us(step), "check_rel_err": err,
                    "check_ok": err <= 2e-2, "torch": env["torch"], "triton": env["triton"],
-                   "date": common.today()}
+                   "date": measure.today()}
             if nbytes is not None:
-                rec.update(bytes=nbytes, gbps=common.gbps(nbytes, us), ceiling_gbps=ceiling,
-                           pct_ceiling=100 * common.gbps(nbytes, us) / ceiling,
-                           us_at_ceiling=common.us_at_ceiling(nbytes, ceiling))
+                rec.update(bytes=nbytes, gbps=measure.gbps(nbytes, us), ceiling_gbps=ceiling,
+                           pct_ceiling=100 * measure.gbps(nbytes, us) / ceiling,
+                           us_at_ceiling=measure.us_at_ceiling(nbytes, ceiling))
             if op == "fused_mlp":
                 rec["saved_mib"] = held_by_forward_bytes(fn, inputs, ac_dtype, device) / 2**20
         except Exception as e:  # one failing implementation must not end the sweep
@@ -195,7 +195,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default="fused_mlp,mae_loss", help="comma list of fused_mlp, mae_loss")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
-    p.add_argument("--out", default=str(common.RESULTS_DIR), help="results folder")
+    p.add_argument("--out", default=measure.default_out("branch-ops"),
+                   help="record folder (default: benchmarks/records/<machine>-<today>-branch-ops)")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=float, default=100, help="do_bench repetition time, ms")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
@@ -214,16 +215,16 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_branch_ops needs a CUDA GPU (use --dry-run to see the plan)", file=sys.stderr)
         return 2
-    common.configure_caches()
-    card, env = common.card_name(), common.versions()
-    ceiling = common.copy_ceiling_gbps()
+    measure.configure_caches()
+    card, env = measure.card_name(), measure.versions()
+    ceiling = measure.copy_ceiling_gbps()
     print(f"# card {card}, torch {env['torch']}, triton {env['triton']}; copy ceiling {ceiling:.0f} GB/s", flush=True)
     path = Path(args.out) / f"{card}-branch.json"
-    records = common.load_records(path)
+    records = measure.load_records(path)
     for op, shape in cases:
         print(f"{op} {'x'.join(map(str, shape))}", flush=True)
-        records = common.merge_records(records, run(op, shape, impls, ceiling, card, env, args), BRANCH_KEY)
-        common.write_json_atomic(path, records)  # after every case: a run stopped early keeps its results
+        records = measure.merge_records(records, run(op, shape, impls, ceiling, card, env, args), BRANCH_KEY)
+        measure.write_json_atomic(path, records)  # after every case: a run stopped early keeps its results
     path.with_suffix(".md").write_text(markdown(records))
     print(f"# -> {path}", flush=True)
     return 0

@@ -6,7 +6,7 @@ fused step (the GPU-bound floor).
     python -m benchmarks.bench_eager_launch --rows 12800 --dim 768 --dtypes bf16/bf16,fp32/bf16 --json out.json
 
 Steady state: each implementation is warmed up (Triton compiles, csrc loads, caches fill) before
-it is timed by ``common.loop_median_us`` (calls issued back to back, median of 5 loops), which is
+it is timed by ``measure.loop_median_us`` (calls issued back to back, median of 5 loops), which is
 what a training loop sees; ``do_bench`` flushes L2 between calls and hides launch cost. The
 implementations of a case are timed in interleaved rounds (median of ``--rounds``). Prints a
 table and writes JSON (``--json``, default ``$OUT/eager_launch.json`` or ./eager_launch.json).
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import common
+from benchmarks import measure
 from benchmarks.bench_kernels import Case, build_fn, capture_graph, make_callable, make_inputs, make_mode_args
 
 IMPLS = ("dres_triton", "dres_cuda", "unfused", "dres_triton_graph")
@@ -57,11 +57,11 @@ def step_for(impl: str, case: Case, device: torch.device):
     return make_callable(fn, case, inputs, mode_args, "fwd_bwd")
 
 
-def measure(case: Case, impls: list[str], device: torch.device, warmup: int, rounds: int) -> list[dict]:
+def measure_case(case: Case, impls: list[str], device: torch.device, warmup: int, rounds: int) -> list[dict]:
     """Each implementation timed in ``rounds`` interleaved rounds (A B C A B C ...), median per
     implementation: a host-bound loop's time drifts within a process, and interleaving spreads the
     drift over every implementation alike instead of charging it to whichever ran last."""
-    timer = common.loop_median_us if device.type == "cuda" else common.cpu_median_us
+    timer = measure.loop_median_us if device.type == "cuda" else measure.cpu_median_us
     steps = {impl: step_for(impl, case, device) for impl in impls}
     for step in steps.values():
         for _ in range(warmup):
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for pair in args.dtypes.split(","):
         x_dtype, _, h_dtype = pair.partition("/")
-        if x_dtype not in common.DTYPES or h_dtype not in common.DTYPES:
+        if x_dtype not in measure.DTYPES or h_dtype not in measure.DTYPES:
             print(f"bench_eager_launch: bad dtype pair {pair!r} (e.g. bf16/bf16)", file=sys.stderr)
             return 2
         for mode in (m.strip() for m in args.modes.split(",")):
@@ -131,12 +131,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench_eager_launch: unknown mode {mode!r}; choose from {', '.join(MODES)}", file=sys.stderr)
                 return 2
             case = Case("residual_layer_norm", args.rows, args.dim, x_dtype, h_dtype, mode)
-            records.extend(measure(case, impls, device, args.warmup, args.rounds))
+            records.extend(measure_case(case, impls, device, args.warmup, args.rounds))
     print(table(records))
     out = args.json or Path(os.environ.get("OUT", ".")) / "eager_launch.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    common.write_json_atomic(out, {"card": common.card_name() if device.type == "cuda" else "cpu",
-                                   "versions": common.versions(), "date": common.today(), "records": records})
+    measure.write_json_atomic(out, {"card": measure.card_name() if device.type == "cuda" else "cpu",
+                                   "versions": measure.versions(), "date": measure.today(), "records": records})
     print(f"wrote {out}")
     print(json.dumps(records))
     return 0

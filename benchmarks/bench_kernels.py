@@ -8,7 +8,7 @@ peers that are installed (flash-attn's Triton layer_norm_fn, apex FusedLayerNorm
 Each (op, rows, D, dtypes, mode) is a *case*; each case is timed forward (inference: inputs need no
 grad) and forward+backward (``torch.autograd.grad`` with given output gradients; nothing is kept
 between repetitions) for every implementation, by ``triton.testing.do_bench`` (median, L2 flushed
-before each call). Bytes follow :func:`benchmarks.common.kernel_bytes`; the ceiling is a 1 GiB
+before each call). Bytes follow :func:`benchmarks.measure.kernel_bytes`; the ceiling is a 1 GiB
 device copy measured at the start of the same run. Results merge into
 ``<out>/<card>-kernels.json`` after every case (a run stopped at its time limit keeps what it
 measured), then the Markdown table and the PNG plot are rewritten from the whole file.
@@ -31,8 +31,8 @@ if __package__ in (None, ""):  # `python benchmarks/bench_kernels.py`: make `ben
 
 import torch
 
-from benchmarks import common
-from benchmarks.common import DTYPES, MODES, OP_MODES, OPS, PASSES
+from benchmarks import measure
+from benchmarks.measure import DTYPES, MODES, OP_MODES, OPS, PASSES
 
 ALL_IMPLS = ("dres_triton", "dres_cuda", "eager", "compile", "flash_attn", "apex", "liger")
 IMPL_ALIASES = {"triton": "dres_triton", "cuda": "dres_cuda", "torch.compile": "compile",
@@ -264,7 +264,7 @@ def build_fn(impl: str, case: Case):
     if impl == "eager":
         return _reference_fn(case)
     if impl == "compile":
-        # A fresh static-shape compile per case (see common.configure_dynamo_for_many_shapes);
+        # A fresh static-shape compile per case (see measure.configure_dynamo_for_many_shapes);
         # fullgraph so a graph break fails loudly instead of timing a half-eager function.
         return torch.compile(_reference_fn(case), dynamic=False, fullgraph=True)
     if impl == "flash_attn":
@@ -363,7 +363,7 @@ def rotation_count(case: Case, l2_bytes: int) -> int:
     """Input sets to cycle through so that one call's inputs are not still in L2 from the previous
     call: enough sets to cover 4x the L2. do_bench flushes L2 before each timed call anyway; this
     matters for the back-to-back loop timing."""
-    ws = common.kernel_bytes(case.op, "fwd_bwd", case.rows, case.dim, DTYPES[case.x_dtype],
+    ws = measure.kernel_bytes(case.op, "fwd_bwd", case.rows, case.dim, DTYPES[case.x_dtype],
                              DTYPES[case.h_dtype], case.mode, case.batch_tokens[0])
     return max(1, min(8, math.ceil(4 * l2_bytes / max(ws, 1))))
 
@@ -440,7 +440,7 @@ def run_case(case: Case, impls: list[str], passes: list[str], graph_shapes: set,
     on_gpu = device.type == "cuda"
     batch, tokens = case.batch_tokens
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20) if on_gpu else 0
-    bench = common.do_bench_median_us if on_gpu else common.cpu_median_us
+    bench = measure.do_bench_median_us if on_gpu else measure.cpu_median_us
     n_sets = rotation_count(case, l2)
     mode_args = make_mode_args(case, device)
     small = (case.rows, case.dim) in graph_shapes and on_gpu
@@ -453,7 +453,7 @@ def run_case(case: Case, impls: list[str], passes: list[str], graph_shapes: set,
             alpha = alpha.detach()  # inference: nothing may record an autograd graph
         pass_args = (alpha, rs, gs)
         inputs = [make_inputs(case, device, need_grad, seed=10 + i) for i in range(n_sets)]
-        nbytes = common.kernel_bytes(case.op, pass_, case.rows, case.dim, DTYPES[case.x_dtype],
+        nbytes = measure.kernel_bytes(case.op, pass_, case.rows, case.dim, DTYPES[case.x_dtype],
                                      DTYPES[case.h_dtype], case.mode, batch)
         ref_results = None
         if not args.no_check:
@@ -486,7 +486,7 @@ def run_case(case: Case, impls: list[str], passes: list[str], graph_shapes: set,
                                       flush=True)
                         us = bench(call, args.warmup, args.rep)
                         if small:
-                            extra["us_loop"] = common.loop_median_us(call)
+                            extra["us_loop"] = measure.loop_median_us(call)
                 except Unsupported as e:
                     if args.verbose:
                         print(f"  skip {name} {pass_}: {e}", flush=True)
@@ -498,7 +498,7 @@ def run_case(case: Case, impls: list[str], passes: list[str], graph_shapes: set,
                     if isinstance(e, torch.cuda.OutOfMemoryError):
                         torch.cuda.empty_cache()
                     continue
-                rec = common.make_kernel_record(
+                rec = measure.make_kernel_record(
                     op=case.op, rows=case.rows, dim=case.dim, x_dtype=case.x_dtype, h_dtype=case.h_dtype,
                     mode=case.mode, pass_=pass_, impl=name, us=us, nbytes=nbytes, ceiling_gbps=ceiling,
                     card=card, env=env, **extra)
@@ -514,14 +514,14 @@ def write_outputs(out_dir: Path, card: str, new_records: list[dict], plot: bool 
     """Merge ``new_records`` into ``<card>-kernels.json`` and rewrite the Markdown table (and the plot)
     from the whole file."""
     path = out_dir / f"{card}-kernels.json"
-    records = common.merge_records(common.load_records(path), new_records)
-    common.add_speedups(records)
-    common.write_json_atomic(path, records)
-    (out_dir / f"{card}-kernels.md").write_text(f"# Kernel benchmarks: {card}\n\n" + common.kernel_markdown(records))
+    records = measure.merge_records(measure.load_records(path), new_records)
+    measure.add_speedups(records)
+    measure.write_json_atomic(path, records)
+    (out_dir / f"{card}-kernels.md").write_text(f"# Kernel benchmarks: {card}\n\n" + measure.kernel_markdown(records))
     if not plot:
         return path
     try:
-        common.kernel_plot(records, out_dir / f"{card}-kernels.png")
+        measure.kernel_plot(records, out_dir / f"{card}-kernels.png")
     except Exception as e:  # a plotting problem must not lose the measurements (JSON is written)
         print(f"plot failed: {type(e).__name__}: {e}", flush=True)
     return path
@@ -540,7 +540,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graph-shapes", help="RxD list timed also as CUDA graphs and back-to-back loops "
                                           "(default 12800x768; 'none' to skip)")
     p.add_argument("--quick", action="store_true", help="small set, < 2 minutes on an H100")
-    p.add_argument("--out", default=str(common.RESULTS_DIR), help="results folder")
+    p.add_argument("--out", default=measure.default_out("kernels"),
+                   help="record folder (default: benchmarks/records/<machine>-<today>-kernels)")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=float, default=100, help="do_bench repetition time, ms")
     p.add_argument("--max-minutes", type=float, default=None,
@@ -605,7 +606,7 @@ def print_plan(plan: dict) -> None:
         gi = [i + "_graph" for i in impls if i in GRAPH_IMPLS] if graph else []
         n_graph += len(gi) * len(passes)
         for ps in passes:
-            nb = common.kernel_bytes(c.op, ps, c.rows, c.dim, DTYPES[c.x_dtype], DTYPES[c.h_dtype], c.mode, batch)
+            nb = measure.kernel_bytes(c.op, ps, c.rows, c.dim, DTYPES[c.x_dtype], DTYPES[c.h_dtype], c.mode, batch)
             print(f"{c.op} rows={c.rows} dim={c.dim} (B={batch}, T={tokens}) x/h={c.x_dtype}/{c.h_dtype} "
                   f"mode={c.mode} pass={ps} bytes={nb} impls={','.join(impls + gi)}")
     n = len(cases) * len(passes) * len(impls) + n_graph
@@ -630,22 +631,22 @@ def main(argv=None) -> int:
     if on_gpu and not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU (use --dry-run to see the plan)", file=sys.stderr)
         return 2
-    common.configure_caches()
-    common.configure_dynamo_for_many_shapes()
+    measure.configure_caches()
+    measure.configure_dynamo_for_many_shapes()
     impls, why = available_impls(plan["impls"])
     for impl, reason in why.items():
         print(f"# {impl}: not measured ({reason})", flush=True)
-    card = common.card_name() if on_gpu else "cpu"
-    env = common.versions()
+    card = measure.card_name() if on_gpu else "cpu"
+    env = measure.versions()
     out_dir = Path(args.out)
     json_path = out_dir / f"{card}-kernels.json"
     done = set()
     if args.skip_existing:
         done = {(r["op"], r["rows"], r["dim"], r["x_dtype"], r["h_dtype"], r["mode"])
-                for r in common.load_records(json_path) if r.get("card") == card}
+                for r in measure.load_records(json_path) if r.get("card") == card}
     print(f"# card {card} ({torch.cuda.get_device_name() if on_gpu else 'cpu'}), torch {env['torch']}, "
           f"triton {env['triton']}", flush=True)
-    ceiling = common.copy_ceiling_gbps() if on_gpu else common.cpu_copy_gbps()
+    ceiling = measure.copy_ceiling_gbps() if on_gpu else measure.cpu_copy_gbps()
     print(f"# copy ceiling (1 GiB copy_, read+write): {ceiling:.0f} GB/s", flush=True)
     t_start = time.time()
     all_new = []

@@ -33,7 +33,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks import common
+from benchmarks import measure
 
 IMPLS = ("dres", "eager", "compile")
 LAYOUTS = ("nchw", "channels_last")
@@ -109,7 +109,7 @@ def measure_kernel(shape, dtype, layout, mode, impl, device, timer) -> dict:
     err = max(((a.float() - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(got, want))
     del got, want, ref, x32, h32
     us = timer(step)
-    return dict(kind="kernel", shape="x".join(map(str, shape)), dtype=common.dtype_name(dtype), layout=layout,
+    return dict(kind="kernel", shape="x".join(map(str, shape)), dtype=measure.dtype_name(dtype), layout=layout,
                 mode=mode, impl=impl, us=us, bytes=residual_bytes(shape, dtype, mode),
                 check_rel_err=err, check_ok=err < (1e-5 if dtype == torch.float32 else 1e-1))
 
@@ -202,11 +202,12 @@ def main(argv=None) -> int:
     p.add_argument("--train-modes", default="eager,compile")
     p.add_argument("--train-steps", type=int, default=20)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--out", default=str(common.RESULTS_DIR))
+    p.add_argument("--out", default=measure.default_out("residual-act"),
+                   help="record folder (default: benchmarks/records/<machine>-<today>-residual-act)")
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args(argv)
     shapes = parse_shapes(a.shapes, a.batch)
-    dtypes = [common.DTYPES[d] for d in split(a.dtypes, ("bf16", "fp32", "fp16"), "--dtypes")]
+    dtypes = [measure.DTYPES[d] for d in split(a.dtypes, ("bf16", "fp32", "fp16"), "--dtypes")]
     layouts, modes = split(a.layouts, LAYOUTS, "--layouts"), split(a.modes, MODES, "--modes")
     impls = split(a.impls, IMPLS, "--impls")
     train_sizes = [int(s) for s in split(a.train, ("224", "32"), "--train")]
@@ -215,7 +216,7 @@ def main(argv=None) -> int:
     tcases = train_cases(train_sizes, ("timm", "dres"), train_modes)
     if a.dry_run:
         for shape, dt, layout, mode, impl in kcases:
-            print(f"kernel {'x'.join(map(str, shape))} {common.dtype_name(dt)} {layout} {mode} {impl} "
+            print(f"kernel {'x'.join(map(str, shape))} {measure.dtype_name(dt)} {layout} {mode} {impl} "
                   f"bytes={residual_bytes(shape, dt, mode)}")
         for img, model, mode in tcases:
             print(f"train {a.train_arch} {a.batch}x3x{img}x{img} {model} {mode}")
@@ -223,16 +224,16 @@ def main(argv=None) -> int:
     device = torch.device(a.device)
     on_gpu = device.type == "cuda"
     if on_gpu:
-        common.configure_caches()
-        common.configure_dynamo_for_many_shapes()
-    card = common.card_name() if on_gpu else "cpu"
-    ceiling = common.copy_ceiling_gbps() if on_gpu else common.cpu_copy_gbps()
-    timer = common.do_bench_median_us if on_gpu else common.cpu_median_us
-    stamp = dict(card=card, ceiling_gbps=ceiling, date=common.today(), **common.versions())
+        measure.configure_caches()
+        measure.configure_dynamo_for_many_shapes()
+    card = measure.card_name() if on_gpu else "cpu"
+    ceiling = measure.copy_ceiling_gbps() if on_gpu else measure.cpu_copy_gbps()
+    timer = measure.do_bench_median_us if on_gpu else measure.cpu_median_us
+    stamp = dict(card=card, ceiling_gbps=ceiling, date=measure.today(), **measure.versions())
     records = []
     for case in kcases:
         rec = dict(measure_kernel(*case, device, timer), **stamp)
-        rec["us_at_ceiling"] = common.us_at_ceiling(rec["bytes"], ceiling)
+        rec["us_at_ceiling"] = measure.us_at_ceiling(rec["bytes"], ceiling)
         print(f"{rec['shape']} {rec['dtype']} {rec['layout']} {rec['mode']} {rec['impl']}: {rec['us']:.1f} us "
               f"({100 * rec['us_at_ceiling'] / rec['us']:.0f}% of copy){'' if rec['check_ok'] else ' MISMATCH'}",
               flush=True)
@@ -250,8 +251,8 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     out = Path(a.out)
     path = out / f"{card}-residual_act.json"
-    merged = common.merge_records(common.load_records(path), records, KEY)
-    common.write_json_atomic(path, merged)
+    merged = measure.merge_records(measure.load_records(path), records, KEY)
+    measure.write_json_atomic(path, merged)
     (out / f"{card}-residual_act.md").write_text(markdown(merged))
     print(f"wrote {path} and {path.with_suffix('.md')}")
     return 0

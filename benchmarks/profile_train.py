@@ -10,11 +10,10 @@ side, unwrapped and under DDP or FSDP2 (the profile behind the gaps in BENCHMARK
         --set dist=ddp --set data.name=synthetic --trace     # graphed DDP, both ranks, 256 images each
 
 Each (model, wrapping): build, (compile: each block, before wrapping, as the trainer does), wrap
-(``bench_train.wrap_model``: the trainer's DDP / FSDP2; ``fsdp:VARIANT`` as in bench_train), warm
-up, then ``torch.profiler`` over ``--steps`` steps of the step ``bench_train`` times
-(``bench_train.first_training_step``). One process runs FSDP2 on a one-GPU mesh (issue 15's
-"FSDP2 on one GPU against the same model without"); under torchrun every rank profiles, rank 0
-reports. Kernels are grouped by name into matmul, attention, dres fused ops, Inductor norm kernels,
+(``train_distributed.wrap_model``: the trainer's DDP / FSDP2; ``fsdp:VARIANT`` as in bench_train),
+warm up, then ``torch.profiler`` over ``--steps`` steps of the step ``bench_train`` times
+(``train_step.first_training_step``). One process runs FSDP2 on a one-GPU mesh (FSDP2 on one GPU
+against the same model without); under torchrun every rank profiles, rank 0 reports. Kernels are grouped by name into matmul, attention, dres fused ops, Inductor norm kernels,
 other Inductor kernels, optimizer, communication (NCCL) and other (eager elementwise, copies).
 ``gpu_busy_pct`` = the union of kernel and copy intervals / wall time (below 100% the GPU waits for
 the CPU, launch overhead, or for exposed communication); ``gpu_idle_pct`` is the rest. The GPU-side
@@ -38,7 +37,13 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks import bench_train, common
+from benchmarks import measure
+from benchmarks.train_distributed import dists_at, parse_dists, wrap_model
+from benchmarks.train_models import (DEFAULT_BATCH, MODELS, add_model_options, build_model, make_batch, model_options,
+                                     models_for)
+from benchmarks.train_report import dist_label
+from benchmarks.train_step import first_training_step, free_memory
+from benchmarks.trainer_runs import TRAINER_EVAL_OFF
 
 # (category, pattern on the kernel name), first match wins
 CATEGORIES = [
@@ -130,25 +135,25 @@ def profile_steps(step, steps: int, trace_path: Path | None) -> dict:
             "trace": trace_path.name if trace_path else None}
 
 
-def profile_model(bench: str, name: str, mode: str, batch: int, steps: int, warmup: int, kind: str, variant: str,
-                  info, trace_path: Path | None) -> dict:
+def profile_model(bench: str, name: str, options: dict, mode: str, batch: int, steps: int, warmup: int, kind: str,
+                  variant: str, info, trace_path: Path | None) -> dict:
     from dres.train.distributed import apply_compile
 
     torch._dynamo.reset()
-    bench_train.free_memory()
-    model = bench_train.build_model(bench, name).to(info.device)
+    free_memory()
+    model = build_model(bench, name, **options).to(info.device)
     if mode == "compile":
         apply_compile(model)
-    wrapped = bench_train.wrap_model(model, kind, variant, info).train()
-    x = bench_train.make_batch(bench, batch, info.device)
-    step, optimizer_kind = bench_train.first_training_step(bench, wrapped, x, sharded=kind == "fsdp")
+    wrapped = wrap_model(model, kind, variant, info).train()
+    images = make_batch(bench, batch, info.device)
+    step, optimizer_kind = first_training_step(bench, wrapped, images, sharded=kind == "fsdp")
     for _ in range(max(1, warmup) - 1):
         step()
     r = profile_steps(step, steps, trace_path)
-    del model, wrapped, x, step
-    bench_train.free_memory()
-    label = bench_train.dist_label(kind, variant)
-    return {"bench": bench, "model": name, "mode": mode, "batch": batch, "dist": label, "fsdp": kind == "fsdp",
+    del model, wrapped, images, step
+    free_memory()
+    label = dist_label(kind, variant)
+    return {"bench": bench, "model": name, **options, "mode": mode, "batch": batch, "dist": label, "fsdp": kind == "fsdp",
             "compile_scope": None if mode == "eager" else "per_block", "optimizer": optimizer_kind,
             "world_size": info.world, **r}
 
@@ -162,7 +167,7 @@ def profile_trainer(preset: str, overrides: list[str], batch: int | None, steps:
     all-reduce): the main rank returns the record and writes the trace, the others return None."""
     import tempfile
 
-    from dres.train import distributed as D
+    from dres.train import distributed
     from dres.train.cli import get_task
     from dres.train.config import build_config, load_preset
     from dres.train.loop import Trainer
@@ -170,28 +175,28 @@ def profile_trainer(preset: str, overrides: list[str], batch: int | None, steps:
     task = load_preset(preset).get("task", "mae")
     with tempfile.TemporaryDirectory(prefix="dres-profile-") as tmp:
         sets = ["log.progress=false", "log.tensorboard=false", "ckpt.every=0", f"out={tmp}", "steps=100000",
-                *bench_train.TRAINER_EVAL_OFF, *overrides]
+                *TRAINER_EVAL_OFF, *overrides]
         if batch:  # per GPU, as bench_train --trainer counts it
             sets.append(f"batch_size={batch * int(os.environ.get('WORLD_SIZE', '1'))}")
         cfg = build_config(task, preset, sets)
-        tr = Trainer(cfg, get_task(task), log=lambda m: print(m, flush=True)).setup()
-        tr.model.train()
+        trainer = Trainer(cfg, get_task(task), log=lambda m: print(m, flush=True)).setup()
+        trainer.model.train()
 
         def step():
-            tr.train_step(tr.loader.next())
-            tr.step += 1
+            trainer.train_step(trainer.loader.next())
+            trainer.step += 1
 
-        for _ in range(max(warmup, (tr.graphed.warmup_steps + 2) if tr.graphed else 1)):
+        for _ in range(max(warmup, (trainer.graphed.warmup_steps + 2) if trainer.graphed else 1)):
             step()
-        r = profile_steps(step, steps, trace_path if tr.main else None)
-        if tr.graphed is not None:
-            tr.graphed.release()  # before the process group goes: NCCL waits on graphs that captured it
-        mode = "trainer " + ("graphed" if tr.graphed is not None else "eager")
-        world, main = tr.info.world, tr.main
-        del tr, step
-    D.barrier()
-    D.cleanup()
-    bench_train.free_memory()
+        r = profile_steps(step, steps, trace_path if trainer.main else None)
+        if trainer.graphed is not None:
+            trainer.graphed.release()  # before the process group goes: NCCL waits on graphs that captured it
+        mode = "trainer " + ("graphed" if trainer.graphed is not None else "eager")
+        world, main = trainer.info.world, trainer.main
+        del trainer, step
+    distributed.barrier()
+    distributed.cleanup()
+    free_memory()
     if not main:
         return None
     dist = cfg.dist if world > 1 else "none"
@@ -231,8 +236,8 @@ def write_record(r: dict, out: Path, card: str) -> None:
     a run stopped at its time limit keeps the others)."""
     print_profile(r)
     path = out / f"{card}-profile.json"
-    merged = common.merge_records(common.load_records(path), [r], PROFILE_KEY)
-    common.write_json_atomic(path, merged)
+    merged = measure.merge_records(measure.load_records(path), [r], PROFILE_KEY)
+    measure.write_json_atomic(path, merged)
     (out / f"{card}-profile.md").write_text(markdown(merged, card))
 
 
@@ -240,23 +245,24 @@ def main_trainer(args) -> int:
     if not torch.cuda.is_available():
         print("profile_train needs a CUDA GPU", file=sys.stderr)
         return 2
-    common.configure_caches()
-    card = common.card_name()
+    measure.configure_caches()
+    card = measure.card_name()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "-".join(o.replace("=", "_").replace(".", "_") for o in args.overrides)
     trace = out / f"trace-trainer-{args.trainer}{'-' + tag if tag else ''}.json.gz" if args.trace else None
     r = profile_trainer(args.trainer, args.overrides, args.batch, args.steps, args.warmup, trace)
     if r is not None:
-        r.update(card=card, date=common.today(), **common.versions())
+        r.update(card=card, date=measure.today(), **measure.versions())
         write_record(r, out, card)
     return 0
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bench", choices=list(bench_train.MODELS), default="mae")
+    p.add_argument("--bench", choices=list(MODELS), default="mae")
     p.add_argument("--models", help="comma list (default: all of the benchmark's models)")
+    add_model_options(p)
     p.add_argument("--mode", choices=("eager", "compile"), default="compile")
     p.add_argument("--batch", type=int, help="batch per GPU (default: the benchmark's; with --trainer the preset's)")
     p.add_argument("--steps", type=int, default=5)
@@ -269,38 +275,39 @@ def main(argv=None) -> int:
                         "every rank under torchrun with --set dist=ddp|fsdp)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="with --trainer: a config override (repeatable), e.g. cuda_graphs=false")
-    p.add_argument("--out", default=str(common.RESULTS_DIR))
+    p.add_argument("--out", default=measure.default_out("profile"),
+                   help="record folder (default: benchmarks/records/<machine>-<today>-profile)")
     args = p.parse_args(argv)
     if args.overrides and not args.trainer:
         p.error("--set: only with --trainer")
     if args.trainer:
         return main_trainer(args)
-    names = bench_train.models_for(args.bench, args)  # as bench_train: csrc variants only when named
+    names = models_for(args.bench, args.models)
     if not names:
-        p.error(f"--models: none of {args.models} is a {args.bench} model; known: {list(bench_train.MODELS[args.bench])}")
-    wraps = bench_train.parse_dists(args.dist)
+        p.error(f"--models: none of {args.models} is a {args.bench} model; known: {list(MODELS[args.bench])}")
+    wraps = parse_dists(args.dist)
     if not torch.cuda.is_available():
         print("profile_train needs a CUDA GPU", file=sys.stderr)
         return 2
-    from dres.train import distributed as D
+    from dres.train import distributed
 
     # a process group (one rank without torchrun) whenever a wrapping needs one
-    info = D.init("auto", "fsdp" if any(k != "none" for k, _ in wraps) else "none")
-    wraps = bench_train.dists_at(info.world, wraps)
-    common.configure_caches()
-    card = common.card_name()
+    info = distributed.init("auto", "fsdp" if any(k != "none" for k, _ in wraps) else "none")
+    wraps = dists_at(info.world, wraps)
+    measure.configure_caches()
+    card = measure.card_name()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name in names:
         for kind, variant in wraps:
-            label = bench_train.dist_label(kind, variant).replace(":", "-")
+            label = dist_label(kind, variant).replace(":", "-")
             trace = out / f"trace-{name}-{args.mode}-{label}-{info.world}gpu.json.gz" if args.trace and info.main else None
-            r = profile_model(args.bench, name, args.mode, args.batch or bench_train.DEFAULT_BATCH[args.bench],
+            r = profile_model(args.bench, name, model_options(args), args.mode, args.batch or DEFAULT_BATCH[args.bench],
                               args.steps, args.warmup, kind, variant, info, trace)
-            r.update(card=card, date=common.today(), **common.versions())
+            r.update(card=card, date=measure.today(), **measure.versions())
             if info.main:
                 write_record(r, out, card)
-    D.cleanup()
+    distributed.cleanup()
     return 0
 
 

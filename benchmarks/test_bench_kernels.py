@@ -24,10 +24,10 @@ pytestmark = [
 pytest.importorskip("pytest_benchmark")
 
 from benchmarks import bench_kernels as bk  # noqa: E402
-from benchmarks import common  # noqa: E402
-from benchmarks.common import DTYPES  # noqa: E402
+from benchmarks import measure  # noqa: E402
+from benchmarks.measure import DTYPES  # noqa: E402
 
-# The headline shapes (D = 768); other D values are the CLI's job. About 6 minutes on an H100.
+# The headline shapes (D = 768); other D values are the CLI's job. About 6 minutes on an H100.
 SHAPES = [(12800, 768), (65536, 768), (262144, 768)]
 DTYPE_PAIRS = ["bf16/bf16", "fp32/bf16"]
 CASES = [("residual_layer_norm", "plain"), ("residual_layer_norm", "drop_path"), ("residual_layer_norm", "rdp_odd"),
@@ -37,8 +37,8 @@ IMPLS = ["dres_triton", "eager", "compile"]
 
 @pytest.fixture(scope="session")
 def ceiling_gbps():
-    common.configure_dynamo_for_many_shapes()
-    return common.copy_ceiling_gbps()
+    measure.configure_dynamo_for_many_shapes()
+    return measure.copy_ceiling_gbps()
 
 
 @pytest.mark.parametrize("pass_", ["fwd", "fwd_bwd"])
@@ -63,9 +63,9 @@ def test_kernel(benchmark, ceiling_gbps, rows, dim, dtypes, op, mode, impl, pass
         torch.cuda.synchronize()
 
     call()  # compile / autotune outside the timed rounds
-    us = common.do_bench_median_us(call)
-    nbytes = common.kernel_bytes(op, pass_, rows, dim, DTYPES[xd], DTYPES[hd], mode, case.batch_tokens[0])
+    us = measure.do_bench_median_us(call)
+    nbytes = measure.kernel_bytes(op, pass_, rows, dim, DTYPES[xd], DTYPES[hd], mode, case.batch_tokens[0])
     benchmark.extra_info.update(
-        do_bench_median_us=us, bytes=nbytes, gbps=common.gbps(nbytes, us), ceiling_gbps=ceiling_gbps,
-        pct_ceiling=100 * common.gbps(nbytes, us) / ceiling_gbps, card=common.card_name(), **common.versions())
+        do_bench_median_us=us, bytes=nbytes, gbps=measure.gbps(nbytes, us), ceiling_gbps=ceiling_gbps,
+        pct_ceiling=100 * measure.gbps(nbytes, us) / ceiling_gbps, card=measure.card_name(), **measure.versions())
     benchmark.pedantic(timed, rounds=30, iterations=1, warmup_rounds=3)

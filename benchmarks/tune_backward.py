@@ -25,7 +25,7 @@ if __package__ in (None, ""):
 
 import torch
 
-from benchmarks import common
+from benchmarks import measure
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_SHAPES = "12800x768:bf16,262144x768:bf16,262144x768:fp32,262144x384:bf16,262144x512:bf16,65536x1024:bf16"
@@ -74,10 +74,10 @@ def sweep(rows: int, dim: int, dtype: str, stages: list[int], ceiling_gbps: floa
     mean, rstd = torch.empty(rows, device=dev), torch.empty(rows, device=dev)
     residual_norm_forward(x, h, w, b, 0.9, 1e-6, None, 1, out, y, mean, rstd)
     dx, dh = torch.empty_like(x), torch.empty_like(h)
-    at_ceiling_us = common.us_at_ceiling(rows * dim * (3 * x.element_size() + 2 * h.element_size()), ceiling_gbps)
+    at_ceiling_us = measure.us_at_ceiling(rows * dim * (3 * x.element_size() + 2 * h.element_size()), ceiling_gbps)
 
     def time_config(config):
-        return common.do_bench_median_us(lambda: residual_norm_backward(
+        return measure.do_bench_median_us(lambda: residual_norm_backward(
             g_out, g_y, out, None, w, mean, rstd, 0.9, None, 1, dx, dh, True, True, False, config=config),
             warmup_ms=5, rep_ms=30)
 
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("tune_backward needs a CUDA GPU (--dry-run shows the plan)", file=sys.stderr)
         return 2
-    ceiling = common.copy_ceiling_gbps()
+    ceiling = measure.copy_ceiling_gbps()
     print(f"# copy ceiling {ceiling:.0f} GB/s", flush=True)
     for rows, dim, dtype in shapes:
         print(sweep(rows, dim, dtype, stages, ceiling), flush=True)

@@ -284,7 +284,7 @@ def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root
     ``jobs`` at a time on each of ``gpus`` GPUs (0: on the CPU), each starting on the first free slot;
     ``force`` reruns the named arms that have a record. Returns
     ``{arm: "done" | "skipped" | "failed" | "blocked" | "not started"}``."""
-    from benchmarks.common import write_json_atomic
+    from benchmarks.measure import write_json_atomic
 
     arms = [a for a, _, _ in queue]
     root, records = root.resolve(), records.resolve()

@@ -17,10 +17,9 @@ import torch
 # root on sys.path the way `python -m pytest` does.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import bench_kernels as bk  # noqa: E402
-from benchmarks import bench_train as bt  # noqa: E402
-from benchmarks import common  # noqa: E402
-from benchmarks.common import kernel_bytes  # noqa: E402
+from benchmarks import (bench_kernels, bench_train, measure, train_distributed, train_memory, train_models,  # noqa: E402
+                        train_report, trainer_runs)
+from benchmarks.measure import kernel_bytes  # noqa: E402
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -39,7 +38,7 @@ BF16, FP32 = torch.bfloat16, torch.float32
     ("???", "unknown-device"),
 ])
 def test_sanitize_card_name(raw, clean):
-    assert common.sanitize_card_name(raw) == clean
+    assert measure.sanitize_card_name(raw) == clean
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,7 +51,7 @@ def test_bytes_match_design_anchors():
     anchors = [((12800, BF16), 59), ((65536, BF16), 302), ((262144, BF16), 1208), ((262144, FP32), 1880)]
     for (rows, xdt), us in anchors:
         nb = kernel_bytes("residual_layer_norm", "fwd_bwd", rows, 768, xdt, BF16)
-        assert int(common.us_at_ceiling(nb, 2998)) == us
+        assert int(measure.us_at_ceiling(nb, 2998)) == us
 
 
 def test_bytes_residual_layer_norm_exact():
@@ -96,15 +95,15 @@ def test_bytes_rejects_bad_arguments():
 
 
 def test_rates():
-    assert common.gbps(3_000_000_000, 1e3) == pytest.approx(3000.0)  # 3 GB in 1 ms
-    assert common.us_at_ceiling(2998_000_000, 2998) == pytest.approx(1000.0)  # 2.998 GB at 2998 GB/s: 1 ms
+    assert measure.gbps(3_000_000_000, 1e3) == pytest.approx(3000.0)  # 3 GB in 1 ms
+    assert measure.us_at_ceiling(2998_000_000, 2998) == pytest.approx(1000.0)  # 2.998 GB at 2998 GB/s: 1 ms
 
 
 def test_split_rows():
-    assert bk.split_rows(12800) == (256, 50)
-    assert bk.split_rows(65536) == (256, 256)
-    assert bk.split_rows(262144) == (1024, 256)
-    assert bk.split_rows(7) == (7, 1)
+    assert bench_kernels.split_rows(12800) == (256, 50)
+    assert bench_kernels.split_rows(65536) == (256, 256)
+    assert bench_kernels.split_rows(262144) == (1024, 256)
+    assert bench_kernels.split_rows(7) == (7, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,15 +112,15 @@ def test_split_rows():
 
 def _rec(impl, us, mode="plain", pass_="fwd_bwd", rows=12800, card="h100-80gb-hbm3"):
     nb = kernel_bytes("residual_layer_norm", pass_, rows, 768, BF16, BF16, mode, 256)
-    return common.make_kernel_record(op="residual_layer_norm", rows=rows, dim=768, x_dtype="bf16", h_dtype="bf16",
+    return measure.make_kernel_record(op="residual_layer_norm", rows=rows, dim=768, x_dtype="bf16", h_dtype="bf16",
                                      mode=mode, pass_=pass_, impl=impl, us=us, nbytes=nb, ceiling_gbps=3000.0,
                                      card=card, env={"torch": "2.x", "triton": "3.x"}, date="2026-11-26")
 
 
 def test_record_schema_and_derived_fields():
     r = _rec("dres_triton", 100.0)
-    common.validate_kernel_record(r)
-    for f in common.KERNEL_FIELDS:
+    measure.validate_kernel_record(r)
+    for f in measure.KERNEL_FIELDS:
         assert f in r
     assert r["gbps"] == pytest.approx(r["bytes"] / 100e-6 / 1e9)
     assert r["pct_ceiling"] == pytest.approx(100 * r["gbps"] / 3000.0)
@@ -129,18 +128,18 @@ def test_record_schema_and_derived_fields():
     json.dumps(r)  # serialisable as is
     bad = dict(r, us=float("nan"))
     with pytest.raises(ValueError):
-        common.validate_kernel_record(bad)
+        measure.validate_kernel_record(bad)
     with pytest.raises(ValueError):
-        common.validate_kernel_record({k: v for k, v in r.items() if k != "card"})
+        measure.validate_kernel_record({k: v for k, v in r.items() if k != "card"})
 
 
 def test_speedups_and_merge():
     recs = [_rec("compile", 300.0), _rec("dres_triton", 100.0), _rec("eager", 200.0, mode="rdp_odd")]
-    common.add_speedups(recs)
+    measure.add_speedups(recs)
     assert recs[0]["speedup_vs_compile"] == pytest.approx(1.0)
     assert recs[1]["speedup_vs_compile"] == pytest.approx(3.0)
     assert recs[2]["speedup_vs_compile"] is None  # no compile measurement of that mode
-    merged = common.merge_records(recs, [_rec("dres_triton", 50.0), _rec("dres_triton", 60.0, rows=65536)])
+    merged = measure.merge_records(recs, [_rec("dres_triton", 50.0), _rec("dres_triton", 60.0, rows=65536)])
     assert len(merged) == 4
     triton = [r for r in merged if r["impl"] == "dres_triton" and r["rows"] == 12800]
     assert len(triton) == 1 and triton[0]["us"] == 50.0
@@ -151,8 +150,8 @@ def test_markdown_table():
             _rec("dres_triton", 40.0, pass_="fwd")]
     recs[1]["us_loop"] = 95.5
     recs[2]["check_ok"] = False
-    common.add_speedups(recs)
-    md = common.kernel_markdown(recs)
+    measure.add_speedups(recs)
+    md = measure.kernel_markdown(recs)
     assert "## h100-80gb-hbm3" in md and "### residual_layer_norm" in md
     header = next(line for line in md.splitlines() if line.startswith("| rows x D"))
     # implementations in the fixed order: dres first, then eager, then compile
@@ -162,18 +161,18 @@ def test_markdown_table():
     assert "MISMATCH" in row
     at_ceiling = f"{recs[1]['us_at_ceiling']:.1f}"
     assert f"| {at_ceiling} |" in row
-    assert common.kernel_markdown([]) == "No measurements.\n"
+    assert measure.kernel_markdown([]) == "No measurements.\n"
 
 
 def test_json_roundtrip_and_plot(tmp_path):
     recs = [_rec("compile", 300.0), _rec("dres_triton", 100.0), _rec("dres_triton", 800.0, rows=65536),
             _rec("compile", 900.0, rows=65536)]
     path = tmp_path / "h100-80gb-hbm3-kernels.json"
-    common.write_json_atomic(path, recs)
-    assert common.load_records(path) == recs
+    measure.write_json_atomic(path, recs)
+    assert measure.load_records(path) == recs
     assert list(tmp_path.glob("*.tmp")) == []
     png = tmp_path / "plot.png"
-    assert common.kernel_plot(recs, png)
+    assert measure.kernel_plot(recs, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -182,7 +181,7 @@ def test_json_roundtrip_and_plot(tmp_path):
 
 
 def test_dry_run_lists_plan_without_gpu(capsys):
-    assert bk.main(["--dry-run", "--quick"]) == 0
+    assert bench_kernels.main(["--dry-run", "--quick"]) == 0
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if not ln.startswith("#")]
     assert len(lines) == 8 * 2  # 2 rows x 1 D x 2 dtype pairs x 2 modes, fwd and fwd_bwd
@@ -195,7 +194,7 @@ def test_dry_run_lists_plan_without_gpu(capsys):
 
 
 def test_dry_run_default_plan_covers_matrix(capsys):
-    assert bk.main(["--dry-run"]) == 0
+    assert bench_kernels.main(["--dry-run"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("#")]
     # residual ops: 3 rows x 4 D x 3 dtypes x 7 modes; layer_norm: plain only; x 2 passes
     assert len(lines) == (2 * 3 * 4 * 3 * 7 + 3 * 4 * 3) * 2
@@ -204,11 +203,11 @@ def test_dry_run_default_plan_covers_matrix(capsys):
 
 def test_cli_rejects_bad_arguments():
     with pytest.raises(SystemExit):
-        bk.main(["--dry-run", "--modes", "sideways"])
+        bench_kernels.main(["--dry-run", "--modes", "sideways"])
     with pytest.raises(SystemExit):
-        bk.main(["--dry-run", "--dtypes", "bf16"])
+        bench_kernels.main(["--dry-run", "--dtypes", "bf16"])
     with pytest.raises(SystemExit):
-        bk.main(["--dry-run", "--impls", "tensorflow"])
+        bench_kernels.main(["--dry-run", "--impls", "tensorflow"])
 
 
 def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
@@ -219,19 +218,19 @@ def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
     # the CLI points compile caches into the repo unless set; keep this test's out of it
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
-    rc = bk.main(["--device", "cpu", "--ops", "residual_layer_norm", "--rows", "100", "--dims", "32",
+    rc = bench_kernels.main(["--device", "cpu", "--ops", "residual_layer_norm", "--rows", "100", "--dims", "32",
                   "--dtypes", "fp32/bf16", "--modes", "rdp_odd,alpha_grad", "--impls", "triton,eager",
                   "--out", str(tmp_path)])
     assert rc == 0
-    recs = common.load_records(tmp_path / "cpu-kernels.json")
+    recs = measure.load_records(tmp_path / "cpu-kernels.json")
     assert len(recs) == 2 * 2 * 2  # modes x passes x impls
     for r in recs:
-        common.validate_kernel_record(r)
+        measure.validate_kernel_record(r)
         assert r["check_ok"] is True, r
     assert (tmp_path / "cpu-kernels.md").exists() and (tmp_path / "cpu-kernels.png").exists()
     # --report-only rewrites the table from the JSON without measuring
     (tmp_path / "cpu-kernels.md").unlink()
-    assert bk.main(["--report-only", "--out", str(tmp_path)]) == 0
+    assert bench_kernels.main(["--report-only", "--out", str(tmp_path)]) == 0
     assert "rdp_odd" in (tmp_path / "cpu-kernels.md").read_text()
 
 
@@ -240,12 +239,34 @@ def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
 
 
 def test_train_dry_run(capsys):
-    assert bt.main(["--dry-run", "--only", "mae", "--modes", "eager"]) == 0
+    assert bench_train.main(["--dry-run", "--only", "mae", "--modes", "eager"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [ln.split(":")[0] for ln in out] == ["mae timm", "mae dres_baseline", "mae dres_official"]
     assert all("batch 256" in ln for ln in out)
     with pytest.raises(SystemExit):
-        bt.main(["--dry-run", "--models", "resnet50"])
+        bench_train.main(["--dry-run", "--models", "resnet50"])
+
+
+def test_model_variants_are_options_not_names(capsys):
+    """The csrc ops and the forced branch fusions are options of a dres model (recorded beside its
+    name, part of the merge key), not model names; the baselines take neither."""
+    assert bench_train.main(["--dry-run", "--only", "mae", "--models", "timm,dres_baseline", "--modes", "compile",
+                             "--fused-branches", "on"]) == 0
+    assert [ln.split(":")[0] for ln in capsys.readouterr().out.splitlines()] == [
+        "mae timm", "mae dres_baseline [fused branches on]"]
+    with pytest.raises(SystemExit):
+        bench_train.main(["--dry-run", "--models", "dres_baseline_fused"])
+    with pytest.raises(SystemExit):
+        bench_train.main(["--dry-run", "--fused-branches", "sometimes"])
+    tiny = train_models.build_model("uvit", "dres", fused_branches=False)
+    fused = [m.fused for m in tiny.modules() if hasattr(m, "fused")]
+    assert fused and all(f is False for f in fused)
+    assert train_models.build_model("uvit", "plain", ops_backend="cuda") is not None  # baselines: no dres ops
+    plain, variant = _trec("dres_baseline", "compile", 6000, 9.1), _trec("dres_baseline", "compile", 5000, 9.0)
+    variant.update(ops_backend="cuda", fused_branches=True)
+    assert len(measure.merge_records([plain], [variant], train_report.TRAIN_KEY)) == 2
+    assert train_models.model_label(variant) == "dres_baseline [ops cuda, fused branches on]"
+    assert "| mae | dres_baseline [ops cuda, fused branches on] | compile |" in train_report.train_markdown([plain, variant])
 
 
 def _trec(model, mode, ips, mem, bench="mae", kind="throughput", world=1):
@@ -259,23 +280,23 @@ def test_train_ratios_and_markdown():
     recs = [_trec("timm", "compile", 4000, 13.0), _trec("dres_baseline", "compile", 6000, 9.1),
             _trec("dres_official", "compile", 5400, 9.5), _trec("timm", "eager", 3000, 14.0),
             _trec("timm", "eager", 3800, 10, kind="fsdp"), _trec("timm", "eager", 3420, 6, kind="fsdp", world=2)]
-    bt.add_ratios(recs)
+    train_report.add_ratios(recs)
     assert recs[1]["speedup_vs_baseline_compile"] == pytest.approx(1.5)
     assert recs[1]["mem_vs_baseline_compile"] == pytest.approx(0.7)
     assert recs[2]["vs_dres_baseline"] == pytest.approx(0.9)
     assert recs[5]["scaling_efficiency"] == pytest.approx(0.9)
-    md = bt.train_markdown(recs)
+    md = train_report.train_markdown(recs)
     assert "| mae | dres_baseline | compile | 256 | 6000 | 1.50 | 9.1 | 0.70 |" in md
     assert "FSDP2 scaling" in md and "| 0.90 |" in md
 
 
 def test_max_batch_search(monkeypatch):
-    monkeypatch.setattr(bt, "fits", lambda bench, name, b, ckpt: b <= 1000)
-    assert bt.max_batch("mae", "timm", False, 256, 32, 8192) == (992, False)
-    monkeypatch.setattr(bt, "fits", lambda bench, name, b, ckpt: b <= 100)  # even the start fails
-    assert bt.max_batch("mae", "timm", False, 256, 32, 8192) == (96, False)
-    monkeypatch.setattr(bt, "fits", lambda bench, name, b, ckpt: True)
-    assert bt.max_batch("mae", "timm", False, 256, 32, 1024) == (1024, True)
+    monkeypatch.setattr(train_memory, "fits", lambda bench, name, b, checkpointing, options: b <= 1000)
+    assert train_memory.max_batch("mae", "timm", False, 256, 32, 8192) == (992, False)
+    monkeypatch.setattr(train_memory, "fits", lambda bench, name, b, checkpointing, options: b <= 100)  # even the start fails
+    assert train_memory.max_batch("mae", "timm", False, 256, 32, 8192) == (96, False)
+    monkeypatch.setattr(train_memory, "fits", lambda bench, name, b, checkpointing, options: True)
+    assert train_memory.max_batch("mae", "timm", False, 256, 32, 1024) == (1024, True)
 
 
 def test_checkpointing_keeps_gradients():
@@ -284,35 +305,35 @@ def test_checkpointing_keeps_gradients():
     torch.manual_seed(0)
     m = PlainUViT(img_size=8, patch_size=2, embed_dim=32, depth=2, num_heads=2)
     m2 = copy.deepcopy(m)
-    assert bt.apply_checkpointing(m2) == 2 * 3  # attention + MLP of 3 blocks
+    assert train_memory.apply_checkpointing(m2) == 2 * 3  # attention + MLP of 3 blocks
     x = torch.randn(2, 3, 8, 8)
     for model in (m, m2):
         torch.manual_seed(1)
-        bt.loss_fn("uvit", model, x).backward()
+        train_models.loss_fn("uvit", model, x).backward()
     for p1, p2 in zip(m.parameters(), m2.parameters()):
         torch.testing.assert_close(p1.grad, p2.grad)
 
 
 def test_tune_backward_plan_and_bad_shapes(capsys):
-    from benchmarks import tune_backward as tb
+    from benchmarks import tune_backward
 
-    assert tb.main(["--dry-run", "--shapes", "262144x384:bf16,12800x768:fp32", "--stages", "0,2"]) == 0
+    assert tune_backward.main(["--dry-run", "--shapes", "262144x384:bf16,12800x768:fp32", "--stages", "0,2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split(":")[0] for ln in lines] == ["262144x384 x=bf16", "12800x768 x=fp32"]
     for dim in (384, 768):  # every candidate keeps 2..64 values of a tile per thread
         block_d = 1 << (dim - 1).bit_length()  # the next power of two, as the kernels pad D
-        configs = tb.candidates(dim, [0, 2])
+        configs = tune_backward.candidates(dim, [0, 2])
         assert configs
         for bm, nw, pps, st in configs:
             assert 2 <= bm * block_d / (nw * 32) <= 64 and st in (0, 2) and pps in (2, 4, 8, 16)
     with pytest.raises(SystemExit, match="ROWSxD:DTYPE"):
-        tb.main(["--dry-run", "--shapes", "12x3"])
+        tune_backward.main(["--dry-run", "--shapes", "12x3"])
     with pytest.raises(SystemExit, match="dtype 'fp64'"):
-        tb.main(["--dry-run", "--shapes", "8x8:fp64"])
+        tune_backward.main(["--dry-run", "--shapes", "8x8:fp64"])
 
 
 def test_profile_train_groups_kernels_by_name():
-    from benchmarks import profile_train as pt
+    from benchmarks import profile_train
 
     names = {
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
@@ -324,83 +345,83 @@ def test_profile_train_groups_kernels_by_name():
         "triton_poi_fused_gelu_gelu_backward_3": "inductor other",
         "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
         "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL": "communication",
-        "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>": pt.OTHER,
+        "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>": profile_train.OTHER,
     }
     for name, cat in names.items():
-        assert pt.categorize(name) == cat, name
+        assert profile_train.categorize(name) == cat, name
     rec = {"bench": "mae", "model": "timm", "mode": "compile", "fsdp": False, "world_size": 1,
            "wall_us_per_step": 50000.0, "gpu_busy_pct": 90.0, "categories_us": {"matmul": 22000.0}}
-    table = pt.markdown([rec], "h200")
+    table = profile_train.markdown([rec], "h200")
     assert "| mae timm | compile | none | 1 | 50.0 | 90 |" in table and "| 22.0 |" in table
-    assert "| mae timm | eager | fsdp:never | 1 |" in pt.markdown([dict(rec, mode="eager", dist="fsdp:never")], "h200")
-    assert "| mae timm | compile per block | none |" in pt.markdown([dict(rec, compile_scope="per_block")], "h200")
+    assert "| mae timm | eager | fsdp:never | 1 |" in profile_train.markdown([dict(rec, mode="eager", dist="fsdp:never")], "h200")
+    assert "| mae timm | compile per block | none |" in profile_train.markdown([dict(rec, compile_scope="per_block")], "h200")
 
 
 def test_profile_union_of_kernel_intervals():
-    from benchmarks import profile_train as pt
+    from benchmarks import profile_train
 
     # overlapping compute and NCCL count once; a gap counts zero; an interval inside another adds nothing
-    assert pt.union_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
-    assert pt.union_us([]) == 0
-    assert pt.union_us(iter([(3, 4), (0, 1)])) == 2
+    assert profile_train.union_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
+    assert profile_train.union_us([]) == 0
+    assert profile_train.union_us(iter([(3, 4), (0, 1)])) == 2
 
 
 def test_profile_train_rejects_models_of_another_benchmark(capsys):
-    from benchmarks import profile_train as pt
+    from benchmarks import profile_train
 
     with pytest.raises(SystemExit):
-        pt.main(["--bench", "mae", "--models", "plain"])
+        profile_train.main(["--bench", "mae", "--models", "plain"])
     assert "none of plain is a mae model" in capsys.readouterr().err
 
 
 def test_profile_trainer_profiles_the_trainers_own_step(monkeypatch):
     """``--trainer``: the trainer's step (loader batch + train_step) under the profiler, here on CPU
     (the profiler's CUDA synchronisation stubbed): a record with the wall time and the step's CPU ops."""
-    from benchmarks import profile_train as pt
+    from benchmarks import profile_train
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    r = pt.profile_trainer("quickstart", ["device=cpu", "data.name=synthetic", "data.synthetic_size=256"],
+    r = profile_train.profile_trainer("quickstart", ["device=cpu", "data.name=synthetic", "data.synthetic_size=256"],
                            batch=32, steps=2, warmup=1, trace_path=None)
     assert r["mode"] == "trainer eager" and r["batch"] == 32 and r["wall_us_per_step"] > 0
     assert r["overrides"] == "device=cpu data.name=synthetic data.synthetic_size=256"
     assert any(op["name"] == "aten::mm" for op in r["top_cpu_ops"])
-    assert "(device=cpu data.name=synthetic" in pt.markdown([dict(r, card="cpu")], "cpu")
+    assert "(device=cpu data.name=synthetic" in profile_train.markdown([dict(r, card="cpu")], "cpu")
     with pytest.raises(SystemExit):
-        pt.main(["--set", "compile=true"])  # --set only with --trainer
+        profile_train.main(["--set", "compile=true"])  # --set only with --trainer
 
 
 def test_attention_bench_plan_and_table(capsys):
-    from benchmarks import bench_attention as ba
+    from benchmarks import bench_attention
 
-    assert ba.main(["--dry-run", "--backends", "efficient,cudnn"]) == 0
+    assert bench_attention.main(["--dry-run", "--backends", "efficient,cudnn"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(ba.SHAPES) and lines[0].endswith("(1024, 6, 17, 64) x efficient, cudnn")
+    assert len(lines) == len(bench_attention.SHAPES) and lines[0].endswith("(1024, 6, 17, 64) x efficient, cudnn")
     with pytest.raises(SystemExit):
-        ba.main(["--dry-run", "--backends", "xformers"])
+        bench_attention.main(["--dry-run", "--backends", "xformers"])
     base = dict(where="mae enc", batch=1024, heads=6, tokens=17, head_dim=64, card="h100")
-    md = ba.markdown([dict(base, backend="cudnn", supported=True, fwd_bwd_us=350.0),
+    md = bench_attention.markdown([dict(base, backend="cudnn", supported=True, fwd_bwd_us=350.0),
                       dict(base, backend="efficient", supported=True, fwd_bwd_us=120.0),
                       dict(base, backend="flash", supported=False)])
     assert "| 1024, 6, 17, 64 | mae enc | 350 | n/a | 120 | – | efficient |" in md
 
 
 def test_branch_ops_plan_markdown_and_bad_arguments(capsys):
-    from benchmarks import bench_branch_ops as bb
+    from benchmarks import bench_branch_ops
 
-    assert bb.main(["--dry-run", "--ops", "mae_loss", "--impls", "dres,compile"]) == 0
+    assert bench_branch_ops.main(["--dry-run", "--ops", "mae_loss", "--impls", "dres,compile"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines == [f"mae_loss {'x'.join(map(str, s))}: dres, compile" for s in bb.LOSS_SHAPES]
+    assert lines == [f"mae_loss {'x'.join(map(str, s))}: dres, compile" for s in bench_branch_ops.LOSS_SHAPES]
     with pytest.raises(SystemExit, match="--impls: unknown \\['apex'\\]"):
-        bb.main(["--dry-run", "--impls", "apex"])
+        bench_branch_ops.main(["--dry-run", "--impls", "apex"])
     with pytest.raises(SystemExit, match="--ops: unknown"):
-        bb.main(["--dry-run", "--ops", "softmax"])
+        bench_branch_ops.main(["--dry-run", "--ops", "softmax"])
     base = dict(card="h200", shape="12800x768x3072", dtype="bf16", torch="2.11", triton="3.6", date="2026-11-26",
                 check_ok=True, check_rel_err=1e-3)
     records = [dict(base, op="fused_mlp", impl="eager", us=764.0, us_loop=791.5, saved_mib=161.0),
                dict(base, op="fused_mlp", impl="dres", us=972.6, us_loop=910.9, saved_mib=85.0),
                dict(base, op="mae_loss", shape="256x224x16", impl="compile", us=322.4, us_loop=348.3,
                     pct_ceiling=22.5, check_ok=False)]
-    md = bb.markdown(records)
+    md = bench_branch_ops.markdown(records)
     rows = [ln for ln in md.splitlines() if ln.startswith("| fused_mlp") or ln.startswith("| mae_loss")]
     assert rows[0].startswith("| fused_mlp | 12800x768x3072 | dres | 972.6 | 910.9 | 85 MiB")  # dres first
     assert rows[1].startswith("| fused_mlp | 12800x768x3072 | eager | 764.0")
@@ -426,43 +447,42 @@ def test_fsdp_units_are_blocks_for_baselines_and_dres():
 
 
 def test_scaling_plan_parses_worlds_and_wrappings(capsys):
-    assert bt.parse_worlds("4,1,2,2") == [1, 2, 4]
+    assert train_distributed.parse_worlds("4,1,2,2") == [1, 2, 4]
     # plain fsdp is the trainer's default (reshard auto, its blocks per unit); ":K" blocks per unit
-    assert bt.parse_dists("ddp,fsdp,fsdp:auto,fsdp:except_last,fsdp:always:1,fsdp:never:4,fsdp:never:04,fsdp:never") == [
+    assert train_distributed.parse_dists("ddp,fsdp,fsdp:auto,fsdp:except_last,fsdp:always:1,fsdp:never:4,fsdp:never:04,fsdp:never") == [
         ("ddp", ""), ("fsdp", "auto"), ("fsdp", "except_last"), ("fsdp", "always:1"), ("fsdp", "never:4"),
         ("fsdp", "never")]
-    assert bt.parse_dists("ddp:bucket_view,fsdp:prefetch:2") == [("ddp", "bucket_view"), ("fsdp", "prefetch:2")]
-    assert bt.fsdp_variant_parts("never:4") == ("never", 4) and bt.fsdp_variant_parts("always:1") == ("always", 1)
-    assert bt.fsdp_variant_parts("auto") == ("auto", 4)  # the trainer's fsdp_blocks_per_unit
+    assert train_distributed.parse_dists("ddp:bucket_view,fsdp:prefetch:2") == [("ddp", "bucket_view"), ("fsdp", "prefetch:2")]
+    assert train_distributed.fsdp_variant_parts("never:4") == ("never", 4) and train_distributed.fsdp_variant_parts("always:1") == ("always", 1)
+    assert train_distributed.fsdp_variant_parts("auto") == ("auto", 4)  # the trainer's fsdp_blocks_per_unit
     # one GPU: DDP (any variant) is the unwrapped model (the trainer wraps nothing); several: no unwrapped run
-    assert bt.dists_at(1, bt.parse_dists("none,ddp,ddp:bucket_view,fsdp")) == [("none", ""), ("fsdp", "auto")]
-    assert bt.dists_at(2, bt.parse_dists("none,ddp,ddp:bucket_view,fsdp")) == [
+    assert train_distributed.dists_at(1, train_distributed.parse_dists("none,ddp,ddp:bucket_view,fsdp")) == [("none", ""), ("fsdp", "auto")]
+    assert train_distributed.dists_at(2, train_distributed.parse_dists("none,ddp,ddp:bucket_view,fsdp")) == [
         ("ddp", ""), ("ddp", "bucket_view"), ("fsdp", "auto")]
     for bad, match in (("0,2", "GPU counts must be >= 1"), ("two", "comma list of GPU counts")):
         with pytest.raises(SystemExit, match=match):
-            bt.parse_worlds(bad)
+            train_distributed.parse_worlds(bad)
     for bad, match in (("ddp:never", "unknown DDP variant 'never'"), ("fsdp:sometimes", "unknown FSDP2 variant"),
                        ("fsdp:never:0", "unknown FSDP2 variant 'never:0'"),
                        ("fsdp:never:two", "unknown FSDP2 variant"), ("none:x", "unknown 'none:x'"),
                        ("zero", "unknown 'zero'"), (",", "at least one")):
         with pytest.raises(SystemExit, match=match):
-            bt.parse_dists(bad)
-    assert bt.main(["--dry-run", "--only", "mae", "--models", "timm,dres_official", "--modes", "eager",
+            train_distributed.parse_dists(bad)
+    assert bench_train.main(["--dry-run", "--only", "mae", "--models", "timm,dres_official", "--modes", "eager",
                     "--scaling", "1,2", "--dist", "ddp,ddp:bucket_view,fsdp,fsdp:never:4"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "mae timm eager batch/GPU 256 on 1 GPU(s): none, fsdp, fsdp:never:4",
         "mae dres_official eager batch/GPU 256 on 1 GPU(s): none, fsdp, fsdp:never:4",
         "mae timm eager batch/GPU 256 on 2 GPU(s): ddp, ddp:bucket_view, fsdp, fsdp:never:4",
         "mae dres_official eager batch/GPU 256 on 2 GPU(s): ddp, ddp:bucket_view, fsdp, fsdp:never:4"]
-    cmds = bt.scaling_commands(bt.build_parser().parse_args(["--scaling", "1,4", "--only", "mae"]),
-                               ["--scaling", "1,4", "--only", "mae"])
+    cmds = train_distributed.scaling_commands("1,4", ["--scaling", "1,4", "--only", "mae"])
     assert [c[c.index("-m") + 1:] for c in cmds] == [
         ["torch.distributed.run", "--standalone", f"--nproc_per_node={w}", "-m", "benchmarks.bench_train",
          "--dist-worker", "--only", "mae"] for w in (1, 4)]
 
 
 def test_trainer_plan_runs_the_preset_per_world_and_wrapping(capsys):
-    assert bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "1,4", "--modes", "eager",
+    assert bench_train.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "1,4", "--modes", "eager",
                     "--set", "data.name=synthetic"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 4
@@ -472,63 +492,65 @@ def test_trainer_plan_runs_the_preset_per_world_and_wrapping(capsys):
         assert "--set compile=false" in line and line.endswith("--set data.name=synthetic")  # the user's last
         assert kind != "fsdp" or "--set fsdp_reshard=auto --set fsdp_blocks_per_unit=4 " in line  # its defaults
     # the reshard policies are the trainer's fsdp_reshard, prefetch its fsdp_prefetch, :K its fsdp_blocks_per_unit
-    assert bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "2", "--modes", "eager",
+    assert bench_train.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "2", "--modes", "eager",
                     "--dist", "fsdp:never,fsdp:prefetch,fsdp:always:1"]) == 0
     never, prefetch, always = capsys.readouterr().out.splitlines()
     assert "--set fsdp_reshard=never " in never and "--set fsdp_prefetch=false " in never
     assert "--set fsdp_reshard=auto " in prefetch and "--set fsdp_prefetch=true " in prefetch
     assert "--set fsdp_reshard=always --set fsdp_blocks_per_unit=1 " in always
     with pytest.raises(SystemExit, match="the trainer has no variant"):  # a bench-only candidate
-        bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "2", "--dist", "ddp:bucket_view"])
+        bench_train.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "2", "--dist", "ddp:bucket_view"])
     # ddp:graph / ddp:eager: the trainer with its whole step captured (DDP's all-reduce inside) or not;
     # plain ddp takes the trainer's default (cuda_graphs=auto)
-    assert bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "2", "--modes", "eager",
+    assert bench_train.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--scaling", "2", "--modes", "eager",
                     "--dist", "ddp,ddp:graph,ddp:eager"]) == 0
     plain, graphed, eager = capsys.readouterr().out.splitlines()
     assert "cuda_graphs" not in plain and "--set dist=ddp " in graphed and "--set cuda_graphs=true " in graphed
     assert "--set cuda_graphs=false " in eager
     assert "--set fsdp_reshard=auto " in graphed  # a DDP variant is no FSDP2 setting (the trainer would refuse it)
     with pytest.raises(SystemExit, match="use it with --trainer"):
-        bt.wrap_model(torch.nn.Linear(2, 2), "ddp", "eager", None)  # bench_train's own step has no such setting
+        # bench_train's own step has no such setting
+        train_distributed.wrap_model(torch.nn.Linear(2, 2), "ddp", "eager", None)
     from dres.train.config import build_config
 
-    plan = bt.trainer_plan(bt.build_parser().parse_args(
-        ["--trainer", "mae_vit_b16_in1k", "--scaling", "1,2", "--dist", "ddp,ddp:graph,ddp:eager,fsdp,fsdp:never:4"]))
+    args = bench_train.build_parser().parse_args(
+        ["--trainer", "mae_vit_b16_in1k", "--scaling", "1,2", "--dist", "ddp,ddp:graph,ddp:eager,fsdp,fsdp:never:4"])
+    plan = trainer_runs.trainer_plan(args, bench_train.modes(args))
     for run in plan:  # every planned run's overrides are a configuration the trainer accepts
         build_config(run["task"], run["preset"], run["sets"])
     with pytest.raises(SystemExit, match="must exceed"):
-        bt.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--trainer-steps", "10"])
+        bench_train.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--trainer-steps", "10"])
 
 
 def test_trainer_steady_state_leaves_out_the_first_interval(tmp_path):
     # intervals of 10 steps at a global batch of 512: 10 s of warm-up, then 2 s and 3 s
     metrics = [{"step": 10, "img_per_s": 512.0}, {"step": 20, "img_per_s": 2560.0},
                {"step": 30, "img_per_s": 5120 / 3}]
-    ips, steps = bt.steady_state_rate(metrics, 512)
+    ips, steps = trainer_runs.steady_state_rate(metrics, 512)
     assert steps == 20 and ips == pytest.approx(20 * 512 / 5)
     # the final interval may be shorter than log.every
-    ips, steps = bt.steady_state_rate(metrics[:2] + [{"step": 25, "img_per_s": 1280.0}], 512)
+    ips, steps = trainer_runs.steady_state_rate(metrics[:2] + [{"step": 25, "img_per_s": 1280.0}], 512)
     assert steps == 15 and ips == pytest.approx(15 * 512 / 4)
     with pytest.raises(ValueError, match="run more steps"):
-        bt.steady_state_rate(metrics[:1], 512)
+        trainer_runs.steady_state_rate(metrics[:1], 512)
     # a graphed run: the interval of the capture (the first with replays) is warm-up too
     replayed = {"gpu_ms_per_step": 50.0}
     graphed = [metrics[0], {"step": 20, "img_per_s": 1024.0, **replayed}, {"step": 30, "img_per_s": 5120.0, **replayed},
                {"step": 40, "img_per_s": 2560.0, **replayed}]
-    ips, steps = bt.steady_state_rate(graphed, 512)
+    ips, steps = trainer_runs.steady_state_rate(graphed, 512)
     assert steps == 20 and ips == pytest.approx(20 * 512 / 3)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     (tmp_path / "summary.json").write_text(json.dumps({"peak_mem_gib": 30.5, "final_loss": 0.9}))
     run = {"task": "mae", "preset": "mae_vit_b16_in1k", "world": 2, "dist": "ddp", "variant": None, "mode": "eager",
            "batch": 256, "sets": ["dist=ddp"]}
-    rec = bt.trainer_record(run, tmp_path, {"torch": "2.x", "triton": "3.x"}, "h100-80gb-hbm3")
+    rec = trainer_runs.trainer_record(run, tmp_path, {"torch": "2.x", "triton": "3.x"}, "h100-80gb-hbm3")
     assert rec["kind"] == "trainer" and rec["images_per_s"] == pytest.approx(2048.0)  # 512 images a step
     assert rec["images_per_s_per_gpu"] == pytest.approx(1024.0) and rec["peak_mem_gib"] == 30.5
     assert rec["trainer_vs_replay"] is None and rec["graph_gpu_ms_per_step"] is None  # an eager step
     (tmp_path / "summary.json").write_text(json.dumps({"graph_gpu_ms_per_step": 40.0, "trainer_vs_replay": 1.031}))
-    rec = bt.trainer_record(run, tmp_path, {"torch": "2.x", "triton": "3.x"}, "h100-80gb-hbm3")
+    rec = trainer_runs.trainer_record(run, tmp_path, {"torch": "2.x", "triton": "3.x"}, "h100-80gb-hbm3")
     assert rec["graph_gpu_ms_per_step"] == 40.0 and rec["trainer_vs_replay"] == 1.031
-    assert bt.dist_markdown([rec], replay=True)[2].endswith("|  | 40.00 | 1.031 |")  # the trainer table's columns
+    assert train_report.dist_markdown([rec], replay=True)[2].endswith("|  | 40.00 | 1.031 |")  # the trainer table's columns
 
 
 def _drec(model, dist, world, per_gpu, kind="dist", variant=None, mode="eager"):
@@ -547,7 +569,7 @@ def test_dist_ratios_and_table():
             _drec("mae_vit_b16_in1k", "none", 1, 2971, kind="trainer"),
             _drec("dres_official", "ddp", 4, 3960, variant="bucket_view"),
             _drec("dres_official", "fsdp", 1, 2000, variant="always")]
-    bt.add_ratios(recs)
+    train_report.add_ratios(recs)
     none1, fsdp1, ddp4, fsdp4, never1, tr2, _, view4, always1 = recs
     # a DDP variant scales against the unwrapped model; FSDP2 / DDP is against plain DDP
     assert view4["scaling_efficiency"] == pytest.approx(3960 / 4000) and view4["fsdp_vs_ddp"] is None
@@ -557,7 +579,7 @@ def test_dist_ratios_and_table():
     assert fsdp1["fsdp_vs_ddp"] == pytest.approx(0.55) and fsdp4["fsdp_vs_ddp"] == pytest.approx(1980 / 3900)
     assert never1["fsdp_vs_ddp"] == pytest.approx(0.95) and ddp4["fsdp_vs_ddp"] is None
     assert tr2["scaling_efficiency"] == pytest.approx(2950 / 2971)  # trainer records among themselves
-    md = bt.train_markdown(recs)
+    md = train_report.train_markdown(recs)
     assert "| mae dres_official | eager | ddp | 4 | 256 | 15600 | 3900 | 97.5% |  | 20.0 |" in md
     assert "| mae dres_official | eager | fsdp:never | 1 | 256 | 3800 | 3800 | 100.0% | 0.95 | 20.0 |" in md
     assert "| mae dres_official | eager | ddp:bucket_view | 4 | 256 | 15840 | 3960 | 99.0% |  | 20.0 |" in md
@@ -599,30 +621,30 @@ def test_profile_counts_kernels_not_the_gpu_spans_of_annotated_ranges():
     its last kernel, idle time included: it is neither a kernel nor busy time."""
     from types import SimpleNamespace
 
-    from benchmarks import profile_train as pt
+    from benchmarks import profile_train
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     kernel = SimpleNamespace(device_type=cuda, is_user_annotation=False)
     span = SimpleNamespace(device_type=cuda, is_user_annotation=True)
-    assert pt._is_gpu_work(kernel) and not pt._is_gpu_work(span)
-    assert not pt._is_gpu_work(SimpleNamespace(device_type=cpu, is_user_annotation=False))
-    assert pt._is_gpu_work(SimpleNamespace(device_type=cuda))  # a torch whose events lack the attribute
+    assert profile_train._is_gpu_work(kernel) and not profile_train._is_gpu_work(span)
+    assert not profile_train._is_gpu_work(SimpleNamespace(device_type=cpu, is_user_annotation=False))
+    assert profile_train._is_gpu_work(SimpleNamespace(device_type=cuda))  # a torch whose events lack the attribute
 
 
 def test_eager_launch_rounds_are_interleaved_and_recorded(tmp_path, capsys):
     """Every implementation gets one time per round, the median is its figure, the unfused code is the
     baseline of each ratio; a round count below one is refused with exit code 2."""
-    from benchmarks import bench_eager_launch as bel
+    from benchmarks import bench_eager_launch
 
     out = tmp_path / "eager.json"
-    assert bel.main(["--rows", "64", "--dim", "32", "--dtypes", "fp32/fp32", "--modes", "rdp_odd", "--rounds", "3",
+    assert bench_eager_launch.main(["--rows", "64", "--dim", "32", "--dtypes", "fp32/fp32", "--modes", "rdp_odd", "--rounds", "3",
                      "--warmup", "1", "--device", "cpu", "--json", str(out)]) == 0
     records = json.loads(out.read_text())["records"]
     assert {r["impl"] for r in records} == {"dres_triton", "unfused"}
     for r in records:
         assert len(r["us_rounds"]) == 3 and r["us_loop"] == round(statistics.median(r["us_rounds"]), 1)
     assert next(r for r in records if r["impl"] == "unfused")["vs_unfused"] == 1.0
-    assert bel.main(["--rounds", "0", "--device", "cpu"]) == 2
+    assert bench_eager_launch.main(["--rounds", "0", "--device", "cpu"]) == 2
     assert "--rounds must be at least 1" in capsys.readouterr().err
 
 
@@ -630,12 +652,12 @@ def _profile_trainer_rank(rank: int, port: int, out: str) -> None:
     """One rank of a 2-process gloo group on CPU running ``profile_trainer`` with DDP."""
     import os
 
-    from benchmarks import profile_train as pt
+    from benchmarks import profile_train
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2")
     torch.cuda.synchronize = lambda *a, **k: None  # the profiler's CUDA synchronisation, on CPU
-    r = pt.profile_trainer("quickstart", ["device=cpu", "dist=ddp", "data.name=synthetic", "data.synthetic_size=256"],
+    r = profile_train.profile_trainer("quickstart", ["device=cpu", "dist=ddp", "data.name=synthetic", "data.synthetic_size=256"],
                            batch=32, steps=2, warmup=1, trace_path=None)
     Path(out, f"rank{rank}.json").write_text(json.dumps(r and {k: r[k] for k in ("dist", "world_size", "mode", "batch")}))
 

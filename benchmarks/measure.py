@@ -1,6 +1,6 @@
-"""Shared pieces of the benchmark CLIs: the card name, versions, the byte model of the fused ops,
-timing helpers (triton.testing.do_bench median, back-to-back loops), the same-run ceilings (copy
-bandwidth, bf16 matmul rate), and the JSON / Markdown result files.
+"""What every benchmark measures with: the card name, versions and where records go, the byte model
+of the fused ops, timing helpers (triton.testing.do_bench median, back-to-back loops), the same-run
+ceilings (copy bandwidth, bf16 matmul rate), and the JSON / Markdown record files.
 
 Everything here that does not touch a GPU is unit-tested on the CPU in tests/test_benchmarks.py.
 """
@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+RECORDS_DIR = REPO_ROOT / "benchmarks" / "records"
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -42,6 +42,20 @@ def card_name(device: int | None = None) -> str:
     if not torch.cuda.is_available():
         return "cpu"
     return sanitize_card_name(torch.cuda.get_device_name(device))
+
+
+def machine_name() -> str:
+    """The record folders' card word: ``h100`` for one H100 80GB HBM3, ``h100x2`` for a host of two,
+    ``cpu`` without a GPU (benchmarks/records/README.md)."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    count = torch.cuda.device_count()
+    return card_name(0).split("-")[0] + (f"x{count}" if count > 1 else "")
+
+
+def default_out(what: str) -> str:
+    """The record folder of a run without ``--out``: ``benchmarks/records/<machine>-<today>-<what>``."""
+    return str(RECORDS_DIR / f"{machine_name()}-{today()}-{what}")
 
 
 def versions() -> dict:

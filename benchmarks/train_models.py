@@ -1,0 +1,137 @@
+"""The models the training benchmarks measure: dres models against plain PyTorch implementations of
+the same architectures (benchmarks/baselines.py), their synthetic batch and their training loss.
+
+A model is a name of ``MODELS`` plus two options that apply to the dres models: ``ops_backend``
+(``"cuda"``: every fused op on the csrc kernels, which need ``DRES_BUILD_CUDA=1 pip install -e .``)
+and ``fused_branches`` (``True``/``False``: the fused MLP and MAE loss forced on or off; ``None``: the
+models' own choice, fused in eager mode only).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+# benchmark -> model name -> description; "timm"/"plain" are the baselines of their benchmark
+MODELS = {
+    "mae": {
+        "timm": "timm-style MAE ViT-B/16 (facebookresearch/mae structure, timm Block)",
+        "dres_baseline": "dres MAE ViT-B/16, variant baseline (alpha 1)",
+        "dres_official": "dres MAE ViT-B/16, variant official, alpha_min 0.6",
+    },
+    "uvit": {
+        "plain": "plain PyTorch U-ViT-S/2 (baofff/U-ViT structure, SDPA)",
+        "dres": "dres U-ViT-S/2 (alpha 1)",
+        "dres_decayed": "dres U-ViT-S/2, alpha_min 0.7",
+    },
+}
+BASELINE = {"mae": "timm", "uvit": "plain"}
+DEFAULT_BATCH = {"mae": 256, "uvit": 128}
+OPS_BACKENDS = ("triton", "cuda")
+FUSED_BRANCHES = {"auto": None, "on": True, "off": False}
+
+
+def is_dres_model(name: str) -> bool:
+    return name.startswith("dres")
+
+
+def build_model(bench: str, name: str, ops_backend: str | None = None,
+                fused_branches: bool | None = None) -> torch.nn.Module:
+    """``MODELS[bench][name]``, with the dres models' ops on ``ops_backend`` and their branch fusions
+    forced to ``fused_branches`` when given (the baselines have neither)."""
+    model = _build_plain(bench, name)
+    if not is_dres_model(name):
+        return model
+    if ops_backend is not None:
+        from dres.nn import set_backend
+        from dres.ops import csrc_backend
+
+        if ops_backend == "cuda" and not csrc_backend.available():
+            raise RuntimeError("--ops-backend cuda needs the csrc extension: DRES_BUILD_CUDA=1 pip install -e .")
+        set_backend(model, ops_backend)
+    if fused_branches is not None:
+        from dres.nn import set_fused_mlp
+
+        set_fused_mlp(model, fused_branches)
+        if hasattr(model, "fused_loss"):
+            model.fused_loss = fused_branches
+    return model
+
+
+def _build_plain(bench: str, name: str) -> torch.nn.Module:
+    if bench == "mae":
+        if name == "timm":
+            from benchmarks.baselines import timm_mae_vit_base_patch16
+
+            return timm_mae_vit_base_patch16()
+        from dres.models import mae_vit_base_patch16
+
+        if name == "dres_baseline":
+            return mae_vit_base_patch16(variant="baseline")
+        if name == "dres_official":
+            return mae_vit_base_patch16(variant="official", alpha_min=0.6)
+    if bench == "uvit":
+        if name == "plain":
+            from benchmarks.baselines import plain_uvit_small_2
+
+            return plain_uvit_small_2()
+        from dres.models import uvit_small_2
+
+        if name == "dres":
+            return uvit_small_2()
+        if name == "dres_decayed":
+            return uvit_small_2(alpha_min=0.7)
+    raise ValueError(f"unknown model {name!r} for {bench}")
+
+
+def model_label(record: dict) -> str:
+    """A record's model with its options: ``dres_baseline [ops cuda, fused branches on]``."""
+    options = []
+    if record.get("ops_backend"):
+        options.append(f"ops {record['ops_backend']}")
+    if record.get("fused_branches") is not None:
+        options.append(f"fused branches {'on' if record['fused_branches'] else 'off'}")
+    return record["model"] + (f" [{', '.join(options)}]" if options else "")
+
+
+def make_batch(bench: str, batch: int, device) -> torch.Tensor:
+    size = 224 if bench == "mae" else 32
+    return torch.randn(batch, 3, size, size, device=device).clamp_(-1, 1)
+
+
+def loss_fn(bench: str, model, images: torch.Tensor) -> torch.Tensor:
+    """The training loss: MAE's own (norm-pix MSE on masked patches); for U-ViT, the trainer's
+    noise-prediction MSE at a random time of the VP-SDE (dres.eval.noise_prediction_loss)."""
+    if bench == "mae":
+        return model(images)[0]
+    from dres.eval import VPSDE, noise_prediction_loss
+
+    return noise_prediction_loss(model, images, VPSDE())
+
+
+def models_for(bench: str, spec: str | None) -> list[str]:
+    """The models of ``bench`` named in the comma list ``spec`` (all of them when empty); a name that
+    is no benchmark's model is an error naming the known ones."""
+    if not spec:
+        return list(MODELS[bench])
+    wanted = [m for m in spec.split(",") if m]
+    known = {m for models in MODELS.values() for m in models}
+    unknown = [m for m in wanted if m not in known]
+    if unknown:
+        raise SystemExit(f"--models: unknown {unknown}; known: " + "; ".join(
+            f"{b}: {', '.join(models)}" for b, models in MODELS.items()))
+    return [m for m in wanted if m in MODELS[bench]]
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ops-backend", choices=OPS_BACKENDS,
+                        help="the dres models' fused ops on this backend (default: the ops' own choice; "
+                             "cuda needs DRES_BUILD_CUDA=1 pip install -e .)")
+    parser.add_argument("--fused-branches", choices=list(FUSED_BRANCHES), default="auto",
+                        help="the dres models' fused MLP and MAE loss: on, off, or auto (eager mode only)")
+
+
+def model_options(args) -> dict:
+    """``build_model``'s keyword options from ``add_model_options``' arguments."""
+    return {"ops_backend": args.ops_backend, "fused_branches": FUSED_BRANCHES[args.fused_branches]}

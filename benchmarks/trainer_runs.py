@@ -1,0 +1,122 @@
+"""The trainer as users run it: ``torchrun -m dres.train.TASK --preset PRESET`` per GPU count, wrapping
+and mode, with ``batch_size`` = images per GPU x GPUs, evaluation off; its steady-state images/s come
+from ``metrics.jsonl`` (the logged intervals after the warm-up), its graph replay floor from
+``summary.json``."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import measure
+from benchmarks.train_distributed import (FSDP_VARIANTS, TRAINER_CUDA_GRAPHS, dists_at, fsdp_variant_parts, launch,
+                                          parse_dists, parse_worlds, torchrun_cmd)
+from benchmarks.train_models import DEFAULT_BATCH
+from benchmarks.train_report import record_dist_label, write_outputs
+
+
+TRAINER_EVAL_OFF = ("eval.probe=false", "eval.knn=false", "eval.effective_rank=false", "eval.recon=false",
+                    "eval.tsne=false")
+
+
+def trainer_plan(args, modes: list[str]) -> list[dict]:
+    """The trainer runs of ``--trainer PRESET``: every GPU count x wrapping x mode, each with
+    ``batch`` images per GPU, ``--trainer-steps`` steps logged every ``--trainer-log-every``, its
+    evaluation off and the user's ``--set`` overrides last."""
+    from dres.train.config import load_preset
+
+    preset = load_preset(args.trainer)
+    task = preset.get("task", "mae")
+    batch = args.batch or DEFAULT_BATCH.get(task, 256)
+    runs = []
+    for world in parse_worlds(args.scaling or "1"):
+        for kind, variant in dists_at(world, parse_dists(args.dist)):
+            if kind == "ddp" and variant not in ("", *TRAINER_CUDA_GRAPHS):
+                raise SystemExit(f"--trainer: the trainer has no variant {kind}:{variant} (its variants: ddp:graph, ddp:eager, "
+                                 f"fsdp:{'|'.join(FSDP_VARIANTS)}[:BLOCKS])")
+            policy, blocks = fsdp_variant_parts(variant if kind == "fsdp" else "auto")  # DDP runs: the defaults
+            graphs = [f"cuda_graphs={TRAINER_CUDA_GRAPHS[variant]}"] if kind == "ddp" and variant else []
+            for mode in modes:
+                sets = [f"compile={'true' if mode == 'compile' else 'false'}", f"dist={kind}",
+                        f"fsdp_prefetch={'true' if policy == 'prefetch' else 'false'}",
+                        f"fsdp_reshard={'auto' if policy == 'prefetch' else policy}",
+                        f"fsdp_blocks_per_unit={blocks}", *graphs,
+                        f"batch_size={batch * world}", f"steps={args.trainer_steps}",
+                        f"log.every={args.trainer_log_every}", "log.progress=false", "log.tensorboard=false",
+                        "ckpt.every=0", *TRAINER_EVAL_OFF, *args.overrides]
+                runs.append({"task": task, "preset": args.trainer, "world": world, "dist": kind,
+                             "variant": variant or None, "mode": mode, "batch": batch, "sets": sets})
+    return runs
+
+
+def trainer_cmd(run: dict, out_dir: str) -> list[str]:
+    sets = [a for kv in run["sets"] for a in ("--set", kv)]
+    return torchrun_cmd(run["world"], f"dres.train.{run['task']}", "--preset", run["preset"], "--out", out_dir, *sets)
+
+
+def steady_state_rate(metrics: list[dict], global_batch: int, skip: int = 1) -> tuple[float, int]:
+    """``(images/s, steps)`` over the logged intervals of ``metrics.jsonl`` after the first ``skip``
+    (warm-up: compilation, allocator growth): images over the summed interval times. In a graphed
+    run (intervals with ``gpu_ms_per_step``) the warm-up lasts until the step is captured: the
+    intervals up to the first one with graph replays (eager warm-up steps and the capture) are left
+    out too, as ``trainer_vs_replay`` leaves them out."""
+    recs = sorted(metrics, key=lambda r: r["step"])
+    first_replay = next((i for i, r in enumerate(recs) if "gpu_ms_per_step" in r), None)
+    if first_replay is not None:
+        skip = max(skip, first_replay + 1)
+    images = seconds = 0.0
+    steps, prev = 0, 0
+    for i, r in enumerate(recs):
+        n = r["step"] - prev
+        prev = r["step"]
+        if i < skip or n <= 0:
+            continue
+        images += n * global_batch
+        seconds += n * global_batch / r["img_per_s"]
+        steps += n
+    if not steps:
+        raise ValueError(f"no logged interval after the first {skip}: {len(recs)} record(s); run more steps")
+    return images / seconds, steps
+
+
+def trainer_record(run: dict, run_dir: Path, env: dict, card: str) -> dict:
+    with open(run_dir / "metrics.jsonl") as f:
+        metrics = [json.loads(line) for line in f if line.strip()]
+    with open(run_dir / "summary.json") as f:
+        summary = json.load(f)
+    world, batch = run["world"], run["batch"]
+    ips, steps = steady_state_rate(metrics, batch * world)
+    return {"kind": "trainer", "bench": run["task"], "model": run["preset"], "mode": run["mode"], "batch": batch,
+            "world_size": world, "dist": run["dist"], "checkpointing": False,
+            "fsdp_variant": run["variant"] if run["dist"] == "fsdp" else None,
+            "ddp_variant": run["variant"] if run["dist"] == "ddp" else None,
+            "compile_scope": None if run["mode"] == "eager" else "per_block",
+            "images_per_s": ips, "images_per_s_per_gpu": ips / world, "steps": steps,
+            "peak_mem_gib": summary.get("peak_mem_gib"), "final_loss": summary.get("final_loss"),
+            # the whole-step graph's replay GPU time and the trainer's step against it (absent: eager step)
+            "graph_gpu_ms_per_step": summary.get("graph_gpu_ms_per_step"),
+            "trainer_vs_replay": summary.get("trainer_vs_replay"), "overrides": run["sets"], "card": card,
+            "gpus": world, "torch": env["torch"], "triton": env["triton"], "date": measure.today()}
+
+
+def run_trainer(args, modes: list[str], out: Path, card: str) -> int:
+    env, rc = measure.versions(), 0
+    for run in trainer_plan(args, modes):
+        with tempfile.TemporaryDirectory(prefix="dres-trainer-") as tmp:  # checkpoints are not kept
+            t0 = time.time()
+            code = launch(trainer_cmd(run, tmp))
+            if code != 0:
+                print(f"FAILED trainer {run['preset']} {run['mode']} {run['dist']} x{run['world']}: exit {code}",
+                      flush=True)
+                rc = 1
+                continue
+            rec = trainer_record(run, Path(tmp), env, card)
+        replay = ("" if rec["trainer_vs_replay"] is None else f", trainer / replay {rec['trainer_vs_replay']:.3f} "
+                  f"(replay {rec['graph_gpu_ms_per_step']:.2f} ms/step)")
+        print(f"trainer {run['preset']} {run['mode']} {record_dist_label(rec)} x{run['world']}: {rec['images_per_s']:.0f} "
+              f"img/s ({rec['images_per_s_per_gpu']:.0f}/GPU) steady over {rec['steps']} steps{replay} "
+              f"[{time.time() - t0:.0f}s]", flush=True)
+        write_outputs(out, card, [rec])
+    return rc
