@@ -2,6 +2,7 @@
 builds its model, one-line errors for bad input, U-ViT and classification tasks run."""
 
 import json
+import re
 import subprocess
 import sys
 from unittest import mock
@@ -337,3 +338,45 @@ def test_packaging_metadata_has_one_version_and_named_extras():
     assert extras["all"] == ["dres[timm,tensorboard,plots]"] and "dres[all]" in extras["dev"]
     assert not any(r.startswith("hypothesis") for r in extras["dev"])  # the tests never import it
     assert (root / "dres" / "py.typed").is_file()
+
+
+def _help(main, args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_each_task_has_its_own_help_with_its_presets_and_keys(capsys):
+    top = _help(cli.main, ["--help"], capsys)
+    mae, uvit, classify = (_help(cli.main, [t, "--help"], capsys) for t in ("mae", "uvit", "classify"))
+    assert len({top, mae, uvit, classify}) == 4
+    assert "`dres-train TASK --help` lists a task's presets and config" in top
+    assert "usage: dres-train mae" in mae and "MAE pretraining" in mae
+    assert "  quickstart " in mae and "  mae_cifar10 " in mae and "uvit_cifar10" not in mae
+    assert "  uvit_s2_cifar10 " in uvit and "quickstart" not in uvit
+    assert "  classify_resnet50d_cifar10 " in classify
+    # keys with their defaults and what they mean; each task lists the model and eval keys it reads
+    assert re.search(r"^  model\.mask_ratio=0\.75 +MAE: fraction of patches hidden", mae, re.M)
+    assert re.search(r"^  optim\.clip_grad=0\.0 +0: off", mae, re.M)
+    assert "eval.sampler=dpm" in uvit and "eval.sampler" not in mae and "model.mask_ratio" not in uvit
+    assert "model.arch=vit" in classify and "model.arch" not in mae and "eval.knn" not in classify
+    assert "data.path=" in classify and "--set KEY=VALUE" in classify
+    out = subprocess.run([sys.executable, "-m", "dres.train.mae", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "usage: dres-train mae" in out.stdout and "model.mask_ratio=0.75" in out.stdout
+
+
+def test_dres_eval_help_describes_ckpt_set_and_the_eval_keys(capsys):
+    out = _help(cli.eval_main, ["--help"], capsys)
+    assert re.search(r"--ckpt PATH +evaluate this checkpoint", out)
+    assert re.search(r"--set KEY=VALUE +change a key of the run's config", out)
+    assert re.search(r"^  eval\.tsne=false +\[mae\] t-SNE plot", out, re.M)
+    assert re.search(r"^  eval\.sampler=dpm +\[uvit\]", out, re.M) and "eval.every" not in out
+    assert "RUN_DIR/eval.json" in out
+
+
+@pytest.mark.parametrize("main,prog", [(cli.main, "dres-train"), (cli.eval_main, "dres-eval")])
+def test_version(main, prog, capsys):
+    import dres
+
+    assert _help(main, ["--version"], capsys).strip() == f"{prog} {dres.__version__}"

@@ -22,25 +22,114 @@ def get_task(name):
     return importlib.import_module(TASK_MODULES[name]).TASK
 
 
-def _parser(prog="dres-train"):
-    from dres.train.config import list_presets
-
-    p = argparse.ArgumentParser(prog=prog, description="Train MAE / U-ViT / ViT classifiers with decayed "
-                                "shortcuts and ResidualDroppath.", epilog="presets: " + ", ".join(list_presets()))
-    p.add_argument("task", choices=sorted(TASK_MODULES))
-    p.add_argument("--preset", default=None, help="a preset name (train/presets/*.yaml) or a .yaml path")
+def _common_arguments(p):
+    p.add_argument("--preset", default=None, metavar="NAME", help="a preset name (listed below) or a path to a .yaml file")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set optim.blr=1e-3 --set data.path=/data/in1k/train")
-    p.add_argument("--out", default=None, help="run directory (default runs/<task>_<preset>)")
-    p.add_argument("--resume", default=None, help="'auto' (newest readable checkpoint in the run directory; none: "
+                   help="override a config key (listed below), e.g. --set optim.blr=1e-3 --set data.path=/data/in1k/train")
+    p.add_argument("--out", default=None, metavar="DIR", help="run directory (default runs/<task>_<preset>)")
+    p.add_argument("--resume", default=None, metavar="auto|PATH", help="'auto' (newest readable checkpoint in the run directory; none: "
                    "start fresh) or a checkpoint path; the config must match the one it was saved with")
     p.add_argument("--overwrite", action="store_true", help="start a fresh run in a non-empty run directory, "
                    "moving its old contents to <out>.old-<time> (nothing is deleted)")
     p.add_argument("--eval-only", action="store_true", help="evaluate the newest checkpoint (or --ckpt) and exit")
-    p.add_argument("--ckpt", default=None, help="checkpoint file/directory for --eval-only")
+    p.add_argument("--ckpt", default=None, metavar="PATH", help="checkpoint file/directory for --eval-only")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     _debug_flag(p)
+
+
+def _version_flag(p):
+    import dres
+
+    p.add_argument("--version", action="version", version=f"%(prog)s {dres.__version__}")
+
+
+class _HelpWithKeys(argparse.Action):
+    """-h/--help whose listing of presets and config keys is built only when asked for."""
+
+    def __init__(self, option_strings, dest, epilog, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="show this help and exit", **kw)
+        self.epilog = epilog
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.epilog = self.epilog()
+        parser.print_help()
+        parser.exit()
+
+
+def _table(rows, width: int = 100) -> str:
+    """``(head, text)`` rows as an indented two-column listing, the text wrapped beside its head."""
+    import textwrap
+
+    lines = []
+    for head, text in rows:
+        head = f"  {head}"
+        pad = 34 if len(head) < 33 else len(head) + 1
+        body = textwrap.wrap(text, width - pad) or [""]
+        lines.append((head.ljust(pad) + body[0]).rstrip())
+        lines.extend(" " * pad + b for b in body[1:])
+    return "\n".join(lines)
+
+
+def _yaml_value(v) -> str:
+    """A default as --set takes it (true/false, null, [0.9, 0.95])."""
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _keys_text(keys: list, docs: dict) -> str:
+    return _table((f"{key}={_yaml_value(docs[key][0])}", docs[key][1]) for key in keys)
+
+
+def _task_model_keys(task: str) -> set:
+    """The model.* keys the task's model class(es) take (the rest of ModelConfig serves other tasks)."""
+    import inspect
+
+    from dres import models
+
+    classes = {"mae": [models.MAE], "uvit": [models.UViT], "classify": [models.ViTClassifier, models.ResNetClassifier]}
+    keys = {name for cls in classes[task] for name in inspect.signature(cls.__init__).parameters}
+    return keys | ({"arch"} if task == "classify" else set())
+
+
+def _task_epilog(task: str) -> str:
+    from dres.train.config import EVAL_KEYS, key_docs, preset_summaries
+
+    docs = key_docs()
+    model_keys = _task_model_keys(task)
+    keys = [k for k in docs if k not in ("task", "preset", "out")
+            and not (k.startswith("model.") and k[6:] not in model_keys)
+            and not (k.startswith("eval.") and k[5:] not in EVAL_KEYS[task])]
+    presets = _table(preset_summaries(task).items())
+    return (f"presets of {task} (--preset NAME; `--print-config` shows one resolved):\n{presets}\n\n"
+            f"config keys of {task} (--set KEY=VALUE; shown with their defaults, which a preset may change):\n"
+            f"{_keys_text(keys, docs)}")
+
+
+def _parser(prog="dres-train"):
+    from dres.train.config import list_presets
+
+    p = argparse.ArgumentParser(
+        prog=prog, description="Train MAE / U-ViT / ViT classifiers with decayed shortcuts and ResidualDroppath.",
+        epilog=f"presets: {', '.join(list_presets())}. `{prog} TASK --help` lists a task's presets and config keys; "
+               "`dres-eval --help` describes evaluation.")
+    _version_flag(p)
+    tasks = p.add_subparsers(dest="task", metavar="TASK", required=True)
+    for name in sorted(TASK_MODULES):
+        doc = _task_doc(name)
+        sp = tasks.add_parser(name, help=doc.split("\n\n")[0].replace("\n", " "), description=doc, add_help=False,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        sp.add_argument("-h", "--help", action=_HelpWithKeys, epilog=lambda name=name: _task_epilog(name))
+        _common_arguments(sp)
     return p
+
+
+def _task_doc(name: str) -> str:
+    """The first paragraph and the examples of the task module's docstring, read without importing it."""
+    import ast
+    import importlib.util
+
+    origin = importlib.util.find_spec(TASK_MODULES[name]).origin
+    with open(origin) as f:
+        return (ast.get_docstring(ast.parse(f.read())) or name).strip()
 
 
 def _debug_flag(p):
@@ -98,13 +187,46 @@ def main(argv=None):
     return _guarded("dres-train", _run, args)
 
 
+TRAINING_EVAL_KEYS = ("eval.every", "eval.curve_probe_epochs")  # act during training, not in dres-eval
+
+
+def _eval_epilog() -> str:
+    from dres.train.config import EVAL_KEYS, key_docs
+
+    import textwrap
+
+    docs = key_docs()
+    keys = [k for k in docs if k.startswith("eval.") and k not in TRAINING_EVAL_KEYS]
+    for key in keys:
+        default, hint = docs[key]
+        tasks = [t for t, task_keys in EVAL_KEYS.items() if key[5:] in task_keys]
+        docs[key] = (default, f"[{', '.join(tasks)}] {hint}".strip())
+    head = ("evaluation keys (--set KEY=VALUE; [the tasks that read it]; the run's config.yaml holds its values, "
+            "the defaults are shown):")
+    tail = ("Any other config key may be set as well (e.g. --set data.val_path=... --set data.val_limit=N); "
+            "`dres-train TASK --help` lists them.")
+    return f"{textwrap.fill(head, 100)}\n{_keys_text(keys, docs)}\n\n{textwrap.fill(tail, 100)}"
+
+
 def eval_main(argv=None):
     """``dres-eval RUN_DIR [--ckpt PATH] [--set eval.tsne=true ...]``: evaluate a finished run with
     its saved config; the results go to ``RUN_DIR/eval.json`` (the training summary.json is kept)."""
-    p = argparse.ArgumentParser(prog="dres-eval", description="Evaluate a run directory's newest checkpoint.")
-    p.add_argument("run_dir")
-    p.add_argument("--ckpt", default=None)
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    import textwrap
+
+    p = argparse.ArgumentParser(
+        prog="dres-eval", add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill(
+            "Evaluate a run directory's newest checkpoint with the run's own config.yaml: MAE (linear probe, kNN, "
+            "effective rank, reconstruction grid, t-SNE), U-ViT (samples, feature probe, FID), classify (top-1). "
+            "Results go to RUN_DIR/eval.json; the training summary.json is kept.", 100))
+    p.add_argument("-h", "--help", action=_HelpWithKeys, epilog=_eval_epilog)
+    _version_flag(p)
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a dres-train run directory (it holds config.yaml)")
+    p.add_argument("--ckpt", default=None, metavar="PATH", help="evaluate this checkpoint (a step_*.pt file or a DCP directory) "
+                   "instead of the run's newest readable one")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="change a key of the run's config for this evaluation, e.g. --set eval.tsne=true "
+                        "--set eval.layer=6 (keys below)")
     _debug_flag(p)
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     return _guarded("dres-eval", _evaluate, a)

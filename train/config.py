@@ -33,21 +33,21 @@ class DataConfig:
     name: str = "digits"
     path: str = ""           # train data: shard pattern (brace notation), folder, or torchvision root
     val_path: str = ""       # held-out split (probe test set / classification eval)
-    img_size: int = 32
-    in_chans: int = 3
-    num_classes: int = 10
+    img_size: int = 32       # images are resized / cropped to this side
+    in_chans: int = 3        # 1 (greyscale) | 3
+    num_classes: int = 10    # labels lie in [0, num_classes)
     # decode once into (GPU) memory and augment there; for small data sets (CIFAR, digits)
     gpu_resident: bool = True
     aug: str = "rrc_flip"    # rrc_flip | flip | none  (RandomResizedCrop + horizontal flip for MAE)
-    crop_min: float = 0.2
+    crop_min: float = 0.2    # smallest RandomResizedCrop area (fraction of the image)
     normalize: bool = True   # per-channel mean/std normalisation (stats from `mean`/`std`)
-    mean: list = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    mean: list = field(default_factory=lambda: [0.485, 0.456, 0.406])  # a value per channel
     std: list = field(default_factory=lambda: [0.229, 0.224, 0.225])
     num_workers: int = 4     # streaming loaders only
-    shuffle_buffer: int = 2000
+    shuffle_buffer: int = 2000  # streamed shards: samples shuffled in memory
     limit: int = 0           # use only the first N training samples (0: all)
-    val_limit: int = 0
-    synthetic_size: int = 4096
+    val_limit: int = 0       # use only the first N held-out samples (0: all)
+    synthetic_size: int = 4096  # data.name=synthetic: training images (a quarter as many held out)
     # stop when more than this fraction of samples (or of shards) is unreadable
     max_corrupt_frac: float = 0.001
     verify_manifest: bool = True  # check shards against their folder's manifest.json sha256 before use
@@ -55,30 +55,31 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    # Keyword arguments of the model class (dres.models.MAE / UViT / ViTClassifier); one dataclass
-    # serves every task, so a key a model does not accept is dropped (with a note when it was set).
+    """Keyword arguments of the model class (dres.models.MAE / UViT / ViTClassifier); one dataclass
+    serves every task, so a key a model does not accept is dropped (with a note when it was set)."""
+
     variant: str = "official"
     arch: str = "vit"             # classify: vit (dres ViT) | resnet18 | resnet50 | resnet50d (timm, convert_timm_resnet)
-    img_size: int = 32
+    img_size: int = 32            # must equal data.img_size
     patch_size: int = 4
-    in_chans: int = 3
-    embed_dim: int = 192
-    depth: int = 12
+    in_chans: int = 3             # must equal data.in_chans
+    embed_dim: int = 192          # transformer width
+    depth: int = 12               # transformer blocks (the encoder's, for MAE)
     num_heads: int = 3
-    decoder_embed_dim: int = 128
+    decoder_embed_dim: int = 128  # MAE decoder width
     decoder_depth: int = 6
     decoder_num_heads: int = 4
-    mlp_ratio: float = 4.0
-    norm_pix_loss: bool = True
-    mask_ratio: float = 0.75
-    alpha_min: float = 1.0
-    schedule: str = "linspace"
-    drop_path: float = 0.0
+    mlp_ratio: float = 4.0        # MLP hidden width / embed_dim
+    norm_pix_loss: bool = True    # MAE: loss on per-patch normalised pixels
+    mask_ratio: float = 0.75      # MAE: fraction of patches hidden from the encoder
+    alpha_min: float = 1.0        # decayed shortcuts: the last alpha (1: plain residuals)
+    schedule: str = "linspace"    # how alpha falls with depth: linspace | paper
+    drop_path: float = 0.0        # drop rate of the last block (linear in depth)
     droppath_mode: str = "drop_path"  # drop_path (timm) | residual_droppath (Park), active when drop_path > 0 | none (classify: off)
     per_block: bool = False       # one alpha per block instead of per sub-layer
-    num_classes: int = 0
+    num_classes: int = 0          # classifier classes; U-ViT: 0 unconditional, else class-conditional
     global_pool: str = "cls"      # classifier head input: cls | avg
-    attn_impl: str = "sdpa"
+    attn_impl: str = "sdpa"       # attention: sdpa (torch scaled_dot_product_attention) | flash | xformers
     # zero the last Linear of every branch (ViT: attention proj, MLP fc2; timm ResNet: the last BN):
     # auto (ViTs: when alpha_min < 1; ResNets: timm's default, on) | true (the decayed-shortcut authors'
     # code, also at alpha_min 1) | false. The official MAE's SkipLayer ends start at zero whatever this says.
@@ -90,16 +91,16 @@ class ModelConfig:
 class OptimConfig:
     name: str = "adamw"       # adamw | sgd (timm's 'sgd': SGD with Nesterov momentum; dres.train.optim)
     blr: float = 1.5e-4       # lr = blr * global_batch / 256 (MAE convention) unless lr > 0
-    lr: float = 0.0
-    min_lr: float = 0.0
-    weight_decay: float = 0.05
-    betas: list = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    lr: float = 0.0           # peak learning rate (0: from blr)
+    min_lr: float = 0.0       # cosine schedule's floor
+    weight_decay: float = 0.05  # not on 1-D tensors (norms, biases) and position embeddings
+    betas: list = field(default_factory=lambda: [0.9, 0.95])  # AdamW
+    eps: float = 1e-8         # AdamW
     momentum: float = 0.9     # sgd only (AdamW's are the betas)
     label_smoothing: float = 0.0  # classify only: cross-entropy against (1 - s) one-hot + s / classes
     schedule: str = "cosine"  # cosine (MAE, classify) | constant (U-ViT); both after linear warmup
     warmup_steps: int = -1    # -1: derived from warmup_epochs
-    warmup_epochs: float = 40.0
+    warmup_epochs: float = 40.0  # linear warmup length when warmup_steps is -1
     clip_grad: float = 0.0    # 0: off
     ema_decay: float = 0.0    # 0: no EMA (U-ViT uses 0.9999)
     fused: bool = True        # fused AdamW / SGD on CUDA
@@ -107,40 +108,39 @@ class OptimConfig:
 
 @dataclass
 class LogConfig:
-    every: int = 20
-    progress: bool = True
-    tensorboard: bool = True
+    every: int = 20           # steps between metrics.jsonl records and log lines
+    progress: bool = True     # a progress bar on a terminal
+    tensorboard: bool = True  # <out>/tb when tensorboard is installed (the [tensorboard] extra)
 
 
 @dataclass
 class CkptConfig:
     every: int = 1000         # steps; 0: only at the end
-    keep: int = 2
+    keep: int = 2             # newest checkpoints kept (0: keep all)
     format: str = "auto"      # auto (DCP under FSDP, single file otherwise) | file | dcp
 
 
 @dataclass
 class EvalConfig:
-    probe: bool = True
+    probe: bool = True        # linear probe on frozen features (train split -> val split)
     probe_epochs: int = 200
     probe_lr: float = 1e-2
     probe_batch: int = 1024
     probe_wd: float = 0.0
-    knn: bool = True
+    knn: bool = True          # k-nearest-neighbour accuracy on the same features
     knn_k: int = 20
     feature: str = "cls"      # cls | mean (MAE encoder features)
     layer: int = -1           # encoder block whose output is probed
-    effective_rank: bool = True
-    tsne: bool = False
+    effective_rank: bool = True  # of the features' covariance (the decayed-shortcut paper's eq. 6)
+    tsne: bool = False        # t-SNE plot of the val features (the [plots] extra)
     recon: bool = True        # MAE reconstruction grid
     max_train: int = 0        # cap on probe train features (0: all)
-    max_test: int = 0
-    # U-ViT
-    sampler: str = "dpm"      # dpm (DPM-Solver-2, `steps` NFE) | em (Euler-Maruyama)
-    steps: int = 50
-    n_samples: int = 64
+    max_test: int = 0         # cap on probe test features (0: all)
+    sampler: str = "dpm"      # U-ViT samples: dpm (DPM-Solver-2, `steps` NFE) | em (Euler-Maruyama)
+    steps: int = 50           # sampler steps
+    n_samples: int = 64       # samples drawn into the sample grid
     probe_block: int = -1     # U-ViT feature probe: block index (-1: mid block)
-    probe_t: float = 0.1      # and noise level (continuous time in [0, 1])
+    probe_t: float = 0.1      # U-ViT feature probe: noise level (continuous time in [0, 1])
     fid_inception: str = ""   # path to TorchScript Inception (inception-2015-12-05.pt)
     fid_samples: int = 10000  # generated (and real) images for FID and fd_cifar_classifier
     # Frechet distance in the penultimate features of a classifier trained by dres (a classify run
@@ -149,17 +149,17 @@ class EvalConfig:
     # every N steps during training (0: never) a cheap evaluation (MAE: kNN, a curve_probe_epochs
     # probe, effective rank) appended to <out>/curves.jsonl and plotted to <out>/curves.png
     every: int = 0
-    curve_probe_epochs: int = 20
+    curve_probe_epochs: int = 20  # the eval.every probe's epochs
 
 
 @dataclass
 class Config:
     task: str = "mae"
     preset: str = ""
-    seed: int = 0
+    seed: int = 0             # model init, data order, augmentation and masking
     out: str = ""             # run directory (default runs/<task>_<preset>)
     batch_size: int = 256     # global batch (all ranks, all micro-batches)
-    accum_steps: int = 1
+    accum_steps: int = 1      # micro-batches a step (gradient accumulation)
     epochs: float = 0.0       # training length in epochs of the train set ...
     steps: int = 0            # ... or in optimizer steps (steps wins when > 0)
     precision: str = "auto"   # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
@@ -174,7 +174,7 @@ class Config:
     fsdp_reshard: str = "auto"
     # consecutive blocks per FSDP2 unit: its hooks cost CPU time per unit (4 was the fastest measured)
     fsdp_blocks_per_unit: int = 4
-    device: str = "auto"
+    device: str = "auto"      # auto (cuda when available, else cpu) | cpu | cuda
     threads: int = 0          # CPU intra-op threads (0: torch default)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -197,6 +197,51 @@ CHOICES = {
     "optim.name": ("adamw", "sgd"),
     "ckpt.format": ("auto", "file", "dcp"), "eval.sampler": ("dpm", "em"), "eval.feature": ("cls", "mean"),
 }
+
+
+# the eval.* keys each task reads (the other sections apply to every task; model keys by the model class)
+EVAL_KEYS = {
+    "mae": ("probe", "probe_epochs", "probe_lr", "probe_batch", "probe_wd", "knn", "knn_k", "feature", "layer",
+            "effective_rank", "tsne", "recon", "max_train", "max_test", "every", "curve_probe_epochs"),
+    "uvit": ("probe", "probe_epochs", "probe_lr", "probe_batch", "probe_wd", "knn_k", "max_train", "max_test",
+             "sampler", "steps", "n_samples", "probe_block", "probe_t", "fid_inception", "fid_samples",
+             "fd_classifier", "every", "curve_probe_epochs"),
+    "classify": ("every",),
+}
+
+
+def key_docs() -> dict:
+    """``{dotted key: (default, help)}`` for every config key; the help is the comment beside the
+    field (and the comment lines just above it) in this file's dataclasses, plus its choices."""
+    import inspect
+
+    docs = {}
+
+    def walk(cls, prefix):
+        comments, above = {}, []
+        for line in inspect.getsource(cls).splitlines()[1:]:
+            text = line.strip()
+            if text.startswith("#"):
+                above.append(text.lstrip("# "))
+                continue
+            name, sep, rest = text.partition(":")
+            if sep and name.isidentifier():
+                comments[name] = " ".join(above + [rest.partition("#")[2].strip()]).strip()
+            above = []
+        for f in dataclasses.fields(cls):
+            key = prefix + f.name
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+            if dataclasses.is_dataclass(default):
+                walk(type(default), key + ".")
+                continue
+            hint = comments.get(f.name, "")
+            if key in CHOICES and not any(c in hint for c in ("|", "one of")):
+                hint = (hint + "; " if hint else "") + "one of " + " | ".join(CHOICES[key])
+            docs[key] = (default, hint)
+
+    walk(Config, "")
+    return docs
 
 
 def _suggest(key, valid):
@@ -289,6 +334,22 @@ def update_from_dict(cfg: Config, d: dict, prefix=""):
 
 def list_presets():
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def preset_summaries(task: str | None = None) -> dict:
+    """``{name: its leading comment as one line}`` of the presets (of ``task`` when given)."""
+    out = {}
+    for name in list_presets():
+        text = (PRESET_DIR / f"{name}.yaml").read_text()
+        if task is not None and (yaml.safe_load(text) or {}).get("task") != task:
+            continue
+        comment = []
+        for line in text.splitlines():
+            if not line.startswith("#"):
+                break
+            comment.append(line.lstrip("# "))
+        out[name] = " ".join(comment)
+    return out
 
 
 def _is_path(name: str) -> bool:
