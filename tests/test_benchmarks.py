@@ -701,3 +701,10 @@ def test_records_follow_the_convention(root):
     for path in base.rglob("*"):
         assert path.suffix not in (".py", ".sh"), f"{path.relative_to(REPO)}: no scripts inside records"
         assert "session" not in path.name.lower(), f"{path.relative_to(REPO)}: name the measurement, not the session"
+
+
+def test_benchmarks_md_points_at_records_that_exist():
+    import re
+
+    named = set(re.findall(r"`([a-z0-9]+-\d{4}-\d{2}-\d{2}(?:-[a-z0-9]+)+)`", (REPO / "BENCHMARKS.md").read_text()))
+    assert named and not [n for n in named if not (REPO / "benchmarks" / "records" / n).is_dir()]
