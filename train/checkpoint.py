@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from dres.train import distributed as D
+from dres.train import rundir
 from dres.train.config import fingerprint_diff
 
 _NAME = re.compile(r"^step_(\d{8})(\.pt)?$")
@@ -123,10 +124,40 @@ def _model_optim_state(model, optimizer, dcp_format: bool):
     return m.state_dict(), optimizer.state_dict()
 
 
+def _state_bytes(obj) -> int:
+    """Bytes of the tensors in ``obj`` (this rank's shards of DTensors): about what saving it writes."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.to_local() if hasattr(obj, "to_local") else obj
+        return t.numel() * t.element_size()
+    if isinstance(obj, dict):
+        return sum(_state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_state_bytes(v) for v in obj)
+    return 0
+
+
+def _disk_full_failure(e: BaseException) -> bool:
+    """ENOSPC / EDQUOT in ``e``, or in the per-rank failures a DCP ``CheckpointException`` carries."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        return any(rundir.is_disk_full(getattr(f, "exception", f)) for f in failures.values())
+    return rundir.is_disk_full(e)
+
+
+def _write_file(tmp: Path, final: Path, payload: dict) -> None:
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+
+
 def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool, keep: int = 2,
          device=torch.device("cpu"), ema=None) -> Path:
     """Write checkpoint ``step`` atomically; every rank must call it. ``extra`` holds plain trainer
-    state (scheduler, scaler, data position, config, fingerprint); RNG states are added here."""
+    state (scheduler, scaler, data position, config, fingerprint); RNG states are added here. A full
+    disk is :class:`~dres.train.rundir.DiskFull` on every rank, with the partial write removed and the
+    previous checkpoints untouched."""
     ckpt_dir = Path(ckpt_dir)
     main = not D.is_dist() or dist.get_rank() == 0
     if main:
@@ -144,23 +175,39 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
         state = {"model": msd, "optim": osd}
         if ema is not None:
             state["ema"] = ema
-        dcp.save(state, checkpoint_id=str(tmp))
-        if main:
-            torch.save(extra, tmp / "extra.pt")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-        D.barrier()
+        needed = _state_bytes(state) * (dist.get_world_size() if D.is_dist() else 1)
+        try:
+            dcp.save(state, checkpoint_id=str(tmp))
+        except Exception as e:  # DCP raises the same CheckpointException on every rank
+            if not _disk_full_failure(e):
+                raise
+            _fail_full(ckpt_dir, tmp, final, needed, main, e)
+
+        def publish():
+            try:
+                torch.save(extra, tmp / "extra.pt")
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+            except Exception as e:
+                if not rundir.is_disk_full(e):
+                    raise
+                _fail_full(ckpt_dir, tmp, final, needed, True, e)
+
+        D.on_main(publish, main)
     else:
         tmp, final = ckpt_dir / f".step_{step:08d}.pt.tmp", ckpt_dir / f"step_{step:08d}.pt"
-        if main:
+
+        def write():
             payload = {"model": msd, "optim": osd, "ema": ema, **extra}
-            with open(tmp, "wb") as f:
-                torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        D.barrier()
+            try:
+                _write_file(tmp, final, payload)
+            except Exception as e:
+                if not rundir.is_disk_full(e):
+                    raise
+                _fail_full(ckpt_dir, tmp, final, _state_bytes(payload), True, e)
+
+        D.on_main(write, main)
     if main and keep > 0:
         older = [c for c in list_checkpoints(ckpt_dir) if step_of(c) < step]
         for old in older[:max(len(older) - (keep - 1), 0)]:
@@ -170,6 +217,16 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
                 shutil.rmtree(t, ignore_errors=True) if t.is_dir() else t.unlink(missing_ok=True)
     D.barrier()
     return final
+
+
+def _fail_full(ckpt_dir: Path, tmp: Path, final: Path, needed: int, main: bool, cause: BaseException):
+    """Remove the partial ``tmp`` (main rank) and raise the one-line :class:`~dres.train.rundir.DiskFull`."""
+    if main:
+        rundir.remove_partial(tmp)
+    previous = [c for c in list_checkpoints(ckpt_dir) if c != final]
+    kept = (f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists")
+    raise rundir.disk_full(final, needed, f"removed the partial {tmp.name}; {kept}; free space, then continue "
+                                          "with --resume auto") from cause
 
 
 def _first_line(e: BaseException) -> str:

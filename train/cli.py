@@ -167,9 +167,15 @@ def _run(args, overrides=()):
 
 def _guarded(prog: str, fn, args) -> int:
     """Run ``fn(args)``; a user error becomes one line on stderr and exit status 2 (the traceback
-    with ``args.debug``), and the process group (if any) is torn down either way."""
+    with ``args.debug``), a stop on SIGTERM/SIGINT one line and status 75, and the process group (if
+    any) is torn down either way."""
+    from dres.train.loop import EXIT_INTERRUPTED, Interrupted
+
     try:
         fn(args)
+    except Interrupted as e:  # stopped on a signal, its checkpoint saved: a status of its own, for requeueing
+        print(f"{prog}: {e}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except _user_errors() as e:
         if args.debug:
             raise

@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import functools
 import os
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -76,6 +77,35 @@ def is_dist() -> bool:
 def barrier():
     if is_dist():
         dist.barrier()
+
+
+def _portable(e: Exception) -> Exception:
+    """``e`` where it survives pickling (what a broadcast does), else a RuntimeError with its message."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # exceptions whose __init__ takes other arguments than their args
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def on_main(fn, main: bool):
+    """Run ``fn()`` on the main rank only and share its outcome: an exception it raised is raised on
+    every rank (so no rank waits in a later collective for one that failed); its result is returned on
+    the main rank, None elsewhere."""
+    result, error = None, None
+    if main:
+        try:
+            result = fn()
+        except Exception as e:  # re-raised below, on every rank
+            error = e
+    if is_dist() and dist.get_world_size() > 1:
+        box = [_portable(error) if error is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        if not main:
+            error = box[0]
+    if error is not None:
+        raise error
+    return result
 
 
 def all_mean(t: torch.Tensor) -> torch.Tensor:

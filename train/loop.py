@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +42,23 @@ from dres.train.optim import build_optimizer, peak_lr
 
 class NonFiniteLoss(RuntimeError):
     pass
+
+
+# sysexits' EX_TEMPFAIL ("try again later"): the run stopped on a signal after saving, --resume auto continues it
+EXIT_INTERRUPTED = 75
+
+
+class Interrupted(RuntimeError):
+    """The run stopped on SIGTERM / SIGINT; the message says what was saved (exit status
+    :data:`EXIT_INTERRUPTED`)."""
+
+
+# keys a resume may change: applied to the optimizer's groups and the LR schedule after its state is loaded
+RESUME_APPLIED = ("steps", "epochs", "accum_steps", "optim.lr", "optim.blr", "optim.min_lr", "optim.weight_decay",
+                  "optim.betas", "optim.eps", "optim.momentum", "optim.schedule", "optim.warmup_steps",
+                  "optim.warmup_epochs", "optim.clip_grad", "optim.label_smoothing", "optim.fused")
+# keys a resume may not change: the checkpoint carries the random streams and data order they decided
+RESUME_FIXED = ("seed",)
 
 
 def seed_all(seed: int):
@@ -107,6 +125,10 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []
         self.summary: dict = {}
+        self.stop_signal: str | None = None  # set by StopOnSignal
+        self.in_loop = False
+        self.last_record: dict | None = None  # metrics.jsonl's last record kept on resume
+        self.graphed: GraphedStep | None = None
 
     def log(self, msg):
         if self.main:
@@ -167,10 +189,14 @@ class Trainer:
         torch.manual_seed(cfg.seed + 1000003 * self.info.rank)  # per-rank randomness (masks, noise)
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
-        if self.main and train:  # the run's record (see rundir); evaluation leaves it as training wrote it
-            save_config(cfg, self.out / "config.yaml")
-            rundir.write_fingerprint(self.out, fingerprint(cfg))
         return self
+
+    def write_record(self):
+        """The run's record (see rundir), written when training starts, so that a start refused before
+        (a missing or incompatible checkpoint) leaves nothing; evaluation leaves it as training wrote it."""
+        if self.main:
+            rundir.publish(self.out / "config.yaml", lambda tmp: save_config(self.cfg, tmp))
+            rundir.write_fingerprint(self.out, fingerprint(self.cfg))
 
     def autocast(self):
         if self.precision == "fp32":
@@ -193,26 +219,78 @@ class Trainer:
 
     def resume(self, what="auto"):
         """``auto``: the newest readable checkpoint of this run directory (none at all: start fresh);
-        or a path. Unreadable or incompatible checkpoints are :class:`~dres.train.checkpoint.CheckpointError`."""
+        or a path. Unreadable or incompatible checkpoints are :class:`~dres.train.checkpoint.CheckpointError`.
+
+        The settings of :data:`RESUME_APPLIED` may differ from the checkpoint's: its optimizer state is
+        loaded, then the current config's weight decay, betas, eps and momentum are set on the parameter
+        groups and the LR schedule (peak lr, min_lr, warmup, length) is recomputed at the resumed step,
+        so what config.yaml and the logs say is what the optimizer uses. :data:`RESUME_FIXED` keys are
+        refused. Records of metrics.jsonl and curves.jsonl past the resumed step are moved to
+        ``*.superseded.jsonl``, so the logs hold one history."""
         target = self.ckpt_dir if what == "auto" else Path(what)
         if what != "auto" and not target.exists():
             raise FileNotFoundError(f"checkpoint not found: {target}")
+        built = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         extra = C.load(target, self.model, self.optimizer, ema=self.ema, device=self.device,
                        fingerprint=fingerprint(self.cfg), log=self.log)
         if extra is None:
             self.log(f"[dres] no checkpoint in {target}; starting from scratch")
             return False
+        step, path = int(extra["step"]), Path(extra["path"])
+        changed = self._changed_settings(extra.get("config") or {}, path)
+        if step > self.total_steps:
+            raise ConfigError(f"checkpoint {path} is at step {step}, past this run's length ({self.total_steps} steps); "
+                              f"resume with --set steps=N, N >= {step}")
         self.scheduler.load_state_dict(extra["scheduler"])
         self.scaler.load_state_dict(extra["scaler"])
         if self.loader is not None and extra.get("data"):
             self.loader.load_state_dict(extra["data"])
-        self.step = int(extra["step"])
-        self.last_good = Path(extra["path"])
-        self.log(f"[dres] resumed from {extra['path']} at step {self.step}")
+        self._apply_settings(built)
+        self.step = step
+        self.last_good = path
+        self.log(f"[dres] resumed from {path} at step {self.step}")
+        if changed:
+            self.log(f"[dres] settings changed since the checkpoint, applied from step {self.step} (the lr schedule "
+                     f"recomputed): {changed}")
         aside = C.set_aside_after(self.ckpt_dir, self.step)
         if aside is not None:
             self.log(f"[dres] checkpoints after step {self.step} (skipped or from an abandoned branch) moved to {aside}")
+        if self.main:
+            for name in ("metrics.jsonl", "curves.jsonl"):
+                kept, cut = rundir.cut_records(self.out / name, self.step)
+                if cut:
+                    self.log(f"[dres] {cut} records of {name} after step {self.step} moved to "
+                             f"{rundir.superseded_name(name)}")
+                if name == "metrics.jsonl" and kept:
+                    self.last_record = kept[-1]
         return True
+
+    def _changed_settings(self, saved: dict, path) -> str:
+        """The :data:`RESUME_APPLIED` keys that differ from the checkpoint's config (one line), after
+        refusing a change of a :data:`RESUME_FIXED` key."""
+        now = to_dict(self.cfg)
+
+        def get(d, key):
+            for part in key.split("."):
+                d = d.get(part) if isinstance(d, dict) else None
+            return d
+
+        for key in RESUME_FIXED:
+            if saved and get(saved, key) != get(now, key):
+                raise ConfigError(f"{key} cannot change on resume: checkpoint {path} continues the random streams "
+                                  f"and data order of {key}={get(saved, key)!r} (now {get(now, key)!r}); resume with "
+                                  f"--set {key}={get(saved, key)}, or start a new run")
+        return ", ".join(f"{k} {get(saved, k)!r} -> {get(now, k)!r}" for k in RESUME_APPLIED
+                         if saved and get(saved, k) != get(now, k))
+
+    def _apply_settings(self, built: list[dict]):
+        """Set the hyper-parameters ``built`` from the current config on the parameter groups (loading the
+        optimizer state replaced them with the checkpoint's), and recompute the schedule's lr at its position."""
+        for g, fresh in zip(self.optimizer.param_groups, built):
+            g.update(fresh)
+        self.scheduler.base_lrs = [fresh["initial_lr"] for fresh in built]
+        self.scheduler.last_epoch -= 1  # step() advances it back, setting each group's lr for that position
+        self.scheduler.step()
 
     def load_weights(self, path):
         extra = C.load(path, self.model, None, ema=self.ema, device=self.device, restore_rng=False,
@@ -288,19 +366,16 @@ class Trainer:
         return self.step / steps_per_epoch if steps_per_epoch else None
 
     def fit(self):
+        """Train to ``total_steps``. On a signal (:class:`StopOnSignal`) the step under way is finished, a
+        checkpoint is written and :class:`Interrupted` raised: with one process after that step; with
+        several at the next log step, where the ranks agree on it in the all-reduce that already carries
+        the logged metrics (no collective or host sync is added to the steps between)."""
         cfg = self.cfg
         start_step, t0 = self.step, time.time()
-        if self.main and cfg.log.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(self.out / "tb"))
-            except Exception as e:  # tensorboard is optional at run time
-                self.tb = None
-                self.log(f"[dres] tensorboard disabled ({type(e).__name__})")
-        else:
-            self.tb = None
-        metrics_f = open(self.out / "metrics.jsonl", "a") if self.main else None
+        self.write_record()
+        self.tb = self._tensorboard() if self.main and cfg.log.tensorboard else None
+        metrics_path = self.out / "metrics.jsonl"
+        metrics_f = open(metrics_path, "a") if self.main else None
         bar = None
         if self.main and cfg.log.progress:
             from tqdm import tqdm
@@ -313,6 +388,7 @@ class Trainer:
         self.log(f"[dres] training {self.total_steps} steps (from {self.step}), global batch {cfg.batch_size} "
                  f"({cfg.accum_steps} micro-batches), lr {self.lr:.3g}, warmup {self.warmup}, out {self.out}")
         self.model.train()
+        self.in_loop = True
         try:
             while self.step < self.total_steps:
                 batch = self.loader.next()
@@ -324,10 +400,16 @@ class Trainer:
                 for k, v in metrics.items():
                     acc_metrics[k] = acc_metrics.get(k, 0) + v
                 last = self.step == self.total_steps
+                # one process stops after any step (a host flag, no sync); several agree at log steps, below
+                stop = self.stop_signal is not None and self.info.world == 1
                 if self.step % cfg.log.every == 0 or last:
                     self._check_finite()
-                    vals = torch.stack([acc_loss] + list(acc_metrics.values())) / acc_n
-                    vals = D.all_mean(vals).tolist()
+                    asked = torch.full((1,), float(self.stop_signal is not None), device=self.device)
+                    vals = torch.cat([torch.stack([acc_loss] + list(acc_metrics.values())) / acc_n, asked])
+                    *vals, asked_anywhere = D.all_mean(vals).tolist()
+                    stop = asked_anywhere > 0
+                    if stop and self.stop_signal is None:
+                        self.stop_signal = "a signal to another rank"
                     now = time.time()
                     ips = (self.step - step_last) * cfg.batch_size / max(now - t_last, 1e-9)
                     rec = {"step": self.step, "loss": vals[0], "lr": self.scheduler.get_last_lr()[0],
@@ -337,8 +419,7 @@ class Trainer:
                         rec.update(self.graphed.read_window(self.step - step_last, (now - t_last) * 1e3))
                     self.history.append(rec)
                     if self.main:
-                        metrics_f.write(json.dumps(rec) + "\n")
-                        metrics_f.flush()
+                        self._write_metrics(metrics_f, metrics_path, rec)
                         if self.tb:
                             for k, v in rec.items():
                                 if k != "step":
@@ -349,27 +430,58 @@ class Trainer:
                     t_last, step_last = now, self.step
                 if bar:
                     bar.update(1)
-                if (cfg.ckpt.every and self.step % cfg.ckpt.every == 0) or last:
+                if (cfg.ckpt.every and self.step % cfg.ckpt.every == 0) or last or stop:
                     self._check_finite()
                     self.save()
+                if stop:
+                    raise Interrupted(self._stopped_message())
                 if cfg.eval.every and (self.step % cfg.eval.every == 0 or last):
                     self.log(f"[dres] curve point at step {self.step}: {self.curve_point()}")
                     self.model.train()
         finally:
+            self.in_loop = False
             if bar:
                 bar.close()
             if metrics_f:
                 metrics_f.close()
         wall = time.time() - t0
-        self.summary = {"steps": self.step - start_step, "wall_s": wall,
+        final = self.history[-1] if self.history else self.last_record
+        self.summary = {"steps": self.step - start_step, "step": self.step, "wall_s": wall,
                         "img_per_s": seen / max(wall, 1e-9),
-                        "final_loss": self.history[-1]["loss"] if self.history else None,
+                        "final_loss": final["loss"] if final else None,
                         "peak_mem_gib": (torch.cuda.max_memory_allocated(self.device) / 2**30
                                          if self.device.type == "cuda" else None),
                         "lost_data": self.loader.counter.summary()}
         if self.graphed is not None:  # issue 14 target 3: trainer_vs_replay <= 1.05
             self.summary.update(steady_timing(self.graphed.windows))
         return self.summary
+
+    def _tensorboard(self):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except Exception as e:  # tensorboard is optional at run time
+            self.log(f"[dres] tensorboard disabled ({type(e).__name__})")
+            return None
+        # a resumed run hides the events its predecessor logged after the checkpoint, as metrics.jsonl cuts them
+        return SummaryWriter(str(self.out / "tb"), purge_step=self.step + 1 if self.step else None)
+
+    def _write_metrics(self, f, path: Path, rec: dict):
+        try:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+        except OSError as e:
+            if not rundir.is_disk_full(e):
+                raise
+            kept = f"the last good checkpoint is {self.last_good}" if self.last_good else "no checkpoint was written"
+            raise rundir.disk_full(path, len(json.dumps(rec)) + 1, f"{kept}; free space, then continue with "
+                                   "--resume auto") from e
+
+    def _stopped_message(self) -> str:
+        done = self.step == self.total_steps
+        then = (f"training is complete, evaluate with dres-eval {self.out}" if done
+                else "continue with --resume auto")
+        return (f"stopped by {self.stop_signal} after step {self.step} of {self.total_steps}: checkpoint "
+                f"{self.last_good} written; {then} (exit status {EXIT_INTERRUPTED})")
 
     # ------------------------------------------------------------------ eval
     def evaluate(self) -> dict:
@@ -408,8 +520,7 @@ class Trainer:
             if lost_data_line(lost):
                 lines.append(lost_data_line(lost))
         if self.main:
-            with open(self.out / name, "w") as f:
-                json.dump(s, f, indent=1, default=str)
+            rundir.write_atomic(self.out / name, json.dumps(s, indent=1, default=str))
             for k, v in (eval_metrics or {}).items():
                 lines.append(f"[dres] {k}: {v:.4f}" if isinstance(v, float) else f"[dres] {k}: {v}")
             self.log("\n".join(lines))
@@ -442,25 +553,92 @@ class Trainer:
         return fresh.eval()
 
 
+class StopOnSignal:
+    """While training, SIGTERM and SIGINT (what schedulers send before they kill, and Ctrl-C) ask
+    :meth:`Trainer.fit` to finish its step, save and stop (:class:`Interrupted`); before the loop and
+    during the final evaluation, when there is no step to finish, they raise :class:`Interrupted` at
+    once. After the first signal both signals take their default action again, so a second one ends
+    the process at once (the checkpoint being written, if any, stays a temporary the next resume
+    ignores). Only the main thread can take signals; elsewhere this does nothing."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, trainer: Trainer):
+        self.tr = trainer
+        self.previous: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.getsignal(s) for s in self.SIGNALS}
+            for s in self.SIGNALS:
+                signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        for s in self.SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+        tr, name = self.tr, signal.Signals(signum).name
+        tr.stop_signal = name
+        if not tr.in_loop:
+            last = f"; the last checkpoint is {tr.last_good}" if tr.last_good else ""
+            raise Interrupted(f"stopped by {name} outside the training steps (at step {tr.step}){last} "
+                              f"(exit status {EXIT_INTERRUPTED})")
+        wait = "this step" if tr.info.world == 1 else f"the next log step (log.every={tr.cfg.log.every})"
+        tr.log(f"[dres] {name}: stopping after {wait} with a checkpoint; a second signal stops at once, unsaved")
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        return False
+
+
 def run(cfg: Config, task, *, resume=None, eval_only=False, ckpt=None, overwrite=False, log=print) -> dict:
     """Train (or only evaluate) one configuration end to end; returns the summary. A training run
-    first claims its run directory (:func:`dres.train.rundir.claim`: ``resume``/``overwrite``)."""
+    first takes the run lock and claims its run directory (:mod:`dres.train.rundir`:
+    ``resume``/``overwrite``); a start refused before training begins leaves nothing behind."""
     tr = Trainer(cfg, task, log=log)
-    if not eval_only:
-        rundir.claim(tr.out, cfg, resume=resume, overwrite=overwrite, main=tr.main, log=tr.log)
-        D.barrier()
-    tr.setup(train=not eval_only)
-    try:
-        if eval_only:
+    if eval_only:
+        tr.setup(train=False)
+        try:
             tr.load_weights(ckpt or tr.ckpt_dir)
             ev = tr.evaluate() if tr.main or cfg.dist != "none" else {}
             return tr.finish(ev, eval_only=True)
-        if resume:
-            tr.resume(resume)
-        tr.fit()
-        ev = tr.evaluate()
-        return tr.finish(ev)
+        finally:
+            D.barrier()
+    lock, created, started = None, rundir.first_missing(tr.out) if tr.main else None, False
+    try:
+        with StopOnSignal(tr):
+            lock = D.on_main(lambda: _claim(tr, resume, overwrite), tr.main)
+            tr.setup()
+            if resume and tr.resume(resume) and tr.step == tr.total_steps and (tr.out / "summary.json").exists():
+                return _finished(tr)
+            started = True
+            tr.fit()
+            ev = tr.evaluate()
+            return tr.finish(ev)
     finally:
         if tr.graphed is not None:
             tr.graphed.release()
+        if lock is not None:
+            lock.release()
+        if not started and tr.main:
+            rundir.remove_created(tr.out, created)
         D.barrier()
+
+
+def _claim(tr: Trainer, resume, overwrite) -> rundir.RunLock:
+    lock = rundir.RunLock(tr.out).acquire(tr.log)
+    try:
+        rundir.claim(tr.out, tr.cfg, resume=resume, overwrite=overwrite, log=tr.log)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _finished(tr: Trainer) -> dict:
+    """A resume of a run that is complete: its results stay as they are."""
+    tr.log(f"[dres] the run in {tr.out} is finished (step {tr.step} of {tr.total_steps}; results in "
+           f"{tr.out / 'summary.json'}); nothing was changed. To train it longer: --resume auto --set steps=N with "
+           f"N > {tr.step}; to evaluate it again: dres-eval {tr.out}")
+    return json.loads((tr.out / "summary.json").read_text())

@@ -1,4 +1,4 @@
-"""Run-directory ownership: a run directory belongs to one run.
+"""Run-directory ownership: a run directory belongs to one run, and to one process at a time.
 
 A training run records the fingerprint of its config (:func:`dres.train.config.fingerprint`: the
 keys that decide model, optimizer and data shapes) in ``<out>/fingerprint.json`` beside
@@ -11,12 +11,28 @@ keys that decide model, optimizer and data shapes) in ``<out>/fingerprint.json``
   and a fresh run starts;
 * not empty, neither: a one-line error (a second run would mix its checkpoints and metrics with the
   first one's).
+
+The run lock (:class:`RunLock`, ``<out>/run.lock``) is taken before that and held until the run
+ends, by the main rank only: it is created with ``O_CREAT | O_EXCL``, which is atomic on local
+file systems and on NFSv3+ and the other shared file systems that run folders of several machines
+live on, so of two trainers started into one folder, on one machine or on two, exactly one gets it.
+It names the holder's host, pid, process start time and boot, so that a lock left by a process that
+died (``kill -9``, a lost node) is recognised on its own host and taken over with a one-line report;
+a lock of another host cannot be checked from here, so it is reported with its holder and the
+command that removes it.
+
+Files the run writes for readers (``config.yaml``, ``summary.json``, ``eval.json``) are replaced
+atomically (:func:`write_atomic`); a full disk is :class:`DiskFull`, one line naming the path and the
+space it needed, with the partial file removed.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -25,10 +41,76 @@ import yaml
 from dres.train.config import fingerprint, fingerprint_diff
 
 FINGERPRINT_FILE = "fingerprint.json"
+LOCK_FILE = "run.lock"
 
 
 class RunDirError(RuntimeError):
     """A one-line, user-facing problem with the run directory."""
+
+
+class DiskFull(RunDirError):
+    """A write failed for want of space (or quota); the partial file is already removed."""
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Whether ``e`` or an exception it was raised from is ENOSPC / EDQUOT (torch.save reports a
+    failed write as a RuntimeError raised during the OSError)."""
+    while isinstance(e, BaseException):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def disk_full(path: Path, needed: int, kept: str) -> DiskFull:
+    """The one-line :class:`DiskFull` for a failed write of about ``needed`` bytes to ``path``."""
+    try:
+        free = _mib(shutil.disk_usage(Path(path).parent).free) + " free"
+    except OSError:
+        free = "free space unknown"
+    return DiskFull(f"no space left on the device of {path}: it needs about {_mib(needed)} ({free}); {kept}")
+
+
+def remove_partial(tmp: Path) -> None:
+    if tmp.is_dir():
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.unlink(missing_ok=True)
+
+
+def publish(path, write, needed: int | None = None) -> None:
+    """Replace ``path`` as a whole by what ``write(tmp)`` writes to ``.<name>.tmp``: synced, then renamed,
+    so a reader (or a crash) sees the old file or the new one, never a part. A full disk is
+    :class:`DiskFull` (``needed``: the bytes it takes, where known), with the temporary removed."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        size = tmp.stat().st_size if tmp.exists() else 0
+        remove_partial(tmp)
+        if is_disk_full(e):
+            kept = f"the previous {path.name} is unchanged" if path.exists() else f"{path.name} was not written"
+            raise disk_full(path, max(needed or 0, size), kept) from e
+        raise
+
+
+def write_atomic(path, text: str) -> None:
+    """:func:`publish` ``text``."""
+    data = text.encode()
+
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            f.write(data)
+
+    publish(path, write, len(data))
 
 
 def recorded_fingerprint(out: Path) -> dict | None:
@@ -46,7 +128,7 @@ def recorded_fingerprint(out: Path) -> dict | None:
 
 
 def write_fingerprint(out: Path, fp: dict) -> None:
-    (out / FINGERPRINT_FILE).write_text(json.dumps(fp, indent=1, sort_keys=True))
+    write_atomic(out / FINGERPRINT_FILE, json.dumps(fp, indent=1, sort_keys=True))
 
 
 def aside_name(out: Path) -> Path:
@@ -57,18 +139,25 @@ def aside_name(out: Path) -> Path:
     return dest
 
 
+def contents(out: Path) -> list[Path]:
+    """What ``out`` holds besides the run lock."""
+    return [p for p in out.iterdir() if p.name != LOCK_FILE] if out.is_dir() else []
+
+
 def claim(out: Path, cfg, *, resume=None, overwrite=False, main=True, log=print) -> None:
     """Check (every rank) and prepare (main rank: the move aside) ``out`` for a training run."""
     if resume and overwrite:
         raise RunDirError("--resume and --overwrite exclude each other (continue the run, or move it aside)")
     if out.exists() and not out.is_dir():
         raise RunDirError(f"run directory {out} is a file")
-    if not out.exists() or not any(out.iterdir()):
+    if not contents(out):
         return
     if overwrite:
-        if main:
+        if main:  # entry by entry, so that the run lock this run holds stays in place
             dest = aside_name(out)
-            os.rename(out, dest)
+            dest.mkdir()
+            for p in contents(out):
+                os.rename(p, dest / p.name)
             log(f"[dres] moved the previous contents of {out} to {dest}")
         return
     if not resume:
@@ -79,3 +168,189 @@ def claim(out: Path, cfg, *, resume=None, overwrite=False, main=True, log=print)
     if diff:
         raise RunDirError(f"run directory {out} holds a run with another config ({diff}); resume it with its own "
                           f"config, or start a new run with --overwrite or another --out")
+
+
+# ---------------------------------------------------------------------------------------------- lock
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` in clock ticks since boot (Linux), or None where unknown:
+    with the boot id it tells a live holder from a later process that reuses its pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22, counted after the command name
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True
+
+
+def _holder_record() -> dict:
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "process_start": _process_start(pid), "boot_id": _boot_id(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+
+
+def _describe(h: dict) -> str:
+    return f"process {h.get('pid')} on {h.get('host')} (since {h.get('started')})"
+
+
+def _stale(h: dict) -> bool:
+    """Whether the holder recorded in ``h`` is certainly gone: only decidable on its own host."""
+    if h.get("host") != socket.gethostname():
+        return False
+    if h.get("boot_id") and _boot_id() and h["boot_id"] != _boot_id():
+        return True  # the machine rebooted since
+    pid = h.get("pid")
+    if not isinstance(pid, int) or not _alive(pid):
+        return True
+    start = _process_start(pid)
+    return bool(h.get("process_start")) and start is not None and start != h["process_start"]
+
+
+def read_record(p: Path) -> dict:
+    """A lock file's holder record; {} when it is missing, empty or torn (a holder killed while writing it)."""
+    try:
+        h = json.loads(p.read_text() or "{}")
+    except (ValueError, OSError):
+        return {}
+    return h if isinstance(h, dict) else {}
+
+
+class RunLock:
+    """``<out>/run.lock``, held by this process from :meth:`acquire` to :meth:`release`."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.path = self.out / LOCK_FILE
+        self.record: dict | None = None
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.record, f)
+        return True
+
+    def _read(self) -> dict:
+        return read_record(self.path)
+
+    def acquire(self, log=print) -> RunLock:
+        """Take the lock (``out`` is created if missing); :class:`RunDirError` while another live process
+        holds it. A lock whose holder is gone is taken over, saying whose it was."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.record = _holder_record()
+        for _ in range(3):  # a holder may release between our look and our try
+            if self._create():
+                return self
+            holder = self._read()
+            if not holder and self.path.exists() and time.time() - self.path.stat().st_mtime < 10:
+                time.sleep(0.5)  # a holder that is writing its record just now
+                holder = self._read()
+            if holder and not _stale(holder):
+                where = "" if holder.get("host") == socket.gethostname() else (
+                    f"; that host's processes cannot be checked from {socket.gethostname()}: if the run there is "
+                    f"gone, delete {self.path}")
+                raise RunDirError(f"run directory {self.out} is in use by {_describe(holder)} (lock {self.path}); "
+                                  f"wait for it to end, or use another --out{where}")
+            if self._take_over(holder):
+                log(f"[dres] took over the run lock of {_describe(holder) if holder else 'an unknown process'}, "
+                    f"which is no longer running (it ended without releasing {self.path})")
+                return self
+        raise RunDirError(f"could not take the run lock {self.path}: other processes keep taking it")
+
+    def _take_over(self, stale: dict) -> bool:
+        """Replace a stale lock: renamed away first (atomic), kept only if it is still the one judged stale."""
+        grabbed = self.path.with_name(f".{LOCK_FILE}.stale-{os.getpid()}")
+        try:
+            os.replace(self.path, grabbed)
+        except FileNotFoundError:
+            return self._create()
+        if read_record(grabbed) != stale:  # another process took the stale lock over in between: its lock
+            try:
+                os.link(grabbed, self.path)  # back, unless a third process holds the name now
+            except FileExistsError:
+                pass
+            grabbed.unlink(missing_ok=True)
+            return False
+        grabbed.unlink(missing_ok=True)
+        return self._create()
+
+    def release(self) -> None:
+        """Remove the lock if it is still this process's."""
+        if self.record is not None and self._read() == self.record:
+            self.path.unlink(missing_ok=True)
+        self.record = None
+
+
+def first_missing(path: Path) -> Path | None:
+    """The outermost directory of ``path`` (itself included) that does not exist yet, or None."""
+    path = Path(path).absolute()
+    missing = None
+    while not path.exists():
+        missing, path = path, path.parent
+    return missing
+
+
+def remove_created(out: Path, top: Path | None) -> None:
+    """Remove ``out`` and its parents up to ``top`` (as :func:`first_missing` gave it before the run made
+    them) where they are empty: a start that was refused leaves nothing behind."""
+    if top is None:
+        return
+    p = Path(out).absolute()
+    while True:
+        try:
+            p.rmdir()
+        except OSError:
+            return
+        if p == top:
+            return
+        p = p.parent
+
+
+def superseded_name(name: str) -> str:
+    """Where the records cut from log ``name`` on a resume go: ``metrics.jsonl`` -> ``metrics.superseded.jsonl``."""
+    stem, _, ext = name.rpartition(".")
+    return f"{stem}.superseded.{ext}"
+
+
+def cut_records(path: Path, step: int) -> tuple[list[dict], int]:
+    """Keep the records of the JSON-lines log ``path`` up to ``step`` (a resume goes on from there), in
+    order; the others (later steps of the run that was interrupted, a line torn by a kill) are appended to
+    :func:`superseded_name`, never deleted. Returns (the records kept, how many lines were moved)."""
+    path = Path(path)
+    if not path.exists():
+        return [], 0
+    kept, kept_lines, cut = [], [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+            kept.append(rec)
+            kept_lines.append(line)
+        else:
+            cut.append(line)
+    if cut:
+        with open(path.with_name(superseded_name(path.name)), "a") as f:
+            f.write("".join(line + "\n" for line in cut))
+        write_atomic(path, "".join(line + "\n" for line in kept_lines))
+    return kept, len(cut)

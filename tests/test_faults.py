@@ -1,0 +1,433 @@
+"""Faults a run meets and what survives them (docs/faults.md is the matrix these tests check): two trainers
+into one folder, SIGTERM / SIGINT (one process and two gloo processes, DDP and FSDP2), a full disk, a
+resume of a finished run, metrics.jsonl after a kill, hyper-parameters changed on resume, and refused
+starts (CPU, a tiny MAE on 8x8 digits)."""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from dres.train import checkpoint as C
+from dres.train import cli, rundir
+from dres.train.config import build_config
+from dres.train.loop import EXIT_INTERRUPTED, RESUME_APPLIED, Trainer
+from dres.train.mae import TASK
+
+REPO = Path(__file__).resolve().parent.parent
+
+TINY = ["data.img_size=8", "model.img_size=8", "model.patch_size=4", "model.embed_dim=32", "model.depth=1",
+        "model.num_heads=2", "model.decoder_embed_dim=32", "model.decoder_depth=1", "model.decoder_num_heads=2",
+        "batch_size=32", "optim.warmup_steps=1", "ckpt.every=2", "ckpt.keep=0", "log.every=1", "log.progress=false",
+        "log.tensorboard=false", "eval.probe=false", "eval.knn=false", "eval.effective_rank=false",
+        "eval.recon=false", "threads=1"]
+
+
+def _args(out, *extra, steps=4):
+    return ["mae", "--preset", "quickstart", "--out", str(out), "--set", f"steps={steps}",
+            *[a for kv in TINY for a in ("--set", kv)], *extra]
+
+
+# two processes train a tiny classifier (all its parameters take part in the loss, as DDP requires)
+CLASSIFY = ["data.name=synthetic", "data.synthetic_size=64", "data.img_size=8", "data.in_chans=1", "data.mean=[0.5]",
+            "data.std=[0.25]", "data.aug=none", "model.img_size=8", "model.patch_size=4", "model.in_chans=1",
+            "model.embed_dim=16", "model.depth=1", "model.num_heads=2", "model.num_classes=10", "batch_size=16",
+            "optim.lr=1e-3", "optim.warmup_steps=0", "log.progress=false", "log.tensorboard=false", "threads=1",
+            "compile=false"]
+
+
+def _classify_args(out, *extra, steps=8):
+    return ["classify", "--preset", "classify_cifar10", "--out", str(out), "--set", f"steps={steps}",
+            *[a for kv in CLASSIFY for a in ("--set", kv)], *extra]
+
+
+def _train(out, *extra, steps=4):
+    return cli.main(_args(out, *extra, steps=steps))
+
+
+def _one_line_error(capsys):
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def _files(d: Path) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _steps(path: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------------------------- run lock
+def test_second_trainer_into_a_locked_folder_refuses_and_changes_nothing(tmp_path, capsys):
+    """A live holder on this machine, and one on another machine sharing the folder: one line each."""
+    out = tmp_path / "run"
+    lock = rundir.RunLock(out).acquire(log=lambda m: None)  # this process: a trainer that is running
+    try:
+        assert _train(out) == 2
+        err = _one_line_error(capsys)
+        assert f"run directory {out} is in use by process {os.getpid()} on {socket.gethostname()}" in err, err
+        assert _files(out) == {"run.lock": (out / "run.lock").read_bytes()}
+        assert _train(out, "--overwrite") == 2 and "is in use by" in _one_line_error(capsys)
+    finally:
+        lock.release()
+    assert not (out / "run.lock").exists()
+    other = {"host": "node-b", "pid": 4242, "process_start": "1", "boot_id": "x", "started": "2026-01-01 00:00:00"}
+    (out / "run.lock").write_text(json.dumps(other))
+    assert _train(out) == 2
+    err = _one_line_error(capsys)
+    assert "in use by process 4242 on node-b" in err and f"if the run there is gone, delete {out / 'run.lock'}" in err
+    (out / "run.lock").unlink()
+    assert _train(out) == 0 and not (out / "run.lock").exists()  # released at the end of the run
+
+
+def test_stale_lock_of_a_dead_process_is_taken_over_and_reported(tmp_path, capsys):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    out = tmp_path / "run"
+    out.mkdir()
+    record = {"host": socket.gethostname(), "pid": dead.pid, "process_start": "1", "boot_id": rundir._boot_id(),
+              "started": "2026-01-01 00:00:00"}
+    (out / "run.lock").write_text(json.dumps(record))
+    assert _train(out) == 0
+    said = capsys.readouterr().out
+    assert f"took over the run lock of process {dead.pid} on {socket.gethostname()}" in said
+    assert "no longer running" in said and not (out / "run.lock").exists()
+    # a reused pid is no holder either: this process's pid with another start time
+    (out / "run.lock").write_text(json.dumps(dict(record, pid=os.getpid(), process_start="1")))
+    assert _train(out, "--resume", "auto", steps=6) == 0
+    assert f"took over the run lock of process {os.getpid()}" in capsys.readouterr().out
+
+
+def test_two_trainers_started_together_one_refuses(tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    code = "import sys; from dres.train import cli; sys.exit(cli.main(sys.argv[1:]))"
+    procs = [subprocess.Popen([sys.executable, "-c", code, *_args(out, steps=40)], env=env, cwd=str(tmp_path),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(timeout=600), p.stdout.read(), p.stderr.read()) for p in procs]
+    codes = sorted(r[0] for r in results)
+    assert codes == [0, 2], results
+    err = [r[2] for r in results if r[0] == 2][0].strip()
+    assert len(err.splitlines()) == 1 and ("is in use by" in err or "is not empty" in err), err
+    assert _steps(out / "metrics.jsonl") == list(range(1, 41))  # one run's history, not two interleaved
+
+
+# ---------------------------------------------------------------------------- SIGTERM / SIGINT
+# The trainer's CLI with the task wrapped: at its step SIGNAL_AT the listed ranks send themselves SIGNAL
+# (COUNT times), from inside the step, as a scheduler's signal would arrive while it runs.
+ENTRY = textwrap.dedent('''
+    import os, signal, sys
+    from unittest import mock
+
+    from dres.train import cli
+
+    at, name, count, ranks = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4].split(",")
+    real_get_task = cli.get_task
+
+
+    class SignalledTask:
+        def __init__(self, task):
+            self.task, self.calls = task, 0
+
+        def __getattr__(self, attr):
+            return getattr(self.task, attr)
+
+        def loss(self, model, batch, cfg):
+            self.calls += 1
+            if self.calls == at and os.environ.get("RANK", "0") in ranks:
+                for _ in range(count):
+                    os.kill(os.getpid(), getattr(signal, name))
+            return self.task.loss(model, batch, cfg)
+
+
+    with mock.patch.object(cli, "get_task", lambda n: SignalledTask(real_get_task(n))):
+        sys.exit(cli.main(sys.argv[5:]))
+''')
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _signalled(tmp_path, at, name, count, args, world=1, ranks="0"):
+    """Run ENTRY in ``world`` processes (gloo) and return [(returncode, stdout, stderr)] by rank."""
+    entry = tmp_path / "entry.py"
+    entry.write_text(ENTRY)
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if world > 1:
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                       WORLD_SIZE=str(world))
+        procs.append(subprocess.Popen([sys.executable, str(entry), str(at), name, str(count), ranks, *args], env=env,
+                                      cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [(p.returncode, o, e) for p, (o, e) in zip(procs, outs)]
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_signal_finishes_the_step_saves_and_exits_with_its_own_status(tmp_path, name, capsys):
+    out = tmp_path / "run"
+    (code, stdout, stderr), = _signalled(tmp_path, 3, name, 1, _args(out, "--set", "ckpt.every=0", steps=8))
+    assert code == EXIT_INTERRUPTED, (stdout, stderr)
+    assert stderr.strip() == (f"dres-train: stopped by {name} after step 3 of 8: checkpoint "
+                              f"{out / 'checkpoints' / 'step_00000003.pt'} written; continue with --resume auto "
+                              f"(exit status {EXIT_INTERRUPTED})")
+    assert f"[dres] {name}: stopping after this step with a checkpoint" in stdout
+    assert [p.name for p in C.list_checkpoints(out / "checkpoints")] == ["step_00000003.pt"]
+    assert _steps(out / "metrics.jsonl") == [1, 2, 3]
+    assert not (out / "summary.json").exists() and not (out / "run.lock").exists()
+    assert _train(out, "--set", "ckpt.every=0", "--resume", "auto", steps=8) == 0
+    assert "resumed from" in capsys.readouterr().out and _steps(out / "metrics.jsonl") == list(range(1, 9))
+
+
+def test_second_signal_stops_at_once_without_saving(tmp_path):
+    out = tmp_path / "run"
+    (code, stdout, stderr), = _signalled(tmp_path, 3, "SIGTERM", 2, _args(out, "--set", "ckpt.every=0", steps=8))
+    assert code == -signal.SIGTERM, (stdout, stderr)
+    assert "a second signal stops at once, unsaved" in stdout
+    assert C.list_checkpoints(out / "checkpoints") == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dist", ["ddp", "fsdp"])
+def test_two_processes_agree_to_stop_when_one_rank_is_signalled(tmp_path, dist):
+    """Only rank 1 gets SIGTERM, during step 3; both ranks stop at the next log step (4), write one checkpoint
+    together and exit with the interrupted status."""
+    out = tmp_path / "run"
+    args = _classify_args(out, "--set", f"dist={dist}", "--set", "log.every=2", "--set", "ckpt.every=0")
+    results = _signalled(tmp_path, 3, "SIGTERM", 1, args, world=2, ranks="1")
+    assert [r[0] for r in results] == [EXIT_INTERRUPTED] * 2, results
+    assert "stopped by a signal to another rank after step 4 of 8" in results[0][2], results[0][2]
+    assert "stopped by SIGTERM after step 4 of 8" in results[1][2], results[1][2]
+    (ckpt,) = C.list_checkpoints(out / "checkpoints")
+    assert C.step_of(ckpt) == 4 and ckpt.is_dir() == (dist == "fsdp")  # FSDP2: a DCP directory of both shards
+    extra = C.read_file(ckpt / "extra.pt" if ckpt.is_dir() else ckpt)
+    assert extra["step"] == 4 and len(extra["rng"]) == 2
+    assert _steps(out / "metrics.jsonl") == [2, 4] and not (out / "run.lock").exists()
+
+
+@pytest.mark.slow
+def test_two_processes_both_refuse_a_locked_folder(tmp_path):
+    """Only rank 0 takes the lock; rank 1 learns the refusal from it and does not wait for it forever."""
+    out = tmp_path / "run"
+    lock = rundir.RunLock(out).acquire(log=lambda m: None)
+    try:
+        results = _signalled(tmp_path, 0, "SIGTERM", 0, _classify_args(out, "--set", "dist=ddp"), world=2)
+    finally:
+        lock.release()
+    assert [r[0] for r in results] == [2, 2], results
+    for _, _, err in results:
+        assert len(err.strip().splitlines()) == 1 and "is in use by" in err
+
+
+# ----------------------------------------------------------------------------------------- disk full
+def _disk_fills_on(fragment: str, after: int = 64):
+    """``open`` where files whose name contains ``fragment`` take ``after`` bytes and then raise ENOSPC."""
+    real_open = builtins.open
+
+    class Full:
+        def __init__(self, f):
+            self.f, self.n = f, 0
+
+        def write(self, b):
+            self.n += len(b)
+            if self.n > after:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(b)
+
+        def __getattr__(self, attr):
+            return getattr(self.f, attr)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def fake_open(file, mode="r", *a, **k):
+        f = real_open(file, mode, *a, **k)
+        return Full(f) if fragment in os.path.basename(str(file)) and ("w" in mode or "a" in mode) else f
+
+    return mock.patch.object(builtins, "open", fake_open)
+
+
+def test_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous_one(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(out, steps=2) == 0
+    before = (out / "checkpoints" / "step_00000002.pt").read_bytes()
+    with _disk_fills_on("step_00000004"):
+        assert _train(out, "--resume", "auto", steps=4) == 2
+    err = _one_line_error(capsys)
+    assert f"no space left on the device of {out / 'checkpoints' / 'step_00000004.pt'}: it needs about " in err, err
+    assert "MiB free" in err and "removed the partial .step_00000004.pt.tmp" in err
+    assert f"the previous checkpoint {out / 'checkpoints' / 'step_00000002.pt'} is intact" in err
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002.pt"]  # no partial file left
+    assert (out / "checkpoints" / "step_00000002.pt").read_bytes() == before
+    assert _train(out, "--resume", "auto", steps=4) == 0  # space freed: the run goes on from step 2
+    assert "resumed from" in capsys.readouterr().out and (out / "checkpoints" / "step_00000004.pt").exists()
+
+
+def test_full_disk_while_writing_eval_json_leaves_no_partial_file(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(out, steps=2) == 0
+    summary = (out / "summary.json").read_bytes()
+    with _disk_fills_on("eval.json", after=2):
+        assert cli.eval_main([str(out), "--set", "threads=1"]) == 2
+    err = _one_line_error(capsys)
+    assert f"no space left on the device of {out / 'eval.json'}" in err and "eval.json was not written" in err, err
+    assert not (out / "eval.json").exists() and not list(out.glob(".*.tmp"))
+    assert (out / "summary.json").read_bytes() == summary
+    assert cli.eval_main([str(out), "--set", "threads=1"]) == 0 and json.loads((out / "eval.json").read_text())
+
+
+def test_write_atomic_keeps_the_old_file_when_the_disk_is_full(tmp_path):
+    path = tmp_path / "summary.json"
+    path.write_text('{"final_loss": 0.5}')
+    with _disk_fills_on("summary.json", after=4), pytest.raises(rundir.DiskFull, match="previous summary.json is unchanged"):
+        rundir.write_atomic(path, json.dumps({"final_loss": 0.25, "pad": "x" * 100}))
+    assert path.read_text() == '{"final_loss": 0.5}' and os.listdir(tmp_path) == ["summary.json"]
+
+
+# --------------------------------------------------------------------------------- finished runs
+def test_resuming_a_finished_run_changes_nothing_and_says_how_to_extend_it(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(out, steps=4) == 0
+    before = _files(out)
+    capsys.readouterr()
+    assert _train(out, "--resume", "auto", steps=4) == 0
+    said = capsys.readouterr().out
+    assert f"the run in {out} is finished (step 4 of 4" in said and "--resume auto --set steps=N with N > 4" in said
+    assert _files(out) == before
+    assert _train(out, "--resume", "auto", steps=6) == 0  # extended on request
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and summary["step"] == 6 and summary["final_loss"] is not None
+    assert _steps(out / "metrics.jsonl") == list(range(1, 7))
+    assert _train(out, "--resume", "auto", steps=5) == 2
+    assert "is at step 6, past this run's length (5 steps)" in _one_line_error(capsys)
+
+
+# ------------------------------------------------------------------------ metrics after a kill
+def test_resume_cuts_the_records_past_the_checkpoint(tmp_path):
+    """As after kill -9 at step 6: the step 6 checkpoint never landed, metrics.jsonl holds steps 5-6 and a torn line."""
+    out = tmp_path / "run"
+    assert _train(out, steps=6) == 0
+    (out / "checkpoints" / "step_00000006.pt").unlink()
+    (out / "summary.json").unlink()
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "lo')
+    assert _train(out, "--resume", "auto", steps=6) == 0
+    assert _steps(out / "metrics.jsonl") == list(range(1, 7))
+    superseded = (out / "metrics.superseded.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in superseded[:2]] == [5, 6] and superseded[2] == '{"step": 7, "lo'
+
+
+# --------------------------------------------------------------- hyper-parameters changed on resume
+BASE = ["optim.lr=1e-3", "optim.warmup_steps=2", "optim.min_lr=1e-5", "optim.clip_grad=1.0"]
+# each key of RESUME_APPLIED that acts through the optimizer's groups or the lr schedule, with a new value
+CHANGES = {"optim.lr": ["optim.lr=3e-3"], "optim.blr": ["optim.lr=0", "optim.blr=0.02"],
+           "optim.min_lr": ["optim.min_lr=5e-4"], "optim.weight_decay": ["optim.weight_decay=0.2"],
+           "optim.betas": ["optim.betas=[0.8,0.9]"], "optim.eps": ["optim.eps=1e-6"],
+           "optim.schedule": ["optim.schedule=constant"], "optim.warmup_steps": ["optim.warmup_steps=6"],
+           "optim.warmup_epochs": ["optim.warmup_steps=-1", "optim.warmup_epochs=0.1"],
+           "steps": ["steps=12"], "epochs": ["steps=0", "epochs=1"],
+           "optim.momentum": ["optim.name=sgd", "optim.momentum=0.5"]}
+# keys the step reads from the config every time (nothing of theirs is in the checkpoint)
+READ_EACH_STEP = {"optim.clip_grad", "optim.label_smoothing", "accum_steps", "optim.fused"}
+
+
+def test_every_key_a_resume_may_change_is_tested():
+    assert set(CHANGES) | READ_EACH_STEP == set(RESUME_APPLIED)
+
+
+def _tr(out, extra):
+    cfg = build_config("mae", "quickstart", TINY + BASE + [f"out={out}", "steps=8"] + extra)
+    return Trainer(cfg, TASK, log=lambda m: None).setup()
+
+
+def _hyper(tr):
+    return [{k: v for k, v in g.items() if k != "params"} for g in tr.optimizer.param_groups]
+
+
+@pytest.mark.parametrize("key", sorted(CHANGES))
+def test_changed_hyper_parameters_are_applied_on_resume(tmp_path, key):
+    sgd = [o for o in CHANGES[key] if o.startswith("optim.name")]
+    first = _tr(tmp_path, sgd)
+    first.total_steps = 4  # a run of 8 steps, stopped after 4
+    first.fit()
+    resumed = _tr(tmp_path, CHANGES[key])
+    lines = []
+    resumed._log = lines.append
+    assert resumed.resume("auto") and resumed.step == 4
+    assert any("settings changed since the checkpoint" in m and key in m for m in lines), lines
+    # what a fresh run with the new config has at step 4: the same groups and lr
+    ref = _tr(tmp_path / "ref", CHANGES[key])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # stepping the schedule without optimizer steps
+        for _ in range(4):
+            ref.scheduler.step()
+    assert _hyper(resumed) == _hyper(ref)
+    assert resumed.scheduler.get_last_lr() == ref.scheduler.get_last_lr()
+    assert first.optimizer.param_groups[0]["lr"] != resumed.optimizer.param_groups[0]["lr"] or key in (
+        "optim.weight_decay", "optim.betas", "optim.eps", "optim.momentum")
+    resumed.total_steps = 5
+    resumed.fit()  # the lr logged is the one the optimizer used for that step
+    assert resumed.history[-1]["lr"] == resumed.optimizer.param_groups[0]["lr"]
+
+
+def test_clip_grad_changed_on_resume_is_read_by_the_step(tmp_path):
+    first = _tr(tmp_path, [])
+    first.total_steps = 2
+    first.fit()
+    assert "grad_norm" in first.history[-1]
+    resumed = _tr(tmp_path, ["optim.clip_grad=0"])
+    assert resumed.resume("auto")
+    resumed.total_steps = 3
+    resumed.fit()
+    assert "grad_norm" not in resumed.history[-1]  # clipping (and its norm) off, as the config now says
+
+
+def test_seed_change_on_resume_is_refused_in_one_line(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(out, steps=2) == 0
+    before = _files(out)
+    assert _train(out, "--resume", "auto", "--set", "seed=1", steps=4) == 2
+    err = _one_line_error(capsys)
+    assert "seed cannot change on resume" in err and "--set seed=0" in err, err
+    assert _files(out) == before
+
+
+# --------------------------------------------------------------------------------- refused starts
+@pytest.mark.parametrize("extra, message", [
+    (["--resume", "/missing/step_00000002.pt"], "checkpoint not found: /missing/step_00000002.pt"),
+    (["--set", "steps=0", "--set", "epochs=0"], "training length is zero"),
+    (["--resume", "auto", "--overwrite"], "exclude each other"),
+])
+def test_a_refused_start_leaves_nothing_behind(tmp_path, capsys, extra, message):
+    out = tmp_path / "new" / "run"
+    assert cli.main(_args(out, *extra)) == 2
+    assert message in _one_line_error(capsys)
+    assert not (tmp_path / "new").exists()
