@@ -1,0 +1,267 @@
+"""dres.convert_hf_vit and dres.convert_hf_bert on tiny transformers models built from configs (no
+weights downloaded): at alpha_min = 1 the converted model computes the unconverted one's outputs and
+gradients (input and every parameter; float64 reference backend to 1e-12, Triton interpreter in
+float32), every residual add runs fused (for ViT across layers), alpha_min < 1 gives the decayed
+function written out by hand, and the keys of the state_dict stay."""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+import dres
+from dres import ops
+from dres.nn import set_backend
+from test_nn import perturb_
+
+transformers = pytest.importorskip("transformers")
+from transformers import BertConfig, BertForMaskedLM, ViTConfig, ViTForImageClassification, ViTModel  # noqa: E402
+
+F64 = dict(rtol=1e-12, atol=1e-12)
+
+
+def tiny_vit(cls=ViTForImageClassification, **kw) -> nn.Module:
+    torch.manual_seed(0)
+    args = dict(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                intermediate_size=64, num_labels=5, layer_norm_eps=1e-6)
+    return perturb_(cls(ViTConfig(**{**args, **kw}))).eval()
+
+
+def tiny_bert(**kw) -> nn.Module:
+    torch.manual_seed(0)
+    args = dict(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return perturb_(BertForMaskedLM(BertConfig(**{**args, **kw}))).eval()
+
+
+def hf_layers(vit: nn.Module) -> nn.ModuleList:
+    """A ViTModel's layers: ``layers`` from transformers 5 on, ``encoder.layer`` before."""
+    return vit.layers if hasattr(vit, "layers") else vit.encoder.layer
+
+
+def vit_inputs(dtype=torch.float64, device="cpu"):
+    return {"pixel_values": torch.randn(2, 3, 16, 16, dtype=dtype, device=device)}
+
+
+def bert_inputs(device="cpu"):
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0  # a padded sequence: the attention mask reaches the converted layers
+    return {"input_ids": torch.randint(0, 40, (2, 7), generator=g).to(device), "attention_mask": mask.to(device)}
+
+
+def outputs_and_grads(model, inputs: dict, grad_input: Optional[str]):
+    """The model's logits, the gradient of a loss on them into ``inputs[grad_input]`` (None: no input
+    gradient) and into every parameter (a loss through all logits, so every parameter and input element gets gradient)."""
+    inputs = {k: v.detach().clone().requires_grad_(k == grad_input) for k, v in inputs.items()}
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs).logits
+    out.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), None if grad_input is None else inputs[grad_input].grad, grads
+
+
+def assert_same_function(original, converted, inputs, grad_input, **tol):
+    out_a, din_a, grads_a = outputs_and_grads(original, inputs, grad_input)
+    out_b, din_b, grads_b = outputs_and_grads(converted, inputs, grad_input)
+    torch.testing.assert_close(out_b, out_a, **tol)
+    torch.testing.assert_close(din_b, din_a, **tol)
+    assert grads_b.keys() == grads_a.keys() == {n for n, _ in original.named_parameters()}
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], **tol, msg=lambda m: f"{name}: {m}")
+
+
+class CallCounts:
+    """How often the fused ops and torch's LayerNorm forward run inside the block."""
+
+    def __enter__(self):
+        self.patches = [mock.patch.object(ops, name, wraps=getattr(ops, name))
+                        for name in ("residual_layer_norm", "residual_add")]
+        self.patches.append(mock.patch.object(nn.LayerNorm, "forward", autospec=True,
+                                              side_effect=nn.LayerNorm.forward))
+        self.mocks = [p.start() for p in self.patches]
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.patches:
+            p.stop()
+
+    @property
+    def counts(self):
+        return tuple(m.call_count for m in self.mocks)  # (residual_layer_norm, residual_add, LayerNorm)
+
+
+# ---------------------------------------------------------------------------------------------
+# ViT: pre-LN, the stream carried across layers
+
+
+@pytest.mark.parametrize("cls", [ViTForImageClassification, ViTModel])
+def test_vit_alpha1_keeps_function_and_weights(cls):
+    original = tiny_vit(cls).double()
+    converted = copy.deepcopy(original)
+    assert dres.convert_hf_vit(converted, backend="torch") is converted
+    assert converted.state_dict().keys() == original.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(converted.state_dict().values(), original.state_dict().values()))
+    if cls is ViTModel:  # its outputs are the final-normed tokens and the pooled class token
+        inputs = vit_inputs()
+        a, b = original(**inputs), converted(**inputs)
+        torch.testing.assert_close(b.last_hidden_state, a.last_hidden_state, **F64)
+        torch.testing.assert_close(b.pooler_output, a.pooler_output, **F64)
+        return
+    assert_same_function(original, converted, vit_inputs(), "pixel_values", **F64)
+
+
+def test_vit_every_add_is_fused_with_the_next_norm():
+    """Depth 3: six residual_layer_norm calls (the last with the final layernorm) and one LayerNorm of
+    torch's (the first layer's, whose input is no add); hidden states of every layer unchanged."""
+    original, converted = tiny_vit().double(), dres.convert_hf_vit(tiny_vit().double(), backend="torch")
+    inputs = vit_inputs()
+    with CallCounts() as calls:
+        out = converted(**inputs, output_hidden_states=True)
+    assert calls.counts == (6, 0, 1)
+    want = original(**inputs, output_hidden_states=True)
+    assert len(out.hidden_states) == 4
+    for a, b in zip(out.hidden_states, want.hidden_states):
+        torch.testing.assert_close(a, b, **F64)
+
+
+def test_vit_dropout_in_training_keeps_function():
+    """Training mode with dropout in the branches and on the attention weights: same random draws in
+    the same order, so the same outputs and gradients."""
+    original = tiny_vit(hidden_dropout_prob=0.2, attention_probs_dropout_prob=0.2).double().train()
+    converted = dres.convert_hf_vit(copy.deepcopy(original), backend="torch")
+    results = []
+    for model in (original, converted):
+        torch.manual_seed(3)
+        results.append(outputs_and_grads(model, vit_inputs(), "pixel_values"))
+    (out_a, din_a, grads_a), (out_b, din_b, grads_b) = results
+    torch.testing.assert_close(out_b, out_a, **F64)
+    torch.testing.assert_close(din_b, din_a, **F64)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], **F64)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_vit_gradient_checkpointing_ends_layers_with_a_plain_add(use_reentrant):
+    """Checkpointed layers are recomputed one by one in the backward: nothing is handed across."""
+    original = tiny_vit().double().train()
+    converted = dres.convert_hf_vit(copy.deepcopy(original), backend="torch")
+    for model in (original, converted):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    with CallCounts() as calls:
+        assert_same_function(original, converted, vit_inputs(), "pixel_values", **F64)
+    # per layer one fused add+norm in the forward and again in the recompute (so the layers are
+    # checkpointed), and a plain residual_add (which the non-reentrant recompute stops before)
+    fused, plain, _ = calls.counts
+    assert fused == 2 * 3 and plain in (3, 2 * 3)
+
+
+def test_vit_decayed_is_the_decayed_function():
+    model = tiny_vit().double()
+    inputs = vit_inputs()
+    original = model(**inputs).logits
+    dres.convert_hf_vit(model, alpha_min=0.6, backend="torch")
+    alphas = torch.tensor(dres.nn.decay_schedule(6, 0.6), dtype=torch.float32).tolist()
+    out = model(**inputs).logits
+    assert (out - original).abs().max() > 1e-3
+
+    vit = model.vit  # the decayed ViT written out with the model's own modules
+    x = vit.embeddings(inputs["pixel_values"])
+    for k, layer in enumerate(hf_layers(vit)):
+        h = layer.attention(nn.LayerNorm.forward(layer.layernorm_before, x))
+        h = h[0] if isinstance(h, tuple) else h
+        x = alphas[2 * k] * x + (layer.dropout(h) if hasattr(layer, "mlp") else h)
+        y = layer.layernorm_after(x)
+        h = layer.mlp(y) if hasattr(layer, "mlp") else layer.output.dense(layer.intermediate(y))
+        x = alphas[2 * k + 1] * x + h
+    want = model.classifier(nn.LayerNorm.forward(vit.layernorm, x)[:, 0])
+    torch.testing.assert_close(out, want, **F64)
+
+
+def test_vit_triton_interpreter(triton_device):
+    original = tiny_vit(num_hidden_layers=2).to(triton_device)
+    converted = dres.convert_hf_vit(copy.deepcopy(original), backend="triton")
+    with CallCounts() as calls:
+        assert_same_function(original, converted, vit_inputs(torch.float32, triton_device), "pixel_values",
+                             rtol=1e-4, atol=1e-5)
+    assert calls.counts[:2] == (4, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# BERT: post-LN, each add fused with its own norm
+
+
+def test_bert_alpha1_keeps_function_and_weights():
+    original = tiny_bert().double()
+    converted = dres.convert_hf_bert(copy.deepcopy(original), backend="torch")
+    assert converted.state_dict().keys() == original.state_dict().keys()
+    inputs = bert_inputs()
+    with CallCounts() as calls:
+        assert_same_function(original, converted, inputs, None, **F64)  # token ids: every parameter
+    assert calls.counts[:2] == (2 * 2, 0)  # 2 layers x 2 adds, all fused (the original's norms are torch's)
+    embeds = {"inputs_embeds": original.bert.embeddings.word_embeddings(inputs["input_ids"]).detach(),
+              "attention_mask": inputs["attention_mask"]}
+    assert_same_function(original, converted, embeds, "inputs_embeds", **F64)  # and the input
+
+
+def test_bert_decayed_is_the_decayed_function():
+    model = tiny_bert().double()
+    inputs = bert_inputs()
+    dres.convert_hf_bert(model, alpha_min=0.5, backend="torch")
+    alphas = torch.tensor(dres.nn.decay_schedule(4, 0.5), dtype=torch.float32).tolist()
+    bert = model.bert
+    x = bert.embeddings(input_ids=inputs["input_ids"])
+    mask = (1.0 - inputs["attention_mask"][:, None, None, :].double()) * torch.finfo(torch.float64).min
+    for k, layer in enumerate(bert.encoder.layer):
+        attn = layer.attention.self(x, attention_mask=mask)
+        attn = attn[0] if isinstance(attn, tuple) else attn
+        x = nn.LayerNorm.forward(layer.attention.output.LayerNorm, alphas[2 * k] * x + layer.attention.output.dense(attn))
+        h = layer.output.dense(layer.intermediate(x))
+        x = nn.LayerNorm.forward(layer.output.LayerNorm, alphas[2 * k + 1] * x + h)
+    torch.testing.assert_close(model(**inputs).logits, model.cls(x), **F64)
+
+
+def test_bert_triton_interpreter(triton_device):
+    original = tiny_bert().to(triton_device)
+    converted = dres.convert_hf_bert(copy.deepcopy(original), backend="triton")
+    ids = bert_inputs(triton_device)
+    embeds = {"inputs_embeds": original.bert.embeddings.word_embeddings(ids["input_ids"]).detach(),
+              "attention_mask": ids["attention_mask"]}
+    assert_same_function(original, converted, embeds, "inputs_embeds", rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments and models refused
+
+
+def test_converters_refuse_other_models_and_second_conversions():
+    with pytest.raises(TypeError, match="ViTModel"):
+        dres.convert_hf_vit(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="BertModel"):
+        dres.convert_hf_bert(nn.Linear(2, 2))
+    with pytest.raises(TypeError):  # transformers 5: no encoder.layer; 4.x: layers without a LayerNorm add
+        dres.convert_hf_bert(tiny_vit())
+    model = dres.convert_hf_vit(tiny_vit())
+    with pytest.raises(ValueError, match="already converted"):
+        dres.convert_hf_vit(model)
+    model = dres.convert_hf_bert(tiny_bert())
+    with pytest.raises(ValueError, match="already converted"):
+        dres.convert_hf_bert(model)
+    model = tiny_vit()
+    hf_layers(model.vit)[1].layernorm_after = nn.RMSNorm(32)
+    with pytest.raises(TypeError, match="layer 1.layernorm_after is RMSNorm"):
+        dres.convert_hf_vit(model)
+    with pytest.raises(ValueError, match="alpha_min"):
+        dres.convert_hf_bert(tiny_bert(), alpha_min=2.0)
+
+
+def test_set_backend_reaches_converted_layers():
+    vit = set_backend(dres.convert_hf_vit(tiny_vit(), backend="torch"), "triton")
+    bert = set_backend(dres.convert_hf_bert(tiny_bert(), backend="torch"), "triton")
+    fused = [m for m in list(vit.modules()) + list(bert.modules()) if getattr(m, "_dres_fused", False)]
+    assert len(fused) == 3 + 2 * 2 and all(m.backend == "triton" for m in fused)
