@@ -212,6 +212,22 @@ def test_second_signal_stops_at_once_without_saving(tmp_path):
     assert C.list_checkpoints(out / "checkpoints") == []
 
 
+def test_signal_during_the_final_evaluation_stops_at_once(tmp_path, capsys, monkeypatch):
+    """No step to finish: the training's checkpoint is already written, so the stop is immediate."""
+    def signalled_evaluate(tr):
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise AssertionError("the evaluation went on after SIGTERM")
+
+    monkeypatch.setattr(TASK, "evaluate", signalled_evaluate)
+    out = tmp_path / "run"
+    assert _train(out) == EXIT_INTERRUPTED
+    err = _one_line_error(capsys)
+    assert err == (f"dres-train: stopped by SIGTERM during the evaluation after step 4; the checkpoint "
+                   f"{out / 'checkpoints' / 'step_00000004.pt'} is written, evaluate it with dres-eval {out} "
+                   f"(exit status {EXIT_INTERRUPTED})")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and not (out / "run.lock").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dist", ["ddp", "fsdp"])
 def test_two_processes_agree_to_stop_when_one_rank_is_signalled(tmp_path, dist):

@@ -580,9 +580,12 @@ class StopOnSignal:
         tr, name = self.tr, signal.Signals(signum).name
         tr.stop_signal = name
         if not tr.in_loop:
-            last = f"; the last checkpoint is {tr.last_good}" if tr.last_good else ""
-            raise Interrupted(f"stopped by {name} outside the training steps (at step {tr.step}){last} "
-                              f"(exit status {EXIT_INTERRUPTED})")
+            if tr.summary:  # fit() has returned
+                where = (f"during the evaluation after step {tr.step}; the checkpoint {tr.last_good} is written, "
+                         f"evaluate it with dres-eval {tr.out}")
+            else:
+                where = "before training started" + (f" (from {tr.last_good})" if tr.last_good else "")
+            raise Interrupted(f"stopped by {name} {where} (exit status {EXIT_INTERRUPTED})")
         wait = "this step" if tr.info.world == 1 else f"the next log step (log.every={tr.cfg.log.every})"
         tr.log(f"[dres] {name}: stopping after {wait} with a checkpoint; a second signal stops at once, unsaved")
 
