@@ -8,18 +8,27 @@ each block's attention and MLP add (with the block's LayerScale and DropPath app
 is fused with the next norm; the last add is a ``residual_add`` and the model's own ``norm`` follows.
 
 Paths that call blocks one at a time (gradient checkpointing's ``checkpoint_seq``, attention masks,
-``forward_intermediates``) get each block's decayed but unfused forward, so every path computes the
-same function. With ``alpha_min = 1`` that function is the original model's.
+``forward_intermediates``) get each block's decayed forward with its adds unfused from the norms, so
+every path computes the same function. With the defaults that function is the original model's.
+
+``drop_path`` / ``droppath_mode``: drop path (timm's, scaled by 1/keep) or ResidualDroppath, as
+:func:`dres.convert_timm_resnet` and the dres ViT have them: per-sample scales of each residual's
+branch from a :class:`dres.nn.ResidualDroppath` controller attached as ``model.droppath`` (rates
+linear in depth over blocks, both residuals of a block sharing its rate; its state, the key
+``droppath._extra_state``, travels with checkpoints; the training loop calls
+``model.droppath.next_iteration()`` once per optimizer step). A timm ``DropPath`` the model was
+created with keeps acting on the branch.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
+from dres.nn.droppath import NO_SCALES, ResidualDroppath, build_droppath, droppath_scales
 from dres.nn.schedule import decay_schedule
 from dres.nn.transformer import ResidualStream, add_and_norm
 
@@ -33,29 +42,39 @@ def _branch_tail(blk: nn.Module, which: int):
     return lambda h: dp(ls(h))
 
 
-def _decayed_block_forward(blk: nn.Module, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """A timm Block's forward with decayed shortcuts, unfused (for paths that call blocks one by one)."""
-    a1, a2 = blk._dres_alphas
-    x = a1 * x + _branch_tail(blk, 1)(blk.attn(blk.norm1(x), *args, **kwargs))
-    return a2 * x + _branch_tail(blk, 2)(blk.mlp(blk.norm2(x)))
+def _decayed_block_forward(stream: "FusedTimmBlocks", index: int, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Block ``index``'s forward with decayed shortcuts and dropped paths, its adds unfused from the
+    norms (for paths that call blocks one by one); ``args``/``kwargs`` go to the attention."""
+    blk = stream[index]
+    attention_alpha, mlp_alpha = stream.block_alphas(index)
+    scales = stream.droppath_scales(x)
+    attention_scales, mlp_scales = (NO_SCALES, NO_SCALES) if scales is None else scales[2 * index:2 * index + 2]
+    h = _branch_tail(blk, 1)(blk.attn(blk.norm1(x), *args, **kwargs))
+    x, _ = add_and_norm(h, x, None, attention_alpha, attention_scales, stream.backend)
+    h = _branch_tail(blk, 2)(blk.mlp(blk.norm2(x)))
+    return add_and_norm(h, x, None, mlp_alpha, mlp_scales, stream.backend)[0]
 
 
 def _fused_block_forward(blk: nn.Module, hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
                          scales=None, *, backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A timm Block in the fused-residual form of :meth:`dres.nn.Block.forward`. ``scales`` (from the
-    shared loop) are all None here: the block's own DropPath modules drop its branches."""
-    entering, y = add_and_norm(hidden_states, residual, blk.norm1, blk.alphas[0], backend=backend)
-    residual, y = add_and_norm(_branch_tail(blk, 1)(blk.attn(y)), entering, blk.norm2, blk.alphas[1], backend=backend)
+    """A timm Block in the fused-residual form of :meth:`dres.nn.Block.forward`; ``scales``: the
+    drop-path scales of the residual entering the block and of its attention add (None: none)."""
+    entering_scales, attention_scales = (NO_SCALES, NO_SCALES) if scales is None else scales
+    entering, y = add_and_norm(hidden_states, residual, blk.norm1, blk.alphas[0], entering_scales, backend)
+    residual, y = add_and_norm(_branch_tail(blk, 1)(blk.attn(y)), entering, blk.norm2, blk.alphas[1],
+                               attention_scales, backend)
     return _branch_tail(blk, 2)(blk.mlp(y)), residual
 
 
 class FusedTimmBlocks(ResidualStream, nn.Sequential):
     """timm ViT blocks run on the fused residual stream (same children, same state_dict keys): each
-    block gets the non-persistent ``alphas`` buffer of a :class:`dres.nn.Block`."""
+    block gets the non-persistent ``alphas`` buffer of a :class:`dres.nn.Block`. ``droppath``: the
+    controller of the residuals' drop-path scales (held by the model, not registered here)."""
 
     _dres_fused = True
 
-    def __init__(self, blocks: Sequence[nn.Module], alphas: Sequence[float], backend: Optional[str] = None):
+    def __init__(self, blocks: Sequence[nn.Module], alphas: Sequence[float], backend: Optional[str] = None,
+                 droppath: Optional[ResidualDroppath] = None):
         super().__init__(*blocks)
         device = blocks[0].norm1.weight.device
         for blk in blocks:
@@ -63,15 +82,22 @@ class FusedTimmBlocks(ResidualStream, nn.Sequential):
         self.register_buffer("final_alpha", torch.ones((), device=device), persistent=False)
         self.set_alphas(alphas)
         self.backend = backend
+        self.droppath_scales = functools.partial(droppath_scales, droppath)  # a partial: no second registration
 
     def stream_blocks(self) -> Sequence[nn.Module]:
         return list(self)
+
+    def block_alphas(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The alphas of block ``index``'s attention add and of its MLP add (the residual entering the
+        next block, owned by it, or the stream's final one)."""
+        mlp_alpha = self[index + 1].alphas[0] if index + 1 < len(self) else self.final_alpha
+        return self[index].alphas[1], mlp_alpha
 
     def fused_call(self, block: nn.Module):
         return functools.partial(_fused_block_forward, block, backend=self.backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.run_stream(x, norm=None)[0]  # the model's own norm follows, as before
+        return self.run_stream(x, norm=None, scales=self.droppath_scales(x))[0]  # the model's own norm follows
 
 
 def _check_block(i: int, blk: nn.Module) -> None:
@@ -86,22 +112,47 @@ def _check_block(i: int, blk: nn.Module) -> None:
                             "the last dimension only")
 
 
+def has_timm_drop_path(blk: nn.Module) -> bool:
+    """Whether a timm ViT block drops its branches itself (the model was created with drop_path_rate > 0)."""
+    return any(not isinstance(getattr(blk, name, None) or nn.Identity(), nn.Identity)
+               for name in ("drop_path", "drop_path1", "drop_path2"))
+
+
+def refuse_two_drop_paths(drop_path: float, blocks: Sequence[nn.Module], has_own: Callable[[nn.Module], bool]) -> None:
+    """A converter's ``drop_path`` and the model's own DropPath would drop every branch twice."""
+    if drop_path > 0 and any(has_own(blk) for blk in blocks):
+        raise ValueError("the model already drops paths with timm's DropPath; create it with drop_path_rate=0 "
+                         "and pass drop_path= here")
+
+
 def convert_timm_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "linspace", per_block: bool = False,
-                     backend: Optional[str] = None) -> nn.Module:
+                     drop_path: float = 0.0, droppath_mode: str = "drop_path", backend: Optional[str] = None,
+                     droppath_seed: int = 0) -> nn.Module:
     """Make ``model`` (a timm VisionTransformer) use decayed, fused residuals; returns the same object.
 
-    alpha_min / schedule / per_block: as :func:`dres.nn.decay_schedule` over the ``2*depth`` residuals.
+    alpha_min / schedule / per_block: as :func:`dres.nn.decay_schedule` over the ``2*depth`` residuals
+    (``model.blocks.set_alphas`` changes them later). drop_path: the deepest block's drop rate (0:
+    none, whatever the mode); droppath_mode: "drop_path" (timm, scaled by 1/keep) or
+    "residual_droppath" (Park). backend: of :mod:`dres.ops` (``dres.nn.set_backend`` changes it later).
     Weights are not touched (no zero-initialisation: the model is presumably pretrained).
     """
     blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, FusedTimmBlocks):
+        raise ValueError("model.blocks is already converted (model.blocks.set_alphas changes the alphas)")
     if not isinstance(blocks, nn.Sequential) or len(blocks) == 0:
         raise TypeError(f"expected a timm VisionTransformer with an nn.Sequential `blocks`, got {type(model).__name__}")
     for i, blk in enumerate(blocks):
         _check_block(i, blk)
+    refuse_two_drop_paths(drop_path, blocks, has_timm_drop_path)
+    droppath = build_droppath(None, drop_path, droppath_mode, 2 * len(blocks), droppath_seed)
     # rounded to float32 as the kernels read them, so fused and block-by-block paths agree exactly
     alphas = torch.tensor(decay_schedule(2 * len(blocks), alpha_min, schedule, per_block), dtype=torch.float32).tolist()
-    for i, blk in enumerate(blocks):
-        blk._dres_alphas = (alphas[2 * i], alphas[2 * i + 1])
-        blk.forward = functools.partial(_decayed_block_forward, blk)
-    model.blocks = FusedTimmBlocks(list(blocks), alphas, backend)
+    if droppath is not None:
+        droppath = droppath.to(blocks[0].norm1.weight.device)
+    stream = FusedTimmBlocks(list(blocks), alphas, backend, droppath)
+    for i, blk in enumerate(stream):
+        blk.forward = functools.partial(_decayed_block_forward, stream, i)
+    model.blocks = stream
+    if droppath is not None:
+        model.droppath = droppath
     return model

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from dres import ops
+from dres.convert import refuse_two_drop_paths
 from dres.nn.droppath import ResidualDroppath
 from dres.nn.schedule import decay_schedule
 
@@ -86,12 +87,12 @@ def convert_timm_resnet(model: nn.Module, alpha_min: float = 1.0, schedule: str 
     branches = {Bottleneck: (_bottleneck_branch, "act3"), BasicBlock: (_basic_branch, "act2")}
     for i, blk in enumerate(blocks):
         if type(blk) not in branches:
-            raise TypeError(f"block {i} is a {type(blk).__name__}; only timm BasicBlock and Bottleneck can be converted")
+            kind = type(blk)
+            raise TypeError(f"block {i} is a {kind.__module__}.{kind.__qualname__}; only timm's "
+                            "timm.models.resnet.BasicBlock and Bottleneck can be converted")
         if getattr(blk, "_dres_fused", False):
             raise ValueError(f"block {i} is already converted")
-        if drop_path > 0 and blk.drop_path is not None:
-            raise ValueError("the model already drops paths with timm's DropPath; create it with drop_path_rate=0 "
-                             "and pass drop_path= here")
+    refuse_two_drop_paths(drop_path, blocks, lambda blk: blk.drop_path is not None)
     droppath = (ResidualDroppath(drop_path, len(blocks), mode=droppath_mode, residuals_per_block=1, seed=droppath_seed)
                 if drop_path > 0 else None)
     alphas = decay_schedule(len(blocks), alpha_min, schedule)

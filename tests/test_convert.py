@@ -1,6 +1,9 @@
 """dres.convert_timm_vit on a small timm VisionTransformer: alpha_min = 1 keeps the function (forward
 and gradients; float64 reference backend to 1e-9, Triton interpreter in float32 to 1e-4), alpha_min < 1
-changes it to exactly the decayed one, weights and state_dict keys stay untouched."""
+changes it to exactly the decayed one, weights and state_dict keys stay untouched; drop path and
+ResidualDroppath behave as in dres's own ViT stack and as in the ResNet converter."""
+
+import copy
 
 import pytest
 import torch
@@ -8,7 +11,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 import dres
 from dres.convert import FusedTimmBlocks
-from dres.nn import decay_schedule
+from dres.nn import ResidualDroppath, TransformerStack, decay_schedule
 from test_nn import assert_grads_close, param_grads, perturb_
 
 
@@ -60,8 +63,11 @@ def test_convert_decayed_is_the_decayed_function():
     # block-by-block paths (gradient checkpointing) run each block's decayed, unfused forward
     model.set_grad_checkpointing(True)
     torch.testing.assert_close(model(imgs), out, rtol=1e-9, atol=1e-9)
-    # converting again re-sets the schedule (alpha_min = 1 gives back the original function)
-    dres.convert_timm_vit(model, alpha_min=1.0, backend="torch")
+    # a second conversion is refused; set_alphas changes the schedule of both paths (ones: the original)
+    with pytest.raises(ValueError, match="already converted"):
+        dres.convert_timm_vit(model, alpha_min=1.0)
+    model.blocks.set_alphas([1.0] * 6)
+    torch.testing.assert_close(model(imgs), original, rtol=1e-9, atol=1e-9)
     model.set_grad_checkpointing(False)
     torch.testing.assert_close(model(imgs), original, rtol=1e-9, atol=1e-9)
 
@@ -83,3 +89,104 @@ def test_convert_rejects_non_vit():
     model.blocks[1].norm2 = torch.nn.RMSNorm(32)
     with pytest.raises(TypeError, match="block 1.norm2 is RMSNorm"):
         dres.convert_timm_vit(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Drop path and ResidualDroppath
+
+
+def block_grads(module, prefix=""):
+    return {n[len(prefix):]: p.grad.clone() for n, p in module.named_parameters() if n.startswith(prefix)}
+
+
+@pytest.mark.parametrize("mode", ["drop_path", "residual_droppath"])
+def test_droppath_is_that_of_the_dres_vit_stack(mode):
+    """The converted blocks and a dres TransformerStack holding the same weights, each with a
+    controller of the same seed, rate and mode: equal outputs and parameter gradients over an even
+    and an odd iteration, with both kinds of sample drawn."""
+    model = small_vit(depth=3, mlp_ratio=2.0).double().train()
+    dres.convert_timm_vit(model, drop_path=0.5, droppath_mode=mode, droppath_seed=7, backend="torch")
+    assert model.droppath.rates == pytest.approx([0.0, 0.0, 0.25, 0.25, 0.5, 0.5])  # linear over blocks
+    stack = TransformerStack(32, 3, 2, mlp_ratio=2.0, final_norm=False, backend="torch").double().train()
+    stack.load_state_dict({k: v for k, v in model.state_dict().items() if k.startswith("blocks.")})  # same names
+    controller = ResidualDroppath(0.5, 6, mode=mode, seed=7).train()
+    x = torch.randn(8, 5, 32, dtype=torch.float64)
+    for _ in range(2):  # an even and an odd iteration
+        model.zero_grad(), stack.zero_grad()
+        got = model.blocks(x)
+        want, _ = stack(x, scales=controller.scales(8, x.device))
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        got.square().sum().backward(), want.square().sum().backward()
+        got_grads, want_grads = block_grads(model, "blocks."), block_grads(stack, "blocks.")
+        assert got_grads.keys() == want_grads.keys()
+        for name in want_grads:
+            torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-10, atol=1e-12)
+        model.droppath.next_iteration(), controller.next_iteration()
+    masks = model.droppath.masks
+    assert 0 < masks[2:].sum() < masks[2:].numel()
+    # and the block-by-block path (gradient checkpointing) drops the same paths
+    model.set_grad_checkpointing(True)
+    imgs = torch.randn(8, 3, 16, 16, dtype=torch.float64)
+    by_block = model(imgs)
+    model.set_grad_checkpointing(False)
+    torch.testing.assert_close(by_block, model(imgs), rtol=1e-12, atol=1e-12)
+
+
+def test_drop_path_scales_kept_samples_and_eval_is_plain():
+    model = small_vit(depth=2).double().train()
+    plain = copy.deepcopy(model).eval()
+    dres.convert_timm_vit(model, drop_path=0.5, backend="torch")
+    x = torch.randn(16, 5, 32, dtype=torch.float64)
+    out = model.blocks(x)
+    m = model.droppath.masks[3]  # the deepest block's MLP residual, rate 0.5
+    assert 0 < m.sum() < 16
+    blk = model.blocks[1]
+    mid = x
+    for b in plain.blocks[:1]:
+        mid = b(mid)
+    mid = mid + (model.droppath.masks[2] / 0.5).view(-1, 1, 1) * blk.attn(blk.norm1(mid))
+    torch.testing.assert_close(out, mid + (m / 0.5).view(-1, 1, 1) * blk.mlp(blk.norm2(mid)))
+    model.eval()
+    imgs = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    torch.testing.assert_close(model(imgs), plain(imgs), rtol=1e-12, atol=1e-12)
+
+
+def test_residual_droppath_triton_interpreter(triton_device):
+    """The Triton kernels with per-sample scales inside converted timm blocks (odd iteration: value of
+    the plain network, gradient only into dropped branches) against the reference backend."""
+    model = dres.convert_timm_vit(small_vit(depth=2), drop_path=0.6, droppath_mode="residual_droppath",
+                                  backend="triton").to(triton_device).train()
+    reference = dres.nn.set_backend(copy.deepcopy(model), "torch")
+    imgs = torch.randn(4, 3, 16, 16, device=triton_device)
+    for _ in range(2):  # an even and an odd iteration
+        want_grads = param_grads(reference, lambda: reference(imgs).square().sum())
+        got_grads = param_grads(model, lambda: model(imgs).square().sum())
+        torch.testing.assert_close(model(imgs), reference(imgs), rtol=1e-4, atol=1e-4)
+        assert_grads_close(got_grads, want_grads, rtol=1e-3, atol=1e-4)
+        model.droppath.next_iteration(), reference.droppath.next_iteration()
+
+
+def test_timm_drop_path_of_the_model_is_kept():
+    """A model created with timm's drop_path_rate keeps its DropPath on the branch (same function)."""
+    original = small_vit(drop_path_rate=0.5).double().train()
+    converted = dres.convert_timm_vit(copy.deepcopy(original), backend="torch")
+    imgs = torch.randn(4, 3, 16, 16, dtype=torch.float64)
+    outs = []
+    for model in (original, converted):
+        torch.manual_seed(3)
+        outs.append(model(imgs))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="drop_path_rate=0"):
+        dres.convert_timm_vit(copy.deepcopy(original), drop_path=0.1)
+
+
+def test_controller_state_travels_with_the_state_dict():
+    model = dres.convert_timm_vit(small_vit(), drop_path=0.1, droppath_mode="residual_droppath")
+    assert list(model.state_dict()) == list(small_vit().state_dict()) + ["droppath._extra_state"]
+    model.train()(torch.randn(2, 3, 16, 16))
+    model.droppath.next_iteration()
+    other = dres.convert_timm_vit(small_vit(), drop_path=0.1, droppath_mode="residual_droppath")
+    other.load_state_dict(model.state_dict())
+    assert other.droppath.iteration == 1
+    with pytest.raises(ValueError, match="mode must be one of"):
+        dres.convert_timm_vit(small_vit(), drop_path=0.1, droppath_mode="dropout")

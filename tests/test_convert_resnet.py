@@ -210,6 +210,14 @@ def test_bad_models_and_arguments():
         dres.convert_timm_resnet(tiny_resnet(BasicBlock, False), alpha_min=1.5)
 
 
+def test_torchvision_resnet_is_refused_by_its_full_class_name():
+    """torchvision has a BasicBlock too: the error names the class with its module."""
+    import torchvision
+
+    with pytest.raises(TypeError, match=r"block 0 is a torchvision\.models\.resnet\.BasicBlock; only timm's"):
+        dres.convert_timm_resnet(torchvision.models.resnet18())
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.compile
 
