@@ -156,3 +156,58 @@ def convert_timm_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "
     if droppath is not None:
         model.droppath = droppath
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Export: a dres ViT (ViTClassifier, or a ViTEncoder such as MAE's) back to timm's format
+
+
+def _encoder_and_head(model: nn.Module) -> tuple[nn.Module, str, Optional[nn.Linear], str]:
+    """(the ViTEncoder, its key prefix, the classifier head or None, timm's global_pool)."""
+    from dres.models.classifier import ViTClassifier
+    from dres.models.vit import ViTEncoder
+
+    if isinstance(model, ViTClassifier):
+        return model.encoder, "encoder.", model.head, "token" if model.global_pool == "cls" else "avg"
+    if isinstance(model, ViTEncoder):
+        return model, "", None, "token"
+    raise TypeError(f"expected a dres ViTClassifier or ViTEncoder (an MAE's `encoder`), got {type(model).__name__}")
+
+
+def timm_vit_kwargs(model: nn.Module) -> dict:
+    """The arguments of the timm ``VisionTransformer`` that :func:`export_timm_state_dict`'s output
+    loads into, computing ``model``'s function when its alphas are all 1 (see there otherwise)."""
+    encoder, _, head, global_pool = _encoder_and_head(model)
+    blk = encoder.transformer.blocks[0]
+    kwargs = dict(img_size=encoder.patch_embed.img_size, patch_size=encoder.patch_embed.patch_size,
+                  in_chans=encoder.patch_embed.proj.in_channels, embed_dim=encoder.embed_dim, depth=encoder.depth,
+                  num_heads=blk.attn.num_heads, mlp_ratio=blk.mlp.fc1.out_features / encoder.embed_dim,
+                  qkv_bias=blk.attn.qkv.bias is not None, class_token=True, global_pool=global_pool,
+                  fc_norm=False,  # dres normalises every token before pooling, as timm without fc_norm
+                  num_classes=0 if head is None else head.out_features)
+    if encoder.transformer.norm is None:
+        kwargs["final_norm"] = False
+    return kwargs
+
+
+def export_timm_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s weights under timm ``VisionTransformer`` names (``timm_vit_kwargs(model)`` builds
+    the model they load into with ``strict=True``); the drop-path controller's state is left out.
+
+    timm's model is a plain ViT: when ``model`` has decayed shortcuts (alphas below 1), convert it
+    after loading and give it the same alphas, ``dres.convert_timm_vit(vit)`` then
+    ``vit.blocks.set_alphas(model.encoder.transformer.alphas.tolist())``.
+    """
+    encoder, prefix, head, _ = _encoder_and_head(model)
+    renames = [(prefix + "transformer.blocks.", "blocks."), (prefix + "transformer.norm.", "norm."),
+               (prefix + "patch_embed.", "patch_embed."), (prefix + "cls_token", "cls_token"),
+               (prefix + "pos_embed", "pos_embed"), ("head.", "head.")]
+    exported = {}
+    for key, value in model.state_dict().items():
+        if key.endswith("droppath._extra_state"):
+            continue
+        new = next((timm + key[len(dres_name):] for dres_name, timm in renames if key.startswith(dres_name)), None)
+        if new is None:
+            raise ValueError(f"state_dict key {key!r} has no timm VisionTransformer counterpart")
+        exported[new] = value
+    return exported

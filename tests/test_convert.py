@@ -190,3 +190,65 @@ def test_controller_state_travels_with_the_state_dict():
     assert other.droppath.iteration == 1
     with pytest.raises(ValueError, match="mode must be one of"):
         dres.convert_timm_vit(small_vit(), drop_path=0.1, droppath_mode="dropout")
+
+
+# ---------------------------------------------------------------------------------------------
+# Export of a dres ViT to timm's format
+
+
+@pytest.mark.parametrize("global_pool", ["cls", "avg"])
+def test_export_classifier_loads_into_timm_and_computes_the_same(global_pool):
+    from dres.convert import export_timm_state_dict, timm_vit_kwargs
+    from dres.models import create_classifier
+
+    torch.manual_seed(0)
+    model = perturb_(create_classifier("vit_test", global_pool=global_pool)).double().eval()
+    vit = VisionTransformer(**timm_vit_kwargs(model)).double().eval()
+    vit.load_state_dict(export_timm_state_dict(model), strict=True)
+    imgs = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    torch.testing.assert_close(vit(imgs), model(imgs), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("variant", ["paper", "official"])
+def test_export_mae_encoder_with_and_without_final_norm(variant):
+    from dres.convert import export_timm_state_dict, timm_vit_kwargs
+    from dres.models import create_mae
+
+    torch.manual_seed(0)
+    encoder = perturb_(create_mae("mae_vit_test", variant=variant).encoder).double().eval()
+    kwargs = timm_vit_kwargs(encoder)
+    assert kwargs["num_classes"] == 0 and kwargs.get("final_norm", True) == (encoder.transformer.norm is not None)
+    vit = VisionTransformer(**kwargs).double().eval()
+    vit.load_state_dict(export_timm_state_dict(encoder), strict=True)
+    imgs = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    torch.testing.assert_close(vit.forward_features(imgs), encoder(imgs)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_export_decayed_classifier_then_convert_with_its_alphas():
+    """A classifier with decayed shortcuts and a drop-path controller: timm's model computes it once
+    converted and given the same alphas (the controller's state is not exported)."""
+    from dres.convert import export_timm_state_dict, timm_vit_kwargs
+    from dres.models import create_classifier
+
+    torch.manual_seed(0)
+    model = perturb_(create_classifier("vit_test", alpha_min=0.6, drop_path=0.1)).double().eval()
+    state = export_timm_state_dict(model)
+    assert not any("droppath" in k for k in state)
+    vit = VisionTransformer(**timm_vit_kwargs(model)).double().eval()
+    vit.load_state_dict(state, strict=True)
+    dres.convert_timm_vit(vit, backend="torch")
+    vit.blocks.set_alphas(model.encoder.transformer.alphas.tolist())
+    imgs = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    torch.testing.assert_close(vit(imgs), model(imgs), rtol=1e-12, atol=1e-12)
+
+
+def test_export_refuses_other_models_and_unknown_keys():
+    from dres.convert import export_timm_state_dict
+    from dres.models import create_classifier
+
+    with pytest.raises(TypeError, match="ViTClassifier or ViTEncoder"):
+        export_timm_state_dict(small_vit())
+    model = create_classifier("vit_test")
+    model.probe = torch.nn.Linear(32, 2)
+    with pytest.raises(ValueError, match="'probe.weight' has no timm VisionTransformer counterpart"):
+        export_timm_state_dict(model)
