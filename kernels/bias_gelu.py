@@ -138,7 +138,8 @@ def bias_gelu_forward(pre: torch.Tensor, bias: torch.Tensor | None, act: torch.T
     if M == 0:
         return
     pre, stride_pre = rows_of(pre)
-    block_m, block_n, num_warps = forward_config(N)
+    # int(): a symbolic size (a dynamic-shape compile) is specialised here, the tile depends on it
+    block_m, block_n, num_warps = forward_config(int(N))
     _FORWARD((cdiv(M, block_m), cdiv(N, block_n)), (
         pre, bias if bias is not None else pre, act, stride_pre, N, M, N,
         bias is not None, block_m, block_n,
@@ -165,7 +166,7 @@ def bias_gelu_backward(
     f32 = dict(dtype=torch.float32, device=device)
     if M == 0 or N == 0:
         return torch.zeros((N,), **f32) if need_dbias else None
-    block_m, block_n, num_warps, programs_per_sm = backward_config(N)
+    block_m, block_n, num_warps, programs_per_sm = backward_config(int(N))
     col_blocks = cdiv(N, block_n)
     row_tiles = cdiv(M, block_m)
     # Enough programs to fill the GPU (a few per SM) split between the column blocks; each row

@@ -132,7 +132,8 @@ def mae_loss_forward(
     M = B * L
     if M == 0:
         return
-    block_m, block_p, num_warps = mae_loss_config(P)
+    # int(): a symbolic size (a dynamic-shape compile) is specialised here, the tile depends on it
+    block_m, block_p, num_warps = mae_loss_config(int(P))
     _MAE_LOSS((triton.cdiv(M, block_m),), (
         pred, imgs, mask, mask_sum, row_terms, dpred if dpred is not None else row_terms,
         pred.stride(0), pred.stride(1),

@@ -236,7 +236,8 @@ def residual_norm_forward(
     h, stride_h = rows_of(h) if has_h else (x, 0)
     has_norm = y is not None
     alpha_is_ptr = isinstance(alpha, torch.Tensor)
-    block_m, block_d, num_warps = launch_config(D)
+    # int(): a symbolic size (a dynamic-shape compile) is specialised here, the tile depends on it
+    block_m, block_d, num_warps = launch_config(int(D))
     dummy = x
     _FORWARD((cdiv(M, block_m),), (
         x, h, out if has_h else dummy, y if has_norm else dummy,
@@ -279,7 +280,7 @@ def residual_norm_backward(
     device = dx.device
     need_dweight = need_dweight and g_y is not None
     need_dbias = need_dbias and g_y is not None
-    block_m, block_d, num_warps, programs_per_sm = backward_config(D)
+    block_m, block_d, num_warps, programs_per_sm = backward_config(int(D))
     num_stages = None  # Triton's default software pipelining of the tile loop
     if config is not None:  # (BLOCK_M, num_warps, programs per SM[, num_stages]): for tuning sweeps
         block_m, num_warps, programs_per_sm = config[:3]

@@ -233,6 +233,6 @@ def sum_partials(partials: torch.Tensor, outs: list[torch.Tensor]) -> None:
     stacked in ``partials`` (k, rows, D), contiguous: one launch for both."""
     num, rows, dim = partials.shape
     # Narrow column strips, so that many programs share the partials; each walks all rows in order.
-    block_c = _sum_partials_block(dim)
+    block_c = _sum_partials_block(int(dim))
     _SUM_PARTIALS((cdiv(dim, block_c), num),
                   (partials, outs[0], outs[-1], rows, dim, 128, block_c), num_warps=4)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from dres.models import MAE, UVIT_CONFIGS, UViT, ViTClassifier, create_classifier, create_mae, create_uvit
-from dres.nn import decay_schedule, set_backend
+from dres.nn import PatchEmbed, decay_schedule, set_backend
 from test_nn import assert_grads_close, param_grads, perturb_, plain_attention, plain_ln, plain_mlp, plain_stack
 
 F64 = dict(rtol=1e-9, atol=1e-9)
@@ -28,6 +28,20 @@ F32 = dict(rtol=1e-3, atol=1e-4)
 def plain_patch_embed(patch_embed, imgs):
     p = patch_embed.patch_size
     return F.conv2d(imgs, patch_embed.proj.weight, patch_embed.proj.bias, stride=p).flatten(2).transpose(1, 2)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_patch_embed_is_the_strided_convolution(keep):
+    """The patch embedding's matmul over flattened patches is timm's stride-p convolution, also for a
+    subset of the patches (MAE embeds only the visible ones)."""
+    torch.manual_seed(3)
+    pe = PatchEmbed(12, 4, 3, 8).double()
+    imgs = torch.randn(2, 3, 12, 12, dtype=torch.float64)
+    ids = torch.stack([torch.randperm(9)[:4] for _ in range(2)]) if keep else None
+    want = plain_patch_embed(pe, imgs)
+    if keep:
+        want = torch.gather(want, 1, ids.unsqueeze(-1).expand(-1, -1, 8))
+    torch.testing.assert_close(pe(imgs, ids), want, **F64)
 
 
 def plain_unshuffle(x, mask_token, ids_restore):

@@ -442,3 +442,23 @@ def test_residual_droppath_cuda_graph_replay_matches_cpu():
             assert torch.equal(rows.cpu(), want_rows) and torch.equal(grads.cpu(), want_grads)
             cpu.next_iteration()
         assert gpu.iteration == cpu.iteration == 6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,head_dim", [(17, 64), (50, 64), (197, 32), (257, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_backend_choice_matches_the_math_backend(tokens, head_dim, dtype):
+    """Whichever kernel ``sdpa`` picks for a shape, forward and backward agree with attention in float64."""
+    from dres.nn.transformer import sdpa
+
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(4, 3, tokens, head_dim, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    out = sdpa(q, k, v)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    want = torch.softmax(q64 @ k64.transpose(-1, -2) / head_dim ** 0.5, dim=-1) @ v64
+    want_grads = torch.autograd.grad(want, (q64, k64, v64), g.double())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for got, ref in zip((out,) + grads, (want,) + want_grads):
+        assert (got.double() - ref).norm() / ref.norm() < tol

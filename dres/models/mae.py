@@ -182,25 +182,25 @@ class MAE(nn.Module):
         return unpatchify(x, self.in_chans)
 
     @staticmethod
-    def random_masking(x: torch.Tensor, mask_ratio: float, noise: Optional[torch.Tensor] = None):
-        """Per-sample random masking by argsort of uniform noise; returns (kept, mask, ids_restore)."""
-        N, L, D = x.shape
-        len_keep = int(L * (1 - mask_ratio))
+    def random_masking(batch: int, num_patches: int, mask_ratio: float, device: torch.device,
+                       noise: Optional[torch.Tensor] = None):
+        """Per-sample random masking by argsort of uniform noise (MAE's); returns (ids_keep, mask,
+        ids_restore): the kept patches' indices, mask (B, N) with 1 = masked, the unshuffling order."""
+        len_keep = int(num_patches * (1 - mask_ratio))
         if noise is None:
-            noise = torch.rand(N, L, device=x.device)
+            noise = torch.rand(batch, num_patches, device=device)
         ids_shuffle = torch.argsort(noise, dim=1)  # small noise is kept
         ids_restore = torch.argsort(ids_shuffle, dim=1)
-        ids_keep = ids_shuffle[:, :len_keep]
-        kept = torch.gather(x, 1, ids_keep.unsqueeze(-1).expand(-1, -1, D))
-        mask = torch.ones(N, L, device=x.device)
+        mask = torch.ones(batch, num_patches, device=device)
         mask[:, :len_keep] = 0
         mask = torch.gather(mask, 1, ids_restore)
-        return kept, mask, ids_restore
+        return ids_shuffle[:, :len_keep], mask, ids_restore
 
     # ------------------------------------------------------------------------------------------
     def forward_encoder(self, imgs: torch.Tensor, mask_ratio: float, noise: Optional[torch.Tensor] = None):
-        x = self.encoder.embed(imgs)
-        x, mask, ids_restore = self.random_masking(x, mask_ratio, noise)
+        ids_keep, mask, ids_restore = self.random_masking(imgs.shape[0], self.encoder.patch_embed.num_patches,
+                                                          mask_ratio, imgs.device, noise)
+        x = self.encoder.embed(imgs, ids_keep)  # only the kept patches are embedded
         latent, skips = self.encoder.run_blocks(self.encoder.add_cls(x), collect=self.skip_blocks)
         return latent, mask, ids_restore, skips
 

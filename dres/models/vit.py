@@ -64,9 +64,14 @@ class ViTEncoder(nn.Module):
         if (alpha_min < 1.0) if zero_init is None else zero_init:
             self.transformer.zero_init_branch_ends()
 
-    def embed(self, imgs: torch.Tensor) -> torch.Tensor:
-        """Patch tokens plus their position embedding (no class token): (B, N, D)."""
-        return self.patch_embed(imgs) + self.pos_embed[:, 1:, :]
+    def embed(self, imgs: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Patch tokens plus their position embedding (no class token): (B, N, D), or (B, n, D) of the
+        patches ``keep`` (B, n) names."""
+        pos = self.pos_embed[:, 1:, :]
+        if keep is None:
+            return self.patch_embed(imgs) + pos
+        pos = torch.gather(pos.expand(keep.shape[0], -1, -1), 1, keep.unsqueeze(-1).expand(-1, -1, pos.shape[-1]))
+        return self.patch_embed(imgs, keep) + pos
 
     def add_cls(self, x: torch.Tensor) -> torch.Tensor:
         cls = (self.cls_token + self.pos_embed[:, :1, :]).expand(x.shape[0], -1, -1)

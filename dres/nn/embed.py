@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class PatchEmbed(nn.Module):
-    """Image (B, C, H, W) to patch tokens (B, N, D) through a stride-p convolution (timm layout)."""
+    """Image (B, C, H, W) to patch tokens (B, N, D): a stride-p convolution (timm's parameters), computed
+    as one matmul over the flattened patches, of only the patches asked for (MAE's visible quarter)."""
 
     def __init__(self, img_size: int, patch_size: int, in_chans: int, embed_dim: int):
         super().__init__()
@@ -18,10 +22,18 @@ class PatchEmbed(nn.Module):
         self.num_patches = self.grid_size ** 2
         self.proj = nn.Conv2d(in_chans, embed_dim, kernel_size=patch_size, stride=patch_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Tokens of every patch in row-major order, or with ``keep`` (B, n) of those patches only."""
         if x.shape[-2:] != (self.img_size, self.img_size):
             raise ValueError(f"expected images of {self.img_size}x{self.img_size}, got {tuple(x.shape[-2:])}")
-        return self.proj(x).flatten(2).transpose(1, 2)
+        B, C = x.shape[:2]
+        g, p = self.grid_size, self.patch_size
+        # (B, N, C*p*p) in the (C, kh, kw) order of the flattened kernel: a strided convolution is this
+        # matmul, without cuDNN's layout conversions of the image
+        patches = x.reshape(B, C, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(B, g * g, C * p * p)
+        if keep is not None:
+            patches = torch.gather(patches, 1, keep.unsqueeze(-1).expand(-1, -1, patches.shape[-1]))
+        return F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)
 
     def init_like_linear(self) -> None:
         """MAE initialises the patch projection like a Linear (xavier over the flattened kernel)."""

@@ -77,8 +77,24 @@ class Attention(nn.Module):
             out = xformers.ops.memory_efficient_attention(q, k, v)
         else:
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, hd)
-            out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+            out = sdpa(q, k, v).transpose(1, 2)
         return self.proj(out.reshape(B, N, C))
+
+
+# The memory-efficient kernel beat torch's own choice (cuDNN on Hopper) 1.2-1.5x forward+backward at
+# 17, 50 and 65 tokens with 64-wide heads, and lost 2.1x at 257 tokens and with 32-wide heads
+# (BENCHMARKS.md, "Attention backends").
+EFFICIENT_MAX_TOKENS, EFFICIENT_HEAD_DIM = 128, 64
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v)`` (B, H, N, hd), on the backend measured fastest for
+    the shape: the memory-efficient kernel for short sequences of 64-wide heads on CUDA, else torch's choice."""
+    N, hd = q.shape[-2:]
+    if q.is_cuda and N <= EFFICIENT_MAX_TOKENS and hd == EFFICIENT_HEAD_DIM and q.dtype != torch.float64:
+        need_lse = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, need_lse)[0]
+    return F.scaled_dot_product_attention(q, k, v)
 
 
 class Mlp(nn.Module):
