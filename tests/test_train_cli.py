@@ -380,3 +380,17 @@ def test_version(main, prog, capsys):
     import dres
 
     assert _help(main, ["--version"], capsys).strip() == f"{prog} {dres.__version__}"
+
+
+def test_cpu_threads_one_for_narrow_models_else_torch_default(monkeypatch):
+    """Quickstart-sized models lose several times their step to threads spinning on a busy machine."""
+    import torch
+
+    from dres.train import config
+
+    monkeypatch.setattr(config, "_TORCH_THREADS", [])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert config.cpu_threads(build_config("mae", "quickstart")) == 1  # embed_dim 64
+    assert config.cpu_threads(build_config("mae", "quickstart", ["threads=3"])) == 3
+    wide = build_config("mae", "quickstart", ["model.embed_dim=256", "model.num_heads=4"])
+    assert config.cpu_threads(wide) == 8

@@ -175,7 +175,10 @@ class Config:
     # consecutive blocks per FSDP2 unit: its hooks cost CPU time per unit (4 was the fastest measured)
     fsdp_blocks_per_unit: int = 4
     device: str = "auto"      # auto (cuda when available, else cpu) | cpu | cuda
-    threads: int = 0          # CPU intra-op threads (0: torch default)
+    # CPU intra-op threads; 0: one for models narrower than 256 (model.embed_dim: their matrices are too
+    # small to gain from more, and threads spinning beside other work on a busy machine cost several
+    # times the step), else torch's default (a thread per core, or OMP_NUM_THREADS)
+    threads: int = 0
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -352,6 +355,21 @@ def preset_summaries(task: str | None = None) -> dict:
     return out
 
 
+SMALL_MODEL_WIDTH = 256  # model.embed_dim below which threads=0 means one thread
+_TORCH_THREADS = []  # torch's own default, read before any run sets it
+
+
+def cpu_threads(cfg: Config) -> int:
+    """The CPU intra-op threads of a run: ``cfg.threads``, or by the model's width when it is 0."""
+    import torch
+
+    if not _TORCH_THREADS:
+        _TORCH_THREADS.append(torch.get_num_threads())
+    if cfg.threads:
+        return cfg.threads
+    return 1 if cfg.model.embed_dim < SMALL_MODEL_WIDTH else _TORCH_THREADS[0]
+
+
 def _is_path(name: str) -> bool:
     return os.sep in name or "/" in name or Path(name).suffix in (".yaml", ".yml") or (
         name not in list_presets() and Path(name).exists())
@@ -442,7 +460,7 @@ POSITIVE_KEYS = (
     "eval.fid_samples", "eval.curve_probe_epochs")
 # key: what 0 means ('' when 0 is an ordinary value)
 NON_NEGATIVE_KEYS = {
-    "seed": "", "steps": "use epochs", "epochs": "", "threads": "torch default",
+    "seed": "", "steps": "use epochs", "epochs": "", "threads": "by the model's width",
     "data.num_classes": "", "data.num_workers": "", "data.shuffle_buffer": "", "data.limit": "all",
     "data.val_limit": "all", "model.decoder_depth": "", "model.num_classes": "", "optim.blr": "",
     "optim.lr": "from optim.blr", "optim.min_lr": "", "optim.weight_decay": "", "optim.warmup_epochs": "",

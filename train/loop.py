@@ -35,7 +35,7 @@ from dres.data import build_loader, lost_data_line
 from dres.train import checkpoint as C
 from dres.train import distributed as D
 from dres.train import rundir
-from dres.train.config import Config, ConfigError, fingerprint, save_config, to_dict
+from dres.train.config import Config, ConfigError, cpu_threads, fingerprint, save_config, to_dict
 from dres.train.graph_step import GraphedStep, graph_plan, graph_warmup_steps, steady_timing
 from dres.train.optim import build_optimizer, peak_lr
 
@@ -109,8 +109,8 @@ class Trainer:
         self.cfg, self.task = cfg, task
         self.info = D.init(cfg.device, cfg.dist)
         self.device = self.info.device
-        if cfg.threads and self.device.type == "cpu":
-            torch.set_num_threads(cfg.threads)
+        if self.device.type == "cpu":
+            torch.set_num_threads(cpu_threads(cfg))
         self.main = self.info.main
         self._log = log
         self.out = Path(cfg.out or f"runs/{cfg.task}_{cfg.preset or 'custom'}")
