@@ -67,6 +67,9 @@ def test_residual_layer_norm_is_add_then_layer_norm(triton_device, backend, dtyp
     torch.testing.assert_close(y, want[1], **tol)
     params = [plain.weight, plain.bias]
     assert_all_close(grads_of([out, y], [x, h] + params), grads_of(want, [x, h] + params), tol)
+    stream, y = fused(x)  # no branch yet: the stream and its plain LayerNorm
+    assert stream is x
+    torch.testing.assert_close(y, plain(x), **tol)
     # per-sample scales: ResidualDroppath's odd iteration (value of the plain add, gradient (1-m) into h)
     m = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=dtype, device=device)
     out, y = fused(x, h, grad_scale=1 - m)

@@ -77,10 +77,13 @@ class ResidualLayerNorm(FusedLayerNorm):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, backend, device=device, dtype=dtype)
         _register_alpha(self, alpha, device)
 
-    def forward(self, x: torch.Tensor, h: torch.Tensor, row_scale: Optional[torch.Tensor] = None,
+    def forward(self, x: torch.Tensor, h: Optional[torch.Tensor] = None, row_scale: Optional[torch.Tensor] = None,
                 grad_scale: Optional[torch.Tensor] = None, residual_dtype: Optional[torch.dtype] = None,
                 out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: the stream, h: the branch output (B, T, D) or (M, D); row_scale / grad_scale: (B,) or None."""
+        """x: the stream, h: the branch output (B, T, D) or (M, D); row_scale / grad_scale: (B,) or None.
+        h None (the first block of a stack: nothing to add yet): ``(x, LayerNorm(x))``."""
+        if h is None:
+            return x, super().forward(x, out_dtype)
         return ops.residual_layer_norm(x, h, self.weight, self.bias, alpha=self.alpha, eps=self.eps,
                                        row_scale=row_scale, grad_scale=grad_scale, residual_dtype=residual_dtype,
                                        out_dtype=out_dtype, backend=self.backend)
