@@ -265,3 +265,11 @@ def test_set_backend_reaches_converted_layers():
     bert = set_backend(dres.convert_hf_bert(tiny_bert(), backend="torch"), "triton")
     fused = [m for m in list(vit.modules()) + list(bert.modules()) if getattr(m, "_dres_fused", False)]
     assert len(fused) == 3 + 2 * 2 and all(m.backend == "triton" for m in fused)
+
+
+def test_converted_vit_compiles_as_one_graph():
+    """torch.compile(fullgraph=True) traces the carry (the norm's hand-over) without a graph break."""
+    model = dres.convert_hf_vit(tiny_vit(), backend="torch")
+    inputs = vit_inputs(torch.float32)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(**inputs).logits, model(**inputs).logits)
