@@ -87,8 +87,8 @@ def _vit_branches(layer: nn.Module):
 
 
 def _checkpointing(layer: nn.Module, owner: nn.Module) -> bool:
-    """Whether the model's loop recomputes this layer (the flag is the layer's from transformers 4.52
-    on, the encoder's before)."""
+    """Whether the model's loop recomputes this layer (the flag is the layer's in recent transformers
+    versions, the encoder's in older ones)."""
     return layer.training and (getattr(layer, "gradient_checkpointing", False)
                                or getattr(owner, "gradient_checkpointing", False))
 
