@@ -119,7 +119,7 @@ def test_crafted_checkpoint_is_refused_and_its_payload_does_not_run(tmp_path, ca
     assert not marker.exists()
     cfg = build_config("mae", "quickstart", TINY + [f"out={tmp_path / 'run'}"])
     tr = Trainer(cfg, TASK, log=lambda m: None).setup()
-    with pytest.raises(C.UnreadableCheckpoint, match="GLOBAL io.open was not an allowed global"):
+    with pytest.raises(C.UnreadableCheckpoint, match=r"GLOBAL _?io.open was not an allowed global"):
         C.load(evil, tr.model, tr.optimizer)
     assert not marker.exists()
 
