@@ -1,8 +1,10 @@
 """Evaluation pieces: probes, kNN, effective rank (eq. 6), samplers, FID message, PNG grids."""
 
+import json
 import math
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -239,3 +241,52 @@ def test_plots_without_matplotlib_are_one_line_naming_the_extra(args, msg, tmp_p
     assert capsys.readouterr().err.strip() == f"dres-train: error: {msg}" and not (tmp_path / "new").exists()
     with pytest.raises(ModuleNotFoundError, match=r"pip install 'dres\[plots\]'"):
         tsne_plot(torch.randn(20, 4), torch.arange(20) % 2, tmp_path / "t.png")
+
+
+def test_pictures_are_labelled_and_tensorboard_gets_images_hparams_and_curve_points(tmp_path, monkeypatch):
+    """The recon grid names its columns, the t-SNE title says run / model / step / scores, curves.png
+    has the training loss, and TensorBoard holds the images, the hyper-parameters and the curve points."""
+    pytest.importorskip("tensorboard")
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import dres.train.mae
+    from dres.eval import viz
+    from dres.train import cli
+
+    titles = []
+    monkeypatch.setattr(dres.train.mae, "tsne_plot", lambda *a, **k: titles.append(k["title"]) or viz.tsne_plot(*a, **k))
+    out = tmp_path / "qs"
+    assert cli.main(["mae", "--preset", "quickstart", "--out", str(out)] + sum([["--set", o] for o in [
+        "steps=4", "eval.every=2", "log.every=2", "model.depth=2", "model.decoder_depth=1", "batch_size=64",
+        "eval.probe_epochs=2", "eval.curve_probe_epochs=2", "eval.tsne=true", "eval.max_test=60",
+        "log.progress=false", "optim.warmup_steps=1"]], [])) == 0
+    summary = json.loads((out / "summary.json").read_text())["eval"]
+    # a white strip of column names above the 8 x 4 tiles of 16 px enlarged 4x
+    recon = np.asarray(Image.open(summary["recon_png"]))
+    assert recon.shape[0] > 8 * 65 + 1 and (recon[:3] == 255).all() and (recon[3:12] < 128).any()
+    assert titles[0].startswith("qs: MAE official, alpha_min 0.6, step 4\nmean features of block -1 on the val split; "
+                                "linear probe 0.") and ", kNN 0." in titles[0]
+    events = EventAccumulator(str(out / "tb"), size_guidance={"images": 0, "scalars": 0, "tensors": 0}).Reload()
+    tags = events.Tags()
+    assert {"eval/recon", "eval/tsne"} <= set(tags["images"])
+    assert [e.step for e in events.Scalars("curve/knn_acc")] == [2, 4]
+    assert {"eval/knn_acc", "train/loss"} <= set(tags["scalars"])
+    assert "_hparams_/session_start_info" in events.PluginTagToContent("hparams")
+    assert "hparams/knn_acc" in tags["scalars"] and "hparams/final_loss" in tags["scalars"]
+
+
+def test_curves_png_draws_the_training_loss_first(tmp_path, monkeypatch):
+    from dres.eval import curves
+
+    drawn = {}
+    monkeypatch.setattr(curves, "plot_curves", lambda series, path, keys, x, title: drawn.update(
+        series=series, keys=keys, x=x) or str(path))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "epoch": s / 10, "loss": 1 / s, "lr": 0.1})
+                                                    + "\n" for s in range(1, 7)))
+    curves.record_point(tmp_path, {"step": 3, "epoch": 0.3, "knn_acc": 0.5})
+    assert drawn["keys"] == ["loss", "knn_acc"] and drawn["x"] == "epoch"
+    points = drawn["series"][tmp_path.name]
+    assert [p["step"] for p in points if "loss" in p] == list(range(1, 7))
+    assert [p for p in points if "knn_acc" in p] == [{"step": 3, "epoch": 0.3, "knn_acc": 0.5}]
+    assert all("lr" not in p for p in points)

@@ -35,6 +35,7 @@ from dres.data import build_loader, lost_data_line
 from dres.train import checkpoint as C
 from dres.train import distributed as D
 from dres.train import rundir
+from dres.train.common import progress
 from dres.train.config import Config, ConfigError, cpu_threads, fingerprint, save_config, to_dict
 from dres.train.graph_step import GraphedStep, graph_plan, graph_warmup_steps, steady_timing
 from dres.train.optim import build_optimizer, peak_lr
@@ -114,6 +115,7 @@ class Trainer:
         self.main = self.info.main
         self._log = log
         self.out = Path(cfg.out or f"runs/{cfg.task}_{cfg.preset or 'custom'}")
+        cfg.out = str(self.out)  # config.yaml records where the run went, the default resolved
         self.ckpt_dir = self.out / "checkpoints"
         self.precision = resolve_precision(cfg.precision, self.device)
         if self.precision == "fp16" and self.device.type == "cpu":
@@ -129,10 +131,32 @@ class Trainer:
         self.in_loop = False
         self.last_record: dict | None = None  # metrics.jsonl's last record kept on resume
         self.graphed: GraphedStep | None = None
+        self.log_path: Path | None = None  # log.txt, from start_log on
+        self._held: list[str] = []
 
     def log(self, msg):
         if self.main:
             self._log(msg)
+            self._keep(msg)
+
+    def _keep(self, msg):
+        """Copy ``msg`` into ``<out>/log.txt`` once the run has its folder (:meth:`start_log`); held until then."""
+        if self.log_path is None:
+            self._held.append(msg)
+            return
+        try:
+            with open(self.log_path, "a") as f:
+                f.write(msg + "\n")
+        except OSError:  # log.txt copies what was printed; a failed copy does not stop the run
+            pass
+
+    def start_log(self):
+        """From now on :meth:`log` also appends to ``<out>/log.txt``, starting with what it printed before."""
+        if self.main and self.log_path is None:
+            self.log_path = self.out / "log.txt"
+            held, self._held = self._held, []
+            if held:
+                self._keep("\n".join(held))
 
     # ---------------------------------------------------------------- setup
     def setup(self, train=True):
@@ -197,6 +221,8 @@ class Trainer:
         if self.main:
             rundir.publish(self.out / "config.yaml", lambda tmp: save_config(self.cfg, tmp))
             rundir.write_fingerprint(self.out, fingerprint(self.cfg))
+            rundir.record_start(self.out, self.device, self.info.world, self.step)
+            self.start_log()
 
     def autocast(self):
         if self.precision == "fp32":
@@ -378,9 +404,7 @@ class Trainer:
         metrics_f = open(metrics_path, "a") if self.main else None
         bar = None
         if self.main and cfg.log.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=self.total_steps, initial=self.step, dynamic_ncols=True, file=sys.stderr)
+            bar = progress(total=self.total_steps, initial=self.step, unit="step")
         acc_loss, acc_n, acc_metrics = torch.zeros((), device=self.device), 0, {}
         t_last, step_last, seen = time.time(), self.step, 0
         if self.device.type == "cuda":
@@ -425,7 +449,7 @@ class Trainer:
                                 if k != "step":
                                     self.tb.add_scalar(f"train/{k}", v, self.step)
                     if bar:
-                        bar.set_postfix(loss=f"{vals[0]:.4f}", lr=f"{rec['lr']:.2e}", img_s=f"{ips:.0f}")
+                        bar.set_postfix(loss=f"{vals[0]:.4f}", lr=f"{rec['lr']:.2e}", img_s=f"{ips:.0f}", refresh=False)
                     acc_loss, acc_n, acc_metrics = torch.zeros((), device=self.device), 0, {}
                     t_last, step_last = now, self.step
                 if bar:
@@ -485,15 +509,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ eval
     def evaluate(self) -> dict:
+        t0 = time.time()
+        self.log(f"[dres] evaluating step {self.step} ({self.task.name})")
         self.model.eval()
         with torch.no_grad():
             res = self.task.evaluate(self)
+        self.log(f"[dres] evaluation done in {time.time() - t0:.1f}s")
         return res
 
     def curve_point(self) -> dict:
         """The task's cheap evaluation (``task.curve``), recorded with the step and epoch in
         ``<out>/curves.jsonl`` and drawn to ``<out>/curves.png`` (:mod:`dres.eval.curves`)."""
-        from dres.eval import record_point
+        from dres.eval import log_results, record_point
 
         self.model.eval()
         with torch.no_grad():
@@ -501,6 +528,8 @@ class Trainer:
         if self.main and point:
             point = {"step": self.step, "epoch": self.epoch(), **point}
             record_point(self.out, point)
+            if getattr(self, "tb", None):
+                log_results(self.tb, self.step, point, "curve")
         return point
 
     def finish(self, eval_metrics: dict | None = None, *, eval_only=False):
@@ -525,9 +554,10 @@ class Trainer:
                 lines.append(f"[dres] {k}: {v:.4f}" if isinstance(v, float) else f"[dres] {k}: {v}")
             self.log("\n".join(lines))
         if getattr(self, "tb", None):
-            for k, v in (eval_metrics or {}).items():
-                if isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"eval/{k}", v, self.step)
+            from dres.eval import log_hparams, log_results
+
+            log_results(self.tb, self.step, eval_metrics or {}, "eval")
+            log_hparams(self.tb, to_dict(self.cfg), {"final_loss": s.get("final_loss"), **(eval_metrics or {})})
             self.tb.close()
         return s
 

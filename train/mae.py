@@ -51,7 +51,12 @@ class MAETask:
                                      probe_batch=e.probe_batch, probe_wd=e.probe_wd, knn_k=e.knn_k,
                                      num_classes=cfg.data.num_classes, seed=cfg.seed, device=tr.device)
         if tsne:
-            res["tsne_png"] = tsne_plot(xte, yte, tr.out / f"tsne_step{tr.step}.png", seed=cfg.seed)
+            m = cfg.model
+            scores = ", ".join(f"{name} {res[k]:.3f}" for k, name in (("linear_probe_acc", "linear probe"),
+                                                                       ("knn_acc", "kNN")) if k in res)
+            title = (f"{tr.out.name}: MAE {m.variant}, alpha_min {m.alpha_min}, step {tr.step}\n"
+                     f"{e.feature} features of block {e.layer} on the val split" + (f"; {scores}" if scores else ""))
+            res["tsne_png"] = tsne_plot(xte, yte, tr.out / f"tsne_step{tr.step}.png", seed=cfg.seed, title=title)
         return res
 
     def curve(self, tr) -> dict:

@@ -7,6 +7,7 @@
 * :mod:`dres.eval.fid` — FID with the standard Inception weights when a path is given; the Frechet
   distance in a dres-trained classifier's feature space (not comparable to FID).
 * :mod:`dres.eval.curves` — metrics over training (``curves.jsonl`` / ``curves.png``).
+* :mod:`dres.eval.tblog` — evaluation results, their images and the hyper-parameters in TensorBoard.
 """
 
 from dres.eval.diffusion import VPSDE, dpm_solver, euler_maruyama, noise_prediction_loss
@@ -14,9 +15,10 @@ from dres.eval.curves import plot_curves, read_points, record_point, representat
 from dres.eval.fid import (ClassifierFeatures, FIDUnavailable, classifier_frechet_distance, fid, frechet_distance,
                            load_inception)
 from dres.eval.probe import effective_rank, extract_features, knn_accuracy, linear_probe
+from dres.eval.tblog import log_hparams, log_results
 from dres.eval.viz import mae_reconstruction_grid, make_grid, save_grid, to_uint8, tsne_plot
 
 __all__ = ["VPSDE", "dpm_solver", "euler_maruyama", "noise_prediction_loss", "FIDUnavailable", "fid",
            "frechet_distance", "load_inception", "ClassifierFeatures", "classifier_frechet_distance", "plot_curves",
            "read_points", "record_point", "representation_metrics", "effective_rank", "extract_features", "knn_accuracy",
-           "linear_probe", "mae_reconstruction_grid", "make_grid", "save_grid", "to_uint8", "tsne_plot"]
+           "linear_probe", "log_hparams", "log_results", "mae_reconstruction_grid", "make_grid", "save_grid", "to_uint8", "tsne_plot"]

@@ -13,6 +13,7 @@ from dres.eval.probe import effective_rank, knn_accuracy, linear_probe
 
 CURVES_JSONL = "curves.jsonl"
 CURVES_PNG = "curves.png"
+METRICS_JSONL = "metrics.jsonl"  # the trainer's log: one record (step, epoch, loss, lr, ...) every log.every steps
 AXES = ("step", "epoch")
 
 
@@ -80,7 +81,7 @@ def plot_curves(series: dict[str, list[dict]], path, keys=None, x="epoch", title
             pts = [(p[x], p[key]) for p in points if isinstance(p.get(key), (int, float))]
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o", markersize=3, label=label)
+                ax.plot(xs, ys, marker="o" if len(xs) <= 50 else None, markersize=3, label=label)
         ax.set_xlabel(x)
         ax.set_title(key, fontsize=9)
         ax.grid(alpha=0.3)
@@ -95,9 +96,16 @@ def plot_curves(series: dict[str, list[dict]], path, keys=None, x="epoch", title
 
 def record_point(run_dir, point: dict) -> str:
     """Append ``point`` (with ``step`` and ``epoch``) to ``<run_dir>/curves.jsonl`` and redraw
-    ``<run_dir>/curves.png`` from all points so far; returns the PNG's path."""
+    ``<run_dir>/curves.png`` from all points so far, the training loss of ``<run_dir>/metrics.jsonl``
+    in the first panel; returns the PNG's path."""
     run_dir = Path(run_dir)
     append_point(run_dir / CURVES_JSONL, point)
     points = read_points(run_dir / CURVES_JSONL)
-    x = "epoch" if all(p.get("epoch") is not None for p in points) else "step"  # a stream of unknown size
-    return plot_curves({run_dir.name: points}, run_dir / CURVES_PNG, x=x)
+    metrics = run_dir / METRICS_JSONL
+    losses = [{a: r.get(a) for a in (*AXES, "loss")} for r in (read_points(metrics) if metrics.exists() else [])
+              if isinstance(r.get("loss"), (int, float))]
+    merged = sorted(points + losses, key=lambda p: p["step"])
+    x = "epoch" if all(p.get("epoch") is not None for p in merged) else "step"  # a stream of unknown size
+    keys = (["loss"] if losses else []) + numeric_keys({run_dir.name: points})
+    return plot_curves({run_dir.name: merged}, run_dir / CURVES_PNG, keys=keys, x=x,
+                       title=f"{run_dir.name}: training loss and the eval.every evaluation")

@@ -42,10 +42,46 @@ def save_png(array: np.ndarray, path) -> str:
     return str(path)
 
 
-def save_grid(images_uint8: torch.Tensor, path, nrow=8, scale=None) -> str:
+def label_columns(grid: np.ndarray, labels: list[str], ncol: int) -> np.ndarray:
+    """``grid`` (H, W, 3) with a white strip above it naming each of its ``ncol`` columns."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    width = grid.shape[1] // ncol
+    size = max(9, min(14, width // 7))
+    try:
+        font = ImageFont.load_default(size=size)
+    except TypeError:  # Pillow < 10.1: one fixed-size bitmap font
+        font = ImageFont.load_default()
+    lines = [_fit(label, font, width - 4) for label in labels]
+    height = max(len(ls) for ls in lines) * (size + 2) + 4
+    strip = Image.new("RGB", (grid.shape[1], height), "white")
+    draw = ImageDraw.Draw(strip)
+    for i, ls in enumerate(lines):
+        for j, text in enumerate(ls):
+            w = draw.textlength(text, font=font)
+            draw.text((i * width + (width - w) / 2, 2 + j * (size + 2)), text, fill="black", font=font)
+    return np.concatenate([np.asarray(strip), grid])
+
+
+def _fit(label: str, font, width: int) -> list[str]:
+    """``label`` broken into lines of at most ``width`` pixels at word boundaries."""
+    lines = []
+    for word in label.split():
+        if lines and font.getlength(lines[-1] + " " + word) <= width:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return lines or [""]
+
+
+def save_grid(images_uint8: torch.Tensor, path, nrow=8, scale=None, column_labels=None) -> str:
+    """``images_uint8`` as a mosaic of ``nrow`` columns, titled by ``column_labels`` when given."""
     h = images_uint8.shape[-1]
     scale = scale or max(1, 64 // h)  # small images (8..32 px) are enlarged to be legible
-    return save_png(make_grid(images_uint8, nrow=nrow, scale=scale), path)
+    grid = make_grid(images_uint8, nrow=nrow, scale=scale)
+    if column_labels:
+        grid = label_columns(grid, column_labels, min(nrow, len(images_uint8)))
+    return save_png(grid, path)
 
 
 @torch.no_grad()
@@ -69,7 +105,9 @@ def mae_reconstruction_grid(model, imgs: torch.Tensor, path, mean=None, std=None
     hidden = model.unpatchify(m.expand_as(target).float()).cpu() > 0.5  # masked patches shown grey
     rows[1] = torch.where(hidden, torch.full_like(rows[1], 128), rows[1])
     grid = torch.cat([torch.stack([r[i] for r in rows]) for i in range(len(imgs))])
-    return save_grid(grid, path, nrow=4)
+    hidden_pct = round(100 * float(mask[0].float().mean()))
+    labels = ["original", f"masked ({hidden_pct}% hidden)", "reconstruction", "reconstruction + visible"]
+    return save_grid(grid, path, nrow=4, column_labels=labels)
 
 
 def pyplot():
@@ -85,7 +123,9 @@ def pyplot():
     return plt
 
 
-def tsne_plot(features: torch.Tensor, labels: torch.Tensor, path, max_points=2000, seed=0, title="t-SNE") -> str:
+def tsne_plot(features: torch.Tensor, labels: torch.Tensor, path, max_points=2000, seed=0, title="") -> str:
+    """A 2-D t-SNE of (the first ``max_points``) ``features`` coloured by label, under ``title`` (what
+    model, step and scores it shows) and a line counting the points."""
     from sklearn.manifold import TSNE
 
     plt = pyplot()
@@ -95,7 +135,7 @@ def tsne_plot(features: torch.Tensor, labels: torch.Tensor, path, max_points=200
     fig, ax = plt.subplots(figsize=(6, 6))
     sc = ax.scatter(emb[:, 0], emb[:, 1], c=y, cmap="tab10", s=4)
     ax.legend(*sc.legend_elements(), loc="best", fontsize=6, markerscale=0.7)
-    ax.set_title(title)
+    ax.set_title((f"{title}\n" if title else "") + f"t-SNE of {len(f)} points", fontsize=9)
     ax.set_xticks([])
     ax.set_yticks([])
     Path(path).parent.mkdir(parents=True, exist_ok=True)
