@@ -1,10 +1,12 @@
-"""Never lose a run (issue 13): run-directory ownership, checkpoint rotation, safe loading, unreadable
-vs incompatible checkpoints (CPU, a tiny MAE on 8x8 digits)."""
+"""Never lose a run: run-directory ownership, checkpoint rotation, safe loading, unreadable vs
+incompatible checkpoints, what the run folder records and how progress is shown (CPU, a tiny MAE on
+8x8 digits)."""
 
 import json
 
 import pytest
 import torch
+import yaml
 
 from dres.train import checkpoint as C
 from dres.train import cli
@@ -152,3 +154,40 @@ def test_resume_auto_on_an_empty_directory_starts_fresh(tmp_path, capsys):
     assert "no checkpoint in" in capsys.readouterr().out
     assert _train(tmp_path / "new", "--resume", "auto", steps=4) == 0  # continues its own run
     assert "resumed from" in capsys.readouterr().out
+
+
+def test_run_folder_records_what_made_it_and_what_was_printed(tmp_path, capsys):
+    """config.yaml names the resolved folder; starts.jsonl the versions, commit, device and command of each
+    start; log.txt holds what the run printed, the resume's lines appended."""
+    import dres
+    from dres.train import rundir
+
+    out = tmp_path / "run"
+    assert _train(out, steps=2) == 0
+    assert yaml.safe_load((out / "config.yaml").read_text())["out"] == str(out)
+    (first,) = [json.loads(line) for line in (out / rundir.START_FILE).read_text().splitlines()]
+    assert first["dres"] == dres.__version__ and first["torch"] == torch.__version__ and first["from_step"] == 0
+    assert first["out"] == str(out.resolve()) and first["device"].startswith("cpu") and first["world"] == 1
+    assert "git_commit" in first  # None when dres runs from no git checkout
+    printed = capsys.readouterr().out
+    log = (out / "log.txt").read_text()
+    assert log.strip() == printed.strip() and "[dres] done: 2 steps" in log and "[dres] evaluating step 2" in log
+    assert _train(out, "--resume", "auto", steps=4) == 0
+    starts = [json.loads(line) for line in (out / rundir.START_FILE).read_text().splitlines()]
+    assert [s["from_step"] for s in starts] == [0, 2]
+    assert (out / "log.txt").read_text().startswith(log) and "resumed from" in (out / "log.txt").read_text()
+    before = (out / "log.txt").read_text()
+    assert _train(out, "--resume", "auto", "--set", "seed=3", steps=6) == 2
+    assert "seed cannot change on resume" in capsys.readouterr().err
+    assert (out / "log.txt").read_text() == before  # a refused resume writes nothing, its log included
+
+
+def test_progress_off_a_terminal_is_not_a_line_per_step(tmp_path, capsys):
+    """stderr captured (not a terminal): a handful of progress writes for 40 steps, not one per step; the
+    evaluation says when it starts and ends, and its feature extraction shows progress."""
+    assert _train(tmp_path / "run", "--set", "log.progress=true", "--set", "eval.knn=true", steps=40) == 0
+    captured = capsys.readouterr()
+    steps_bar = [w for w in captured.err.replace("\r", "\n").splitlines() if "step" in w and "/40" in w]
+    assert 1 <= len(steps_bar) <= 4, steps_bar
+    assert "features" in captured.err
+    assert "[dres] evaluating step 40 (mae)" in captured.out and "[dres] evaluation done in" in captured.out

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import sys
 
 from dres.data import DataError, build_loader
 from dres.train.config import ModelConfig
@@ -68,9 +69,32 @@ def cap(batches, limit):
         yield b
 
 
+def progress(*, total=None, initial=0, desc=None, unit="it", enabled=True):
+    """A tqdm bar on stderr: redrawn in place on a terminal; written at most every 30 s where stderr is a
+    file or a pipe (a batch job's log), which would otherwise get a line per update."""
+    from tqdm import tqdm
+
+    tty = sys.stderr.isatty()
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr, disable=not enabled,
+                dynamic_ncols=tty, mininterval=0.1 if tty else 30.0)
+
+
 def features(tr, fn, loader, limit=0, batch=256):
-    """:func:`dres.eval.extract_features` over the loader's first ``limit`` samples, under the run's autocast."""
+    """:func:`dres.eval.extract_features` over the loader's first ``limit`` samples, under the run's
+    autocast, with a progress bar (main rank, ``log.progress``) counting samples."""
     from dres.eval import extract_features
 
-    with tr.autocast():
-        return extract_features(fn, cap(loader.eval_batches(batch), limit))
+    size = len(loader.images) if hasattr(loader, "images") else None  # in memory: known; streamed: counted
+    total = min(size, limit) if size and limit else (size or limit or None)
+    bar = progress(total=total, desc="features", unit="img", enabled=tr.main and tr.cfg.log.progress)
+
+    def counted(batches):
+        for b in batches:
+            bar.update(len(b["label"]))
+            yield b
+
+    try:
+        with tr.autocast():
+            return extract_features(fn, counted(cap(loader.eval_batches(batch), limit)))
+    finally:
+        bar.close()

@@ -22,7 +22,6 @@ import json
 import math
 import random
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -634,6 +633,7 @@ def run(cfg: Config, task, *, resume=None, eval_only=False, ckpt=None, overwrite
         tr.setup(train=False)
         try:
             tr.load_weights(ckpt or tr.ckpt_dir)
+            tr.start_log()
             ev = tr.evaluate() if tr.main or cfg.dist != "none" else {}
             return tr.finish(ev, eval_only=True)
         finally:
@@ -649,6 +649,10 @@ def run(cfg: Config, task, *, resume=None, eval_only=False, ckpt=None, overwrite
             tr.fit()
             ev = tr.evaluate()
             return tr.finish(ev)
+    except Exception as e:
+        if tr.log_path is not None:  # the one line the command line prints, in the run's log too
+            tr._keep(f"[dres] stopped: {' '.join(str(e).split())}")
+        raise
     finally:
         if tr.graphed is not None:
             tr.graphed.release()

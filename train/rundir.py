@@ -33,6 +33,8 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -354,3 +356,61 @@ def cut_records(path: Path, step: int) -> tuple[list[dict], int]:
             f.write("".join(line + "\n" for line in cut))
         write_atomic(path, "".join(line + "\n" for line in kept_lines))
     return kept, len(cut)
+
+
+START_FILE = "starts.jsonl"
+
+
+def _git_state(repo: Path) -> dict:
+    """The commit of the git checkout ``repo`` and whether tracked files differ from it; None where it is
+    no checkout (an installed wheel) or git is missing."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10)
+
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return {"git_commit": None}
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return {"git_commit": head.stdout.strip(), "git_dirty": bool(dirty.stdout.strip())}
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": None}
+
+
+def describe_device(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return f"{device} {torch.cuda.get_device_name(device)}"
+    return f"{device} ({torch.get_num_threads()} threads)"
+
+
+def record_start(out: Path, device, world: int, step: int) -> dict:
+    """Append to ``<out>/starts.jsonl`` what made this start of the run (a fresh one or a resume): the
+    resolved run directory, command, host, device, process count, the step it starts from, and the
+    versions of Python, dres, torch, triton and CUDA with dres' git commit when dres runs from a checkout."""
+    import platform
+
+    import torch
+
+    import dres
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    rec = {"started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "from_step": step, "out": str(Path(out).resolve()),
+           "command": sys.argv, "host": socket.gethostname(), "device": describe_device(device), "world": world,
+           "python": platform.python_version(), "dres": dres.__version__, "torch": torch.__version__,
+           "triton": triton_version, "cuda": torch.version.cuda,
+           **_git_state(Path(dres.__file__).resolve().parent.parent)}
+    line = json.dumps(rec) + "\n"
+    try:
+        with open(Path(out) / START_FILE, "a") as f:
+            f.write(line)
+    except OSError as e:
+        if is_disk_full(e):
+            raise disk_full(Path(out) / START_FILE, len(line), "free space, then start again") from e
+        raise
+    return rec
