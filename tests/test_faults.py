@@ -447,3 +447,16 @@ def test_a_refused_start_leaves_nothing_behind(tmp_path, capsys, extra, message)
     assert cli.main(_args(out, *extra)) == 2
     assert message in _one_line_error(capsys)
     assert not (tmp_path / "new").exists()
+
+
+def test_the_fault_matrix_names_only_tests_that_exist():
+    """docs/faults.md names the test of each row: each is defined, and each test of this file is named there."""
+    import re
+
+    matrix = (REPO / "docs" / "faults.md").read_text()
+    named = set(re.findall(r"\b(test_[a-z0-9_]+)", matrix)) - {"test_faults", "test_run_safety", "test_train_resume"}
+    defined = {m for f in (REPO / "tests").glob("test_*.py") for m in re.findall(r"^def (test_\w+)", f.read_text(), re.M)}
+    assert named and named <= defined, sorted(named - defined)
+    here = set(re.findall(r"^def (test_\w+)", Path(__file__).read_text(), re.M)) - {
+        "test_the_fault_matrix_names_only_tests_that_exist"}
+    assert here <= named, sorted(here - named)

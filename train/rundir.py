@@ -147,7 +147,8 @@ def contents(out: Path) -> list[Path]:
 
 
 def claim(out: Path, cfg, *, resume=None, overwrite=False, main=True, log=print) -> None:
-    """Check (every rank) and prepare (main rank: the move aside) ``out`` for a training run."""
+    """Check and prepare (``main``: the move aside) ``out`` for a training run; the trainer calls it on the
+    main rank, holding the run lock, and shares the outcome with the other ranks."""
     if resume and overwrite:
         raise RunDirError("--resume and --overwrite exclude each other (continue the run, or move it aside)")
     if out.exists() and not out.is_dir():
