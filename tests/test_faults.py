@@ -228,6 +228,24 @@ def test_signal_during_the_final_evaluation_stops_at_once(tmp_path, capsys, monk
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and not (out / "run.lock").exists()
 
 
+def test_forked_loader_workers_keep_their_own_signal_behaviour():
+    """A data-loader worker forked while the handlers are installed dies of SIGTERM as it would without
+    them (its parent stops it); only the trainer's process turns the signal into a stop request."""
+    from types import SimpleNamespace
+
+    from dres.train.loop import StopOnSignal
+
+    tr = SimpleNamespace(stop_signal=None, in_loop=True)
+    with StopOnSignal(tr):
+        pid = os.fork()
+        if pid == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os._exit(0)  # reached only if the signal was swallowed
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+    assert tr.stop_signal is None
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dist", ["ddp", "fsdp"])
 def test_two_processes_agree_to_stop_when_one_rank_is_signalled(tmp_path, dist):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import signal
 import threading
@@ -595,6 +596,7 @@ class StopOnSignal:
     def __init__(self, trainer: Trainer):
         self.tr = trainer
         self.previous: dict = {}
+        self.pid = os.getpid()
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -604,6 +606,14 @@ class StopOnSignal:
         return self
 
     def _handle(self, signum, frame):
+        if os.getpid() != self.pid:  # a forked data-loader worker: it reacts as it would without this handler
+            previous = self.previous.get(signum, signal.SIG_DFL)
+            if callable(previous):
+                return previous(signum, frame)
+            if previous == signal.SIG_DFL:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
         for s in self.SIGNALS:
             signal.signal(s, signal.SIG_DFL)
         tr, name = self.tr, signal.Signals(signum).name
