@@ -1,11 +1,13 @@
 """How every dres:: custom op is defined (:func:`define_op`), and Inductor fallback lowerings for
 them (imports no Triton).
 
-On CUDA tensors torch.compile sees through the ops: AOTAutograd replaces an op by its body, whose
-Triton launches are recorded into the graph (``torch.library.wrap_triton``, as
+On CUDA tensors of static shape torch.compile sees through the ops: AOTAutograd replaces an op by
+its body, whose Triton launches are recorded into the graph (``torch.library.wrap_triton``, as
 ``torch.library.triton_op`` does), so Inductor launches the kernels from its own generated code with
-no Python dispatch per call. Elsewhere (Triton's CPU interpreter, which cannot be traced) and under
-``torch.export`` an op stays opaque, and Inductor calls it as a fallback.
+no Python dispatch per call. Elsewhere an op stays opaque and Inductor calls it as a fallback: on
+Triton's CPU interpreter (which cannot be traced), under ``torch.export``, and with symbolic sizes
+(a dynamic-shape compile, e.g. after encoder and decoder blocks of other widths share a forward:
+Inductor of torch 2.11 fails to lower user kernels of symbolic size in the backward).
 
 Inductor lowers an op it has no lowering for as an "implicit fallback" (a call to the op's kernel),
 but before torch 2.12 it first formats, eagerly, a log message holding the IR of every input; the IR
@@ -69,14 +71,20 @@ def _export_keeps_ops_opaque() -> bool:
     return custom_triton_ops_decomposition_disabled()
 
 
+def _static_shape(t: torch.Tensor) -> bool:
+    return not any(isinstance(n, torch.SymInt) for n in (*t.shape, *t.stride()))
+
+
 def _inline_on_cuda(body: Callable) -> Callable:
     """The op's FunctionalTensorMode rule: trace ``body`` into the graph when its tensors are CUDA
-    tensors of plain tracing types (no other subclass), else keep the op opaque."""
+    tensors of static shape and plain tracing types (no other subclass), else keep the op opaque."""
 
     def functional_rule(mode, op, types, args, kwargs):
-        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
         plain = all(t is torch.Tensor or issubclass(t, (FakeTensor, FunctionalTensor)) for t in types)
-        if first is None or first.device.type != "cuda" or not plain or _export_keeps_ops_opaque():
+        inline = (plain and bool(tensors) and tensors[0].device.type == "cuda" and all(map(_static_shape, tensors))
+                  and not _export_keeps_ops_opaque())
+        if not inline:
             return mode.__torch_dispatch__(op, types, args, kwargs)
         with mode:
             return body(*args, **kwargs)
