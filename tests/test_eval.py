@@ -199,15 +199,17 @@ def test_uvit_evaluation_reports_fd_cifar_classifier(tmp_path, capsys):
                     TINY_DIGITS_8 + ["data.mean=[0.5]", "data.std=[0.5]", "model.patch_size=2", "batch_size=32",
                                      "steps=4", "eval.every=2", "eval.steps=2", "eval.n_samples=8",
                                      "eval.probe_epochs=2", "eval.curve_probe_epochs=2", "eval.max_train=128",
-                                     "eval.max_test=64", "eval.fid_samples=40", f"eval.fd_classifier={run}"]],
-                                                                              [])) == 0
+                                     "eval.max_test=64", "eval.fid_samples=40", f"eval.fd_classifier={run}",
+                                     "log.progress=true"]], [])) == 0
     ev = json.loads((out / "summary.json").read_text())["eval"]
     assert ev["fd_cifar_classifier_dpm2"] > 0 and not any(k.startswith("fid") for k in ev)
     assert (out / ev["samples_png"].split("/")[-1]).exists()
     assert {"probe_t0.1_linear_probe_acc", "probe_t0.1_knn_acc", "probe_t0.1_effective_rank"} <= set(ev)
     points = [json.loads(l) for l in (out / "curves.jsonl").read_text().splitlines()]
     assert [p["step"] for p in points] == [2, 4] and "probe_t0.1_linear_probe_acc" in points[0]
-    assert "FID skipped: no Inception weights given" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "FID skipped: no Inception weights given" in printed.out
+    assert "FID samples" in printed.err and "40/40" in printed.err  # the sampling shows its progress
     with pytest.raises(ConfigError, match="eval.fd_classifier' must be a classify run directory"):
         build_config("uvit", "uvit_cifar10", [f"eval.fd_classifier={tmp_path / 'missing'}"])
 

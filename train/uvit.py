@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from dres.train.common import eval_loader, features, model_kwargs
+from dres.train.common import eval_loader, features, model_kwargs, progress
 
 
 class UViTTask:
@@ -103,8 +103,13 @@ class UViTTask:
         if val is None:
             return res
         real = torch.cat([to_uint8(b["image"], mean, std) for b in val.eval_batches(500)])[:e.fid_samples]
-        fake = torch.cat([to_uint8(self._sample(tr, model, min(500, e.fid_samples - n), sampler), mean, std)
-                          for n in range(0, e.fid_samples, 500)])
+        bar = progress(total=e.fid_samples, desc="FID samples", unit="img", enabled=cfg.log.progress)
+        fakes = []
+        for n in range(0, e.fid_samples, 500):
+            fakes.append(to_uint8(self._sample(tr, model, min(500, e.fid_samples - n), sampler), mean, std))
+            bar.update(len(fakes[-1]))
+        bar.close()
+        fake = torch.cat(fakes)
         if e.fd_classifier:
             from dres.train.classify import load_trained
 
