@@ -338,6 +338,17 @@ def test_full_disk_while_writing_eval_json_leaves_no_partial_file(tmp_path, caps
     assert cli.eval_main([str(out), "--set", "threads=1"]) == 0 and json.loads((out / "eval.json").read_text())
 
 
+def test_full_disk_while_logging_metrics_is_one_line_and_the_resume_repairs_the_log(tmp_path, capsys):
+    out = tmp_path / "run"
+    with _disk_fills_on("metrics.jsonl", after=500):  # fills during the metrics of step 4
+        assert _train(out, steps=6) == 2
+    err = _one_line_error(capsys)
+    assert f"no space left on the device of {out / 'metrics.jsonl'}" in err, err
+    assert f"the last good checkpoint is {out / 'checkpoints' / 'step_00000002.pt'}" in err
+    assert _train(out, "--resume", "auto", steps=6) == 0
+    assert _steps(out / "metrics.jsonl") == list(range(1, 7))
+
+
 def test_write_atomic_keeps_the_old_file_when_the_disk_is_full(tmp_path):
     path = tmp_path / "summary.json"
     path.write_text('{"final_loss": 0.5}')
