@@ -95,6 +95,15 @@ def test_second_trainer_into_a_locked_folder_refuses_and_changes_nothing(tmp_pat
     assert _train(out) == 0 and not (out / "run.lock").exists()  # released at the end of the run
 
 
+def test_run_directory_that_cannot_hold_a_lock_is_one_line(tmp_path, capsys):
+    (tmp_path / "afile").write_text("user data")
+    assert _train(tmp_path / "afile") == 2
+    assert f"run directory {tmp_path / 'afile'} is a file" in _one_line_error(capsys)
+    assert (tmp_path / "afile").read_text() == "user data"
+    assert _train(tmp_path / "afile" / "run") == 2  # a file where a parent folder should be
+    assert f"cannot create the run lock {tmp_path / 'afile' / 'run' / 'run.lock'}" in _one_line_error(capsys)
+
+
 def test_stale_lock_of_a_dead_process_is_taken_over_and_reported(tmp_path, capsys):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

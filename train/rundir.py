@@ -256,11 +256,16 @@ class RunLock:
     def acquire(self, log=print) -> RunLock:
         """Take the lock (``out`` is created if missing); :class:`RunDirError` while another live process
         holds it. A lock whose holder is gone is taken over, saying whose it was."""
-        self.out.mkdir(parents=True, exist_ok=True)
+        if self.out.exists() and not self.out.is_dir():
+            raise RunDirError(f"run directory {self.out} is a file")
         self.record = _holder_record()
         for _ in range(3):  # a holder may release between our look and our try
-            if self._create():
-                return self
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+                if self._create():
+                    return self
+            except OSError as e:  # a read-only or full file system, a missing permission
+                raise RunDirError(f"cannot create the run lock {self.path} ({e.strerror or e})") from e
             holder = self._read()
             if not holder and self.path.exists() and time.time() - self.path.stat().st_mtime < 10:
                 time.sleep(0.5)  # a holder that is writing its record just now
