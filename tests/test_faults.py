@@ -209,6 +209,7 @@ def test_signal_finishes_the_step_saves_and_exits_with_its_own_status(tmp_path, 
     assert [p.name for p in C.list_checkpoints(out / "checkpoints")] == ["step_00000003.pt"]
     assert _steps(out / "metrics.jsonl") == [1, 2, 3]
     assert not (out / "summary.json").exists() and not (out / "run.lock").exists()
+    assert (out / "log.txt").read_text().splitlines()[-1] == "[dres] " + stderr.strip().split(": ", 1)[1]
     assert _train(out, "--set", "ckpt.every=0", "--resume", "auto", steps=8) == 0
     assert "resumed from" in capsys.readouterr().out and _steps(out / "metrics.jsonl") == list(range(1, 9))
 

@@ -661,7 +661,7 @@ def run(cfg: Config, task, *, resume=None, eval_only=False, ckpt=None, overwrite
             return tr.finish(ev)
     except Exception as e:
         if tr.log_path is not None:  # the one line the command line prints, in the run's log too
-            tr._keep(f"[dres] stopped: {' '.join(str(e).split())}")
+            tr._keep(f"[dres] {'' if isinstance(e, Interrupted) else 'error: '}{' '.join(str(e).split())}")
         raise
     finally:
         if tr.graphed is not None:

@@ -246,8 +246,12 @@ class RunLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.record, f)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.record, f)
+        except OSError:
+            self.path.unlink(missing_ok=True)  # an empty lock would stall the next start for a while
+            raise
         return True
 
     def _read(self) -> dict:
