@@ -292,3 +292,15 @@ def test_curves_png_draws_the_training_loss_first(tmp_path, monkeypatch):
     assert [p["step"] for p in points if "loss" in p] == list(range(1, 7))
     assert [p for p in points if "knn_acc" in p] == [{"step": 3, "epoch": 0.3, "knn_acc": 0.5}]
     assert all("lr" not in p for p in points)
+
+
+def test_tensorboard_missing_is_one_line_naming_the_extra(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from dres.train.loop import Trainer
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    lines = []
+    tr = SimpleNamespace(log=lines.append, out=tmp_path, step=0)
+    assert Trainer._tensorboard(tr) is None
+    assert len(lines) == 1 and "pip install 'dres[tensorboard]'" in lines[0] and "log.tensorboard=false" in lines[0]

@@ -484,7 +484,8 @@ class Trainer:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except Exception as e:  # tensorboard is optional at run time
-            self.log(f"[dres] tensorboard disabled ({type(e).__name__})")
+            self.log(f"[dres] tensorboard disabled ({type(e).__name__}: {e}); pip install 'dres[tensorboard]' for "
+                     "<out>/tb, or set log.tensorboard=false")
             return None
         # a resumed run hides the events its predecessor logged after the checkpoint, as metrics.jsonl cuts them
         return SummaryWriter(str(self.out / "tb"), purge_step=self.step + 1 if self.step else None)
