@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import (BF16, F16, F32, MODES, assert_close, assert_direct_launch_equals_tritons_own, assert_graph_runs,
-                     assert_sum_close, capture_graph, grads, mode_scales, recording_backend)
+from helpers import (BF16, F16, F32, MODES, assert_close, assert_direct_launch_equals_tritons_own, assert_sum_close,
+                     capture_graph, grads, mode_scales, recording_backend)
 
 import dres.ops as ops
 from dres.ops import reference
@@ -212,8 +212,9 @@ def test_compile_fullgraph_traces_forward_and_backward(triton_device):
     g = torch.randn_like(eager)
     for a, c in zip(grads(eager, g, (xa, ha)), grads(comp, g, (xb, hb))):
         torch.testing.assert_close(c, a)
-    assert_graph_runs(forward_targets, ["residual_act"], triton_device)
-    assert_graph_runs(backward_targets, ["residual_act_backward"], triton_device)
+    # the op stays opaque on every device (dres/ops/residual_act.py says why)
+    assert torch.ops.dres.residual_act.default in forward_targets
+    assert torch.ops.dres.residual_act_backward.default in backward_targets
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -93,11 +93,13 @@ def _inline_on_cuda(body: Callable) -> Callable:
 
 
 def define_op(qualname: str, body: Callable, fake: Callable, module_qualnames: Iterable[str],
-              schema: Optional[str] = None) -> torch.library.CustomOpDef:
+              schema: Optional[str] = None, inline: bool = True) -> torch.library.CustomOpDef:
     """The custom op ``qualname`` running ``body`` (the Triton launches), with ``fake`` as its fake
     kernel (registering the fallbacks of ``module_qualnames``, the ops of one module, first), traced
-    through on CUDA by torch.compile (:func:`_inline_on_cuda`). Autograd is the caller's to add."""
+    through on CUDA by torch.compile (:func:`_inline_on_cuda`) unless ``inline`` is False. Autograd
+    is the caller's to add."""
     op = torch.library.custom_op(qualname, body, mutates_args=(), schema=schema)
     op.register_fake(with_inductor_fallbacks(module_qualnames, fake))
-    op.register_torch_dispatch(FunctionalTensorMode, _inline_on_cuda(body))
+    if inline:
+        op.register_torch_dispatch(FunctionalTensorMode, _inline_on_cuda(body))
     return op
