@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, run the GPU test suite, run the benchmarks; everything
 # lands under $OUT (default ./device_out). Usage:
-#   bash benchmarks/device_check.sh [tests|kernels|train|trainers|all]   (default: all)
+#   bash benchmarks/device_check.sh [tests|kernels|compiled|train|trainers|all]   (default: all)
 # Stages can be limited with STAGES="tests kernels" and pytest selection with TESTS="tests/test_ops.py".
-# trainers: issue 14's trainer figures (one GPU, steady-state img/s and trainer / replay of each preset,
-# ViT-B/16 beside the compiled bare steps), each run cut at TRAINER_TIMEOUT_S (default 150).
+# compiled: the compiled bare MAE ViT-B/16 step of dres against torch.compile of the plain model, each
+# in SPREAD_PROCESSES (default 3) fresh processes: median and spread (a slow or noisy path shows here).
+# trainers: each preset's trainer (one GPU, steady-state img/s and trainer / replay), each run cut at
+# TRAINER_TIMEOUT_S (default 150).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./device_out}
@@ -29,6 +31,12 @@ fi
 
 if want kernels && [ -f benchmarks/bench_kernels.py ]; then
   python3 -m benchmarks.bench_kernels ${KERNEL_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | tail -n 60
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if want compiled; then
+  python3 -m benchmarks.bench_spread --models timm,dres_baseline,dres_official --processes "${SPREAD_PROCESSES:-3}" \
+    --out "$OUT" 2>&1 | tee "$OUT/compiled.log" | tail -n 8
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

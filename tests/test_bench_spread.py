@@ -1,0 +1,31 @@
+"""bench_spread without a GPU: the plan of fresh processes, reading a child's record, the summary."""
+
+import json
+
+from benchmarks import bench_spread
+
+
+def test_dry_run_plans_one_fresh_process_per_model_and_repeat(capsys):
+    assert bench_spread.main(["--dry-run", "--models", "timm,dres_baseline", "--processes", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 4  # models interleaved: timm, dres_baseline, timm, dres_baseline
+    assert ["--models timm" in line for line in lines] == [True, False, True, False]
+    assert all("-m benchmarks.bench_train --only mae" in line and "--modes compile" in line for line in lines)
+
+
+def test_read_record_finds_the_childs_throughput_record(tmp_path):
+    recs = [{"kind": "max_batch", "model": "timm", "mode": "eager"},
+            {"kind": "throughput", "model": "timm", "mode": "compile", "images_per_s": 10.0}]
+    (tmp_path / "h100-train.json").write_text(json.dumps(recs))
+    assert bench_spread.read_record(tmp_path, "timm", "compile")["images_per_s"] == 10.0
+    assert bench_spread.read_record(tmp_path, "dres_baseline", "compile") is None
+
+
+def test_summary_gives_median_and_spread_per_model():
+    recs = [{"model": m, "mode": "compile", "images_per_s": r, "peak_mem_gib": 10.0}
+            for m, r in [("a", 100.0), ("a", 90.0), ("a", 110.0), ("b", 200.0)]]
+    rows = {r["model"]: r for r in bench_spread.summarize(recs)}
+    assert rows["a"]["median"] == 100.0 and rows["a"]["spread_pct"] == 20.0 and rows["a"]["processes"] == 3
+    assert rows["b"]["spread_pct"] == 0.0
+    table = bench_spread.markdown(list(rows.values()), "h100", 256)
+    assert any("| b | compile | 1 | 200 |" in line and "2.000 |" in line for line in table)
