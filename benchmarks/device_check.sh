@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, run the GPU test suite, run the benchmarks; everything
 # lands under $OUT (default ./device_out). Usage:
-#   bash benchmarks/device_check.sh [tests|kernels|compiled|train|trainers|all]   (default: all)
+#   bash benchmarks/device_check.sh [tests|kernels|compiled|train|trainers|csrc_tests|all]   (default: all)
 # Stages can be limited with STAGES="tests kernels" and pytest selection with TESTS="tests/test_ops.py".
 # compiled: the compiled bare MAE ViT-B/16 step of dres against torch.compile of the plain model, each
 # in SPREAD_PROCESSES (default 3) fresh processes: median and spread (a slow or noisy path shows here).
+# csrc_tests: the suite again with the optional CUDA C++ extension built (sm_90 only; the default backend
+# then takes its kernels for eager calls), the library removed afterwards.
 # trainers: each preset's trainer (one GPU, steady-state img/s and trainer / replay), each run cut at
 # TRAINER_TIMEOUT_S (default 150).
 set -uo pipefail
@@ -60,5 +62,17 @@ fi
 if want train && [ -f benchmarks/bench_train.py ]; then
   python3 -m benchmarks.bench_train ${TRAIN_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/train.log" | tail -n 40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if want csrc_tests; then
+  if DRES_BUILD_CUDA=1 DRES_CUDA_ARCHS=90 python3 -m pip install -q --no-deps --no-build-isolation -e . \
+      >"$OUT/install_csrc.log" 2>&1; then
+    python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} -m "${MARK:-gpu or not gpu}" 2>&1 | tee "$OUT/tests_csrc.log" | tail -n 20
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  else
+    echo "csrc build failed"; tail -n 20 "$OUT/install_csrc.log"; status=1
+  fi
+  rm -f dres/_C*.so
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/install.log" 2>&1
 fi
 exit $status

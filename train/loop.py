@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from dres.data import build_loader, lost_data_line
+from dres.nn import set_backend
 from dres.train import checkpoint as C
 from dres.train import distributed as D
 from dres.train import rundir
@@ -171,6 +172,10 @@ class Trainer:
         if n_ac or n_c:
             self.log(f"[dres] activation checkpointing '{cfg.act_ckpt}' on {n_ac} units; compiled {n_c} units")
         graphs, why = graph_plan(cfg, self.device, self.precision, self.info.world)
+        if graphs and train and cfg.model.backend is None:
+            # capture takes the Triton kernels: the eager warm-up steps take them too, so that they compute
+            # what the replays compute (the default picks the csrc kernels for eager calls when built)
+            set_backend(model, "triton")
         # the captured step warms up and records on its own stream; DDP must be built on that stream
         capture_stream = torch.cuda.Stream(self.device) if graphs and train else None
         if cfg.dist == "fsdp":
