@@ -1,5 +1,6 @@
 """Kernel microbenchmarks of the fused residual ops against eager PyTorch, torch.compile and the
-peers that are installed (flash-attn's Triton layer_norm_fn, apex FusedLayerNorm, Liger LayerNorm).
+peers that are installed (flash-attn's Triton layer_norm_fn, FusedLayerNorm of NVIDIA apex built from
+source, Liger LayerNorm; the PyPI package named apex is an unrelated toolkit).
 
     python -m benchmarks.bench_kernels --quick                 # < 2 min on an H100, compile included
     python -m benchmarks.bench_kernels --ops residual_layer_norm --dims 768 --out $OUT
@@ -140,8 +141,8 @@ def available_impls(requested: list[str]) -> tuple[list[str], dict[str, str]]:
             if importlib.util.find_spec("flash_attn") is None:
                 reason = "flash-attn not installed"
         elif impl == "apex":
-            if importlib.util.find_spec("apex") is None:
-                reason = "apex not installed"
+            if importlib.util.find_spec("apex") is None or importlib.util.find_spec("apex.normalization") is None:
+                reason = "NVIDIA apex (built from source) not installed"
         elif impl == "liger":
             if importlib.util.find_spec("liger_kernel") is None:
                 reason = "liger-kernel not installed"

@@ -1,4 +1,4 @@
-"""``nn.Module`` wrappers of the fused ops, for models of one's own (as apex and flash-attn ship them).
+"""``nn.Module`` wrappers of the fused ops, for models of one's own (as NVIDIA apex and flash-attn ship them).
 
 Each module holds the parameters of the PyTorch module it stands in for, under the same names, so
 state dicts load either way::
