@@ -1,6 +1,6 @@
 """Batched GPU-style augmentation (dres.data.loaders.rrc_params / device_augment), on the CPU:
 torchvision's RandomResizedCrop distribution, the crop geometry of the batched resample, flips,
-determinism."""
+determinism; colour jitter against torchvision's ColorJitter; timm's evaluation transform."""
 
 import math
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torchvision.transforms import RandomResizedCrop
 
-from dres.data import crop_theta, device_augment, rrc_params
+from dres.data import color_jitter, crop_theta, device_augment, jitter_params, normalize, rrc_params
 
 
 def _torchvision_crops(n, height, width, scale, seed):
@@ -127,3 +127,106 @@ def test_augment_rows_of_a_batch_equal_that_batch_sliced():
     for lo, hi in ((0, 8), (8, 16), (16, 24), (5, 6)):
         part = device_augment(x[lo:hi], 16, np.random.default_rng(4), scale=(0.3, 1.0), rows=(lo, 24))
         assert torch.equal(part, whole[lo:hi])
+
+
+# ------------------------------------------------------------------------------------------ colour jitter
+
+def _image_set(n=12, size=12, seed=0):
+    """A fixed set of smooth colour images in [0, 1] (ramps and blobs, not noise, so contrast and
+    saturation have something to act on)."""
+    g = torch.Generator().manual_seed(seed)
+    yy, xx = torch.meshgrid(torch.linspace(0, 1, size), torch.linspace(0, 1, size), indexing="ij")
+    imgs = []
+    for _ in range(n):
+        a, b, c = torch.rand(3, 3, 1, 1, generator=g)
+        imgs.append((0.15 + 0.7 * (a * xx + b * yy + c * (xx * yy)) / (a + b + c)).clamp(0, 1))
+    return torch.stack(imgs)
+
+
+def test_jitter_params_are_torchvisions_factor_ranges_and_orders():
+    from torchvision.transforms import ColorJitter
+
+    factors, order = jitter_params(20000, np.random.default_rng(0), 0.4)
+    assert factors.shape == (20000, 3) and factors.min() >= 0.6 and factors.max() <= 1.4
+    assert np.all(np.sort(order, axis=1) == np.arange(3))  # a permutation per image
+    torch.manual_seed(0)
+    tv = np.array([[float(v) for v in ColorJitter.get_params([0.6, 1.4], [0.6, 1.4], [0.6, 1.4], None)[1:4]]
+                   for _ in range(20000)])
+    # uniform on [0.6, 1.4]: mean 1, sd 0.8 / sqrt(12) = 0.231; standard error of the mean 0.0016
+    assert np.allclose(factors.mean(0), tv.mean(0), atol=0.01)
+    assert np.allclose(factors.std(0), tv.std(0), atol=0.01)
+    assert np.allclose(factors.std(0), 0.8 / math.sqrt(12), atol=0.01)
+    # every op first equally often (torchvision's randperm(4) with hue skipped gives the same)
+    assert np.allclose(np.bincount(order[:, 0], minlength=3) / len(order), 1 / 3, atol=0.015)
+    assert np.array_equal(jitter_params(50, np.random.default_rng(3), 0.4)[0],
+                          jitter_params(50, np.random.default_rng(3), 0.4)[0])
+    low, _ = jitter_params(1000, np.random.default_rng(0), 1.5)  # strength above 1: factors from 0
+    assert low.min() >= 0 and low.max() <= 2.5
+
+
+@pytest.mark.parametrize("chans", [3, 1])
+def test_color_jitter_is_torchvisions_functional_for_the_drawn_factors_and_order(chans):
+    import torchvision.transforms.functional as TF
+
+    x = _image_set(8)[:, :chans]
+    factors, order = jitter_params(8, np.random.default_rng(1), 0.4)
+    ours = color_jitter(x.clone(), factors, order)
+    ops = (TF.adjust_brightness, TF.adjust_contrast, TF.adjust_saturation)
+    for i in range(8):
+        ref = x[i]
+        for op in order[i]:
+            ref = ops[op](ref, float(factors[i, op]))
+        assert torch.allclose(ours[i], ref, atol=1e-6), i
+
+
+def test_color_jitter_distribution_matches_torchvision_colorjitter():
+    """Per image of a fixed set, the distribution over draws of the output's mean and variance
+    matches torchvision's ColorJitter(0.4, 0.4, 0.4) (timm's --color-jitter 0.4) applied per sample."""
+    from torchvision.transforms import ColorJitter
+
+    imgs, draws = _image_set(6), 1500
+    batch = imgs.repeat(draws, 1, 1, 1)
+    ours = color_jitter(batch.clone(), *jitter_params(len(batch), np.random.default_rng(5), 0.4))
+    ours = ours.view(draws, 6, -1)
+    torch.manual_seed(5)
+    tv = ColorJitter(0.4, 0.4, 0.4)
+    theirs = torch.stack([torch.stack([tv(im) for im in imgs]) for _ in range(draws)]).view(draws, 6, -1)
+    for stat in (lambda t: t.mean(-1), lambda t: t.var(-1)):
+        a, b = stat(ours), stat(theirs)  # (draws, images)
+        se = (a.var(0) / draws + b.var(0) / draws).sqrt()
+        assert ((a.mean(0) - b.mean(0)).abs() < 5 * se + 1e-6).all()  # the per-image means of the statistic
+        assert torch.allclose(a.std(0), b.std(0), rtol=0.12)  # and their spread over draws
+        assert (a.std(0) > 0.01).all()  # the jitter moves every image
+    # and over the brightness range torchvision reaches: the extremes of the per-image mean agree
+    assert torch.allclose(ours.mean(-1).amin(0), theirs.mean(-1).amin(0), atol=0.03)
+    assert torch.allclose(ours.mean(-1).amax(0), theirs.mean(-1).amax(0), atol=0.03)
+
+
+def test_augment_with_jitter_keeps_the_crops_and_slices_by_rows():
+    x = torch.randint(0, 256, (16, 3, 20, 24), dtype=torch.uint8)
+    plain = device_augment(x, 16, np.random.default_rng(2))
+    jittered = device_augment(x, 16, np.random.default_rng(2), jitter=0.4)
+    assert not torch.equal(plain, jittered)
+    # jitter 0 draws nothing: the crops of a run without jitter are those of before
+    assert torch.equal(plain, device_augment(x, 16, np.random.default_rng(2), jitter=0.0))
+    part = device_augment(x[4:9], 16, np.random.default_rng(2), rows=(4, 16), jitter=0.4)
+    assert torch.equal(part, jittered[4:9])
+    assert jittered.min() >= 0 and jittered.max() <= 1
+
+
+# --------------------------------------------------------------------------------- evaluation transform
+
+@pytest.mark.parametrize("size,crop_pct,hw", [(32, 0.875, (32, 32)), (224, 0.875, (32, 32)), (16, 0.875, (20, 24))])
+def test_eval_crop_pct_is_timms_eval_transform(size, crop_pct, hw):
+    """normalize(crop_pct) against timm's own transforms_imagenet_eval (bicubic resize of the shorter side to
+    size / crop_pct, centre crop) on tensors; both antialiased bicubic, so they agree to rounding."""
+    from timm.data.transforms_factory import transforms_imagenet_eval
+
+    x = (_image_set(4, size=max(hw))[..., : hw[0], : hw[1]] * 255).round().to(torch.uint8)
+    ref_tf = transforms_imagenet_eval(img_size=size, crop_pct=crop_pct, interpolation="bicubic", normalize=False)
+    resize, crop = ref_tf.transforms[0], ref_tf.transforms[1]
+    ours = normalize(x, size, crop_pct=crop_pct)
+    ref = torch.stack([crop(resize(im.float() / 255)).clamp(0, 1) for im in x])
+    assert ours.shape == ref.shape == (4, 3, size, size)
+    assert torch.allclose(ours, ref, atol=1e-5)
+    assert torch.equal(normalize(x, size), normalize(x, size, crop_pct=1.0))

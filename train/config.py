@@ -40,6 +40,11 @@ class DataConfig:
     gpu_resident: bool = True
     aug: str = "rrc_flip"    # rrc_flip | flip | none  (RandomResizedCrop + horizontal flip for MAE)
     crop_min: float = 0.2    # smallest RandomResizedCrop area (fraction of the image)
+    # torchvision ColorJitter(s, s, s) after the crop, as timm's --color-jitter s (0: off; in-memory loader)
+    color_jitter: float = 0.0
+    # evaluation: 1 resizes the image to img_size; < 1 is timm's transform (shorter side to
+    # img_size / eval_crop_pct, bicubic, then the centre crop; timm's default 0.875; in-memory loader)
+    eval_crop_pct: float = 1.0
     normalize: bool = True   # per-channel mean/std normalisation (stats from `mean`/`std`)
     mean: list = field(default_factory=lambda: [0.485, 0.456, 0.406])  # a value per channel
     std: list = field(default_factory=lambda: [0.229, 0.224, 0.225])
@@ -75,6 +80,7 @@ class ModelConfig:
     alpha_min: float = 1.0        # decayed shortcuts: the last alpha (1: plain residuals)
     schedule: str = "linspace"    # how alpha falls with depth: linspace | paper
     drop_path: float = 0.0        # drop rate of the last block (linear in depth)
+    drop_rate: float = 0.0        # classify, timm ResNets: dropout before the classifier (timm's --drop)
     droppath_mode: str = "drop_path"  # drop_path (timm) | residual_droppath (Park), active when drop_path > 0 | none (classify: off)
     per_block: bool = False       # one alpha per block instead of per sub-layer
     num_classes: int = 0          # classifier classes; U-ViT: 0 unconditional, else class-conditional
@@ -510,6 +516,8 @@ def validate(cfg: Config) -> None:
     _need_plots(cfg)
     need(0 <= d.max_corrupt_frac <= 1, "data.max_corrupt_frac", "must be in [0, 1]")
     need(0 < d.crop_min <= 1, "data.crop_min", "must be in (0, 1]")
+    need(0 <= d.color_jitter, "data.color_jitter", "must be >= 0 (0: off)")
+    need(0 < d.eval_crop_pct <= 1, "data.eval_crop_pct", "must be in (0, 1] (1: resize the whole image)")
     if d.normalize:
         need(len(d.mean) >= d.in_chans and len(d.std) >= d.in_chans, "data.mean",
              f"and data.std need a value per channel (data.in_chans={d.in_chans})")
@@ -526,6 +534,7 @@ def validate(cfg: Config) -> None:
         need(0 <= m.mask_ratio < 1, "model.mask_ratio", "must be in [0, 1)")
     need(0 < m.alpha_min <= 1, "model.alpha_min", "must be in (0, 1] (1: plain residuals)")
     need(0 <= m.drop_path < 1, "model.drop_path", "must be in [0, 1)")
+    need(0 <= m.drop_rate < 1, "model.drop_rate", "must be in [0, 1)")
     if cfg.task == "classify":
         need(m.num_classes == d.num_classes, "model.num_classes", f"must equal data.num_classes ({d.num_classes})")
     if cfg.task == "uvit":
@@ -545,7 +554,7 @@ def validate(cfg: Config) -> None:
 FINGERPRINT_KEYS = ("task", "batch_size", "data.img_size", "data.in_chans", "data.num_classes", "optim.name",
                     "optim.ema_decay")
 # keys added to the fingerprint later: a record without one was made under this value
-_FINGERPRINT_BEFORE = {"optim.name": "adamw"}
+_FINGERPRINT_BEFORE = {"optim.name": "adamw", "model.drop_rate": 0.0}
 _MODEL_KEYS_NOT_IN_FINGERPRINT = ("backend", "attn_impl")  # implementation choices, same parameters
 
 

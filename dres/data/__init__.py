@@ -30,14 +30,14 @@ import os
 
 import torch
 
-from dres.data.loaders import (FolderLoader, InMemoryLoader, ShardLoader, check_split, crop_theta,
-                               device_augment, normalize, rrc_params)
+from dres.data.loaders import (FolderLoader, InMemoryLoader, ShardLoader, check_split, color_jitter, crop_theta,
+                               device_augment, jitter_params, normalize, rrc_params)
 from dres.data.sources import (CorruptCounter, DataError, check_labels, cifar10_pattern, default_cifar10_dir,
                                expand_shards, iter_shard, lost_data_line, manifest_samples, read_cifar_torchvision, read_digits,
                                read_image_folder, read_mnist_torchvision, read_shards, verify_manifest)
 
 __all__ = ["build_loader", "load_arrays", "DataError", "InMemoryLoader", "FolderLoader", "ShardLoader",
-           "crop_theta", "device_augment", "normalize", "rrc_params", "read_shards", "read_digits", "iter_shard",
+           "color_jitter", "crop_theta", "device_augment", "jitter_params", "normalize", "rrc_params", "read_shards", "read_digits", "iter_shard",
            "expand_shards", "default_cifar10_dir", "cifar10_pattern", "check_split", "CorruptCounter",
            "verify_manifest", "manifest_samples", "lost_data_line"]
 
@@ -107,9 +107,13 @@ def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, 
         counter.check(len(x), d.max_corrupt_frac, where)
         check_labels(y, d.num_classes, where)
         loader = InMemoryLoader(x, y, global_batch, rank=rank, world=world, accum=accum, seed=seed, device=device,
-                                img_size=d.img_size, aug=aug, crop_min=d.crop_min, mean=mean, std=std)
+                                img_size=d.img_size, aug=aug, crop_min=d.crop_min, mean=mean, std=std,
+                                jitter=d.color_jitter if train else 0.0, eval_crop_pct=d.eval_crop_pct)
         loader.counter = counter
         return loader
+    if d.color_jitter or d.eval_crop_pct != 1:
+        raise DataError(f"data.color_jitter and data.eval_crop_pct apply to the in-memory loader only; set "
+                        f"data.gpu_resident=true for data.name={d.name} or leave them at 0 and 1")
     if d.name == "imagefolder":
         return FolderLoader(_pattern(d, split), global_batch, rank=rank, world=world, accum=accum, seed=seed,
                             device=device, img_size=d.img_size, in_chans=d.in_chans, train=train,

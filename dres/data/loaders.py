@@ -85,9 +85,57 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device)
 
 
-def device_augment(x_uint8, size, rng, rrc=True, flip=True, scale=(0.2, 1.0), mean=None, std=None, rows=None):
+def jitter_params(n, rng, strength):
+    """Batched parameters of torchvision's ``ColorJitter(strength, strength, strength)`` (timm's
+    ``--color-jitter S``: brightness, contrast and saturation, no hue) for ``n`` images, drawn from the
+    numpy generator ``rng``: ``(n, 3)`` factors uniform in ``[max(0, 1 - S), 1 + S]`` (brightness,
+    contrast, saturation) and ``(n, 3)`` the order each image applies them in (a random permutation per
+    image, as torchvision draws one per call)."""
+    factors = rng.uniform(max(0.0, 1.0 - strength), 1.0 + strength, (n, 3))
+    order = np.argsort(rng.random((n, 3)), axis=1)
+    return factors, order
+
+
+def _grey(x):
+    """torchvision's ``rgb_to_grayscale`` weights; a one-channel image is its own grey."""
+    if x.shape[1] == 1:
+        return x
+    return (0.2989 * x[:, 0] + 0.587 * x[:, 1] + 0.114 * x[:, 2]).unsqueeze(1)
+
+
+def color_jitter(x, factors, order):
+    """torchvision's ColorJitter (tensor semantics) on a float batch in [0, 1], image ``i`` with its
+    own ``factors[i]`` applied in ``order[i]`` (:func:`jitter_params`). Every stage applies all three
+    adjustments, with factor 1 (the identity) for the images whose order puts another there, so the
+    batch needs no per-image branching."""
+    f = to_device(torch.from_numpy(np.ascontiguousarray(factors, np.float32)), x.device)
+    order = to_device(torch.from_numpy(np.ascontiguousarray(order, np.int64)), x.device)
+    one = torch.ones((), device=x.device)
+    for stage in range(3):
+        for op in range(3):
+            k = torch.where(order[:, stage] == op, f[:, op], one).view(-1, 1, 1, 1)
+            if op == 0:  # brightness: blend with black
+                x = (x * k).clamp_(0, 1)
+            elif op == 1:  # contrast: blend with the mean grey level of the image
+                x = (k * x + (1 - k) * _grey(x).mean(dim=(1, 2, 3), keepdim=True)).clamp_(0, 1)
+            elif x.shape[1] > 1:  # saturation: blend with the grey image (torchvision skips one channel)
+                x = (k * x + (1 - k) * _grey(x)).clamp_(0, 1)
+    return x
+
+
+def _standardise(x, mean, std):
+    if mean is None:
+        return x
+    m = to_device(torch.tensor(mean), x.device)[: x.shape[1]].view(1, -1, 1, 1)
+    s = to_device(torch.tensor(std), x.device)[: x.shape[1]].view(1, -1, 1, 1)
+    return (x - m) / s
+
+
+def device_augment(x_uint8, size, rng, rrc=True, flip=True, scale=(0.2, 1.0), mean=None, std=None, rows=None,
+                   jitter=0.0):
     """uint8 (B,C,H,W) on any device -> float (B,C,size,size): RandomResizedCrop + horizontal flip
-    for the whole batch by one ``affine_grid``/``grid_sample`` bilinear resample, then normalisation.
+    for the whole batch by one ``affine_grid``/``grid_sample`` bilinear resample, then colour jitter of
+    strength ``jitter`` (0: none; :func:`color_jitter`), then normalisation.
     Parameters come from the host generator ``rng`` (``numpy.random.Generator``) so that they do not
     depend on the device or on the world size; they reach the device without a host sync.
     ``rows=(start, n)``: ``x_uint8`` is rows ``start:start + B`` of a batch of ``n`` (a rank's share of
@@ -102,15 +150,26 @@ def device_augment(x_uint8, size, rng, rrc=True, flip=True, scale=(0.2, 1.0), me
         x = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
     elif x.shape[-1] != size:
         x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    if mean is not None:
-        m = to_device(torch.tensor(mean), x.device)[: x.shape[1]].view(1, -1, 1, 1)
-        s = to_device(torch.tensor(std), x.device)[: x.shape[1]].view(1, -1, 1, 1)
-        x = (x - m) / s
-    return x
+    if jitter > 0:  # drawn after the crop, so a run without jitter keeps its crops
+        factors, order = jitter_params(n, rng, jitter)
+        x = color_jitter(x, factors[start:start + b], order[start:start + b])
+    return _standardise(x, mean, std)
 
 
-def normalize(x_uint8, size, mean=None, std=None):
-    return device_augment(x_uint8, size, None, rrc=False, flip=False, mean=mean, std=std)
+def normalize(x_uint8, size, mean=None, std=None, crop_pct=1.0):
+    """uint8 (B,C,H,W) -> float (B,C,size,size), unaugmented: the image resized to ``size``
+    (``crop_pct`` 1), or timm's evaluation transform (``crop_pct`` < 1: the shorter side resized to
+    ``floor(size / crop_pct)``, bicubic, then the centre ``size`` x ``size`` crop); then normalisation."""
+    if crop_pct >= 1:
+        return device_augment(x_uint8, size, None, rrc=False, flip=False, mean=mean, std=std)
+    x = x_uint8.float().div_(255)
+    h, w = x.shape[-2:]
+    short = math.floor(size / crop_pct)
+    # torchvision's Resize(int): the shorter side to `short`, the longer in proportion (truncated)
+    hw = (short, int(short * w / h)) if h <= w else (int(short * h / w), short)
+    x = F.interpolate(x, size=hw, mode="bicubic", antialias=True, align_corners=False).clamp_(0, 1)
+    top, left = int(round((hw[0] - size) / 2.0)), int(round((hw[1] - size) / 2.0))
+    return _standardise(x[..., top:top + size, left:left + size], mean, std)
 
 
 def check_split(global_batch, world, accum):
@@ -135,7 +194,8 @@ class _Position:
 
 class InMemoryLoader(_Position):
     def __init__(self, images, labels, global_batch, *, rank=0, world=1, accum=1, seed=0, device="cpu",
-                 img_size=None, aug="rrc_flip", crop_min=0.2, mean=None, std=None, drop_last=True):
+                 img_size=None, aug="rrc_flip", crop_min=0.2, mean=None, std=None, drop_last=True, jitter=0.0,
+                 eval_crop_pct=1.0):
         self.local = check_split(global_batch, world, accum)
         if len(images) < global_batch:
             raise DataError(f"batch_size {global_batch} is larger than the data set ({len(images)} samples)")
@@ -144,6 +204,7 @@ class InMemoryLoader(_Position):
         self.global_batch, self.rank, self.world, self.seed = global_batch, rank, world, seed
         self.size = img_size or images.shape[-1]
         self.aug, self.crop_min, self.mean, self.std = aug, crop_min, mean, std
+        self.jitter, self.eval_crop_pct = jitter, eval_crop_pct
         self.steps_per_epoch = len(images) // global_batch
         self.counter = CorruptCounter()  # build_loader hands over the reader's
         self._epoch_perm = None  # (epoch, its sample order on the device)
@@ -170,7 +231,8 @@ class InMemoryLoader(_Position):
         x = self.images[idx]
         if self.aug != "none":
             x = device_augment(x, self.size, rng, rrc=self.aug == "rrc_flip", flip=True,
-                               scale=(self.crop_min, 1.0), mean=self.mean, std=self.std, rows=(lo, self.global_batch))
+                               scale=(self.crop_min, 1.0), mean=self.mean, std=self.std, rows=(lo, self.global_batch),
+                               jitter=self.jitter)
         else:
             x = normalize(x, self.size, self.mean, self.std)
         self.batch += 1
@@ -179,7 +241,7 @@ class InMemoryLoader(_Position):
     def eval_batches(self, batch_size):
         """Unaugmented pass over all samples (for features), in order."""
         for i in range(0, len(self.images), batch_size):
-            x = normalize(self.images[i:i + batch_size], self.size, self.mean, self.std)
+            x = normalize(self.images[i:i + batch_size], self.size, self.mean, self.std, self.eval_crop_pct)
             yield {"image": x, "label": self.labels[i:i + batch_size]}
 
 

@@ -79,7 +79,8 @@ class ResNetClassifier(nn.Module):
 
     def __init__(self, arch: str = "resnet50d", num_classes: int = 10, in_chans: int = 3, alpha_min: float = 1.0,
                  schedule: str = "linspace", drop_path: float = 0.0, droppath_mode: str = "drop_path",
-                 droppath_seed: int = 0, zero_init: Optional[bool] = None, backend: Optional[str] = None):
+                 droppath_seed: int = 0, zero_init: Optional[bool] = None, backend: Optional[str] = None,
+                 drop_rate: float = 0.0):
         super().__init__()
         if arch not in RESNET_ARCHS:
             raise ValueError(f"arch must be one of {RESNET_ARCHS}, got {arch!r}")
@@ -89,7 +90,9 @@ class ResNetClassifier(nn.Module):
 
         # zero_init: timm's zero_init_last (the last BN of every block at zero); None keeps timm's default
         extra = {} if zero_init is None else {"zero_init_last": zero_init}
-        self.net = timm.create_model(arch, pretrained=False, num_classes=num_classes, in_chans=in_chans, **extra)
+        # drop_rate: timm's dropout before the classifier (its train.py --drop)
+        self.net = timm.create_model(arch, pretrained=False, num_classes=num_classes, in_chans=in_chans,
+                                     drop_rate=drop_rate, **extra)
         convert_timm_resnet(self.net, alpha_min, schedule, drop_path, droppath_mode, backend, droppath_seed)
         self.net.to(memory_format=torch.channels_last)
 
