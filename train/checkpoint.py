@@ -108,12 +108,6 @@ def list_checkpoints(ckpt_dir) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def _is_fsdp(model) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
 def _model_optim_state(model, optimizer, dcp_format: bool):
     m = D.unwrap(model)
     if dcp_format:

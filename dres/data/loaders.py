@@ -194,7 +194,7 @@ class _Position:
 
 class InMemoryLoader(_Position):
     def __init__(self, images, labels, global_batch, *, rank=0, world=1, accum=1, seed=0, device="cpu",
-                 img_size=None, aug="rrc_flip", crop_min=0.2, mean=None, std=None, drop_last=True, jitter=0.0,
+                 img_size=None, aug="rrc_flip", crop_min=0.2, mean=None, std=None, jitter=0.0,
                  eval_crop_pct=1.0):
         self.local = check_split(global_batch, world, accum)
         if len(images) < global_batch:
