@@ -12,7 +12,7 @@ side, unwrapped and under DDP or FSDP2 (the profile behind the gaps in BENCHMARK
 Each (model, wrapping): build, (compile: each block, before wrapping, as the trainer does), wrap
 (``train_distributed.wrap_model``: the trainer's DDP / FSDP2; ``fsdp:VARIANT`` as in bench_train),
 warm up, then ``torch.profiler`` over ``--steps`` steps of the step ``bench_train`` times
-(``train_step.first_training_step``). One process runs FSDP2 on a one-GPU mesh (FSDP2 on one GPU
+(``train_distributed.first_wrapped_step``). One process runs FSDP2 on a one-GPU mesh (FSDP2 on one GPU
 against the same model without); under torchrun every rank profiles, rank 0 reports. Kernels are grouped by name into matmul, attention, dres fused ops, Inductor norm kernels,
 other Inductor kernels, optimizer, communication (NCCL) and other (eager elementwise, copies).
 ``gpu_busy_pct`` = the union of kernel and copy intervals / wall time (below 100% the GPU waits for
@@ -38,11 +38,10 @@ if __package__ in (None, ""):
 import torch
 
 from benchmarks import measure
-from benchmarks.train_distributed import dists_at, parse_dists, wrap_model
-from benchmarks.train_models import (DEFAULT_BATCH, MODELS, add_model_options, build_model, make_batch, model_options,
-                                     models_for)
+from benchmarks.train_distributed import dists_at, first_wrapped_step, parse_dists
+from benchmarks.train_models import DEFAULT_BATCH, MODELS, add_model_options, model_options, models_for
 from benchmarks.train_report import dist_label
-from benchmarks.train_step import first_training_step, free_memory
+from benchmarks.train_step import free_memory
 from benchmarks.trainer_runs import TRAINER_EVAL_OFF
 
 # (category, pattern on the kernel name), first match wins
@@ -137,16 +136,8 @@ def profile_steps(step, steps: int, trace_path: Path | None) -> dict:
 
 def profile_model(bench: str, name: str, options: dict, mode: str, batch: int, steps: int, warmup: int, kind: str,
                   variant: str, info, trace_path: Path | None) -> dict:
-    from dres.train.distributed import apply_compile
-
-    torch._dynamo.reset()
-    free_memory()
-    model = build_model(bench, name, **options).to(info.device)
-    if mode == "compile":
-        apply_compile(model)
-    wrapped = wrap_model(model, kind, variant, info).train()
-    images = make_batch(bench, batch, info.device)
-    step, optimizer_kind = first_training_step(bench, wrapped, images, sharded=kind == "fsdp")
+    step, optimizer_kind, model, wrapped, images = first_wrapped_step(bench, name, options, mode, batch, kind,
+                                                                       variant, info)
     for _ in range(max(1, warmup) - 1):
         step()
     r = profile_steps(step, steps, trace_path)

@@ -117,13 +117,9 @@ def wrap_model(model: torch.nn.Module, kind: str, variant: str, info) -> torch.n
     return model
 
 
-def run_dist(bench: str, name: str, mode: str, batch: int, options: dict, *, steps: int, warmup: int, env: dict,
-             card: str, info, kind: str, variant: str) -> dict:
-    """One (model with ``options``, mode, wrapping) on every rank of the process group: the blocks
-    compiled one by one before wrapping (the trainer's order), ``batch`` images per GPU; the step time
-    is the slowest rank's median."""
-    import torch.distributed as dist
-
+def first_wrapped_step(bench: str, name: str, options: dict, mode: str, batch: int, kind: str, variant: str, info):
+    """``(step, optimizer kind, model, wrapped model, images)`` after the first step of ``name`` built afresh:
+    its blocks compiled one by one (``mode == "compile"``) before wrapping, the trainer's order."""
     from dres.train.distributed import apply_compile
 
     torch._dynamo.reset()
@@ -133,8 +129,20 @@ def run_dist(bench: str, name: str, mode: str, batch: int, options: dict, *, ste
         apply_compile(model)
     wrapped = wrap_model(model, kind, variant, info).train()
     images = make_batch(bench, batch, info.device)
-    t0 = time.time()
     step, optimizer_kind = first_training_step(bench, wrapped, images, sharded=kind == "fsdp")
+    return step, optimizer_kind, model, wrapped, images
+
+
+def run_dist(bench: str, name: str, mode: str, batch: int, options: dict, *, steps: int, warmup: int, env: dict,
+             card: str, info, kind: str, variant: str) -> dict:
+    """One (model with ``options``, mode, wrapping) on every rank of the process group: the blocks
+    compiled one by one before wrapping (the trainer's order), ``batch`` images per GPU; the step time
+    is the slowest rank's median."""
+    import torch.distributed as dist
+
+    t0 = time.time()
+    step, optimizer_kind, model, wrapped, images = first_wrapped_step(bench, name, options, mode, batch, kind,
+                                                                       variant, info)
     times, warm_s, peak = warm_and_time(step, warmup, steps, t0)
     slowest = torch.tensor([statistics.median(times), peak], device=info.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
