@@ -37,7 +37,7 @@ def test_mae_cifar10_bf16_compile(tmp_path):
     assert s["img_per_s"] > 0 and s["peak_mem_gib"] > 0
     # The evaluation runs on the compiled model's encoder. After 60 steps its class token carries
     # little: every branch starts at zero (alpha_min 0.6), so at initialisation the token is the same
-    # for all images; the probe measured 0.12-0.135 (H200, 2026-11-26) against chance 0.10, and 0.35
+    # for all images; the probe measures 0.12-0.135 on an H200 against chance 0.10, and 0.35
     # after 300 steps (benchmarks/records). Above chance is what 60 steps can promise.
     assert 0.10 < s["eval"]["linear_probe_acc"] <= 1.0
 

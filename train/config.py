@@ -178,7 +178,7 @@ class Config:
     fsdp_prefetch: bool = False  # units keep parameters gathered to the backward + forward prefetch
     # which units free their gathered parameters after the forward: auto (never on 1 GPU, else all but the last)
     fsdp_reshard: str = "auto"
-    # consecutive blocks per FSDP2 unit: its hooks cost CPU time per unit (4 was the fastest measured)
+    # consecutive blocks per FSDP2 unit: its hooks cost CPU time per unit, and 4 a unit measures fastest
     fsdp_blocks_per_unit: int = 4
     device: str = "auto"      # auto (cuda when available, else cpu) | cpu | cuda
     # CPU intra-op threads; 0: one for models narrower than 256 (model.embed_dim: their matrices are too

@@ -25,7 +25,7 @@ cannot be captured runs the eager step and says why in one line.
 
 Each replay is timed by a pair of CUDA events on the current stream (recorded outside the graph, read
 only at log steps, where the loop synchronises anyway): the replay's GPU time is the floor of the
-trainer's step (issue 14 target 3), and :func:`window_timing` / :func:`steady_timing` set the wall
+trainer's step, and :func:`window_timing` / :func:`steady_timing` set the wall
 time of the log windows against it. Eager steps are not timed: events around them would measure the
 host's launch time as much as the GPU's, which is no floor.
 """

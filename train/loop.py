@@ -481,7 +481,7 @@ class Trainer:
                         "peak_mem_gib": (torch.cuda.max_memory_allocated(self.device) / 2**30
                                          if self.device.type == "cuda" else None),
                         "lost_data": self.loader.counter.summary()}
-        if self.graphed is not None:  # issue 14 target 3: trainer_vs_replay <= 1.05
+        if self.graphed is not None:  # how close the trainer's steps come to the replays' GPU time
             self.summary.update(steady_timing(self.graphed.windows))
         return self.summary
 
