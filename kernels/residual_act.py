@@ -106,22 +106,24 @@ _FORWARD = CachedLaunch(_residual_act_fwd_kernel)
 _BACKWARD = CachedLaunch(_residual_act_bwd_kernel)
 
 
-def residual_act_forward(x: torch.Tensor, h: torch.Tensor, alpha: torch.Tensor | float,
+def residual_act_forward(x: torch.Tensor, h: torch.Tensor, alpha: torch.Tensor | None, alpha_value: float,
                          row_scale: torch.Tensor | None, per_sample: int, relu: bool, out: torch.Tensor) -> None:
-    """Write ``out = act(alpha * x + row_scale[e // per_sample] * h)``; x, h, out are 1-D and contiguous."""
+    """Write ``out = act(alpha * x + row_scale[e // per_sample] * h)``; x, h, out are 1-D and contiguous.
+    alpha: a 0-dim tensor the kernel reads, or None for ``alpha_value`` passed by value."""
     n = x.numel()
     if n == 0:
         return
-    alpha_is_ptr = isinstance(alpha, torch.Tensor)
+    alpha_is_ptr = alpha is not None
     _FORWARD((cdiv(n, BLOCK),), (
         x, h, out, alpha if alpha_is_ptr else x, row_scale if row_scale is not None else x,
-        n, per_sample, 1.0 if alpha_is_ptr else float(alpha),
+        n, per_sample, float(alpha_value),
         alpha_is_ptr, row_scale is not None, relu, per_sample >= BLOCK, BLOCK,
     ), NUM_WARPS)
 
 
 def residual_act_backward(g: torch.Tensor, out: torch.Tensor | None, x: torch.Tensor | None,
-                          alpha: torch.Tensor | float, grad_scale: torch.Tensor | None, per_sample: int,
+                          alpha: torch.Tensor | None, alpha_value: float, grad_scale: torch.Tensor | None,
+                          per_sample: int,
                           dx: torch.Tensor, dh: torch.Tensor | None) -> torch.Tensor | None:
     """Write dx (and dh when given) from g; ``out`` given means ReLU; returns dalpha (fp32, 0-dim)
     when ``x`` is given. All tensors are 1-D and contiguous, in one physical order."""
@@ -131,12 +133,12 @@ def residual_act_backward(g: torch.Tensor, out: torch.Tensor | None, x: torch.Te
         return g.new_zeros((), dtype=torch.float32) if need_dalpha else None
     programs = cdiv(n, BLOCK)
     partials = torch.empty((programs,), dtype=torch.float32, device=g.device) if need_dalpha else None
-    alpha_is_ptr = isinstance(alpha, torch.Tensor)
+    alpha_is_ptr = alpha is not None
     _BACKWARD((programs,), (
         g, out if out is not None else g, x if need_dalpha else g, dx, dh if dh is not None else dx,
         alpha if alpha_is_ptr else g, grad_scale if grad_scale is not None else g,
         partials if need_dalpha else dx,
-        n, per_sample, 1.0 if alpha_is_ptr else float(alpha),
+        n, per_sample, float(alpha_value),
         alpha_is_ptr, grad_scale is not None, out is not None, dh is not None, need_dalpha, per_sample >= BLOCK,
         BLOCK,
     ), NUM_WARPS)

@@ -172,7 +172,7 @@ def _residual_norm_bwd_kernel(
 
 
 @functools.lru_cache(maxsize=None)
-def launch_config(dim: int, max_elem_bytes: int = 4) -> tuple[int, int, int]:
+def forward_config(dim: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_D, num_warps) for rows of length ``dim``.
 
     A tile holds about 4096 elements (several rows per program when D is small), so each thread
@@ -186,8 +186,12 @@ def launch_config(dim: int, max_elem_bytes: int = 4) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def backward_config(dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_D, num_warps, programs per SM) for the backward.
+def backward_config(dim: int) -> tuple[int, int, int, int, int | None]:
+    """(BLOCK_M, BLOCK_D, num_warps, programs per SM, num_stages) for the backward; num_stages None
+    is Triton's default software pipelining of the tile loop.
+
+    :func:`residual_norm_backward` looks this function up at every launch: ``benchmarks.tune_backward``
+    times other configs by replacing it for the duration of a sweep (``backward_config_replaced``).
 
     For BLOCK_D 512-1024: 8-row tiles, 64 values of a tile per thread, 8 warps per SM in all, the
     best or within 2% of it in the ``benchmarks.tune_backward`` sweep (BENCHMARKS.md, Target 1).
@@ -197,10 +201,10 @@ def backward_config(dim: int) -> tuple[int, int, int, int]:
     if 512 <= block_d <= 1024:
         block_m = 8
         num_warps = block_m * block_d // (64 * 32)
-        return block_m, block_d, num_warps, max(1, 8 // num_warps)
+        return block_m, block_d, num_warps, max(1, 8 // num_warps), None
     block_m = max(1, min(64, 4096 // block_d))
     num_warps = max(2, min(16, block_m * block_d // 1024))
-    return block_m, block_d, num_warps, 8
+    return block_m, block_d, num_warps, 8, None
 
 
 _FORWARD = CachedLaunch(_residual_norm_fwd_kernel)
@@ -212,7 +216,8 @@ def residual_norm_forward(
     h: torch.Tensor | None,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    alpha: torch.Tensor | float,
+    alpha: torch.Tensor | None,
+    alpha_value: float,
     eps: float,
     row_scale: torch.Tensor | None,
     rows_per_sample: int,
@@ -225,7 +230,8 @@ def residual_norm_forward(
 
     x, h: (..., D) with evenly spaced rows (any other layout is copied: ``rows_of``); out, y:
     contiguous, x's shape; mean, rstd: (rows,). ``h is None`` means layer_norm only (``out``
-    unused); ``y is None`` means residual_add only.
+    unused); ``y is None`` means residual_add only. alpha: a 0-dim tensor the kernel reads, or None
+    for ``alpha_value`` passed by value.
     """
     D = x.shape[-1]
     M = x.numel() // D
@@ -235,9 +241,9 @@ def residual_norm_forward(
     has_h = h is not None
     h, stride_h = rows_of(h) if has_h else (x, 0)
     has_norm = y is not None
-    alpha_is_ptr = isinstance(alpha, torch.Tensor)
+    alpha_is_ptr = alpha is not None
     # int(): a symbolic size (a dynamic-shape compile) is specialised here, the tile depends on it
-    block_m, block_d, num_warps = launch_config(int(D))
+    block_m, block_d, num_warps = forward_config(int(D))
     dummy = x
     _FORWARD((cdiv(M, block_m),), (
         x, h, out if has_h else dummy, y if has_norm else dummy,
@@ -245,7 +251,7 @@ def residual_norm_forward(
         alpha if alpha_is_ptr else dummy, row_scale if row_scale is not None else dummy,
         mean if has_norm else dummy, rstd if has_norm else dummy,
         stride_x, stride_h, D, D,
-        M, D, rows_per_sample, 1.0 if alpha_is_ptr else float(alpha), eps,
+        M, D, rows_per_sample, float(alpha_value), eps,
         has_h, has_norm, weight is not None, bias is not None, alpha_is_ptr, row_scale is not None,
         block_m, block_d,
     ), num_warps)
@@ -259,7 +265,8 @@ def residual_norm_backward(
     weight: torch.Tensor | None,
     mean: torch.Tensor | None,
     rstd: torch.Tensor | None,
-    alpha: torch.Tensor | float,
+    alpha: torch.Tensor | None,
+    alpha_value: float,
     grad_scale: torch.Tensor | None,
     rows_per_sample: int,
     dx: torch.Tensor,
@@ -267,24 +274,20 @@ def residual_norm_backward(
     need_dweight: bool,
     need_dbias: bool,
     need_dalpha: bool,
-    config: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward kernel; returns (dweight fp32, dbias fp32, dalpha fp32) where asked.
 
     ``normed`` is the tensor the norm normalised (the stored ``out``, or x for layer_norm);
     ``x`` is needed only for dalpha. Inputs (..., D) with evenly spaced rows (others are copied:
-    ``rows_of``; a gradient with row stride 0 is read in place); dx, dh contiguous.
+    ``rows_of``; a gradient with row stride 0 is read in place); dx, dh contiguous. alpha, alpha_value:
+    as :func:`residual_norm_forward`'s. The launch parameters are :func:`backward_config`'s.
     """
     D = dx.shape[-1]
     M = dx.numel() // D
     device = dx.device
     need_dweight = need_dweight and g_y is not None
     need_dbias = need_dbias and g_y is not None
-    block_m, block_d, num_warps, programs_per_sm = backward_config(int(D))
-    num_stages = None  # Triton's default software pipelining of the tile loop
-    if config is not None:  # (BLOCK_M, num_warps, programs per SM[, num_stages]): for tuning sweeps
-        block_m, num_warps, programs_per_sm = config[:3]
-        num_stages = config[3] if len(config) > 3 else None
+    block_m, block_d, num_warps, programs_per_sm, num_stages = backward_config(int(D))
     f32 = dict(dtype=torch.float32, device=device)
     if M == 0:  # nothing to launch; parameter gradients of no rows are zero
         zeros = lambda shape: torch.zeros(shape, **f32)  # noqa: E731
@@ -301,7 +304,7 @@ def residual_norm_backward(
     scratch = scratch_buffer(dx, scratch_numel) if scratch_numel else None
     partials = scratch[:partials_numel].view(num_partials, programs, D) if num_partials else None
     dalpha_row = scratch[partials_numel:] if need_dalpha else None
-    alpha_is_ptr = isinstance(alpha, torch.Tensor)
+    alpha_is_ptr = alpha is not None
     dummy = dx
     has_g_out, has_g_y = g_out is not None, g_y is not None
     g_out, stride_gout = rows_of(g_out) if g_out is not None else (dummy, 0)
@@ -317,7 +320,7 @@ def residual_norm_backward(
         partials[0] if need_dweight else dummy, partials[num_partials - 1] if need_dbias else dummy,
         dalpha_row if need_dalpha else dummy,
         stride_gout, stride_gy, stride_normed, stride_x, D, D,
-        M, D, rows_per_sample, 1.0 if alpha_is_ptr else float(alpha), num_tiles,
+        M, D, rows_per_sample, float(alpha_value), num_tiles,
         has_g_out, has_g_y, dh is not None, weight is not None, need_dweight, need_dbias,
         alpha_is_ptr, grad_scale is not None, need_dalpha, block_m, block_d,
     ), num_warps, num_stages)

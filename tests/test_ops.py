@@ -867,3 +867,25 @@ def test_default_backend_follows_the_measurements():
     assert choose_default_backend(True, small, False, False, False) == "triton"  # csrc not built
     assert choose_default_backend(False, small, False, False, True) == "torch"
     assert ops.checks.resolve_backend(None, torch.zeros(2, 8)) == "torch"
+
+
+def test_backward_config_hook_of_the_tuning_sweep():
+    """The backward launcher reads ``backward_config`` at every launch: benchmarks.tune_backward's
+    ``backward_config_replaced`` runs it with another tile and programs per SM, gradients unchanged."""
+    from benchmarks.tune_backward import backward_config_replaced
+    from dres.kernels import residual_norm as kernels
+
+    x, h, w, b = make_case((3, 5, 40), F32, F32, "cpu")
+
+    def gradients():
+        xl, hl, wl, bl = leaves(x, h, w, b)
+        out, y = ops.residual_layer_norm(xl, hl, wl, bl, 0.9, backend="triton")
+        return grads((out, y), (torch.ones_like(out), torch.ones_like(y)), (xl, hl, wl, bl))
+
+    default = gradients()
+    assert kernels.backward_config(40)[0] != 2
+    with backward_config_replaced(40, 2, 1, 1), mock.patch.object(kernels, "cdiv", wraps=kernels.cdiv) as cdiv:
+        tuned = gradients()
+    assert cdiv.call_args_list[-1].args == (15, 2)  # the backward: 15 rows in tiles of 2
+    for got, want in zip(tuned, default):
+        torch.testing.assert_close(got, want)

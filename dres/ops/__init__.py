@@ -7,9 +7,11 @@
     out = residual_add(x, h, alpha, row_scale, grad_scale)
     y   = layer_norm(x, weight, bias, eps)
 
-One module per op family (``residual_norm``, ``bias_gelu``, ``mae_loss``, ``residual_act``), each
-with its explicit ``autograd.Function``; shared helpers in :mod:`dres.ops.utils`, argument checks
-in :mod:`dres.ops.checks`. ``backend``: None picks Triton for CUDA tensors and the PyTorch
+One module per op family (``residual_norm``, ``bias_gelu``, ``mae_loss``, ``residual_act``), each in
+the same order: checks, reference, launch, explicit ``autograd.Function``, custom op, public
+function. Shared pieces: helpers in :mod:`dres.ops.utils`, the backend choice and argument checks in
+:mod:`dres.ops.checks`, the custom-op wiring in :mod:`dres.ops.registration`, the csrc extension in
+:mod:`dres.ops.csrc_backend`. ``backend``: None picks Triton for CUDA tensors and the PyTorch
 reference otherwise; "triton" forces the kernels (on CPU only under ``TRITON_INTERPRET=1``);
 "torch" the reference (:mod:`dres.ops.reference`, float64-capable); "cuda" the csrc extension when built.
 """

@@ -32,13 +32,52 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dres.ops.checks import (KERNEL_DTYPES, REFERENCE_DTYPES, _check_same_device, _check_tensor, check_dtype_arg,
-                             check_vector, resolve_backend_without_csrc)
+from dres.ops.checks import (KERNEL_DTYPES, check_dtype_arg, check_same_device, check_tensor, check_vector,
+                             resolve_backend_without_csrc, supported_dtypes)
 from dres.ops.reference import _compute_dtype
 from dres.ops.registration import define_op
 from dres.ops.utils import param_grad
 
 __all__ = ["fused_bias_gelu", "fused_mlp", "bias_gelu_reference", "mlp_reference", "mlp_compute_dtype"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks: messages name the argument, before any kernel sees it
+
+
+def check_bias_gelu_inputs(backend: str, pre: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype]) -> None:
+    dtypes = supported_dtypes(backend)
+    check_tensor("pre", pre, dtypes)
+    if pre.dim() < 1:
+        raise ValueError("pre must have at least one dimension (the hidden features, last)")
+    check_vector("bias", bias, pre.shape[-1], pre, dtypes, "pre's last dimension")
+    check_dtype_arg("out_dtype", out_dtype, dtypes)
+
+
+def check_mlp_inputs(backend: str, x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_weight: Tensor,
+                     fc2_bias: Optional[Tensor]) -> None:
+    dtypes = supported_dtypes(backend)
+    check_tensor("x", x, dtypes)
+    if x.dim() < 2:
+        raise ValueError(f"x must have shape (B, T, D) or (M, D), got {tuple(x.shape)}")
+    for name, w in (("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)):
+        check_tensor(name, w, dtypes)
+        if w.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D (out_features, in_features) matrix, got {tuple(w.shape)}")
+        check_same_device(name, w, x)
+    hidden, dim = fc1_weight.shape
+    if dim != x.shape[-1]:
+        raise ValueError(f"fc1_weight has shape {tuple(fc1_weight.shape)}; expected (hidden, {x.shape[-1]}) "
+                         f"to match x's last dimension")
+    if fc2_weight.shape[1] != hidden:
+        raise ValueError(f"fc2_weight has shape {tuple(fc2_weight.shape)}; expected (out, {hidden}) to match "
+                         f"fc1_weight's {hidden} hidden features")
+    check_vector("fc1_bias", fc1_bias, hidden, x, dtypes, "fc1_weight's hidden features")
+    check_vector("fc2_bias", fc2_bias, fc2_weight.shape[0], x, dtypes, "fc2_weight's output features")
+    compute = mlp_compute_dtype(x)
+    if backend != "torch" and compute not in KERNEL_DTYPES:
+        raise TypeError(f"fused_mlp would compute in {compute} (autocast); the kernels support "
+                        f"{', '.join(str(d).replace('torch.', '') for d in KERNEL_DTYPES)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -76,45 +115,6 @@ def mlp_reference(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2
 
 
 # ---------------------------------------------------------------------------------------------
-# Argument checks: messages name the argument, before any kernel sees it
-
-
-def check_bias_gelu_inputs(backend: str, pre: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype]) -> None:
-    dtypes = REFERENCE_DTYPES if backend == "torch" else KERNEL_DTYPES
-    _check_tensor("pre", pre, dtypes)
-    if pre.dim() < 1:
-        raise ValueError("pre must have at least one dimension (the hidden features, last)")
-    check_vector("bias", bias, pre.shape[-1], pre, dtypes, "pre's last dimension")
-    check_dtype_arg("out_dtype", out_dtype, dtypes)
-
-
-def check_mlp_inputs(backend: str, x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_weight: Tensor,
-                     fc2_bias: Optional[Tensor]) -> None:
-    dtypes = REFERENCE_DTYPES if backend == "torch" else KERNEL_DTYPES
-    _check_tensor("x", x, dtypes)
-    if x.dim() < 2:
-        raise ValueError(f"x must have shape (B, T, D) or (M, D), got {tuple(x.shape)}")
-    for name, w in (("fc1_weight", fc1_weight), ("fc2_weight", fc2_weight)):
-        _check_tensor(name, w, dtypes)
-        if w.dim() != 2:
-            raise ValueError(f"{name} must be a 2-D (out_features, in_features) matrix, got {tuple(w.shape)}")
-        _check_same_device(name, w, x)
-    hidden, dim = fc1_weight.shape
-    if dim != x.shape[-1]:
-        raise ValueError(f"fc1_weight has shape {tuple(fc1_weight.shape)}; expected (hidden, {x.shape[-1]}) "
-                         f"to match x's last dimension")
-    if fc2_weight.shape[1] != hidden:
-        raise ValueError(f"fc2_weight has shape {tuple(fc2_weight.shape)}; expected (out, {hidden}) to match "
-                         f"fc1_weight's {hidden} hidden features")
-    check_vector("fc1_bias", fc1_bias, hidden, x, dtypes, "fc1_weight's hidden features")
-    check_vector("fc2_bias", fc2_bias, fc2_weight.shape[0], x, dtypes, "fc2_weight's output features")
-    compute = mlp_compute_dtype(x)
-    if backend != "torch" and compute not in KERNEL_DTYPES:
-        raise TypeError(f"fused_mlp would compute in {compute} (autocast); the kernels support "
-                        f"{', '.join(str(d).replace('torch.', '') for d in KERNEL_DTYPES)}")
-
-
-# ---------------------------------------------------------------------------------------------
 # Triton launches (also the bodies of the dres:: custom ops)
 
 
@@ -144,27 +144,17 @@ def bias_gelu_backward_triton(g: Tensor, pre: Tensor, bias: Optional[Tensor], ac
             dbias if dbias is not None else pre.new_empty((0,), dtype=torch.float32))
 
 
-def _bias_gelu_fake(pre, bias, out_dtype):
-    return pre.new_empty(pre.shape, dtype=out_dtype or pre.dtype)
+# By backend: "triton" runs the kernels directly (eager), "dres" the custom ops (traced by
+# torch.compile, where Inductor calls them as fallbacks).
 
 
-def _bias_gelu_backward_fake(g, pre, bias, act_dtype, need_dbias):
-    act = pre.new_empty(pre.shape if act_dtype is not None else (0,), dtype=act_dtype or pre.dtype)
-    dbias = pre.new_empty((pre.shape[-1],) if need_dbias and bias is not None else (0,), dtype=torch.float32)
-    return pre.new_empty(pre.shape), act, dbias
-
-
-# Launches by backend: "triton" runs the kernels directly (eager), "dres" the custom ops (traced
-# by torch.compile, where Inductor calls them as fallbacks).
-
-
-def bias_gelu_fwd(backend: str, pre: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype]) -> Tensor:
+def run_bias_gelu(backend: str, pre: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype]) -> Tensor:
     if backend == "dres":
         return torch.ops.dres.bias_gelu(pre, bias, out_dtype)
     return bias_gelu_triton(pre, bias, out_dtype)
 
 
-def bias_gelu_bwd(backend: str, g: Tensor, pre: Tensor, bias: Optional[Tensor], act_dtype: Optional[torch.dtype],
+def run_bias_gelu_backward(backend: str, g: Tensor, pre: Tensor, bias: Optional[Tensor], act_dtype: Optional[torch.dtype],
                   need_dbias: bool, dpre: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """``dpre``: see :func:`bias_gelu_backward_triton`; the custom op allocates its own (compiled
     graphs leave buffer reuse to Inductor's memory planning)."""
@@ -182,7 +172,7 @@ class BiasGeluFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, pre, bias, out_dtype, backend):
-        act = bias_gelu_fwd(backend, pre, bias, out_dtype)
+        act = run_bias_gelu(backend, pre, bias, out_dtype)
         BiasGeluFn.save(ctx, backend, pre, bias)
         return act
 
@@ -199,7 +189,7 @@ class BiasGeluFn(torch.autograd.Function):
         need_dpre, need_dbias = ctx.need
         if g is None:
             return None, None, None, None
-        dpre, _, dbias = bias_gelu_bwd(ctx.backend, g, pre, bias, None, need_dbias)
+        dpre, _, dbias = run_bias_gelu_backward(ctx.backend, g, pre, bias, None, need_dbias)
         return dpre if need_dpre else None, param_grad(dbias, bias, need_dbias), None, None
 
 
@@ -216,7 +206,7 @@ class FusedMlpFn(torch.autograd.Function):
     def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, compute_dtype, backend):
         x_c, w1, w2 = x.to(compute_dtype), fc1_weight.to(compute_dtype), fc2_weight.to(compute_dtype)
         pre = F.linear(x_c, w1)
-        act = bias_gelu_fwd(backend, pre, fc1_bias, None)
+        act = run_bias_gelu(backend, pre, fc1_bias, None)
         out = F.linear(act, w2, None if fc2_bias is None else fc2_bias.to(compute_dtype))
         # The cast weights are what the backward multiplies by (the originals themselves when no
         # cast was needed); plain autograd under autocast keeps the same casts.
@@ -239,7 +229,7 @@ class FusedMlpFn(torch.autograd.Function):
         if need_x or need_w1 or need_b1 or need_w2:
             dact = g @ w2  # a fresh contiguous buffer in pre's dtype: in eager mode dpre overwrites it
             in_place = ctx.backend == "triton" and dact.dtype == pre.dtype
-            dpre, act, dbias = bias_gelu_bwd(ctx.backend, dact, pre.view(-1, hidden), fc1_bias,
+            dpre, act, dbias = run_bias_gelu_backward(ctx.backend, dact, pre.view(-1, hidden), fc1_bias,
                                              w2.dtype if need_w2 else None, need_b1, dact if in_place else None)
             if need_w2:
                 dw2 = (g.t() @ act).to(w2_dtype)
@@ -254,7 +244,18 @@ class FusedMlpFn(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------
-# The custom ops
+# The custom ops (what torch.compile, opcheck and the dispatcher see)
+
+
+def _bias_gelu_fake(pre, bias, out_dtype):
+    return pre.new_empty(pre.shape, dtype=out_dtype or pre.dtype)
+
+
+def _bias_gelu_backward_fake(g, pre, bias, act_dtype, need_dbias):
+    act = pre.new_empty(pre.shape if act_dtype is not None else (0,), dtype=act_dtype or pre.dtype)
+    dbias = pre.new_empty((pre.shape[-1],) if need_dbias and bias is not None else (0,), dtype=torch.float32)
+    return pre.new_empty(pre.shape), act, dbias
+
 
 _QUALNAMES = ("dres::bias_gelu", "dres::bias_gelu_backward")
 bias_gelu_op = define_op("dres::bias_gelu", bias_gelu_triton, _bias_gelu_fake, _QUALNAMES)

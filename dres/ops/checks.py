@@ -73,17 +73,22 @@ def resolve_backend_without_csrc(backend: str | None, x: torch.Tensor, name: str
     return "triton" if resolved == "cuda" else resolved
 
 
+def supported_dtypes(backend: str) -> tuple[torch.dtype, ...]:
+    """The dtypes a backend takes: the kernels' three, and float64 too for the reference."""
+    return REFERENCE_DTYPES if backend == "torch" else KERNEL_DTYPES
+
+
 def check_vector(name: str, t: Optional[torch.Tensor], length: int, ref: torch.Tensor, dtypes, what: str) -> None:
     """An optional (length,) parameter on ``ref``'s device; ``what`` names the size it must match."""
     if t is None:
         return
-    _check_tensor(name, t, dtypes)
+    check_tensor(name, t, dtypes)
     if t.shape != (length,):
         raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({length},) to match {what}")
-    _check_same_device(name, t, ref)
+    check_same_device(name, t, ref)
 
 
-def _check_tensor(name: str, t, dtypes) -> None:
+def check_tensor(name: str, t, dtypes) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
@@ -91,7 +96,7 @@ def _check_tensor(name: str, t, dtypes) -> None:
         raise TypeError(f"{name} has dtype {t.dtype}; supported: {names}")
 
 
-def _check_same_device(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
+def check_same_device(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
     if t.device != x.device:
         raise ValueError(f"{name} is on {t.device} but x is on {x.device}; all tensors must share one device")
 
@@ -121,65 +126,9 @@ def check_dtype_arg(name: str, dtype, dtypes) -> None:
 def check_alpha(alpha, x: torch.Tensor, dtypes) -> None:
     """alpha: a Python number or a one-element tensor on x's device."""
     if isinstance(alpha, torch.Tensor):
-        _check_tensor("alpha", alpha, dtypes)
+        check_tensor("alpha", alpha, dtypes)
         if alpha.numel() != 1:
             raise ValueError(f"alpha must be a float or a 0-dim tensor, got shape {tuple(alpha.shape)}")
-        _check_same_device("alpha", alpha, x)
+        check_same_device("alpha", alpha, x)
     elif not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise TypeError(f"alpha must be a float or a 0-dim tensor, got {type(alpha).__name__}")
-
-
-def check_inputs(
-    backend: str,
-    x: torch.Tensor,
-    h: torch.Tensor | None = None,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    alpha=1.0,
-    row_scale: torch.Tensor | None = None,
-    grad_scale: torch.Tensor | None = None,
-    residual_dtype: torch.dtype | None = None,
-    out_dtype: torch.dtype | None = None,
-    check_h: bool = True,
-) -> None:
-    """Validate the arguments of any of the three ops (``check_h=False`` for layer_norm; eps is
-    :func:`check_eps`'s)."""
-    dtypes = REFERENCE_DTYPES if backend == "torch" else KERNEL_DTYPES
-    _check_tensor("x", x, dtypes)
-    if x.dim() < 2:
-        raise ValueError(f"x must have shape (B, T, D) or (M, D), got {tuple(x.shape)}")
-    dim = x.shape[-1]
-    if dim == 0:
-        raise ValueError("x has an empty last dimension (D = 0)")
-    if backend != "torch":
-        from dres.kernels import MAX_DIM
-
-        if dim > MAX_DIM:
-            raise ValueError(f"x has D = {dim}, above the kernels' maximum of {MAX_DIM} (use backend='torch')")
-    if check_h:
-        _check_tensor("h", h, dtypes)
-        if h.shape != x.shape:
-            raise ValueError(f"h has shape {tuple(h.shape)} but x has {tuple(x.shape)}; they must match")
-        _check_same_device("h", h, x)
-    check_vector("weight", weight, dim, x, dtypes, "x's last dimension")
-    check_vector("bias", bias, dim, x, dtypes, "x's last dimension")
-    check_alpha(alpha, x, dtypes)
-    rows = x.numel() // dim
-    for name, s in (("row_scale", row_scale), ("grad_scale", grad_scale)):
-        if s is None:
-            continue
-        _check_tensor(name, s, dtypes)
-        if s.dim() != 1 or s.shape[0] == 0:
-            raise ValueError(f"{name} must be a non-empty 1-D tensor of per-sample factors (B,), got {tuple(s.shape)}")
-        if x.dim() == 3 and s.shape[0] != x.shape[0]:
-            raise ValueError(f"{name} has length {s.shape[0]} but x has batch size {x.shape[0]}")
-        if rows % s.shape[0]:
-            raise ValueError(
-                f"x has {rows} rows, not divisible by len({name}) = {s.shape[0]} (rows_per_sample = rows // B)"
-            )
-        _check_same_device(name, s, x)
-    if row_scale is not None and grad_scale is not None and row_scale.shape != grad_scale.shape:
-        raise ValueError(f"row_scale {tuple(row_scale.shape)} and grad_scale {tuple(grad_scale.shape)} must have one length")
-    check_factors_are_data(row_scale=row_scale, grad_scale=grad_scale)
-    check_dtype_arg("residual_dtype", residual_dtype, dtypes)
-    check_dtype_arg("out_dtype", out_dtype, dtypes)

@@ -5,20 +5,22 @@ message saying how to build it, and everything else works unchanged.
 
 Importing ``dres._C`` defines ``torch.ops.dres_cuda.{residual_layer_norm, residual_add,
 layer_norm, residual_norm_backward}`` (CUDA kernels, same schemas as the ``dres::`` Triton ops).
-This module adds what is written in Python for both backends alike, from
-:mod:`dres.ops.residual_norm`: the fake (meta) kernels, so the ops trace under
-``torch.compile``, and the autograd formulas (the autograd Functions' own), here calling the C++
-backward op. The C++ library names this module (``set_python_module``), so torch imports it
-whenever it needs the fakes. Eager calls reach the C++ kernels through the same Functions
-(``ResidualLayerNormFn`` & co. with ``backend="cuda"``).
+This module owns what the backend adds in Python: :func:`launch`, the eager call of a csrc op, and
+:func:`register_fakes`, which registers the fake (meta) kernels :mod:`dres.ops.residual_norm` hands
+it, so the ops trace under ``torch.compile``. torch requires those fakes to be registered from the
+module the C++ library names (``set_python_module``), this one; importing it imports ``dres.ops``
+first, whose ``residual_norm`` registers them and the autograd formulas it shares with the Triton ops.
+It imports nothing of ``dres.ops``: the op modules import it.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from typing import Callable
 
 import torch
+
 
 def _load() -> str | None:
     """Import the extension; None on success, else why it is unavailable."""
@@ -42,12 +44,15 @@ def available() -> bool:
     return LOAD_ERROR is None
 
 
-def _register() -> None:
-    from dres.ops import residual_norm as shared
+def launch(name: str, *args):
+    """The csrc op ``name`` called straight at its CUDA kernel: inside an autograd.Function its
+    Python autograd registration would only redispatch, at tens of microseconds per call."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return getattr(torch.ops.dres_cuda, name).default(*args)
 
-    shared.register_fakes("dres_cuda")  # called from this module, the one the C++ library names
-    shared.register_autograd("dres_cuda")
 
-
-if LOAD_ERROR is None:
-    _register()
+def register_fakes(fakes: dict[str, Callable]) -> None:
+    """Register ``fakes`` (op name -> fake kernel) for ``torch.ops.dres_cuda``; torch checks that the
+    calling module is the one the C++ library names, which the default stack level finds here."""
+    for name, fake in fakes.items():
+        torch.library.register_fake(f"dres_cuda::{name}", fake)

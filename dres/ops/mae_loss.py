@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from dres.ops.checks import KERNEL_DTYPES, REFERENCE_DTYPES, _check_tensor, check_eps, resolve_backend_without_csrc
+from dres.ops.checks import REFERENCE_DTYPES, check_eps, check_tensor, resolve_backend_without_csrc, supported_dtypes
 from dres.ops.reference import _compute_dtype
 from dres.ops.registration import define_op
 from dres.ops.utils import patchify
@@ -34,36 +34,16 @@ MASK_DTYPES = REFERENCE_DTYPES + (torch.bool,)
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference
-
-
-def mae_loss_reference(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int, norm_pix: bool = True,
-                       eps: float = 1e-6) -> Tensor:
-    """``MAE.forward_loss`` in plain PyTorch: fp32 (fp64 when pred or imgs is fp64), gradients by autograd."""
-    dtype = _compute_dtype(pred, imgs)
-    target = patchify(imgs, patch_size).to(dtype)
-    if norm_pix:
-        mean = target.mean(dim=-1, keepdim=True)
-        var = target.var(dim=-1, keepdim=True)
-        target = (target - mean) / (var + eps) ** 0.5
-    loss = ((pred.to(dtype) - target) ** 2).mean(dim=-1)
-    mask = mask.to(dtype)
-    mask_sum = mask.sum()
-    # An all-zero mask counts no patch: loss 0 and zero gradient rather than 0 / 0.
-    return (loss * mask).sum() / torch.where(mask_sum != 0, mask_sum, torch.ones_like(mask_sum))
-
-
-# ---------------------------------------------------------------------------------------------
-# Argument checks
+# Checks: messages name the argument, before any kernel sees it
 
 
 def check_mae_loss_inputs(backend: str, pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int,
                           norm_pix: bool, eps: float) -> None:
     """Validate mae_loss's arguments; errors name the argument."""
-    dtypes = REFERENCE_DTYPES if backend == "torch" else KERNEL_DTYPES
-    _check_tensor("pred", pred, dtypes)
-    _check_tensor("imgs", imgs, dtypes)
-    _check_tensor("mask", mask, MASK_DTYPES)
+    dtypes = supported_dtypes(backend)
+    check_tensor("pred", pred, dtypes)
+    check_tensor("imgs", imgs, dtypes)
+    check_tensor("mask", mask, MASK_DTYPES)
     if not isinstance(patch_size, int) or isinstance(patch_size, bool):
         raise TypeError(f"patch_size must be an int, got {type(patch_size).__name__}")
     if patch_size < 1:
@@ -98,7 +78,27 @@ def check_mae_loss_inputs(backend: str, pred: Tensor, imgs: Tensor, mask: Tensor
 
 
 # ---------------------------------------------------------------------------------------------
-# The launch: (loss, dpred), dpred the gradient of loss w.r.t. pred (empty when not needed). Also
+# Reference
+
+
+def mae_loss_reference(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int, norm_pix: bool = True,
+                       eps: float = 1e-6) -> Tensor:
+    """``MAE.forward_loss`` in plain PyTorch: fp32 (fp64 when pred or imgs is fp64), gradients by autograd."""
+    dtype = _compute_dtype(pred, imgs)
+    target = patchify(imgs, patch_size).to(dtype)
+    if norm_pix:
+        mean = target.mean(dim=-1, keepdim=True)
+        var = target.var(dim=-1, keepdim=True)
+        target = (target - mean) / (var + eps) ** 0.5
+    loss = ((pred.to(dtype) - target) ** 2).mean(dim=-1)
+    mask = mask.to(dtype)
+    mask_sum = mask.sum()
+    # An all-zero mask counts no patch: loss 0 and zero gradient rather than 0 / 0.
+    return (loss * mask).sum() / torch.where(mask_sum != 0, mask_sum, torch.ones_like(mask_sum))
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton launch: (loss, dpred), dpred the gradient of loss w.r.t. pred (empty when not needed). Also
 # the body of the dres::mae_loss custom op.
 
 
@@ -118,9 +118,8 @@ def mae_loss_triton(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int, n
     return loss, dpred if dpred is not None else pred.new_empty((0,))
 
 
-def _mae_loss_fake(pred, imgs, mask, patch_size, norm_pix, eps, need_dpred):
-    dpred = pred.new_empty(pred.shape if need_dpred else (0,))  # contiguous, like the real one
-    return pred.new_empty((), dtype=torch.float32), dpred
+# ---------------------------------------------------------------------------------------------
+# The autograd Function
 
 
 class MAELossFn(torch.autograd.Function):
@@ -147,14 +146,23 @@ class MAELossFn(torch.autograd.Function):
         return dpred * grad_loss, None, None, None, None, None, None
 
 
-def _setup_context(ctx, inputs, output):
+# ---------------------------------------------------------------------------------------------
+# The custom op (what torch.compile, opcheck and the dispatcher see)
+
+
+def _mae_loss_fake(pred, imgs, mask, patch_size, norm_pix, eps, need_dpred):
+    dpred = pred.new_empty(pred.shape if need_dpred else (0,))  # contiguous, like the real one
+    return pred.new_empty((), dtype=torch.float32), dpred
+
+
+def _mae_loss_setup(ctx, inputs, output):
     _, dpred = output
     ctx.mark_non_differentiable(dpred)
     MAELossFn.save(ctx, dpred)
 
 
 mae_loss_op = define_op("dres::mae_loss", mae_loss_triton, _mae_loss_fake, ["dres::mae_loss"])
-mae_loss_op.register_autograd(MAELossFn.backward, setup_context=_setup_context)
+mae_loss_op.register_autograd(MAELossFn.backward, setup_context=_mae_loss_setup)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,15 +28,42 @@ import torch
 from torch import Tensor
 
 from dres.ops import reference
-from dres.ops.checks import (KERNEL_DTYPES, REFERENCE_DTYPES, _check_same_device, _check_tensor, check_alpha,
-                             check_factors_are_data, check_vector, resolve_backend_without_csrc)
+from dres.ops.checks import (REFERENCE_DTYPES, check_alpha, check_factors_are_data, check_same_device, check_tensor,
+                             check_vector, resolve_backend_without_csrc, supported_dtypes)
 from dres.ops.registration import define_op
+from dres.ops.utils import alpha_args
 
 ACTS = ("relu", "identity")
 
 
 # ---------------------------------------------------------------------------------------------
-# Layout: B samples of per_sample elements each, in the tensor's physical order
+# Checks: messages name the argument, before any kernel sees it
+
+
+def check_residual_act_inputs(backend: str, x, h, alpha, row_scale, grad_scale, act) -> None:
+    dtypes = supported_dtypes(backend)
+    check_tensor("x", x, dtypes)
+    if x.dim() < 1:
+        raise ValueError("x must have a batch dimension first: (B, C, H, W) or any (B, ...)")
+    check_tensor("h", h, dtypes)
+    if h.shape != x.shape:
+        raise ValueError(f"h has shape {tuple(h.shape)} but x has {tuple(x.shape)}; they must match")
+    check_same_device("h", h, x)
+    check_alpha(alpha, x, dtypes)
+    for name, s in (("row_scale", row_scale), ("grad_scale", grad_scale)):
+        check_vector(name, s, x.shape[0], x, dtypes, "x's batch size")
+    check_factors_are_data(row_scale=row_scale, grad_scale=grad_scale)
+    if act not in ACTS:
+        raise ValueError(f"act must be one of {ACTS}, got {act!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference: dres.ops.reference.residual_act (built on the residual_norm family's reference);
+# backend="torch" runs it and the tests compare the kernels against it.
+
+
+# ---------------------------------------------------------------------------------------------
+# Launches. Layout: B samples of per_sample elements each, in the tensor's physical order
 
 
 def sample_major_dense(t: Tensor) -> bool:
@@ -86,27 +113,22 @@ def _per_sample(t: Tensor) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Op bodies (Triton)
+# Triton launches (also the bodies of the dres:: custom ops)
 
 
-def residual_act_impl(x: Tensor, h: Tensor, alpha: Optional[Tensor], alpha_value: float,
+def residual_act_triton(x: Tensor, h: Tensor, alpha: Optional[Tensor], alpha_value: float,
                       row_scale: Optional[Tensor], grad_scale: Optional[Tensor], act: str) -> Tensor:
     """``grad_scale`` is unused here: the forward op carries it for the autograd's setup."""
     from dres.kernels.residual_act import residual_act_forward
 
     strides = kernel_strides(x)
     out, out_flat = _empty_laid_out(x.shape, strides, x.dtype, x.device)
-    residual_act_forward(_flat_in(x, strides), _flat_in(h, strides),
-                         alpha if alpha is not None else alpha_value,
+    residual_act_forward(_flat_in(x, strides), _flat_in(h, strides), alpha, alpha_value,
                          None if row_scale is None else row_scale.contiguous(), _per_sample(x), act == "relu", out_flat)
     return out
 
 
-def _residual_act_fake(x, h, alpha, alpha_value, row_scale, grad_scale, act):
-    return x.new_empty_strided(x.shape, kernel_strides(x), dtype=x.dtype)
-
-
-def residual_act_backward_impl(g: Tensor, out: Optional[Tensor], x: Optional[Tensor], alpha: Optional[Tensor],
+def residual_act_backward_triton(g: Tensor, out: Optional[Tensor], x: Optional[Tensor], alpha: Optional[Tensor],
                                alpha_value: float, grad_scale: Optional[Tensor], x_dtype: torch.dtype,
                                h_dtype: Optional[torch.dtype], need_dalpha: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(dx, dh, dalpha fp32 0-dim) in g's layout; ``out`` given means ReLU (its act' is out > 0), x
@@ -117,19 +139,11 @@ def residual_act_backward_impl(g: Tensor, out: Optional[Tensor], x: Optional[Ten
     dx, dx_flat = _empty_laid_out(g.shape, strides, x_dtype, g.device)
     dh, dh_flat = _empty_laid_out(g.shape, strides, h_dtype, g.device) if h_dtype is not None else (None, None)
     flat = lambda t: None if t is None else _flat_in(t, strides)  # noqa: E731
-    dalpha = residual_act_backward(flat(g), flat(out), flat(x) if need_dalpha else None,
-                                   alpha if alpha is not None else alpha_value,
+    dalpha = residual_act_backward(flat(g), flat(out), flat(x) if need_dalpha else None, alpha, alpha_value,
                                    None if grad_scale is None else grad_scale.contiguous(), _per_sample(g),
                                    dx_flat, dh_flat)
     empty = lambda dtype: g.new_empty((0,), dtype=dtype)  # noqa: E731  (distinct: no aliasing)
     return dx, dh if dh is not None else empty(x_dtype), dalpha if dalpha is not None else empty(torch.float32)
-
-
-def _residual_act_backward_fake(g, out, x, alpha, alpha_value, grad_scale, x_dtype, h_dtype, need_dalpha):
-    strides = kernel_strides(g)
-    dx = g.new_empty_strided(g.shape, strides, dtype=x_dtype)
-    dh = g.new_empty_strided(g.shape, strides, dtype=h_dtype) if h_dtype is not None else g.new_empty((0,), dtype=x_dtype)
-    return dx, dh, g.new_empty(() if need_dalpha else (0,), dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,47 +176,42 @@ class ResidualActFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, h, alpha, alpha_value, row_scale, grad_scale, act):
-        out = residual_act_impl(x, h, alpha, alpha_value, row_scale, grad_scale, act)
+        out = residual_act_triton(x, h, alpha, alpha_value, row_scale, grad_scale, act)
         _setup(ctx, (x, h, alpha, alpha_value, row_scale, grad_scale, act), out)
         return out
 
     @staticmethod
     def backward(ctx, g):
-        return _backward(residual_act_backward_impl, ctx, g)
+        return _backward(residual_act_backward_triton, ctx, g)
 
 
 # ---------------------------------------------------------------------------------------------
 # The custom ops (what torch.compile, opcheck and the dispatcher see)
 
+
+def _residual_act_fake(x, h, alpha, alpha_value, row_scale, grad_scale, act):
+    return x.new_empty_strided(x.shape, kernel_strides(x), dtype=x.dtype)
+
+
+def _residual_act_backward_fake(g, out, x, alpha, alpha_value, grad_scale, x_dtype, h_dtype, need_dalpha):
+    strides = kernel_strides(g)
+    dx = g.new_empty_strided(g.shape, strides, dtype=x_dtype)
+    dh = g.new_empty_strided(g.shape, strides, dtype=h_dtype) if h_dtype is not None else g.new_empty((0,), dtype=x_dtype)
+    return dx, dh, g.new_empty(() if need_dalpha else (0,), dtype=torch.float32)
+
+
 # Opaque under torch.compile: with the kernels traced into the graph, the compiled ResNet50d of
 # tests/test_convert_resnet.py no longer matched eager (without drop path, on an H100); the ResNet
 # trainer captures whole steps in CUDA graphs, where the fallback's host cost is not paid per step.
 _QUALNAMES = ("dres::residual_act", "dres::residual_act_backward")
-residual_act_op = define_op("dres::residual_act", residual_act_impl, _residual_act_fake, _QUALNAMES, inline=False)
-residual_act_backward_op = define_op("dres::residual_act_backward", residual_act_backward_impl,
+residual_act_op = define_op("dres::residual_act", residual_act_triton, _residual_act_fake, _QUALNAMES, inline=False)
+residual_act_backward_op = define_op("dres::residual_act_backward", residual_act_backward_triton,
                                      _residual_act_backward_fake, _QUALNAMES, inline=False)
 residual_act_op.register_autograd(functools.partial(_backward, residual_act_backward_op), setup_context=_setup)
 
 
 # ---------------------------------------------------------------------------------------------
-# Argument checks and the public function
-
-
-def check_residual_act_inputs(backend: str, x, h, alpha, row_scale, grad_scale, act) -> None:
-    dtypes = REFERENCE_DTYPES if backend == "torch" else KERNEL_DTYPES
-    _check_tensor("x", x, dtypes)
-    if x.dim() < 1:
-        raise ValueError("x must have a batch dimension first: (B, C, H, W) or any (B, ...)")
-    _check_tensor("h", h, dtypes)
-    if h.shape != x.shape:
-        raise ValueError(f"h has shape {tuple(h.shape)} but x has {tuple(x.shape)}; they must match")
-    _check_same_device("h", h, x)
-    check_alpha(alpha, x, dtypes)
-    for name, s in (("row_scale", row_scale), ("grad_scale", grad_scale)):
-        check_vector(name, s, x.shape[0], x, dtypes, "x's batch size")
-    check_factors_are_data(row_scale=row_scale, grad_scale=grad_scale)
-    if act not in ACTS:
-        raise ValueError(f"act must be one of {ACTS}, got {act!r}")
+# Public function
 
 
 def residual_act(x: Tensor, h: Tensor, alpha=1.0, row_scale: Optional[Tensor] = None,
@@ -213,14 +222,12 @@ def residual_act(x: Tensor, h: Tensor, alpha=1.0, row_scale: Optional[Tensor] = 
     grad_scale: (B,) per-sample factors or None (grad_scale None = row_scale; the README's table).
     alpha: float or 0-dim tensor (gets a gradient if it requires one). out: x's dtype and layout.
     """
-    _check_tensor("x", x, REFERENCE_DTYPES)  # before the backend looks at x's device
+    check_tensor("x", x, REFERENCE_DTYPES)  # before the backend looks at x's device
     backend = resolve_backend_without_csrc(backend, x)
     check_residual_act_inputs(backend, x, h, alpha, row_scale, grad_scale, act)
     if backend == "torch":
         return reference.residual_act(x, h, alpha, row_scale, grad_scale, act)
-    from dres.ops.utils import alpha_args
-
-    alpha_t, alpha_v = alpha_args(alpha)
+    alpha, alpha_value = alpha_args(alpha)
     if torch.compiler.is_compiling():
-        return residual_act_op(x, h, alpha_t, alpha_v, row_scale, grad_scale, act)
-    return ResidualActFn.apply(x, h, alpha_t, alpha_v, row_scale, grad_scale, act)
+        return residual_act_op(x, h, alpha, alpha_value, row_scale, grad_scale, act)
+    return ResidualActFn.apply(x, h, alpha, alpha_value, row_scale, grad_scale, act)

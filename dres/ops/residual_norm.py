@@ -5,8 +5,8 @@ extension) a parameter of its launches::
 
     residual_layer_norm(...)                      argument checks, backend choice
       -> ResidualLayerNormFn.apply(..., backend)  eager
-           forward:  residual_layer_norm_fwd(backend, ...)  -> dres.kernels.residual_norm_forward | csrc op
-           backward: residual_norm_bwd(backend, ...)        -> dres.kernels.residual_norm_backward | csrc op
+           forward:  run_residual_layer_norm(backend, ...)   -> dres.kernels.residual_norm_forward | csrc op
+           backward: run_residual_norm_backward(backend, ...) -> dres.kernels.residual_norm_backward | csrc op
 
 Under ``torch.compile`` the public functions call the ``torch.library`` custom ops instead
 (``torch.ops.dres.*`` run the Triton launches, ``torch.ops.dres_cuda.*`` are the csrc ops), whose
@@ -15,6 +15,8 @@ namespace, so compiled graphs trace the backward too. Eager calls skip the custo
 dispatch costs tens of microseconds per call, more than the kernels at MAE sizes.
 
 Forward ops return (mean, rstd) too, which the backward needs; the public functions drop them.
+``alpha`` travels as the pair ``(alpha, alpha_value)`` from :func:`dres.ops.utils.alpha_args` to the
+kernels: a 0-dim tensor the kernel reads, or None and a Python float passed by value.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from dres.ops import reference
-from dres.ops.checks import check_eps, check_inputs, resolve_backend
+from dres.ops import csrc_backend, reference
+from dres.ops.checks import (check_alpha, check_dtype_arg, check_eps, check_factors_are_data, check_same_device,
+                             check_tensor, check_vector, resolve_backend, supported_dtypes)
 from dres.ops.registration import define_op, with_inductor_fallbacks
 from dres.ops.utils import alpha_args, param_grad, rows_per_sample
 
@@ -33,8 +36,75 @@ __all__ = ["residual_layer_norm", "residual_add", "layer_norm", "ResidualLayerNo
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton launches: allocate the outputs, run the kernels of dres.kernels.residual_norm. These are
-# also the bodies of the dres:: custom ops, hence the full signatures.
+# Checks: messages name the argument, before any kernel sees it
+
+
+def check_residual_norm_inputs(
+    backend: str,
+    x: Tensor,
+    h: Tensor | None = None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    alpha=1.0,
+    row_scale: Tensor | None = None,
+    grad_scale: Tensor | None = None,
+    residual_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
+    check_h: bool = True,
+) -> None:
+    """Validate the arguments of any of the three ops (``check_h=False`` for layer_norm; eps is
+    :func:`check_eps`'s)."""
+    dtypes = supported_dtypes(backend)
+    check_tensor("x", x, dtypes)
+    if x.dim() < 2:
+        raise ValueError(f"x must have shape (B, T, D) or (M, D), got {tuple(x.shape)}")
+    dim = x.shape[-1]
+    if dim == 0:
+        raise ValueError("x has an empty last dimension (D = 0)")
+    if backend != "torch":
+        from dres.kernels import MAX_DIM
+
+        if dim > MAX_DIM:
+            raise ValueError(f"x has D = {dim}, above the kernels' maximum of {MAX_DIM} (use backend='torch')")
+    if check_h:
+        check_tensor("h", h, dtypes)
+        if h.shape != x.shape:
+            raise ValueError(f"h has shape {tuple(h.shape)} but x has {tuple(x.shape)}; they must match")
+        check_same_device("h", h, x)
+    check_vector("weight", weight, dim, x, dtypes, "x's last dimension")
+    check_vector("bias", bias, dim, x, dtypes, "x's last dimension")
+    check_alpha(alpha, x, dtypes)
+    rows = x.numel() // dim
+    for name, s in (("row_scale", row_scale), ("grad_scale", grad_scale)):
+        if s is None:
+            continue
+        check_tensor(name, s, dtypes)
+        if s.dim() != 1 or s.shape[0] == 0:
+            raise ValueError(f"{name} must be a non-empty 1-D tensor of per-sample factors (B,), got {tuple(s.shape)}")
+        if x.dim() == 3 and s.shape[0] != x.shape[0]:
+            raise ValueError(f"{name} has length {s.shape[0]} but x has batch size {x.shape[0]}")
+        if rows % s.shape[0]:
+            raise ValueError(
+                f"x has {rows} rows, not divisible by len({name}) = {s.shape[0]} (rows_per_sample = rows // B)"
+            )
+        check_same_device(name, s, x)
+    if row_scale is not None and grad_scale is not None and row_scale.shape != grad_scale.shape:
+        raise ValueError(f"row_scale {tuple(row_scale.shape)} and grad_scale {tuple(grad_scale.shape)} must have one length")
+    check_factors_are_data(row_scale=row_scale, grad_scale=grad_scale)
+    check_dtype_arg("residual_dtype", residual_dtype, dtypes)
+    check_dtype_arg("out_dtype", out_dtype, dtypes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference: dres.ops.reference (residual_layer_norm, residual_add, layer_norm), which residual_act's
+# reference shares; backend="torch" runs it and the tests compare the kernels against it.
+
+
+# ---------------------------------------------------------------------------------------------
+# Launches. The Triton ones allocate the outputs and run the kernels of dres.kernels.residual_norm;
+# they are also the bodies of the dres:: custom ops, hence the full signatures. The run_* functions
+# pick the launch of a backend: "triton", "cuda" (the csrc ops, dres.ops.csrc_backend) or, for the
+# backward, a custom-op namespace ("dres", "dres_cuda": the custom ops' autograd).
 
 
 def _stats(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -52,8 +122,8 @@ def residual_layer_norm_triton(
     out = torch.empty(x.shape, dtype=residual_dtype or x.dtype, device=x.device)
     y = torch.empty(x.shape, dtype=out_dtype or h.dtype, device=x.device)
     mean, rstd = _stats(x)
-    residual_norm_forward(x, h, weight, bias, alpha if alpha is not None else alpha_value, eps,
-                          row_scale, rows_per_sample(x, row_scale), out, y, mean, rstd)
+    residual_norm_forward(x, h, weight, bias, alpha, alpha_value, eps, row_scale, rows_per_sample(x, row_scale),
+                          out, y, mean, rstd)
     return out, y, mean, rstd
 
 
@@ -64,8 +134,8 @@ def residual_add_triton(
     from dres.kernels.residual_norm import residual_norm_forward
 
     out = torch.empty(x.shape, dtype=residual_dtype or x.dtype, device=x.device)
-    residual_norm_forward(x, h, None, None, alpha if alpha is not None else alpha_value, 0.0,
-                          row_scale, rows_per_sample(x, row_scale), out, None, None, None)
+    residual_norm_forward(x, h, None, None, alpha, alpha_value, 0.0, row_scale, rows_per_sample(x, row_scale),
+                          out, None, None, None)
     return out
 
 
@@ -76,11 +146,11 @@ def layer_norm_triton(
 
     y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     mean, rstd = _stats(x)
-    residual_norm_forward(x, None, weight, bias, 1.0, eps, None, 1, None, y, mean, rstd)
+    residual_norm_forward(x, None, weight, bias, None, 1.0, eps, None, 1, None, y, mean, rstd)
     return y, mean, rstd
 
 
-def residual_norm_backward_launch(
+def _residual_norm_backward(
     g_out: Optional[Tensor], g_y: Optional[Tensor], normed: Optional[Tensor], x: Optional[Tensor],
     weight: Optional[Tensor], mean: Optional[Tensor], rstd: Optional[Tensor],
     alpha: Optional[Tensor], alpha_value: float, grad_scale: Optional[Tensor],
@@ -95,7 +165,7 @@ def residual_norm_backward_launch(
     dx = torch.empty(ref.shape, dtype=x_dtype, device=ref.device)
     dh = torch.empty(ref.shape, dtype=h_dtype, device=ref.device) if h_dtype is not None else None
     dweight, dbias, dalpha = residual_norm_backward(
-        g_out, g_y, normed, x, weight, mean, rstd, alpha if alpha is not None else alpha_value, grad_scale,
+        g_out, g_y, normed, x, weight, mean, rstd, alpha, alpha_value, grad_scale,
         rows_per_sample(ref, grad_scale), dx, dh, need_dweight, need_dbias, need_dalpha)
     return dx, dh, dweight, dbias, dalpha
 
@@ -107,9 +177,9 @@ def residual_norm_backward_triton(
     x_dtype: torch.dtype, h_dtype: Optional[torch.dtype],
     need_dweight: bool, need_dbias: bool, need_dalpha: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The backward custom op's body: :func:`residual_norm_backward_launch` with the gradients not
-    asked for as distinct empty tensors (an op returns tensors; distinct: no aliasing)."""
-    dx, dh, dweight, dbias, dalpha = residual_norm_backward_launch(
+    """The backward custom op's body: :func:`_residual_norm_backward` with the gradients not asked
+    for as distinct empty tensors (an op returns tensors; distinct: no aliasing)."""
+    dx, dh, dweight, dbias, dalpha = _residual_norm_backward(
         g_out, g_y, normed, x, weight, mean, rstd, alpha, alpha_value, grad_scale, x_dtype, h_dtype,
         need_dweight, need_dbias, need_dalpha)
     empty = lambda dtype=torch.float32: dx.new_empty((0,), dtype=dtype)  # noqa: E731
@@ -117,43 +187,31 @@ def residual_norm_backward_triton(
             dbias if dbias is not None else empty(), dalpha if dalpha is not None else empty())
 
 
-# ---------------------------------------------------------------------------------------------
-# Launches by backend: "triton" and "cuda" run the kernels directly (the eager Functions); the
-# backward also takes a custom-op namespace, "dres" or "dres_cuda" (the custom ops' autograd).
-
-
-def _below_autograd(op, *args):
-    """A csrc op called straight at its CUDA kernel: inside an autograd.Function its Python autograd
-    registration would only redispatch, at tens of microseconds per call."""
-    with torch._C._AutoDispatchBelowAutograd():
-        return op(*args)
-
-
-def residual_layer_norm_fwd(backend: str, *args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def run_residual_layer_norm(backend: str, *args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if backend == "cuda":
-        return _below_autograd(torch.ops.dres_cuda.residual_layer_norm.default, *args)
+        return csrc_backend.launch("residual_layer_norm", *args)
     return residual_layer_norm_triton(*args)
 
 
-def residual_add_fwd(backend: str, *args) -> Tensor:
+def run_residual_add(backend: str, *args) -> Tensor:
     if backend == "cuda":
-        return _below_autograd(torch.ops.dres_cuda.residual_add.default, *args)
+        return csrc_backend.launch("residual_add", *args)
     return residual_add_triton(*args)
 
 
-def layer_norm_fwd(backend: str, *args) -> tuple[Tensor, Tensor, Tensor]:
+def run_layer_norm(backend: str, *args) -> tuple[Tensor, Tensor, Tensor]:
     if backend == "cuda":
-        return _below_autograd(torch.ops.dres_cuda.layer_norm.default, *args)
+        return csrc_backend.launch("layer_norm", *args)
     return layer_norm_triton(*args)
 
 
-def residual_norm_bwd(backend: str, *args) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor],
-                                                      Optional[Tensor]]:
+def run_residual_norm_backward(backend: str, *args) -> tuple[Tensor, Optional[Tensor], Optional[Tensor],
+                                                               Optional[Tensor], Optional[Tensor]]:
     """(dx, dh, dweight, dbias, dalpha): the gradients not asked for are None (Triton) or empty (the ops)."""
     if backend == "triton":
-        return residual_norm_backward_launch(*args)
+        return _residual_norm_backward(*args)
     if backend == "cuda":
-        return _below_autograd(torch.ops.dres_cuda.residual_norm_backward.default, *args)
+        return csrc_backend.launch("residual_norm_backward", *args)
     return getattr(torch.ops, backend).residual_norm_backward(*args)
 
 
@@ -168,7 +226,7 @@ class ResidualLayerNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype,
                 backend):
-        out, y, mean, rstd = residual_layer_norm_fwd(backend, x, h, weight, bias, alpha, alpha_value, eps, row_scale,
+        out, y, mean, rstd = run_residual_layer_norm(backend, x, h, weight, bias, alpha, alpha_value, eps, row_scale,
                                                      grad_scale, residual_dtype, out_dtype)
         ResidualLayerNormFn.save(ctx, backend, x, h, weight, bias, alpha, alpha_value, row_scale, grad_scale, out,
                                  mean, rstd)
@@ -190,7 +248,7 @@ class ResidualLayerNormFn(torch.autograd.Function):
         need_dh, need_dweight, need_dbias, need_dalpha = ctx.need
         if g_out is None and g_y is None:
             return (None,) * 12
-        dx, dh, dweight, dbias, dalpha = residual_norm_bwd(
+        dx, dh, dweight, dbias, dalpha = run_residual_norm_backward(
             ctx.backend, g_out, g_y, out, x, weight, mean, rstd, alpha, ctx.alpha_value, grad_scale,
             ctx.x_dtype, ctx.h_dtype if need_dh else None, need_dweight and weight is not None,
             need_dbias and bias is not None, need_dalpha)
@@ -205,7 +263,7 @@ class ResidualAddFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype, backend):
-        out = residual_add_fwd(backend, x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype)
+        out = run_residual_add(backend, x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype)
         ResidualAddFn.save(ctx, backend, x, h, alpha, alpha_value, row_scale, grad_scale)
         return out
 
@@ -224,7 +282,7 @@ class ResidualAddFn(torch.autograd.Function):
         need_dh, need_dalpha = ctx.need
         if g_out is None:
             return (None,) * 8
-        dx, dh, _, _, dalpha = residual_norm_bwd(
+        dx, dh, _, _, dalpha = run_residual_norm_backward(
             ctx.backend, g_out, None, None, x, None, None, None, alpha, ctx.alpha_value, grad_scale,
             ctx.x_dtype, ctx.h_dtype if need_dh else None, False, False, need_dalpha)
         return (dx, dh if need_dh else None, dalpha.to(alpha.dtype).reshape(alpha.shape) if need_dalpha else None,
@@ -236,7 +294,7 @@ class LayerNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, out_dtype, backend):
-        y, mean, rstd = layer_norm_fwd(backend, x, weight, bias, eps, out_dtype)
+        y, mean, rstd = run_layer_norm(backend, x, weight, bias, eps, out_dtype)
         LayerNormFn.save(ctx, backend, x, weight, bias, mean, rstd)
         return y
 
@@ -253,7 +311,7 @@ class LayerNormFn(torch.autograd.Function):
         need_dweight, need_dbias = ctx.need
         if g_y is None:
             return (None,) * 6
-        dx, _, dweight, dbias, _ = residual_norm_bwd(
+        dx, _, dweight, dbias, _ = run_residual_norm_backward(
             ctx.backend, None, g_y, x, None, weight, mean, rstd, None, 1.0, None, ctx.x_dtype, None,
             need_dweight and weight is not None, need_dbias and bias is not None, False)
         return dx, param_grad(dweight, weight, need_dweight), param_grad(dbias, bias, need_dbias), None, None, None
@@ -262,25 +320,26 @@ class LayerNormFn(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 # The custom ops (what torch.compile, opcheck and the dispatcher see). dres:: runs the Triton
 # launches; dres_cuda:: (the csrc extension, defined in C++ with the same schemas) gets the same
-# fake kernels and autograd from dres.ops.csrc_backend.
+# fake kernels (registered through dres.ops.csrc_backend) and autograd.
 
 
-def _rln_fake(x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype):
+def _residual_layer_norm_fake(x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype,
+                              out_dtype):
     out = x.new_empty(x.shape, dtype=residual_dtype or x.dtype)
     y = x.new_empty(x.shape, dtype=out_dtype or h.dtype)
     return (out, y) + _stats(x)
 
 
-def _add_fake(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype):
+def _residual_add_fake(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype):
     return x.new_empty(x.shape, dtype=residual_dtype or x.dtype)
 
 
-def _ln_fake(x, weight, bias, eps, out_dtype):
+def _layer_norm_fake(x, weight, bias, eps, out_dtype):
     return (x.new_empty(x.shape, dtype=out_dtype or x.dtype),) + _stats(x)
 
 
-def _bwd_fake(g_out, g_y, normed, x, weight, mean, rstd, alpha, alpha_value, grad_scale, x_dtype, h_dtype,
-              need_dweight, need_dbias, need_dalpha):
+def _residual_norm_backward_fake(g_out, g_y, normed, x, weight, mean, rstd, alpha, alpha_value, grad_scale, x_dtype,
+                                 h_dtype, need_dweight, need_dbias, need_dalpha):
     ref = g_out if g_out is not None else g_y
     dim = ref.shape[-1]
     f32 = lambda shape: ref.new_empty(shape, dtype=torch.float32)  # noqa: E731
@@ -293,18 +352,14 @@ def _bwd_fake(g_out, g_y, normed, x, weight, mean, rstd, alpha, alpha_value, gra
     return dx, dh, dweight, dbias, dalpha
 
 
-# Fake (meta) kernels by op name. Each namespace registers them itself: torch requires the fake of
-# an op defined in C++ to be registered from the module its library names (set_python_module).
-FAKE_IMPLS = {"residual_layer_norm": _rln_fake, "residual_add": _add_fake, "layer_norm": _ln_fake,
-              "residual_norm_backward": _bwd_fake}
+FAKE_IMPLS = {"residual_layer_norm": _residual_layer_norm_fake, "residual_add": _residual_add_fake,
+              "layer_norm": _layer_norm_fake, "residual_norm_backward": _residual_norm_backward_fake}
 
 
-def register_fakes(namespace: str) -> None:
-    """Register FAKE_IMPLS for ``torch.ops.<namespace>``; torch checks the *caller's* module against
-    the one a C++ library names (set_python_module), hence ``_stacklevel=2``."""
+def fakes_registering_fallbacks(namespace: str) -> dict:
+    """FAKE_IMPLS for ``torch.ops.<namespace>``, each first registering the namespace's Inductor fallbacks."""
     qualnames = [f"{namespace}::{name}" for name in FAKE_IMPLS]
-    for qualname, fake in zip(qualnames, FAKE_IMPLS.values()):
-        torch.library.register_fake(qualname, with_inductor_fallbacks(qualnames, fake), _stacklevel=2)
+    return {name: with_inductor_fallbacks(qualnames, fake) for name, fake in FAKE_IMPLS.items()}
 
 
 def register_autograd(namespace: str) -> None:
@@ -312,36 +367,41 @@ def register_autograd(namespace: str) -> None:
     backward calls that namespace's backward op. The custom ops return (mean, rstd) as outputs and
     take no backend argument: the backward drops the Function's last (backend) gradient."""
 
-    def rln_setup(ctx, inputs, output):
+    def residual_layer_norm_setup(ctx, inputs, output):
         x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype = inputs
         out, y, mean, rstd = output
         ctx.mark_non_differentiable(mean, rstd)
         ResidualLayerNormFn.save(ctx, namespace, x, h, weight, bias, alpha, alpha_value, row_scale, grad_scale, out,
                                  mean, rstd)
 
-    def add_setup(ctx, inputs, output):
+    def residual_add_setup(ctx, inputs, output):
         x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype = inputs
         ResidualAddFn.save(ctx, namespace, x, h, alpha, alpha_value, row_scale, grad_scale)
 
-    def ln_setup(ctx, inputs, output):
+    def layer_norm_setup(ctx, inputs, output):
         x, weight, bias, eps, out_dtype = inputs
         y, mean, rstd = output
         ctx.mark_non_differentiable(mean, rstd)
         LayerNormFn.save(ctx, namespace, x, weight, bias, mean, rstd)
 
-    for name, fn, setup in (("residual_layer_norm", ResidualLayerNormFn, rln_setup),
-                            ("residual_add", ResidualAddFn, add_setup), ("layer_norm", LayerNormFn, ln_setup)):
+    for name, fn, setup in (("residual_layer_norm", ResidualLayerNormFn, residual_layer_norm_setup),
+                            ("residual_add", ResidualAddFn, residual_add_setup),
+                            ("layer_norm", LayerNormFn, layer_norm_setup)):
         torch.library.register_autograd(f"{namespace}::{name}", lambda ctx, *grads, fn=fn: fn.backward(ctx, *grads)[:-1],
                                         setup_context=setup)
 
 
 _QUALNAMES = [f"dres::{name}" for name in FAKE_IMPLS]
-residual_layer_norm_op = define_op("dres::residual_layer_norm", residual_layer_norm_triton, _rln_fake, _QUALNAMES)
-residual_add_op = define_op("dres::residual_add", residual_add_triton, _add_fake, _QUALNAMES)
-layer_norm_op = define_op("dres::layer_norm", layer_norm_triton, _ln_fake, _QUALNAMES)
-residual_norm_backward_op = define_op("dres::residual_norm_backward", residual_norm_backward_triton, _bwd_fake,
-                                      _QUALNAMES)
+residual_layer_norm_op = define_op("dres::residual_layer_norm", residual_layer_norm_triton, _residual_layer_norm_fake,
+                                   _QUALNAMES)
+residual_add_op = define_op("dres::residual_add", residual_add_triton, _residual_add_fake, _QUALNAMES)
+layer_norm_op = define_op("dres::layer_norm", layer_norm_triton, _layer_norm_fake, _QUALNAMES)
+residual_norm_backward_op = define_op("dres::residual_norm_backward", residual_norm_backward_triton,
+                                      _residual_norm_backward_fake, _QUALNAMES)
 register_autograd("dres")
+if csrc_backend.available():
+    csrc_backend.register_fakes(fakes_registering_fallbacks("dres_cuda"))
+    register_autograd("dres_cuda")
 
 
 def _custom_op(backend: str, name: str):
@@ -363,36 +423,36 @@ def residual_layer_norm(x, h, weight, bias, alpha=1.0, eps=1e-6, row_scale=None,
     (default x.dtype); y has ``out_dtype`` (default h.dtype).
     """
     backend = resolve_backend(backend, x)
-    check_inputs(backend, x, h, weight, bias, alpha, row_scale, grad_scale, residual_dtype, out_dtype)
+    check_residual_norm_inputs(backend, x, h, weight, bias, alpha, row_scale, grad_scale, residual_dtype, out_dtype)
     check_eps(eps)
     if backend == "torch":
         return reference.residual_layer_norm(x, h, weight, bias, alpha, eps, row_scale, grad_scale,
                                              residual_dtype, out_dtype)
-    alpha_t, alpha_v = alpha_args(alpha)
+    alpha, alpha_value = alpha_args(alpha)
     if torch.compiler.is_compiling():
         out, y, _, _ = _custom_op(backend, "residual_layer_norm")(
-            x, h, weight, bias, alpha_t, alpha_v, float(eps), row_scale, grad_scale, residual_dtype, out_dtype)
+            x, h, weight, bias, alpha, alpha_value, float(eps), row_scale, grad_scale, residual_dtype, out_dtype)
         return out, y
-    return ResidualLayerNormFn.apply(x, h, weight, bias, alpha_t, alpha_v, float(eps), row_scale, grad_scale,
+    return ResidualLayerNormFn.apply(x, h, weight, bias, alpha, alpha_value, float(eps), row_scale, grad_scale,
                                      residual_dtype, out_dtype, backend)
 
 
 def residual_add(x, h, alpha=1.0, row_scale=None, grad_scale=None, residual_dtype=None, backend=None):
     """``out = alpha*x + row_scale[b]*h`` with gradient ``grad_scale[b]*g`` into h (no norm)."""
     backend = resolve_backend(backend, x)
-    check_inputs(backend, x, h, None, None, alpha, row_scale, grad_scale, residual_dtype)
+    check_residual_norm_inputs(backend, x, h, None, None, alpha, row_scale, grad_scale, residual_dtype)
     if backend == "torch":
         return reference.residual_add(x, h, alpha, row_scale, grad_scale, residual_dtype)
-    alpha_t, alpha_v = alpha_args(alpha)
+    alpha, alpha_value = alpha_args(alpha)
     if torch.compiler.is_compiling():
-        return _custom_op(backend, "residual_add")(x, h, alpha_t, alpha_v, row_scale, grad_scale, residual_dtype)
-    return ResidualAddFn.apply(x, h, alpha_t, alpha_v, row_scale, grad_scale, residual_dtype, backend)
+        return _custom_op(backend, "residual_add")(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype)
+    return ResidualAddFn.apply(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype, backend)
 
 
 def layer_norm(x, weight, bias, eps=1e-6, out_dtype=None, backend=None):
     """LayerNorm over the last dimension in fp32; y has ``out_dtype`` (default x.dtype)."""
     backend = resolve_backend(backend, x)
-    check_inputs(backend, x, None, weight, bias, out_dtype=out_dtype, check_h=False)
+    check_residual_norm_inputs(backend, x, None, weight, bias, out_dtype=out_dtype, check_h=False)
     check_eps(eps)
     if backend == "torch":
         return reference.layer_norm(x, weight, bias, eps, out_dtype)
