@@ -56,14 +56,16 @@ def _decayed_block_forward(stream: "FusedTimmBlocks", index: int, x: torch.Tenso
 
 
 def _fused_block_forward(blk: nn.Module, hidden_states: torch.Tensor, residual: Optional[torch.Tensor],
-                         scales=None, *, backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor]:
+                         scales=None, entering_alpha=None, *,
+                         backend: Optional[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A timm Block in the fused-residual form of :meth:`dres.nn.Block.forward`; ``scales``: the
     drop-path scales of the residual entering the block and of its attention add (None: none)."""
     entering_scales, attention_scales = (NO_SCALES, NO_SCALES) if scales is None else scales
-    entering, y = add_and_norm(hidden_states, residual, blk.norm1, blk.alphas[0], entering_scales, backend)
+    alpha = blk.alphas[0] if entering_alpha is None else entering_alpha
+    entering, y = add_and_norm(hidden_states, residual, blk.norm1, alpha, entering_scales, backend)
     residual, y = add_and_norm(_branch_tail(blk, 1)(blk.attn(y)), entering, blk.norm2, blk.alphas[1],
                                attention_scales, backend)
-    return _branch_tail(blk, 2)(blk.mlp(y)), residual
+    return _branch_tail(blk, 2)(blk.mlp(y)), residual, entering
 
 
 class FusedTimmBlocks(ResidualStream, nn.Sequential):

@@ -115,13 +115,13 @@ def test_stack_matches_plain_float64_reference_backend():
     for alphas in (None, decay_schedule(6, 0.6)):  # the alpha_min = 1 case, and a decayed one
         stack = perturb_(TransformerStack(32, 3, 4, alphas=alphas, backend="torch")).double()
         x = torch.randn(3, 7, 32, dtype=torch.float64, requires_grad=True)
-        y, outs = stack(x, collect=(0, 2))
+        y, outs = stack.forward_intermediates(x, (0, 2))
         y_ref, outs_ref = plain_stack(stack, x, collect=(0, 2))
         torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(outs[0], outs_ref[0], rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(outs[2], outs_ref[2], rtol=1e-10, atol=1e-10)  # the raw stream, pre final norm
         w = torch.randn_like(y)
-        got = param_grads(stack, lambda: (stack(x)[0] * w).sum())
+        got = param_grads(stack, lambda: (stack(x) * w).sum())
         want = param_grads(stack, lambda: (plain_stack(stack, x)[0] * w).sum())
         assert_grads_close(got, want, rtol=1e-9, atol=1e-10)
 
@@ -134,10 +134,10 @@ def test_stack_without_final_norm_and_hooks_match_plain():
     hooks = {1: lambda s, o: (torch.tanh(s) * extra, 1.0), 2: lambda s, o: (0.5 * s + o[0], 0.0)}
     plain_hooks = {1: lambda s, o: s + torch.tanh(s) * extra, 2: lambda s, o: 0.5 * s + o[0]}
     x = torch.randn(2, 5, 16, dtype=torch.float64)
-    y, _ = stack(x, hooks=hooks, collect=(0,))
+    y, _ = stack.forward_intermediates(x, (0,), hooks=hooks)
     y_ref, _ = plain_stack(stack, x, hooks=plain_hooks, collect=(0,))
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
-    got = param_grads(stack, lambda: stack(x, hooks=hooks, collect=(0,))[0].square().sum())
+    got = param_grads(stack, lambda: stack.forward_intermediates(x, (0,), hooks=hooks)[0].square().sum())
     want = param_grads(stack, lambda: plain_stack(stack, x, hooks=plain_hooks, collect=(0,))[0].square().sum())
     assert_grads_close(got, want, rtol=1e-9, atol=1e-10)
 
@@ -146,9 +146,9 @@ def test_stack_triton_interpreter_matches_plain(triton_device):
     torch.manual_seed(2)
     stack = perturb_(TransformerStack(32, 2, 2, backend="triton")).to(triton_device)
     x = torch.randn(2, 4, 32, device=triton_device)
-    y, _ = stack(x)
+    y = stack(x)
     torch.testing.assert_close(y, plain_stack(stack, x)[0], rtol=1e-4, atol=1e-4)
-    got = param_grads(stack, lambda: stack(x)[0].square().sum())
+    got = param_grads(stack, lambda: stack(x).square().sum())
     want = param_grads(stack, lambda: plain_stack(stack, x)[0].square().sum())
     assert_grads_close(got, want, rtol=1e-3, atol=1e-4)
 
@@ -189,7 +189,7 @@ def test_stack_keeps_fp32_stream_under_autocast():
     stack = TransformerStack(16, 2, 2, alphas=decay_schedule(4, 0.7), backend="torch")
     x = torch.randn(2, 3, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y, outs = stack(x, collect=(0,))
+        y, outs = stack.forward_intermediates(x, (0,))
     assert outs[0].dtype == torch.float32 and y.dtype == torch.bfloat16
     assert stack.alphas.dtype == torch.float32 and "alphas" not in stack.state_dict()
 
@@ -236,7 +236,7 @@ def test_residual_droppath_two_steps_gradient_semantics():
     x = torch.randn(B, 3, 16)
 
     # even iteration: out = x + m * f(x); the branch gets gradient m * g
-    y, _ = stack(x, scales=dp.scales(B, x.device))
+    y = stack(x, scales=dp.scales(B, x.device))
     masks = dp.masks.clone()
     assert masks.shape == (4, B) and 0 < masks.mean() < 1
     y_ref, _ = plain_stack(stack, x, masks=list(masks))
@@ -249,7 +249,7 @@ def test_residual_droppath_two_steps_gradient_semantics():
     dp.next_iteration()
     stack.zero_grad()
     x2 = torch.randn(B, 3, 16)
-    y2, _ = stack(x2, scales=dp.scales(B, x2.device))
+    y2 = stack(x2, scales=dp.scales(B, x2.device))
     assert torch.equal(dp.masks, masks)
     torch.testing.assert_close(y2, plain_stack(stack, x2)[0], rtol=1e-5, atol=1e-5)
     y2.square().sum().backward()

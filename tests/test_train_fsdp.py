@@ -142,8 +142,8 @@ def test_units_are_whole_dres_blocks():
 
 def test_per_block_compile_matches_eager():
     """The trainer's compile=true compiles each unit (each dres Block, called as (hidden_states,
-    residual), with a hook's alpha as a float or with the entering stream returned, and the official
-    MAE's skip layers): loss and gradients match eager."""
+    residual, scales, entering_alpha) with a hook's alpha as a float or None, and the official MAE's
+    skip layers): loss and gradients match eager."""
     import copy
 
     from dres.models import create_mae

@@ -217,7 +217,7 @@ class MAE(nn.Module):
         a = 1.0 if self.variant == "official" else 0.0
         hooks = {k: (lambda stream, _, k=k, b=b: (self.skips[k](stream, skips[b], ids_restore), a))
                  for k, b in enumerate(self.skip_blocks)}
-        y, _ = self.decoder(x, hooks=hooks)
+        y = self.decoder(x, hooks=hooks)
         return self.decoder_pred(y)[:, 1:, :]
 
     def forward_loss(self, imgs: torch.Tensor, pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

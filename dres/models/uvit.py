@@ -122,7 +122,7 @@ class UViT(nn.Module):
             hooks[k] = (lambda stream, outs, j=j, src=src:
                         (self.skip_linears[j](torch.cat([stream, outs[src]], dim=-1)), 0.0))
         collect = sorted(set(range(self.num_in_blocks)) | set(collect))
-        return self.transformer(tokens, scales=droppath_scales(self.droppath, tokens), hooks=hooks, collect=collect)
+        return self.transformer.forward_intermediates(tokens, collect, droppath_scales(self.droppath, tokens), hooks)
 
     def forward(self, x: torch.Tensor, timesteps: torch.Tensor, y: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Prediction (noise, for noise-prediction training) of the same shape as ``x``."""

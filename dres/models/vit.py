@@ -82,10 +82,10 @@ class ViTEncoder(nn.Module):
 
     def run_blocks(self, tokens: torch.Tensor, collect: Sequence[int] = (), hooks=None):
         """The stack on ``tokens`` (class token first): ``(y, {block: stream after it})``."""
-        return self.transformer(tokens, scales=droppath_scales(self.droppath, tokens), hooks=hooks, collect=collect)
+        return self.transformer.forward_intermediates(tokens, collect, droppath_scales(self.droppath, tokens), hooks)
 
     def forward(self, imgs: torch.Tensor, collect: Sequence[int] = ()):
-        """All patches (no masking): ``(y, outputs)`` as :meth:`TransformerStack.forward`."""
+        """All patches (no masking): ``(y, outputs)`` as :meth:`TransformerStack.forward_intermediates`."""
         return self.run_blocks(self.add_cls(self.embed(imgs)), collect=collect)
 
     def layer_index(self, layer: int) -> int:

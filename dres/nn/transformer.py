@@ -4,9 +4,10 @@ A plain pre-LN block computes ``x = a1*x + attn(norm1(x)); x = a2*x + mlp(norm2(
 residual add is fused with the norm that follows it (docs/design.md, "The residual
 stream"): one :func:`dres.ops.residual_layer_norm` produces the new stream and the normalised input
 of the next sub-layer. Blocks take flash-attn's fused-residual form (``modules/block.py``),
-``hidden_states, residual = block(hidden_states, residual)``: a block receives the previous block's
-MLP output still to be added, adds it fused with its own norm1 and returns its own MLP output,
-pending in turn, so each block call uses only that block's parameters (one FSDP2 unit per block).
+``hidden_states, residual, entering = block(hidden_states, residual)``: a block receives the previous
+block's MLP output still to be added, adds it fused with its own norm1 (``entering``, the stream
+after the block before) and returns its own MLP output, pending in turn, so each block call uses only
+that block's parameters (one FSDP2 unit per block).
 The first block's norm1 is a plain :func:`dres.ops.layer_norm`; the last add is fused with the final
 norm, or is a :func:`dres.ops.residual_add` when there is none.
 
@@ -145,7 +146,7 @@ def add_and_norm(hidden_states: torch.Tensor, residual: Optional[torch.Tensor], 
 
 class Block(nn.Module):
     """One pre-LN block (timm / MAE parameter names) on the carried residual stream, in flash-attn's
-    fused-residual form: ``forward(hidden_states, residual) -> (hidden_states, residual)``.
+    fused-residual form: ``forward(hidden_states, residual) -> (hidden_states, residual, entering)``.
 
     ``hidden_states`` is the previous block's MLP output, still to be added to ``residual``: the block
     adds it fused with its norm1 (the residual entering the block, whose alpha ``alphas[0]`` it
@@ -166,20 +167,20 @@ class Block(nn.Module):
         self.register_buffer("alphas", torch.ones(2), persistent=False)  # (entering, attention)
 
     def forward(self, hidden_states: torch.Tensor, residual: Optional[torch.Tensor] = None,
-                scales: Optional[BlockScales] = None, entering_alpha=None, return_entering: bool = False):
+                scales: Optional[BlockScales] = None,
+                entering_alpha=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden_states: the pending branch output (B, T, D), or the stream itself when ``residual`` is
         None (the first block). scales: ``(entering, attention)`` drop-path ``(row_scale, grad_scale)``
         pairs (None: none). entering_alpha: replaces ``alphas[0]`` (a skip hook's add).
-        Returns ``(hidden_states, residual)``: this block's MLP output, pending, and the stream after
-        its attention add; with ``return_entering`` also the stream entering the block (after the
-        pending add), which is the output of the block before."""
+        Returns ``(hidden_states, residual, entering)``: this block's MLP output, pending, the stream
+        after its attention add, and the stream entering the block (after the pending add), which is
+        the output of the block before."""
         entering_scales, attention_scales = (NO_SCALES, NO_SCALES) if scales is None else scales
         alpha = self.alphas[0] if entering_alpha is None else entering_alpha
         entering, y = add_and_norm(hidden_states, residual, self.norm1, alpha, entering_scales, self.backend)
         residual, y = add_and_norm(self.attn(y), entering, self.norm2, self.alphas[1], attention_scales,
                                    self.backend)
-        hidden_states = self.mlp(y)
-        return (hidden_states, residual, entering) if return_entering else (hidden_states, residual)
+        return self.mlp(y), residual, entering
 
 
 def init_vit_weights(module: nn.Module) -> None:
@@ -208,7 +209,8 @@ class ResidualStream:
     final_alpha: torch.Tensor
 
     def fused_call(self, block: nn.Module) -> Callable:
-        """``block``'s ``(hidden_states, residual, scales, ...) -> (hidden_states, residual)`` form."""
+        """``block``'s ``(hidden_states, residual, scales, entering_alpha) -> (hidden_states, residual,
+        entering)`` form, :meth:`Block.forward`'s."""
         return block
 
     @property
@@ -260,14 +262,14 @@ class ResidualStream:
                                                     self.backend)
                     if k - 1 in collect:
                         outputs[k - 1] = hidden_states
-                skip, skip_alpha = hooks[k](hidden_states, outputs)
-                hidden_states, residual = block(skip, hidden_states, (NO_SCALES, block_scales[1]),
-                                                entering_alpha=skip_alpha)
-            elif k > 0 and k - 1 in collect:
-                hidden_states, residual, outputs[k - 1] = block(hidden_states, residual, block_scales,
-                                                                return_entering=True)
+                skip, entering_alpha = hooks[k](hidden_states, outputs)
+                hidden_states, residual, block_scales = skip, hidden_states, (NO_SCALES, block_scales[1])
             else:
-                hidden_states, residual = block(hidden_states, residual, block_scales)
+                entering_alpha = None
+            hidden_states, residual, entering = block(hidden_states, residual, block_scales, entering_alpha)
+            if k > 0 and k - 1 in collect and k not in hooks:
+                outputs[k - 1] = entering
+            del entering  # not kept through the next block unless collected
         stream, y = add_and_norm(hidden_states, residual, norm, self.final_alpha, scale(2 * len(blocks) - 1),
                                  self.backend)
         if len(blocks) - 1 in collect:
@@ -312,10 +314,15 @@ class TransformerStack(ResidualStream, nn.Module):
                 nn.init.zeros_(linear.bias)
 
     def forward(self, x: torch.Tensor, scales: Optional[Sequence[Scales]] = None,
-                hooks: Optional[dict[int, Hook]] = None,
-                collect: Sequence[int] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The stack on tokens ``x`` (B, T, D): ``(y, outputs)`` as :meth:`ResidualStream.run_stream`."""
-        return self.run_stream(x, self.norm, scales, hooks, collect)
+                hooks: Optional[dict[int, Hook]] = None) -> torch.Tensor:
+        """The stack on tokens ``x`` (B, T, D): the final-normed output (the raw stream without a final norm)."""
+        return self.run_stream(x, self.norm, scales, hooks)[0]
+
+    def forward_intermediates(self, x: torch.Tensor, indices: Sequence[int], scales: Optional[Sequence[Scales]] = None,
+                              hooks: Optional[dict[int, Hook]] = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """:meth:`forward` and the residual stream after each block in ``indices``: ``(y, {block: stream})``
+        as :meth:`ResidualStream.run_stream`'s ``collect``."""
+        return self.run_stream(x, self.norm, scales, hooks, collect=indices)
 
 
 def set_backend(module: nn.Module, backend: Optional[str]) -> nn.Module:
