@@ -121,7 +121,7 @@ def test_cpu_run_reports_no_replay_timing(tmp_path):
     with open(tmp_path / "metrics.jsonl") as f:
         recs = [json.loads(line) for line in f]
     assert [r["step"] for r in recs] == [1, 2, 3]
-    assert all(set(r) == {"step", "loss", "lr", "img_per_s", "epoch"} for r in recs)
+    assert all(set(r) == {"step", "loss", "lr", "img_per_s", "model_tflops", "mfu", "epoch"} for r in recs)
     with open(tmp_path / "summary.json") as f:
         summary = json.load(f)
     assert summary["steps"] == 3 and not {"graph_gpu_ms_per_step", "trainer_vs_replay"} & set(summary)
@@ -213,8 +213,8 @@ def test_graphed_steps_match_eager_steps(tmp_path, case):
                 scaler_init=scaler_init)
     eager = _fit(tmp_path / "eager", overrides + ["cuda_graphs=false"], steps, task, scaler_init=scaler_init)
     assert body.graphed.graph is None and eager.graphed is None
-    keys = [k for k in graphed.history[0] if k not in ("img_per_s", "lr", "step", "epoch", "gpu_ms_per_step",
-                                                        "gpu_bound")]
+    keys = [k for k in graphed.history[0] if k not in ("img_per_s", "model_tflops", "mfu", "lr", "step", "epoch",
+                                                        "gpu_ms_per_step", "gpu_bound")]
     assert "loss" in keys and (task != "classify" or "train_acc" in keys)
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in graphed.history)
     # replays compute what the same step computes eagerly: bitwise where the kernels are deterministic

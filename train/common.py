@@ -7,6 +7,9 @@ import dataclasses
 import inspect
 import os
 import sys
+from typing import Optional
+
+import torch
 
 from dres.data import DataError, build_loader
 from dres.train.config import ModelConfig
@@ -31,6 +34,36 @@ def model_kwargs(cls, cfg) -> dict:
     if "zero_init" in kw:  # the config's words; the models take None (their own rule) / True / False
         kw["zero_init"] = {"auto": None, "true": True, "false": False}[kw["zero_init"]]
     return kw
+
+
+# Dense (no sparsity) bf16 tensor-core peaks in TFLOP/s from NVIDIA's datasheets, by a part of the name
+# torch.cuda.get_device_name gives; the first match wins, so a name that contains another comes first.
+DENSE_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.5), ("H100", 989.4), ("H200 NVL", 835.5),
+                     ("H200", 989.4), ("A100", 312.0), ("A10", 125.0), ("L40S", 362.05), ("L40", 181.05),
+                     ("L4", 121.0))
+
+
+def dense_bf16_peak(device: torch.device) -> tuple[str, Optional[float]]:
+    """``(name, TFLOP/s)``: the device's name and its dense bf16 peak, None for a CPU or a card not in
+    :data:`DENSE_BF16_TFLOPS`."""
+    if device.type != "cuda":
+        return device.type, None
+    name = torch.cuda.get_device_name(device)
+    return name, next((tflops for part, tflops in DENSE_BF16_TFLOPS if part in name), None)
+
+
+def model_flops_rate(img_per_s: float, flops_per_image: Optional[float], world: int,
+                     peak_tflops: Optional[float]) -> dict:
+    """``model_tflops`` (model FLOPs a second per GPU, in TFLOP/s) and ``mfu`` (their fraction of the
+    card's dense bf16 peak) at ``img_per_s`` images a second over ``world`` GPUs; None where unknown."""
+    tflops = img_per_s * flops_per_image / world / 1e12 if flops_per_image is not None else None
+    return {"model_tflops": tflops, "mfu": tflops / peak_tflops if tflops is not None and peak_tflops else None}
+
+
+def flops_rate_text(rates: dict) -> str:
+    """``", 71.8 model TFLOP/s per GPU, MFU 7.3%"`` from :func:`model_flops_rate`'s fields, as far as known."""
+    text = "" if rates["model_tflops"] is None else f", {rates['model_tflops']:.1f} model TFLOP/s per GPU"
+    return text + ("" if rates["mfu"] is None else f", MFU {rates['mfu']:.1%}")
 
 
 def eval_loader(tr, split, batch):

@@ -32,11 +32,12 @@ import torch
 import torch.nn as nn
 
 from dres.data import build_loader, lost_data_line
+from dres.models.flops import training_flops
 from dres.nn import set_backend
 from dres.train import checkpoint as C
 from dres.train import distributed as D
 from dres.train import rundir
-from dres.train.common import progress
+from dres.train.common import dense_bf16_peak, flops_rate_text, model_flops_rate, progress
 from dres.train.config import Config, ConfigError, cpu_threads, fingerprint, save_config, to_dict
 from dres.train.graph_step import GraphedStep, graph_plan, graph_warmup_steps, steady_timing
 from dres.train.optim import build_optimizer, peak_lr
@@ -132,6 +133,8 @@ class Trainer:
         self.in_loop = False
         self.last_record: dict | None = None  # metrics.jsonl's last record kept on resume
         self.graphed: GraphedStep | None = None
+        self.flops_per_image: float | None = None  # model FLOPs of one training image (_count_flops)
+        self.peak_tflops: float | None = None  # the card's dense bf16 peak, the denominator of mfu
         self.log_path: Path | None = None  # log.txt, from start_log on
         self._held: list[str] = []
 
@@ -197,6 +200,8 @@ class Trainer:
                                    accum=cfg.accum_steps, seed=cfg.seed, device=self.device, train=True,
                                    log=self.log) if train else None
         spe = len(self.loader) if train else 0
+        if train:
+            self._count_flops()
         self.total_steps = cfg.steps if cfg.steps > 0 else int(round(cfg.epochs * spe))
         if train and self.total_steps <= 0:
             raise ConfigError("training length is zero: set steps=N or epochs=E (with a data set of known size)")
@@ -219,6 +224,24 @@ class Trainer:
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
         return self
+
+    def _count_flops(self):
+        """The model FLOPs of one training image (forward + backward, :mod:`dres.models.flops`) and the
+        card's dense bf16 peak, for ``model_tflops`` and ``mfu`` in metrics.jsonl, summary.json and the log."""
+        cfg = self.cfg
+        micro = cfg.batch_size // (self.info.world * cfg.accum_steps)  # the loader has checked it divides
+        flops = training_flops(self.raw_model, micro, cfg.model.img_size)
+        self.flops_per_image = flops / micro if flops is not None else None
+        name, self.peak_tflops = dense_bf16_peak(self.device)
+        if self.flops_per_image is None:
+            self.log(f"[dres] note: no FLOP count for a {type(self.raw_model).__name__}; model_tflops and mfu "
+                     "are not reported")
+            return
+        counted = f"[dres] model FLOPs: {self.flops_per_image / 1e9:.4g} GFLOP per training image (forward + backward)"
+        if self.peak_tflops is None:
+            self.log(f"{counted}; note: mfu is not reported, no dense bf16 peak is known for {name}")
+        else:
+            self.log(f"{counted}; mfu against the dense bf16 peak of {name}, {self.peak_tflops:g} TFLOP/s")
 
     def write_record(self):
         """The run's record (see rundir), written when training starts, so that a start refused before
@@ -442,7 +465,7 @@ class Trainer:
                     now = time.time()
                     ips = (self.step - step_last) * cfg.batch_size / max(now - t_last, 1e-9)
                     rec = {"step": self.step, "loss": vals[0], "lr": self.scheduler.get_last_lr()[0],
-                           "img_per_s": ips, "epoch": self.epoch()}
+                           "img_per_s": ips, **self._flops_rate(ips), "epoch": self.epoch()}
                     rec.update({k: v for k, v in zip(acc_metrics, vals[1:])})
                     if self.graphed is not None:  # the replays' GPU time against this window's wall time
                         rec.update(self.graphed.read_window(self.step - step_last, (now - t_last) * 1e3))
@@ -451,10 +474,12 @@ class Trainer:
                         self._write_metrics(metrics_f, metrics_path, rec)
                         if self.tb:
                             for k, v in rec.items():
-                                if k != "step":
+                                if k != "step" and v is not None:
                                     self.tb.add_scalar(f"train/{k}", v, self.step)
                     if bar:
-                        bar.set_postfix(loss=f"{vals[0]:.4f}", lr=f"{rec['lr']:.2e}", img_s=f"{ips:.0f}", refresh=False)
+                        mfu = {} if rec["mfu"] is None else {"mfu": f"{rec['mfu']:.1%}"}
+                        bar.set_postfix(loss=f"{vals[0]:.4f}", lr=f"{rec['lr']:.2e}", img_s=f"{ips:.0f}", **mfu,
+                                        refresh=False)
                     acc_loss, acc_n, acc_metrics = torch.zeros((), device=self.device), 0, {}
                     t_last, step_last = now, self.step
                 if bar:
@@ -475,8 +500,10 @@ class Trainer:
                 metrics_f.close()
         wall = time.time() - t0
         final = self.history[-1] if self.history else self.last_record
-        self.summary = {"steps": self.step - start_step, "step": self.step, "wall_s": wall,
-                        "img_per_s": seen / max(wall, 1e-9),
+        ips = seen / max(wall, 1e-9)
+        self.summary = {"steps": self.step - start_step, "step": self.step, "wall_s": wall, "img_per_s": ips,
+                        "gflop_per_image": self.flops_per_image / 1e9 if self.flops_per_image is not None else None,
+                        **self._flops_rate(ips), "peak_bf16_tflops": self.peak_tflops,
                         "final_loss": final["loss"] if final else None,
                         "peak_mem_gib": (torch.cuda.max_memory_allocated(self.device) / 2**30
                                          if self.device.type == "cuda" else None),
@@ -484,6 +511,9 @@ class Trainer:
         if self.graphed is not None:  # how close the trainer's steps come to the replays' GPU time
             self.summary.update(steady_timing(self.graphed.windows))
         return self.summary
+
+    def _flops_rate(self, img_per_s: float) -> dict:
+        return model_flops_rate(img_per_s, self.flops_per_image, self.info.world, self.peak_tflops)
 
     def _tensorboard(self):
         try:
@@ -549,7 +579,8 @@ class Trainer:
                 s["eval"] = eval_metrics
             lost = self.summary["lost_data"]
             lines = [f"[dres] done: {self.summary['steps']} steps in {self.summary['wall_s']:.1f}s, "
-                     f"{self.summary['img_per_s']:.1f} img/s, final loss {self.summary['final_loss']}"]
+                     f"{self.summary['img_per_s']:.1f} img/s{flops_rate_text(self.summary)}, "
+                     f"final loss {self.summary['final_loss']}"]
             if self.summary["peak_mem_gib"] is not None:
                 lines.append(f"[dres] peak memory {self.summary['peak_mem_gib']:.2f} GiB")
             if lost_data_line(lost):
