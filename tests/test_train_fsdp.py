@@ -48,8 +48,11 @@ def _worker(rank, world, port, out, mode, tag, extra):
         res["fsdp_units"] = len({id(fully_shard.state(m)) for m in tr.raw_model.modules() if isinstance(m, FSDPModule)})
         tr.save()  # DCP directory (ckpt.format auto under FSDP)
         full = {k: v.full_tensor() for k, v in tr.raw_model.state_dict().items() if hasattr(v, "full_tensor")}
-        cfg2 = build_config("classify", None, OVR + extra + [f"dist={mode}", f"out={out}/{tag}", "seed=5"])
+        cfg2 = build_config("classify", None, OVR + extra + [f"dist={mode}", f"out={out}/{tag}"])
         tr2 = Trainer(cfg2, TASK, log=lambda m: None).setup()
+        with torch.no_grad():  # other weights than the checkpoint's (a resume keeps the seed)
+            for p in tr2.raw_model.parameters():
+                p.add_(1.0)
         before = max((tr2.raw_model.state_dict()[k].full_tensor() - v).abs().max().item() for k, v in full.items())
         tr2.resume("auto")
         after = max((tr2.raw_model.state_dict()[k].full_tensor() - v).abs().max().item() for k, v in full.items())
