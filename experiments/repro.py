@@ -8,13 +8,17 @@ arm without a record is "not run yet", never a number.
     python -m experiments.repro --run A.2x2 --epochs 50 --gpus 2 --root /tmp/dres-repro --records "$OUT/repro" \
         --commit <sha>
     python -m experiments.repro --run C.resnet50d.s1@100,A.sweep@50 --gpus 4 ...  # one queue, a length per word
+    python -m experiments.repro --run decisive --dry-run --gpus 4 --img-per-s mae=31000,classify=43000,uvit=3600
     python -m experiments.repro --report    # experiments/records/*/*.json -> RESULTS.md + experiments/figures/
 
 Records are kept under ``experiments/records/<card>-<YYYY-MM-DD>-<what>/`` (benchmarks/records/README.md);
 the report reads the arm records of every such folder (the latest record of an arm wins).
 
-An arm trains for ``--epochs`` or its word's ``@EPOCHS`` (a claim's arms must share it: the report
-shows the epochs of every row); nothing is tuned per arm. Runs go to ``--root/<arm>`` with
+Two stages per claim: the short runs (one seed, lengths that fitted the first device budgets) and the
+decisive runs (the papers' recipes at full length, with seeds; experiments/README.md, "The decisive
+runs"); the report never mixes them. An arm trains for its word's ``@EPOCHS``, else its own length (the
+decisive arms'), else ``--epochs`` (a claim's arms must share it: the report shows the epochs of every
+row); nothing is tuned per arm. Runs go to ``--root/<arm>`` with
 ``--resume auto``, so a call killed at its time limit continues in the next call on the same machine;
 an arm with a record is skipped unless ``--force``.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import shlex
 import shutil
@@ -56,14 +61,16 @@ class Arm:
     needs: tuple[str, ...] = ()     # arms whose run directory this one reads (B: the FD classifier)
     paper: tuple[tuple[str, float], ...] = ()  # (what, value) from the papers, for the report
     labels: dict = field(default_factory=dict, compare=False, hash=False)  # table columns of the setting
+    stage: str = "short"            # short (the first runs, at lengths that fit) | decisive (the issue's recipes)
+    epochs: float = 0               # the arm's length when neither --epochs nor @EPOCHS gives one (0: none)
 
 
 # ------------------------------------------------------------------------------------------------
 # The matrix. Papers' numbers: the decayed-shortcut, U-ViT and ResidualDroppath papers.
 
 MAE_PAPER = {
-    ("official", 1.0): (("IN-100 ViT-B/16 probe", 76.5), ("IN-100 ViT-S/16 probe", 69.2),
-                        ("IN-1K ViT-B/16 probe", 67.8), ("IN-1K ViT-B/16 kNN", 27.4)),
+    ("official", 1.0): (("IN-100 ViT-B/16 probe", 76.5), ("IN-100 ViT-S/16 probe", 69.2)),
+    ("baseline", 1.0): (("IN-1K ViT-B/16 probe, vanilla MAE", 67.8), ("IN-1K ViT-B/16 kNN, vanilla MAE", 27.4)),
     ("official", 0.8): (("IN-100 ViT-B/16 probe", 79.8),),
     ("official", 0.7): (("IN-100 ViT-B/16 probe", 81.8),),
     ("official", 0.6): (("IN-100 ViT-B/16 probe", 83.6), ("IN-100 ViT-S/16 probe", 78.5),
@@ -99,12 +106,59 @@ def _classify_arm(arch, mode, seed):
 
 
 def _uvit_arm(alpha, seed):
+    # the records of these arms were made with the preset's EMA 0.9999 (override-free), at 10 epochs
     group = f"B-uvit-a{alpha}"
-    # EMA 0.999 instead of the paper's 0.9999 in both arms: at CIFAR-repro lengths (~10k steps) 0.9999 keeps
-    # most of the initial weights in the evaluated model (notes.md, B)
+    return Arm(f"{group}-s{seed}", "B", group, "uvit", "uvit_cifar10", (f"model.alpha_min={alpha}",), seed,
+               ("B.short",), needs=(FD_CLASSIFIER_ARM,), paper=UVIT_PAPER[alpha], labels={"alpha_min": alpha})
+
+
+# The decisive runs: the issue's recipes at full length, with seeds.
+MAE_DECISIVE_EPOCHS = 400     # mae_cifar10's own length
+MAE_DECISIVE_BATCH = 1024     # every A arm the same; lr = blr x 1024 / 256
+PROBE_EPOCHS_PAPER = 200      # the decayed-shortcut paper's linear probe: 200 epochs, lr 1e-2, batch 1024
+# 64 x 390 = 24,960 steps of 128: ~15 minutes at 3.6k img/s, so an arm ends within one device lease
+UVIT_DECISIVE_EPOCHS = 64
+UVIT_EMA_DECAY = 0.9998       # 0.9998 ** 24,960 = 0.68% of the initial weights left (the paper's 0.9999: 8.2%)
+EMA_INITIAL_WEIGHT_MAX = 0.01
+RDP_DECISIVE_EPOCHS = 300     # timm's train.py default
+RDP_PILOT_EPOCHS = 30         # the 224 px pilot: what fits one device call of about 10 minutes at ~3k img/s
+RDP_SEEDS = (0, 1, 2)
+TIMM_PRESET = "classify_resnet50d_cifar10_timm"
+TIMM_PRESET_224 = "classify_resnet50d_cifar10_timm224"
+
+
+def ema_initial_weight(decay: float, steps: int) -> float:
+    """The weight of the initial parameters in an EMA of decay ``decay`` after ``steps`` updates."""
+    return decay ** steps
+
+
+def _mae_decisive_arm(variant, alpha, seed, tag, zero_init):
+    group = f"A400-{variant}-a{alpha}" + ("-zi" if (variant, zero_init) == ("baseline", "true") else "")
+    return Arm(f"{group}-s{seed}", "A", group, "mae", "mae_cifar10",
+               (f"model.variant={variant}", f"model.alpha_min={alpha}", f"model.zero_init={zero_init}",
+                f"batch_size={MAE_DECISIVE_BATCH}", f"eval.probe_epochs={PROBE_EPOCHS_PAPER}"), seed,
+               (tag, "A.decisive", "decisive"), paper=() if group.endswith("-zi") else MAE_PAPER.get((variant, alpha), ()),
+               labels={"variant": variant, "alpha_min": alpha, "zero_init": zero_init}, stage="decisive",
+               epochs=MAE_DECISIVE_EPOCHS)
+
+
+def _uvit_decisive_arm(alpha, seed):
+    group = f"B64-uvit-a{alpha}"
     return Arm(f"{group}-s{seed}", "B", group, "uvit", "uvit_cifar10",
-               (f"model.alpha_min={alpha}", "optim.ema_decay=0.999"), seed,
-               ("B",), needs=(FD_CLASSIFIER_ARM,), paper=UVIT_PAPER[alpha], labels={"alpha_min": alpha})
+               (f"model.alpha_min={alpha}", "model.zero_init=true", f"optim.ema_decay={UVIT_EMA_DECAY}"), seed,
+               (f"B.decisive.s{seed}", "B.decisive", "decisive"), needs=(FD_CLASSIFIER_ARM,),
+               paper=UVIT_PAPER[alpha], labels={"alpha_min": alpha}, stage="decisive", epochs=UVIT_DECISIVE_EPOCHS)
+
+
+def _classify_decisive_arm(arch, mode, seed, pilot=False):
+    group = f"{'C224' if pilot else 'C300'}-{arch}-{mode}"
+    paper = ((f"CIFAR-10 {arch} top-1", RDP_PAPER[(arch, mode)]),) if (arch, mode) in RDP_PAPER else ()
+    tags = ("C.pilot224", "decisive") if pilot else (f"C.timm.{arch}.s{seed}", f"C.timm.{arch}", "C.timm",
+                                                      "decisive")
+    overrides = (f"model.droppath_mode={mode}",) + (() if arch == "resnet50d" else (f"model.arch={arch}",))
+    return Arm(f"{group}-s{seed}", "C", group, "classify", TIMM_PRESET_224 if pilot else TIMM_PRESET, overrides,
+               seed, tags, paper=paper, labels={"arch": arch, "mode": mode, "px": 224 if pilot else 32},
+               stage="decisive", epochs=RDP_PILOT_EPOCHS if pilot else RDP_DECISIVE_EPOCHS)
 
 
 def build_matrix() -> list[Arm]:
@@ -117,6 +171,17 @@ def build_matrix() -> list[Arm]:
     arms += [_uvit_arm(a, 0) for a in (1.0, 0.7)]
     arms += [_classify_arm("resnet50d", m, 1) for m in MODES]
     arms += [_classify_arm("resnet50", m, 0) for m in MODES]
+    # the decisive runs, in the order a budget should buy them
+    arms += [_mae_decisive_arm("official", a, 0, "A.decisive.s0", "true") for a in (0.6, 1.0)]
+    arms += [_mae_decisive_arm("baseline", a, 0, "A.decisive.s0", "auto") for a in (1.0, 0.6)]
+    arms += [_mae_decisive_arm("official", a, 1, "A.decisive.s1", "true") for a in (0.6, 1.0)]
+    arms += [_classify_decisive_arm("resnet50d", m, s) for s in RDP_SEEDS for m in MODES]
+    arms += [_classify_decisive_arm("resnet50d", m, 0, pilot=True) for m in MODES]
+    arms += [_uvit_decisive_arm(a, 0) for a in (1.0, 0.7)]
+    arms += [_mae_decisive_arm("official", a, 0, "A.decisive.sweep", "true") for a in (0.5, 0.7, 0.8)]
+    arms += [_mae_decisive_arm("baseline", 1.0, 0, "A.decisive.zi", "true")]  # the skips without the init change
+    arms += [_uvit_decisive_arm(a, 1) for a in (1.0, 0.7)]
+    arms += [_classify_decisive_arm("resnet50", m, 0) for m in MODES]
     return arms
 
 
@@ -144,23 +209,26 @@ def select(spec: str, matrix=MATRIX) -> list[Arm]:
 
 
 def select_epochs(spec: str, default: float, matrix=MATRIX) -> list[tuple[Arm, float, bool]]:
-    """``select`` with a length per word: ``"C.resnet50d.s1@100,A.sweep@50,B"`` trains the ResNet arms for
-    100 epochs, the sweep for 50 and B for ``default``, as ``(arm, epochs, named)``; an arm another
-    needs (``named`` False) gets that one's length unless it is named itself. One queue, so several GPUs
-    stay busy however the lengths differ."""
+    """``select`` with a length per word: ``"C.resnet50d.s1@100,A.sweep@50,B.short"`` trains the ResNet arms
+    for 100 epochs, the sweep for 50 and B's short arms for ``default``, as ``(arm, epochs, named)``. A word
+    without ``@EPOCHS`` gives an arm its own length (``Arm.epochs``, the decisive runs' recipe) or else
+    ``default``; an arm another needs (``named`` False) gets that one's length unless it is named itself.
+    One queue, so several GPUs stay busy however the lengths differ."""
     named: dict[str, float] = {}
     implied: dict[str, float] = {}
     for word in (w.strip() for w in spec.split(",") if w.strip()):
         word, _, length = word.partition("@")
-        epochs = parse_epochs(length, f"--run {word}@") if length else default
-        if epochs <= 0:
-            raise ValueError(f"--epochs: give a positive --epochs or {word}@EPOCHS (every arm of a claim the same)")
+        given = parse_epochs(length, f"--run {word}@") if length else None
         for arm in select(word, matrix):
+            epochs = given if given is not None else (arm.epochs or default)
             if _named(word, arm):
+                if epochs <= 0:
+                    raise ValueError(f"--epochs: give a positive --epochs or {word}@EPOCHS (every arm of a claim "
+                                     "the same)")
                 if named.get(arm.name, epochs) != epochs:
                     raise ValueError(f"--run: {arm.name} is given {named[arm.name]:g} and {epochs:g} epochs")
                 named[arm.name] = epochs
-            else:
+            else:  # 0: only its record's length can rebuild it (run_arms)
                 implied.setdefault(arm.name, epochs)
     lengths = {**implied, **named}
     return [(a, lengths[a.name], a.name in named) for a in matrix if a.name in lengths]
@@ -213,6 +281,33 @@ def arm_command(arm: Arm, *, epochs: float, root: Path, presets: dict, extra: li
     return cmd
 
 
+def planned_command(arm: Arm, *, epochs: float, root: Path, presets: dict, extra: list[str], every: int) -> list[str]:
+    """The arm's training command with its eval.every (and ckpt.every) from its resolved config."""
+    cfg = resolved_config(arm, presets, extra)
+    return arm_command(arm, epochs=epochs, root=root, presets=presets, extra=extra,
+                       every=curve_every(epochs, cfg.batch_size, cfg.data.name, every))
+
+
+def dry_run(queue: list[tuple[Arm, float, bool]], *, gpus: int, root: Path, records: Path, presets: dict,
+            extra: list[str], every: int, force: bool, img_per_s: dict, overhead_s: float, log=print) -> None:
+    """What ``--run`` would do, without running anything: each arm's exact command (each starts on the first
+    free of ``gpus`` GPUs, under its CUDA_VISIBLE_DEVICES), or why it is skipped, with an estimate of its
+    minutes where ``img_per_s`` has a rate for its task."""
+    root = root.resolve()
+    log(f"[repro] dry run: {len(queue)} arm(s), one at a time on each of {max(gpus, 1)} "
+        f"{'GPU' if gpus else 'CPU slot'}(s), run folders under {root}, records to {records}")
+    for arm, epochs, named in queue:
+        if (Path(records) / f"{arm.name}.json").exists() and not (named and force):
+            log(f"# {arm.name}: has a record in {records}; skipped" + ("" if named else " (read by other arms)"))
+            continue
+        epochs = epochs if named else need_epochs(arm.name, epochs, records)
+        cmd = planned_command(arm, epochs=epochs, root=root, presets=presets, extra=extra, every=every)
+        rate = arm_rate(arm, img_per_s)
+        est = f", ~{estimate_s(arm, epochs, img_per_s, overhead_s) / 60:.0f} min at {rate:g} img/s" if rate else ""
+        log(f"# {arm.name}: {epochs:g} epochs{est}")
+        log(shlex.join(["python"] + cmd[1:]))
+
+
 def resolved_config(arm: Arm, presets: dict, extra: list[str]):
     from dres.train.config import build_config
 
@@ -244,7 +339,7 @@ def make_record(arm: Arm, run_dir: Path, *, epochs: float, command: str, card: s
                 records: Path, arms_per_device: int = 1) -> dict:
     """The arm's record from its finished run directory; its PNGs copied to ``records/figs``.
     ``arms_per_device``: how many arms shared its device (its img/s is per arm)."""
-    from dres.eval.curves import CURVES_JSONL, read_points
+    from dres.eval.curves import CURVES_JSONL, METRICS_JSONL, final_epoch_means, read_points
 
     summary = json.loads((run_dir / "summary.json").read_text())
     ev = summary.get("eval", {})
@@ -262,19 +357,33 @@ def make_record(arm: Arm, run_dir: Path, *, epochs: float, command: str, card: s
         figs.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(run_dir / "curves.png", figs / f"{arm.name}_curves.png")
         artifacts["curves_png"] = f"figs/{arm.name}_curves.png"
-    history = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()] \
-        if (run_dir / "metrics.jsonl").exists() else []
+    history = read_points(run_dir / METRICS_JSONL) if (run_dir / METRICS_JSONL).exists() else []
     # from the log windows, not summary.json: a resumed run's summary covers only its last process
     rates = [h["img_per_s"] for h in history[1:] if h.get("img_per_s")]
     train = {"img_per_s": statistics.median(rates) if rates else None,
              "final_loss": history[-1].get("loss") if history else None,
              "wall_s_last_process": summary.get("wall_s"), "peak_mem_gib": summary.get("peak_mem_gib"),
-             "arms_per_device": arms_per_device}
+             "arms_per_device": arms_per_device, **final_epoch_means(history)}
     return {"arm": arm.name, "claim": arm.claim, "group": arm.group, "task": arm.task, "seed": arm.seed,
             "epochs": epochs, "steps": history[-1]["step"] if history else None,
             "overrides": list(arm.overrides), "metrics": metrics, "curves": curves, "train": train,
             "artifacts": artifacts, "card": card, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"), "commit": commit, "command": command}
+
+
+def need_epochs(name: str, epochs: float, records: Path) -> float:
+    """The length an arm that others need is (re)built for: its record's in ``records``, else ``epochs``
+    when given (> 0), else its committed record's (a fresh device's records folder is empty)."""
+    here = Path(records) / f"{name}.json"
+    if here.exists():
+        return json.loads(here.read_text())["epochs"]
+    if epochs > 0:
+        return epochs
+    committed = load_records(RECORDS_ROOT).get(name)
+    if committed is None:
+        raise ValueError(f"--run: {name} (needed by other arms) has no record; name it with {name}@EPOCHS or "
+                         "give --epochs")
+    return committed["epochs"]
 
 
 def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root: Path, records: Path,
@@ -297,8 +406,7 @@ def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root
     forced = {a.name for a, _, named in queue if named and force}
     # an arm only needed by others reruns where its run directory is missing (a fresh machine), for as
     # long as its record says, and keeps that record
-    epochs_of = {a.name: (json.loads((records / f"{a.name}.json").read_text())["epochs"]
-                          if not named and has_record(a) else e) for a, e, named in queue}
+    epochs_of = {a.name: e if named else need_epochs(a.name, e, records) for a, e, named in queue}
     status = {a.name: ("skipped" if has_record(a) and a.name not in forced and (
         a.name not in needed or (root / a.name / "summary.json").exists()) else "pending") for a in arms}
     slots = [g for g in range(gpus) for _ in range(max(1, jobs))] if gpus > 0 else [None] * max(1, jobs)
@@ -324,10 +432,8 @@ def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root
             if nxt is None:
                 break
             k = free.pop(0)
-            cfg = resolved_config(nxt, presets, extra)
-            epochs = epochs_of[nxt.name]
-            cmd = arm_command(nxt, epochs=epochs, root=root, presets=presets, extra=extra,
-                              every=curve_every(epochs, cfg.batch_size, cfg.data.name, every))
+            cmd = planned_command(nxt, epochs=epochs_of[nxt.name], root=root, presets=presets, extra=extra,
+                                  every=every)
             env = dict(os.environ)
             # arms share the host: a share of its cores each, as torchrun does for its workers (intra-op
             # threads that spin between steps starved four graphed arms to 4% GPU use on a 64-core host)
@@ -372,8 +478,13 @@ def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root
 # Planning
 
 
+def arm_rate(arm: Arm, img_per_s: dict) -> float | None:
+    """The arm's rate from a ``{preset or task or "*": img/s}`` map: its preset's, else its task's."""
+    return img_per_s.get(arm.preset, img_per_s.get(arm.task, img_per_s.get("*")))
+
+
 def estimate_s(arm: Arm, epochs: float, img_per_s: dict, overhead_s: float) -> float:
-    rate = img_per_s.get(arm.task, img_per_s.get("*"))
+    rate = arm_rate(arm, img_per_s)
     if not rate:
         raise ValueError(f"--img-per-s: no rate for task {arm.task!r} (give {arm.task}=R or one number)")
     return epochs * TRAIN_SIZES["cifar10_wds"] / rate + overhead_s
@@ -404,14 +515,20 @@ def plan(arms: list[Arm], *, epochs: float, gpus: int, budget_min: float, img_pe
 # Report
 
 
-def load_records(records: Path) -> dict[str, dict]:
+def load_records(records: Path, other_recipe: list | None = None) -> dict[str, dict]:
     """The arm records (files named after an arm of the matrix) in ``records`` and its subfolders,
-    in matrix order, the latest by date where an arm has several; artifact paths made absolute."""
+    in matrix order, the latest by date where an arm has several; artifact paths made absolute. A record
+    made with other overrides than its arm's today (another recipe under the same name) is not the arm's:
+    it is left out, and its path appended to ``other_recipe`` when given."""
     found = {}
     for path in sorted(Path(records).glob("*.json")) + sorted(Path(records).glob("*/*.json")):
         if path.stem not in BY_NAME:
             continue
         rec = json.loads(path.read_text())
+        if rec.get("overrides") != list(BY_NAME[path.stem].overrides):
+            if other_recipe is not None:
+                other_recipe.append(path)
+            continue
         rec["artifacts"] = {k: str(path.parent.resolve() / v) for k, v in rec.get("artifacts", {}).items()}
         if path.stem not in found or rec["date"] >= found[path.stem]["date"]:
             found[path.stem] = rec
@@ -419,11 +536,11 @@ def load_records(records: Path) -> dict[str, dict]:
 
 
 def stat(values: list[float], scale=1.0, digits=1) -> str:
-    """``mean ± half-range (n)`` over seeds, or the one value."""
+    """``mean ± sd (n)`` over seeds (the sample standard deviation), or the one value."""
     v = [x * scale for x in values]
     if len(v) == 1:
         return f"{v[0]:.{digits}f}"
-    return f"{statistics.fmean(v):.{digits}f} ± {(max(v) - min(v)) / 2:.{digits}f} (n={len(v)})"
+    return f"{statistics.fmean(v):.{digits}f} ± {statistics.stdev(v):.{digits}f} (n={len(v)})"
 
 
 def metric(rec: dict, name: str):
@@ -431,6 +548,8 @@ def metric(rec: dict, name: str):
     m = rec["metrics"]
     if name in m:
         return m[name]
+    if name == "effective_rank_entropy" and m.get("effective_rank"):  # recorded as exp(H) only before
+        return math.log(m["effective_rank"])
     hits = [v for k, v in m.items() if k.startswith(name)]
     return hits[0] if hits else None
 
@@ -460,6 +579,23 @@ def delta_line(recs: dict, a: str, b: str, name: str, scale: float, what: str) -
     return f"- {what}: {d:+.2f} ({a} {len(va)} seed(s) vs {b} {len(vb)} seed(s))"
 
 
+def paired_line(recs: dict, a: str, b: str, name: str, scale: float, what: str) -> str | None:
+    """``a − b`` paired by seed: the mean difference with its 95% t confidence interval over the pairs."""
+    by_seed = {g: {r["seed"]: metric(r, name) for r in recs.values() if r["group"] == g} for g in (a, b)}
+    seeds = sorted(s for s in by_seed[a] if s in by_seed[b] and None not in (by_seed[a][s], by_seed[b][s]))
+    if not seeds:
+        return None
+    d = [(by_seed[a][s] - by_seed[b][s]) * scale for s in seeds]
+    seed_list = ",".join(str(s) for s in seeds)
+    if len(d) == 1:
+        return f"- {what}: {d[0]:+.2f} (seed {seed_list}; one pair, no interval)"
+    from scipy.stats import t
+
+    half = t.ppf(0.975, len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
+    return (f"- {what}: {statistics.fmean(d):+.2f} ± {half:.2f} (95% CI over {len(d)} seed pairs {seed_list}; "
+            f"per seed {', '.join(f'{x:+.2f}' for x in d)})")
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -469,11 +605,11 @@ def _paper(arm: Arm) -> str:
     return "; ".join(f"{v} ({w})" for w, v in arm.paper) or "—"
 
 
-def _groups(claim: str) -> list[Arm]:
-    """The first arm of every group of ``claim`` (matrix order)."""
+def _groups(claim: str, stage: str) -> list[Arm]:
+    """The first arm of every group of ``claim`` at ``stage`` (matrix order)."""
     seen, out = set(), []
     for a in MATRIX:
-        if a.claim == claim and a.group not in seen:
+        if a.claim == claim and a.stage == stage and a.group not in seen:
             seen.add(a.group)
             out.append(a)
     return out
@@ -493,17 +629,19 @@ def _notes(f: Path) -> dict[str, str]:
     return {k: v.strip() for k, v in out.items()}
 
 
-def claim_figure(claim: str, recs: dict, figures: Path, keys: list[str], name: str, draw: bool) -> Path | None:
-    """``figures/name``: the curves of every arm of ``claim`` that has some (drawn when ``draw``)."""
+def claim_figure(claim: str, stage: str, recs: dict, figures: Path, keys: list[str], name: str,
+                 draw: bool) -> Path | None:
+    """``figures/name``: the curves of every arm of ``claim`` at ``stage`` that has some (drawn when ``draw``)."""
     from dres.eval.curves import plot_curves
 
-    series = {r["arm"]: r["curves"] for r in recs.values() if r["claim"] == claim and r["curves"]}
+    series = {r["arm"]: r["curves"] for r in recs.values()
+              if r["claim"] == claim and BY_NAME[r["arm"]].stage == stage and r["curves"]}
     keys = [k for k in keys if any(any(k in p for p in pts) for pts in series.values())]
     if not series or not keys:
         return None
     if draw:
         Path(figures).mkdir(parents=True, exist_ok=True)
-        plot_curves(series, Path(figures) / name, keys, title=f"claim {claim}: metrics over training")
+        plot_curves(series, Path(figures) / name, keys, title=f"claim {claim} ({stage} runs): metrics over training")
     return Path(figures) / name
 
 
@@ -516,11 +654,24 @@ def report(records: Path = RECORDS_ROOT, out: Path = RESULTS_MD, figures: Path =
     return text
 
 
+A_COLUMNS = [("linear_probe_acc", 100, 1), ("knn_acc", 100, 1), ("effective_rank_entropy", 1, 2),
+             ("effective_rank", 1, 1)]
+A_HEADER = ["probe %", "kNN %", "H (eq. 6)", "exp(H)"]
+A_CURVES = ["linear_probe_acc", "knn_acc", "effective_rank_entropy", "effective_rank"]
+# (group a, group b, metric, scale, label) of a − b, the same in both stages of A
+A_COMPARISONS = [("official-a0.6", "official-a1.0", "linear_probe_acc", 100, "probe, official 0.6 − official 1.0 (points)"),
+                 ("official-a0.6", "official-a1.0", "knn_acc", 100, "kNN, official 0.6 − official 1.0 (points)"),
+                 ("baseline-a0.6", "baseline-a1.0", "linear_probe_acc", 100,
+                  "probe, baseline 0.6 − baseline 1.0 (points; zero-init on at 0.6 only)")]
+C_COLUMNS = [("top1", 100, 2), ("final_epoch_train_acc", 100, 1), ("final_epoch_loss", 1, 3)]
+
+
 def render(records: Path, base: Path, figures: Path = FIGURES_DIR, notes: Path = NOTES_MD, draw: bool = True) -> str:
     """The Markdown of the records and the verdicts in ``notes``, paths relative to ``base``; the
     curve figures go to ``figures`` and are drawn when ``draw``."""
     records, base, figures = Path(records).resolve(), Path(base).resolve(), Path(figures).resolve()
-    recs = load_records(records)
+    other_recipe: list[Path] = []
+    recs = load_records(records, other_recipe)
     verdicts = _notes(notes)
 
     def rel(p) -> str:
@@ -529,72 +680,140 @@ def render(records: Path, base: Path, figures: Path = FIGURES_DIR, notes: Path =
     L = ["# Reproducing the papers' claims at CIFAR scale", "",
          "Generated by `python -m experiments.repro --report` from the records in "
          f"`{rel(records)}/` (one JSON per finished arm: metrics, seed, epochs, card, date, commit, command). "
-         "An arm without a record reads *not run yet*. Values are mean ± half-range over seeds (n seeds), "
-         "or the single run's value. The papers' numbers are on other data and models (ImageNet, CIFAR-100, "
-         "ViT-B/16): compare directions, not absolute values.", ""]
+         "An arm without a record reads *not run yet*. Values are mean ± standard deviation over seeds (n seeds), "
+         "or the single run's value; differences of the decisive runs are paired by seed, with a 95% t "
+         "interval. The papers' numbers are on other data and models (ImageNet, CIFAR-100, ViT-B/16): compare "
+         "directions, not absolute values. Each claim has its decisive runs (the papers' recipes at full length, "
+         "with seeds) and the earlier short runs (one seed, shorter, other settings), never mixed in one table.",
+         ""]
     pending = [a.name for a in MATRIX if a.name not in recs]
 
-    def section(claim, title, intro, header, rows, curve_keys, figure, deltas):
-        fig = claim_figure(claim, recs, figures, curve_keys, figure, draw)
-        curves = f"![claim {claim} curves]({rel(fig)})" if fig else f"Curves: none yet (no record of claim {claim})."
-        return [f"## {claim}. {title}", "", intro, ""] + _table(header, rows) + ["", curves, ""] + \
-            _claim_tail(claim, deltas, verdicts, rel(notes))
+    def block(claim, stage, title, intro, header, rows, curve_keys, figure, deltas):
+        fig = claim_figure(claim, stage, recs, figures, curve_keys, figure, draw)
+        curves = f"![claim {claim} {stage} curves]({rel(fig)})" if fig else "Curves: none yet (no record)."
+        deltas = [d for d in deltas if d]
+        tail = ["Differences (from the records):", ""] + deltas + [""] if deltas else []
+        return [f"### {title}", "", intro, ""] + _table(header, rows) + ["", curves, ""] + tail
 
-    rows = []
-    for a in _groups("A"):
-        cells, _ = group_cells(a.group, recs, [("linear_probe_acc", 100, 1), ("knn_acc", 100, 1),
-                                               ("effective_rank", 1, 1)])
-        rows.append([a.labels["variant"], f"{a.labels['alpha_min']:g}", a.labels["zero_init"]] + cells + [_paper(a)])
-    L += section(
-        "A", "Decayed identity shortcuts, MAE on CIFAR-10 (preset `mae_cifar10`, ViT-S/4)",
-        "Linear probe (eval.probe_epochs on frozen cls features) and kNN (k=20, cosine) on the 10k test split; "
-        "effective rank of the last-layer cls features (eq. 6). The official/1.0 arm uses `model.zero_init=true` "
-        "(the authors' initialisation).",
-        ["variant", "alpha_min", "zero_init", "epochs", "seeds", "probe %", "kNN %", "eff. rank", "papers (ImageNet)"],
-        rows, ["linear_probe_acc", "knn_acc", "effective_rank"], "mae_curves.png",
-        [delta_line(recs, "A-official-a0.6", "A-official-a1.0", "linear_probe_acc", 100,
-                    "probe, official 0.6 − official 1.0 (points)"),
-         delta_line(recs, "A-official-a0.6", "A-official-a1.0", "knn_acc", 100,
-                    "kNN, official 0.6 − official 1.0 (points)"),
-         delta_line(recs, "A-baseline-a0.6", "A-baseline-a1.0", "linear_probe_acc", 100,
-                    "probe, baseline 0.6 − baseline 1.0 (points)"),
-         delta_line(recs, "A-official-a1.0", "A-baseline-a1.0", "linear_probe_acc", 100,
-                    "probe, official 1.0 − baseline 1.0 (points; the skips alone)")])
+    def verdict(claim):
+        return [verdicts.get(claim) or f"Verdict: pending — write it under `## {claim}` in {rel(notes)} and rebuild.",
+                ""]
 
-    rows = []
-    for a in _groups("B"):
-        cells, recs_b = group_cells(a.group, recs, [("probe_t0.1_linear_probe_acc", 100, 1),
-                                                    ("probe_t0.1_knn_acc", 100, 1), ("fd_cifar_classifier", 1, 2),
-                                                    ("fid_", 1, 2)])
-        grid = next((r["artifacts"].get("samples_png") for r in recs_b if r["artifacts"].get("samples_png")), None)
-        rows.append([f"{a.labels['alpha_min']:g}"] + cells + [f"![samples]({rel(grid)})" if grid else "—",
-                                                              _paper(a)])
-    L += section(
-        "B", "U-ViT, decayed through the whole network (preset `uvit_cifar10`, U-ViT-S/2)",
-        "Probe of the mid-block features at t=0.1 (eval.probe_epochs), and `fd_cifar_classifier`: the Frechet "
-        "distance between generated and test images in the penultimate features of a CIFAR-10 ViT classifier "
-        f"trained by dres (arm `{FD_CLASSIFIER_ARM}`). **It is not FID** and not comparable to published FID values "
-        "(the Inception weights cannot be downloaded here; with `eval.fid_inception=...` the same command reports "
-        "real FID).",
-        ["alpha_min", "epochs", "seeds", "mid-block probe %", "mid-block kNN %", "fd_cifar_classifier", "FID",
-         "samples", "paper (CIFAR-100)"],
-        rows, ["probe_t0.1_linear_probe_acc", "probe_t0.1_knn_acc"], "uvit_curves.png",
-        [delta_line(recs, "B-uvit-a0.7", "B-uvit-a1.0", "probe_t0.1_linear_probe_acc", 100,
-                    "mid-block probe, 0.7 − 1.0 (points)"),
-         delta_line(recs, "B-uvit-a0.7", "B-uvit-a1.0", "fd_cifar_classifier", 1, "fd_cifar_classifier, 0.7 − 1.0")])
+    # A
+    def a_rows(stage):
+        rows = []
+        for a in _groups("A", stage):
+            cells, _ = group_cells(a.group, recs, A_COLUMNS)
+            rows.append([a.labels["variant"], f"{a.labels['alpha_min']:g}", a.labels["zero_init"]] + cells
+                        + [_paper(a)])
+        return rows
+    a_header = ["variant", "alpha_min", "zero_init", "epochs", "seeds"] + A_HEADER + ["papers (ImageNet)"]
+    L += ["## A. Decayed identity shortcuts, MAE on CIFAR-10 (preset `mae_cifar10`, ViT-S/4)", "",
+          "Linear probe (on frozen cls features, eval.probe_epochs) and kNN (k=20, cosine) on the 10k test split; "
+          "effective rank of the last-layer cls features as eq. 6 defines it, the entropy H of the normalised "
+          "singular values of their covariance, and as exp(H). The IN-1K numbers are vanilla MAE's, on the "
+          "baseline 1.0 row.", ""]
+    L += block("A", "decisive", f"Decisive runs: {MAE_DECISIVE_EPOCHS} epochs, batch {MAE_DECISIVE_BATCH}, "
+               f"probe {PROBE_EPOCHS_PAPER} epochs",
+               f"Preset `mae_cifar10` at its {MAE_DECISIVE_EPOCHS} epochs (20 warm-up), batch {MAE_DECISIVE_BATCH} "
+               f"(lr = blr x batch / 256) in every arm; the linear probe at the paper's protocol ({PROBE_EPOCHS_PAPER} "
+               "epochs, lr 1e-2, batch 1024, AdamW; the paper's BatchNorm in front of the head is the "
+               "standardisation by the train features' mean and std). Official 0.6 vs 1.0 both with "
+               "`model.zero_init=true`, so initialisation is not confounded with alpha; baseline 1.0 is vanilla "
+               "MAE (no zero-init), baseline 1.0 zi the same with zero-init, to separate the skips from the init.",
+               a_header, a_rows("decisive"), A_CURVES, "mae_decisive_curves.png",
+               [paired_line(recs, f"A400-{x}", f"A400-{y}", m, scale, what) for x, y, m, scale, what in A_COMPARISONS]
+               + [paired_line(recs, "A400-official-a1.0", "A400-baseline-a1.0-zi", "linear_probe_acc", 100,
+                              "probe, official 1.0 − baseline 1.0 zi (points; the skips alone, both zero-init)"),
+                  paired_line(recs, "A400-official-a0.6", "A400-official-a1.0", "effective_rank_entropy", 1,
+                              "H, official 0.6 − official 1.0"),
+                  paired_line(recs, "A400-baseline-a1.0-zi", "A400-baseline-a1.0", "linear_probe_acc", 100,
+                              "probe, baseline 1.0 zi − baseline 1.0 (points; zero-init alone)")])
+    L += block("A", "short", "Earlier short runs: 50 epochs, batch 512, probe 100 epochs, one seed",
+               "The first runs: 40% of the 50 epochs warm-up; official 1.0 with `model.zero_init=true`, the other "
+               "arms `auto` (zero-init where alpha_min < 1), so official 1.0 − baseline 1.0 changes the skips and "
+               "the initialisation together.",
+               a_header, a_rows("short"), A_CURVES, "mae_curves.png",
+               [delta_line(recs, f"A-{x}", f"A-{y}", m, scale, what) for x, y, m, scale, what in A_COMPARISONS]
+               + [delta_line(recs, "A-official-a1.0", "A-baseline-a1.0", "linear_probe_acc", 100,
+                             "probe, official 1.0 − baseline 1.0 (points; the skips and zero-init together)")])
+    L += verdict("A")
 
-    rows = []
-    for a in _groups("C"):
-        cells, _ = group_cells(a.group, recs, [("top1", 100, 2)])
-        rows.append([a.labels["arch"], a.labels["mode"]] + cells + [_paper(a)])
-    L += section(
-        "C", "ResidualDroppath on CIFAR-10 (timm ResNet50d / ResNet50, dres ViT-Ti/4)",
-        "Top-1 on the 10k test split; the three modes differ only in `model.droppath_mode` (drop rate 0.1, linear "
-        "in depth). Presets `classify_resnet50d_cifar10`, `classify_resnet50_cifar10` (their comments give the "
-        "recipe and how it departs from timm's), `classify_cifar10`.",
-        ["model", "mode", "epochs", "seeds", "top-1 %", "paper (CIFAR-10)"], rows, ["top1"], "classify_curves.png",
-        [delta_line(recs, f"C-{arch}-{m}", f"C-{arch}-none", "top1", 100, f"{arch}: {m} − none (points)")
-         for arch in CLASSIFY_PRESETS for m in MODES[1:]])
+    # B
+    def b_rows(stage):
+        rows = []
+        for a in _groups("B", stage):
+            cells, recs_b = group_cells(a.group, recs, [("probe_t0.1_linear_probe_acc", 100, 1),
+                                                        ("probe_t0.1_knn_acc", 100, 1),
+                                                        ("fd_cifar_classifier", 1, 2), ("fid_", 1, 2)])
+            grid = next((r["artifacts"].get("samples_png") for r in recs_b if r["artifacts"].get("samples_png")),
+                        None)
+            rows.append([f"{a.labels['alpha_min']:g}"] + cells + [f"![samples]({rel(grid)})" if grid else "—",
+                                                                  _paper(a)])
+        return rows
+    b_header = ["alpha_min", "epochs", "seeds", "mid-block probe %", "mid-block kNN %", "fd_cifar_classifier",
+                "FID", "samples", "paper (CIFAR-100)"]
+    steps_b = UVIT_DECISIVE_EPOCHS * (TRAIN_SIZES["cifar10_wds"] // 128)
+    L += ["## B. U-ViT, decayed through the whole network (preset `uvit_cifar10`, U-ViT-S/2, CIFAR-10)", "",
+          "The paper's numbers are on CIFAR-100, which cannot be had offline here: B runs on CIFAR-10. Probe of "
+          "the mid-block features at t=0.1 (eval.probe_epochs), and `fd_cifar_classifier`: the Frechet "
+          "distance between generated and test images in the penultimate features of a CIFAR-10 ViT classifier "
+          f"trained by dres (arm `{FD_CLASSIFIER_ARM}`). **It is not FID** and not comparable to published FID "
+          "values (the Inception weights cannot be downloaded here; with `eval.fid_inception=...` the same command "
+          "reports real FID).", ""]
+    L += block("B", "decisive", f"Decisive runs: {steps_b:,} steps, EMA {UVIT_EMA_DECAY}",
+               f"{UVIT_DECISIVE_EPOCHS} epochs of batch 128 ({steps_b:,} steps; the paper trains 500k), EMA decay "
+               f"{UVIT_EMA_DECAY} chosen for that length: the initial weights weigh {UVIT_EMA_DECAY}^{steps_b} = "
+               f"{ema_initial_weight(UVIT_EMA_DECAY, steps_b):.2%} of the evaluated model (the paper's 0.9999 would "
+               f"leave {ema_initial_weight(0.9999, steps_b):.1%}). `model.zero_init=true` in both arms (matched).",
+               b_header, b_rows("decisive"), ["probe_t0.1_linear_probe_acc", "probe_t0.1_knn_acc"],
+               "uvit_decisive_curves.png",
+               [paired_line(recs, "B64-uvit-a0.7", "B64-uvit-a1.0", "probe_t0.1_linear_probe_acc", 100,
+                            "mid-block probe, 0.7 − 1.0 (points)"),
+                paired_line(recs, "B64-uvit-a0.7", "B64-uvit-a1.0", "fd_cifar_classifier", 1,
+                            "fd_cifar_classifier, 0.7 − 1.0")])
+    L += block("B", "short", "Earlier short runs: 3,900 steps, the preset's EMA 0.9999",
+               f"10 epochs of batch 128: the EMA still held 0.9999^3900 = {ema_initial_weight(0.9999, 3900):.0%} "
+               "of the initial weights, so these evaluate mostly-initial networks; zero-init `auto` (on at 0.7 only).",
+               b_header, b_rows("short"), ["probe_t0.1_linear_probe_acc", "probe_t0.1_knn_acc"], "uvit_curves.png",
+               [delta_line(recs, "B-uvit-a0.7", "B-uvit-a1.0", "probe_t0.1_linear_probe_acc", 100,
+                           "mid-block probe, 0.7 − 1.0 (points)"),
+                delta_line(recs, "B-uvit-a0.7", "B-uvit-a1.0", "fd_cifar_classifier", 1,
+                           "fd_cifar_classifier, 0.7 − 1.0")])
+    L += verdict("B")
+
+    # C
+    def c_rows(stage, columns):
+        rows = []
+        for a in _groups("C", stage):
+            cells, _ = group_cells(a.group, recs, columns)
+            px = [str(a.labels["px"])] if stage == "decisive" else []
+            rows.append([a.labels["arch"]] + px + [a.labels["mode"]] + cells + [_paper(a)])
+        return rows
+    L += ["## C. ResidualDroppath on CIFAR-10 (timm ResNet50d / ResNet50, dres ViT-Ti/4)", "",
+          "Top-1 on the 10k test split; the three modes differ only in `model.droppath_mode` (drop path 0.1, "
+          "linear in depth); train accuracy and loss are the final epoch's (from the training log).", ""]
+    L += block("C", "decisive", f"Decisive runs: timm's train.py recipe, {RDP_DECISIVE_EPOCHS} epochs, "
+               f"{len(RDP_SEEDS)} seeds; 224 px pilot",
+               f"Preset `{TIMM_PRESET}` (its comments give the recipe and where dres departs from timm's): batch 128, "
+               "lr 0.05, RandomResizedCrop 0.08-1, colour jitter 0.4, evaluation resize by crop_pct 0.875 then "
+               f"centre crop, dropout 0.1 before the classifier, 32 px; the pilot `{TIMM_PRESET_224}` at 224 px, "
+               "one seed, as many epochs as its row says.",
+               ["model", "px", "mode", "epochs", "seeds", "top-1 %", "train acc % (last epoch)",
+                "train loss (last epoch)", "paper (CIFAR-10)"], c_rows("decisive", C_COLUMNS), ["top1"],
+               "classify_decisive_curves.png",
+               [paired_line(recs, f"{prefix}-{arch}-{m}", f"{prefix}-{arch}-none", "top1", 100,
+                            f"{arch} {px} px: {m} − none (points)")
+                for prefix, px in (("C300", 32), ("C224", 224)) for arch in ("resnet50d", "resnet50")
+                for m in MODES[1:]])
+    L += block("C", "short", "Earlier short runs: 100 epochs (ResNet50d), 50 (ViT), one seed",
+               "Presets `classify_resnet50d_cifar10`, `classify_resnet50_cifar10` (batch 256, lr 0.1, crop 0.35-1, "
+               "no colour jitter) and `classify_cifar10`.",
+               ["model", "mode", "epochs", "seeds", "top-1 %", "paper (CIFAR-10)"], c_rows("short", [("top1", 100, 2)]),
+               ["top1"], "classify_curves.png",
+               [delta_line(recs, f"C-{arch}-{m}", f"C-{arch}-none", "top1", 100, f"{arch}: {m} − none (points)")
+                for arch in CLASSIFY_PRESETS for m in MODES[1:]])
+    L += verdict("C")
 
     # provenance
     L += ["## Runs", ""]
@@ -606,23 +825,18 @@ def render(records: Path, base: Path, figures: Path = FIGURES_DIR, notes: Path =
                       f"`{r['command']}`"] for r in recs.values()])
     else:
         L += ["No arm has run yet."]
+    if other_recipe:
+        L += ["", "Not counted (made with other overrides than their arm's today): "
+              + ", ".join(f"`{rel(p)}`" for p in other_recipe) + "."]
     L += ["", "Not run yet: " + (", ".join(f"`{n}`" for n in pending) if pending else "none") + ".", "",
-          "Run a subset (one arm per GPU, run folders on local disk, `--resume auto`), then rebuild this file:", "",
+          "The decisive runs (experiments/README.md, \"The decisive runs\", gives the device calls); see the "
+          "commands, then rebuild this file:", "",
           "```bash",
-          "python -m experiments.repro --plan --epochs E --gpus 2 --budget-min 9 --img-per-s mae=R1,classify=R2,uvit=R3",
-          "python -m experiments.repro --run A.2x2 --epochs E --gpus 2 --root /tmp/dres-repro "
+          "python -m experiments.repro --run decisive --dry-run --gpus 4 --img-per-s mae=31000,classify=43000,uvit=3600",
+          "python -m experiments.repro --run decisive --gpus 4 --root /tmp/dres-repro "
           "--records experiments/records/CARD-DATE-WHAT",
           "python -m experiments.repro --report", "```", ""]
     return "\n".join(L)
-
-
-def _claim_tail(claim: str, deltas: list, notes: dict, notes_path: str) -> list[str]:
-    deltas = [d for d in deltas if d]
-    out = ["Differences of the means (from the records):", ""] + deltas + [""] if deltas else []
-    verdict = notes.get(claim) or ("Verdict: pending — the arms have not run yet." if not deltas else
-                                   f"Verdict: pending — write it under `## {claim}` in "
-                                   f"{notes_path} and rebuild.")
-    return out + [verdict, ""]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -655,8 +869,11 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="rerun the named arms that already have a record (not "
                    "the arms they need)")
     p.add_argument("--deadline-min", type=float, default=0, help="start no arm after this many minutes")
+    p.add_argument("--dry-run", action="store_true", help="--run: print each arm's exact command (or why it is "
+                   "skipped) and, with --img-per-s, its estimated minutes; run nothing")
     p.add_argument("--budget-min", type=float, default=9.0, help="--plan: wall minutes")
-    p.add_argument("--img-per-s", default="", help="--plan: task=rate list (or one rate for all)")
+    p.add_argument("--img-per-s", default="", help="--plan, --dry-run: task=rate or preset=rate list "
+                   "(or one rate for all)")
     p.add_argument("--overhead-s", type=float, default=120.0, help="--plan: start, compile and evaluation per arm")
     a = p.parse_args(argv)
     try:
@@ -681,6 +898,12 @@ def main(argv=None) -> int:
             if chosen:
                 print(f"\npython -m experiments.repro --run {','.join(x[0].name for x in chosen)} --epochs {a.epochs:g} "
                       f"--gpus {a.gpus} --root /tmp/dres-repro --records experiments/records/CARD-DATE-WHAT")
+            return 0
+        if a.dry_run:
+            dry_run(select_epochs(a.run, a.epochs), gpus=a.gpus, root=a.root,
+                    records=a.records or Path("experiments/records/CARD-DATE-WHAT"),
+                    presets=parse_task_map(a.preset, "--preset"), extra=a.extra, every=a.curve_every, force=a.force,
+                    img_per_s=parse_task_map(a.img_per_s, "--img-per-s", float), overhead_s=a.overhead_s)
             return 0
         if a.records is None:
             raise ValueError("--run needs --records FOLDER (a new experiments/records/<card>-<YYYY-MM-DD>-<what>, "

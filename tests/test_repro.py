@@ -2,6 +2,7 @@
 selection, budget plan, records from real tiny runs, the RESULTS.md report)."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -67,6 +68,21 @@ def test_zero_init_resnet_maps_to_timm_zero_init_last():
         assert all(bool((w == 0).all()) == zero for w in bns), word
 
 
+def test_drop_rate_is_timms_dropout_before_the_resnet_classifier():
+    model = _build("classify", "classify_resnet50d_cifar10_timm", ["model.arch=resnet18", "model.droppath_mode=none",
+                                                                   "model.drop_rate=0.5"])
+    assert model.net.drop_rate == 0.5
+    x = torch.randn(2, 3, 32, 32)
+    feats = model.net.forward_features(x)
+    model.train()
+    torch.manual_seed(0)
+    kept = model.net.forward_head(feats, pre_logits=True)
+    assert ((kept == 0) | torch.isclose(kept, 2 * model.net.global_pool(feats))).all() and (kept == 0).any()
+    model.eval()
+    assert torch.equal(model.net.forward_head(feats, pre_logits=True), model.net.global_pool(feats))
+    assert _build("classify", "classify_resnet50d_cifar10", ["model.arch=resnet18"]).net.drop_rate == 0.0
+
+
 # ---------------------------------------------------------------------------------------------- runner
 
 def test_matrix_holds_the_issue_arms():
@@ -82,7 +98,8 @@ def test_matrix_holds_the_issue_arms():
                 assert f"C-{arch}-{m}-s{s}" in names
     official_1 = repro.BY_NAME["A-official-a1.0-s0"]
     assert "model.zero_init=true" in official_1.overrides
-    assert all("model.zero_init=auto" in a.overrides for a in repro.MATRIX if a.claim == "A" and a is not official_1)
+    assert all("model.zero_init=auto" in a.overrides for a in repro.MATRIX
+               if a.claim == "A" and a.stage == "short" and a is not official_1)
     # every arm's config resolves with its preset (the ResNet presets included)
     for a in repro.MATRIX:
         build_config(a.task, a.preset, list(a.overrides) + [f"seed={a.seed}"])
@@ -113,9 +130,81 @@ def test_plan_packs_arms_within_the_budget():
                    overhead_s=0)
 
 
-def test_stat_is_mean_and_half_range():
+def test_stat_is_mean_and_standard_deviation():
     assert repro.stat([0.5]) == "0.5"
-    assert repro.stat([0.80, 0.84], scale=100) == "82.0 ± 2.0 (n=2)"
+    assert repro.stat([0.80, 0.84, 0.88], scale=100) == "84.0 ± 4.0 (n=3)"
+
+
+def test_paired_differences_by_seed_with_a_t_interval():
+    def rec(group, seed, top1):
+        return {"group": group, "seed": seed, "metrics": {"top1": top1}}
+    recs = {f"{g}-s{s}": rec(g, s, v) for g, s, v in (("X", 0, 0.90), ("X", 1, 0.91), ("X", 2, 0.93), ("X", 3, 0.5),
+                                                        ("Y", 0, 0.89), ("Y", 1, 0.89), ("Y", 2, 0.90))}
+    line = repro.paired_line(recs, "X", "Y", "top1", 100, "X − Y")
+    # seed 3 has no pair; differences 1, 2, 3: mean 2, sd 1, t(0.975, 2) = 4.303 -> 2.48
+    assert line.startswith("- X − Y: +2.00 ± 2.48 (95% CI over 3 seed pairs 0,1,2;") and "+1.00, +2.00, +3.00" in line
+    assert "one pair, no interval" in repro.paired_line({k: v for k, v in recs.items() if k.endswith(("s0", ))},
+                                                        "X", "Y", "top1", 100, "d")
+    assert repro.paired_line(recs, "X", "Z", "top1", 100, "d") is None
+
+
+def test_decisive_arms_are_the_issues_recipes():
+    arms = {a.name: a for a in repro.MATRIX if a.stage == "decisive"}
+    ov = {n: dict(o.split("=", 1) for o in a.overrides) for n, a in arms.items()}
+    # A: 400 epochs, batch 1024 in every arm, official 0.6 vs 1.0 both zero-init, 2 seeds; vanilla and decayed baselines
+    for alpha in (0.6, 1.0):
+        for seed in (0, 1):
+            o = ov[f"A400-official-a{alpha}-s{seed}"]
+            assert o["model.zero_init"] == "true" and o["model.variant"] == "official"
+    assert ov["A400-baseline-a1.0-s0"]["model.zero_init"] == "auto"  # vanilla MAE: no zero-init at alpha 1
+    assert ov["A400-baseline-a1.0-zi-s0"]["model.zero_init"] == "true"
+    a_arms = [a for a in arms.values() if a.claim == "A"]
+    assert {a.epochs for a in a_arms} == {400} and {ov[a.name]["batch_size"] for a in a_arms} == {"1024"}
+    # B: the evaluated EMA holds < 1% of the initial weights after the arm's steps (batch 128, 390 steps an epoch)
+    for seed in (0, 1):
+        for alpha in (1.0, 0.7):
+            arm = arms[f"B64-uvit-a{alpha}-s{seed}"]
+            cfg = build_config("uvit", arm.preset, list(arm.overrides))
+            steps = int(arm.epochs * (50000 // cfg.batch_size))
+            assert cfg.optim.ema_decay ** steps < 0.01 and steps >= 24000
+            assert cfg.model.zero_init == "true"
+    assert repro.ema_initial_weight(0.9999, 3900) > 0.6  # the short runs' EMA: mostly the initialisation
+    # C: timm's recipe, three modes x three seeds, and the 224 px pilot
+    for mode in repro.MODES:
+        for seed in (0, 1, 2):
+            arm = arms[f"C300-resnet50d-{mode}-s{seed}"]
+            cfg = build_config("classify", arm.preset, list(arm.overrides))
+            assert arm.epochs == 300 and cfg.batch_size == 128 and cfg.optim.blr * cfg.batch_size / 256 == 0.05
+            assert (cfg.data.crop_min, cfg.data.color_jitter, cfg.data.eval_crop_pct) == (0.08, 0.4, 0.875)
+            assert cfg.model.drop_rate == 0.1 and cfg.model.drop_path == 0.1 and cfg.model.droppath_mode == mode
+        pilot = build_config("classify", arms[f"C224-resnet50d-{mode}-s0"].preset, [])
+        assert pilot.data.img_size == pilot.model.img_size == 224 and pilot.data.color_jitter == 0.4
+    assert build_config("classify", arms["C300-resnet50-none-s0"].preset,
+                        list(arms["C300-resnet50-none-s0"].overrides)).model.arch == "resnet50"
+    # a word without @EPOCHS gives each decisive arm its own length; the FD classifier its record's
+    lengths = {a.name: e for a, e, _ in repro.select_epochs("decisive", 0)}
+    assert lengths["A400-official-a0.6-s1"] == 400 and lengths["C300-resnet50d-none-s2"] == 300
+    assert lengths["C224-resnet50d-none-s0"] == 30 and lengths["B64-uvit-a0.7-s0"] == 64
+    assert repro.need_epochs("C-vit-none-s0", 0, repro.REPO_ROOT / "no-such-folder") == 50  # its committed record
+
+
+def test_dry_run_prints_the_exact_commands_and_runs_nothing(tmp_path, capsys):
+    records = tmp_path / "records"
+    records.mkdir()
+    (records / "C300-resnet50d-none-s0.json").write_text("{}")
+    rc = repro.main(["--run", "C.timm.resnet50d.s0,C.pilot224@2", "--dry-run", "--gpus", "4", "--root",
+                     str(tmp_path / "runs"), "--records", str(records), "--img-per-s",
+                     "classify=43000,classify_resnet50d_cifar10_timm224=3000"])
+    out = capsys.readouterr().out
+    assert rc == 0 and not (tmp_path / "runs").exists()
+    assert "# C300-resnet50d-none-s0: has a record" in out
+    assert "# C300-resnet50d-drop_path-s0: 300 epochs, ~8 min at 43000 img/s" in out  # 300 x 50000 / 43000 + 120 s
+    cmd = (f"python -m dres.train.classify --preset classify_resnet50d_cifar10_timm --out "
+           f"{tmp_path / 'runs' / 'C300-resnet50d-drop_path-s0'} --resume auto --set seed=0 --set epochs=300 "
+           "--set steps=0 --set eval.every=11700 --set ckpt.every=11700 --set log.progress=false "
+           "--set model.droppath_mode=drop_path")
+    assert cmd in out.splitlines()
+    assert "# C224-resnet50d-residual_droppath-s0: 2 epochs, ~3 min at 3000 img/s" in out
 
 
 def test_report_without_records_says_not_run_yet_everywhere(tmp_path):
@@ -137,15 +226,25 @@ def test_committed_results_md_is_the_report_of_the_committed_records():
 
 def test_report_reads_every_records_folder_and_the_latest_record_of_an_arm_wins(tmp_path, capsys):
     base = {"claim": "C", "group": "C-vit-none", "task": "classify", "seed": 0, "epochs": 10, "steps": 1,
-            "overrides": [], "curves": [], "train": {}, "artifacts": {}, "card": "cpu", "commit": "abc", "command": "x"}
+            "overrides": ["model.droppath_mode=none"], "curves": [], "train": {}, "artifacts": {}, "card": "cpu", "commit": "abc", "command": "x"}
     for folder, date, top1 in (("cpu-2026-01-01-first", "2026-01-01T00:00:00", 0.5),
                                ("cpu-2026-02-01-second", "2026-02-01T00:00:00", 0.75)):
         (tmp_path / folder).mkdir()
         rec = dict(base, arm="C-vit-none-s0", date=date, metrics={"top1": top1})
         (tmp_path / folder / "C-vit-none-s0.json").write_text(json.dumps(rec))
     (tmp_path / "cpu-2026-01-01-first" / "semantics_none_s0.json").write_text("{}")  # not an arm: not read
-    recs = repro.load_records(tmp_path)
+    # a later record of the arm made with other overrides (another recipe under the name) is not the arm's
+    (tmp_path / "cpu-2026-03-01-other").mkdir()
+    (tmp_path / "cpu-2026-03-01-other" / "C-vit-none-s0.json").write_text(json.dumps(
+        dict(base, arm="C-vit-none-s0", date="2026-03-01T00:00:00", metrics={"top1": 0.1},
+             overrides=["model.droppath_mode=none", "optim.ema_decay=0.999"])))
+    other = []
+    recs = repro.load_records(tmp_path, other)
     assert list(recs) == ["C-vit-none-s0"] and recs["C-vit-none-s0"]["metrics"]["top1"] == 0.75
+    assert [p.parent.name for p in other] == ["cpu-2026-03-01-other"]
+    text = repro.render(tmp_path, tmp_path, figures=tmp_path / "figures", notes=tmp_path / "notes.md", draw=False)
+    assert "Not counted (made with other overrides than their arm's today): `cpu-2026-03-01-other/C-vit-none-s0.json`" \
+        in text
     assert repro.main(["--run", "C-vit-none-s0", "--epochs", "1", "--gpus", "0"]) == 2
     assert "--run needs --records FOLDER" in capsys.readouterr().err
 
@@ -172,14 +271,18 @@ def test_runner_trains_two_arms_writes_records_and_report(tmp_path, capsys):
         assert "--resume auto" in rec["command"] and "epochs=0.2" in rec["command"]
         assert "ckpt.every=2" in rec["command"]  # a checkpoint at every curve point: a cut call resumes from there
         assert rec["train"]["final_loss"] > 0 and rec["train"]["img_per_s"] > 0  # from metrics.jsonl
+        assert rec["train"]["final_epoch_loss"] > 0 and rec["train"]["final_epoch_steps"] > 0
+        assert rec["metrics"]["effective_rank_entropy"] == pytest.approx(math.log(rec["metrics"]["effective_rank"]))
         assert (records / rec["artifacts"]["curves_png"]).stat().st_size > 0  # relative to its records folder
     # a second call skips the recorded arms
     assert repro.main(["--run", arms, "--epochs", "0.2", "--gpus", "0", "--root", str(root), "--records",
                        str(records), "--curve-every", "2"] + SMOKE) == 0
     assert "A-baseline-a1.0-s0: skipped" in capsys.readouterr().out
     text = repro.report(records, tmp_path / "RESULTS.md", figures=tmp_path / "figures", notes=tmp_path / "notes.md")
-    row = next(l for l in text.splitlines() if l.startswith("| baseline | 1 |"))
-    assert "not run yet" not in row and "0.2" in row
+    row = next(l for l in text.splitlines() if l.startswith("| baseline | 1 | auto | 0.2 |"))
+    assert "not run yet" not in row and "| 0 |" in row
+    h, exp_h = (float(c) for c in row.split(" | ")[7:9])  # eq. 6's entropy and its exponential, both shown
+    assert h == pytest.approx(math.log(exp_h), abs=0.06)
     assert next(l for l in text.splitlines() if l.startswith("| official | 0.5 |")).count("not run yet") == 1
     assert (tmp_path / "figures" / "mae_curves.png").stat().st_size > 0 and "figures/mae_curves.png" in text
     assert "official 0.6 − baseline" not in text and "probe, official 1.0 − baseline 1.0" not in text
@@ -225,7 +328,7 @@ def test_runner_maps_gpu_slots_through_cuda_visible_devices(tmp_path, monkeypatc
 
 
 def test_run_words_take_their_own_epochs():
-    queue = repro.select_epochs("C.resnet50d.s1@100,A.sweep@50,B", 10)
+    queue = repro.select_epochs("C.resnet50d.s1@100,A.sweep@50,B.short", 10)
     lengths = {a.name: e for a, e, _ in queue}
     assert [a.name for a, _, named in queue if not named] == ["C-vit-none-s0"]
     assert lengths == {**{f"C-resnet50d-{m}-s1": 100 for m in ("none", "drop_path", "residual_droppath")},
@@ -233,7 +336,7 @@ def test_run_words_take_their_own_epochs():
                        "B-uvit-a1.0-s0": 10, "B-uvit-a0.7-s0": 10, "C-vit-none-s0": 10}  # B's need: B's length
     assert [a.name for a, _, _ in queue] == [a.name for a in repro.MATRIX if a.name in lengths]  # matrix order
     # a need named itself keeps its own length
-    assert {a.name: (e, named) for a, e, named in repro.select_epochs("B@10,C-vit-none-s0@50", 0)}[
+    assert {a.name: (e, named) for a, e, named in repro.select_epochs("B.short@10,C-vit-none-s0@50", 0)}[
         "C-vit-none-s0"] == (50, True)
     for spec, default, match in (("A.sweep", 0, "give a positive --epochs or A.sweep@EPOCHS"),
                                  ("A.sweep@x", 0, "'x' is not a number of epochs"),
@@ -276,3 +379,35 @@ def test_force_reruns_named_arms_only_and_a_rebuilt_need_keeps_its_record(tmp_pa
     started.clear()
     assert repro.main(args) == 1
     assert started == ["B-uvit-a1.0-s0 epochs=25"] and "C-vit-none-s0: skipped" in capsys.readouterr().out
+
+
+def test_final_epoch_means_weight_the_windows_of_the_last_epoch_by_their_steps():
+    from dres.eval.curves import final_epoch_means
+
+    # 10 steps an epoch; windows end at steps 5, 10, 15, 18, 20: the last epoch is steps 11-20
+    log = [{"step": s, "epoch": s / 10, "loss": loss, "train_acc": acc}
+           for s, loss, acc in ((5, 9.0, 0.0), (10, 9.0, 0.0), (15, 2.0, 0.5), (18, 1.0, 0.8), (20, 0.5, 1.0))]
+    got = final_epoch_means(log)
+    assert got["final_epoch_loss"] == pytest.approx((5 * 2.0 + 3 * 1.0 + 2 * 0.5) / 10)
+    assert got["final_epoch_train_acc"] == pytest.approx((5 * 0.5 + 3 * 0.8 + 2 * 1.0) / 10)
+    assert got["final_epoch_steps"] == 10
+    assert final_epoch_means([{"step": 5, "loss": 1.0}]) == {}  # a stream of unknown size has no epochs
+
+
+def test_classify_summary_holds_the_final_epochs_training_accuracy_and_loss(tmp_path):
+    from dres.eval.curves import final_epoch_means, read_points
+    from dres.train import cli
+
+    ovr = ["data.name=digits", "data.img_size=8", "data.in_chans=1", "data.mean=[0.3]", "data.std=[0.4]",
+           "data.aug=rrc_flip", "data.color_jitter=0.4", "data.eval_crop_pct=0.875", "model.img_size=8",
+           "model.patch_size=4", "model.in_chans=1", "model.embed_dim=32", "model.depth=1", "model.num_heads=2",
+           "batch_size=64", "epochs=2", "optim.warmup_steps=2", "log.every=5", "log.progress=false",
+           "log.tensorboard=false", "compile=false"]
+    assert cli.main(["classify", "--preset", "classify_cifar10", "--out", str(tmp_path)] +
+                    sum([["--set", o] for o in ovr], [])) == 0
+    ev = json.loads((tmp_path / "summary.json").read_text())["eval"]
+    expected = final_epoch_means(read_points(tmp_path / "metrics.jsonl"))
+    assert ev["final_epoch_train_acc"] == pytest.approx(expected["final_epoch_train_acc"])
+    assert ev["final_epoch_loss"] == pytest.approx(expected["final_epoch_loss"]) and 0 < ev["top1"] <= 1
+    # digits: 1437 images, 22 steps of 64 an epoch; the 5-step windows ending in the last (steps 23-44) cover 21-44
+    assert expected["final_epoch_steps"] == 24

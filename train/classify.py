@@ -49,9 +49,21 @@ class ClassifyTask:
                 loss += F.cross_entropy(logits, b["label"], reduction="sum").item()
                 correct += (logits.argmax(1) == b["label"]).sum().item()
                 n += len(b["label"])
-        return {"top1": correct / n, "val_loss": loss / n}
+        return {"top1": correct / n, "val_loss": loss / n, **self._final_epoch_training(tr)}
 
-    curve = evaluate  # the eval.every point: top-1 on the val split is already cheap
+    @staticmethod
+    def _final_epoch_training(tr) -> dict:
+        """Training loss and accuracy of the last epoch, from the run's whole metrics.jsonl (a resumed
+        run's log is one history): ``final_epoch_loss``, ``final_epoch_train_acc``."""
+        from dres.eval.curves import METRICS_JSONL, final_epoch_means, read_points
+
+        path = tr.out / METRICS_JSONL
+        return final_epoch_means(read_points(path)) if path.exists() else {}
+
+    def curve(self, tr) -> dict:
+        """The eval.every point: top-1 on the val split (already cheap)."""
+        res = self.evaluate(tr)
+        return {k: v for k, v in res.items() if not k.startswith("final_epoch_")}
 
 
 TASK = ClassifyTask()

@@ -32,9 +32,35 @@ def representation_metrics(train_x, train_y, test_x, test_y, *, rank_features=No
         res["knn_acc"] = knn_accuracy(train_x.to(device), train_y, test_x.to(device), test_y, k=knn_k,
                                       num_classes=num_classes)
     if rank:
-        res["effective_rank"] = effective_rank((train_x if rank_features is None else rank_features).to(device))[
-            "effective_rank"]
+        er = effective_rank((train_x if rank_features is None else rank_features).to(device))
+        res["effective_rank"], res["effective_rank_entropy"] = er["effective_rank"], er["entropy"]
     return res
+
+
+def final_epoch_means(records: list[dict], keys=("loss", "train_acc")) -> dict:
+    """The training metrics of the last epoch from the log windows of ``metrics.jsonl`` (records with
+    ``step``, ``epoch`` and the metrics, each the mean over the steps since the previous record): for
+    each of ``keys`` present, the step-weighted mean over the windows that end in the last epoch, as
+    ``final_epoch_<key>``, with ``final_epoch_steps`` (the steps they cover). {} without epochs."""
+    recs = sorted((r for r in records if isinstance(r.get("epoch"), (int, float))), key=lambda r: r["step"])
+    if not recs:
+        return {}
+    last = recs[-1]
+    per_epoch = last["step"] / last["epoch"] if last["epoch"] else 0
+    if not per_epoch:
+        return {}
+    start = last["step"] - per_epoch  # a window ending after this step lies (mostly) in the last epoch
+    out, steps = {}, 0
+    windows = [(r, r["step"] - (prev["step"] if prev else 0)) for prev, r in zip([None] + recs[:-1], recs)
+               if r["step"] > start + 1e-9]
+    for key in keys:
+        pairs = [(r[key], n) for r, n in windows if isinstance(r.get(key), (int, float))]
+        if pairs:
+            steps = sum(n for _, n in pairs)
+            out[f"final_epoch_{key}"] = sum(v * n for v, n in pairs) / steps
+    if out:
+        out["final_epoch_steps"] = steps
+    return out
 
 
 def append_point(path, point: dict) -> None:

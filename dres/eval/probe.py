@@ -7,7 +7,8 @@
 * :func:`knn_accuracy` — k=20 nearest neighbours by cosine similarity, votes weighted by
   ``exp(sim / 0.07)`` (the DINO / InstDisc weighted kNN).
 * :func:`effective_rank` — eq. 6 of the paper: the Shannon entropy of the normalised singular values
-  of the covariance of the class tokens; the effective rank is its exponential.
+  of the covariance of the class tokens (reported as ``effective_rank_entropy``); the effective rank
+  ``effective_rank`` is its exponential.
 """
 
 from __future__ import annotations
