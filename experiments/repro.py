@@ -61,7 +61,7 @@ class Arm:
     needs: tuple[str, ...] = ()     # arms whose run directory this one reads (B: the FD classifier)
     paper: tuple[tuple[str, float], ...] = ()  # (what, value) from the papers, for the report
     labels: dict = field(default_factory=dict, compare=False, hash=False)  # table columns of the setting
-    stage: str = "short"            # short (the first runs, at lengths that fit) | decisive (the issue's recipes)
+    stage: str = "short"            # short (the first runs, at lengths that fit) | decisive (the papers' recipes)
     epochs: float = 0               # the arm's length when neither --epochs nor @EPOCHS gives one (0: none)
 
 
@@ -112,7 +112,7 @@ def _uvit_arm(alpha, seed):
                ("B.short",), needs=(FD_CLASSIFIER_ARM,), paper=UVIT_PAPER[alpha], labels={"alpha_min": alpha})
 
 
-# The decisive runs: the issue's recipes at full length, with seeds.
+# The decisive runs: the papers' recipes at full length, with seeds.
 MAE_DECISIVE_EPOCHS = 400     # mae_cifar10's own length
 MAE_DECISIVE_BATCH = 1024     # every A arm the same; lr = blr x 1024 / 256
 PROBE_EPOCHS_PAPER = 200      # the decayed-shortcut paper's linear probe: 200 epochs, lr 1e-2, batch 1024
