@@ -137,7 +137,8 @@ def _mae_decisive_arm(variant, alpha, seed, tag, zero_init):
     return Arm(f"{group}-s{seed}", "A", group, "mae", "mae_cifar10",
                (f"model.variant={variant}", f"model.alpha_min={alpha}", f"model.zero_init={zero_init}",
                 f"batch_size={MAE_DECISIVE_BATCH}", f"eval.probe_epochs={PROBE_EPOCHS_PAPER}"), seed,
-               (tag, "A.decisive", "decisive"), paper=() if group.endswith("-zi") else MAE_PAPER.get((variant, alpha), ()),
+               (tag, "A.decisive", "decisive"),
+               paper=() if group.endswith("-zi") else MAE_PAPER.get((variant, alpha), ()),
                labels={"variant": variant, "alpha_min": alpha, "zero_init": zero_init}, stage="decisive",
                epochs=MAE_DECISIVE_EPOCHS)
 
@@ -493,14 +494,14 @@ def estimate_s(arm: Arm, epochs: float, img_per_s: dict, overhead_s: float) -> f
 def plan(arms: list[Arm], *, epochs: float, gpus: int, budget_min: float, img_per_s: dict,
          overhead_s: float) -> tuple[list[tuple[Arm, int, float]], list[Arm]]:
     """Arms in priority order onto the least-loaded GPU while the wall time stays within the budget
-    (an arm's needs first): ``([(arm, gpu, est_s)], [arms left out])``."""
+    (an arm's needs first), each for its own length or else ``epochs``: ``([(arm, gpu, est_s)], [arms left out])``."""
     load = [0.0] * max(1, gpus)
     chosen, names, left = [], set(), []
     for a in arms:
         if not all(n in names for n in a.needs):
             left.append(a)
             continue
-        est = estimate_s(a, epochs, img_per_s, overhead_s)
+        est = estimate_s(a, a.epochs or epochs, img_per_s, overhead_s)  # a decisive arm's own length
         g = min(range(len(load)), key=load.__getitem__)
         if load[g] + est > budget_min * 60:
             left.append(a)
@@ -659,7 +660,8 @@ A_COLUMNS = [("linear_probe_acc", 100, 1), ("knn_acc", 100, 1), ("effective_rank
 A_HEADER = ["probe %", "kNN %", "H (eq. 6)", "exp(H)"]
 A_CURVES = ["linear_probe_acc", "knn_acc", "effective_rank_entropy", "effective_rank"]
 # (group a, group b, metric, scale, label) of a − b, the same in both stages of A
-A_COMPARISONS = [("official-a0.6", "official-a1.0", "linear_probe_acc", 100, "probe, official 0.6 − official 1.0 (points)"),
+A_COMPARISONS = [("official-a0.6", "official-a1.0", "linear_probe_acc", 100,
+                  "probe, official 0.6 − official 1.0 (points)"),
                  ("official-a0.6", "official-a1.0", "knn_acc", 100, "kNN, official 0.6 − official 1.0 (points)"),
                  ("baseline-a0.6", "baseline-a1.0", "linear_probe_acc", 100,
                   "probe, baseline 0.6 − baseline 1.0 (points; zero-init on at 0.6 only)")]
