@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dres.data.sources import (CorruptCounter, DataError, check_labels, decode_image, expand_shards, iter_shard,
+from dres.data.sources import (CorruptCounter, DataError, check_labels, expand_shards, iter_shard,
                                list_image_folder)
 
 
