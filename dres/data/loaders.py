@@ -9,7 +9,8 @@ and N processes produce the same losses.
 
 * :class:`InMemoryLoader`: the whole data set as a uint8 tensor on the device (CIFAR, digits):
   decoded once, augmented on the device (batched RandomResizedCrop + flip through one
-  ``affine_grid``/``grid_sample``), so the loader never limits throughput. The crop parameters of a
+  ``affine_grid``/``grid_sample``, then optionally torchvision's ColorJitter per image), so the loader
+  never limits throughput; its unaugmented passes can use timm's evaluation transform (``crop_pct``). The crop parameters of a
   step are drawn for the *global* batch from a generator seeded by (seed, epoch, batch).
 * :class:`FolderLoader`: ImageFolder trees (ImageNet) decoded in DataLoader workers with a
   per-sample seeded RandomResizedCrop; same global-batch slicing.
