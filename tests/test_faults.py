@@ -19,9 +19,8 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-import torch
 
-from dres.train import checkpoint as C
+from dres.train import checkpoint
 from dres.train import cli, rundir
 from dres.train.config import build_config
 from dres.train.loop import EXIT_INTERRUPTED, RESUME_APPLIED, Trainer
@@ -206,7 +205,7 @@ def test_signal_finishes_the_step_saves_and_exits_with_its_own_status(tmp_path, 
                               f"{out / 'checkpoints' / 'step_00000003.pt'} written; continue with --resume auto "
                               f"(exit status {EXIT_INTERRUPTED})")
     assert f"[dres] {name}: stopping after this step with a checkpoint" in stdout
-    assert [p.name for p in C.list_checkpoints(out / "checkpoints")] == ["step_00000003.pt"]
+    assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step_00000003.pt"]
     assert _steps(out / "metrics.jsonl") == [1, 2, 3]
     assert not (out / "summary.json").exists() and not (out / "run.lock").exists()
     assert (out / "log.txt").read_text().splitlines()[-1] == "[dres] " + stderr.strip().split(": ", 1)[1]
@@ -219,12 +218,12 @@ def test_second_signal_stops_at_once_without_saving(tmp_path):
     (code, stdout, stderr), = _signalled(tmp_path, 3, "SIGTERM", 2, _args(out, "--set", "ckpt.every=0", steps=8))
     assert code == -signal.SIGTERM, (stdout, stderr)
     assert "a second signal stops at once, unsaved" in stdout
-    assert C.list_checkpoints(out / "checkpoints") == []
+    assert checkpoint.list_checkpoints(out / "checkpoints") == []
 
 
 def test_signal_during_the_final_evaluation_stops_at_once(tmp_path, capsys, monkeypatch):
     """No step to finish: the training's checkpoint is already written, so the stop is immediate."""
-    def signalled_evaluate(tr):
+    def signalled_evaluate(trainer):
         os.kill(os.getpid(), signal.SIGTERM)
         raise AssertionError("the evaluation went on after SIGTERM")
 
@@ -245,15 +244,15 @@ def test_forked_loader_workers_keep_their_own_signal_behaviour():
 
     from dres.train.loop import StopOnSignal
 
-    tr = SimpleNamespace(stop_signal=None, in_loop=True)
-    with StopOnSignal(tr):
+    trainer = SimpleNamespace(stop_signal=None, in_loop=True)
+    with StopOnSignal(trainer):
         pid = os.fork()
         if pid == 0:
             os.kill(os.getpid(), signal.SIGTERM)
             os._exit(0)  # reached only if the signal was swallowed
         _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
-    assert tr.stop_signal is None
+    assert trainer.stop_signal is None
 
 
 @pytest.mark.slow
@@ -267,9 +266,9 @@ def test_two_processes_agree_to_stop_when_one_rank_is_signalled(tmp_path, dist):
     assert [r[0] for r in results] == [EXIT_INTERRUPTED] * 2, results
     assert "stopped by a signal to another rank after step 4 of 8" in results[0][2], results[0][2]
     assert "stopped by SIGTERM after step 4 of 8" in results[1][2], results[1][2]
-    (ckpt,) = C.list_checkpoints(out / "checkpoints")
-    assert C.step_of(ckpt) == 4 and ckpt.is_dir() == (dist == "fsdp")  # FSDP2: a DCP directory of both shards
-    extra = C.read_file(ckpt / "extra.pt" if ckpt.is_dir() else ckpt)
+    (ckpt,) = checkpoint.list_checkpoints(out / "checkpoints")
+    assert checkpoint.step_of(ckpt) == 4 and ckpt.is_dir() == (dist == "fsdp")  # FSDP2: a DCP directory of both shards
+    extra = checkpoint.read_file(ckpt / "extra.pt" if ckpt.is_dir() else ckpt)
     assert extra["step"] == 4 and len(extra["rng"]) == 2
     assert _steps(out / "metrics.jsonl") == [2, 4] and not (out / "run.lock").exists()
 
@@ -423,8 +422,8 @@ def _tr(out, extra):
     return Trainer(cfg, TASK, log=lambda m: None).setup()
 
 
-def _hyper(tr):
-    return [{k: v for k, v in g.items() if k != "params"} for g in tr.optimizer.param_groups]
+def _hyper(trainer):
+    return [{k: v for k, v in g.items() if k != "params"} for g in trainer.optimizer.param_groups]
 
 
 @pytest.mark.parametrize("key", sorted(CHANGES))

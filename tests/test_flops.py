@@ -109,14 +109,14 @@ def test_trainer_reports_model_tflops_and_says_why_mfu_is_missing_on_cpu(tmp_pat
                  "accum_steps=2", "log.every=1", "log.progress=false", "log.tensorboard=false", "eval.probe=false",
                  "eval.knn=false", "ckpt.every=0", "device=cpu", "steps=2", f"out={tmp_path}"]
     lines = []
-    tr = Trainer(build_config("mae", None, overrides), MAE_TASK, log=lines.append).setup()
+    trainer = Trainer(build_config("mae", None, overrides), MAE_TASK, log=lines.append).setup()
     # the count is of one micro-batch of 16 images (the official decoder embeds its start once a batch)
-    per_image = training_flops(tr.raw_model, 16) / 16
-    assert tr.flops_per_image == per_image and tr.peak_tflops is None
+    per_image = training_flops(trainer.raw_model, 16) / 16
+    assert trainer.flops_per_image == per_image and trainer.peak_tflops is None
     assert any(f"model FLOPs: {per_image / 1e9:.4g} GFLOP per training image" in m
                and "mfu is not reported, no dense bf16 peak is known for cpu" in m for m in lines), lines
-    tr.fit()
-    tr.finish()
+    trainer.fit()
+    trainer.finish()
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((tmp_path / "summary.json").read_text())
     for r in recs + [summary]:

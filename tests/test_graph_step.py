@@ -115,9 +115,9 @@ def test_steady_timing_is_the_median_of_the_all_replay_windows_after_the_first_t
 
 def test_cpu_run_reports_no_replay_timing(tmp_path):
     cfg = build_config("mae", None, _TINY + ["device=cpu", "steps=3", f"out={tmp_path}"])
-    tr = Trainer(cfg, _task(), log=lambda m: None).setup()
-    tr.fit()
-    tr.finish()
+    trainer = Trainer(cfg, _task(), log=lambda m: None).setup()
+    trainer.fit()
+    trainer.finish()
     with open(tmp_path / "metrics.jsonl") as f:
         recs = [json.loads(line) for line in f]
     assert [r["step"] for r in recs] == [1, 2, 3]
@@ -130,8 +130,8 @@ def test_cpu_run_reports_no_replay_timing(tmp_path):
 def test_cpu_trainer_runs_eagerly_and_says_why(tmp_path):
     cfg = build_config("mae", None, _TINY + ["cuda_graphs=true", "device=cpu", "steps=2", f"out={tmp_path}"])
     lines = []
-    tr = Trainer(cfg, _task(), log=lines.append).setup()
-    assert tr.graphed is None
+    trainer = Trainer(cfg, _task(), log=lines.append).setup()
+    assert trainer.graphed is None
     assert any("cuda graphs: off (the device is cpu, not CUDA)" in m for m in lines), lines
 
 
@@ -157,13 +157,13 @@ def _task(name="mae"):
 def _fit(out, overrides, steps, task="mae", warmup=None, scaler_init=None, log=None):
     base = _CLASSIFY if task == "classify" else _TINY
     cfg = build_config(task, None, base + list(overrides) + [f"steps={steps}", f"out={out}"])
-    tr = Trainer(cfg, _task(task), log=log or (lambda m: None)).setup()
+    trainer = Trainer(cfg, _task(task), log=log or (lambda m: None)).setup()
     if warmup is not None:  # more eager warm-up steps than the run has: the same body, never captured
-        tr.graphed = GraphedStep(tr, warmup_steps=warmup)
+        trainer.graphed = GraphedStep(trainer, warmup_steps=warmup)
     if scaler_init is not None:
-        tr.scaler = torch.amp.GradScaler("cuda", init_scale=scaler_init)
-    tr.fit()
-    return tr
+        trainer.scaler = torch.amp.GradScaler("cuda", init_scale=scaler_init)
+    trainer.fit()
+    return trainer
 
 
 def _deterministic(tmp_path, overrides, task):
@@ -173,12 +173,12 @@ def _deterministic(tmp_path, overrides, task):
     return [h["loss"] for h in a.history] == [h["loss"] for h in b.history]
 
 
-def _logged(tr, keys):
-    return torch.tensor([[h[k] for k in keys] for h in tr.history], dtype=torch.float64)
+def _logged(trainer, keys):
+    return torch.tensor([[h[k] for k in keys] for h in trainer.history], dtype=torch.float64)
 
 
-def _params(tr):
-    return [p.detach().clone() for p in tr.raw_model.parameters()]
+def _params(trainer):
+    return [p.detach().clone() for p in trainer.raw_model.parameters()]
 
 
 CASES = {
@@ -278,25 +278,25 @@ def test_steps_do_not_synchronise_with_the_host(tmp_path, graphs):
     cfg = build_config("mae", None, _TINY + ["compile=true", f"cuda_graphs={graphs}", "steps=20",
                                              "model.drop_path=0.2", "model.droppath_mode=residual_droppath",
                                              "optim.clip_grad=1.0", "optim.ema_decay=0.99", f"out={tmp_path}"])
-    tr = Trainer(cfg, _task(), log=lambda m: None).setup()
-    tr.model.train()
+    trainer = Trainer(cfg, _task(), log=lambda m: None).setup()
+    trainer.model.train()
     t0 = time.perf_counter()
     for _ in range(4):  # warm-up steps and the capture synchronise; they are not measured
-        tr.train_step(tr.loader.next())
+        trainer.train_step(trainer.loader.next())
     torch.cuda.synchronize()
-    acc = torch.zeros((), device=tr.device)
+    acc = torch.zeros((), device=trainer.device)
     try:
         torch.cuda.set_sync_debug_mode("error")
         for _ in range(8):  # replays record their timing events without a sync
-            loss, _ = tr.train_step(tr.loader.next())
+            loss, _ = trainer.train_step(trainer.loader.next())
             acc += loss
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(acc) and acc > 0
-    if tr.graphed is not None:  # the events are read at a log step: the capture step's replay and 8 more
+    if trainer.graphed is not None:  # the events are read at a log step: the capture step's replay and 8 more
         torch.cuda.synchronize()
-        timing = tr.graphed.read_window(12, (time.perf_counter() - t0) * 1e3)
-        assert tr.graphed.windows[-1]["replays"] == 9 and timing["gpu_ms_per_step"] > 0
+        timing = trainer.graphed.read_window(12, (time.perf_counter() - t0) * 1e3)
+        assert trainer.graphed.windows[-1]["replays"] == 9 and timing["gpu_ms_per_step"] > 0
 
 
 @pytest.mark.gpu
@@ -338,29 +338,29 @@ def test_run_releases_the_captured_graph_before_the_process_group_goes(tmp_path,
     cfg = build_config("mae", None, _TINY + ["cuda_graphs=true", "steps=6", f"out={tmp_path / 'run'}"])
     run(cfg, _task("mae"), log=lambda m: None)
     assert seen == [True, True]
-    tr = _fit(tmp_path / "again", ["cuda_graphs=true"], 5)
-    tr.graphed.release()
-    tr.graphed.release()
-    assert tr.graphed.graph is None
+    trainer = _fit(tmp_path / "again", ["cuda_graphs=true"], 5)
+    trainer.graphed.release()
+    trainer.graphed.release()
+    assert trainer.graphed.graph is None
 
 
 def _ddp_worker(rank, world, port, out, graphs, steps):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
-    from dres.train import distributed as D
+    from dres.train import distributed
 
     lines = []
     overrides = ["dist=ddp", f"cuda_graphs={graphs}", "accum_steps=2", "optim.clip_grad=0.5",
                  "model.drop_path=0.3", "model.droppath_mode=residual_droppath"]
-    tr = _fit(f"{out}/{graphs}", overrides, steps, log=lines.append)
-    captured = tr.graphed is not None and tr.graphed.graph is not None
+    trainer = _fit(f"{out}/{graphs}", overrides, steps, log=lines.append)
+    captured = trainer.graphed is not None and trainer.graphed.graph is not None
     if captured:  # as the trainer's run(): the graph goes before the process group, or destroying the group hangs
-        tr.graphed.release()
+        trainer.graphed.release()
     if rank == 0:
         with open(f"{out}/{graphs}.json", "w") as f:
-            json.dump({"losses": [h["loss"] for h in tr.history], "lines": lines, "captured": captured,
-                       "params": [p.detach().double().sum().item() for p in tr.raw_model.parameters()]}, f)
-    D.cleanup()
+            json.dump({"losses": [h["loss"] for h in trainer.history], "lines": lines, "captured": captured,
+                       "params": [p.detach().double().sum().item() for p in trainer.raw_model.parameters()]}, f)
+    distributed.cleanup()
     os._exit(0)  # as test_train_fsdp's workers: skip static destructors of the process group's threads
 
 

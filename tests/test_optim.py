@@ -203,16 +203,16 @@ def test_cpu_classify_run_with_sgd_and_label_smoothing(tmp_path):
     batch = ref.loader.next()
     with torch.no_grad():
         first_loss = F.cross_entropy(ref.raw_model(batch["image"]).float(), batch["label"], label_smoothing=0.1)
-    tr = Trainer(cfg, CLASSIFY, log=lambda m: None).setup()
-    assert type(tr.optimizer) is torch.optim.SGD and tr.graphed is None
-    before = [p.detach().clone() for p in tr.raw_model.parameters()]
-    tr.fit()
-    assert len(tr.history) == 3 and all(torch.isfinite(torch.tensor(h["loss"])) for h in tr.history)
-    assert tr.history[0]["loss"] == pytest.approx(first_loss.item(), rel=1e-6)
+    trainer = Trainer(cfg, CLASSIFY, log=lambda m: None).setup()
+    assert type(trainer.optimizer) is torch.optim.SGD and trainer.graphed is None
+    before = [p.detach().clone() for p in trainer.raw_model.parameters()]
+    trainer.fit()
+    assert len(trainer.history) == 3 and all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.history)
+    assert trainer.history[0]["loss"] == pytest.approx(first_loss.item(), rel=1e-6)
     # 1 warmup step, then cosine over the 2 others (the value after each step is logged)
-    assert [h["lr"] for h in tr.history] == pytest.approx([peak_lr(cfg) * f for f in (1.0, 0.5, 0.0)], abs=1e-12)
-    for p, b in zip(tr.raw_model.parameters(), before):
-        assert "momentum_buffer" in tr.optimizer.state[p] and not torch.equal(p, b)
+    assert [h["lr"] for h in trainer.history] == pytest.approx([peak_lr(cfg) * f for f in (1.0, 0.5, 0.0)], abs=1e-12)
+    for p, b in zip(trainer.raw_model.parameters(), before):
+        assert "momentum_buffer" in trainer.optimizer.state[p] and not torch.equal(p, b)
     assert json.loads((tmp_path / "fingerprint.json").read_text())["optim.name"] == "sgd"
 
 
@@ -246,15 +246,15 @@ def test_graphed_sgd_steps_do_not_synchronise_with_the_host(tmp_path):
 
     cfg = build_config("classify", None, GPU_CLASSIFY + ["optim.name=sgd", "optim.label_smoothing=0.1",
                                                          "cuda_graphs=true", "steps=12", f"out={tmp_path}"])
-    tr = Trainer(cfg, _task("classify"), log=lambda m: None).setup()
-    tr.model.train()
+    trainer = Trainer(cfg, _task("classify"), log=lambda m: None).setup()
+    trainer.model.train()
     for _ in range(4):  # warm-up steps and the capture synchronise; they are not measured
-        tr.train_step(tr.loader.next())
+        trainer.train_step(trainer.loader.next())
     torch.cuda.synchronize()
-    assert tr.graphed.graph is not None
+    assert trainer.graphed.graph is not None
     torch.cuda.set_sync_debug_mode("error")
     try:
-        losses = [tr.train_step(tr.loader.next())[0].clone() for _ in range(6)]
+        losses = [trainer.train_step(trainer.loader.next())[0].clone() for _ in range(6)]
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(torch.stack(losses)).all()

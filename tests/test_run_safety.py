@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from dres.train import checkpoint as C
+from dres.train import checkpoint
 from dres.train import cli
 from dres.train.config import build_config
 from dres.train.loop import Trainer
@@ -52,7 +52,7 @@ def test_resume_with_another_config_refuses_and_keeps_the_checkpoints(tmp_path, 
     (out / "fingerprint.json").unlink()
     (out / "config.yaml").unlink()
     cfg = build_config("mae", "quickstart", TINY + ["model.embed_dim=16", f"out={out}", "steps=6"])
-    with pytest.raises(C.IncompatibleCheckpoint, match=r"step_00000004.pt was saved with another config: "
+    with pytest.raises(checkpoint.IncompatibleCheckpoint, match=r"step_00000004.pt was saved with another config: "
                                                        r"model.embed_dim 32 \(saved\) vs 16 \(now\)"):
         Trainer(cfg, TASK, log=lambda m: None).setup().resume("auto")
     assert _snapshot(out / "checkpoints") == before
@@ -60,12 +60,12 @@ def test_resume_with_another_config_refuses_and_keeps_the_checkpoints(tmp_path, 
 
 def test_checkpoint_that_reads_but_does_not_fit_is_incompatible(tmp_path):
     cfg = build_config("mae", "quickstart", TINY + [f"out={tmp_path}", "steps=2"])
-    tr = Trainer(cfg, TASK, log=lambda m: None).setup()
-    tr.fit()
+    trainer = Trainer(cfg, TASK, log=lambda m: None).setup()
+    trainer.fit()
     small = build_config("mae", "quickstart", TINY + [f"out={tmp_path}", "model.embed_dim=16"])
     other = Trainer(small, TASK, log=lambda m: None).setup()
-    with pytest.raises(C.IncompatibleCheckpoint, match="does not fit this model/optimizer .*size mismatch"):
-        C.load(tr.last_good, other.model, other.optimizer)  # no fingerprint given: the tensors decide
+    with pytest.raises(checkpoint.IncompatibleCheckpoint, match="does not fit this model/optimizer .*size mismatch"):
+        checkpoint.load(trainer.last_good, other.model, other.optimizer)  # no fingerprint given: the tensors decide
 
 
 def test_fresh_run_into_a_run_directory_refuses_and_overwrite_moves_it_aside(tmp_path, capsys):
@@ -81,7 +81,7 @@ def test_fresh_run_into_a_run_directory_refuses_and_overwrite_moves_it_aside(tmp
     assert _train(out, "--overwrite", steps=2) == 0
     aside = list(tmp_path.glob("run.old-*"))
     assert len(aside) == 1 and _snapshot(aside[0] / "checkpoints") == before
-    assert [p.name for p in C.list_checkpoints(out / "checkpoints")] == ["step_00000002.pt"]
+    assert [p.name for p in checkpoint.list_checkpoints(out / "checkpoints")] == ["step_00000002.pt"]
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
     assert _train(out, "--overwrite", "--resume", "auto", steps=2) == 2
@@ -92,11 +92,11 @@ def test_rotation_never_deletes_the_checkpoint_just_written_nor_later_ones(tmp_p
     cfg = build_config("mae", "quickstart", TINY + [f"out={tmp_path}", "steps=6"])
     first = Trainer(cfg, TASK, log=lambda m: None).setup()
     first.fit()
-    assert [C.step_of(p) for p in C.list_checkpoints(first.ckpt_dir)] == [4, 6]
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(first.ckpt_dir)] == [4, 6]
     again = Trainer(build_config("mae", "quickstart", TINY + [f"out={tmp_path}", "steps=4"]), TASK,
                     log=lambda m: None).setup()
     again.fit()  # a second lineage in the same folder (library use, no claim): saves 2 and 4
-    assert [C.step_of(p) for p in C.list_checkpoints(first.ckpt_dir)] == [2, 4, 6]
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(first.ckpt_dir)] == [2, 4, 6]
 
 
 class _WritesMarker:
@@ -120,17 +120,17 @@ def test_crafted_checkpoint_is_refused_and_its_payload_does_not_run(tmp_path, ca
     assert f"checkpoint {evil} is unreadable (refused to unpickle it" in err, err
     assert not marker.exists()
     cfg = build_config("mae", "quickstart", TINY + [f"out={tmp_path / 'run'}"])
-    tr = Trainer(cfg, TASK, log=lambda m: None).setup()
-    with pytest.raises(C.UnreadableCheckpoint, match=r"GLOBAL _?io.open was not an allowed global"):
-        C.load(evil, tr.model, tr.optimizer)
+    trainer = Trainer(cfg, TASK, log=lambda m: None).setup()
+    with pytest.raises(checkpoint.UnreadableCheckpoint, match=r"GLOBAL _?io.open was not an allowed global"):
+        checkpoint.load(evil, trainer.model, trainer.optimizer)
     assert not marker.exists()
 
 
 def test_checkpoints_hold_only_plain_state(tmp_path):
     cfg = build_config("mae", "quickstart", TINY + [f"out={tmp_path}", "steps=2"])
-    tr = Trainer(cfg, TASK, log=lambda m: None).setup()
-    tr.fit()
-    payload = torch.load(tr.last_good, weights_only=True)  # raises if anything but plain state was saved
+    trainer = Trainer(cfg, TASK, log=lambda m: None).setup()
+    trainer.fit()
+    payload = torch.load(trainer.last_good, weights_only=True)  # raises if anything but plain state was saved
     assert payload["fingerprint"]["model.embed_dim"] == 32 and payload["step"] == 2
 
 
@@ -139,14 +139,14 @@ def test_all_checkpoints_unreadable_is_an_error_not_a_fresh_start(tmp_path, caps
     corrupt file was a traceback."""
     out = tmp_path / "run"
     assert _train(out) == 0
-    for p in C.list_checkpoints(out / "checkpoints"):
+    for p in checkpoint.list_checkpoints(out / "checkpoints"):
         p.write_bytes(p.read_bytes()[:100])
     assert _train(out, "--resume", "auto", steps=6) == 2
     err = _one_line_error(capsys)
     assert f"no readable checkpoint in {out / 'checkpoints'}: step_00000004.pt (" in err and "step_00000002.pt (" in err
     assert _train(out, "--resume", str(out / "checkpoints" / "step_00000004.pt"), steps=6) == 2
     assert f"checkpoint {out / 'checkpoints' / 'step_00000004.pt'} is unreadable" in _one_line_error(capsys)
-    assert len(C.list_checkpoints(out / "checkpoints")) == 2  # nothing was rotated away
+    assert len(checkpoint.list_checkpoints(out / "checkpoints")) == 2  # nothing was rotated away
 
 
 def test_resume_auto_on_an_empty_directory_starts_fresh(tmp_path, capsys):

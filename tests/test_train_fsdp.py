@@ -31,23 +31,22 @@ def _worker(rank, world, port, out, mode, tag, extra):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from dres.train import checkpoint as C
-    from dres.train import distributed as D
+    from dres.train import distributed
     from dres.train.classify import TASK
     from dres.train.config import build_config
     from dres.train.loop import Trainer
 
     cfg = build_config("classify", None, OVR + extra + [f"dist={mode}", f"out={out}/{tag}"])
-    tr = Trainer(cfg, TASK, log=lambda m: None).setup()
-    tr.fit()
-    res = {"losses": [h["loss"] for h in tr.history]}
+    trainer = Trainer(cfg, TASK, log=lambda m: None).setup()
+    trainer.fit()
+    res = {"losses": [h["loss"] for h in trainer.history]}
     if mode == "fsdp":
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         # a group of modules shares one FSDP state (one all-gather, one set of hooks)
-        res["fsdp_units"] = len({id(fully_shard.state(m)) for m in tr.raw_model.modules() if isinstance(m, FSDPModule)})
-        tr.save()  # DCP directory (ckpt.format auto under FSDP)
-        full = {k: v.full_tensor() for k, v in tr.raw_model.state_dict().items() if hasattr(v, "full_tensor")}
+        res["fsdp_units"] = len({id(fully_shard.state(m)) for m in trainer.raw_model.modules() if isinstance(m, FSDPModule)})
+        trainer.save()  # DCP directory (ckpt.format auto under FSDP)
+        full = {k: v.full_tensor() for k, v in trainer.raw_model.state_dict().items() if hasattr(v, "full_tensor")}
         cfg2 = build_config("classify", None, OVR + extra + [f"dist={mode}", f"out={out}/{tag}"])
         tr2 = Trainer(cfg2, TASK, log=lambda m: None).setup()
         with torch.no_grad():  # other weights than the checkpoint's (a resume keeps the seed)
@@ -61,7 +60,7 @@ def _worker(rank, world, port, out, mode, tag, extra):
     if rank == 0:
         with open(f"{out}/{tag}.json", "w") as f:
             json.dump(res, f)
-    D.cleanup()
+    distributed.cleanup()
     # Leave without running C++ static destructors: about one run in a few on the 2-core CI machine,
     # gloo's threads were still joinable when the interpreter tore down and the process aborted
     # ("terminate called without an active exception") after all the work above had succeeded.
@@ -194,11 +193,11 @@ def _mae(variant="official"):
 
 
 def _wrap(model, info, kind, bucket_view=False, **fsdp):
-    from dres.train import distributed as D
+    from dres.train import distributed
 
     if kind == "ddp":
-        return D.apply_ddp(model, info, bucket_view=bucket_view)
-    return D.apply_fsdp(model, info, "fp32", **fsdp)
+        return distributed.apply_ddp(model, info, bucket_view=bucket_view)
+    return distributed.apply_fsdp(model, info, "fp32", **fsdp)
 
 
 def _train(model, imgs, noise, steps=3):
@@ -222,9 +221,9 @@ def _wrappings_worker(rank, world, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from dres.train import distributed as D
+    from dres.train import distributed
 
-    info = D.init("cpu", "fsdp")
+    info = distributed.init("cpu", "fsdp")
     g = torch.Generator().manual_seed(1)
     imgs, noise = torch.randn(8, 3, 8, 8, generator=g), torch.rand(8, 4, generator=g)
     reference = _mae()
@@ -238,18 +237,18 @@ def _wrappings_worker(rank, world, port, out):
         # gathered parameters hold plain tensors then, the resharded ones DTensors
         def record_kept(*_, model=model, kept=kept):
             if not kept:
-                kept.extend(not hasattr(next(u.parameters()), "full_tensor") for u in D.parallel_units(model))
+                kept.extend(not hasattr(next(u.parameters()), "full_tensor") for u in distributed.parallel_units(model))
 
         model.register_forward_hook(record_kept)
         wrapped = _wrap(model, info, **spec)
         res[tag] = {"losses": _train(wrapped, imgs[mine], noise[mine]), "kept": kept,
                     "params": {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).tolist()
                                for n, p in model.named_parameters()}}
-        D.barrier()
+        distributed.barrier()
     if rank == 0:
         with open(f"{out}/wrappings{world}.json", "w") as f:
             json.dump(res, f)
-    D.cleanup()
+    distributed.cleanup()
     os._exit(0)  # as _worker: skip gloo's static destructors
 
 
@@ -284,9 +283,9 @@ def _input_dtypes_worker(rank, world, port, out):
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from dres.models import create_uvit
-    from dres.train import distributed as D
+    from dres.train import distributed
 
-    info = D.init("cpu", "fsdp")
+    info = distributed.init("cpu", "fsdp")
     seen = {}
 
     def record(name, block=False):
@@ -301,10 +300,10 @@ def _input_dtypes_worker(rank, world, port, out):
 
     mae, uvit = _mae(), create_uvit("uvit_test")
     for tag, model in (("mae", mae), ("uvit", uvit)):
-        D.apply_fsdp(model, info, "bf16")
+        distributed.apply_fsdp(model, info, "bf16")
         # registered after fully_shard: runs after FSDP2's own pre-forward hook, on what the module gets
         model.register_forward_pre_hook(record(f"{tag} root"), with_kwargs=True)
-        for i, u in enumerate(D.parallel_units(model)):
+        for i, u in enumerate(distributed.parallel_units(model)):
             u.register_forward_pre_hook(record(f"{tag} unit {i}", block=True), with_kwargs=True)
     g = torch.Generator().manual_seed(2)
     imgs = torch.randn(4, 3, 8, 8, generator=g)
@@ -315,7 +314,7 @@ def _input_dtypes_worker(rank, world, port, out):
     if rank == 0:
         with open(f"{out}/dtypes.json", "w") as f:
             json.dump({k: sorted(v) for k, v in seen.items()}, f)
-    D.cleanup()
+    distributed.cleanup()
     os._exit(0)  # as _worker: skip gloo's static destructors
 
 

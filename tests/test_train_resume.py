@@ -5,7 +5,7 @@ from unittest import mock
 import pytest
 import torch
 
-from dres.train import checkpoint as C
+from dres.train import checkpoint
 from dres.train.config import build_config
 from dres.train.loop import NonFiniteLoss, Trainer
 from dres.train.mae import TASK
@@ -50,14 +50,14 @@ def test_exact_resume_matches_uninterrupted_run(tmp_path):
 
 
 def test_killed_save_leaves_previous_checkpoint_usable(tmp_path):
-    tr = _trainer(tmp_path, 6, ["ckpt.every=0", "ckpt.keep=5"])
-    tr.total_steps = 2
-    tr.fit()  # saves step 2 at its end
-    good = tr.last_good
-    ref = {k: v.clone() for k, v in tr.raw_model.state_dict().items() if isinstance(v, torch.Tensor)}
+    trainer = _trainer(tmp_path, 6, ["ckpt.every=0", "ckpt.keep=5"])
+    trainer.total_steps = 2
+    trainer.fit()  # saves step 2 at its end
+    good = trainer.last_good
+    ref = {k: v.clone() for k, v in trainer.raw_model.state_dict().items() if isinstance(v, torch.Tensor)}
     for _ in range(2):  # train on, then die while saving step 4
-        tr.train_step(tr.loader.next())
-        tr.step += 1
+        trainer.train_step(trainer.loader.next())
+        trainer.step += 1
     real_save = torch.save
 
     def dies_mid_write(obj, f):  # the process dies after writing part of the file, before the rename
@@ -65,10 +65,10 @@ def test_killed_save_leaves_previous_checkpoint_usable(tmp_path):
         f.truncate(f.tell() // 2)
         raise RuntimeError("simulated crash")
 
-    with mock.patch.object(C.torch, "save", dies_mid_write), pytest.raises(RuntimeError, match="simulated crash"):
-        tr.save()
-    assert [p.name for p in C.list_checkpoints(tr.ckpt_dir)] == [good.name]
-    assert list(tr.ckpt_dir.glob(".step_*tmp"))  # the partial write exists but is ignored
+    with mock.patch.object(checkpoint.torch, "save", dies_mid_write), pytest.raises(RuntimeError, match="simulated crash"):
+        trainer.save()
+    assert [p.name for p in checkpoint.list_checkpoints(trainer.ckpt_dir)] == [good.name]
+    assert list(trainer.ckpt_dir.glob(".step_*tmp"))  # the partial write exists but is ignored
     again = _trainer(tmp_path, 6)
     assert again.resume("auto") and again.step == 2
     for k, v in again.raw_model.state_dict().items():
@@ -77,11 +77,11 @@ def test_killed_save_leaves_previous_checkpoint_usable(tmp_path):
 
 
 def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path):
-    tr = _trainer(tmp_path, 4, ["ckpt.every=2", "ckpt.keep=3"])
-    tr.fit()
-    names = [p.name for p in C.list_checkpoints(tr.ckpt_dir)]
+    trainer = _trainer(tmp_path, 4, ["ckpt.every=2", "ckpt.keep=3"])
+    trainer.fit()
+    names = [p.name for p in checkpoint.list_checkpoints(trainer.ckpt_dir)]
     assert names == ["step_00000002.pt", "step_00000004.pt"]
-    (tr.ckpt_dir / names[-1]).write_bytes(b"garbage")
+    (trainer.ckpt_dir / names[-1]).write_bytes(b"garbage")
     again = _trainer(tmp_path, 6, ["ckpt.every=2", "ckpt.keep=2"])
     lines = []
     again._log = lines.append
@@ -92,35 +92,35 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path):
     aside = [d for d in again.ckpt_dir.iterdir() if d.name.startswith("superseded-")]
     assert len(aside) == 1 and (aside[0] / "step_00000004.pt").read_bytes() == b"garbage"
     again.fit()
-    assert [p.name for p in C.list_checkpoints(again.ckpt_dir)] == ["step_00000004.pt", "step_00000006.pt"]
-    assert C.load(again.ckpt_dir / "step_00000004.pt", _trainer(tmp_path / "other", 6).raw_model)["step"] == 4
+    assert [p.name for p in checkpoint.list_checkpoints(again.ckpt_dir)] == ["step_00000004.pt", "step_00000006.pt"]
+    assert checkpoint.load(again.ckpt_dir / "step_00000004.pt", _trainer(tmp_path / "other", 6).raw_model)["step"] == 4
 
 
 def test_resuming_an_older_checkpoint_sets_the_later_branch_aside(tmp_path):
-    tr = _trainer(tmp_path, 6, ["ckpt.every=2", "ckpt.keep=5"])
-    tr.fit()
-    older = tr.ckpt_dir / "step_00000002.pt"
+    trainer = _trainer(tmp_path, 6, ["ckpt.every=2", "ckpt.keep=5"])
+    trainer.fit()
+    older = trainer.ckpt_dir / "step_00000002.pt"
     again = _trainer(tmp_path, 6, ["ckpt.every=2", "ckpt.keep=5"])
     assert again.resume(str(older)) and again.step == 2
-    assert [p.name for p in C.list_checkpoints(again.ckpt_dir)] == ["step_00000002.pt"]
+    assert [p.name for p in checkpoint.list_checkpoints(again.ckpt_dir)] == ["step_00000002.pt"]
     again.fit()
     # the new line of checkpoints is the folder's; the abandoned steps 4 and 6 are kept aside
-    assert [p.name for p in C.list_checkpoints(again.ckpt_dir)] == [f"step_0000000{i}.pt" for i in (2, 4, 6)]
+    assert [p.name for p in checkpoint.list_checkpoints(again.ckpt_dir)] == [f"step_0000000{i}.pt" for i in (2, 4, 6)]
     (aside,) = [d for d in again.ckpt_dir.iterdir() if d.name.startswith("superseded-")]
     assert sorted(p.name for p in aside.iterdir()) == ["step_00000004.pt", "step_00000006.pt"]
 
 
 def test_non_finite_loss_stops_with_clear_message_and_keeps_last_checkpoint(tmp_path):
-    tr = _trainer(tmp_path, 8, ["ckpt.every=2", "log.every=1"])
-    tr.total_steps = 2
-    tr.fit()
-    assert tr.last_good is not None and tr.last_good.name == "step_00000002.pt"
+    trainer = _trainer(tmp_path, 8, ["ckpt.every=2", "log.every=1"])
+    trainer.total_steps = 2
+    trainer.fit()
+    assert trainer.last_good is not None and trainer.last_good.name == "step_00000002.pt"
     real_loss = TASK.loss
     try:
         TASK.loss = lambda model, batch, cfg: (real_loss(model, batch, cfg)[0] * float("nan"), {})
-        tr.total_steps = 8
+        trainer.total_steps = 8
         with pytest.raises(NonFiniteLoss, match="non-finite loss.*step_00000002"):
-            tr.fit()
+            trainer.fit()
     finally:
         TASK.loss = real_loss
-    assert [p.name for p in C.list_checkpoints(tr.ckpt_dir)] == ["step_00000002.pt"]
+    assert [p.name for p in checkpoint.list_checkpoints(trainer.ckpt_dir)] == ["step_00000002.pt"]

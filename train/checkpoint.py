@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dres.train import distributed as D
+from dres.train import distributed
 from dres.train import rundir
 from dres.train.config import fingerprint_diff
 
@@ -88,7 +88,7 @@ def set_rng_state(s: dict, device: torch.device):
 
 
 def _gather(obj):
-    if D.is_dist() and dist.get_world_size() > 1:
+    if distributed.is_dist() and dist.get_world_size() > 1:
         out = [None] * dist.get_world_size()
         dist.all_gather_object(out, obj)
         return out
@@ -109,7 +109,7 @@ def list_checkpoints(ckpt_dir) -> list[Path]:
 
 
 def _model_optim_state(model, optimizer, dcp_format: bool):
-    m = D.unwrap(model)
+    m = distributed.unwrap(model)
     if dcp_format:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -153,10 +153,10 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
     disk is :class:`~dres.train.rundir.DiskFull` on every rank, with the partial write removed and the
     previous checkpoints untouched."""
     ckpt_dir = Path(ckpt_dir)
-    main = not D.is_dist() or dist.get_rank() == 0
+    main = not distributed.is_dist() or dist.get_rank() == 0
     if main:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-    D.barrier()
+    distributed.barrier()
     extra = dict(extra, step=step, rng=_gather(rng_state(device)))
     msd, osd = _model_optim_state(model, optimizer, dcp_format)
     if dcp_format:
@@ -165,11 +165,11 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
         tmp, final = ckpt_dir / f".step_{step:08d}.tmp", ckpt_dir / f"step_{step:08d}"
         if main and tmp.exists():
             shutil.rmtree(tmp)
-        D.barrier()
+        distributed.barrier()
         state = {"model": msd, "optim": osd}
         if ema is not None:
             state["ema"] = ema
-        needed = _state_bytes(state) * (dist.get_world_size() if D.is_dist() else 1)
+        needed = _state_bytes(state) * (dist.get_world_size() if distributed.is_dist() else 1)
         try:
             dcp.save(state, checkpoint_id=str(tmp))
         except Exception as e:  # DCP raises the same CheckpointException on every rank
@@ -188,7 +188,7 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
                     raise
                 _fail_full(ckpt_dir, tmp, final, needed, True, e)
 
-        D.on_main(publish, main)
+        distributed.on_main(publish, main)
     else:
         tmp, final = ckpt_dir / f".step_{step:08d}.pt.tmp", ckpt_dir / f"step_{step:08d}.pt"
 
@@ -201,7 +201,7 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
                     raise
                 _fail_full(ckpt_dir, tmp, final, _state_bytes(payload), True, e)
 
-        D.on_main(write, main)
+        distributed.on_main(write, main)
     if main and keep > 0:
         older = [c for c in list_checkpoints(ckpt_dir) if step_of(c) < step]
         for old in older[:max(len(older) - (keep - 1), 0)]:
@@ -209,7 +209,7 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
         for t in ckpt_dir.glob(".step_*tmp"):  # leftovers of killed saves
             if t.name not in (tmp.name,):
                 shutil.rmtree(t, ignore_errors=True) if t.is_dir() else t.unlink(missing_ok=True)
-    D.barrier()
+    distributed.barrier()
     return final
 
 
@@ -272,7 +272,7 @@ def _apply(path, fn, *args):
 
 
 def _load_one(path: Path, model, optimizer, ema, fingerprint):
-    m = D.unwrap(model)
+    m = distributed.unwrap(model)
     if path.is_dir():
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -328,7 +328,7 @@ def load(path_or_dir, model, optimizer=None, *, ema=None, device=torch.device("c
             log(f"[dres] {e}; trying an older one")
             failures.append(f"{c.name} ({e.reason})")
             continue
-        rank = dist.get_rank() if D.is_dist() else 0
+        rank = dist.get_rank() if distributed.is_dist() else 0
         if restore_rng:
             rng = extra["rng"]
             set_rng_state(rng[rank] if rank < len(rng) else rng[0], device)
@@ -345,9 +345,9 @@ def set_aside_after(ckpt_dir, step: int) -> Path | None:
     ckpt_dir = Path(ckpt_dir)
     later = [c for c in list_checkpoints(ckpt_dir) if step_of(c) > step]
     aside = ckpt_dir / time.strftime("superseded-%Y%m%d-%H%M%S") if later else None
-    if later and (not D.is_dist() or dist.get_rank() == 0):
+    if later and (not distributed.is_dist() or dist.get_rank() == 0):
         aside.mkdir(exist_ok=True)
         for c in later:
             os.replace(c, aside / c.name)
-    D.barrier()
+    distributed.barrier()
     return aside

@@ -182,9 +182,9 @@ def _guarded(prog: str, fn, args) -> int:
         print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     finally:
-        from dres.train import distributed as D
+        from dres.train import distributed
 
-        D.cleanup()
+        distributed.cleanup()
     return 0
 
 

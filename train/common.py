@@ -66,25 +66,25 @@ def flops_rate_text(rates: dict) -> str:
     return text + ("" if rates["mfu"] is None else f", MFU {rates['mfu']:.1%}")
 
 
-def eval_loader(tr, split, batch):
+def eval_loader(trainer, split, batch):
     """An unaugmented loader over ``split`` ('train' | 'val') for feature extraction, or None (with
     a message) when the data set has no such split configured. Built once per trainer and split:
     decoding a split into memory is the slow part, and every eval.every point reads it again."""
-    built = vars(tr).setdefault("_eval_loaders", {})
+    built = vars(trainer).setdefault("_eval_loaders", {})
     if split not in built:
-        built[split] = _build_eval_loader(tr, split)
+        built[split] = _build_eval_loader(trainer, split)
     return built[split]
 
 
-def _build_eval_loader(tr, split):
-    cfg = tr.cfg
+def _build_eval_loader(trainer, split):
+    cfg = trainer.cfg
     try:
-        ld = build_loader(cfg.data, split, 1, device=tr.device, train=False, log=tr.log)  # batching: eval_batches()
+        ld = build_loader(cfg.data, split, 1, device=trainer.device, train=False, log=trainer.log)  # batching: eval_batches()
     except DataError as e:
-        tr.log(f"[dres] evaluation on the {split} split skipped: {e}")
+        trainer.log(f"[dres] evaluation on the {split} split skipped: {e}")
         return None
     if not hasattr(ld, "eval_batches"):
-        tr.log(f"[dres] evaluation on the {split} split skipped: the streaming data.name={cfg.data.name} loader has "
+        trainer.log(f"[dres] evaluation on the {split} split skipped: the streaming data.name={cfg.data.name} loader has "
                "no in-order pass; evaluate a subset in memory with dres-eval RUN --set data.gpu_resident=true "
                "--set data.limit=N --set data.val_limit=M")
         return None
@@ -112,14 +112,14 @@ def progress(*, total=None, initial=0, desc=None, unit="it", enabled=True):
                 dynamic_ncols=tty, mininterval=0.1 if tty else 30.0)
 
 
-def features(tr, fn, loader, limit=0, batch=256):
+def features(trainer, fn, loader, limit=0, batch=256):
     """:func:`dres.eval.extract_features` over the loader's first ``limit`` samples, under the run's
     autocast, with a progress bar (main rank, ``log.progress``) counting samples."""
     from dres.eval import extract_features
 
     size = len(loader.images) if hasattr(loader, "images") else None  # in memory: known; streamed: counted
     total = min(size, limit) if size and limit else (size or limit or None)
-    bar = progress(total=total, desc="features", unit="img", enabled=tr.main and tr.cfg.log.progress)
+    bar = progress(total=total, desc="features", unit="img", enabled=trainer.main and trainer.cfg.log.progress)
 
     def counted(batches):
         for b in batches:
@@ -127,7 +127,7 @@ def features(tr, fn, loader, limit=0, batch=256):
             yield b
 
     try:
-        with tr.autocast():
+        with trainer.autocast():
             return extract_features(fn, counted(cap(loader.eval_batches(batch), limit)))
     finally:
         bar.close()

@@ -121,7 +121,7 @@ class GraphedStep:
     def __init__(self, trainer, warmup_steps: int = 3, timed_replays: int = 128, stream=None):
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (lazy initialisation cannot be captured), got {warmup_steps}")
-        self.tr, self.warmup_steps = trainer, warmup_steps
+        self.trainer, self.warmup_steps = trainer, warmup_steps
         self.warmed = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: dict | None = None
@@ -143,7 +143,7 @@ class GraphedStep:
     @contextlib.contextmanager
     def _device_lr(self):
         """The parameter groups read their lr from the device tensors inside the step."""
-        groups = self.tr.optimizer.param_groups
+        groups = self.trainer.optimizer.param_groups
         saved = [g["lr"] for g in groups]
         for g, lr in zip(groups, self.lrs):
             g["lr"] = lr
@@ -158,13 +158,13 @@ class GraphedStep:
         torch.index_select(self.lr_table, 1, self._index, out=self._lrs)
         self.position.add_(1)
         with self._device_lr():
-            return self.tr.step_body(self.inputs)
+            return self.trainer.step_body(self.inputs)
 
     # ------------------------------------------------------------------ per call
     def _load(self, batch: dict):
         if self.inputs is None:
             self.inputs = {k: torch.empty_like(v) for k, v in batch.items()}
-            self.position.fill_(self.tr.scheduler.last_epoch)  # after any resume
+            self.position.fill_(self.trainer.scheduler.last_epoch)  # after any resume
         for k, v in batch.items():
             dst = self.inputs.get(k)
             if dst is None or dst.shape != v.shape or dst.dtype != v.dtype:
@@ -174,7 +174,7 @@ class GraphedStep:
             dst.copy_(v)
 
     def _warmup(self):
-        cur = torch.cuda.current_stream(self.tr.device)
+        cur = torch.cuda.current_stream(self.trainer.device)
         self.stream.wait_stream(cur)
         with torch.cuda.stream(self.stream), warnings.catch_warnings():
             # the optimizer is built capturable for the graph; these steps are its deliberate eager ones
@@ -193,7 +193,7 @@ class GraphedStep:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise RuntimeError(f"cuda_graphs: capturing the train step failed ({first}); "
                                "run it eagerly with --set cuda_graphs=false") from e
-        self.tr.log(f"[dres] cuda graphs: captured the train step after {self.warmed} warm-up steps")
+        self.trainer.log(f"[dres] cuda graphs: captured the train step after {self.warmed} warm-up steps")
 
     def __call__(self, batch: dict):
         self._load(batch)
@@ -216,7 +216,7 @@ class GraphedStep:
         that captured its collectives exists, so destroying the process group first hangs
         (pytorch/pytorch#115388): the trainer releases the graph before it tears the group down."""
         if self.graph is not None:
-            torch.cuda.synchronize(self.tr.device)
+            torch.cuda.synchronize(self.trainer.device)
             self.graph.reset()
             self.graph = None
 

@@ -34,8 +34,8 @@ import torch.nn as nn
 from dres.data import build_loader, lost_data_line
 from dres.models.flops import training_flops
 from dres.nn import set_backend
-from dres.train import checkpoint as C
-from dres.train import distributed as D
+from dres.train import checkpoint
+from dres.train import distributed
 from dres.train import rundir
 from dres.train.common import dense_bf16_peak, flops_rate_text, model_flops_rate, progress
 from dres.train.config import Config, ConfigError, cpu_threads, fingerprint, save_config, to_dict
@@ -110,7 +110,7 @@ def lr_lambda(total: int, warmup: int, schedule: str, min_ratio: float):
 class Trainer:
     def __init__(self, cfg: Config, task, *, log=print):
         self.cfg, self.task = cfg, task
-        self.info = D.init(cfg.device, cfg.dist)
+        self.info = distributed.init(cfg.device, cfg.dist)
         self.device = self.info.device
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(cfg))
@@ -170,10 +170,10 @@ class Trainer:
         self.raw_model = model.to(self.device)
         self.droppath = getattr(model, "droppath", None)
         self.n_params = sum(p.numel() for p in model.parameters())
-        n_ac = D.apply_activation_checkpointing(model, cfg.act_ckpt)
-        n_c = D.apply_compile(model) if cfg.compile else 0
-        if n_ac or n_c:
-            self.log(f"[dres] activation checkpointing '{cfg.act_ckpt}' on {n_ac} units; compiled {n_c} units")
+        n_checkpointed = distributed.apply_activation_checkpointing(model, cfg.act_ckpt)
+        n_compiled = distributed.apply_compile(model) if cfg.compile else 0
+        if n_checkpointed or n_compiled:
+            self.log(f"[dres] activation checkpointing '{cfg.act_ckpt}' on {n_checkpointed} units; compiled {n_compiled} units")
         graphs, why = graph_plan(cfg, self.device, self.precision, self.info.world)
         if graphs and train and cfg.model.backend is None:
             # capture takes the Triton kernels: the eager warm-up steps take them too, so that they compute
@@ -184,11 +184,11 @@ class Trainer:
         if cfg.dist == "fsdp":
             # bf16 parameters need autocast (FSDP2 casts no inputs): fp32 ones under precision=fp32
             param_dtype = "fp32" if self.precision == "fp32" else cfg.fsdp_param_dtype
-            model = D.apply_fsdp(model, self.info, param_dtype, prefetch=cfg.fsdp_prefetch, reshard=cfg.fsdp_reshard,
+            model = distributed.apply_fsdp(model, self.info, param_dtype, prefetch=cfg.fsdp_prefetch, reshard=cfg.fsdp_reshard,
                                  blocks_per_unit=cfg.fsdp_blocks_per_unit)
         elif cfg.dist == "ddp" and self.info.world > 1:
             # gradients as views into the all-reduce buckets: no per-parameter copy back after the backward
-            model = D.apply_ddp(model, self.info, bucket_view=True, stream=capture_stream)
+            model = distributed.apply_ddp(model, self.info, bucket_view=True, stream=capture_stream)
         self.model = model
         # after sharding: the groups must hold the parameters the optimizer will see (DTensors under FSDP)
         groups, nd = param_groups(self.raw_model, cfg.optim.weight_decay)
@@ -199,15 +199,15 @@ class Trainer:
         self.loader = build_loader(cfg.data, "train", cfg.batch_size, rank=self.info.rank, world=self.info.world,
                                    accum=cfg.accum_steps, seed=cfg.seed, device=self.device, train=True,
                                    log=self.log) if train else None
-        spe = len(self.loader) if train else 0
+        epoch_steps = len(self.loader) if train else 0
         if train:
             self._count_flops()
-        self.total_steps = cfg.steps if cfg.steps > 0 else int(round(cfg.epochs * spe))
+        self.total_steps = cfg.steps if cfg.steps > 0 else int(round(cfg.epochs * epoch_steps))
         if train and self.total_steps <= 0:
             raise ConfigError("training length is zero: set steps=N or epochs=E (with a data set of known size)")
         o = cfg.optim
         self.lr = peak_lr(cfg)
-        warmup = o.warmup_steps if o.warmup_steps >= 0 else int(round(o.warmup_epochs * spe))
+        warmup = o.warmup_steps if o.warmup_steps >= 0 else int(round(o.warmup_epochs * epoch_steps))
         self.warmup = min(warmup, self.total_steps)
         self.optimizer = build_optimizer(cfg, groups, self.device, capturable=graphs)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -266,7 +266,7 @@ class Trainer:
     def save(self):
         if self._bad is not None and bool(self._bad):
             raise NonFiniteLoss("non-finite loss; not saving")
-        p = C.save(self.ckpt_dir, self.step, self.model, self.optimizer, self._extra(), dcp_format=self.dcp,
+        p = checkpoint.save(self.ckpt_dir, self.step, self.model, self.optimizer, self._extra(), dcp_format=self.dcp,
                    keep=self.cfg.ckpt.keep, device=self.device, ema=self.ema)
         self.last_good = p
         return p
@@ -285,7 +285,7 @@ class Trainer:
         if what != "auto" and not target.exists():
             raise FileNotFoundError(f"checkpoint not found: {target}")
         built = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        extra = C.load(target, self.model, self.optimizer, ema=self.ema, device=self.device,
+        extra = checkpoint.load(target, self.model, self.optimizer, ema=self.ema, device=self.device,
                        fingerprint=fingerprint(self.cfg), log=self.log)
         if extra is None:
             self.log(f"[dres] no checkpoint in {target}; starting from scratch")
@@ -306,7 +306,7 @@ class Trainer:
         if changed:
             self.log(f"[dres] settings changed since the checkpoint, applied from step {self.step} (the lr schedule "
                      f"recomputed): {changed}")
-        aside = C.set_aside_after(self.ckpt_dir, self.step)
+        aside = checkpoint.set_aside_after(self.ckpt_dir, self.step)
         if aside is not None:
             self.log(f"[dres] checkpoints after step {self.step} (skipped or from an abandoned branch) moved to {aside}")
         if self.main:
@@ -347,7 +347,7 @@ class Trainer:
         self.scheduler.step()
 
     def load_weights(self, path):
-        extra = C.load(path, self.model, None, ema=self.ema, device=self.device, restore_rng=False,
+        extra = checkpoint.load(path, self.model, None, ema=self.ema, device=self.device, restore_rng=False,
                        fingerprint=fingerprint(self.cfg), log=self.log)
         if extra is None:
             raise FileNotFoundError(f"no checkpoint in {path}")
@@ -378,7 +378,7 @@ class Trainer:
         metrics_sum: dict = {}
         for i in range(A):
             micro = {k: v[i * mb:(i + 1) * mb] for k, v in batch.items()}
-            with D.set_grad_sync(model, i == A - 1):
+            with distributed.set_grad_sync(model, i == A - 1):
                 with self.autocast():
                     loss, metrics = self.task.loss(model, micro, cfg)
                 self.scaler.scale(loss / A).backward()
@@ -409,7 +409,7 @@ class Trainer:
         return out
 
     def _check_finite(self):
-        if self._bad is not None and bool(D.all_sum(self._bad.float().reshape(1))[0] > 0):
+        if self._bad is not None and bool(distributed.all_sum(self._bad.float().reshape(1))[0] > 0):
             where = f"the last good checkpoint is {self.last_good}" if self.last_good else "no checkpoint was written"
             raise NonFiniteLoss(f"non-finite loss before step {self.step}; stopping ({where}; resume with "
                                 f"--resume auto, perhaps with a lower lr or precision=fp32)")
@@ -458,7 +458,7 @@ class Trainer:
                     self._check_finite()
                     asked = torch.full((1,), float(self.stop_signal is not None), device=self.device)
                     vals = torch.cat([torch.stack([acc_loss] + list(acc_metrics.values())) / acc_n, asked])
-                    *vals, asked_anywhere = D.all_mean(vals).tolist()
+                    *vals, asked_anywhere = distributed.all_mean(vals).tolist()
                     stop = asked_anywhere > 0
                     if stop and self.stop_signal is None:
                         self.stop_signal = "a signal to another rank"
@@ -601,8 +601,6 @@ class Trainer:
     # ------------------------------------------------------ eval helpers
     def full_state_copy(self):
         """A plain (unsharded) copy of the model for evaluation on one rank; EMA weights if kept."""
-        import copy
-
         m = self.raw_model
         from torch.distributed.tensor import DTensor
 
@@ -631,7 +629,7 @@ class StopOnSignal:
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self, trainer: Trainer):
-        self.tr = trainer
+        self.trainer = trainer
         self.previous: dict = {}
         self.pid = os.getpid()
 
@@ -653,17 +651,17 @@ class StopOnSignal:
             return
         for s in self.SIGNALS:
             signal.signal(s, signal.SIG_DFL)
-        tr, name = self.tr, signal.Signals(signum).name
-        tr.stop_signal = name
-        if not tr.in_loop:
-            if tr.summary:  # fit() has returned
-                where = (f"during the evaluation after step {tr.step}; the checkpoint {tr.last_good} is written, "
-                         f"evaluate it with dres-eval {tr.out}")
+        trainer, name = self.trainer, signal.Signals(signum).name
+        trainer.stop_signal = name
+        if not trainer.in_loop:
+            if trainer.summary:  # fit() has returned
+                where = (f"during the evaluation after step {trainer.step}; the checkpoint {trainer.last_good} is written, "
+                         f"evaluate it with dres-eval {trainer.out}")
             else:
-                where = "before training started" + (f" (from {tr.last_good})" if tr.last_good else "")
+                where = "before training started" + (f" (from {trainer.last_good})" if trainer.last_good else "")
             raise Interrupted(f"stopped by {name} {where} (exit status {EXIT_INTERRUPTED})")
-        wait = "this step" if tr.info.world == 1 else f"the next log step (log.every={tr.cfg.log.every})"
-        tr.log(f"[dres] {name}: stopping after {wait} with a checkpoint; a second signal stops at once, unsaved")
+        wait = "this step" if trainer.info.world == 1 else f"the next log step (log.every={trainer.cfg.log.every})"
+        trainer.log(f"[dres] {name}: stopping after {wait} with a checkpoint; a second signal stops at once, unsaved")
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
@@ -675,54 +673,54 @@ def run(cfg: Config, task, *, resume=None, eval_only=False, ckpt=None, overwrite
     """Train (or only evaluate) one configuration end to end; returns the summary. A training run
     first takes the run lock and claims its run directory (:mod:`dres.train.rundir`:
     ``resume``/``overwrite``); a start refused before training begins leaves nothing behind."""
-    tr = Trainer(cfg, task, log=log)
+    trainer = Trainer(cfg, task, log=log)
     if eval_only:
-        tr.setup(train=False)
+        trainer.setup(train=False)
         try:
-            tr.load_weights(ckpt or tr.ckpt_dir)
-            tr.start_log()
-            ev = tr.evaluate() if tr.main or cfg.dist != "none" else {}
-            return tr.finish(ev, eval_only=True)
+            trainer.load_weights(ckpt or trainer.ckpt_dir)
+            trainer.start_log()
+            ev = trainer.evaluate() if trainer.main or cfg.dist != "none" else {}
+            return trainer.finish(ev, eval_only=True)
         finally:
-            D.barrier()
-    lock, created, started = None, rundir.first_missing(tr.out) if tr.main else None, False
+            distributed.barrier()
+    lock, created, started = None, rundir.first_missing(trainer.out) if trainer.main else None, False
     try:
-        with StopOnSignal(tr):
-            lock = D.on_main(lambda: _claim(tr, resume, overwrite), tr.main)
-            tr.setup()
-            if resume and tr.resume(resume) and tr.step == tr.total_steps and (tr.out / "summary.json").exists():
-                return _finished(tr)
+        with StopOnSignal(trainer):
+            lock = distributed.on_main(lambda: _claim(trainer, resume, overwrite), trainer.main)
+            trainer.setup()
+            if resume and trainer.resume(resume) and trainer.step == trainer.total_steps and (trainer.out / "summary.json").exists():
+                return _finished(trainer)
             started = True
-            tr.fit()
-            ev = tr.evaluate()
-            return tr.finish(ev)
+            trainer.fit()
+            ev = trainer.evaluate()
+            return trainer.finish(ev)
     except Exception as e:
-        if tr.log_path is not None:  # the one line the command line prints, in the run's log too
-            tr._keep(f"[dres] {'' if isinstance(e, Interrupted) else 'error: '}{' '.join(str(e).split())}")
+        if trainer.log_path is not None:  # the one line the command line prints, in the run's log too
+            trainer._keep(f"[dres] {'' if isinstance(e, Interrupted) else 'error: '}{' '.join(str(e).split())}")
         raise
     finally:
-        if tr.graphed is not None:
-            tr.graphed.release()
+        if trainer.graphed is not None:
+            trainer.graphed.release()
         if lock is not None:
             lock.release()
-        if not started and tr.main:
-            rundir.remove_created(tr.out, created)
-        D.barrier()
+        if not started and trainer.main:
+            rundir.remove_created(trainer.out, created)
+        distributed.barrier()
 
 
-def _claim(tr: Trainer, resume, overwrite) -> rundir.RunLock:
-    lock = rundir.RunLock(tr.out).acquire(tr.log)
+def _claim(trainer: Trainer, resume, overwrite) -> rundir.RunLock:
+    lock = rundir.RunLock(trainer.out).acquire(trainer.log)
     try:
-        rundir.claim(tr.out, tr.cfg, resume=resume, overwrite=overwrite, log=tr.log)
+        rundir.claim(trainer.out, trainer.cfg, resume=resume, overwrite=overwrite, log=trainer.log)
     except BaseException:
         lock.release()
         raise
     return lock
 
 
-def _finished(tr: Trainer) -> dict:
+def _finished(trainer: Trainer) -> dict:
     """A resume of a run that is complete: its results stay as they are."""
-    tr.log(f"[dres] the run in {tr.out} is finished (step {tr.step} of {tr.total_steps}; results in "
-           f"{tr.out / 'summary.json'}); nothing was changed. To train it longer: --resume auto --set steps=N with "
-           f"N > {tr.step}; to evaluate it again: dres-eval {tr.out}")
-    return json.loads((tr.out / "summary.json").read_text())
+    trainer.log(f"[dres] the run in {trainer.out} is finished (step {trainer.step} of {trainer.total_steps}; results in "
+           f"{trainer.out / 'summary.json'}); nothing was changed. To train it longer: --resume auto --set steps=N with "
+           f"N > {trainer.step}; to evaluate it again: dres-eval {trainer.out}")
+    return json.loads((trainer.out / "summary.json").read_text())

@@ -27,63 +27,63 @@ class MAETask:
         loss, _, _ = model(batch["image"])
         return loss, {}
 
-    def _representation(self, tr, model, probe_epochs, tsne=False) -> dict:
+    def _representation(self, trainer, model, probe_epochs, tsne=False) -> dict:
         """Probe / kNN / effective rank of the encoder's features (eval.layer, eval.feature; the rank
         of the class token) on the train and val splits, and a t-SNE plot of the val features when
         ``tsne``; {} when either split is missing."""
-        cfg, e = tr.cfg, tr.cfg.eval
+        cfg, e = trainer.cfg, trainer.cfg.eval
         if not (e.probe or e.knn or e.effective_rank or tsne):
             return {}
-        train, val = eval_loader(tr, "train", 256), eval_loader(tr, "val", 256)
+        train, val = eval_loader(trainer, "train", 256), eval_loader(trainer, "val", 256)
         if train is None or val is None:
             return {}
 
         def fn(x):
             return model.forward_features(x, e.layer)[e.feature]
 
-        xtr, ytr = features(tr, fn, train, e.max_train)
-        xte, yte = features(tr, fn, val, e.max_test)
+        xtr, ytr = features(trainer, fn, train, e.max_train)
+        xte, yte = features(trainer, fn, val, e.max_test)
         cls = None
         if e.effective_rank and e.feature != "cls":
-            cls = features(tr, lambda x: model.forward_features(x, e.layer)["cls"], train, e.max_train)[0]
+            cls = features(trainer, lambda x: model.forward_features(x, e.layer)["cls"], train, e.max_train)[0]
         res = representation_metrics(xtr, ytr, xte, yte, rank_features=cls, probe=e.probe, knn=e.knn,
                                      rank=e.effective_rank, probe_epochs=probe_epochs, probe_lr=e.probe_lr,
                                      probe_batch=e.probe_batch, probe_wd=e.probe_wd, knn_k=e.knn_k,
-                                     num_classes=cfg.data.num_classes, seed=cfg.seed, device=tr.device)
+                                     num_classes=cfg.data.num_classes, seed=cfg.seed, device=trainer.device)
         if tsne:
             m = cfg.model
             scores = ", ".join(f"{name} {res[k]:.3f}" for k, name in (("linear_probe_acc", "linear probe"),
                                                                        ("knn_acc", "kNN")) if k in res)
-            title = (f"{tr.out.name}: MAE {m.variant}, alpha_min {m.alpha_min}, step {tr.step}\n"
+            title = (f"{trainer.out.name}: MAE {m.variant}, alpha_min {m.alpha_min}, step {trainer.step}\n"
                      f"{e.feature} features of block {e.layer} on the val split" + (f"; {scores}" if scores else ""))
-            res["tsne_png"] = tsne_plot(xte, yte, tr.out / f"tsne_step{tr.step}.png", seed=cfg.seed, title=title)
+            res["tsne_png"] = tsne_plot(xte, yte, trainer.out / f"tsne_step{trainer.step}.png", seed=cfg.seed, title=title)
         return res
 
-    def curve(self, tr) -> dict:
+    def curve(self, trainer) -> dict:
         """The eval.every point: the representation metrics with an eval.curve_probe_epochs probe."""
-        model = tr.full_state_copy()
-        if not tr.main:
+        model = trainer.full_state_copy()
+        if not trainer.main:
             return {}
         model.eval()
-        return self._representation(tr, model, tr.cfg.eval.curve_probe_epochs)
+        return self._representation(trainer, model, trainer.cfg.eval.curve_probe_epochs)
 
-    def evaluate(self, tr) -> dict:
-        cfg, e = tr.cfg, tr.cfg.eval
-        model = tr.full_state_copy()
-        if not tr.main:
+    def evaluate(self, trainer) -> dict:
+        cfg, e = trainer.cfg, trainer.cfg.eval
+        model = trainer.full_state_copy()
+        if not trainer.main:
             return {}
         model.eval()
         res = {}
         d = cfg.data
         mean, std = (d.mean, d.std) if d.normalize else (None, None)
-        val = eval_loader(tr, "val", 256)
+        val = eval_loader(trainer, "val", 256)
         if e.recon and val is not None:
             imgs = next(iter(val.eval_batches(8)))["image"]
             torch.manual_seed(cfg.seed)  # the same masks every time, for comparable grids
-            with tr.autocast():
-                path = mae_reconstruction_grid(model, imgs, tr.out / f"recon_step{tr.step}.png", mean, std)
+            with trainer.autocast():
+                path = mae_reconstruction_grid(model, imgs, trainer.out / f"recon_step{trainer.step}.png", mean, std)
             res["recon_png"] = path
-        res.update(self._representation(tr, model, e.probe_epochs, tsne=e.tsne))
+        res.update(self._representation(trainer, model, e.probe_epochs, tsne=e.tsne))
         return res
 
 

@@ -37,13 +37,13 @@ class UViTTask:
 
         return noise_prediction_loss(model, batch["image"], self.sde, y=self._labels(cfg, batch)), {}
 
-    def _probe(self, tr, model, probe_epochs) -> dict:
+    def _probe(self, trainer, model, probe_epochs) -> dict:
         """Probe / kNN / effective rank of the features after eval.probe_block (-1: the mid block) at
         noise level eval.probe_t, keys prefixed ``probe_t<t>_``; {} when a split is missing."""
         from dres.eval import representation_metrics
 
-        cfg, e = tr.cfg, tr.cfg.eval
-        train, val = eval_loader(tr, "train", 256), eval_loader(tr, "val", 256)
+        cfg, e = trainer.cfg, trainer.cfg.eval
+        train, val = eval_loader(trainer, "train", 256), eval_loader(trainer, "val", 256)
         if not e.probe or train is None or val is None:
             return {}
 
@@ -56,74 +56,74 @@ class UViTTask:
             block = e.probe_block if e.probe_block >= 0 else model.num_in_blocks
             return model.features(xt, t * 999, block)
 
-        xtr, ytr = features(tr, fn, train, e.max_train)
-        xte, yte = features(tr, fn, val, e.max_test)
+        xtr, ytr = features(trainer, fn, train, e.max_train)
+        xte, yte = features(trainer, fn, val, e.max_test)
         r = representation_metrics(xtr, ytr, xte, yte, probe_epochs=probe_epochs, probe_lr=e.probe_lr,
                                    probe_batch=e.probe_batch, knn_k=e.knn_k, num_classes=cfg.data.num_classes,
-                                   seed=cfg.seed, device=tr.device)
+                                   seed=cfg.seed, device=trainer.device)
         return {f"probe_t{e.probe_t}_" + k: v for k, v in r.items()}
 
-    def curve(self, tr) -> dict:
+    def curve(self, trainer) -> dict:
         """The eval.every point: the feature probe with an eval.curve_probe_epochs linear head."""
-        model = tr.full_state_copy()  # EMA weights when kept
-        if not tr.main:
+        model = trainer.full_state_copy()  # EMA weights when kept
+        if not trainer.main:
             return {}
-        return self._probe(tr, model.eval(), tr.cfg.eval.curve_probe_epochs)
+        return self._probe(trainer, model.eval(), trainer.cfg.eval.curve_probe_epochs)
 
-    def _sample(self, tr, model, n, sampler, generator=None):
-        cfg, e, d = tr.cfg, tr.cfg.eval, tr.cfg.data
-        y = (torch.arange(n, device=tr.device) % cfg.model.num_classes) if cfg.model.num_classes > 0 else None
-        with tr.autocast():
+    def _sample(self, trainer, model, n, sampler, generator=None):
+        cfg, e, d = trainer.cfg, trainer.cfg.eval, trainer.cfg.data
+        y = (torch.arange(n, device=trainer.device) % cfg.model.num_classes) if cfg.model.num_classes > 0 else None
+        with trainer.autocast():
             return sampler(model, (n, d.in_chans, d.img_size, d.img_size), self.sde, steps=e.steps, y=y,
-                           device=tr.device, generator=generator)
+                           device=trainer.device, generator=generator)
 
-    def evaluate(self, tr) -> dict:
+    def evaluate(self, trainer) -> dict:
         from dres.eval import (ClassifierFeatures, FIDUnavailable, classifier_frechet_distance, dpm_solver,
                                euler_maruyama, save_grid, to_uint8)
         from dres.eval import fid as fid_fn
 
-        cfg, e, d = tr.cfg, tr.cfg.eval, tr.cfg.data
-        model = tr.full_state_copy()  # EMA weights when kept
-        if not tr.main:
+        cfg, e, d = trainer.cfg, trainer.cfg.eval, trainer.cfg.data
+        model = trainer.full_state_copy()  # EMA weights when kept
+        if not trainer.main:
             return {}
         model.eval()
         res = {}
         mean, std = (d.mean, d.std) if d.normalize else (None, None)
-        g = torch.Generator(device=tr.device).manual_seed(cfg.seed)
+        g = torch.Generator(device=trainer.device).manual_seed(cfg.seed)
         sampler = dpm_solver if e.sampler == "dpm" else euler_maruyama
-        x = self._sample(tr, model, e.n_samples, sampler, g)
-        res["samples_png"] = save_grid(to_uint8(x, mean, std), tr.out / f"samples_step{tr.step}_{e.sampler}{e.steps}.png")
-        res.update(self._probe(tr, model, e.probe_epochs))
+        x = self._sample(trainer, model, e.n_samples, sampler, g)
+        res["samples_png"] = save_grid(to_uint8(x, mean, std), trainer.out / f"samples_step{trainer.step}_{e.sampler}{e.steps}.png")
+        res.update(self._probe(trainer, model, e.probe_epochs))
         if not e.fid_inception:
-            tr.log("[dres] FID skipped: no Inception weights given (set eval.fid_inception=/path/to/"
+            trainer.log("[dres] FID skipped: no Inception weights given (set eval.fid_inception=/path/to/"
                    "inception-2015-12-05.pt, the TorchScript FID Inception of StyleGAN2-ADA/EDM)")
         if not (e.fid_inception or e.fd_classifier):
             return res
-        val = eval_loader(tr, "val", 500)
+        val = eval_loader(trainer, "val", 500)
         if val is None:
             return res
         real = torch.cat([to_uint8(b["image"], mean, std) for b in val.eval_batches(500)])[:e.fid_samples]
         bar = progress(total=e.fid_samples, desc="FID samples", unit="img", enabled=cfg.log.progress)
         fakes = []
         for n in range(0, e.fid_samples, 500):
-            fakes.append(to_uint8(self._sample(tr, model, min(500, e.fid_samples - n), sampler), mean, std))
+            fakes.append(to_uint8(self._sample(trainer, model, min(500, e.fid_samples - n), sampler), mean, std))
             bar.update(len(fakes[-1]))
         bar.close()
         fake = torch.cat(fakes)
         if e.fd_classifier:
             from dres.train.classify import load_trained
 
-            clf, ccfg = load_trained(e.fd_classifier, tr.device)
+            clf, ccfg = load_trained(e.fd_classifier, trainer.device)
             cd = ccfg.data
             c = cd.in_chans
             net = ClassifierFeatures(clf, cd.mean[:c] if cd.normalize else [0.0] * c,
-                                     cd.std[:c] if cd.normalize else [1.0] * c, autocast=tr.autocast)
-            res[f"fd_cifar_classifier_{e.sampler}{e.steps}"] = classifier_frechet_distance(net, fake, real, tr.device)
+                                     cd.std[:c] if cd.normalize else [1.0] * c, autocast=trainer.autocast)
+            res[f"fd_cifar_classifier_{e.sampler}{e.steps}"] = classifier_frechet_distance(net, fake, real, trainer.device)
         if e.fid_inception:
             try:
-                res[f"fid_{e.sampler}{e.steps}"] = fid_fn(e.fid_inception, fake, real, device=tr.device)
+                res[f"fid_{e.sampler}{e.steps}"] = fid_fn(e.fid_inception, fake, real, device=trainer.device)
             except FIDUnavailable as err:
-                tr.log(f"[dres] {err}")
+                trainer.log(f"[dres] {err}")
         return res
 
 
