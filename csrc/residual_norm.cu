@@ -1,4 +1,4 @@
-// CUDA kernels for the fused scaled residual add + LayerNorm (DESIGN.md, "The fused operation").
+// CUDA kernels for the fused scaled residual add + LayerNorm (docs/brief.md, "The fused operation").
 //
 // Same math as kernels/residual_norm.py (the Triton kernels), all in fp32 registers:
 //   forward:  out = alpha*x + row_scale[b]*h  (stored rounded in out's dtype)

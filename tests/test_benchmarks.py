@@ -46,7 +46,7 @@ def test_sanitize_card_name(raw, clean):
 
 
 def test_bytes_match_design_anchors():
-    """The brief's (../shared/DESIGN.md) 'bytes at ceiling' column (copy ceiling 2998 GB/s, whole microseconds, truncated)
+    """The brief's (docs/brief.md) 'bytes at ceiling' column (copy ceiling 2998 GB/s, whole microseconds, truncated)
     follows from the byte model."""
     anchors = [((12800, BF16), 59), ((65536, BF16), 302), ((262144, BF16), 1208), ((262144, FP32), 1880)]
     for (rows, xdt), us in anchors:

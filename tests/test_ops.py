@@ -1,4 +1,4 @@
-"""The fused ops against the float64 reference: forward and backward, every mode of DESIGN.md's
+"""The fused ops against the float64 reference: forward and backward, every mode of the brief's (docs/brief.md)
 table, mixed dtypes, odd sizes, strided gradients, poisoned outputs, determinism, opcheck and bad
 input. On CPU the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py); the same tests
 run on the GPU, where ``gpu``-marked ones add realistic shapes, torch.compile and CUDA graphs.
