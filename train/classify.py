@@ -33,36 +33,36 @@ class ClassifyTask:
         acc = (logits.argmax(1) == batch["label"]).float().mean()
         return loss, {"train_acc": acc}
 
-    def evaluate(self, tr) -> dict:
-        model = tr.full_state_copy()
-        if not tr.main:
+    def evaluate(self, trainer) -> dict:
+        model = trainer.full_state_copy()
+        if not trainer.main:
             return {}
         model.eval()
-        val = eval_loader(tr, "val", 512)
+        val = eval_loader(trainer, "val", 512)
         if val is None:
             return {}
         correct = n = 0
         loss = 0.0
-        with tr.autocast():
+        with trainer.autocast():
             for b in val.eval_batches(512):
                 logits = model(b["image"]).float()
                 loss += F.cross_entropy(logits, b["label"], reduction="sum").item()
                 correct += (logits.argmax(1) == b["label"]).sum().item()
                 n += len(b["label"])
-        return {"top1": correct / n, "val_loss": loss / n, **self._final_epoch_training(tr)}
+        return {"top1": correct / n, "val_loss": loss / n, **self._final_epoch_training(trainer)}
 
     @staticmethod
-    def _final_epoch_training(tr) -> dict:
+    def _final_epoch_training(trainer) -> dict:
         """Training loss and accuracy of the last epoch, from the run's whole metrics.jsonl (a resumed
         run's log is one history): ``final_epoch_loss``, ``final_epoch_train_acc``."""
         from dres.eval.curves import METRICS_JSONL, final_epoch_means, read_points
 
-        path = tr.out / METRICS_JSONL
+        path = trainer.out / METRICS_JSONL
         return final_epoch_means(read_points(path)) if path.exists() else {}
 
-    def curve(self, tr) -> dict:
+    def curve(self, trainer) -> dict:
         """The eval.every point: top-1 on the val split (already cheap)."""
-        res = self.evaluate(tr)
+        res = self.evaluate(trainer)
         return {k: v for k, v in res.items() if not k.startswith("final_epoch_")}
 
 
@@ -75,7 +75,7 @@ def load_trained(path, device="cpu"):
     Building it leaves the caller's random state as it was."""
     from pathlib import Path
 
-    from dres.train import checkpoint as C
+    from dres.train import checkpoint
     from dres.train.config import ConfigError, fingerprint, load_config
 
     p = Path(path)
@@ -88,7 +88,7 @@ def load_trained(path, device="cpu"):
         raise ConfigError(f"{run_dir} holds a '{cfg.task}' run, not a classifier")
     with torch.random.fork_rng(devices=[]):
         model = TASK.build_model(cfg)
-    extra = C.load(run_dir / "checkpoints" if p == run_dir else p, model, device=torch.device(device),
+    extra = checkpoint.load(run_dir / "checkpoints" if p == run_dir else p, model, device=torch.device(device),
                    restore_rng=False, fingerprint=fingerprint(cfg))
     if extra is None:
         raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'}")
