@@ -225,9 +225,9 @@ def test_training_summary_records_lost_data(tmp_path):
         "model.depth=1", "model.num_heads=2", "model.decoder_embed_dim=16", "model.decoder_depth=1",
         "model.decoder_num_heads=2", "batch_size=8", "steps=1", "log.progress=false", "log.tensorboard=false",
         f"out={tmp_path / 'run'}"])
-    tr = Trainer(cfg, TASK, log=lambda m: None).setup()
-    tr.fit()
-    tr.finish()
+    trainer = Trainer(cfg, TASK, log=lambda m: None).setup()
+    trainer.fit()
+    trainer.finish()
     lost = json.loads((tmp_path / "run" / "summary.json").read_text())["lost_data"]
     assert lost["corrupt_samples"] is None and lost["corrupt_samples_at_least"] == 1  # no manifest: unknown, not 1
     assert lost["damaged_shards"] == [str(tmp_path / "s-002.tar.gz")]
@@ -329,14 +329,14 @@ def test_trainer_logs_epochs_only_for_data_of_known_size(tmp_path):
         "batch_size=4",
         "steps=2", "optim.warmup_steps=0", "log.every=1", "log.progress=false", "log.tensorboard=false",
         "ckpt.every=0", "device=cpu", f"out={tmp_path / 'run'}"])
-    tr = Trainer(cfg, get_task("classify"), log=lambda m: None).setup()
-    tr.fit()
-    assert [h["epoch"] for h in tr.history] == [None, None]  # a stream without counts: no made-up epoch
+    trainer = Trainer(cfg, get_task("classify"), log=lambda m: None).setup()
+    trainer.fit()
+    assert [h["epoch"] for h in trainer.history] == [None, None]  # a stream without counts: no made-up epoch
     (tmp_path / "manifest.json").write_text(json.dumps({"shards": {f"s-00{s}.tar.gz": {"samples": 8} for s in range(2)}}))
     cfg.out = str(tmp_path / "run2")
-    tr = Trainer(cfg, get_task("classify"), log=lambda m: None).setup()
-    tr.fit()
-    assert [h["epoch"] for h in tr.history] == [0.25, 0.5]  # 16 samples, 4 steps an epoch
+    trainer = Trainer(cfg, get_task("classify"), log=lambda m: None).setup()
+    trainer.fit()
+    assert [h["epoch"] for h in trainer.history] == [0.25, 0.5]  # 16 samples, 4 steps an epoch
 
 
 def test_colour_jitter_trains_only_and_eval_crop_pct_reach_the_in_memory_loader(tmp_path):

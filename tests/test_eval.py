@@ -301,6 +301,6 @@ def test_tensorboard_missing_is_one_line_naming_the_extra(tmp_path, monkeypatch)
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     lines = []
-    tr = SimpleNamespace(log=lines.append, out=tmp_path, step=0)
-    assert Trainer._tensorboard(tr) is None
+    trainer = SimpleNamespace(log=lines.append, out=tmp_path, step=0)
+    assert Trainer._tensorboard(trainer) is None
     assert len(lines) == 1 and "pip install 'dres[tensorboard]'" in lines[0] and "log.tensorboard=false" in lines[0]

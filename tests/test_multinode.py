@@ -39,10 +39,10 @@ NODE_ENTRY = textwrap.dedent('''
             seen.extend(hashlib.sha1(x.numpy().tobytes()).hexdigest() for x in batch["image"])
             return TASK.loss(model, batch, cfg)
 
-        def evaluate(self, tr):
-            params = torch.cat([p.detach().flatten().double() for p in tr.raw_model.parameters()])
+        def evaluate(self, trainer):
+            params = torch.cat([p.detach().flatten().double() for p in trainer.raw_model.parameters()])
             with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as f:
-                json.dump({"seen": seen, "world": tr.info.world, "param_sum": params.sum().item(),
+                json.dump({"seen": seen, "world": trainer.info.world, "param_sum": params.sum().item(),
                            "param_abs_sum": params.abs().sum().item()}, f)
             return {}
 

@@ -51,8 +51,8 @@ def linear_probe(train_x, train_y, test_x, test_y, *, epochs=200, lr=1e-2, batch
         _train_head(head, opt, sched, train_x, train_y, epochs, batch_size, g, device)
     with torch.no_grad():
         acc = (head(test_x).argmax(1) == test_y).float().mean().item()
-        tr = (head(train_x).argmax(1) == train_y).float().mean().item()
-    return {"linear_probe_acc": acc, "linear_probe_train_acc": tr}
+        train_acc = (head(train_x).argmax(1) == train_y).float().mean().item()
+    return {"linear_probe_acc": acc, "linear_probe_train_acc": train_acc}
 
 
 def _train_head(head, opt, sched, train_x, train_y, epochs, batch_size, g, device):
