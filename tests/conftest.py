@@ -2,8 +2,13 @@
 the CPU through the interpreter (TRITON_INTERPRET=1 must be set before triton is imported)."""
 
 import os
+import sys
+from pathlib import Path
 
 import torch as _torch
+
+# benchmarks/ and experiments/ are not installed: the repository root on sys.path for every test file
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 if not _torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -7,19 +7,14 @@ from __future__ import annotations
 import copy
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-# `benchmarks/` is not an installed package: the `pytest` script (CI) does not put the repository
-# root on sys.path the way `python -m pytest` does.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks import (bench_kernels, bench_train, measure, train_distributed, train_memory, train_models,  # noqa: E402
+from benchmarks import (bench_kernels, bench_train, measure, train_distributed, train_memory, train_models,
                         train_report, trainer_runs)
-from benchmarks.measure import kernel_bytes  # noqa: E402
+from benchmarks.measure import kernel_bytes
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

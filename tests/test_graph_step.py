@@ -54,7 +54,7 @@ def test_auto_captures_every_classification_preset():
 
 @pytest.mark.parametrize("overrides,kw,reason", [
     (["cuda_graphs=false"], {}, "cuda_graphs=false"),
-    (["cuda_graphs=true"], {"device": torch.device("cpu")}, "the device is cpu, not CUDA"),
+    ([], {"device": torch.device("cpu")}, "the device is cpu, not CUDA"),
     (["dist=fsdp"], {}, "FSDP2"),
     (["act_ckpt=selective"], {}, "activation checkpointing"),
     (["precision=fp16", "optim.fused=false"], {"precision": "fp16"}, "fused AdamW"),
@@ -64,6 +64,16 @@ def test_plan_falls_back_with_a_reason(overrides, kw, reason):
     assert not on and reason in why and "\n" not in why
     if reason != "cuda_graphs=false":
         assert why.endswith("the step runs eagerly")
+
+
+@pytest.mark.parametrize("overrides,kw,reason", [
+    ([], {"device": torch.device("cpu")}, "the device is cpu, not CUDA"),
+    (["dist=fsdp"], {}, "FSDP2"),
+    (["optim.name=sgd", "optim.fused=false"], {}, "fused kernel"),
+])
+def test_cuda_graphs_true_captures_or_fails_with_the_reason(overrides, kw, reason):
+    with pytest.raises(ConfigError, match=f"cuda_graphs=true, but the step cannot be captured: .*{reason}"):
+        _plan(overrides + ["cuda_graphs=true"], **kw)
 
 
 def test_cuda_graphs_key_accepts_yaml_booleans_and_rejects_others():
@@ -128,7 +138,7 @@ def test_cpu_run_reports_no_replay_timing(tmp_path):
 
 
 def test_cpu_trainer_runs_eagerly_and_says_why(tmp_path):
-    cfg = build_config("mae", None, _TINY + ["cuda_graphs=true", "device=cpu", "steps=2", f"out={tmp_path}"])
+    cfg = build_config("mae", None, _TINY + ["device=cpu", "steps=2", f"out={tmp_path}"])
     lines = []
     trainer = Trainer(cfg, _task(), log=lines.append).setup()
     assert trainer.graphed is None

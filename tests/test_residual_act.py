@@ -374,25 +374,22 @@ def test_gpu_cached_launch_equals_tritons_own_launch():
 
 def test_benchmark_plan_and_cpu_run(tmp_path, capsys):
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks/ is not installed
-    from benchmarks import bench_residual_act as bra
+    from benchmarks import bench_residual_act
 
-    assert bra.main(["--dry-run"]) == 0
+    assert bench_residual_act.main(["--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     # 8 ResNet50 stages x 2 dtypes x 2 layouts x 1 mode x 3 impls, then 2 sizes x 2 models x 2 modes
     assert len([ln for ln in lines if ln.startswith("kernel")]) == 8 * 2 * 2 * 3
     assert "kernel 256x256x56x56 bf16 channels_last scaled dres bytes=2877294592" in lines
     assert lines[-1] == "train resnet50d 256x3x32x32 dres compile" and len(lines) == 96 + 8
     with pytest.raises(SystemExit, match="--impls: unknown"):
-        bra.main(["--dry-run", "--impls", "cudnn"])
+        bench_residual_act.main(["--dry-run", "--impls", "cudnn"])
     with pytest.raises(SystemExit, match="--shapes"):
-        bra.main(["--dry-run", "--shapes", "64"])
+        bench_residual_act.main(["--dry-run", "--shapes", "64"])
     if torch.cuda.is_available():
         return
-    assert bra.main(["--device", "cpu", "--shapes", "3x4x33x40", "--impls", "dres,eager", "--dtypes", "bf16",
+    assert bench_residual_act.main(["--device", "cpu", "--shapes", "3x4x33x40", "--impls", "dres,eager", "--dtypes", "bf16",
                      "--layouts", "channels_last", "--modes", "plain,scaled", "--train", "32", "--train-arch",
                      "resnet18", "--batch", "2", "--train-modes", "eager", "--train-steps", "1",
                      "--out", str(tmp_path)]) == 0

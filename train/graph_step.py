@@ -38,6 +38,9 @@ import warnings
 
 import torch
 
+from dres.train.config import ConfigError
+from dres.train.optim import capture_blocker
+
 
 # DDP does host-side work in its first iterations (bucket rebuild, sampled logging): torch's recipe for
 # capturing a whole DDP step runs 11 eager iterations first
@@ -45,10 +48,11 @@ DDP_WARMUP_STEPS = 11
 
 
 def graph_plan(cfg, device: torch.device, precision: str, world: int) -> tuple[bool, str]:
-    """``(capture, why)``: whether the trainer captures its step (``cfg.cuda_graphs`` auto|true|false)
-    and a one-line reason; unsupported configurations run eagerly whatever the setting. DDP on several
-    processes is captured with its all-reduce inside the graph (NCCL >= 2.9; measured faster than eager
-    DDP, BENCHMARKS.md)."""
+    """``(capture, why)``: whether the trainer captures its step and a one-line reason. ``cuda_graphs``:
+    ``auto`` captures where the configuration allows and runs eagerly elsewhere, ``true`` captures or
+    fails with the reason (:class:`ConfigError`), ``false`` never captures. DDP on several processes is
+    captured with its all-reduce inside the graph (NCCL >= 2.9; measured faster than eager DDP,
+    BENCHMARKS.md)."""
     if cfg.cuda_graphs == "false":
         return False, "off (cuda_graphs=false)"
     ddp = cfg.dist == "ddp" and world > 1
@@ -59,10 +63,11 @@ def graph_plan(cfg, device: torch.device, precision: str, world: int) -> tuple[b
         reason = "FSDP2 gathers and frees parameters through hooks that a graph cannot capture"
     elif cfg.act_ckpt != "none":
         reason = "activation checkpointing saves and restores the RNG state on the host in the backward"
-    elif cfg.optim.name == "sgd" and not cfg.optim.fused:
-        reason = "SGD reads a device learning rate only in its fused kernel (foreach SGD calls .item() on it)"
-    elif precision == "fp16" and not cfg.optim.fused:
-        reason = "fp16 loss scaling skips overflowed steps without a host sync only with the fused AdamW"
+    else:
+        reason = capture_blocker(cfg, device, precision)
+    if reason is not None and cfg.cuda_graphs == "true":
+        raise ConfigError(f"cuda_graphs=true, but the step cannot be captured: {reason} "
+                          "(cuda_graphs=auto runs it eagerly)")
     if reason is not None:
         return False, f"off ({reason}); the step runs eagerly"
     if ddp:

@@ -14,6 +14,8 @@ the whole-step CUDA graph (:mod:`dres.train.graph_step`) needs.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -24,21 +26,37 @@ def peak_lr(cfg) -> float:
     return o.lr if o.lr > 0 else o.blr * cfg.batch_size / 256
 
 
+def uses_fused_kernel(cfg, device: torch.device) -> bool:
+    """Whether the optimizer runs its fused CUDA kernel: asked for (``optim.fused``), on CUDA, and for SGD
+    not on FSDP2's DTensors (the fused SGD kernel has no sharding rule for them)."""
+    o = cfg.optim
+    return o.fused and device.type == "cuda" and not (o.name == "sgd" and cfg.dist == "fsdp")
+
+
+def capture_blocker(cfg, device: torch.device, precision: str) -> Optional[str]:
+    """Why this optimizer's step cannot be captured in a CUDA graph, or None."""
+    if uses_fused_kernel(cfg, device):
+        return None
+    if cfg.optim.name == "sgd":
+        return "SGD reads a device learning rate only in its fused kernel (foreach SGD calls .item() on it)"
+    if precision == "fp16":
+        return "fp16 loss scaling skips overflowed steps without a host sync only with the fused AdamW"
+    return None
+
+
 def build_optimizer(cfg, param_groups, device: torch.device, capturable: bool) -> torch.optim.Optimizer:
     """The optimizer ``cfg.optim.name`` names over ``param_groups`` (each with its ``weight_decay``) at
     :func:`peak_lr`; ``capturable``: the step will be captured in a CUDA graph (AdamW keeps its step
     count on the device; SGD has none, and its fused kernel needs nothing more)."""
     o = cfg.optim
-    fused = o.fused and device.type == "cuda"
+    fused = uses_fused_kernel(cfg, device)
     if o.name == "adamw":
         return torch.optim.AdamW(param_groups, lr=peak_lr(cfg), betas=tuple(o.betas), eps=o.eps,
                                  **({"fused": True} if fused else {}),
                                  **({"capturable": True} if capturable else {}))
     if o.name == "sgd":
-        # DTensor (FSDP2) has no sharding rule for the fused SGD kernel: foreach there
-        fused = fused and cfg.dist != "fsdp"
-        if capturable and not fused:  # graph_plan's rule: foreach SGD calls .item() on a tensor lr
-            raise ValueError("a CUDA-graphed SGD step needs the fused kernel (optim.fused=true, CUDA, no FSDP2)")
+        if capturable and not fused:  # graph_plan refuses this configuration first
+            raise ValueError(capture_blocker(cfg, device, "fp32"))
         return torch.optim.SGD(param_groups, lr=peak_lr(cfg), momentum=o.momentum, nesterov=True,
                                **({"fused": True} if fused else {}))
     raise ValueError(f"optim.name must be one of adamw, sgd; got {o.name!r}")
