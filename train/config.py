@@ -170,7 +170,7 @@ class Config:
     steps: int = 0            # ... or in optimizer steps (steps wins when > 0)
     precision: str = "auto"   # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
     compile: bool = False     # torch.compile each transformer block
-    # capture the whole train step as one CUDA graph: auto (on where supported: CUDA, one process) | true | false
+    # capture the whole train step as one CUDA graph: auto (where supported) | true (capture or fail) | false
     cuda_graphs: str = "auto"
     act_ckpt: str = "none"    # none | full | selective
     dist: str = "none"        # none | ddp | fsdp
