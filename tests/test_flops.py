@@ -100,6 +100,7 @@ def test_cpu_has_no_peak_and_mfu_is_per_gpu():
     assert common.model_flops_rate(4000.0, 60e9, 2, None) == {"model_tflops": pytest.approx(120.0), "mfu": None}
     assert common.model_flops_rate(4000.0, None, 1, 1000.0) == {"model_tflops": None, "mfu": None}
     assert common.flops_rate_text({"model_tflops": None, "mfu": None}) == ""
+    assert common.flops_rate_text({"model_tflops": 0.0123, "mfu": None}) == ", 12.30 model GFLOP/s per GPU"
 
 
 def test_trainer_reports_model_tflops_and_says_why_mfu_is_missing_on_cpu(tmp_path):
@@ -122,4 +123,4 @@ def test_trainer_reports_model_tflops_and_says_why_mfu_is_missing_on_cpu(tmp_pat
     for r in recs + [summary]:
         assert r["model_tflops"] == pytest.approx(r["img_per_s"] * per_image / 1e12) and r["mfu"] is None
     assert summary["gflop_per_image"] == pytest.approx(per_image / 1e9) and summary["peak_bf16_tflops"] is None
-    assert any(m.startswith("[dres] done:") and "model TFLOP/s per GPU" in m and "MFU" not in m for m in lines), lines
+    assert any(m.startswith("[dres] done:") and "FLOP/s per GPU" in m and "MFU" not in m for m in lines), lines

@@ -61,8 +61,15 @@ def model_flops_rate(img_per_s: float, flops_per_image: Optional[float], world: 
 
 
 def flops_rate_text(rates: dict) -> str:
-    """``", 71.8 model TFLOP/s per GPU, MFU 7.3%"`` from :func:`model_flops_rate`'s fields, as far as known."""
-    text = "" if rates["model_tflops"] is None else f", {rates['model_tflops']:.1f} model TFLOP/s per GPU"
+    """``", 71.8 model TFLOP/s per GPU, MFU 7.3%"`` from :func:`model_flops_rate`'s fields, as far as known
+    (GFLOP/s below 0.1 TFLOP/s: small models on a CPU)."""
+    tflops = rates["model_tflops"]
+    if tflops is None:
+        text = ""
+    elif tflops < 0.1:
+        text = f", {tflops * 1e3:.2f} model GFLOP/s per GPU"
+    else:
+        text = f", {tflops:.1f} model TFLOP/s per GPU"
     return text + ("" if rates["mfu"] is None else f", MFU {rates['mfu']:.1%}")
 
 
