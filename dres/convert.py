@@ -102,16 +102,26 @@ class FusedTimmBlocks(ResidualStream, nn.Sequential):
         return self.run_stream(x, norm=None, scales=self.droppath_scales(x))[0]  # the model's own norm follows
 
 
+def float32_alphas(n: int, alpha_min: float, schedule: str, per_block: bool, per_layer: int = 2) -> list[float]:
+    """:func:`dres.nn.decay_schedule` rounded to float32, as the kernels read it, so that fused and
+    block-by-block paths agree exactly."""
+    return torch.tensor(decay_schedule(n, alpha_min, schedule, per_block, per_layer), dtype=torch.float32).tolist()
+
+
+def check_norm(where: str, norm: nn.Module) -> None:
+    """The fused ops implement LayerNorm over the last dimension only."""
+    if not isinstance(norm, nn.LayerNorm) or len(norm.normalized_shape) != 1:
+        raise TypeError(f"{where} is {type(norm).__name__}; the fused ops implement LayerNorm over the last "
+                        "dimension only")
+
+
 def _check_block(i: int, blk: nn.Module) -> None:
     missing = [p for p in _BLOCK_PARTS if not hasattr(blk, p)]
     if missing:
         raise TypeError(f"block {i} ({type(blk).__name__}) lacks {missing}: only pre-LN timm Blocks "
                         "(norm1, attn, norm2, mlp) can be converted")
     for name in ("norm1", "norm2"):
-        norm = getattr(blk, name)
-        if not isinstance(norm, nn.LayerNorm) or len(norm.normalized_shape) != 1:
-            raise TypeError(f"block {i}.{name} is {type(norm).__name__}; the fused ops implement LayerNorm over "
-                            "the last dimension only")
+        check_norm(f"block {i}.{name}", getattr(blk, name))
 
 
 def has_timm_drop_path(blk: nn.Module) -> bool:
@@ -147,8 +157,7 @@ def convert_timm_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "
         _check_block(i, blk)
     refuse_two_drop_paths(drop_path, blocks, has_timm_drop_path)
     droppath = build_droppath(None, drop_path, droppath_mode, 2 * len(blocks), droppath_seed)
-    # rounded to float32 as the kernels read them, so fused and block-by-block paths agree exactly
-    alphas = torch.tensor(decay_schedule(2 * len(blocks), alpha_min, schedule, per_block), dtype=torch.float32).tolist()
+    alphas = float32_alphas(2 * len(blocks), alpha_min, schedule, per_block)
     if droppath is not None:
         droppath = droppath.to(blocks[0].norm1.weight.device)
     stream = FusedTimmBlocks(list(blocks), alphas, backend, droppath)

@@ -38,20 +38,9 @@ import torch
 from torch import nn
 
 from dres import ops
-from dres.nn.schedule import decay_schedule
+from dres.convert import check_norm, float32_alphas
 
 __all__ = ["convert_hf_vit", "convert_hf_bert"]
-
-
-def _float32_alphas(n: int, alpha_min: float, schedule: str, per_block: bool, per_layer: int) -> list[float]:
-    """The schedule rounded to float32, as the kernels read it (the reference then computes the same)."""
-    return torch.tensor(decay_schedule(n, alpha_min, schedule, per_block, per_layer), dtype=torch.float32).tolist()
-
-
-def _check_norm(where: str, norm: nn.Module) -> None:
-    if not isinstance(norm, nn.LayerNorm) or len(norm.normalized_shape) != 1:
-        raise TypeError(f"{where} is {type(norm).__name__}; the fused ops implement LayerNorm over the last "
-                        "dimension only")
 
 
 def _refuse_second_conversion(modules, what: str) -> None:
@@ -149,13 +138,13 @@ def convert_hf_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "li
         if missing or not (hasattr(layer, "mlp") or hasattr(layer, "intermediate")):
             raise TypeError(f"layer {i} ({type(layer).__name__}) is not a pre-LN ViTLayer: lacks "
                             f"{missing or ['mlp or intermediate/output']}")
-        _check_norm(f"layer {i}.layernorm_before", layer.layernorm_before)
-        _check_norm(f"layer {i}.layernorm_after", layer.layernorm_after)
+        check_norm(f"layer {i}.layernorm_before", layer.layernorm_before)
+        check_norm(f"layer {i}.layernorm_after", layer.layernorm_after)
     _refuse_second_conversion(layers, "this model")
     final_norm = getattr(vit, "layernorm", None)
     next_norms = [layer.layernorm_before for layer in layers[1:]]
     next_norms.append(final_norm if isinstance(final_norm, nn.LayerNorm) else None)
-    alphas = _float32_alphas(2 * len(layers), alpha_min, schedule, per_block, 2)
+    alphas = float32_alphas(2 * len(layers), alpha_min, schedule, per_block, 2)
     for i, (layer, next_norm) in enumerate(zip(layers, next_norms)):
         if next_norm is not None:
             next_norm.forward = functools.partial(_handed_norm_forward, next_norm)
@@ -204,10 +193,10 @@ def convert_hf_bert(model: nn.Module, alpha_min: float = 1.0, schedule: str = "l
             missing = [p for p in ("dense", "dropout", "LayerNorm") if not hasattr(module, p)]
             if missing:
                 raise TypeError(f"{where} lacks {missing}: not a post-LN add-and-norm module")
-            _check_norm(f"{where}.LayerNorm", module.LayerNorm)
+            check_norm(f"{where}.LayerNorm", module.LayerNorm)
             residuals.append(module)
     _refuse_second_conversion(residuals, "this model")
-    alphas = _float32_alphas(len(residuals), alpha_min, schedule, per_block, len(residuals) // len(layers))
+    alphas = float32_alphas(len(residuals), alpha_min, schedule, per_block, len(residuals) // len(layers))
     for module, alpha in zip(residuals, alphas):
         module._dres_alpha = alpha
         module.backend = backend
