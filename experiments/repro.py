@@ -316,14 +316,13 @@ def resolved_config(arm: Arm, presets: dict, extra: list[str]):
 
 
 def git_commit() -> str:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+    """The checkout's commit, ``+dirty`` when tracked files differ from it, or ``unknown``."""
+    from dres.train.rundir import git_state
+
+    state = git_state(REPO_ROOT)
+    if state["git_commit"] is None:
         return "unknown"
-    return sha + ("+dirty" if dirty else "")
+    return state["git_commit"] + ("+dirty" if state["git_dirty"] else "")
 
 
 def card_of(gpu: int | None) -> str:

@@ -371,7 +371,7 @@ def cut_records(path: Path, step: int) -> tuple[list[dict], int]:
 START_FILE = "starts.jsonl"
 
 
-def _git_state(repo: Path) -> dict:
+def git_state(repo: Path) -> dict:
     """The commit of the git checkout ``repo`` and whether tracked files differ from it; None where it is
     no checkout (an installed wheel) or git is missing."""
     def git(*args):
@@ -414,7 +414,7 @@ def record_start(out: Path, device, world: int, step: int) -> dict:
            "command": sys.argv, "host": socket.gethostname(), "device": describe_device(device), "world": world,
            "python": platform.python_version(), "dres": dres.__version__, "torch": torch.__version__,
            "triton": triton_version, "cuda": torch.version.cuda,
-           **_git_state(Path(dres.__file__).resolve().parent.parent)}
+           **git_state(Path(dres.__file__).resolve().parent.parent)}
     line = json.dumps(rec) + "\n"
     try:
         with open(Path(out) / START_FILE, "a") as f:
