@@ -334,6 +334,28 @@ def test_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous_one(tm
     assert "resumed from" in capsys.readouterr().out and (out / "checkpoints" / "step_00000004.pt").exists()
 
 
+def test_full_disk_during_a_dcp_checkpoint_is_disk_full_and_keeps_the_previous_one(tmp_path):
+    """torch.distributed.checkpoint (the FSDP2 format) reports a failed write as a CheckpointException, a
+    BaseException holding each rank's (exception, traceback): a full disk there is DiskFull too."""
+    import torch
+    import torch.distributed.checkpoint.filesystem as dcp_filesystem
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    checkpoint.save(tmp_path, 2, model, optimizer, {}, dcp_format=True)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with mock.patch.object(dcp_filesystem, "_write_item", full), pytest.raises(rundir.DiskFull) as raised:
+        checkpoint.save(tmp_path, 4, model, optimizer, {}, dcp_format=True)
+    assert f"the previous checkpoint {tmp_path / 'step_00000002'} is intact" in str(raised.value)
+    assert "removed the partial .step_00000004.tmp" in str(raised.value)
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000002"]
+
+
 def test_full_disk_while_writing_eval_json_leaves_no_partial_file(tmp_path, capsys):
     out = tmp_path / "run"
     assert _train(out, steps=2) == 0

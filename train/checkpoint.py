@@ -130,14 +130,6 @@ def _state_bytes(obj) -> int:
     return 0
 
 
-def _disk_full_failure(e: BaseException) -> bool:
-    """ENOSPC / EDQUOT in ``e``, or in the per-rank failures a DCP ``CheckpointException`` carries."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict):
-        return any(rundir.is_disk_full(getattr(f, "exception", f)) for f in failures.values())
-    return rundir.is_disk_full(e)
-
-
 def _write_file(tmp: Path, final: Path, payload: dict) -> None:
     with open(tmp, "wb") as f:
         torch.save(payload, f)
@@ -161,6 +153,7 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
     msd, osd = _model_optim_state(model, optimizer, dcp_format)
     if dcp_format:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         tmp, final = ckpt_dir / f".step_{step:08d}.tmp", ckpt_dir / f"step_{step:08d}"
         if main and tmp.exists():
@@ -169,13 +162,13 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
         state = {"model": msd, "optim": osd}
         if ema is not None:
             state["ema"] = ema
-        needed = _state_bytes(state) * (dist.get_world_size() if distributed.is_dist() else 1)
+        world = dist.get_world_size() if distributed.is_dist() else 1
         try:
             dcp.save(state, checkpoint_id=str(tmp))
-        except Exception as e:  # DCP raises the same CheckpointException on every rank
-            if not _disk_full_failure(e):
+        except (Exception, CheckpointException) as e:  # a BaseException, the same on every rank
+            if not rundir.is_disk_full(e):
                 raise
-            _fail_full(ckpt_dir, tmp, final, needed, main, e)
+            _fail_full(ckpt_dir, tmp, final, _state_bytes(state) * world, main, e)
 
         def publish():
             try:
@@ -186,7 +179,7 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
             except Exception as e:
                 if not rundir.is_disk_full(e):
                     raise
-                _fail_full(ckpt_dir, tmp, final, needed, True, e)
+                _fail_full(ckpt_dir, tmp, final, _state_bytes(state) * world, True, e)
 
         distributed.on_main(publish, main)
     else:

@@ -56,7 +56,11 @@ class DiskFull(RunDirError):
 
 def is_disk_full(e: BaseException) -> bool:
     """Whether ``e`` or an exception it was raised from is ENOSPC / EDQUOT (torch.save reports a
-    failed write as a RuntimeError raised during the OSError)."""
+    failed write as a RuntimeError raised during the OSError), or, for torch.distributed.checkpoint's
+    CheckpointException, any rank's failure ({rank: (exception, traceback)})."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict):
+        return any(is_disk_full(f[0] if isinstance(f, tuple) else f) for f in failures.values())
     while isinstance(e, BaseException):
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
