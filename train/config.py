@@ -558,18 +558,18 @@ _FINGERPRINT_BEFORE = {"optim.name": "adamw", "model.drop_rate": 0.0}
 _MODEL_KEYS_NOT_IN_FINGERPRINT = ("backend", "attn_impl")  # implementation choices, same parameters
 
 
+def dotted_value(d: dict, key: str):
+    """``d["a"]["b"]`` for ``key`` "a.b" of a config dict; None where a part is missing."""
+    for part in key.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
 def fingerprint(cfg) -> dict:
     """The flat ``{dotted key: value}`` of :data:`FINGERPRINT_KEYS` and the model's keys, from a
     :class:`Config` or its dict (a saved ``config.yaml``)."""
     d = to_dict(cfg) if dataclasses.is_dataclass(cfg) else cfg
-
-    def get(key):
-        v = d
-        for part in key.split("."):
-            v = v.get(part) if isinstance(v, dict) else None
-        return v
-
-    fp = {k: get(k) for k in FINGERPRINT_KEYS}
+    fp = {k: dotted_value(d, k) for k in FINGERPRINT_KEYS}
     fp.update({f"model.{k}": v for k, v in sorted((d.get("model") or {}).items())
                if k not in _MODEL_KEYS_NOT_IN_FINGERPRINT})
     return fp

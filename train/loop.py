@@ -38,7 +38,7 @@ from dres.train import checkpoint
 from dres.train import distributed
 from dres.train import rundir
 from dres.train.common import dense_bf16_peak, flops_rate_text, model_flops_rate, progress
-from dres.train.config import Config, ConfigError, cpu_threads, fingerprint, save_config, to_dict
+from dres.train.config import Config, ConfigError, cpu_threads, dotted_value, fingerprint, save_config, to_dict
 from dres.train.graph_step import GraphedStep, graph_plan, graph_warmup_steps, steady_timing
 from dres.train.optim import build_optimizer, peak_lr
 
@@ -323,19 +323,14 @@ class Trainer:
         """The :data:`RESUME_APPLIED` keys that differ from the checkpoint's config (one line), after
         refusing a change of a :data:`RESUME_FIXED` key."""
         now = to_dict(self.cfg)
-
-        def get(d, key):
-            for part in key.split("."):
-                d = d.get(part) if isinstance(d, dict) else None
-            return d
-
         for key in RESUME_FIXED:
-            if saved and get(saved, key) != get(now, key):
+            was, is_now = dotted_value(saved, key), dotted_value(now, key)
+            if saved and was != is_now:
                 raise ConfigError(f"{key} cannot change on resume: checkpoint {path} continues the random streams "
-                                  f"and data order of {key}={get(saved, key)!r} (now {get(now, key)!r}); resume with "
-                                  f"--set {key}={get(saved, key)}, or start a new run")
-        return ", ".join(f"{k} {get(saved, k)!r} -> {get(now, k)!r}" for k in RESUME_APPLIED
-                         if saved and get(saved, k) != get(now, k))
+                                  f"and data order of {key}={was!r} (now {is_now!r}); resume with "
+                                  f"--set {key}={was}, or start a new run")
+        return ", ".join(f"{k} {dotted_value(saved, k)!r} -> {dotted_value(now, k)!r}" for k in RESUME_APPLIED
+                         if saved and dotted_value(saved, k) != dotted_value(now, k))
 
     def _apply_settings(self, built: list[dict]):
         """Set the hyper-parameters ``built`` from the current config on the parameter groups (loading the

@@ -150,22 +150,21 @@ def contents(out: Path) -> list[Path]:
     return [p for p in out.iterdir() if p.name != LOCK_FILE] if out.is_dir() else []
 
 
-def claim(out: Path, cfg, *, resume=None, overwrite=False, main=True, log=print) -> None:
-    """Check and prepare (``main``: the move aside) ``out`` for a training run; the trainer calls it on the
-    main rank, holding the run lock, and shares the outcome with the other ranks."""
+def claim(out: Path, cfg, *, resume=None, overwrite=False, log=print) -> None:
+    """Check and prepare (the move aside) ``out`` for a training run; the trainer calls it on the main
+    rank, holding the run lock, and shares the outcome with the other ranks."""
     if resume and overwrite:
         raise RunDirError("--resume and --overwrite exclude each other (continue the run, or move it aside)")
     if out.exists() and not out.is_dir():
         raise RunDirError(f"run directory {out} is a file")
     if not contents(out):
         return
-    if overwrite:
-        if main:  # entry by entry, so that the run lock this run holds stays in place
-            dest = aside_name(out)
-            dest.mkdir()
-            for p in contents(out):
-                os.rename(p, dest / p.name)
-            log(f"[dres] moved the previous contents of {out} to {dest}")
+    if overwrite:  # entry by entry, so that the run lock this run holds stays in place
+        dest = aside_name(out)
+        dest.mkdir()
+        for p in contents(out):
+            os.rename(p, dest / p.name)
+        log(f"[dres] moved the previous contents of {out} to {dest}")
         return
     if not resume:
         raise RunDirError(f"run directory {out} is not empty; continue its run with --resume auto, or start a new "
