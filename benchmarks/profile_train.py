@@ -193,7 +193,8 @@ def profile_trainer(preset: str, overrides: list[str], batch: int | None, steps:
     dist = cfg.dist if world > 1 else "none"
     return {"bench": task, "model": preset, "mode": mode + (" compile" if cfg.compile else ""),
             "batch": cfg.batch_size // world, "dist": dist, "fsdp": dist == "fsdp",
-            "compile_scope": "per_block" if cfg.compile else None, "world_size": world, "overrides": " ".join(overrides), **r}
+            "compile_scope": ("per_block" if cfg.compile_scope == "blocks" else cfg.compile_scope) if cfg.compile else None,
+            "world_size": world, "overrides": " ".join(overrides), **r}
 
 
 def print_profile(r: dict) -> None:

@@ -92,6 +92,8 @@ def model_label(record: dict) -> str:
         options.append(f"ops {record['ops_backend']}")
     if record.get("fused_branches") is not None:
         options.append(f"fused branches {'on' if record['fused_branches'] else 'off'}")
+    if isinstance(record.get("overrides"), list):  # a trainer run's model keys (its preset's variant changed)
+        options += [kv for kv in record["overrides"] if kv.startswith("model.")]
     return record["model"] + (f" [{', '.join(options)}]" if options else "")
 
 

@@ -10,7 +10,7 @@ from benchmarks.train_models import BASELINE, model_label
 
 
 TRAIN_KEY = ("card", "bench", "model", "ops_backend", "fused_branches", "mode", "batch", "world_size", "checkpointing",
-             "kind", "dist", "fsdp_variant", "ddp_variant")
+             "kind", "dist", "fsdp_variant", "ddp_variant", "compile_scope", "overrides")
 
 
 def model_options(record: dict) -> tuple:
@@ -134,7 +134,8 @@ def dist_markdown(records: list[dict], replay: bool = False) -> list[str]:
     for r in sorted(records, key=lambda r: (r["bench"], model_label(r), r["mode"], record_dist_label(r).replace("none", "ddp"),
                                             r["world_size"])):
         peak = r.get("peak_mem_gib")
-        lines.append(f"| {r['bench']} {model_label(r)} | {r['mode']} | {record_dist_label(r)} | {r['world_size']} | {r['batch']} | "
+        mode = r["mode"] + (" (whole model)" if r.get("compile_scope") == "model" else "")
+        lines.append(f"| {r['bench']} {model_label(r)} | {mode} | {record_dist_label(r)} | {r['world_size']} | {r['batch']} | "
                      f"{r['images_per_s']:.0f} | {r['images_per_s_per_gpu']:.0f} | "
                      f"{cell(r.get('scaling_efficiency'), '.1%')} | {cell(r.get('fsdp_vs_ddp'), '.2f')} | "
                      f"{cell(peak, '.1f')} |" + (f" {cell(r.get('graph_gpu_ms_per_step'), '.2f')} | "

@@ -81,6 +81,12 @@ def steady_state_rate(metrics: list[dict], global_batch: int, skip: int = 1) -> 
     return images / seconds, steps
 
 
+def compile_scope(sets: list[str]) -> str:
+    """The record's name for the trainer's ``compile_scope`` (the last ``--set`` wins, as in the trainer)."""
+    scope = next((kv.split("=", 1)[1] for kv in reversed(sets) if kv.startswith("compile_scope=")), "blocks")
+    return "per_block" if scope == "blocks" else scope
+
+
 def trainer_record(run: dict, run_dir: Path, env: dict, card: str) -> dict:
     with open(run_dir / "metrics.jsonl") as f:
         metrics = [json.loads(line) for line in f if line.strip()]
@@ -92,7 +98,7 @@ def trainer_record(run: dict, run_dir: Path, env: dict, card: str) -> dict:
             "world_size": world, "dist": run["dist"], "checkpointing": False,
             "fsdp_variant": run["variant"] if run["dist"] == "fsdp" else None,
             "ddp_variant": run["variant"] if run["dist"] == "ddp" else None,
-            "compile_scope": None if run["mode"] == "eager" else "per_block",
+            "compile_scope": None if run["mode"] == "eager" else compile_scope(run["sets"]),
             "images_per_s": ips, "images_per_s_per_gpu": ips / world, "steps": steps,
             "peak_mem_gib": summary.get("peak_mem_gib"), "final_loss": summary.get("final_loss"),
             # the whole-step graph's replay GPU time and the trainer's step against it (absent: eager step)

@@ -546,6 +546,13 @@ def test_trainer_steady_state_leaves_out_the_first_interval(tmp_path):
     rec = trainer_runs.trainer_record(run, tmp_path, {"torch": "2.x", "triton": "3.x"}, "h100-80gb-hbm3")
     assert rec["graph_gpu_ms_per_step"] == 40.0 and rec["trainer_vs_replay"] == 1.031
     assert train_report.dist_markdown([rec], replay=True)[2].endswith("|  | 40.00 | 1.031 |")  # the trainer table's columns
+    assert rec["compile_scope"] is None  # eager
+    compiled = {**run, "mode": "compile", "sets": ["compile=true", "model.variant=baseline", "compile_scope=model"]}
+    rec = trainer_runs.trainer_record(compiled, tmp_path, {"torch": "2.x", "triton": "3.x"}, "h100-80gb-hbm3")
+    assert rec["compile_scope"] == "model"
+    row = train_report.dist_markdown([rec], replay=True)[2]
+    assert "mae_vit_b16_in1k [model.variant=baseline] | compile (whole model) |" in row
+    assert trainer_runs.compile_scope(["compile=true"]) == "per_block"
 
 
 def _drec(model, dist, world, per_gpu, kind="dist", variant=None, mode="eager"):

@@ -202,6 +202,10 @@ CASES = {
     "sgd": (["optim.name=sgd", "optim.lr=0.05", "optim.label_smoothing=0.1", "model.drop_path=0.2",
              "model.droppath_mode=residual_droppath"], "classify"),
     "sgd_fp16": (["optim.name=sgd", "optim.lr=0.05", "precision=fp16"], "classify"),
+    # the whole forward one compiled region, drop path's two parities included
+    "compiled_model": (["compile=true", "compile_scope=model", "model.drop_path=0.3",
+                        "model.droppath_mode=residual_droppath"], "mae"),
+    "compiled_model_classify": (["compile=true", "compile_scope=model", "optim.name=sgd", "optim.lr=0.05"], "classify"),
 }
 
 
@@ -282,10 +286,11 @@ def test_graphed_run_resumes_exactly(tmp_path, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("graphs", ["true", "false"])
-def test_steps_do_not_synchronise_with_the_host(tmp_path, graphs):
-    # mae_cifar10-like: per-block compile, bf16, augmentation on the device; RRC + flip on every batch
-    cfg = build_config("mae", None, _TINY + ["compile=true", f"cuda_graphs={graphs}", "steps=20",
+@pytest.mark.parametrize("graphs,scope", [("true", "blocks"), ("false", "blocks"), ("true", "model")])
+def test_steps_do_not_synchronise_with_the_host(tmp_path, graphs, scope):
+    # mae_cifar10-like: compiled, bf16, augmentation on the device; RRC + flip on every batch
+    cfg = build_config("mae", None, _TINY + ["compile=true", f"compile_scope={scope}", f"cuda_graphs={graphs}",
+                                             "steps=20",
                                              "model.drop_path=0.2", "model.droppath_mode=residual_droppath",
                                              "optim.clip_grad=1.0", "optim.ema_decay=0.99", f"out={tmp_path}"])
     trainer = Trainer(cfg, _task(), log=lambda m: None).setup()

@@ -51,6 +51,28 @@ def test_overrides_coerce_types_and_reject_unknown_keys():
         build_config("uvit", "quickstart")
 
 
+def test_compile_scope_is_blocks_or_model_and_blocks_under_fsdp():
+    assert build_config("mae", "quickstart").compile_scope == "blocks"
+    assert build_config("mae", "quickstart", ["compile=true", "compile_scope=model"]).compile_scope == "model"
+    with pytest.raises(ConfigError, match="config key 'compile_scope' must be one of blocks, model"):
+        build_config("mae", "quickstart", ["compile_scope=graph"])
+    with pytest.raises(ConfigError, match="config key 'compile_scope' must be blocks under dist=fsdp"):
+        build_config("mae", "quickstart", ["compile_scope=model", "dist=fsdp"])
+
+
+def test_apply_compile_scopes_count_their_regions():
+    from dres.train import distributed
+    from dres.train.mae import TASK
+
+    cfg = build_config("mae", "quickstart")
+    whole, per_block = TASK.build_model(cfg), TASK.build_model(cfg)
+    assert distributed.apply_compile(whole, "model") == 1 and whole._compiled_call_impl is not None
+    assert not any(getattr(m, "_compiled_call_impl", None) for m in whole.modules() if m is not whole)
+    n = distributed.apply_compile(per_block)
+    assert n == len(per_block.compile_units()) > 1 and per_block._compiled_call_impl is None
+    assert all(u._compiled_call_impl is not None for u in per_block.compile_units())
+
+
 @pytest.mark.parametrize("args,msg", [
     (["mae", "--preset", "nope"], "unknown preset 'nope'"),
     (["mae", "--preset", "quickstart", "--set", "model.wat=1"], "unknown config key 'model.wat'"),

@@ -169,7 +169,10 @@ class Config:
     epochs: float = 0.0       # training length in epochs of the train set ...
     steps: int = 0            # ... or in optimizer steps (steps wins when > 0)
     precision: str = "auto"   # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
-    compile: bool = False     # torch.compile each transformer block
+    compile: bool = False     # torch.compile the model: per block, or whole (compile_scope)
+    # blocks: each transformer block one region (FSDP2's units; the glue between them runs eager) |
+    # model: the model's forward as one graph (Inductor fuses the embedding, masking and loss glue too)
+    compile_scope: str = "blocks"
     # capture the whole train step as one CUDA graph: auto (where supported) | true (capture or fail) | false
     cuda_graphs: str = "auto"
     act_ckpt: str = "none"    # none | full | selective
@@ -195,7 +198,7 @@ class Config:
 
 CHOICES = {
     "task": TASKS, "precision": ("auto", "bf16", "fp16", "fp32"), "act_ckpt": ("none", "full", "selective"),
-    "cuda_graphs": ("auto", "true", "false"),
+    "cuda_graphs": ("auto", "true", "false"), "compile_scope": ("blocks", "model"),
     "dist": ("none", "ddp", "fsdp"), "fsdp_param_dtype": ("bf16", "fp32"),
     "fsdp_reshard": ("auto", "always", "except_last", "never"),
     "data.name": ("digits", "cifar10_wds", "wds", "imagefolder", "cifar_tv", "mnist_tv", "synthetic"),
@@ -532,6 +535,8 @@ def validate(cfg: Config) -> None:
         need(m.decoder_num_heads > 0 and m.decoder_embed_dim % m.decoder_num_heads == 0, "model.decoder_num_heads",
              f"must divide model.decoder_embed_dim ({m.decoder_embed_dim})")
         need(0 <= m.mask_ratio < 1, "model.mask_ratio", "must be in [0, 1)")
+    need(cfg.compile_scope == "blocks" or cfg.dist != "fsdp", "compile_scope",
+         "must be blocks under dist=fsdp (FSDP2 shards and compiles block by block)")
     need(0 < m.alpha_min <= 1, "model.alpha_min", "must be in (0, 1] (1: plain residuals)")
     need(0 <= m.drop_path < 1, "model.drop_path", "must be in [0, 1)")
     need(0 <= m.drop_rate < 1, "model.drop_rate", "must be in [0, 1)")

@@ -1,6 +1,7 @@
 """Parallelism, kept apart from the model and the loop (torchtitan style): process-group setup from
 the ``torchrun`` environment, and functions that transform a built model in place —
-activation checkpointing, per-unit ``torch.compile``, then DDP or FSDP2 — applied in that order.
+activation checkpointing, per-unit ``torch.compile``, then DDP or FSDP2 — applied in that order (a
+whole-model ``torch.compile`` comes last, around the DDP wrapper).
 
 *Units.* A unit is a transformer block, as the model's ``parallel_units()`` lists them (a dres
 :class:`~dres.nn.Block` adds the previous block's pending branch fused with its own norm1, so a
@@ -179,13 +180,19 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
     return len(units)
 
 
-def apply_compile(model: nn.Module) -> int:
-    """``torch.compile`` each unit (repeated structure compiles once and is reused; the fused
-    custom ops between units stay as they are): the model's ``compile_units()`` where it lists more
-    regions than its blocks, else :func:`parallel_units`. A model may set ``compile_dynamic`` (the
-    ``dynamic`` argument of ``torch.compile``; default None, torch's automatic choice)."""
+def apply_compile(model: nn.Module, scope: str = "blocks") -> int:
+    """``torch.compile`` the model in place; the number of compiled regions. ``scope`` "model": its
+    forward as one region (under DDP pass the wrapped model, whose graph Dynamo splits at the gradient
+    buckets so that all-reduces still overlap the backward). "blocks": each unit (repeated structure
+    compiles once and is reused; the code between units runs eager): the model's ``compile_units()``
+    where it lists more regions than its blocks, else :func:`parallel_units`. A model may set
+    ``compile_dynamic`` (the ``dynamic`` argument of ``torch.compile``; default None, torch's choice)."""
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    dynamic = getattr(inner, "compile_dynamic", None)
+    if scope == "model":
+        model.compile(dynamic=dynamic)
+        return 1
     units = list(model.compile_units()) if hasattr(model, "compile_units") else parallel_units(model)
-    dynamic = getattr(model, "compile_dynamic", None)
     if dynamic is False:  # units share one forward: static shapes need an entry per unit, mode and batch size
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(units))
     for u in units:

@@ -171,9 +171,8 @@ class Trainer:
         self.droppath = getattr(model, "droppath", None)
         self.n_params = sum(p.numel() for p in model.parameters())
         n_checkpointed = distributed.apply_activation_checkpointing(model, cfg.act_ckpt)
-        n_compiled = distributed.apply_compile(model) if cfg.compile else 0
-        if n_checkpointed or n_compiled:
-            self.log(f"[dres] activation checkpointing '{cfg.act_ckpt}' on {n_checkpointed} units; compiled {n_compiled} units")
+        per_block = cfg.compile and cfg.compile_scope == "blocks"
+        n_compiled = distributed.apply_compile(model) if per_block else 0
         graphs, why = graph_plan(cfg, self.device, self.precision, self.info.world)
         if graphs and train and cfg.model.backend is None:
             # capture takes the Triton kernels: the eager warm-up steps take them too, so that they compute
@@ -189,6 +188,11 @@ class Trainer:
         elif cfg.dist == "ddp" and self.info.world > 1:
             # gradients as views into the all-reduce buckets: no per-parameter copy back after the backward
             model = distributed.apply_ddp(model, self.info, bucket_view=True, stream=capture_stream)
+        if cfg.compile and cfg.compile_scope == "model":
+            n_compiled = distributed.apply_compile(model, "model")
+        if n_checkpointed or n_compiled:
+            self.log(f"[dres] activation checkpointing '{cfg.act_ckpt}' on {n_checkpointed} units; "
+                     f"compiled {n_compiled} {'units' if per_block else 'region (the whole model)'}")
         self.model = model
         # after sharding: the groups must hold the parameters the optimizer will see (DTensors under FSDP)
         groups, nd = param_groups(self.raw_model, cfg.optim.weight_decay)
