@@ -289,16 +289,18 @@ def test_two_processes_both_refuse_a_locked_folder(tmp_path):
 
 # ----------------------------------------------------------------------------------------- disk full
 def _disk_fills_on(fragment: str, after: int = 64):
-    """``open`` where files whose name contains ``fragment`` take ``after`` bytes and then raise ENOSPC."""
+    """``open`` where files whose name contains ``fragment`` take ``after`` bytes in all (however often they
+    are opened) and then raise ENOSPC."""
     real_open = builtins.open
+    written = [0]
 
     class Full:
         def __init__(self, f):
-            self.f, self.n = f, 0
+            self.f = f
 
         def write(self, b):
-            self.n += len(b)
-            if self.n > after:
+            written[0] += len(b)
+            if written[0] > after:
                 raise OSError(errno.ENOSPC, "No space left on device")
             return self.f.write(b)
 
@@ -334,9 +336,11 @@ def test_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous_one(tm
     assert "resumed from" in capsys.readouterr().out and (out / "checkpoints" / "step_00000004.pt").exists()
 
 
-def test_full_disk_during_a_dcp_checkpoint_is_disk_full_and_keeps_the_previous_one(tmp_path):
-    """torch.distributed.checkpoint (the FSDP2 format) reports a failed write as a CheckpointException, a
-    BaseException holding each rank's (exception, traceback): a full disk there is DiskFull too."""
+@pytest.mark.parametrize("where", ["shards", "extra.pt"])
+def test_full_disk_during_a_dcp_checkpoint_is_disk_full_and_keeps_the_previous_one(tmp_path, where):
+    """torch.distributed.checkpoint (the FSDP2 format) reports a failed write of its shards as a
+    CheckpointException, a BaseException holding each rank's (exception, traceback): a full disk there is
+    DiskFull too, as it is while the trainer state (extra.pt) is added before the rename."""
     import torch
     import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
@@ -349,8 +353,10 @@ def test_full_disk_during_a_dcp_checkpoint_is_disk_full_and_keeps_the_previous_o
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    with mock.patch.object(dcp_filesystem, "_write_item", full), pytest.raises(rundir.DiskFull) as raised:
+    fills = mock.patch.object(dcp_filesystem, "_write_item", full) if where == "shards" else _disk_fills_on(where, 0)
+    with fills, pytest.raises(rundir.DiskFull) as raised:
         checkpoint.save(tmp_path, 4, model, optimizer, {}, dcp_format=True)
+    assert f"no space left on the device of {tmp_path / 'step_00000004'}" in str(raised.value)
     assert f"the previous checkpoint {tmp_path / 'step_00000002'} is intact" in str(raised.value)
     assert "removed the partial .step_00000004.tmp" in str(raised.value)
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000002"]
@@ -378,6 +384,18 @@ def test_full_disk_while_logging_metrics_is_one_line_and_the_resume_repairs_the_
     assert f"the last good checkpoint is {out / 'checkpoints' / 'step_00000002.pt'}" in err
     assert _train(out, "--resume", "auto", steps=6) == 0
     assert _steps(out / "metrics.jsonl") == list(range(1, 7))
+
+
+def test_full_disk_while_recording_a_start_is_one_line_and_resume_auto_starts_the_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    with _disk_fills_on(rundir.START_FILE, after=10):
+        assert _train(out, steps=2) == 2
+    err = _one_line_error(capsys)
+    assert f"no space left on the device of {out / rundir.START_FILE}" in err, err
+    assert err.endswith("free space, then continue with --resume auto"), err
+    assert (out / "config.yaml").exists() and (out / rundir.START_FILE).read_text() == ""
+    assert _train(out, "--resume", "auto", steps=2) == 0  # what the message says works
+    assert len((out / rundir.START_FILE).read_text().splitlines()) == 1
 
 
 def test_write_atomic_keeps_the_old_file_when_the_disk_is_full(tmp_path):

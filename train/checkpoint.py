@@ -130,12 +130,9 @@ def _state_bytes(obj) -> int:
     return 0
 
 
-def _write_file(tmp: Path, final: Path, payload: dict) -> None:
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+def _torch_save(obj, path: Path) -> None:
+    with open(path, "wb") as f:  # to a path, torch.save reports a full disk without its errno
+        torch.save(obj, f)
 
 
 def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool, keep: int = 2,
@@ -155,7 +152,8 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
-        tmp, final = ckpt_dir / f".step_{step:08d}.tmp", ckpt_dir / f"step_{step:08d}"
+        final = ckpt_dir / f"step_{step:08d}"
+        tmp = rundir.temporary(final)
         if main and tmp.exists():
             shutil.rmtree(tmp)
         distributed.barrier()
@@ -168,33 +166,19 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
         except (Exception, CheckpointException) as e:  # a BaseException, the same on every rank
             if not rundir.is_disk_full(e):
                 raise
-            _fail_full(ckpt_dir, tmp, final, _state_bytes(state) * world, main, e)
-
-        def publish():
-            try:
-                torch.save(extra, tmp / "extra.pt")
-                if final.exists():
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
-            except Exception as e:
-                if not rundir.is_disk_full(e):
-                    raise
-                _fail_full(ckpt_dir, tmp, final, _state_bytes(state) * world, True, e)
-
-        distributed.on_main(publish, main)
+            if main:
+                rundir.remove_partial(tmp)
+            raise rundir.disk_full(final, _state_bytes(state) * world, _kept_on_full_disk(ckpt_dir, final)) from e
+        distributed.on_main(lambda: rundir.publish(final, lambda t: _torch_save(extra, t / "extra.pt"),
+                                                   lambda: _state_bytes(state) * world,
+                                                   _kept_on_full_disk(ckpt_dir, final)), main)
     else:
-        tmp, final = ckpt_dir / f".step_{step:08d}.pt.tmp", ckpt_dir / f"step_{step:08d}.pt"
-
-        def write():
-            payload = {"model": msd, "optim": osd, "ema": ema, **extra}
-            try:
-                _write_file(tmp, final, payload)
-            except Exception as e:
-                if not rundir.is_disk_full(e):
-                    raise
-                _fail_full(ckpt_dir, tmp, final, _state_bytes(payload), True, e)
-
-        distributed.on_main(write, main)
+        final = ckpt_dir / f"step_{step:08d}.pt"
+        tmp = rundir.temporary(final)
+        payload = {"model": msd, "optim": osd, "ema": ema, **extra}
+        distributed.on_main(lambda: rundir.publish(final, lambda t: _torch_save(payload, t),
+                                                   lambda: _state_bytes(payload),
+                                                   _kept_on_full_disk(ckpt_dir, final)), main)
     if main and keep > 0:
         older = [c for c in list_checkpoints(ckpt_dir) if step_of(c) < step]
         for old in older[:max(len(older) - (keep - 1), 0)]:
@@ -206,14 +190,11 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
     return final
 
 
-def _fail_full(ckpt_dir: Path, tmp: Path, final: Path, needed: int, main: bool, cause: BaseException):
-    """Remove the partial ``tmp`` (main rank) and raise the one-line :class:`~dres.train.rundir.DiskFull`."""
-    if main:
-        rundir.remove_partial(tmp)
+def _kept_on_full_disk(ckpt_dir: Path, final: Path) -> str:
+    """What the :class:`~dres.train.rundir.DiskFull` of a failed save of ``final`` says is left."""
     previous = [c for c in list_checkpoints(ckpt_dir) if c != final]
-    kept = (f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists")
-    raise rundir.disk_full(final, needed, f"removed the partial {tmp.name}; {kept}; free space, then continue "
-                                          "with --resume auto") from cause
+    kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
+    return f"removed the partial {rundir.temporary(final).name}; {kept}; free space, then continue with --resume auto"
 
 
 def _first_line(e: BaseException) -> str:

@@ -21,9 +21,10 @@ died (``kill -9``, a lost node) is recognised on its own host and taken over wit
 a lock of another host cannot be checked from here, so it is reported with its holder and the
 command that removes it.
 
-Files the run writes for readers (``config.yaml``, ``summary.json``, ``eval.json``) are replaced
-atomically (:func:`write_atomic`); a full disk is :class:`DiskFull`, one line naming the path and the
-space it needed, with the partial file removed.
+Files the run writes for readers (``config.yaml``, ``summary.json``, ``eval.json``, checkpoints) are
+replaced atomically (:func:`publish`), its logs (``starts.jsonl``, ``metrics.jsonl``) appended a line at a
+time (:func:`append_line`); a full disk is :class:`DiskFull`, one line naming the path and the space it
+needed, with a replacement's partial temporary removed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -88,24 +90,48 @@ def remove_partial(tmp: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def publish(path, write, needed: int | None = None) -> None:
-    """Replace ``path`` as a whole by what ``write(tmp)`` writes to ``.<name>.tmp``: synced, then renamed,
-    so a reader (or a crash) sees the old file or the new one, never a part. A full disk is
-    :class:`DiskFull` (``needed``: the bytes it takes, where known), with the temporary removed."""
+def temporary(path: Path) -> Path:
+    """Where :func:`publish` writes ``path`` before the rename: ``.<name>.tmp`` beside it."""
+    return path.with_name(f".{path.name}.tmp")
+
+
+def publish(path, write, needed: int | Callable[[], int] | None = None, kept: str | None = None) -> None:
+    """Replace ``path`` as a whole by what ``write(tmp)`` writes to :func:`temporary` (a file, synced, or a
+    directory), then renamed, so a reader (or a crash) sees the old one or the new one, never a part. A full
+    disk is :class:`DiskFull`, with the temporary removed: ``needed`` is the bytes it takes where known (a
+    function is called only then), ``kept`` what the message says is left (default: the previous file)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = temporary(path)
     try:
         write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        if tmp.is_dir():
+            if path.exists():  # os.replace cannot replace a directory that holds files
+                shutil.rmtree(path)
+        else:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except Exception as e:  # torch.save reports a failed write as a RuntimeError
         size = tmp.stat().st_size if tmp.exists() else 0
         remove_partial(tmp)
-        if is_disk_full(e):
+        if not is_disk_full(e):
+            raise
+        if kept is None:
             kept = f"the previous {path.name} is unchanged" if path.exists() else f"{path.name} was not written"
-            raise disk_full(path, max(needed or 0, size), kept) from e
-        raise
+        raise disk_full(path, max((needed() if callable(needed) else needed) or 0, size), kept) from e
+
+
+def append_line(path, text: str, kept: str) -> None:
+    """Append ``text`` as one line to the log ``path``. A full disk is :class:`DiskFull` naming ``path``;
+    ``kept``: what is left and what to do."""
+    line = text + "\n"
+    try:
+        with open(path, "a") as f:
+            f.write(line)
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        raise disk_full(Path(path), len(line), kept) from e
 
 
 def write_atomic(path, text: str) -> None:
@@ -418,12 +444,6 @@ def record_start(out: Path, device, world: int, step: int) -> dict:
            "python": platform.python_version(), "dres": dres.__version__, "torch": torch.__version__,
            "triton": triton_version, "cuda": torch.version.cuda,
            **git_state(Path(dres.__file__).resolve().parent.parent)}
-    line = json.dumps(rec) + "\n"
-    try:
-        with open(Path(out) / START_FILE, "a") as f:
-            f.write(line)
-    except OSError as e:
-        if is_disk_full(e):
-            raise disk_full(Path(out) / START_FILE, len(line), "free space, then start again") from e
-        raise
+    # the run folder holds config.yaml now, so a fresh start there would be refused
+    append_line(Path(out) / START_FILE, json.dumps(rec), "free space, then continue with --resume auto")
     return rec
