@@ -146,7 +146,8 @@ def convert_timm_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "
     (``model.blocks.set_alphas`` changes them later). drop_path: the deepest block's drop rate (0:
     none, whatever the mode); droppath_mode: "drop_path" (timm, scaled by 1/keep) or
     "residual_droppath" (Park). backend: of :mod:`dres.ops` (``dres.nn.set_backend`` changes it later).
-    Weights are not touched (no zero-initialisation: the model is presumably pretrained).
+    Weights are not touched (no zero-initialisation: the model is presumably pretrained). Each
+    block's MLP runs as timm built it, its activation (erf or tanh GELU, ``act_layer``) included.
     """
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, FusedTimmBlocks):
@@ -198,6 +199,8 @@ def timm_vit_kwargs(model: nn.Module) -> dict:
                   num_classes=0 if head is None else head.out_features)
     if encoder.transformer.norm is None:
         kwargs["final_norm"] = False
+    if blk.mlp.act.approximate == "tanh":
+        kwargs["act_layer"] = "gelu_tanh"  # timm's name of F.gelu(approximate="tanh"); its default is erf's
     return kwargs
 
 

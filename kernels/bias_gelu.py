@@ -1,4 +1,5 @@
-"""Triton kernels for the MLP activation ``act = gelu(pre + bias)`` (exact, erf GELU), and launchers.
+"""Triton kernels for the MLP activation ``act = gelu(pre + bias)`` (exact erf GELU, or its tanh
+approximation), and launchers.
 
 ``pre`` is the output of an MLP's first matmul run without its bias, shape (M, N) with N the hidden
 width (3072 for ViT-B). The forward adds the bias and applies GELU in one pass. The backward
@@ -6,13 +7,18 @@ width (3072 for ViT-B). The forward adds the bias and applies GELU in one pass. 
 ``pre`` for its backward (one (M, N) tensor fewer than ``fc2(gelu(fc1(x)))`` under plain autograd)::
 
     v    = pre + bias                                   (fp32 registers)
-    act  = gelu(v)     = v * Phi(v)                     Phi: the standard normal CDF
-    dpre = g * gelu'(v),  gelu'(v) = Phi(v) + v * phi(v)  phi: the standard normal density
+    act  = gelu(v)     = v * cdf(v)
+    dpre = g * gelu'(v),  gelu'(v) = cdf(v) + v * cdf'(v)
     dbias = column sums of dpre in fp32: per-program partial sums, then a fixed-order reduction
 
-The backward optionally writes ``act`` again (the caller's fc2 weight gradient needs it). All
-arithmetic is fp32 whatever the storage dtypes. Kernels and launchers only: no autograd here (that
-lives in ``dres.ops.bias_gelu``).
+    approximate="none":  cdf = Phi, the standard normal CDF; cdf' = phi, its density
+    approximate="tanh":  cdf = 0.5 * (1 + tanh(u)) = sigmoid(2u),  u = sqrt(2/pi) * (v + 0.044715 v^3)
+                         cdf' = 2 sigmoid(2u) sigmoid(-2u) * du/dv
+
+The ``TANH`` constexpr picks the formula; everything else is one kernel. The backward optionally
+writes ``act`` again (the caller's fc2 weight gradient needs it). All arithmetic is fp32 whatever
+the storage dtypes. Kernels and launchers only: no autograd here (that lives in
+``dres.ops.bias_gelu``).
 """
 
 from __future__ import annotations
@@ -27,9 +33,32 @@ from .utils import CachedLaunch, cdiv, persistent_programs, rows_of, scratch_buf
 
 
 @triton.jit
-def _gelu_cdf(v):
-    """Phi(v) = 0.5 * (1 + erf(v / sqrt(2))): nn.GELU's default (approximate='none')."""
-    return 0.5 * (1.0 + tl.erf(v * 0.7071067811865476))
+def _tanh_gelu_arg2(v):
+    """2u, u = sqrt(2/pi) * (v + 0.044715 v^3): the tanh GELU's cdf 0.5 * (1 + tanh(u)) is sigmoid(2u)."""
+    return 1.5957691216057308 * (v + 0.044715 * v * v * v)
+
+
+@triton.jit
+def _gelu_cdf(v, TANH: tl.constexpr):
+    """cdf(v), gelu(v) = v * cdf(v): Phi(v) = 0.5 * (1 + erf(v / sqrt(2))), nn.GELU's default, or with
+    ``TANH`` sigmoid(2u), which has no cancellation where tanh(u) nears -1."""
+    if TANH:
+        return tl.sigmoid(_tanh_gelu_arg2(v))
+    else:
+        return 0.5 * (1.0 + tl.erf(v * 0.7071067811865476))
+
+
+@triton.jit
+def _gelu_cdf_slope(v, TANH: tl.constexpr):
+    """cdf'(v), gelu'(v) = cdf(v) + v * cdf'(v): phi(v) = exp(-v^2 / 2) / sqrt(2 pi), or with ``TANH``
+    2 sigmoid(z) sigmoid(-z) * du/dv (z = 2u, du/dv = sqrt(2/pi) * (1 + 3 * 0.044715 v^2)), the sigmoids'
+    product as 1 / (2 + e^-z + e^z): positive terms, where 1 - sigmoid(z) would lose its small result's digits."""
+    if TANH:
+        e = tl.exp(-_tanh_gelu_arg2(v))
+        # v * v overflows fp32 from |v| = 1.8e19, where the sigmoids' product is 0 already: capped, no 0 * inf
+        return 1.5957691216057308 * (1.0 + 0.134145 * tl.minimum(v * v, 1e4)) / (2.0 + e + 1.0 / e)
+    else:
+        return 0.3989422804014327 * tl.exp(-0.5 * v * v)
 
 
 @triton.jit
@@ -38,6 +67,7 @@ def _bias_gelu_fwd_kernel(
     stride_pre, stride_act,
     M, N,
     HAS_BIAS: tl.constexpr,
+    TANH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -51,7 +81,7 @@ def _bias_gelu_fwd_kernel(
     v = tl.load(PRE + rows[:, None] * stride_pre + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         v += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    act = v * _gelu_cdf(v)
+    act = v * _gelu_cdf(v, TANH)
     tl.store(ACT + rows[:, None] * stride_act + cols[None, :], act.to(ACT.dtype.element_ty), mask=mask)
 
 
@@ -63,6 +93,7 @@ def _bias_gelu_bwd_kernel(
     HAS_BIAS: tl.constexpr,
     STORE_ACT: tl.constexpr,
     NEED_DBIAS: tl.constexpr,
+    TANH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -86,9 +117,8 @@ def _bias_gelu_bwd_kernel(
             v += bias[None, :]
         # Masked elements load g = 0, so they add nothing to the partial sums.
         g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        cdf = _gelu_cdf(v)
-        pdf = 0.3989422804014327 * tl.exp(-0.5 * v * v)  # 1/sqrt(2 pi) * exp(-v^2 / 2)
-        dpre = g * (cdf + v * pdf)
+        cdf = _gelu_cdf(v, TANH)
+        dpre = g * (cdf + v * _gelu_cdf_slope(v, TANH))
         tl.store(DPRE + rows[:, None] * stride_dpre + cols[None, :], dpre.to(DPRE.dtype.element_ty), mask=mask)
         if STORE_ACT:
             tl.store(ACT + rows[:, None] * stride_act + cols[None, :], (v * cdf).to(ACT.dtype.element_ty), mask=mask)
@@ -130,9 +160,10 @@ _FORWARD = CachedLaunch(_bias_gelu_fwd_kernel)
 _BACKWARD = CachedLaunch(_bias_gelu_bwd_kernel)
 
 
-def bias_gelu_forward(pre: torch.Tensor, bias: torch.Tensor | None, act: torch.Tensor) -> None:
+def bias_gelu_forward(pre: torch.Tensor, bias: torch.Tensor | None, act: torch.Tensor, approximate: str) -> None:
     """Write ``act = gelu(pre + bias)``: ``pre`` (..., N) with evenly spaced rows (others are copied:
-    ``rows_of``), ``act`` contiguous of pre's shape and the output dtype; ``bias`` (N,) or None."""
+    ``rows_of``), ``act`` contiguous of pre's shape and the output dtype; ``bias`` (N,) or None;
+    ``approximate`` "none" (erf) or "tanh", as ``F.gelu`` names them."""
     N = pre.shape[-1]
     M = pre.numel() // N if N else 0
     if M == 0:
@@ -142,7 +173,7 @@ def bias_gelu_forward(pre: torch.Tensor, bias: torch.Tensor | None, act: torch.T
     block_m, block_n, num_warps = forward_config(int(N))
     _FORWARD((cdiv(M, block_m), cdiv(N, block_n)), (
         pre, bias if bias is not None else pre, act, stride_pre, N, M, N,
-        bias is not None, block_m, block_n,
+        bias is not None, approximate == "tanh", block_m, block_n,
     ), num_warps)
 
 
@@ -153,9 +184,10 @@ def bias_gelu_backward(
     dpre: torch.Tensor,
     act: torch.Tensor | None,
     need_dbias: bool,
+    approximate: str,
 ) -> torch.Tensor | None:
     """Write ``dpre = g * gelu'(pre + bias)`` and, when ``act`` is given, ``act = gelu(pre + bias)``;
-    return ``dbias`` (fp32, (N,)) when ``need_dbias``, else None.
+    return ``dbias`` (fp32, (N,)) when ``need_dbias``, else None. ``approximate``: as the forward's.
 
     ``g``, ``pre``: (..., N) with evenly spaced rows (others are copied: ``rows_of``; ``g`` may have
     row stride 0, an expanded gradient); ``dpre``, ``act``: contiguous, of pre's shape.
@@ -187,7 +219,8 @@ def bias_gelu_backward(
         g, pre, bias if bias is not None else pre, dpre, act if act is not None else dpre,
         partials if need_dbias else dpre,
         stride_g, stride_pre, N, N,
-        M, N, rows_per_strip, bias is not None, act is not None, need_dbias, block_m, block_n,
+        M, N, rows_per_strip, bias is not None, act is not None, need_dbias, approximate == "tanh",
+        block_m, block_n,
     ), num_warps)
     if not need_dbias:
         return None

@@ -1,4 +1,5 @@
-"""The fused bias + exact GELU op and the memory-saving MLP against float64 PyTorch.
+"""The fused bias + GELU op (exact erf GELU and its tanh approximation) and the memory-saving MLP
+against float64 PyTorch.
 
 Forward and backward of ``fused_bias_gelu`` (act, dpre, dbias) and of ``fused_mlp`` (out, dx, dW1,
 db1, dW2, db2) on fresh random inputs, with tests/test_ops.py's per-dtype relative-L2 tolerances;
@@ -41,26 +42,26 @@ def make_mlp(shape, hidden, out_features, dtype, device, param_dtype=None):
     return x, w1, b1, w2, b2
 
 
-def bias_gelu_against_float64(pre, bias, g=None, backend="triton"):
+def bias_gelu_against_float64(pre, bias, g=None, backend="triton", approximate="none"):
     """((act, dpre, dbias) of the op, the same of the float64 reference) for cotangent g."""
     pl, bl = leaves(pre, bias)
-    act = ops.fused_bias_gelu(pl, bl, backend=backend)
+    act = ops.fused_bias_gelu(pl, bl, backend=backend, approximate=approximate)
     g = torch.randn_like(act) if g is None else g
     got = grads(act, g, (pl, bl))
     p6, b6 = as_f64(pre, bias)
-    act6 = bg.bias_gelu_reference(p6, b6)
+    act6 = bg.bias_gelu_reference(p6, b6, approximate=approximate)
     want = grads(act6, g.double(), (p6, b6))
     return (act, *got), (act6, *want)
 
 
-def mlp_against_float64(x, w1, b1, w2, b2, g=None, backend="triton"):
+def mlp_against_float64(x, w1, b1, w2, b2, g=None, backend="triton", approximate="none"):
     """((out, dx, dW1, db1, dW2, db2) of fused_mlp, the same of the float64 MLP) for cotangent g."""
     inputs = leaves(x, w1, b1, w2, b2)
-    out = ops.fused_mlp(*inputs, backend=backend)
+    out = ops.fused_mlp(*inputs, backend=backend, approximate=approximate)
     g = torch.randn_like(out) if g is None else g
     got = grads(out, g, inputs)
     inputs6 = as_f64(x, w1, b1, w2, b2)
-    out6 = bg.mlp_reference(*inputs6)
+    out6 = bg.mlp_reference(*inputs6, approximate=approximate)
     want = grads(out6, g.double(), inputs6)
     return (out, *got), (out6, *want)
 
@@ -94,6 +95,33 @@ def test_bias_gelu_without_bias_and_with_out_dtype(triton_device):
     assert rel_err(act, F.gelu(pre.double(), approximate="tanh")) > 10 * TOLERANCE[F32]
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+def test_tanh_bias_gelu_matches_float64(triton_device, dtype):
+    """approximate="tanh" against F.gelu(approximate="tanh") in float64: odd sizes (masked rows and
+    columns, several row strips), and for fp32 a non-contiguous cotangent."""
+    torch.manual_seed(13)
+    pre, bias = make_pre(129, 37, dtype, triton_device)
+    g = torch.randn(37, 129, device=triton_device).to(dtype).t() if dtype == F32 else None  # stride(-1) != 1
+    (act, dpre, dbias), (act6, dpre6, dbias6) = bias_gelu_against_float64(pre, bias, g, approximate="tanh")
+    assert act.dtype == dtype and dpre.dtype == dtype and dbias.dtype == F32
+    assert_close("act", act, act6, dtype)
+    assert_close("dpre", dpre, dpre6, dtype)
+    assert_close("dbias", dbias, dbias6, F32)
+    if dtype == F32:  # the tanh kernel ran, not the erf one: their difference is far above fp32 rounding
+        assert rel_err(act, bg.bias_gelu_reference(*as_f64(pre, bias))) > 10 * TOLERANCE[F32]
+
+
+# The interpreter computes with numpy, which warns where fp32 overflows to inf as the kernel means it to.
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:divide by zero:RuntimeWarning")
+def test_tanh_bias_gelu_gradient_has_no_nan_at_extremes(triton_device):
+    """Past |v| = 1.8e19 (v * v overflows fp32, and torch's own fp32 tanh-GELU gradient is NaN) the
+    kernel's gradient is the float64 one: 0 below, 1 above."""
+    pre = torch.tensor([[-1e20, -30.0, -9.0, -4.0, 4.0, 9.0, 30.0, 1e20]], device=triton_device)
+    (act, dpre, _), (act6, dpre6, _) = bias_gelu_against_float64(pre, None, torch.ones_like(pre), approximate="tanh")
+    torch.testing.assert_close(act.double(), act6, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dpre.double(), dpre6, rtol=1e-6, atol=1e-6)
+
+
 def test_bias_gelu_empty_rows(triton_device):
     pre, bias = make_pre(0, 37, F32, triton_device)
     (act, dpre, dbias), _ = bias_gelu_against_float64(pre, bias)
@@ -120,11 +148,12 @@ def test_backward_op_recomputes_the_forward_activation(triton_device):
     """bias_gelu_backward's act (what fc2's weight gradient uses) is the forward's act, bit for bit."""
     torch.manual_seed(4)
     pre, bias = make_pre(70, 300, BF16, triton_device)
-    act = bg.bias_gelu_triton(pre, bias, None)
-    dpre, act_again, dbias = bg.bias_gelu_backward_triton(torch.randn_like(pre), pre, bias, BF16, True)
-    assert torch.equal(act_again, act)
+    for approximate in ("none", "tanh"):
+        act = bg.bias_gelu_triton(pre, bias, None, approximate)
+        dpre, act_again, dbias = bg.bias_gelu_backward_triton(torch.randn_like(pre), pre, bias, BF16, True, approximate)
+        assert torch.equal(act_again, act), approximate
     assert dbias.shape == (300,) and dpre.shape == pre.shape
-    dpre, no_act, no_dbias = bg.bias_gelu_backward_triton(torch.randn_like(pre), pre, bias, None, False)
+    dpre, no_act, no_dbias = bg.bias_gelu_backward_triton(torch.randn_like(pre), pre, bias, None, False, "none")
     assert no_act.numel() == 0 and no_dbias.numel() == 0
 
 
@@ -138,7 +167,7 @@ def test_every_output_element_is_written(triton_device, poisoned_allocations):
     for rows, hidden in ((129, 37), (129, 300)):
         pre, bias = make_pre(rows, hidden, BF16, triton_device)
         (act, dpre, dbias), _ = bias_gelu_against_float64(pre, bias)
-        _, act_again, _ = bg.bias_gelu_backward_triton(torch.randn_like(pre), pre, bias, F32, False)
+        _, act_again, _ = bg.bias_gelu_backward_triton(torch.randn_like(pre), pre, bias, F32, False, "none")
         out, *mlp_grads = mlp_against_float64(*make_mlp((rows, 24), hidden, 20, F32, triton_device))[0]
         for name, t in dict(act=act, dpre=dpre, dbias=dbias, act_again=act_again, out=out,
                             **dict(zip(MLP_GRAD_NAMES, mlp_grads))).items():
@@ -151,9 +180,9 @@ def test_dbias_is_not_overwritten_by_later_calls(triton_device):
     torch.manual_seed(11)
     for rows in (3, 257):
         pre, bias = make_pre(rows, 96, BF16, triton_device)
-        dbias = bg.bias_gelu_backward_triton(torch.randn_like(pre), pre, bias, None, True)[2]
+        dbias = bg.bias_gelu_backward_triton(torch.randn_like(pre), pre, bias, None, True, "none")[2]
         kept = dbias.clone()
-        bg.bias_gelu_backward_triton(torch.randn_like(pre), pre, bias, None, True)
+        bg.bias_gelu_backward_triton(torch.randn_like(pre), pre, bias, None, True, "none")
         assert torch.equal(dbias, kept), f"{rows} rows: dbias changed under a later call"
 
 
@@ -180,6 +209,16 @@ def test_fused_mlp_matches_float64(triton_device, dtype, shape, hidden):
     assert_close("out", out, out6, dtype)
     for name, a, r in zip(MLP_GRAD_NAMES, got, want):
         assert a.dtype == dtype, name
+        assert_close(name, a, r, dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_tanh_fused_mlp_matches_float64(triton_device, dtype):
+    torch.manual_seed(14)
+    (out, *got), (out6, *want) = mlp_against_float64(*make_mlp((2, 3, 16), 37, 16, dtype, triton_device),
+                                                     approximate="tanh")
+    assert_close("out", out, out6, dtype)
+    for name, a, r in zip(MLP_GRAD_NAMES, got, want):
         assert_close(name, a, r, dtype)
 
 
@@ -276,6 +315,23 @@ def test_default_backend_is_reference_on_cpu():
     want = F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ops.fused_bias_gelu(x, b1[:8]), F.gelu(x + b1[:8]), rtol=1e-12, atol=1e-12)
+    tanh = dict(approximate="tanh")
+    torch.testing.assert_close(ops.fused_bias_gelu(x, b1[:8], **tanh), F.gelu(x + b1[:8], **tanh), rtol=0, atol=0)
+    torch.testing.assert_close(ops.fused_mlp(x, w1, b1, w2, b2, **tanh),
+                               F.linear(F.gelu(F.linear(x, w1, b1), **tanh), w2, b2), rtol=1e-12, atol=1e-12)
+
+
+def test_cuda_backend_runs_the_triton_kernel_for_either_gelu(triton_device, monkeypatch):
+    """The csrc extension has no bias+GELU kernel: backend="cuda" (and the auto choice where the
+    residual ops take csrc) dispatches both GELUs to the Triton kernel."""
+    from dres.ops import checks
+
+    pre, bias = leaves(*make_pre(6, 37, F32, triton_device))
+    monkeypatch.setattr(checks, "resolve_backend", lambda backend, x, name="x": "cuda")  # as on a csrc build
+    for approximate in ("none", "tanh"):
+        act = ops.fused_bias_gelu(pre, bias, backend="cuda", approximate=approximate)
+        assert type(act.grad_fn).__name__ == "BiasGeluFnBackward"
+        assert torch.equal(act, bg.bias_gelu_triton(pre.detach(), bias.detach(), None, approximate)), approximate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,10 +345,11 @@ def test_opcheck(triton_device):
     req = lambda *ts: [t.clone().requires_grad_(True) for t in ts]  # noqa: E731
     pr, br = req(pre, bias)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    for args in ((pr, br, None), (pr, None, F32), (pre, bias, None)):
+    for args in ((pr, br, None, "none"), (pr, None, F32, "tanh"), (pre, bias, None, "none")):
         torch.library.opcheck(bg.bias_gelu_op, args, test_utils=checks)
     # The backward op has no autograd of its own (no double backward): plain inputs.
-    for args in ((g, pre, bias, BF16, True), (g.t().contiguous().t(), pre, None, None, False), (g, pre, bias, None, True)):
+    for args in ((g, pre, bias, BF16, True, "tanh"), (g.t().contiguous().t(), pre, None, None, False, "none"),
+                 (g, pre, bias, None, True, "none")):
         torch.library.opcheck(bg.bias_gelu_backward_op, args, test_utils=checks)
 
 
@@ -307,13 +364,14 @@ def test_eager_calls_bypass_the_custom_ops(triton_device):
 @pytest.mark.parametrize("autocast", [False, True])
 def test_compile_fullgraph_matches_eager(triton_device, autocast):
     """Dynamo + AOTAutograd trace fused_mlp's Function into the custom ops, forward and backward,
-    with no graph break, and compute exactly what eager does (Inductor itself runs on the GPU)."""
+    with no graph break, and compute exactly what eager does (Inductor itself runs on the GPU);
+    the second op takes the tanh GELU through the ops' ``approximate`` argument."""
     torch.manual_seed(12)
     params = make_mlp((2, 7, 16), 37, 16, F32, triton_device)
 
     def block(x, w1, b1, w2, b2):
         h = ops.fused_mlp(x, w1, b1, w2, b2, backend="triton")
-        return ops.fused_bias_gelu(h, b2, backend="triton")
+        return ops.fused_bias_gelu(h, b2, backend="triton", approximate="tanh")
 
     forward_targets, backward_targets = set(), set()
     torch._dynamo.reset()  # compile afresh, so that the recording backend sees the graphs
@@ -363,6 +421,10 @@ def test_bad_input_errors_name_the_argument(triton_device, backend):
         ops.fused_bias_gelu(torch.randn(2, 8, device=triton_device), out_dtype=torch.int8, backend=backend)
     with pytest.raises(ValueError, match="backend must be one of"):
         ops.fused_mlp(x, w1, b1, w2, b2, backend="cutlass")
+    with pytest.raises(ValueError, match="approximate must be 'none' .* or 'tanh'.*; got 'erf'"):
+        ops.fused_bias_gelu(x, approximate="erf", backend=backend)
+    with pytest.raises(ValueError, match="approximate must be .*; got True"):
+        mlp(approximate=True)
 
 
 def test_kernels_reject_float64(triton_device):
@@ -402,7 +464,7 @@ def test_gpu_vit_b_bias_gelu(dtype):
     again = bias_gelu_against_float64(pre, bias, g, backend=None)[0]
     for name, a, c in zip(("act", "dpre", "dbias"), (act, dpre, dbias), again):
         assert torch.equal(a, c), f"{name} differs between two identical runs"
-    _, act_again, _ = bg.bias_gelu_backward_triton(g, pre, bias, dtype, False)
+    _, act_again, _ = bg.bias_gelu_backward_triton(g, pre, bias, dtype, False, "none")
     assert torch.equal(act_again, act)
 
 

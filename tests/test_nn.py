@@ -185,6 +185,84 @@ def test_mlp_fused_path_choice(triton_device, monkeypatch):
     assert all(m.backend == "cuda" and m.fused is False for m in mlps)
 
 
+def test_mlp_gelu_approximation_on_both_paths(triton_device):
+    """Mlp(approximate="tanh") and an Mlp whose act was replaced by a tanh nn.GELU: the fused path
+    computes the tanh GELU of the plain path, not the exact one; a bad value is refused."""
+    from dres.nn import Mlp
+
+    torch.manual_seed(4)
+    x = torch.randn(2, 5, 16, device=triton_device)
+    built = perturb_(Mlp(16, 48, backend="triton", approximate="tanh")).to(triton_device)
+    replaced = perturb_(Mlp(16, 48, backend="triton")).to(triton_device)
+    replaced.act = torch.nn.GELU(approximate="tanh")
+    for mlp in (built, replaced):
+        want = F.linear(F.gelu(F.linear(x, mlp.fc1.weight, mlp.fc1.bias), approximate="tanh"), mlp.fc2.weight,
+                        mlp.fc2.bias)
+        assert (want - plain_mlp(mlp, x)).abs().max() > 1e-4  # the two GELUs differ here
+        for fused in (True, False):
+            mlp.fused = fused
+            torch.testing.assert_close(mlp(x), want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="approximate must be 'none' .* or 'tanh'.*; got 'erf'"):
+        Mlp(16, 48, approximate="erf")
+
+
+@pytest.mark.parametrize("act", ["nn.GELU", "timm"])
+def test_fused_mlp_module_takes_a_tanh_gelu_mlp(triton_device, act):
+    """A timm Mlp with a tanh GELU (nn.GELU(approximate="tanh"), or timm's own act_layer="gelu_tanh")
+    loads into FusedMLP(approximate="tanh") and computes its function, forward and backward."""
+    import functools
+
+    timm_layers = pytest.importorskip("timm.layers")
+    act_layer = (functools.partial(torch.nn.GELU, approximate="tanh") if act == "nn.GELU"
+                 else timm_layers.get_act_layer("gelu_tanh"))
+    from dres.nn import FusedMLP
+
+    torch.manual_seed(5)
+    plain = perturb_(timm_layers.Mlp(16, 48, 8, act_layer=act_layer)).to(triton_device)
+    fused = FusedMLP(16, 48, 8, backend="triton", approximate="tanh").to(triton_device)
+    fused.load_state_dict(plain.state_dict())
+    assert "approximate='tanh'" in repr(fused)
+    x = torch.randn(3, 7, 16, device=triton_device)
+    torch.testing.assert_close(fused(x), plain(x), rtol=1e-4, atol=1e-5)
+    assert_grads_close(param_grads(fused, lambda: fused(x).square().sum()),
+                       param_grads(plain, lambda: plain(x).square().sum()), rtol=1e-3, atol=1e-5)
+    with pytest.raises(ValueError, match="approximate must be .*; got 'erf'"):
+        FusedMLP(16, 48, approximate="erf")
+
+
+def test_timm_tanh_gelu_survives_conversion_and_export():
+    """convert_timm_vit keeps a timm ViT's tanh GELU (its MLPs run as timm built them), and a dres ViT
+    whose MLPs use the tanh GELU exports to a timm model created with it (act_layer="gelu_tanh")."""
+    pytest.importorskip("timm")
+    from timm.models.vision_transformer import VisionTransformer
+
+    import dres
+    from dres.convert import export_timm_state_dict, timm_vit_kwargs
+    from dres.models import create_classifier
+
+    torch.manual_seed(6)
+    imgs = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    args = dict(img_size=16, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5)
+    tanh_vit = perturb_(VisionTransformer(**args, act_layer="gelu_tanh")).double().eval()
+    erf_vit = VisionTransformer(**args).double().eval()
+    erf_vit.load_state_dict(tanh_vit.state_dict())
+    want = tanh_vit(imgs)
+    assert (erf_vit(imgs) - want).abs().max() > 1e-6  # the two GELUs differ on these weights
+    dres.convert_timm_vit(tanh_vit, backend="torch")
+    torch.testing.assert_close(tanh_vit(imgs), want, rtol=1e-9, atol=1e-9)
+
+    model = perturb_(create_classifier("vit_test")).double().eval()
+    for blk in model.encoder.transformer.blocks:
+        blk.mlp.act = torch.nn.GELU(approximate="tanh")
+    kwargs = timm_vit_kwargs(model)
+    assert kwargs["act_layer"] == "gelu_tanh"
+    exported = VisionTransformer(**kwargs).double().eval()
+    exported.load_state_dict(export_timm_state_dict(model), strict=True)
+    imgs = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    torch.testing.assert_close(exported(imgs), model(imgs), rtol=1e-12, atol=1e-12)
+    assert "act_layer" not in timm_vit_kwargs(perturb_(create_classifier("vit_test")))  # timm's default: erf
+
+
 def test_stack_keeps_fp32_stream_under_autocast():
     stack = TransformerStack(16, 2, 2, alphas=decay_schedule(4, 0.7), backend="torch")
     x = torch.randn(2, 3, 16)

@@ -9,6 +9,7 @@ state dicts load either way::
     ResidualAdd(alpha)           (x, h) -> alpha*x + h                     no parameters
     ResidualAct(act, alpha)      (x, h) -> act(alpha*x + h)                no parameters (ResNet blocks)
     FusedMLP(in, hidden, out)    fc2(GELU(fc1(x)))                         like timm's Mlp (fc1.*, fc2.*)
+                                 (approximate="tanh": nn.GELU(approximate="tanh")'s GELU)
 
 The residual modules take a branch's per-sample drop-path scales ``(row_scale, grad_scale)`` in
 their forward (:class:`dres.nn.ResidualDroppath` hands them out) and keep ``alpha`` as a
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from dres import ops
+from dres.ops.bias_gelu import check_approximate
 
 __all__ = ["FusedLayerNorm", "ResidualLayerNorm", "ResidualAdd", "ResidualAct", "FusedMLP"]
 
@@ -137,24 +139,31 @@ class ResidualAct(nn.Module):
 
 
 class FusedMLP(nn.Module):
-    """``fc2(GELU(fc1(x)))`` (exact GELU) on :func:`dres.ops.fused_mlp`: fc1's bias add and GELU in
-    one kernel, GELU recomputed in the backward (one tokens x hidden activation fewer kept).
+    """``fc2(GELU(fc1(x)))`` on :func:`dres.ops.fused_mlp`: fc1's bias add and GELU in one kernel,
+    GELU recomputed in the backward (one tokens x hidden activation fewer kept).
 
     Arguments and parameter names as timm's ``Mlp`` (hidden and out features default to in_features);
-    matmuls in the autocast dtype when autocast is on. There is no csrc kernel: ``backend="cuda"``
-    runs Triton.
+    ``approximate`` as ``nn.GELU``'s: "none" (exact erf GELU) or "tanh" (what an MLP with
+    ``nn.GELU(approximate="tanh")``, or timm's ``act_layer="gelu_tanh"``, computes). Matmuls in the
+    autocast dtype when autocast is on. There is no csrc kernel: ``backend="cuda"`` runs Triton.
     """
 
     _dres_fused = True
 
     def __init__(self, in_features: int, hidden_features: Optional[int] = None, out_features: Optional[int] = None,
-                 bias: bool = True, backend: Optional[str] = None, device=None, dtype=None):
+                 bias: bool = True, backend: Optional[str] = None, approximate: str = "none", device=None,
+                 dtype=None):
+        check_approximate(approximate)
         super().__init__()
         hidden_features = hidden_features or in_features
         out_features = out_features or in_features
         self.fc1 = nn.Linear(in_features, hidden_features, bias=bias, device=device, dtype=dtype)
         self.fc2 = nn.Linear(hidden_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.backend = backend
+        self.backend, self.approximate = backend, approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.fused_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, backend=self.backend)
+        return ops.fused_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, backend=self.backend,
+                             approximate=self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"

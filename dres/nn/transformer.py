@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dres import ops
+from dres.ops.bias_gelu import check_approximate
 from dres.nn.droppath import NO_SCALES, Scales
 
 ATTN_IMPLS = ("sdpa", "flash", "xformers")
@@ -99,7 +100,9 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 class Mlp(nn.Module):
-    """``fc2(GELU(fc1(x)))``, plain or through :func:`dres.ops.fused_mlp` (``fused``).
+    """``fc2(GELU(fc1(x)))``, plain or through :func:`dres.ops.fused_mlp` (``fused``); ``approximate``
+    as ``nn.GELU``'s, "none" (exact erf GELU) or "tanh". Both paths compute the GELU that ``act`` (an
+    ``nn.GELU``) names, also after ``act`` is replaced.
 
     The fused path adds fc1's bias inside the GELU kernel and recomputes GELU in the backward, so it
     keeps one (tokens x hidden) activation fewer for the backward. ``fused=None`` (auto) uses it
@@ -108,10 +111,12 @@ class Mlp(nn.Module):
     :func:`set_backend`); the fused MLP has no csrc kernel, so ``"cuda"`` runs it on Triton.
     """
 
-    def __init__(self, dim: int, hidden_dim: int, fused: Optional[bool] = None, backend: Optional[str] = None):
+    def __init__(self, dim: int, hidden_dim: int, fused: Optional[bool] = None, backend: Optional[str] = None,
+                 approximate: str = "none"):
+        check_approximate(approximate)
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim)
-        self.act = nn.GELU()
+        self.act = nn.GELU(approximate=approximate)
         self.fc2 = nn.Linear(hidden_dim, dim)
         self.fused, self.backend = fused, backend
 
@@ -119,7 +124,7 @@ class Mlp(nn.Module):
         fused = (not torch.compiler.is_compiling()) if self.fused is None else self.fused
         if fused:
             return ops.fused_mlp(x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias,
-                                 backend=self.backend)
+                                 backend=self.backend, approximate=self.act.approximate)
         return self.fc2(self.act(self.fc1(x)))
 
 

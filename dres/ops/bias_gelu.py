@@ -2,9 +2,11 @@
 ``fused_mlp`` built on them.
 
 ``fused_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)`` computes the timm/MAE MLP
-``fc2(gelu(fc1(x)))`` (exact GELU, nn.GELU's default) with fc1's matmul run without its bias and the
-bias add + GELU fused into one kernel. Its autograd keeps only ``x`` and ``pre = x @ fc1_weight.T``
-(plus the weights); the backward recomputes the activation from ``pre``::
+``fc2(gelu(fc1(x)))`` with fc1's matmul run without its bias and the bias add + GELU fused into one
+kernel; ``approximate`` picks the GELU as ``F.gelu`` names it, "none" (exact erf GELU, nn.GELU's
+default) or "tanh" (``nn.GELU(approximate="tanh")``, timm's ``gelu_tanh``). Its autograd keeps only
+``x`` and ``pre = x @ fc1_weight.T`` (plus the weights); the backward recomputes the activation from
+``pre``::
 
     dact       = g @ W2
     dpre, act, db1 = bias_gelu_backward(dact, pre, b1)   # one kernel: GELU recomputed, act rewritten
@@ -40,12 +42,22 @@ from dres.ops.utils import param_grad
 
 __all__ = ["fused_bias_gelu", "fused_mlp", "bias_gelu_reference", "mlp_reference", "mlp_compute_dtype"]
 
+GELU_APPROXIMATIONS = ("none", "tanh")  # F.gelu's names
+
 
 # ---------------------------------------------------------------------------------------------
 # Argument checks: messages name the argument, before any kernel sees it
 
 
-def check_bias_gelu_inputs(backend: str, pre: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype]) -> None:
+def check_approximate(approximate: str) -> None:
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"approximate must be 'none' (exact erf GELU) or 'tanh', as F.gelu names them; "
+                         f"got {approximate!r}")
+
+
+def check_bias_gelu_inputs(backend: str, pre: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype],
+                           approximate: str) -> None:
+    check_approximate(approximate)
     dtypes = supported_dtypes(backend)
     check_tensor("pre", pre, dtypes)
     if pre.dim() < 1:
@@ -55,7 +67,8 @@ def check_bias_gelu_inputs(backend: str, pre: Tensor, bias: Optional[Tensor], ou
 
 
 def check_mlp_inputs(backend: str, x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_weight: Tensor,
-                     fc2_bias: Optional[Tensor]) -> None:
+                     fc2_bias: Optional[Tensor], approximate: str) -> None:
+    check_approximate(approximate)
     dtypes = supported_dtypes(backend)
     check_tensor("x", x, dtypes)
     if x.dim() < 2:
@@ -84,13 +97,15 @@ def check_mlp_inputs(backend: str, x: Tensor, fc1_weight: Tensor, fc1_bias: Opti
 # Reference (what backend="torch" runs and what the tests compare against)
 
 
-def bias_gelu_reference(pre: Tensor, bias: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    """``gelu(pre + bias)`` (exact GELU) in fp32, or fp64 when an input is; result in out_dtype (default pre.dtype)."""
+def bias_gelu_reference(pre: Tensor, bias: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
+                        approximate: str = "none") -> Tensor:
+    """``F.gelu(pre + bias, approximate=approximate)`` in fp32, or fp64 when an input is; result in
+    out_dtype (default pre.dtype)."""
     compute = _compute_dtype(pre, bias)
     v = pre.to(compute)
     if bias is not None:
         v = v + bias.to(compute)
-    return F.gelu(v).to(out_dtype or pre.dtype)
+    return F.gelu(v, approximate=approximate).to(out_dtype or pre.dtype)
 
 
 def mlp_compute_dtype(x: Tensor) -> torch.dtype:
@@ -104,13 +119,13 @@ def mlp_compute_dtype(x: Tensor) -> torch.dtype:
 
 
 def mlp_reference(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_weight: Tensor,
-                  fc2_bias: Optional[Tensor]) -> Tensor:
+                  fc2_bias: Optional[Tensor], approximate: str = "none") -> Tensor:
     """``fc2(gelu(fc1(x)))`` with the fused op's dtypes, through ordinary autograd: matmuls in
     :func:`mlp_compute_dtype`, fc1 without its bias, then bias + GELU in fp32 (fp64 for fp64 inputs)
     rounded to the compute dtype. In float64 this is the exact MLP."""
     compute = mlp_compute_dtype(x)
     pre = F.linear(x.to(compute), fc1_weight.to(compute))
-    act = bias_gelu_reference(pre, fc1_bias)
+    act = bias_gelu_reference(pre, fc1_bias, approximate=approximate)
     return F.linear(act, fc2_weight.to(compute), None if fc2_bias is None else fc2_bias.to(compute))
 
 
@@ -118,16 +133,17 @@ def mlp_reference(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2
 # Triton launches (also the bodies of the dres:: custom ops)
 
 
-def bias_gelu_triton(pre: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype]) -> Tensor:
+def bias_gelu_triton(pre: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype], approximate: str) -> Tensor:
     from dres.kernels.bias_gelu import bias_gelu_forward
 
     act = torch.empty(pre.shape, dtype=out_dtype or pre.dtype, device=pre.device)
-    bias_gelu_forward(pre, bias, act)
+    bias_gelu_forward(pre, bias, act, approximate)
     return act
 
 
 def bias_gelu_backward_triton(g: Tensor, pre: Tensor, bias: Optional[Tensor], act_dtype: Optional[torch.dtype],
-                              need_dbias: bool, dpre: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                              need_dbias: bool, approximate: str,
+                              dpre: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dpre in pre's dtype, act recomputed in ``act_dtype``, dbias fp32); act (``act_dtype=None``)
     and dbias (not needed, or no bias) come back as distinct empty tensors when not asked for.
 
@@ -139,7 +155,7 @@ def bias_gelu_backward_triton(g: Tensor, pre: Tensor, bias: Optional[Tensor], ac
 
     dpre = torch.empty(pre.shape, dtype=pre.dtype, device=pre.device) if dpre is None else dpre
     act = torch.empty(pre.shape, dtype=act_dtype, device=pre.device) if act_dtype is not None else None
-    dbias = bias_gelu_backward(g, pre, bias, dpre, act, need_dbias and bias is not None)
+    dbias = bias_gelu_backward(g, pre, bias, dpre, act, need_dbias and bias is not None, approximate)
     return (dpre, act if act is not None else pre.new_empty((0,)),
             dbias if dbias is not None else pre.new_empty((0,), dtype=torch.float32))
 
@@ -148,19 +164,20 @@ def bias_gelu_backward_triton(g: Tensor, pre: Tensor, bias: Optional[Tensor], ac
 # torch.compile, where Inductor calls them as fallbacks).
 
 
-def run_bias_gelu(backend: str, pre: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype]) -> Tensor:
+def run_bias_gelu(backend: str, pre: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype],
+                  approximate: str) -> Tensor:
     if backend == "dres":
-        return torch.ops.dres.bias_gelu(pre, bias, out_dtype)
-    return bias_gelu_triton(pre, bias, out_dtype)
+        return torch.ops.dres.bias_gelu(pre, bias, out_dtype, approximate)
+    return bias_gelu_triton(pre, bias, out_dtype, approximate)
 
 
 def run_bias_gelu_backward(backend: str, g: Tensor, pre: Tensor, bias: Optional[Tensor], act_dtype: Optional[torch.dtype],
-                  need_dbias: bool, dpre: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                  need_dbias: bool, approximate: str, dpre: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """``dpre``: see :func:`bias_gelu_backward_triton`; the custom op allocates its own (compiled
     graphs leave buffer reuse to Inductor's memory planning)."""
     if backend == "dres":
-        return torch.ops.dres.bias_gelu_backward(g, pre, bias, act_dtype, need_dbias)
-    return bias_gelu_backward_triton(g, pre, bias, act_dtype, need_dbias, dpre)
+        return torch.ops.dres.bias_gelu_backward(g, pre, bias, act_dtype, need_dbias, approximate)
+    return bias_gelu_backward_triton(g, pre, bias, act_dtype, need_dbias, approximate, dpre)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,16 +188,16 @@ class BiasGeluFn(torch.autograd.Function):
     """act = gelu(pre + bias); dpre = g * gelu'(pre + bias) with GELU recomputed from pre, dbias = sum(dpre)."""
 
     @staticmethod
-    def forward(ctx, pre, bias, out_dtype, backend):
-        act = run_bias_gelu(backend, pre, bias, out_dtype)
-        BiasGeluFn.save(ctx, backend, pre, bias)
+    def forward(ctx, pre, bias, out_dtype, approximate, backend):
+        act = run_bias_gelu(backend, pre, bias, out_dtype, approximate)
+        BiasGeluFn.save(ctx, backend, pre, bias, approximate)
         return act
 
     @staticmethod
-    def save(ctx, backend, pre, bias):
+    def save(ctx, backend, pre, bias, approximate):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(pre, bias)
-        ctx.backend = backend
+        ctx.backend, ctx.approximate = backend, approximate
         ctx.need = (ctx.needs_input_grad[0], bias is not None and ctx.needs_input_grad[1])
 
     @staticmethod
@@ -188,9 +205,9 @@ class BiasGeluFn(torch.autograd.Function):
         pre, bias = ctx.saved_tensors
         need_dpre, need_dbias = ctx.need
         if g is None:
-            return None, None, None, None
-        dpre, _, dbias = run_bias_gelu_backward(ctx.backend, g, pre, bias, None, need_dbias)
-        return dpre if need_dpre else None, param_grad(dbias, bias, need_dbias), None, None
+            return None, None, None, None, None
+        dpre, _, dbias = run_bias_gelu_backward(ctx.backend, g, pre, bias, None, need_dbias, ctx.approximate)
+        return dpre if need_dpre else None, param_grad(dbias, bias, need_dbias), None, None, None
 
 
 class FusedMlpFn(torch.autograd.Function):
@@ -203,16 +220,16 @@ class FusedMlpFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, compute_dtype, backend):
+    def forward(ctx, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, compute_dtype, approximate, backend):
         x_c, w1, w2 = x.to(compute_dtype), fc1_weight.to(compute_dtype), fc2_weight.to(compute_dtype)
         pre = F.linear(x_c, w1)
-        act = run_bias_gelu(backend, pre, fc1_bias, None)
+        act = run_bias_gelu(backend, pre, fc1_bias, None, approximate)
         out = F.linear(act, w2, None if fc2_bias is None else fc2_bias.to(compute_dtype))
         # The cast weights are what the backward multiplies by (the originals themselves when no
         # cast was needed); plain autograd under autocast keeps the same casts.
         ctx.save_for_backward(x_c, pre, w1, fc1_bias, w2)
         ctx.dtypes = (x.dtype, fc1_weight.dtype, fc2_weight.dtype, None if fc2_bias is None else fc2_bias.dtype)
-        ctx.backend = backend
+        ctx.backend, ctx.approximate = backend, approximate
         return out
 
     @staticmethod
@@ -230,7 +247,8 @@ class FusedMlpFn(torch.autograd.Function):
             dact = g @ w2  # a fresh contiguous buffer in pre's dtype: in eager mode dpre overwrites it
             in_place = ctx.backend == "triton" and dact.dtype == pre.dtype
             dpre, act, dbias = run_bias_gelu_backward(ctx.backend, dact, pre.view(-1, hidden), fc1_bias,
-                                             w2.dtype if need_w2 else None, need_b1, dact if in_place else None)
+                                                      w2.dtype if need_w2 else None, need_b1, ctx.approximate,
+                                                      dact if in_place else None)
             if need_w2:
                 dw2 = (g.t() @ act).to(w2_dtype)
             del act  # free the recomputed activation before the two matmuls that follow
@@ -240,18 +258,18 @@ class FusedMlpFn(torch.autograd.Function):
                 dw1 = (dpre.t() @ x_c.reshape(-1, dim)).to(w1_dtype)
             if need_x:
                 dx = (dpre @ w1).view(x_c.shape).to(x_dtype)
-        return dx, dw1, db1, dw2, db2, None, None
+        return dx, dw1, db1, dw2, db2, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
 # The custom ops (what torch.compile, opcheck and the dispatcher see)
 
 
-def _bias_gelu_fake(pre, bias, out_dtype):
+def _bias_gelu_fake(pre, bias, out_dtype, approximate):
     return pre.new_empty(pre.shape, dtype=out_dtype or pre.dtype)
 
 
-def _bias_gelu_backward_fake(g, pre, bias, act_dtype, need_dbias):
+def _bias_gelu_backward_fake(g, pre, bias, act_dtype, need_dbias, approximate):
     act = pre.new_empty(pre.shape if act_dtype is not None else (0,), dtype=act_dtype or pre.dtype)
     dbias = pre.new_empty((pre.shape[-1],) if need_dbias and bias is not None else (0,), dtype=torch.float32)
     return pre.new_empty(pre.shape), act, dbias
@@ -261,9 +279,11 @@ _QUALNAMES = ("dres::bias_gelu", "dres::bias_gelu_backward")
 bias_gelu_op = define_op("dres::bias_gelu", bias_gelu_triton, _bias_gelu_fake, _QUALNAMES)
 bias_gelu_backward_op = define_op(
     "dres::bias_gelu_backward", bias_gelu_backward_triton, _bias_gelu_backward_fake, _QUALNAMES,
-    schema="(Tensor g, Tensor pre, Tensor? bias, ScalarType? act_dtype, bool need_dbias) -> (Tensor, Tensor, Tensor)")
-bias_gelu_op.register_autograd(lambda ctx, g: BiasGeluFn.backward(ctx, g)[:-1],  # the op takes no backend
-                               setup_context=lambda ctx, inputs, output: BiasGeluFn.save(ctx, "dres", *inputs[:2]))
+    schema="(Tensor g, Tensor pre, Tensor? bias, ScalarType? act_dtype, bool need_dbias, str approximate) "
+           "-> (Tensor, Tensor, Tensor)")
+bias_gelu_op.register_autograd(
+    lambda ctx, g: BiasGeluFn.backward(ctx, g)[:-1],  # the op takes no backend
+    setup_context=lambda ctx, inputs, output: BiasGeluFn.save(ctx, "dres", inputs[0], inputs[1], inputs[3]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,24 +291,27 @@ bias_gelu_op.register_autograd(lambda ctx, g: BiasGeluFn.backward(ctx, g)[:-1], 
 
 
 def fused_bias_gelu(pre: Tensor, bias: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-                    backend: Optional[str] = None) -> Tensor:
-    """``gelu(pre + bias)`` (exact GELU) in fp32 registers; result in ``out_dtype`` (default pre.dtype).
+                    backend: Optional[str] = None, approximate: str = "none") -> Tensor:
+    """``F.gelu(pre + bias, approximate=approximate)`` in fp32 registers; result in ``out_dtype``
+    (default pre.dtype).
 
-    pre: (..., N); bias: (N,) or None. Differentiable in pre and bias (dbias summed in fp32,
-    deterministically); the backward recomputes GELU from pre, so only pre and bias are kept.
+    pre: (..., N); bias: (N,) or None; approximate: "none" (exact erf GELU) or "tanh". Differentiable
+    in pre and bias (dbias summed in fp32, deterministically); the backward recomputes GELU from pre,
+    so only pre and bias are kept.
     """
     backend = resolve_backend_without_csrc(backend, pre, "pre")
-    check_bias_gelu_inputs(backend, pre, bias, out_dtype)
+    check_bias_gelu_inputs(backend, pre, bias, out_dtype, approximate)
     if backend == "torch":
-        return bias_gelu_reference(pre, bias, out_dtype)
+        return bias_gelu_reference(pre, bias, out_dtype, approximate)
     if torch.compiler.is_compiling():
-        return bias_gelu_op(pre, bias, out_dtype)
-    return BiasGeluFn.apply(pre, bias, out_dtype, backend)
+        return bias_gelu_op(pre, bias, out_dtype, approximate)
+    return BiasGeluFn.apply(pre, bias, out_dtype, approximate, backend)
 
 
 def fused_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_weight: Tensor,
-              fc2_bias: Optional[Tensor], backend: Optional[str] = None) -> Tensor:
-    """The MLP ``fc2(gelu(fc1(x)))`` (nn.Linear weights: fc1 (hidden, D), fc2 (out, hidden)).
+              fc2_bias: Optional[Tensor], backend: Optional[str] = None, approximate: str = "none") -> Tensor:
+    """The MLP ``fc2(gelu(fc1(x)))`` (nn.Linear weights: fc1 (hidden, D), fc2 (out, hidden)), GELU as
+    ``F.gelu(..., approximate=approximate)``: "none" (exact erf GELU) or "tanh".
 
     x: (B, T, D) or (M, D). Matmuls run in the autocast dtype when autocast is on for x's device,
     else in x.dtype (the weights are cast to it); the result has that dtype. Gradients come back
@@ -296,8 +319,8 @@ def fused_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_wei
     (tokens x hidden) tensor fewer than plain autograd.
     """
     backend = resolve_backend_without_csrc(backend, x)
-    check_mlp_inputs(backend, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
+    check_mlp_inputs(backend, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate)
     if backend == "torch":
-        return mlp_reference(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
-    return FusedMlpFn.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, mlp_compute_dtype(x),
+        return mlp_reference(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate)
+    return FusedMlpFn.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, mlp_compute_dtype(x), approximate,
                             "dres" if torch.compiler.is_compiling() else "triton")
