@@ -315,6 +315,26 @@ def test_streamed_shards_take_their_epoch_length_from_the_manifest(tmp_path):
     assert manifest_samples(paths) is None and len(build_loader(d, "train", 4)) == 0
 
 
+def test_an_empty_shard_in_the_manifest_is_a_count_of_zero(tmp_path):
+    """A manifest may list an empty shard (samples 0): the epoch length still sums the counts, and a damaged
+    empty shard has lost a known 0 samples."""
+    from dres.data import iter_shard, manifest_samples
+
+    _write_shard(tmp_path / "s-000.tar.gz", [(f"k{i}", _jpeg(i), b"1") for i in range(8)])
+    _write_shard(tmp_path / "s-001.tar.gz", [])
+    (tmp_path / "s-002.tar.gz").write_bytes(b"not a tar")
+    (tmp_path / "manifest.json").write_text(json.dumps({"shards": {
+        "s-000.tar.gz": {"samples": 8}, "s-001.tar.gz": {"samples": 0}, "s-002.tar.gz": {"samples": 0}}}))
+    paths = [str(tmp_path / f"s-00{s}.tar.gz") for s in range(3)]
+    assert manifest_samples(paths[:2]) == 8 and manifest_samples(paths[1:2]) == 0
+    d = DataConfig(name="wds", path=str(tmp_path / "s-{000..001}.tar.gz"), img_size=8, normalize=False,
+                   gpu_resident=False, num_workers=0)
+    assert len(build_loader(d, "train", 4)) == 2
+    counter = CorruptCounter()
+    assert list(iter_shard(paths[2], counter)) == []
+    assert counter.summary()["corrupt_samples"] == 0 and counter.damaged == [paths[2]] and not counter.uncounted
+
+
 def test_trainer_logs_epochs_only_for_data_of_known_size(tmp_path):
     from dres.train.cli import get_task
     from dres.train.config import build_config

@@ -167,13 +167,15 @@ def manifest_entries(shards: list[str]) -> list[dict]:
 
 
 def manifest_samples(shards: list[str]) -> int | None:
-    """How many samples ``shards`` hold by their manifests, or None unless every shard is listed with a count
-    (an unreadable manifest counts as none: only ``verify_manifest`` stops a run over it)."""
+    """How many samples ``shards`` hold by their manifests (an empty shard's count, 0, is a count), or None
+    unless every shard is listed with one (an unreadable manifest counts as none: only ``verify_manifest``
+    stops a run over it)."""
     try:
         counts = [e.get("samples") for e in manifest_entries(shards)]
     except DataError:
         return None
-    return sum(counts) if counts and all(isinstance(c, int) and c > 0 for c in counts) else None
+    valid = all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts)
+    return sum(counts) if counts and valid else None
 
 
 def verify_manifest(shards: list[str]) -> int:
@@ -255,15 +257,6 @@ def decode_image(data: bytes, in_chans: int = 3) -> np.ndarray:
     return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
 
 
-def _shard_count(path: str) -> int | None:
-    """The sample count of ``path`` in its folder's manifest.json, None when it has none."""
-    try:
-        n = manifest_entries([path])[0].get("samples")
-    except DataError:
-        return None
-    return n if isinstance(n, int) and n >= 0 else None
-
-
 def iter_shard(path: str, counter: CorruptCounter, in_chans: int = 3, slot: tuple[int, int] | None = None,
                first: int = 0):
     """Yield ``(key, image uint8 CHW, label)`` from one shard; corrupt members/shards are counted, a
@@ -278,7 +271,7 @@ def iter_shard(path: str, counter: CorruptCounter, in_chans: int = 3, slot: tupl
         return slot is None or (first + i) % slot[1] == slot[0]
 
     def lose_rest(why):
-        total = _shard_count(path)
+        total = manifest_samples([path])
         if total is None or total < seen:
             counter.add(f"{os.path.basename(path)}: {why}, the rest of it is lost", path, damaged=True, lost=None)
             return first + seen
