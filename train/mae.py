@@ -7,12 +7,13 @@ evaluation: linear probe, kNN, effective rank, t-SNE, reconstruction grid.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
 
 from dres.eval import mae_reconstruction_grid, representation_metrics, tsne_plot
-from dres.train.common import eval_loader, features, model_kwargs
+from dres.train.common import eval_loader, features, model_kwargs, progress
 
 
 class MAETask:
@@ -49,7 +50,8 @@ class MAETask:
         res = representation_metrics(xtr, ytr, xte, yte, rank_features=cls, probe=e.probe, knn=e.knn,
                                      rank=e.effective_rank, probe_epochs=probe_epochs, probe_lr=e.probe_lr,
                                      probe_batch=e.probe_batch, probe_wd=e.probe_wd, knn_k=e.knn_k,
-                                     num_classes=cfg.data.num_classes, seed=cfg.seed, device=trainer.device)
+                                     num_classes=cfg.data.num_classes, seed=cfg.seed, device=trainer.device,
+                                     progress=functools.partial(progress, enabled=trainer.main and cfg.log.progress))
         if tsne:
             m = cfg.model
             scores = ", ".join(f"{name} {res[k]:.3f}" for k, name in (("linear_probe_acc", "linear probe"),

@@ -19,15 +19,15 @@ AXES = ("step", "epoch")
 
 def representation_metrics(train_x, train_y, test_x, test_y, *, rank_features=None, probe=True, knn=True,
                            rank=True, probe_epochs=20, probe_lr=1e-2, probe_batch=1024, probe_wd=0.0, knn_k=20,
-                           num_classes=None, seed=0, device="cpu") -> dict:
+                           num_classes=None, seed=0, device="cpu", progress=None) -> dict:
     """Linear probe (``linear_probe_acc``, ``linear_probe_train_acc``), kNN (``knn_acc``) and the
     effective rank (eq. 6) of ``rank_features`` (default ``train_x``) on frozen features; kNN and
-    rank run on ``device``."""
+    rank run on ``device``; ``progress``: the probe's epoch bar (:func:`dres.eval.linear_probe`)."""
     res = {}
     if probe:
         res.update(linear_probe(train_x, train_y, test_x, test_y, epochs=probe_epochs, lr=probe_lr,
                                 batch_size=probe_batch, weight_decay=probe_wd, num_classes=num_classes, seed=seed,
-                                device=device))
+                                device=device, progress=progress))
     if knn:
         res["knn_acc"] = knn_accuracy(train_x.to(device), train_y, test_x.to(device), test_y, k=knn_k,
                                       num_classes=num_classes)

@@ -3,7 +3,8 @@
 * :func:`linear_probe` — the paper's ImageNet-100 protocol: a linear classifier on frozen features,
   AdamW, lr 1e-2 with per-iteration cosine decay, batch 1024, 200 epochs, no augmentation. The
   features are standardised with the training set's mean/std first (what the MAE repo's affine-free
-  BatchNorm in front of the head does at evaluation).
+  BatchNorm in front of the head does at evaluation). ``progress`` counts its epochs on a bar (the
+  trainers pass ``dres.train.common.progress``).
 * :func:`knn_accuracy` — k=20 nearest neighbours by cosine similarity, votes weighted by
   ``exp(sim / 0.07)`` (the DINO / InstDisc weighted kNN).
 * :func:`effective_rank` — eq. 6 of the paper: the Shannon entropy of the normalised singular values
@@ -30,8 +31,13 @@ def extract_features(fn, batches, device=None):
 
 
 def linear_probe(train_x, train_y, test_x, test_y, *, epochs=200, lr=1e-2, batch_size=1024, weight_decay=0.0,
-                 num_classes=None, seed=0, device="cpu"):
-    """Top-1 test accuracy (and train accuracy) of a linear classifier on frozen features."""
+                 num_classes=None, seed=0, device="cpu", progress=None):
+    """Top-1 test accuracy (and train accuracy) of a linear classifier on frozen features.
+
+    ``progress``: None (silent), or what makes the bar the epochs are counted on, called as
+    ``progress(total=epochs, desc="linear probe", unit="epoch")`` and returning an object with
+    ``update(n)`` and ``close()`` (a tqdm bar: ``dres.train.common.progress``).
+    """
     g = torch.Generator().manual_seed(seed)
     train_x, test_x = train_x.float(), test_x.float()
     mu, sd = train_x.mean(0, keepdim=True), train_x.std(0, keepdim=True) + 1e-6
@@ -47,15 +53,20 @@ def linear_probe(train_x, train_y, test_x, test_y, *, epochs=200, lr=1e-2, batch
     steps_per_epoch = max(1, math.ceil(n / batch_size))
     total = epochs * steps_per_epoch
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
-    with torch.enable_grad():  # callers usually evaluate under no_grad
-        _train_head(head, opt, sched, train_x, train_y, epochs, batch_size, g, device)
+    bar = None if progress is None else progress(total=epochs, desc="linear probe", unit="epoch")
+    try:
+        with torch.enable_grad():  # callers usually evaluate under no_grad
+            _train_head(head, opt, sched, train_x, train_y, epochs, batch_size, g, device, bar)
+    finally:
+        if bar is not None:
+            bar.close()
     with torch.no_grad():
         acc = (head(test_x).argmax(1) == test_y).float().mean().item()
         train_acc = (head(train_x).argmax(1) == train_y).float().mean().item()
     return {"linear_probe_acc": acc, "linear_probe_train_acc": train_acc}
 
 
-def _train_head(head, opt, sched, train_x, train_y, epochs, batch_size, g, device):
+def _train_head(head, opt, sched, train_x, train_y, epochs, batch_size, g, device, bar):
     n = len(train_x)
     for _ in range(epochs):
         perm = torch.randperm(n, generator=g).to(device)
@@ -66,6 +77,8 @@ def _train_head(head, opt, sched, train_x, train_y, epochs, batch_size, g, devic
             loss.backward()
             opt.step()
             sched.step()
+        if bar is not None:
+            bar.update(1)
 
 
 @torch.no_grad()
