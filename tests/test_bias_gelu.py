@@ -451,20 +451,21 @@ def test_tensors_on_different_devices():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_gpu_vit_b_bias_gelu(dtype):
+def test_gpu_vit_b_bias_gelu(dtype, approximate):
     """MAE ViT-B/16 at batch 256: 12800 visible tokens x 3072 hidden features."""
     torch.manual_seed(0)
     pre, bias = make_pre(12800, 3072, dtype, "cuda")
     g = torch.randn(12800, 3072, device="cuda").to(dtype)
-    (act, dpre, dbias), (act6, dpre6, dbias6) = bias_gelu_against_float64(pre, bias, g, backend=None)
+    (act, dpre, dbias), (act6, dpre6, dbias6) = bias_gelu_against_float64(pre, bias, g, None, approximate)
     assert_close("act", act, act6, dtype)
     assert_close("dpre", dpre, dpre6, dtype)
     assert_close("dbias", dbias, dbias6, F32)
-    again = bias_gelu_against_float64(pre, bias, g, backend=None)[0]
+    again = bias_gelu_against_float64(pre, bias, g, None, approximate)[0]
     for name, a, c in zip(("act", "dpre", "dbias"), (act, dpre, dbias), again):
         assert torch.equal(a, c), f"{name} differs between two identical runs"
-    _, act_again, _ = bg.bias_gelu_backward_triton(g, pre, bias, dtype, False, "none")
+    _, act_again, _ = bg.bias_gelu_backward_triton(g, pre, bias, dtype, False, approximate)
     assert torch.equal(act_again, act)
 
 
@@ -514,13 +515,15 @@ def test_gpu_fused_mlp_autocast_against_plain_chain():
 
 
 @pytest.mark.gpu
-def test_gpu_compile_inductor_fused_mlp():
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gpu_compile_inductor_fused_mlp(approximate):
+    """Inductor launches the traced kernels (the ``TANH`` constexpr among their arguments)."""
     torch.manual_seed(2)
     params = make_mlp((8, 64, 256), 1024, 256, F32, "cuda")
-    compiled = torch.compile(lambda *a: ops.fused_mlp(*a) * 2.0, fullgraph=True)
+    compiled = torch.compile(lambda *a: ops.fused_mlp(*a, approximate=approximate) * 2.0, fullgraph=True)
     eager_inputs, compiled_inputs = leaves(*params), leaves(*params)
     with torch.autocast("cuda", dtype=BF16):
-        eager = ops.fused_mlp(*eager_inputs) * 2.0
+        eager = ops.fused_mlp(*eager_inputs, approximate=approximate) * 2.0
         comp = compiled(*compiled_inputs)
     assert rel_err(comp, eager) < 1e-2
     g = torch.randn_like(eager)
