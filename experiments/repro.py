@@ -289,23 +289,60 @@ def planned_command(arm: Arm, *, epochs: float, root: Path, presets: dict, extra
                        every=curve_every(epochs, cfg.batch_size, cfg.data.name, every))
 
 
+@dataclass(frozen=True)
+class ArmAction:
+    """What ``--run`` does with an arm (:func:`arm_actions`)."""
+    what: str                  # skip (it has a record) | resume (from its run folder's checkpoint) | start
+    epochs: float              # the length it trains for
+    keep_record: bool = False  # it reruns only for the arms that read its run folder: its record stays
+
+
+def arm_actions(queue: list[tuple[Arm, float, bool]], *, root: Path, records: Path,
+                force: bool) -> dict[str, ArmAction]:
+    """What ``--run`` does with each ``(arm, epochs, named)`` of ``queue`` (:func:`select_epochs`); the runner
+    and the dry run both follow it. An arm with a record in ``records`` is skipped, unless ``force`` reruns it
+    (a named arm) or other arms of the queue read its run folder under ``root`` and that holds no finished run
+    (a fresh machine): then it is rebuilt for its record's length, which is kept. An arm that runs resumes
+    from its run folder's newest checkpoint (``--resume auto``), else starts."""
+    from dres.train.checkpoint import list_checkpoints
+
+    needed = {n for a, _, _ in queue for n in a.needs}
+    actions = {}
+    for arm, epochs, named in queue:
+        recorded = (Path(records) / f"{arm.name}.json").exists()
+        forced = named and force
+        if recorded and not forced and (arm.name not in needed or (root / arm.name / "summary.json").exists()):
+            actions[arm.name] = ArmAction("skip", epochs)
+            continue
+        actions[arm.name] = ArmAction("resume" if list_checkpoints(root / arm.name / "checkpoints") else "start",
+                                      epochs if named else need_epochs(arm.name, epochs, records),
+                                      keep_record=recorded and not forced)
+    return actions
+
+
 def dry_run(queue: list[tuple[Arm, float, bool]], *, gpus: int, root: Path, records: Path, presets: dict,
             extra: list[str], every: int, force: bool, img_per_s: dict, overhead_s: float, log=print) -> None:
-    """What ``--run`` would do, without running anything: each arm's exact command (each starts on the first
-    free of ``gpus`` GPUs, under its CUDA_VISIBLE_DEVICES), or why it is skipped, with an estimate of its
-    minutes where ``img_per_s`` has a rate for its task."""
+    """What ``--run`` would do (:func:`arm_actions`), without running anything: each arm's exact command (each
+    starts on the first free of ``gpus`` GPUs, under its CUDA_VISIBLE_DEVICES) and whether it starts or
+    resumes, or why it is skipped, with an estimate of its minutes where ``img_per_s`` has a rate for its task."""
     root = root.resolve()
     log(f"[repro] dry run: {len(queue)} arm(s), one at a time on each of {max(gpus, 1)} "
         f"{'GPU' if gpus else 'CPU slot'}(s), run folders under {root}, records to {records}")
-    for arm, epochs, named in queue:
-        if (Path(records) / f"{arm.name}.json").exists() and not (named and force):
+    actions = arm_actions(queue, root=root, records=records, force=force)
+    for arm, _, named in queue:
+        action = actions[arm.name]
+        if action.what == "skip":
             log(f"# {arm.name}: has a record in {records}; skipped" + ("" if named else " (read by other arms)"))
             continue
-        epochs = epochs if named else need_epochs(arm.name, epochs, records)
-        cmd = planned_command(arm, epochs=epochs, root=root, presets=presets, extra=extra, every=every)
+        cmd = planned_command(arm, epochs=action.epochs, root=root, presets=presets, extra=extra, every=every)
         rate = arm_rate(arm, img_per_s)
-        est = f", ~{estimate_s(arm, epochs, img_per_s, overhead_s) / 60:.0f} min at {rate:g} img/s" if rate else ""
-        log(f"# {arm.name}: {epochs:g} epochs{est}")
+        est = (f", ~{estimate_s(arm, action.epochs, img_per_s, overhead_s) / 60:.0f} min at {rate:g} img/s"
+               if rate else "")
+        how = (f"resumes its run in {root / arm.name} from its newest checkpoint" if action.what == "resume"
+               else f"starts in {root / arm.name}")
+        kept = (f"; rebuilt for the arms that read its run folder, its record in {records} kept"
+                if action.keep_record else "")
+        log(f"# {arm.name}: {action.epochs:g} epochs{est}; {how}{kept}")
         log(shlex.join(["python"] + cmd[1:]))
 
 
@@ -397,18 +434,9 @@ def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root
 
     arms = [a for a, _, _ in queue]
     root, records = root.resolve(), records.resolve()
+    actions = arm_actions(queue, root=root, records=records, force=force)
     (root / "logs").mkdir(parents=True, exist_ok=True)
-    needed = {n for a in arms for n in a.needs}
-
-    def has_record(a):
-        return (records / f"{a.name}.json").exists()
-
-    forced = {a.name for a, _, named in queue if named and force}
-    # an arm only needed by others reruns where its run directory is missing (a fresh machine), for as
-    # long as its record says, and keeps that record
-    epochs_of = {a.name: e if named else need_epochs(a.name, e, records) for a, e, named in queue}
-    status = {a.name: ("skipped" if has_record(a) and a.name not in forced and (
-        a.name not in needed or (root / a.name / "summary.json").exists()) else "pending") for a in arms}
+    status = {a.name: "skipped" if actions[a.name].what == "skip" else "pending" for a in arms}
     slots = [g for g in range(gpus) for _ in range(max(1, jobs))] if gpus > 0 else [None] * max(1, jobs)
     # a slot is an index into this process's visible GPUs; its child sees that one device only
     visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
@@ -432,7 +460,7 @@ def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root
             if nxt is None:
                 break
             k = free.pop(0)
-            cmd = planned_command(nxt, epochs=epochs_of[nxt.name], root=root, presets=presets, extra=extra,
+            cmd = planned_command(nxt, epochs=actions[nxt.name].epochs, root=root, presets=presets, extra=extra,
                                   every=every)
             env = dict(os.environ)
             # arms share the host: a share of its cores each, as torchrun does for its workers (intra-op
@@ -447,7 +475,8 @@ def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root
             command = prefix + shlex.join(["python"] + cmd[1:])
             running[k] = (nxt, proc, logf, command)
             status[nxt.name] = "running"
-            log(f"[repro] start {nxt.name} on {'GPU ' + str(slots[k]) if slots[k] is not None else 'CPU'}: {command}")
+            log(f"[repro] {actions[nxt.name].what} {nxt.name} on "
+                f"{'GPU ' + str(slots[k]) if slots[k] is not None else 'CPU'}: {command}")
         if not running:
             break
         time.sleep(1.0)
@@ -459,11 +488,12 @@ def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root
             free.append(k)
             if proc.returncode == 0:
                 status[a.name] = "done"
-                if has_record(a) and a.name not in forced:
+                if actions[a.name].keep_record:
                     log(f"[repro] done {a.name} (rerun for the arms that read it; its earlier record is kept)")
                     continue
-                rec = make_record(a, root / a.name, epochs=epochs_of[a.name], command=command, card=card_of(slots[k]),
-                                  commit=commit, records=records, arms_per_device=max(1, jobs))
+                rec = make_record(a, root / a.name, epochs=actions[a.name].epochs, command=command,
+                                  card=card_of(slots[k]), commit=commit, records=records,
+                                  arms_per_device=max(1, jobs))
                 write_json_atomic(records / f"{a.name}.json", rec)
                 log(f"[repro] done {a.name}: {rec['metrics']}")
             else:

@@ -3,6 +3,7 @@ selection, budget plan, records from real tiny runs, the RESULTS.md report)."""
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -380,6 +381,65 @@ def test_force_reruns_named_arms_only_and_a_rebuilt_need_keeps_its_record(tmp_pa
     started.clear()
     assert repro.main(args) == 1
     assert started == ["B-uvit-a1.0-s0 epochs=25"] and "C-vit-none-s0: skipped" in capsys.readouterr().out
+
+
+def test_dry_run_says_what_the_run_does_with_each_arm(tmp_path, monkeypatch, capsys):
+    """One decision (arm_actions) for --dry-run and --run: the FD classifier has a record but no run folder
+    here, so it is rebuilt (its record kept) before the B arms; B 1.0 resumes from its checkpoint; B 0.7 has a
+    record and is skipped. The dry run names each action and the command the run then starts."""
+    records, root = tmp_path / "records", tmp_path / "runs"
+    records.mkdir()
+    need = {"arm": "C-vit-none-s0", "epochs": 50, "metrics": {"top1": 0.77}}
+    (records / "C-vit-none-s0.json").write_text(json.dumps(need))
+    (records / "B-uvit-a0.7-s0.json").write_text(json.dumps({"arm": "B-uvit-a0.7-s0", "epochs": 10}))
+    (root / "B-uvit-a1.0-s0" / "checkpoints").mkdir(parents=True)
+    (root / "B-uvit-a1.0-s0" / "checkpoints" / "step_00000004.pt").write_bytes(b"")
+    args = ["--run", "B.short@10", "--gpus", "0", "--root", str(root), "--records", str(records), "--commit", "abc"]
+
+    assert repro.main(args + ["--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    planned = {}
+    for i, line in enumerate(lines):
+        if line.startswith("# "):
+            name, what = line[2:].split(": ", 1)
+            action = "skip" if what.endswith(("skipped", "(read by other arms)")) else \
+                "resume" if "; resumes its run in" in what else "start" if "; starts in" in what else what
+            planned[name] = (action, None if action == "skip" else lines[i + 1])
+    assert {n: a for n, (a, _) in planned.items()} == {"C-vit-none-s0": "start", "B-uvit-a1.0-s0": "resume",
+                                                      "B-uvit-a0.7-s0": "skip"}
+    assert any(l.startswith("# C-vit-none-s0: 50 epochs;") and "its record in" in l and l.endswith("kept")
+               for l in lines)
+
+    class FinishedArm:  # an arm that ends at once with its run folder's summary.json written
+        returncode = 0
+
+        def poll(self):
+            return self.returncode
+
+    popen = repro.subprocess.Popen
+
+    def fake_popen(cmd, **kw):  # arms only; anything else (platform's uname) runs
+        if "--resume" not in cmd:
+            return popen(cmd, **kw)
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text("{}")
+        return FinishedArm()
+
+    monkeypatch.setattr(repro.subprocess, "Popen", fake_popen)
+    assert repro.main(args) == 0
+    out = capsys.readouterr().out
+    done = {}
+    for line in out.splitlines():
+        head, _, command = line.partition(" on CPU: ")
+        if command:
+            what, name = head.removeprefix("[repro] ").split(" ")
+            done[name] = (what, command)
+        elif line.endswith(": skipped"):
+            done[line.removeprefix("[repro] ").removesuffix(": skipped")] = ("skip", None)
+    assert done == planned
+    assert json.loads((records / "C-vit-none-s0.json").read_text()) == need  # rebuilt, its record kept
+    assert json.loads((records / "B-uvit-a1.0-s0.json").read_text())["epochs"] == 10
 
 
 def test_final_epoch_means_weight_the_windows_of_the_last_epoch_by_their_steps():
