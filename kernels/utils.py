@@ -202,7 +202,8 @@ def scratch_buffer(like: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 @triton.jit
-def _sum_partials_kernel(PART, OUT0, OUT1, num_rows, D, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _sum_partials_kernel(PART, OUT0, OUT1, num_rows, D, TWO_OUTPUTS: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_C: tl.constexpr):
     """OUTk[:] = sum over rows of PART[k, :, :] (k = 0, 1), rows added in a fixed order (deterministic)."""
     k = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -216,7 +217,7 @@ def _sum_partials_kernel(PART, OUT0, OUT1, num_rows, D, BLOCK_R: tl.constexpr, B
     total = tl.sum(acc, axis=0)
     if k == 0:
         tl.store(OUT0 + cols, total, mask=col_ok)
-    else:
+    elif TWO_OUTPUTS:
         tl.store(OUT1 + cols, total, mask=col_ok)
 
 
@@ -234,5 +235,8 @@ def sum_partials(partials: torch.Tensor, outs: list[torch.Tensor]) -> None:
     num, rows, dim = partials.shape
     # Narrow column strips, so that many programs share the partials; each walks all rows in order.
     block_c = _sum_partials_block(int(dim))
+    # one output: OUT1 is the (read-only) partials, never outs[0] again: under torch.compile a
+    # kernel's written arguments must not alias, or the functionalized copy of one is lost
+    two = len(outs) == 2
     _SUM_PARTIALS((cdiv(dim, block_c), num),
-                  (partials, outs[0], outs[-1], rows, dim, 128, block_c), num_warps=4)
+                  (partials, outs[0], outs[1] if two else partials, rows, dim, two, 128, block_c), num_warps=4)
