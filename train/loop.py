@@ -428,7 +428,6 @@ class Trainer:
         self.write_record()
         self.tb = self._tensorboard() if self.main and cfg.log.tensorboard else None
         metrics_path = self.out / "metrics.jsonl"
-        metrics_f = open(metrics_path, "a") if self.main else None
         bar = None
         if self.main and cfg.log.progress:
             bar = progress(total=self.total_steps, initial=self.step, unit="step")
@@ -470,7 +469,7 @@ class Trainer:
                         rec.update(self.graphed.read_window(self.step - step_last, (now - t_last) * 1e3))
                     self.history.append(rec)
                     if self.main:
-                        self._write_metrics(metrics_f, metrics_path, rec)
+                        self._write_metrics(metrics_path, rec)
                         if self.tb:
                             for k, v in rec.items():
                                 if k != "step" and v is not None:
@@ -495,8 +494,6 @@ class Trainer:
             self.in_loop = False
             if bar:
                 bar.close()
-            if metrics_f:
-                metrics_f.close()
         wall = time.time() - t0
         final = self.history[-1] if self.history else self.last_record
         ips = seen / max(wall, 1e-9)
@@ -524,16 +521,9 @@ class Trainer:
         # a resumed run hides the events its predecessor logged after the checkpoint, as metrics.jsonl cuts them
         return SummaryWriter(str(self.out / "tb"), purge_step=self.step + 1 if self.step else None)
 
-    def _write_metrics(self, f, path: Path, rec: dict):
-        try:
-            f.write(json.dumps(rec) + "\n")
-            f.flush()
-        except OSError as e:
-            if not rundir.is_disk_full(e):
-                raise
-            kept = f"the last good checkpoint is {self.last_good}" if self.last_good else "no checkpoint was written"
-            raise rundir.disk_full(path, len(json.dumps(rec)) + 1, f"{kept}; free space, then continue with "
-                                   "--resume auto") from e
+    def _write_metrics(self, path: Path, rec: dict):
+        kept = f"the last good checkpoint is {self.last_good}" if self.last_good else "no checkpoint was written"
+        rundir.append_line(path, json.dumps(rec), f"{kept}; free space, then continue with --resume auto")
 
     def _stopped_message(self) -> str:
         done = self.step == self.total_steps
