@@ -53,6 +53,7 @@ mae_cifar10 256 600 60
 classify_cifar10 256 600 60
 uvit_cifar10 128 600 60 --set eval.n_samples=8
 mae_vit_b16_in1k 256 60 10 --set data.name=synthetic
+mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model
 RUNS
   timeout "$T" python3 -m benchmarks.bench_train --only mae --models timm,dres_official --modes compile --batch 256 \
     --no-flops --out "$OUT" >>"$OUT/trainers.log" 2>&1 || status=1
