@@ -340,3 +340,53 @@ def test_classifier_matches_plain_and_droppath(triton_device):
     rdp.eval()
     torch.testing.assert_close(rdp(imgs), plain_classifier(rdp, imgs), rtol=1e-5, atol=1e-5)
     assert create_classifier("vit_test").droppath is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The MLPs' GELU
+
+
+def _mae_pred(model):
+    g = torch.Generator().manual_seed(7)
+    imgs = torch.randn(2, 3, 8, 8, generator=g, dtype=torch.float64)
+    return model(imgs, noise=torch.rand(2, 4, generator=g, dtype=torch.float64))[1]
+
+
+def _uvit_out(model):
+    g = torch.Generator().manual_seed(7)
+    return model(torch.randn(2, 3, 8, 8, generator=g, dtype=torch.float64), torch.rand(2, generator=g) * 999)
+
+
+@pytest.mark.parametrize("create,run", [(lambda **kw: create_mae("mae_vit_test", variant="official", **kw), _mae_pred),
+                                        (lambda **kw: create_uvit("uvit_test", **kw), _uvit_out)],
+                         ids=["mae", "uvit"])
+def test_tanh_gelu_reaches_every_mlp(create, run, monkeypatch):
+    """gelu_approximate="tanh" runs every MLP, encoder and decoder, through the fused op's tanh GELU, and
+    the model computes what the same model with each MLP's nn.GELU(approximate="tanh") computes on the
+    plain path (reference backend, float64); the default stays the exact GELU; a bad value is refused."""
+    from dres import ops
+    from dres.nn import Mlp, set_fused_mlp
+
+    tanh = perturb_(create(gelu_approximate="tanh", backend="torch")).double()
+    plain = create(backend="torch").double()
+    plain.load_state_dict(tanh.state_dict())
+    erf_out = run(plain)
+    mlps = [m for m in plain.modules() if isinstance(m, Mlp)]
+    for mlp in mlps:
+        assert mlp.act.approximate == "none"
+        mlp.act = torch.nn.GELU(approximate="tanh")
+    want = run(set_fused_mlp(plain, False))
+
+    fused_mlp, approximations = ops.fused_mlp, []
+
+    def recording_fused_mlp(*args, approximate, **kwargs):
+        approximations.append(approximate)
+        return fused_mlp(*args, approximate=approximate, **kwargs)
+
+    monkeypatch.setattr(ops, "fused_mlp", recording_fused_mlp)
+    got = run(tanh)
+    assert approximations == ["tanh"] * len(mlps) and len(mlps) >= 3
+    torch.testing.assert_close(got, want, **F64)
+    assert (erf_out - want).abs().max() > 1e-6  # the two GELUs differ on these weights
+    with pytest.raises(ValueError, match="gelu_approximate must be 'none' .* or 'tanh'.*; got 'erf'"):
+        create(gelu_approximate="erf")

@@ -19,6 +19,7 @@ Variants (docs/design.md, "Models"):
 
 Decay applies to the encoder only; decoder residuals keep alpha = 1. With ``alpha_min < 1`` (or
 ``zero_init=True``) the last Linear of every branch, encoder and decoder, starts at zero.
+``gelu_approximate`` ("none": exact erf GELU, or "tanh") is the GELU of every MLP, encoder and decoder.
 
 ``forward(imgs, mask_ratio=None, noise=None) -> (loss, pred, mask)``: loss is the (norm-pix) MSE on
 masked patches, pred ``(B, N, p*p*C)``, mask ``(B, N)`` with 1 = masked. The loss runs as one fused
@@ -103,7 +104,7 @@ class MAE(nn.Module):
                  schedule: str = "linspace", per_block: bool = False, drop_path: float = 0.0,
                  droppath_mode: str = "drop_path", droppath: Optional[ResidualDroppath] = None,
                  droppath_seed: int = 0, zero_init: Optional[bool] = None, attn_impl: str = "sdpa",
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, gelu_approximate: str = "none"):
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -117,7 +118,8 @@ class MAE(nn.Module):
                                   qkv_bias=True, alpha_min=alpha_min, schedule=schedule, per_block=per_block,
                                   final_norm=variant != "official", pos_embed="sincos", drop_path=drop_path,
                                   droppath_mode=droppath_mode, droppath=droppath, droppath_seed=droppath_seed,
-                                  zero_init=zero_init, attn_impl=attn_impl, backend=backend)
+                                  zero_init=zero_init, attn_impl=attn_impl, backend=backend,
+                                  gelu_approximate=gelu_approximate)
         num_patches = self.encoder.patch_embed.num_patches
 
         # skips: encoder blocks 1, 3, 5, ...; decoder block k takes the k-th deepest
@@ -136,7 +138,8 @@ class MAE(nn.Module):
         self.register_buffer("decoder_pos_embed",
                              sincos_2d(decoder_embed_dim, self.encoder.patch_embed.grid_size, cls_token=True)[None])
         self.decoder = TransformerStack(decoder_embed_dim, decoder_depth, decoder_num_heads, mlp_ratio,
-                                        qkv_bias=True, final_norm=True, attn_impl=attn_impl, backend=backend)
+                                        qkv_bias=True, final_norm=True, attn_impl=attn_impl, backend=backend,
+                                        gelu_approximate=gelu_approximate)
         self.decoder_pred = nn.Linear(decoder_embed_dim, patch_size ** 2 * in_chans)
         skip_cls = {"official": SkipLayer, "paper": PaperSkip}.get(variant)
         self.skips = nn.ModuleList(skip_cls(decoder_embed_dim, embed_dim) for _ in self.skip_blocks) \

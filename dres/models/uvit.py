@@ -11,7 +11,8 @@ as one :class:`~dres.nn.TransformerStack`; the skip Linear of an out-block is a 
 replaces the stream (``alpha = 0``) and is fused with the block's first norm.
 
 Init follows U-ViT (trunc-normal 0.02 Linears and position embedding), plus zero-initialised branch
-ends when ``alpha_min < 1``. ``timesteps`` are whatever the noise schedule feeds (U-ViT's continuous
+ends when ``alpha_min < 1``. ``gelu_approximate`` ("none": exact erf GELU, or "tanh") is every
+block's MLP GELU. ``timesteps`` are whatever the noise schedule feeds (U-ViT's continuous
 VP-SDE passes ``t * 999``); they go through the sinusoidal embedding of DDPM.
 """
 
@@ -50,7 +51,8 @@ class UViT(nn.Module):
                  alpha_min: float = 1.0, schedule: str = "linspace", per_block: bool = False,
                  drop_path: float = 0.0, droppath_mode: str = "drop_path",
                  droppath: Optional[ResidualDroppath] = None, droppath_seed: int = 0,
-                 zero_init: Optional[bool] = None, attn_impl: str = "sdpa", backend: Optional[str] = None):
+                 zero_init: Optional[bool] = None, attn_impl: str = "sdpa", backend: Optional[str] = None,
+                 gelu_approximate: str = "none"):
         super().__init__()
         self.embed_dim, self.in_chans, self.num_classes = embed_dim, in_chans, num_classes
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
@@ -66,7 +68,8 @@ class UViT(nn.Module):
         alphas = decay_schedule(2 * num_blocks, alpha_min, schedule, per_block)
         log.info(describe_schedule(alphas, schedule, alpha_min, per_block, "U-ViT"))
         self.transformer = TransformerStack(embed_dim, num_blocks, num_heads, mlp_ratio, qkv_bias, alphas,
-                                            final_norm=True, attn_impl=attn_impl, backend=backend)
+                                            final_norm=True, attn_impl=attn_impl, backend=backend,
+                                            gelu_approximate=gelu_approximate)
         self.skip_linears = nn.ModuleList(nn.Linear(2 * embed_dim, embed_dim) for _ in range(self.num_in_blocks))
         self.patch_dim = patch_size ** 2 * in_chans
         self.decoder_pred = nn.Linear(embed_dim, self.patch_dim)

@@ -30,6 +30,7 @@ class ViTEncoder(nn.Module):
         exposed as ``self.droppath`` (None when the rate is 0).
     zero_init: zero the last Linear of every branch; None means ``alpha_min < 1``.
     backend: the :mod:`dres.ops` backend (None: Triton on CUDA, reference on CPU).
+    gelu_approximate: every MLP's GELU, "none" (exact erf GELU) or "tanh" (``nn.GELU``'s ``approximate``).
     """
 
     def __init__(self, img_size: int = 224, patch_size: int = 16, in_chans: int = 3, embed_dim: int = 768,
@@ -38,7 +39,7 @@ class ViTEncoder(nn.Module):
                  final_norm: bool = True, pos_embed: str = "sincos", drop_path: float = 0.0,
                  droppath_mode: str = "drop_path", droppath: Optional[ResidualDroppath] = None,
                  droppath_seed: int = 0, zero_init: Optional[bool] = None, attn_impl: str = "sdpa",
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, gelu_approximate: str = "none"):
         super().__init__()
         self.embed_dim, self.depth = embed_dim, depth
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim)
@@ -53,7 +54,8 @@ class ViTEncoder(nn.Module):
         alphas = decay_schedule(2 * depth, alpha_min, schedule, per_block)
         log.info(describe_schedule(alphas, schedule, alpha_min, per_block, "ViT encoder"))
         self.transformer = TransformerStack(embed_dim, depth, num_heads, mlp_ratio, qkv_bias, alphas,
-                                            final_norm=final_norm, attn_impl=attn_impl, backend=backend)
+                                            final_norm=final_norm, attn_impl=attn_impl, backend=backend,
+                                            gelu_approximate=gelu_approximate)
         self.droppath = build_droppath(droppath, drop_path, droppath_mode, 2 * depth, droppath_seed)
 
         init_vit_weights(self)

@@ -158,15 +158,19 @@ class Block(nn.Module):
     owns), runs attention, adds that fused with norm2 (``alphas[1]``) and returns its own MLP output,
     pending in turn. So every parameter a block call touches is its own: the block is the unit that
     FSDP2 shards and torch.compile compiles (:meth:`TransformerStack.parallel_units`).
+    ``gelu_approximate``: the MLP's GELU, as ``nn.GELU``'s ``approximate`` names it: "none" (exact
+    erf GELU) or "tanh".
     """
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
-                 attn_impl: str = "sdpa", eps: float = 1e-6, backend: Optional[str] = None):
+                 attn_impl: str = "sdpa", eps: float = 1e-6, backend: Optional[str] = None,
+                 gelu_approximate: str = "none"):
+        check_approximate(gelu_approximate, "gelu_approximate")
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=eps)
         self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_impl=attn_impl)
         self.norm2 = nn.LayerNorm(dim, eps=eps)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), backend=backend)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), backend=backend, approximate=gelu_approximate)
         self.backend = backend
         # float32 0-dim views the kernels read, so torch.compile never specialises on their values
         self.register_buffer("alphas", torch.ones(2), persistent=False)  # (entering, attention)
@@ -291,14 +295,15 @@ class TransformerStack(ResidualStream, nn.Module):
     final_norm: a final LayerNorm (``self.norm``) fused with the last add; else the stack returns the
         raw stream.
     backend: passed to every :mod:`dres.ops` call (None: Triton on CUDA, reference on CPU).
+    gelu_approximate: every block's MLP GELU, "none" (exact erf GELU) or "tanh" (:class:`Block`).
     """
 
     def __init__(self, dim: int, depth: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  alphas: Optional[Sequence[float]] = None, final_norm: bool = True, attn_impl: str = "sdpa",
-                 eps: float = 1e-6, backend: Optional[str] = None):
+                 eps: float = 1e-6, backend: Optional[str] = None, gelu_approximate: str = "none"):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(dim, num_heads, mlp_ratio, qkv_bias, attn_impl, eps, backend)
-                                    for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(dim, num_heads, mlp_ratio, qkv_bias, attn_impl, eps, backend,
+                                          gelu_approximate) for _ in range(depth))
         self.norm = nn.LayerNorm(dim, eps=eps) if final_norm else None
         self.register_buffer("final_alpha", torch.ones(()), persistent=False)
         self.set_alphas([1.0] * (2 * depth) if alphas is None else alphas)

@@ -49,9 +49,9 @@ GELU_APPROXIMATIONS = ("none", "tanh")  # F.gelu's names
 # Argument checks: messages name the argument, before any kernel sees it
 
 
-def check_approximate(approximate: str) -> None:
+def check_approximate(approximate: str, name: str = "approximate") -> None:
     if approximate not in GELU_APPROXIMATIONS:
-        raise ValueError(f"approximate must be 'none' (exact erf GELU) or 'tanh', as F.gelu names them; "
+        raise ValueError(f"{name} must be 'none' (exact erf GELU) or 'tanh', as F.gelu names them; "
                          f"got {approximate!r}")
 
 
