@@ -60,6 +60,26 @@ def test_compile_scope_is_blocks_or_model_and_blocks_under_fsdp():
         build_config("mae", "quickstart", ["compile_scope=model", "dist=fsdp"])
 
 
+def test_model_gelu_approximate_reaches_every_mlp_and_is_checked():
+    """model.gelu_approximate picks the GELU of every MLP of each task's ViT; a bad value is one line
+    naming the key; a run recorded before the key existed used the exact GELU."""
+    from dres.nn import Mlp
+    from dres.train.config import fingerprint, fingerprint_diff
+
+    tiny = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.gelu_approximate=tanh"]
+    for task, preset in (("mae", "quickstart"), ("uvit", "uvit_cifar10"), ("classify", "classify_cifar10")):
+        cfg = build_config(task, preset, tiny)
+        acts = [m.act.approximate for m in cli.get_task(task).build_model(cfg).modules() if isinstance(m, Mlp)]
+        assert acts and set(acts) == {"tanh"}, (task, acts)
+    with pytest.raises(ConfigError, match=r"^config key 'model.gelu_approximate' must be one of none, tanh; "
+                                          r"got 'erf'$"):
+        build_config("mae", "quickstart", ["model.gelu_approximate=erf"])
+    erf, tanh = build_config("mae", "quickstart"), build_config("mae", "quickstart", ["model.gelu_approximate=tanh"])
+    before = {k: v for k, v in fingerprint(erf).items() if k != "model.gelu_approximate"}
+    assert fingerprint_diff(before, fingerprint(erf)) == ""
+    assert fingerprint_diff(before, fingerprint(tanh)) == "model.gelu_approximate 'none' (saved) vs 'tanh' (now)"
+
+
 def test_apply_compile_scopes_count_their_regions():
     from dres.train import distributed
     from dres.train.mae import TASK

@@ -86,6 +86,8 @@ class ModelConfig:
     num_classes: int = 0          # classifier classes; U-ViT: 0 unconditional, else class-conditional
     global_pool: str = "cls"      # classifier head input: cls | avg
     attn_impl: str = "sdpa"       # attention: sdpa (torch scaled_dot_product_attention) | flash | xformers
+    # the GELU of every ViT MLP, as nn.GELU's approximate names it: none (exact, erf) | tanh (timm's gelu_tanh)
+    gelu_approximate: str = "none"
     # zero the last Linear of every branch (ViT: attention proj, MLP fc2; timm ResNet: the last BN):
     # auto (ViTs: when alpha_min < 1; ResNets: timm's default, on) | true (the decayed-shortcut authors'
     # code, also at alpha_min 1) | false. The official MAE's SkipLayer ends start at zero whatever this says.
@@ -204,7 +206,7 @@ CHOICES = {
     "data.name": ("digits", "cifar10_wds", "wds", "imagefolder", "cifar_tv", "mnist_tv", "synthetic"),
     "data.aug": ("rrc_flip", "flip", "none"), "model.droppath_mode": ("drop_path", "residual_droppath", "none"),
     "model.arch": ("vit", "resnet18", "resnet50", "resnet50d"),
-    "model.zero_init": ("auto", "true", "false"),
+    "model.zero_init": ("auto", "true", "false"), "model.gelu_approximate": ("none", "tanh"),
     "model.variant": ("baseline", "official", "paper"), "model.schedule": ("linspace", "paper"), "optim.schedule": ("cosine", "constant"),
     "optim.name": ("adamw", "sgd"),
     "ckpt.format": ("auto", "file", "dcp"), "eval.sampler": ("dpm", "em"), "eval.feature": ("cls", "mean"),
@@ -559,7 +561,7 @@ def validate(cfg: Config) -> None:
 FINGERPRINT_KEYS = ("task", "batch_size", "data.img_size", "data.in_chans", "data.num_classes", "optim.name",
                     "optim.ema_decay")
 # keys added to the fingerprint later: a record without one was made under this value
-_FINGERPRINT_BEFORE = {"optim.name": "adamw", "model.drop_rate": 0.0}
+_FINGERPRINT_BEFORE = {"optim.name": "adamw", "model.drop_rate": 0.0, "model.gelu_approximate": "none"}
 _MODEL_KEYS_NOT_IN_FINGERPRINT = ("backend", "attn_impl")  # implementation choices, same parameters
 
 
