@@ -9,6 +9,7 @@ Frechet distance in a dres-trained classifier's features, not comparable to FID)
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -59,8 +60,9 @@ class UViTTask:
         xtr, ytr = features(trainer, fn, train, e.max_train)
         xte, yte = features(trainer, fn, val, e.max_test)
         r = representation_metrics(xtr, ytr, xte, yte, probe_epochs=probe_epochs, probe_lr=e.probe_lr,
-                                   probe_batch=e.probe_batch, knn_k=e.knn_k, num_classes=cfg.data.num_classes,
-                                   seed=cfg.seed, device=trainer.device)
+                                   probe_batch=e.probe_batch, probe_wd=e.probe_wd, knn_k=e.knn_k,
+                                   num_classes=cfg.data.num_classes, seed=cfg.seed, device=trainer.device,
+                                   progress=functools.partial(progress, enabled=trainer.main and cfg.log.progress))
         return {f"probe_t{e.probe_t}_" + k: v for k, v in r.items()}
 
     def curve(self, trainer) -> dict:
