@@ -175,7 +175,6 @@ def profile_trainer(preset: str, overrides: list[str], batch: int | None, steps:
 
         def step():
             trainer.train_step(trainer.loader.next())
-            trainer.step += 1
 
         for _ in range(max(warmup, (trainer.graphed.warmup_steps + 2) if trainer.graphed else 1)):
             step()

@@ -457,9 +457,9 @@ def test_every_key_a_resume_may_change_is_tested():
     assert set(CHANGES) | READ_EACH_STEP == set(RESUME_APPLIED)
 
 
-def _tr(out, extra):
+def _tr(out, extra, log=lambda m: None):
     cfg = build_config("mae", "quickstart", TINY + BASE + [f"out={out}", "steps=8"] + extra)
-    return Trainer(cfg, TASK, log=lambda m: None).setup()
+    return Trainer(cfg, TASK, log=log).setup()
 
 
 def _hyper(trainer):
@@ -470,11 +470,9 @@ def _hyper(trainer):
 def test_changed_hyper_parameters_are_applied_on_resume(tmp_path, key):
     sgd = [o for o in CHANGES[key] if o.startswith("optim.name")]
     first = _tr(tmp_path, sgd)
-    first.total_steps = 4  # a run of 8 steps, stopped after 4
-    first.fit()
-    resumed = _tr(tmp_path, CHANGES[key])
+    first.fit(until=4)  # a run of 8 steps, stopped after 4
     lines = []
-    resumed._log = lines.append
+    resumed = _tr(tmp_path, CHANGES[key], log=lines.append)
     assert resumed.resume("auto") and resumed.step == 4
     assert any("settings changed since the checkpoint" in m and key in m for m in lines), lines
     # what a fresh run with the new config has at step 4: the same groups and lr
@@ -487,20 +485,17 @@ def test_changed_hyper_parameters_are_applied_on_resume(tmp_path, key):
     assert resumed.scheduler.get_last_lr() == ref.scheduler.get_last_lr()
     assert first.optimizer.param_groups[0]["lr"] != resumed.optimizer.param_groups[0]["lr"] or key in (
         "optim.weight_decay", "optim.betas", "optim.eps", "optim.momentum")
-    resumed.total_steps = 5
-    resumed.fit()  # the lr logged is the one the optimizer used for that step
+    resumed.fit(until=5)  # the lr logged is the one the optimizer used for that step
     assert resumed.history[-1]["lr"] == resumed.optimizer.param_groups[0]["lr"]
 
 
 def test_clip_grad_changed_on_resume_is_read_by_the_step(tmp_path):
     first = _tr(tmp_path, [])
-    first.total_steps = 2
-    first.fit()
+    first.fit(until=2)
     assert "grad_norm" in first.history[-1]
     resumed = _tr(tmp_path, ["optim.clip_grad=0"])
     assert resumed.resume("auto")
-    resumed.total_steps = 3
-    resumed.fit()
+    resumed.fit(until=3)
     assert "grad_norm" not in resumed.history[-1]  # clipping (and its norm) off, as the config now says
 
 

@@ -126,6 +126,8 @@ def test_steady_timing_is_the_median_of_the_all_replay_windows_after_the_first_t
 def test_cpu_run_reports_no_replay_timing(tmp_path):
     cfg = build_config("mae", None, _TINY + ["device=cpu", "steps=3", f"out={tmp_path}"])
     trainer = Trainer(cfg, _task(), log=lambda m: None).setup()
+    with pytest.raises(ValueError, match=r"until must be in 1\.\.3"):
+        trainer.fit(until=4)
     trainer.fit()
     trainer.finish()
     with open(tmp_path / "metrics.jsonl") as f:
@@ -141,7 +143,7 @@ def test_cpu_trainer_runs_eagerly_and_says_why(tmp_path):
     cfg = build_config("mae", None, _TINY + ["device=cpu", "steps=2", f"out={tmp_path}"])
     lines = []
     trainer = Trainer(cfg, _task(), log=lines.append).setup()
-    assert trainer.graphed is None
+    assert trainer.graphed is None and trainer.step_fn == trainer.step_body  # chosen once, in setup
     assert any("cuda graphs: off (the device is cpu, not CUDA)" in m for m in lines), lines
 
 
@@ -165,13 +167,13 @@ def _task(name="mae"):
 
 
 def _fit(out, overrides, steps, task="mae", warmup=None, scaler_init=None, log=None):
+    """A trainer after ``steps`` steps; ``warmup``: its graph's eager steps (more than the run has: the same
+    body, never captured); ``scaler_init``: the fp16 loss scale it starts from."""
     base = _CLASSIFY if task == "classify" else _TINY
     cfg = build_config(task, None, base + list(overrides) + [f"steps={steps}", f"out={out}"])
-    trainer = Trainer(cfg, _task(task), log=log or (lambda m: None)).setup()
-    if warmup is not None:  # more eager warm-up steps than the run has: the same body, never captured
-        trainer.graphed = GraphedStep(trainer, warmup_steps=warmup)
-    if scaler_init is not None:
-        trainer.scaler = torch.amp.GradScaler("cuda", init_scale=scaler_init)
+    trainer = Trainer(cfg, _task(task), log=log or (lambda m: None), graph_warmup_steps=warmup).setup()
+    if scaler_init is not None:  # as a resume sets the scaler's state
+        trainer.scaler.load_state_dict({**trainer.scaler.state_dict(), "scale": scaler_init})
     trainer.fit()
     return trainer
 
@@ -266,8 +268,7 @@ def test_graphed_run_resumes_exactly(tmp_path, case):
         pytest.skip("this configuration runs eagerly (see test_graphed_steps_match_eager_steps)")
     cfg = build_config(task, None, _TINY + run + [f"steps={2 * k}", f"out={tmp_path / 'half'}"])
     half = Trainer(cfg, _task(task), log=lambda m: None).setup()
-    half.total_steps = k  # a 2k-step run stopped after its checkpoint at k
-    half.fit()
+    half.fit(until=k)  # a 2k-step run stopped after its checkpoint at k
     resumed = Trainer(cfg, _task(task), log=lambda m: None).setup()
     assert resumed.resume("auto") and resumed.step == k
     resumed.fit()

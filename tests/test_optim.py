@@ -47,7 +47,7 @@ def test_adamw_is_built_as_before():
     cfg = _cfg("optim.lr=3e-4", "optim.weight_decay=0.05", "optim.betas=[0.9,0.999]", "optim.eps=1e-7")
     model = _Net()
     for device, capturable in [(CPU, False), (CUDA, False), (CUDA, True)]:
-        opt = build_optimizer(cfg, _groups(model, cfg), device, capturable=capturable)
+        opt = build_optimizer(cfg, _groups(model, cfg), device, "bf16", capturable=capturable)
         # the construction the trainer had before optim.name existed, argument for argument
         want = torch.optim.AdamW(_groups(model, cfg), lr=3e-4, betas=(0.9, 0.999), eps=1e-7,
                                  **({"fused": True} if device.type == "cuda" else {}),
@@ -61,7 +61,7 @@ def test_sgd_is_nesterov_momentum_with_the_trainer_groups():
     cfg = _cfg("optim.name=sgd", "optim.blr=0.1", "batch_size=512", "optim.weight_decay=2e-5",
                "optim.momentum=0.8")
     model = _Net()
-    opt = build_optimizer(cfg, _groups(model, cfg), CPU, capturable=False)
+    opt = build_optimizer(cfg, _groups(model, cfg), CPU, "bf16", capturable=False)
     assert type(opt) is torch.optim.SGD and peak_lr(cfg) == pytest.approx(0.2)  # 0.1 x 512 / 256
     decay, no_decay = opt.param_groups
     assert [id(p) for p in decay["params"]] == [id(model.conv.weight), id(model.fc.weight)]
@@ -70,17 +70,28 @@ def test_sgd_is_nesterov_momentum_with_the_trainer_groups():
     for g in opt.param_groups:
         assert (g["lr"], g["momentum"], g["nesterov"], g["dampening"]) == (pytest.approx(0.2), 0.8, True, 0)
         assert not g["fused"]  # CPU
-    assert build_optimizer(cfg, _groups(model, cfg), CUDA, capturable=True).defaults["fused"]
-    assert not build_optimizer(_cfg("optim.name=sgd", "optim.fused=false"), _groups(model, cfg), CUDA,
+    assert build_optimizer(cfg, _groups(model, cfg), CUDA, "bf16", capturable=True).defaults["fused"]
+    assert not build_optimizer(_cfg("optim.name=sgd", "optim.fused=false"), _groups(model, cfg), CUDA, "bf16",
                                capturable=False).defaults["fused"]
 
 
 def test_sgd_under_fsdp_is_not_fused_and_a_graph_needs_the_fused_kernel():
     model = _Net()
     cfg = _cfg("optim.name=sgd", "dist=fsdp")  # DTensor has no sharding rule for the fused SGD kernel
-    assert not build_optimizer(cfg, _groups(model, cfg), CUDA, capturable=False).defaults["fused"]
+    assert not build_optimizer(cfg, _groups(model, cfg), CUDA, "bf16", capturable=False).defaults["fused"]
     with pytest.raises(ValueError, match="fused kernel"):
-        build_optimizer(_cfg("optim.name=sgd", "optim.fused=false"), _groups(model, cfg), CUDA, capturable=True)
+        build_optimizer(_cfg("optim.name=sgd", "optim.fused=false"), _groups(model, cfg), CUDA, "bf16", capturable=True)
+
+
+@pytest.mark.parametrize("overrides,precision", [(["optim.name=sgd", "optim.fused=false"], "bf16"),
+                                                 (["optim.fused=false", "precision=fp16"], "fp16")])
+def test_a_capturable_optimizer_is_refused_for_graph_plans_reason(overrides, precision):
+    cfg = _cfg(*overrides)
+    on, why = graph_plan(cfg, CUDA, precision, 1)
+    with pytest.raises(ValueError) as refused:
+        build_optimizer(cfg, _groups(_Net(), cfg), CUDA, precision, capturable=True)
+    assert not on and f"off ({refused.value}); " in why  # one rule, one message
+    assert build_optimizer(cfg, _groups(_Net(), cfg), CUDA, precision, capturable=False)  # eager: built
 
 
 def test_sgd_steps_like_timms_sgd():
@@ -91,7 +102,7 @@ def test_sgd_steps_like_timms_sgd():
     ours, theirs = _Net(), _Net()
     theirs.load_state_dict(ours.state_dict())
     cfg = _cfg("optim.name=sgd", "optim.lr=0.05", "optim.weight_decay=1e-2")  # wd large enough to matter
-    opt_a = build_optimizer(cfg, _groups(ours, cfg), CPU, capturable=False)
+    opt_a = build_optimizer(cfg, _groups(ours, cfg), CPU, "bf16", capturable=False)
     opt_b = create_optimizer_v2(theirs, "sgd", lr=0.05, weight_decay=1e-2, momentum=0.9)
     assert timm.__version__ and all(g["nesterov"] for g in opt_b.param_groups)
     x, y = torch.randn(6, 3, 7, 7), torch.randint(0, 5, (6,))
@@ -204,7 +215,7 @@ def test_cpu_classify_run_with_sgd_and_label_smoothing(tmp_path):
     with torch.no_grad():
         first_loss = F.cross_entropy(ref.raw_model(batch["image"]).float(), batch["label"], label_smoothing=0.1)
     trainer = Trainer(cfg, CLASSIFY, log=lambda m: None).setup()
-    assert type(trainer.optimizer) is torch.optim.SGD and trainer.graphed is None
+    assert type(trainer.optimizer) is torch.optim.SGD and trainer.graphed is None and trainer.step_fn == trainer.step_body
     before = [p.detach().clone() for p in trainer.raw_model.parameters()]
     trainer.fit()
     assert len(trainer.history) == 3 and all(torch.isfinite(torch.tensor(h["loss"])) for h in trainer.history)

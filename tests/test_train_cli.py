@@ -281,7 +281,7 @@ def test_evaluation_skipped_on_a_streaming_loader_says_why(tmp_path):
     cfg = build_config("mae", "quickstart", ["data.name=imagefolder", f"data.path={tmp_path}", f"data.val_path={tmp_path}",
                                              "data.gpu_resident=false", "data.num_workers=0"])
     lines = []
-    trainer = SimpleNamespace(cfg=cfg, device="cpu", log=lines.append)
+    trainer = SimpleNamespace(cfg=cfg, device="cpu", log=lines.append, eval_loaders={})
     assert eval_loader(trainer, "val", 8) is None
     assert lines == ["[dres] evaluation on the val split skipped: the streaming data.name=imagefolder loader has no "
                      "in-order pass; evaluate a subset in memory with dres-eval RUN --set data.gpu_resident=true "

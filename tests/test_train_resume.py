@@ -20,9 +20,9 @@ OVR = ["data.name=digits", "data.img_size=8", "data.in_chans=1", "data.mean=[0.3
        "log.tensorboard=false", "eval.probe=false"]
 
 
-def _trainer(out, steps, extra=()):
+def _trainer(out, steps, extra=(), log=lambda m: None):
     cfg = build_config("mae", None, OVR + [f"steps={steps}", f"out={out}"] + list(extra))
-    return Trainer(cfg, TASK, log=lambda m: None).setup()
+    return Trainer(cfg, TASK, log=log).setup()
 
 
 def test_exact_resume_matches_uninterrupted_run(tmp_path):
@@ -30,8 +30,7 @@ def test_exact_resume_matches_uninterrupted_run(tmp_path):
     full.fit()
     # first half: a run that would go to 8 steps, stopped after 4 (the checkpoint at step 4)
     half = _trainer(tmp_path / "half", 8, ["ckpt.every=4"])
-    half.total_steps = 4
-    half.fit()
+    half.fit(until=4)
     assert half.droppath.iteration == 4
     resumed = _trainer(tmp_path / "half", 8, ["ckpt.every=4"])
     assert resumed.resume("auto") and resumed.step == 4
@@ -51,13 +50,9 @@ def test_exact_resume_matches_uninterrupted_run(tmp_path):
 
 def test_killed_save_leaves_previous_checkpoint_usable(tmp_path):
     trainer = _trainer(tmp_path, 6, ["ckpt.every=0", "ckpt.keep=5"])
-    trainer.total_steps = 2
-    trainer.fit()  # saves step 2 at its end
+    trainer.fit(until=2)  # saves step 2 at its end
     good = trainer.last_good
     ref = {k: v.clone() for k, v in trainer.raw_model.state_dict().items() if isinstance(v, torch.Tensor)}
-    for _ in range(2):  # train on, then die while saving step 4
-        trainer.train_step(trainer.loader.next())
-        trainer.step += 1
     real_save = torch.save
 
     class Killed(BaseException):  # as a kill runs no handler, it passes the save's own
@@ -69,7 +64,7 @@ def test_killed_save_leaves_previous_checkpoint_usable(tmp_path):
         raise Killed
 
     with mock.patch.object(checkpoint.torch, "save", dies_mid_write), pytest.raises(Killed):
-        trainer.save()
+        trainer.fit(until=4)  # train on, then die while saving step 4
     assert [p.name for p in checkpoint.list_checkpoints(trainer.ckpt_dir)] == [good.name]
     assert list(trainer.ckpt_dir.glob(".step_*tmp"))  # the partial write exists but is ignored
     again = _trainer(tmp_path, 6)
@@ -85,9 +80,8 @@ def test_damaged_newest_checkpoint_falls_back_to_previous(tmp_path):
     names = [p.name for p in checkpoint.list_checkpoints(trainer.ckpt_dir)]
     assert names == ["step_00000002.pt", "step_00000004.pt"]
     (trainer.ckpt_dir / names[-1]).write_bytes(b"garbage")
-    again = _trainer(tmp_path, 6, ["ckpt.every=2", "ckpt.keep=2"])
     lines = []
-    again._log = lines.append
+    again = _trainer(tmp_path, 6, ["ckpt.every=2", "ckpt.keep=2"], log=lines.append)
     assert again.resume("auto")
     assert again.step == 2
     assert any("step_00000004.pt is unreadable" in m and "trying an older one" in m for m in lines), lines
@@ -115,13 +109,11 @@ def test_resuming_an_older_checkpoint_sets_the_later_branch_aside(tmp_path):
 
 def test_non_finite_loss_stops_with_clear_message_and_keeps_last_checkpoint(tmp_path):
     trainer = _trainer(tmp_path, 8, ["ckpt.every=2", "log.every=1"])
-    trainer.total_steps = 2
-    trainer.fit()
+    trainer.fit(until=2)
     assert trainer.last_good is not None and trainer.last_good.name == "step_00000002.pt"
     real_loss = TASK.loss
     try:
         TASK.loss = lambda model, batch, cfg: (real_loss(model, batch, cfg)[0] * float("nan"), {})
-        trainer.total_steps = 8
         with pytest.raises(NonFiniteLoss, match="non-finite loss.*step_00000002"):
             trainer.fit()
     finally:

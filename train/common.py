@@ -77,10 +77,9 @@ def eval_loader(trainer, split, batch):
     """An unaugmented loader over ``split`` ('train' | 'val') for feature extraction, or None (with
     a message) when the data set has no such split configured. Built once per trainer and split:
     decoding a split into memory is the slow part, and every eval.every point reads it again."""
-    built = vars(trainer).setdefault("_eval_loaders", {})
-    if split not in built:
-        built[split] = _build_eval_loader(trainer, split)
-    return built[split]
+    if split not in trainer.eval_loaders:
+        trainer.eval_loaders[split] = _build_eval_loader(trainer, split)
+    return trainer.eval_loaders[split]
 
 
 def _build_eval_loader(trainer, split):

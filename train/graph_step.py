@@ -1,8 +1,11 @@
 """The trainer's step as one CUDA graph, kept apart from the loop (torchtitan style).
 
-:class:`GraphedStep` wraps :meth:`Trainer.step_body <dres.train.loop.Trainer.step_body>` — forward
-and backward of every micro-batch, loss scaling, gradient clipping, the optimizer, EMA, the
-ResidualDroppath iteration and the non-finite flag — without changing it: it runs the body eagerly
+:class:`GraphedStep` wraps a step function, the trainer's :meth:`Trainer.step_body
+<dres.train.loop.Trainer.step_body>` — forward and backward of every micro-batch, loss scaling,
+gradient clipping, the optimizer, EMA, the ResidualDroppath iteration and the non-finite flag —
+without changing it, and takes only what it reads besides (the optimizer, the LR schedule, the
+device and its capture stream), not the trainer; the trainer picks its step once, in setup: the
+wrapper where the run is captured, its ``step_body`` where not. It runs the body eagerly
 for a few warm-up steps on a side stream (lazy initialisation, torch.compile and Triton autotuning
 happen there, as torch's "whole network capture" recipe asks), captures it once, and replays the
 graph for every later step. What the body reads and writes stays at fixed addresses:
@@ -115,31 +118,39 @@ def steady_timing(windows: list[dict], skip: int = 2) -> dict:
 
 
 class GraphedStep:
-    """``step(batch) -> (loss, metrics)`` like :meth:`Trainer.step_body`, captured as one CUDA graph
+    """``step(batch) -> (loss, metrics)`` like ``step_body``, the step it wraps, captured as one CUDA graph
     after ``warmup_steps`` eager steps (every call is one real training step). The returned tensors
     are the graph's static outputs: read them before the next call (the loop accumulates them).
+
+    What the wrapper reads besides ``step_body``: the ``optimizer``'s parameter groups (their lr is a
+    device tensor inside the step), the LambdaLR ``scheduler`` (its table over ``total_steps`` positions,
+    and its position when the first batch comes, after any resume), the ``device``, the ``stream`` it
+    warms up and captures on (DDP must have been built on it; a new one when None) and ``log`` for the
+    line that says the step was captured. Everything else (scaler, EMA, ResidualDroppath, the
+    non-finite flag) is ``step_body``'s own state, captured with it.
 
     Every replay records a CUDA event pair from a ring of ``timed_replays`` pairs, reused across log
     windows; :meth:`read_window` reads the window's replay times at a log step and keeps them in
     ``windows`` for :func:`steady_timing`."""
 
-    def __init__(self, trainer, warmup_steps: int = 3, timed_replays: int = 128, stream=None):
+    def __init__(self, step_body, optimizer: torch.optim.Optimizer, scheduler, total_steps: int,
+                 device: torch.device, *, warmup_steps: int = 3, timed_replays: int = 128, stream=None, log=print):
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (lazy initialisation cannot be captured), got {warmup_steps}")
-        self.trainer, self.warmup_steps = trainer, warmup_steps
+        if timed_replays < 1:
+            raise ValueError(f"timed_replays must be >= 1, got {timed_replays}")
+        self.step_body, self.optimizer, self.scheduler, self.device = step_body, optimizer, scheduler, device
+        self.warmup_steps, self.timed_replays, self.log = warmup_steps, timed_replays, log
         self.warmed = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: dict | None = None
         self.outputs = None
-        self.stream = stream if stream is not None else torch.cuda.Stream(trainer.device)  # warm-up and capture
-        self.lr_table = schedule_table(trainer.scheduler, trainer.total_steps, trainer.device)
-        self.position = torch.zeros(1, dtype=torch.int64, device=trainer.device)
-        self._index = torch.zeros(1, dtype=torch.int64, device=trainer.device)
-        self._lrs = torch.zeros(self.lr_table.shape[0], 1, device=trainer.device)
+        self.stream = stream if stream is not None else torch.cuda.Stream(device)  # warm-up and capture
+        self.lr_table = schedule_table(scheduler, total_steps, device)
+        self.position = torch.zeros(1, dtype=torch.int64, device=device)
+        self._index = torch.zeros(1, dtype=torch.int64, device=device)
+        self._lrs = torch.zeros(self.lr_table.shape[0], 1, device=device)
         self.lrs = list(self._lrs[:, 0].unbind(0))  # one 0-dim view per parameter group
-        if timed_replays < 1:
-            raise ValueError(f"timed_replays must be >= 1, got {timed_replays}")
-        self.timed_replays = timed_replays
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # grows to timed_replays, then reused
         self._replays = 0  # in the current log window
         self.windows: list[dict] = []
@@ -148,7 +159,7 @@ class GraphedStep:
     @contextlib.contextmanager
     def _device_lr(self):
         """The parameter groups read their lr from the device tensors inside the step."""
-        groups = self.trainer.optimizer.param_groups
+        groups = self.optimizer.param_groups
         saved = [g["lr"] for g in groups]
         for g, lr in zip(groups, self.lrs):
             g["lr"] = lr
@@ -163,13 +174,13 @@ class GraphedStep:
         torch.index_select(self.lr_table, 1, self._index, out=self._lrs)
         self.position.add_(1)
         with self._device_lr():
-            return self.trainer.step_body(self.inputs)
+            return self.step_body(self.inputs)
 
     # ------------------------------------------------------------------ per call
     def _load(self, batch: dict):
         if self.inputs is None:
             self.inputs = {k: torch.empty_like(v) for k, v in batch.items()}
-            self.position.fill_(self.trainer.scheduler.last_epoch)  # after any resume
+            self.position.fill_(self.scheduler.last_epoch)  # after any resume
         for k, v in batch.items():
             dst = self.inputs.get(k)
             if dst is None or dst.shape != v.shape or dst.dtype != v.dtype:
@@ -179,7 +190,7 @@ class GraphedStep:
             dst.copy_(v)
 
     def _warmup(self):
-        cur = torch.cuda.current_stream(self.trainer.device)
+        cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)
         with torch.cuda.stream(self.stream), warnings.catch_warnings():
             # the optimizer is built capturable for the graph; these steps are its deliberate eager ones
@@ -198,7 +209,7 @@ class GraphedStep:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise RuntimeError(f"cuda_graphs: capturing the train step failed ({first}); "
                                "run it eagerly with --set cuda_graphs=false") from e
-        self.trainer.log(f"[dres] cuda graphs: captured the train step after {self.warmed} warm-up steps")
+        self.log(f"[dres] cuda graphs: captured the train step after {self.warmed} warm-up steps")
 
     def __call__(self, batch: dict):
         self._load(batch)
@@ -221,7 +232,7 @@ class GraphedStep:
         that captured its collectives exists, so destroying the process group first hangs
         (pytorch/pytorch#115388): the trainer releases the graph before it tears the group down."""
         if self.graph is not None:
-            torch.cuda.synchronize(self.trainer.device)
+            torch.cuda.synchronize(self.device)
             self.graph.reset()
             self.graph = None
 

@@ -37,10 +37,11 @@ from dres.nn import set_backend
 from dres.train import checkpoint
 from dres.train import distributed
 from dres.train import rundir
-from dres.train.common import dense_bf16_peak, flops_rate_text, model_flops_rate, progress
+from dres.train.common import dense_bf16_peak, flops_rate_text, model_flops_rate
 from dres.train.config import Config, ConfigError, cpu_threads, dotted_value, fingerprint, save_config, to_dict
 from dres.train.graph_step import GraphedStep, graph_plan, graph_warmup_steps, steady_timing
 from dres.train.optim import build_optimizer, peak_lr
+from dres.train.runlog import RunLog
 
 
 class NonFiniteLoss(RuntimeError):
@@ -108,8 +109,14 @@ def lr_lambda(total: int, warmup: int, schedule: str, min_ratio: float):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, task, *, log=print):
+    """One run of ``task`` under ``cfg``: :meth:`setup`, then :meth:`fit`, :meth:`evaluate` and :meth:`finish`
+    (or :meth:`resume` / :meth:`load_weights` first). ``log`` prints a line; ``graph_warmup_steps``: the
+    eager steps before a captured step's capture (None: :func:`~dres.train.graph_step.graph_warmup_steps`,
+    what lazy initialisation and DDP need; more than the run's steps: the same body, never captured)."""
+
+    def __init__(self, cfg: Config, task, *, log=print, graph_warmup_steps: int | None = None):
         self.cfg, self.task = cfg, task
+        self.graph_warmup_steps = graph_warmup_steps
         self.info = distributed.init(cfg.device, cfg.dist)
         self.device = self.info.device
         if self.device.type == "cpu":
@@ -132,11 +139,31 @@ class Trainer:
         self.stop_signal: str | None = None  # set by StopOnSignal
         self.in_loop = False
         self.last_record: dict | None = None  # metrics.jsonl's last record kept on resume
-        self.graphed: GraphedStep | None = None
+        self.last_good: Path | None = None  # the newest checkpoint this run wrote or resumed from
+        self.loaded_from: str | None = None  # the checkpoint load_weights read
         self.flops_per_image: float | None = None  # model FLOPs of one training image (_count_flops)
         self.peak_tflops: float | None = None  # the card's dense bf16 peak, the denominator of mfu
         self.log_path: Path | None = None  # log.txt, from start_log on
         self._held: list[str] = []
+        # built by setup
+        self.raw_model: nn.Module | None = None  # the model before DDP / FSDP2 / whole-model compile
+        self.model: nn.Module | None = None  # what the step calls
+        self.droppath = None  # the model's ResidualDroppath controller, if any
+        self.n_params = 0
+        self.loader = None  # training batches (None when only evaluating)
+        self.total_steps = 0
+        self.lr = 0.0  # peak learning rate
+        self.warmup = 0  # warm-up steps of the schedule
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.scaler: torch.amp.GradScaler | None = None
+        self.ema: dict | None = None  # fp32 EMA of the parameters (optim.ema_decay > 0)
+        self.graphed: GraphedStep | None = None  # the captured step (None: the step runs eagerly)
+        self.step_fn = None  # the step train_step runs: graphed or step_body, chosen once in setup
+        self._bad: torch.Tensor | None = None  # the device-side non-finite flag of the steps so far
+        # used by fit, evaluation and finish
+        self.tb = None  # the TensorBoard writer (main rank, log.tensorboard)
+        self.eval_loaders: dict = {}  # split -> its evaluation loader or None (train.common.eval_loader)
 
     def log(self, msg):
         if self.main:
@@ -213,15 +240,19 @@ class Trainer:
         self.lr = peak_lr(cfg)
         warmup = o.warmup_steps if o.warmup_steps >= 0 else int(round(o.warmup_epochs * epoch_steps))
         self.warmup = min(warmup, self.total_steps)
-        self.optimizer = build_optimizer(cfg, groups, self.device, capturable=graphs)
+        self.optimizer = build_optimizer(cfg, groups, self.device, self.precision, capturable=graphs)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(self.total_steps, self.warmup, o.schedule, o.min_lr / self.lr if self.lr else 0))
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         # EMA of the parameters (fp32; sharded like the parameters under FSDP)
         self.ema = ({n: p.detach().clone().float() for n, p in self.raw_model.named_parameters()}
                     if o.ema_decay > 0 else None)
-        self.graphed = (GraphedStep(self, warmup_steps=graph_warmup_steps(cfg, self.info.world), stream=capture_stream)
-                        if graphs and train else None)
+        if graphs and train:
+            eager_steps = (self.graph_warmup_steps if self.graph_warmup_steps is not None
+                           else graph_warmup_steps(cfg, self.info.world))
+            self.graphed = GraphedStep(self.step_body, self.optimizer, self.scheduler, self.total_steps, self.device,
+                                       warmup_steps=eager_steps, stream=capture_stream, log=self.log)
+        self.step_fn = self.graphed if self.graphed is not None else self.step_body
         if train:
             self.log(f"[dres] cuda graphs: {why}")
         torch.manual_seed(cfg.seed + 1000003 * self.info.rank)  # per-rank randomness (masks, noise)
@@ -354,10 +385,6 @@ class Trainer:
         self.log(f"[dres] loaded weights of step {self.step} from {extra['path']}")
 
     # ----------------------------------------------------------------- train
-    _bad = None
-    last_good = None
-    loaded_from = None
-
     @torch.no_grad()
     def _ema_update(self):
         d = self.cfg.optim.ema_decay
@@ -402,35 +429,43 @@ class Trainer:
         return loss_sum, metrics_sum
 
     def train_step(self, batch):
-        """One optimizer step: the captured step when CUDA graphs are on, else :meth:`step_body`."""
-        out = self.graphed(batch) if self.graphed is not None else self.step_body(batch)
+        """One optimizer step: ``step_fn`` (the captured step when CUDA graphs are on, else
+        :meth:`step_body`), then the host's LR schedule."""
+        out = self.step_fn(batch)
         self.scheduler.step()
         return out
 
+    def _checkpoint_kept(self) -> str:
+        """What a run that stops now still has, for its message."""
+        return f"the last good checkpoint is {self.last_good}" if self.last_good else "no checkpoint was written"
+
     def _check_finite(self):
         if self._bad is not None and bool(distributed.all_sum(self._bad.float().reshape(1))[0] > 0):
-            where = f"the last good checkpoint is {self.last_good}" if self.last_good else "no checkpoint was written"
-            raise NonFiniteLoss(f"non-finite loss before step {self.step}; stopping ({where}; resume with "
-                                f"--resume auto, perhaps with a lower lr or precision=fp32)")
+            raise NonFiniteLoss(f"non-finite loss before step {self.step}; stopping ({self._checkpoint_kept()}; "
+                                f"resume with --resume auto, perhaps with a lower lr or precision=fp32)")
 
     def epoch(self) -> float | None:
         """Epochs trained, or None where the training data's size is unknown (a stream without counts)."""
         steps_per_epoch = len(self.loader)
         return self.step / steps_per_epoch if steps_per_epoch else None
 
-    def fit(self):
-        """Train to ``total_steps``. On a signal (:class:`StopOnSignal`) the step under way is finished, a
-        checkpoint is written and :class:`Interrupted` raised: with one process after that step; with
-        several at the next log step, where the ranks agree on it in the all-reduce that already carries
-        the logged metrics (no collective or host sync is added to the steps between)."""
+    def fit(self, until: int | None = None):
+        """Train to ``total_steps``, or stop after step ``until`` as a run cut short there would (its schedule
+        that of all ``total_steps``, a checkpoint at ``until``; a later ``fit`` or resume goes on). On a
+        signal (:class:`StopOnSignal`) the step under way is finished, a checkpoint is written and
+        :class:`Interrupted` raised: with one process after that step; with several at the next log step,
+        where the ranks agree on it in the all-reduce that already carries the logged metrics (no
+        collective or host sync is added to the steps between). Each log step's record goes to the
+        :class:`~dres.train.runlog.RunLog` (metrics.jsonl, TensorBoard, the progress bar)."""
         cfg = self.cfg
+        if until is not None and not 0 < until <= self.total_steps:
+            raise ValueError(f"until must be in 1..{self.total_steps} (the run's steps), got {until}")
+        end = self.total_steps if until is None else until
         start_step, t0 = self.step, time.time()
         self.write_record()
         self.tb = self._tensorboard() if self.main and cfg.log.tensorboard else None
-        metrics_path = self.out / "metrics.jsonl"
-        bar = None
-        if self.main and cfg.log.progress:
-            bar = progress(total=self.total_steps, initial=self.step, unit="step")
+        runlog = RunLog(self.out / "metrics.jsonl", main=self.main, tb=self.tb, show_progress=cfg.log.progress,
+                        total=self.total_steps, initial=self.step, kept=self._checkpoint_kept)
         acc_loss, acc_n, acc_metrics = torch.zeros((), device=self.device), 0, {}
         t_last, step_last, seen = time.time(), self.step, 0
         if self.device.type == "cuda":
@@ -440,7 +475,7 @@ class Trainer:
         self.model.train()
         self.in_loop = True
         try:
-            while self.step < self.total_steps:
+            while self.step < end:
                 batch = self.loader.next()
                 loss, metrics = self.train_step(batch)
                 self.step += 1
@@ -449,7 +484,7 @@ class Trainer:
                 acc_n += 1
                 for k, v in metrics.items():
                     acc_metrics[k] = acc_metrics.get(k, 0) + v
-                last = self.step == self.total_steps
+                last = self.step == end
                 # one process stops after any step (a host flag, no sync); several agree at log steps, below
                 stop = self.stop_signal is not None and self.info.world == 1
                 if self.step % cfg.log.every == 0 or last:
@@ -468,20 +503,10 @@ class Trainer:
                     if self.graphed is not None:  # the replays' GPU time against this window's wall time
                         rec.update(self.graphed.read_window(self.step - step_last, (now - t_last) * 1e3))
                     self.history.append(rec)
-                    if self.main:
-                        self._write_metrics(metrics_path, rec)
-                        if self.tb:
-                            for k, v in rec.items():
-                                if k != "step" and v is not None:
-                                    self.tb.add_scalar(f"train/{k}", v, self.step)
-                    if bar:
-                        mfu = {} if rec["mfu"] is None else {"mfu": f"{rec['mfu']:.1%}"}
-                        bar.set_postfix(loss=f"{vals[0]:.4f}", lr=f"{rec['lr']:.2e}", img_s=f"{ips:.0f}", **mfu,
-                                        refresh=False)
+                    runlog.step(rec)
                     acc_loss, acc_n, acc_metrics = torch.zeros((), device=self.device), 0, {}
                     t_last, step_last = now, self.step
-                if bar:
-                    bar.update(1)
+                runlog.advance()
                 if (cfg.ckpt.every and self.step % cfg.ckpt.every == 0) or last or stop:
                     self._check_finite()
                     self.save()
@@ -492,8 +517,7 @@ class Trainer:
                     self.model.train()
         finally:
             self.in_loop = False
-            if bar:
-                bar.close()
+            runlog.close()
         wall = time.time() - t0
         final = self.history[-1] if self.history else self.last_record
         ips = seen / max(wall, 1e-9)
@@ -520,10 +544,6 @@ class Trainer:
             return None
         # a resumed run hides the events its predecessor logged after the checkpoint, as metrics.jsonl cuts them
         return SummaryWriter(str(self.out / "tb"), purge_step=self.step + 1 if self.step else None)
-
-    def _write_metrics(self, path: Path, rec: dict):
-        kept = f"the last good checkpoint is {self.last_good}" if self.last_good else "no checkpoint was written"
-        rundir.append_line(path, json.dumps(rec), f"{kept}; free space, then continue with --resume auto")
 
     def _stopped_message(self) -> str:
         done = self.step == self.total_steps
@@ -553,7 +573,7 @@ class Trainer:
         if self.main and point:
             point = {"step": self.step, "epoch": self.epoch(), **point}
             record_point(self.out, point)
-            if getattr(self, "tb", None):
+            if self.tb:
                 log_results(self.tb, self.step, point, "curve")
         return point
 
@@ -579,7 +599,7 @@ class Trainer:
             for k, v in (eval_metrics or {}).items():
                 lines.append(f"[dres] {k}: {v:.4f}" if isinstance(v, float) else f"[dres] {k}: {v}")
             self.log("\n".join(lines))
-        if getattr(self, "tb", None):
+        if self.tb:
             from dres.eval import log_hparams, log_results
 
             log_results(self.tb, self.step, eval_metrics or {}, "eval")

@@ -44,19 +44,20 @@ def capture_blocker(cfg, device: torch.device, precision: str) -> Optional[str]:
     return None
 
 
-def build_optimizer(cfg, param_groups, device: torch.device, capturable: bool) -> torch.optim.Optimizer:
+def build_optimizer(cfg, param_groups, device: torch.device, precision: str, capturable: bool) -> torch.optim.Optimizer:
     """The optimizer ``cfg.optim.name`` names over ``param_groups`` (each with its ``weight_decay``) at
     :func:`peak_lr`; ``capturable``: the step will be captured in a CUDA graph (AdamW keeps its step
-    count on the device; SGD has none, and its fused kernel needs nothing more)."""
+    count on the device; SGD has none, and its fused kernel needs nothing more), refused where
+    :func:`capture_blocker` says at ``precision`` that it cannot be."""
     o = cfg.optim
+    if capturable and (why := capture_blocker(cfg, device, precision)) is not None:  # graph_plan refuses it first
+        raise ValueError(why)
     fused = uses_fused_kernel(cfg, device)
     if o.name == "adamw":
         return torch.optim.AdamW(param_groups, lr=peak_lr(cfg), betas=tuple(o.betas), eps=o.eps,
                                  **({"fused": True} if fused else {}),
                                  **({"capturable": True} if capturable else {}))
     if o.name == "sgd":
-        if capturable and not fused:  # graph_plan refuses this configuration first
-            raise ValueError(capture_blocker(cfg, device, "fp32"))
         return torch.optim.SGD(param_groups, lr=peak_lr(cfg), momentum=o.momentum, nesterov=True,
                                **({"fused": True} if fused else {}))
     raise ValueError(f"optim.name must be one of adamw, sgd; got {o.name!r}")
