@@ -360,14 +360,14 @@ def test_run_releases_the_captured_graph_before_the_process_group_goes(tmp_path,
     assert trainer.graphed.graph is None
 
 
-def _ddp_worker(rank, world, port, out, graphs, steps):
+def _ddp_worker(rank, world, port, out, graphs, steps, extra=()):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     from dres.train import distributed
 
     lines = []
     overrides = ["dist=ddp", f"cuda_graphs={graphs}", "accum_steps=2", "optim.clip_grad=0.5",
-                 "model.drop_path=0.3", "model.droppath_mode=residual_droppath"]
+                 "model.drop_path=0.3", "model.droppath_mode=residual_droppath", *extra]
     trainer = _fit(f"{out}/{graphs}", overrides, steps, log=lines.append)
     captured = trainer.graphed is not None and trainer.graphed.graph is not None
     if captured:  # as the trainer's run(): the graph goes before the process group, or destroying the group hangs
@@ -382,9 +382,11 @@ def _ddp_worker(rank, world, port, out, graphs, steps):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_graphed_ddp_steps_match_eager_ddp_steps(tmp_path):
+@pytest.mark.parametrize("extra", [(), ("compile=true", "compile_scope=model")], ids=["eager_model", "compiled_model"])
+def test_graphed_ddp_steps_match_eager_ddp_steps(tmp_path, extra):
     """DDP on two GPUs with the whole step captured (the all-reduce inside the graph) against eager DDP:
-    11 warm-up steps, then replays of both ResidualDroppath parities with accumulation and clipping."""
+    11 warm-up steps, then replays of both ResidualDroppath parities with accumulation and clipping; also
+    with the DDP wrapper compiled as one region (Dynamo splits it at the gradient buckets)."""
     import torch.multiprocessing as mp
 
     steps = DDP_WARMUP_STEPS + 4
@@ -393,7 +395,7 @@ def test_graphed_ddp_steps_match_eager_ddp_steps(tmp_path):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        mp.spawn(_ddp_worker, args=(2, port, str(tmp_path), graphs, steps), nprocs=2, join=True)
+        mp.spawn(_ddp_worker, args=(2, port, str(tmp_path), graphs, steps, extra), nprocs=2, join=True)
         with open(tmp_path / f"{graphs}.json") as f:
             res[graphs] = json.load(f)
     assert res["true"]["captured"] and not res["false"]["captured"], res["true"]["lines"]
