@@ -540,3 +540,70 @@ def test_sdpa_backend_choice_matches_the_math_backend(tokens, head_dim, dtype):
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     for got, ref in zip((out,) + grads, (want,) + want_grads):
         assert (got.double() - ref).norm() / ref.norm() < tol
+
+
+def _stand_in(monkeypatch, name, **attrs):
+    """A module ``name`` in sys.modules with ``attrs``, found by importlib.util.find_spec."""
+    import importlib.machinery
+    import sys
+    import types
+
+    mod = types.ModuleType(name)
+    mod.__spec__ = importlib.machinery.ModuleSpec(name, None)
+    for k, v in attrs.items():
+        setattr(mod, k, v)
+    monkeypatch.setitem(sys.modules, name, mod)
+    return mod
+
+
+@pytest.mark.parametrize("impl", ["flash", "xformers"])
+def test_attention_hands_flash_attn_and_xformers_their_documented_layouts(monkeypatch, impl):
+    # The packages' CUDA kernels cannot run here; stand-ins with their documented signatures check dres's side:
+    # flash_attn_qkvpacked_func(qkv (B, N, 3, H, d)) -> (B, N, H, d); memory_efficient_attention(q, k, v each
+    # (B, N, H, d)) -> (B, N, H, d); both scaled by 1/sqrt(d) by default.
+    from dres.nn.transformer import Attention
+
+    def bnhd_attention(q, k, v):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+    def flash_attn_qkvpacked_func(qkv):
+        assert qkv.dim() == 5 and qkv.shape[2] == 3, qkv.shape
+        return bnhd_attention(*qkv.unbind(2))
+
+    def memory_efficient_attention(q, k, v):
+        assert q.dim() == 4 and q.shape == k.shape == v.shape, q.shape
+        return bnhd_attention(q, k, v)
+
+    if impl == "flash":
+        _stand_in(monkeypatch, "flash_attn", flash_attn_qkvpacked_func=flash_attn_qkvpacked_func)
+    else:
+        ops_mod = _stand_in(monkeypatch, "xformers.ops", memory_efficient_attention=memory_efficient_attention)
+        _stand_in(monkeypatch, "xformers", ops=ops_mod)
+    torch.manual_seed(0)
+    ref, other = Attention(32, 4), Attention(32, 4, attn_impl=impl)
+    other.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 7, 32, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    out, out2 = ref(x), other(x2)
+    torch.testing.assert_close(out2, out)
+    g = torch.randn_like(out)
+    out.backward(g)
+    out2.backward(g)
+    torch.testing.assert_close(x2.grad, x.grad)
+    for (n, p), p2 in zip(ref.named_parameters(), other.parameters()):
+        torch.testing.assert_close(p2.grad, p.grad, msg=n)
+
+
+def test_attention_without_the_package_says_which_is_missing(monkeypatch):
+    import importlib.util
+
+    from dres.nn.transformer import Attention
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n in ("flash_attn", "xformers") else real(n, *a))
+    with pytest.raises(ImportError, match="attn_impl='flash' needs the flash-attn package"):
+        Attention(32, 4, attn_impl="flash")
+    with pytest.raises(ImportError, match="attn_impl='xformers' needs the xformers package"):
+        Attention(32, 4, attn_impl="xformers")
+    with pytest.raises(ValueError, match="attn_impl must be one of"):
+        Attention(32, 4, attn_impl="cudnn")
