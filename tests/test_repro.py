@@ -2,6 +2,8 @@
 selection, budget plan, records from real tiny runs, the RESULTS.md report)."""
 
 import json
+import os
+import subprocess
 import math
 from pathlib import Path
 
@@ -472,3 +474,19 @@ def test_classify_summary_holds_the_final_epochs_training_accuracy_and_loss(tmp_
     assert ev["final_epoch_loss"] == pytest.approx(expected["final_epoch_loss"]) and 0 < ev["top1"] <= 1
     # digits: 1437 images, 22 steps of 64 an epoch; the 5-step windows ending in the last (steps 23-44) cover 21-44
     assert expected["final_epoch_steps"] == 24
+
+
+def test_device_hold_script_refuses_bad_calls_with_one_line(tmp_path):
+    script = Path(__file__).resolve().parents[1] / "experiments" / "device_hold.sh"
+    env = {**os.environ, "HOLD": str(tmp_path / "hold"), "OUT": str(tmp_path / "out")}
+
+    def call(*args):
+        r = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=env, timeout=60)
+        return r.returncode, r.stderr.strip()
+
+    assert call() == (2, "usage: bash experiments/device_hold.sh start WORDS [GPUS] [COMMIT] | wait SECONDS")
+    assert call("wait", "soon")[0] == 2
+    assert call("start", "C.timm.resnet50d", "four") == (2, "device_hold.sh: GPUS must be a number, got 'four'")
+    code, err = call("wait", "0")
+    assert code == 2 and err == f"device_hold.sh: no queue was started on this machine ({tmp_path / 'hold'})"
+    assert not (tmp_path / "hold").exists() and not (tmp_path / "out").exists()  # a refused call leaves nothing
