@@ -2,7 +2,8 @@
 the same architectures (benchmarks/baselines.py), their synthetic batch and their training loss.
 
 A model is a name of ``MODELS`` plus two options that apply to the dres models: ``ops_backend``
-(``"cuda"``: every fused op on the csrc kernels, which need ``DRES_BUILD_CUDA=1 pip install -e .``)
+(``"cuda"``: every fused op on the csrc kernels, which need ``DRES_BUILD_CUDA=1 pip install -e .``;
+``"torch"``: the ops' plain PyTorch code, which torch.compile fuses with its neighbours itself)
 and ``fused_branches`` (``True``/``False``: the fused MLP and MAE loss forced on or off; ``None``: the
 models' own choice, fused in eager mode only).
 """
@@ -28,7 +29,7 @@ MODELS = {
 }
 BASELINE = {"mae": "timm", "uvit": "plain"}
 DEFAULT_BATCH = {"mae": 256, "uvit": 128}
-OPS_BACKENDS = ("triton", "cuda")
+OPS_BACKENDS = ("triton", "cuda", "torch")
 FUSED_BRANCHES = {"auto": None, "on": True, "off": False}
 
 
@@ -129,7 +130,8 @@ def models_for(bench: str, spec: str | None) -> list[str]:
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ops-backend", choices=OPS_BACKENDS,
                         help="the dres models' fused ops on this backend (default: the ops' own choice; "
-                             "cuda needs DRES_BUILD_CUDA=1 pip install -e .)")
+                             "cuda needs DRES_BUILD_CUDA=1 pip install -e .; torch: plain PyTorch code, "
+                             "which torch.compile fuses itself)")
     parser.add_argument("--fused-branches", choices=list(FUSED_BRANCHES), default="auto",
                         help="the dres models' fused MLP and MAE loss: on, off, or auto (eager mode only)")
 

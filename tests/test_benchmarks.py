@@ -257,6 +257,9 @@ def test_model_variants_are_options_not_names(capsys):
     fused = [m.fused for m in tiny.modules() if hasattr(m, "fused")]
     assert fused and all(f is False for f in fused)
     assert train_models.build_model("uvit", "plain", ops_backend="cuda") is not None  # baselines: no dres ops
+    # the ops' plain PyTorch code: under torch.compile, Inductor's own kernels in place of dres's
+    on_torch = train_models.build_model("uvit", "dres", ops_backend="torch")
+    assert {m.backend for m in on_torch.modules() if hasattr(m, "backend")} == {"torch"}
     plain, variant = _trec("dres_baseline", "compile", 6000, 9.1), _trec("dres_baseline", "compile", 5000, 9.0)
     variant.update(ops_backend="cuda", fused_branches=True)
     assert len(measure.merge_records([plain], [variant], train_report.TRAIN_KEY)) == 2
