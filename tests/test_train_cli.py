@@ -13,7 +13,8 @@ import yaml
 from dres.train import cli
 from dres.train.config import ConfigError, build_config, list_presets
 
-PRESETS = ["classify_cifar10", "mae_cifar10", "mae_vit_b16_in1k", "mae_vit_s16_in100", "quickstart",
+PRESETS = ["classify_cifar10", "mae_cifar10", "mae_vit_b16_in1k", "mae_vit_l16_in1k", "mae_vit_h14_in1k",
+           "mae_vit_s16_in100", "quickstart",
            "uvit_cifar10", "uvit_m_in64", "uvit_s2_cifar10"]
 
 
@@ -25,12 +26,13 @@ def test_presets_listed_and_resolve():
         assert cfg.model.img_size == cfg.data.img_size
 
 
-@pytest.mark.parametrize("preset", ["mae_vit_b16_in1k", "uvit_s2_cifar10", "classify_cifar10"])
+@pytest.mark.parametrize("preset", ["mae_vit_b16_in1k", "mae_vit_l16_in1k", "uvit_s2_cifar10", "classify_cifar10"])
 def test_preset_models_build_with_paper_sizes(preset):
     cfg = build_config(None, preset)
     model = cli.get_task(cfg.task).build_model(cfg)
     n = sum(p.numel() for p in model.parameters()) / 1e6
-    expected = {"mae_vit_b16_in1k": (100, 140), "uvit_s2_cifar10": (40, 50), "classify_cifar10": (4, 6)}[preset]
+    expected = {"mae_vit_b16_in1k": (100, 140), "mae_vit_l16_in1k": (320, 350), "uvit_s2_cifar10": (40, 50),
+                "classify_cifar10": (4, 6)}[preset]
     assert expected[0] < n < expected[1], n
 
 
@@ -393,7 +395,7 @@ def test_each_task_has_its_own_help_with_its_presets_and_keys(capsys):
     top = _help(cli.main, ["--help"], capsys)
     mae, uvit, classify = (_help(cli.main, [t, "--help"], capsys) for t in ("mae", "uvit", "classify"))
     assert len({top, mae, uvit, classify}) == 4
-    assert "`dres-train TASK --help` lists a task's presets and config" in top
+    assert "`dres-train TASK --help` lists a task's presets and config" in " ".join(top.split())  # as wrapped
     assert "usage: dres-train mae" in mae and "MAE pretraining" in mae
     assert "  quickstart " in mae and "  mae_cifar10 " in mae and "uvit_cifar10" not in mae
     assert "  uvit_s2_cifar10 " in uvit and "quickstart" not in uvit

@@ -253,6 +253,8 @@ MAE_CONFIGS: dict[str, dict] = {
                                  decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
     "mae_vit_large_patch16": dict(img_size=224, patch_size=16, embed_dim=1024, depth=24, num_heads=16,
                                   decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
+    "mae_vit_huge_patch14": dict(img_size=224, patch_size=14, embed_dim=1280, depth=32, num_heads=16,
+                                 decoder_embed_dim=512, decoder_depth=8, decoder_num_heads=16),
     # 32x32 images (CIFAR): 256 patches of 2x2, or 64 of 4x4
     "mae_vit_tiny_cifar": dict(img_size=32, patch_size=2, embed_dim=192, depth=12, num_heads=3,
                                decoder_embed_dim=128, decoder_depth=8, decoder_num_heads=4),
@@ -279,6 +281,10 @@ def mae_vit_base_patch16(**overrides) -> MAE:
 
 def mae_vit_large_patch16(**overrides) -> MAE:
     return create_mae("mae_vit_large_patch16", **overrides)
+
+
+def mae_vit_huge_patch14(**overrides) -> MAE:
+    return create_mae("mae_vit_huge_patch14", **overrides)
 
 
 def mae_vit_tiny_cifar(**overrides) -> MAE:
