@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainer", metavar="PRESET",
                    help="instead of the bare step: run the trainer (torchrun -m dres.train.TASK --preset PRESET) "
                         "on each --scaling GPU count, --batch images per GPU, steady-state img/s from metrics.jsonl")
+    p.add_argument("--trainer-batches", type=batch_list, metavar="B1,B2,...",
+                   help="--trainer: the largest batch per GPU that trains: these batches in ascending order for each "
+                        "GPU count, wrapping and mode, until one fails (out of memory)")
     p.add_argument("--trainer-steps", type=int, default=30, help="--trainer: optimizer steps per run")
     p.add_argument("--trainer-log-every", type=int, default=10,
                    help="--trainer: log interval; the first interval (warm-up) is left out of the rate")
@@ -200,6 +203,17 @@ def run_throughput(args, plan, out: Path, card: str, env: dict) -> int:
               flush=True)
         write_outputs(out, card, [rec])
     return 0
+
+
+def batch_list(text: str) -> list[int]:
+    """``--trainer-batches``: positive integers, comma-separated, returned in ascending order."""
+    try:
+        batches = sorted({int(b) for b in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects batches like 64,128,256; got {text!r}") from None
+    if not batches or batches[0] <= 0:
+        raise argparse.ArgumentTypeError(f"batches must be positive; got {text!r}")
+    return batches
 
 
 def main(argv=None) -> int:

@@ -14,6 +14,10 @@
 #               and under DDP on the most GPUs (profile_train --trainer, Chrome traces)
 #   compile     bench_train --scaling, blocks compiled one by one (on 1 and the most GPUs unless
 #               COMPILE_SCALING says), DDP and the trainer's FSDP2
+#   memory      (only when named in STAGES) the largest batch per GPU that trains on the most GPUs: the eager
+#               trainer of each MEMORY_PRESETS (default MAE ViT-L/16 and ViT-H/14), synthetic data, under DDP,
+#               DDP with activation checkpointing (act_ckpt=full) and FSDP2, MEMORY_BATCHES (default
+#               64,128,256,512) ascending until one fails
 # Each stage gets at most its own cap and what is left of BUDGET_S (default 530 s), and is skipped when
 # too little is left; the tools write after every measurement, so a stage cut short keeps what it
 # measured (SIGINT: torchrun stops its workers). Under $OUT (at
@@ -103,6 +107,13 @@ stage trainer_profile 90 150 python3 -m benchmarks.profile_train --trainer mae_v
   --set data.synthetic_size=2048 --trace --out "$STAGE_DIR"
 stage compile 90 600 python3 -m benchmarks.bench_train --only mae --models "$MODELS" --modes compile \
   --scaling "$COMPILE_SCALING" --dist ddp,fsdp --steps 10 --warmup 4 --out "$STAGE_DIR"
+for preset in ${MEMORY_PRESETS:-mae_vit_l16_in1k mae_vit_h14_in1k}; do
+  for wrapping in "--dist ddp,fsdp" "--dist ddp --set act_ckpt=full"; do
+    stage memory 60 300 python3 -m benchmarks.bench_train --trainer "$preset" --scaling "$MAXW" $wrapping --modes eager \
+      --trainer-batches "${MEMORY_BATCHES:-64,128,256,512}" --trainer-steps 12 --trainer-log-every 4 \
+      --set data.name=synthetic --set data.synthetic_size=8192 --out "$STAGE_DIR"
+  done
+done
 
 [ -n "${DRY_RUN:-}" ] && exit 0
 # pack: at most 8 files come back from $OUT

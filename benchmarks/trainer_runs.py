@@ -23,13 +23,19 @@ TRAINER_EVAL_OFF = ("eval.probe=false", "eval.knn=false", "eval.effective_rank=f
 
 def trainer_plan(args, modes: list[str]) -> list[dict]:
     """The trainer runs of ``--trainer PRESET``: every GPU count x wrapping x mode, each with
-    ``batch`` images per GPU, ``--trainer-steps`` steps logged every ``--trainer-log-every``, its
-    evaluation off and the user's ``--set`` overrides last."""
+    ``batch`` images per GPU (every ``--trainer-batches`` in turn, ascending), ``--trainer-steps`` steps
+    logged every ``--trainer-log-every``, its evaluation off and the user's ``--set`` overrides last."""
     from dres.train.config import load_preset
 
     preset = load_preset(args.trainer)
     task = preset.get("task", "mae")
-    batch = args.batch or DEFAULT_BATCH.get(task, 256)
+    runs = []
+    for batch in args.trainer_batches or [args.batch or DEFAULT_BATCH.get(task, 256)]:
+        runs += _trainer_runs_at(args, modes, task, batch)
+    return runs
+
+
+def _trainer_runs_at(args, modes: list[str], task: str, batch: int) -> list[dict]:
     runs = []
     for world in parse_worlds(args.scaling or "1"):
         for kind, variant in dists_at(world, parse_dists(args.dist)):
@@ -94,8 +100,9 @@ def trainer_record(run: dict, run_dir: Path, env: dict, card: str) -> dict:
         summary = json.load(f)
     world, batch = run["world"], run["batch"]
     ips, steps = steady_state_rate(metrics, batch * world)
+    act_ckpt = next((kv.split("=", 1)[1] for kv in reversed(run["sets"]) if kv.startswith("act_ckpt=")), "none")
     return {"kind": "trainer", "bench": run["task"], "model": run["preset"], "mode": run["mode"], "batch": batch,
-            "world_size": world, "dist": run["dist"], "checkpointing": False,
+            "world_size": world, "dist": run["dist"], "checkpointing": act_ckpt != "none",
             "fsdp_variant": run["variant"] if run["dist"] == "fsdp" else None,
             "ddp_variant": run["variant"] if run["dist"] == "ddp" else None,
             "compile_scope": None if run["mode"] == "eager" else compile_scope(run["sets"]),
@@ -108,15 +115,24 @@ def trainer_record(run: dict, run_dir: Path, env: dict, card: str) -> dict:
 
 
 def run_trainer(args, modes: list[str], out: Path, card: str) -> int:
+    """Each run of :func:`trainer_plan`; with ``--trainer-batches`` a batch that fails (out of memory) ends
+    the search of its GPU count, wrapping and mode, and the largest batch that trained is printed."""
     env, rc = measure.versions(), 0
+    failed, largest = set(), {}
     for run in trainer_plan(args, modes):
+        search = (run["world"], run["dist"], run["variant"], run["mode"])
+        if search in failed:
+            continue
         with tempfile.TemporaryDirectory(prefix="dres-trainer-") as tmp:  # checkpoints are not kept
             t0 = time.time()
             code = launch(trainer_cmd(run, tmp))
             if code != 0:
-                print(f"FAILED trainer {run['preset']} {run['mode']} {run['dist']} x{run['world']}: exit {code}",
-                      flush=True)
-                rc = 1
+                print(f"FAILED trainer {run['preset']} {run['mode']} {run['dist']} x{run['world']} batch {run['batch']}: "
+                      f"exit {code}", flush=True)
+                if args.trainer_batches:
+                    failed.add(search)
+                else:
+                    rc = 1
                 continue
             rec = trainer_record(run, Path(tmp), env, card)
         replay = ("" if rec["trainer_vs_replay"] is None else f", trainer / replay {rec['trainer_vs_replay']:.3f} "
@@ -125,4 +141,10 @@ def run_trainer(args, modes: list[str], out: Path, card: str) -> int:
               f"img/s ({rec['images_per_s_per_gpu']:.0f}/GPU) steady over {rec['steps']} steps{replay} "
               f"[{time.time() - t0:.0f}s]", flush=True)
         write_outputs(out, card, [rec])
+        largest[search] = run["batch"]
+    if args.trainer_batches:
+        for (world, dist, variant, mode), batch in largest.items():
+            print(f"largest batch that trains: {args.trainer} {mode} {dist}{':' + variant if variant else ''} x{world}: "
+                  f"{batch} per GPU (tried {','.join(map(str, args.trainer_batches))})", flush=True)
+        rc = rc if largest else 1
     return rc

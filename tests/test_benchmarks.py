@@ -720,3 +720,39 @@ def test_benchmarks_md_points_at_records_that_exist():
 
     named = set(re.findall(r"`([a-z0-9]+-\d{4}-\d{2}-\d{2}(?:-[a-z0-9]+)+)`", (REPO / "BENCHMARKS.md").read_text()))
     assert named and not [n for n in named if not (REPO / "benchmarks" / "records" / n).is_dir()]
+
+
+def test_trainer_batch_search_stops_each_wrapping_at_its_first_failure(tmp_path, monkeypatch, capsys):
+    """--trainer-batches: ascending batches per wrapping; a failed (out-of-memory) batch ends that wrapping's
+    search, the others go on; the largest batch that trained is printed and recorded."""
+    fits = {"ddp": 128, "fsdp": 256}
+    tried = []
+
+    def fake_launch(cmd):
+        sets = dict(a.split("=", 1) for a in cmd if "=" in a and not a.startswith("--"))
+        world = 2
+        batch, dist = int(sets["batch_size"]) // world, sets["dist"]
+        tried.append((dist, batch))
+        if batch > fits[dist]:
+            return 1
+        run_dir = Path(cmd[cmd.index("--out") + 1])
+        recs = [{"step": 4, "img_per_s": 100.0}, {"step": 8, "img_per_s": 1000.0}, {"step": 12, "img_per_s": 1000.0}]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        (run_dir / "summary.json").write_text(json.dumps({"peak_mem_gib": batch / 10}))
+        return 0
+
+    monkeypatch.setattr(trainer_runs, "launch", fake_launch)
+    monkeypatch.setattr(trainer_runs.measure, "versions", lambda: {"torch": "2.x", "triton": "3.x"})
+    args = bench_train.build_parser().parse_args(
+        ["--trainer", "mae_vit_l16_in1k", "--scaling", "2", "--dist", "ddp,fsdp", "--modes", "eager",
+         "--trainer-batches", "512,64,128,256", "--trainer-steps", "12", "--trainer-log-every", "4"])
+    assert trainer_runs.run_trainer(args, ["eager"], tmp_path, "h100-80gb-hbm3") == 0
+    assert tried == [("ddp", 64), ("fsdp", 64), ("ddp", 128), ("fsdp", 128), ("ddp", 256), ("fsdp", 256), ("fsdp", 512)]
+    out = capsys.readouterr().out
+    assert "largest batch that trains: mae_vit_l16_in1k eager ddp x2: 128 per GPU (tried 64,128,256,512)" in out
+    assert "largest batch that trains: mae_vit_l16_in1k eager fsdp:auto x2: 256 per GPU" in out
+    saved = json.loads((tmp_path / "h100-80gb-hbm3-train.json").read_text())
+    assert sorted((r["dist"], r["batch"]) for r in saved) == [("ddp", 64), ("ddp", 128), ("fsdp", 64), ("fsdp", 128),
+                                                              ("fsdp", 256)]
+    with pytest.raises(SystemExit):
+        bench_train.build_parser().parse_args(["--trainer", "x", "--trainer-batches", "64,big"])
