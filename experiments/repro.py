@@ -118,6 +118,8 @@ MAE_DECISIVE_BATCH = 1024     # every A arm the same; lr = blr x 1024 / 256
 PROBE_EPOCHS_PAPER = 200      # the decayed-shortcut paper's linear probe: 200 epochs, lr 1e-2, batch 1024
 # 64 x 390 = 24,960 steps of 128: ~15 minutes at 3.6k img/s, so an arm ends within one device lease
 UVIT_DECISIVE_EPOCHS = 64
+# the final evaluation's probe grid (the paper picks the best block and noise level): 13 blocks in uvit_cifar10
+UVIT_PROBE_GRID = ("eval.probe_grid_blocks=[3, 6, 9]", "eval.probe_grid_ts=[0.05, 0.1, 0.3]")
 UVIT_EMA_DECAY = 0.9998       # 0.9998 ** 24,960 = 0.68% of the initial weights left (the paper's 0.9999: 8.2%)
 EMA_INITIAL_WEIGHT_MAX = 0.01
 RDP_DECISIVE_EPOCHS = 300     # timm's train.py default
@@ -146,7 +148,8 @@ def _mae_decisive_arm(variant, alpha, seed, tag, zero_init):
 def _uvit_decisive_arm(alpha, seed):
     group = f"B64-uvit-a{alpha}"
     return Arm(f"{group}-s{seed}", "B", group, "uvit", "uvit_cifar10",
-               (f"model.alpha_min={alpha}", "model.zero_init=true", f"optim.ema_decay={UVIT_EMA_DECAY}"), seed,
+               (f"model.alpha_min={alpha}", "model.zero_init=true", f"optim.ema_decay={UVIT_EMA_DECAY}",
+                *UVIT_PROBE_GRID), seed,
                (f"B.decisive.s{seed}", "B.decisive", "decisive"), needs=(FD_CLASSIFIER_ARM,),
                paper=UVIT_PAPER[alpha], labels={"alpha_min": alpha}, stage="decisive", epochs=UVIT_DECISIVE_EPOCHS)
 
@@ -599,6 +602,24 @@ def group_cells(group: str, recs: dict, columns: list[tuple[str, float, int]]) -
     return cells, rows
 
 
+def probe_grid_lines(recs: dict, group_prefix: str) -> list[str]:
+    """Per record of the groups starting with ``group_prefix`` that carries a ``probe_grid`` (U-ViT): a table of
+    linear-probe accuracy (%) by noise level (rows) and block (columns), best cell in bold."""
+    lines = []
+    for name, r in sorted(recs.items()):
+        grid = r["group"].startswith(group_prefix) and r["metrics"].get("probe_grid")
+        if not grid:
+            continue
+        blocks, ts = sorted({g["block"] for g in grid}), sorted({g["t"] for g in grid})
+        acc = {(g["t"], g["block"]): g["linear_probe_acc"] for g in grid}
+        best = max(acc, key=acc.get)
+        rows = [[f"{t:g}"] + [(f"**{100 * acc[t, b]:.1f}**" if (t, b) == best else f"{100 * acc[t, b]:.1f}")
+                              if (t, b) in acc else "—" for b in blocks] for t in ts]
+        lines += [f"`{name}` (seed {r['seed']}): linear-probe accuracy % by noise level t and block", ""]
+        lines += _table(["t"] + [f"block {b}" for b in blocks], rows) + [""]
+    return lines
+
+
 def delta_line(recs: dict, a: str, b: str, name: str, scale: float, what: str) -> str | None:
     va = [metric(r, name) for r in recs.values() if r["group"] == a]
     vb = [metric(r, name) for r in recs.values() if r["group"] == b]
@@ -803,6 +824,9 @@ def render(records: Path, base: Path, figures: Path = FIGURES_DIR, notes: Path =
                             "mid-block probe, 0.7 − 1.0 (points)"),
                 paired_line(recs, "B64-uvit-a0.7", "B64-uvit-a1.0", "fd_cifar_classifier", 1,
                             "fd_cifar_classifier, 0.7 − 1.0")])
+    grids = probe_grid_lines(recs, "B64-uvit")
+    L += ["Probe grids of the decisive arms (`eval.probe_grid_blocks` x `eval.probe_grid_ts`, the final evaluation; "
+          "the paper picks the best block and noise level):", ""] + (grids or ["Not run yet.", ""])
     L += block("B", "short", "Earlier short runs: 3,900 steps, the preset's EMA 0.9999",
                f"10 epochs of batch 128: the EMA still held 0.9999^3900 = {ema_initial_weight(0.9999, 3900):.0%} "
                "of the initial weights, so these evaluate mostly-initial networks; zero-init `auto` (on at 0.7 only).",

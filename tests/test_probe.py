@@ -57,3 +57,35 @@ def test_uvit_evaluation_shows_the_probe_epochs(tmp_path, capsys, monkeypatch):
     lines = _probe_lines(capsys.readouterr().err)
     assert lines and "3/3" in lines[-1] and "epoch" in lines[-1], lines
     assert probe_wds == [0.01]
+
+
+def test_uvit_probe_grid_reports_every_block_and_noise_level(tmp_path):
+    """eval.probe_grid_blocks x eval.probe_grid_ts: a row per pair (linear probe and kNN accuracy), the
+    picture beside the run, the single probe unchanged; the grid's keys are checked before the run."""
+    import json
+    from pathlib import Path
+
+    import pytest
+
+    from dres.train import cli
+    from dres.train.config import ConfigError, build_config
+    from test_eval import TINY_DIGITS_8
+
+    settings = TINY_DIGITS_8 + ["data.mean=[0.5]", "data.std=[0.5]", "model.patch_size=2", "batch_size=32", "steps=1",
+                                "eval.steps=1", "eval.n_samples=4", "eval.probe_epochs=2", "eval.max_train=128",
+                                "eval.max_test=64", "ckpt.every=0", "eval.probe_grid_blocks=[0, 2]",
+                                "eval.probe_grid_ts=[0.1, 0.5]"]
+    out = tmp_path / "run"
+    args = ["uvit", "--preset", "uvit_cifar10", "--out", str(out)] + sum([["--set", s] for s in settings], [])
+    assert cli.main(args) == 0
+    res = json.loads((out / "summary.json").read_text())["eval"]
+    grid = res["probe_grid"]
+    assert [(r["block"], r["t"]) for r in grid] == [(0, 0.1), (2, 0.1), (0, 0.5), (2, 0.5)]
+    assert all(0 <= r["linear_probe_acc"] <= 1 and 0 <= r["knn_acc"] <= 1 for r in grid)
+    assert Path(res["probe_grid_png"]).is_file() and "probe_t0.1_linear_probe_acc" in res
+    with pytest.raises(ConfigError, match="eval.probe_grid_blocks' and eval.probe_grid_ts are given together"):
+        build_config("uvit", "uvit_cifar10", ["eval.probe_grid_blocks=[0]"])
+    with pytest.raises(ConfigError, match=r"eval.probe_grid_blocks' must be block indices in \[0, 12\]"):
+        build_config("uvit", "uvit_cifar10", ["eval.probe_grid_blocks=[13]", "eval.probe_grid_ts=[0.1]"])
+    with pytest.raises(ConfigError, match=r"eval.probe_grid_ts' must be in \[0, 1\]"):
+        build_config("uvit", "uvit_cifar10", ["eval.probe_grid_blocks=[1]", "eval.probe_grid_ts=[1.5]"])

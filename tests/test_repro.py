@@ -490,3 +490,16 @@ def test_device_hold_script_refuses_bad_calls_with_one_line(tmp_path):
     code, err = call("wait", "0")
     assert code == 2 and err == f"device_hold.sh: no queue was started on this machine ({tmp_path / 'hold'})"
     assert not (tmp_path / "hold").exists() and not (tmp_path / "out").exists()  # a refused call leaves nothing
+
+
+def test_probe_grid_tables_mark_the_best_cell():
+    grid = [{"block": b, "t": t, "linear_probe_acc": acc, "knn_acc": 0.1}
+            for (b, t, acc) in [(3, 0.1, 0.40), (6, 0.1, 0.52), (3, 0.3, 0.31), (6, 0.3, 0.45)]]
+    recs = {"B64-uvit-a0.7-s0": {"group": "B64-uvit-a0.7", "seed": 0, "metrics": {"probe_grid": grid}},
+            "B64-uvit-a1.0-s0": {"group": "B64-uvit-a1.0", "seed": 0, "metrics": {}},
+            "C300-resnet50d-none-s0": {"group": "C300-resnet50d-none", "seed": 0, "metrics": {"probe_grid": grid}}}
+    lines = repro.probe_grid_lines(recs, "B64-uvit")
+    assert lines[0] == "`B64-uvit-a0.7-s0` (seed 0): linear-probe accuracy % by noise level t and block"
+    assert "| t | block 3 | block 6 |" in lines and "| 0.1 | 40.0 | **52.0** |" in lines and "| 0.3 | 31.0 | 45.0 |" in lines
+    assert not any("C300" in ln or "a1.0" in ln for ln in lines)
+    assert repro.probe_grid_lines({}, "B64-uvit") == []

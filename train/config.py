@@ -149,6 +149,10 @@ class EvalConfig:
     n_samples: int = 64       # samples drawn into the sample grid
     probe_block: int = -1     # U-ViT feature probe: block index (-1: mid block)
     probe_t: float = 0.1      # U-ViT feature probe: noise level (continuous time in [0, 1])
+    # U-ViT: the final evaluation also probes every (block, noise level) of these two lists (the paper picks
+    # the best layer and t); a grid of linear-probe and kNN accuracy in the results and probe_grid.png
+    probe_grid_blocks: list = field(default_factory=list)
+    probe_grid_ts: list = field(default_factory=list)
     fid_inception: str = ""   # path to TorchScript Inception (inception-2015-12-05.pt)
     fid_samples: int = 10000  # generated (and real) images for FID and fd_cifar_classifier
     # Frechet distance in the penultimate features of a classifier trained by dres (a classify run
@@ -218,7 +222,8 @@ EVAL_KEYS = {
     "mae": ("probe", "probe_epochs", "probe_lr", "probe_batch", "probe_wd", "knn", "knn_k", "feature", "layer",
             "effective_rank", "tsne", "recon", "max_train", "max_test", "every", "curve_probe_epochs"),
     "uvit": ("probe", "probe_epochs", "probe_lr", "probe_batch", "probe_wd", "knn_k", "max_train", "max_test",
-             "sampler", "steps", "n_samples", "probe_block", "probe_t", "fid_inception", "fid_samples",
+             "sampler", "steps", "n_samples", "probe_block", "probe_t", "probe_grid_blocks", "probe_grid_ts",
+             "fid_inception", "fid_samples",
              "fd_classifier", "every", "curve_probe_epochs"),
     "classify": ("every",),
 }
@@ -489,8 +494,10 @@ def _get(cfg, key):
 def _need_plots(cfg: Config) -> None:
     """t-SNE plots and curves.png draw with matplotlib, an optional dependency: say so before the run."""
     wanted = [("eval.tsne=true (t-SNE plot)", "eval.tsne=false"), (f"eval.every={cfg.eval.every} (curves.png)",
-                                                                      "eval.every=0")]
-    wanted = [w for w, on in zip(wanted, (cfg.eval.tsne, cfg.eval.every)) if on]
+                                                                      "eval.every=0"),
+              ("eval.probe_grid_blocks (probe_grid.png)", "eval.probe_grid_blocks=[]")]
+    grid = cfg.task == "uvit" and bool(cfg.eval.probe_grid_blocks)
+    wanted = [w for w, on in zip(wanted, (cfg.eval.tsne, cfg.eval.every, grid)) if on]
     if not wanted:
         return
     try:
@@ -516,6 +523,14 @@ def validate(cfg: Config) -> None:
         need(_get(cfg, key) >= 0, key, f"must be >= 0{f' (0: {zero_means})' if zero_means else ''}")
     need(o.warmup_steps >= -1, "optim.warmup_steps", "must be >= 0, or -1 (from optim.warmup_epochs)")
     need(0 <= cfg.eval.probe_t <= 1, "eval.probe_t", "must be in [0, 1] (continuous diffusion time)")
+    e = cfg.eval
+    need(bool(e.probe_grid_blocks) == bool(e.probe_grid_ts), "eval.probe_grid_blocks",
+         "and eval.probe_grid_ts are given together (the grid is every pair of the two)")
+    if cfg.task == "uvit":
+        n_blocks = 2 * (cfg.model.depth // 2) + 1
+        need(all(b == int(b) and 0 <= b < n_blocks for b in e.probe_grid_blocks), "eval.probe_grid_blocks",
+             f"must be block indices in [0, {n_blocks - 1}] (model.depth={cfg.model.depth})")
+    need(all(0 <= t <= 1 for t in e.probe_grid_ts), "eval.probe_grid_ts", "must be in [0, 1] (continuous diffusion time)")
     need(not cfg.eval.fd_classifier or Path(cfg.eval.fd_classifier).exists(), "eval.fd_classifier",
          "must be a classify run directory or checkpoint that exists")
     _need_plots(cfg)

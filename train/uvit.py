@@ -38,39 +38,63 @@ class UViTTask:
 
         return noise_prediction_loss(model, batch["image"], self.sde, y=self._labels(cfg, batch)), {}
 
-    def _probe(self, trainer, model, probe_epochs) -> dict:
-        """Probe / kNN / effective rank of the features after eval.probe_block (-1: the mid block) at
-        noise level eval.probe_t, keys prefixed ``probe_t<t>_``; {} when a split is missing."""
+    def _probe(self, trainer, model, probe_epochs, block=None, t=None) -> dict:
+        """Probe / kNN / effective rank of the features after ``block`` (default eval.probe_block; -1: the mid
+        block) at noise level ``t`` (default eval.probe_t); {} when a split is missing."""
         from dres.eval import representation_metrics
 
         cfg, e = trainer.cfg, trainer.cfg.eval
         train, val = eval_loader(trainer, "train", 256), eval_loader(trainer, "val", 256)
         if not e.probe or train is None or val is None:
             return {}
+        block = e.probe_block if block is None else block
+        block = block if block >= 0 else model.num_in_blocks
+        t = e.probe_t if t is None else t
 
         def fn(img):
             # a fixed noise draw per batch position keeps the probe deterministic
             gen = torch.Generator(device=img.device).manual_seed(cfg.seed + 17)
             noise = torch.randn(img.shape, generator=gen, device=img.device)
-            t = torch.full((img.shape[0],), e.probe_t, device=img.device)
-            xt = self.sde.perturb(img, t, noise)
-            block = e.probe_block if e.probe_block >= 0 else model.num_in_blocks
-            return model.features(xt, t * 999, block)
+            ts = torch.full((img.shape[0],), t, device=img.device)
+            return model.features(self.sde.perturb(img, ts, noise), ts * 999, block)
 
         xtr, ytr = features(trainer, fn, train, e.max_train)
         xte, yte = features(trainer, fn, val, e.max_test)
-        r = representation_metrics(xtr, ytr, xte, yte, probe_epochs=probe_epochs, probe_lr=e.probe_lr,
-                                   probe_batch=e.probe_batch, probe_wd=e.probe_wd, knn_k=e.knn_k,
-                                   num_classes=cfg.data.num_classes, seed=cfg.seed, device=trainer.device,
-                                   progress=functools.partial(progress, enabled=trainer.main and cfg.log.progress))
-        return {f"probe_t{e.probe_t}_" + k: v for k, v in r.items()}
+        return representation_metrics(xtr, ytr, xte, yte, probe_epochs=probe_epochs, probe_lr=e.probe_lr,
+                                      probe_batch=e.probe_batch, probe_wd=e.probe_wd, knn_k=e.knn_k,
+                                      num_classes=cfg.data.num_classes, seed=cfg.seed, device=trainer.device,
+                                      progress=functools.partial(progress, enabled=trainer.main and cfg.log.progress))
+
+    def _probe_at_default(self, trainer, model, probe_epochs) -> dict:
+        """:meth:`_probe` at eval.probe_block / eval.probe_t, keys prefixed ``probe_t<t>_``."""
+        return {f"probe_t{trainer.cfg.eval.probe_t}_" + k: v for k, v in self._probe(trainer, model, probe_epochs).items()}
+
+    def _probe_grid(self, trainer, model) -> dict:
+        """Linear-probe and kNN accuracy at every (eval.probe_grid_blocks x eval.probe_grid_ts) pair, and its
+        picture (probe_grid.png)."""
+        from dres.eval.viz import probe_grid_plot
+
+        e = trainer.cfg.eval
+        rows = []
+        for t in e.probe_grid_ts:
+            for block in e.probe_grid_blocks:
+                r = self._probe(trainer, model, e.probe_epochs, int(block), t)
+                if not r:
+                    return {}
+                rows.append({"block": int(block), "t": t, "linear_probe_acc": r["linear_probe_acc"],
+                             "knn_acc": r.get("knn_acc")})
+        best = max(rows, key=lambda r: r["linear_probe_acc"])
+        title = (f"U-ViT probe grid, step {trainer.step}: linear-probe accuracy "
+                 f"(best {best['linear_probe_acc']:.3f} at block {best['block']}, t {best['t']:g})")
+        return {"probe_grid": rows,
+                "probe_grid_png": probe_grid_plot(rows, trainer.out / f"probe_grid_step{trainer.step}.png", title)}
 
     def curve(self, trainer) -> dict:
         """The eval.every point: the feature probe with an eval.curve_probe_epochs linear head."""
         model = trainer.full_state_copy()  # EMA weights when kept
         if not trainer.main:
             return {}
-        return self._probe(trainer, model.eval(), trainer.cfg.eval.curve_probe_epochs)
+        return self._probe_at_default(trainer, model.eval(), trainer.cfg.eval.curve_probe_epochs)
 
     def _sample(self, trainer, model, n, sampler, generator=None):
         cfg, e, d = trainer.cfg, trainer.cfg.eval, trainer.cfg.data
@@ -95,7 +119,9 @@ class UViTTask:
         sampler = dpm_solver if e.sampler == "dpm" else euler_maruyama
         x = self._sample(trainer, model, e.n_samples, sampler, g)
         res["samples_png"] = save_grid(to_uint8(x, mean, std), trainer.out / f"samples_step{trainer.step}_{e.sampler}{e.steps}.png")
-        res.update(self._probe(trainer, model, e.probe_epochs))
+        res.update(self._probe_at_default(trainer, model, e.probe_epochs))
+        if e.probe_grid_blocks:
+            res.update(self._probe_grid(trainer, model))
         if not e.fid_inception:
             trainer.log("[dres] FID skipped: no Inception weights given (set eval.fid_inception=/path/to/"
                    "inception-2015-12-05.pt, the TorchScript FID Inception of StyleGAN2-ADA/EDM)")

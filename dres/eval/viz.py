@@ -142,3 +142,31 @@ def tsne_plot(features: torch.Tensor, labels: torch.Tensor, path, max_points=200
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return str(path)
+
+
+def probe_grid_plot(rows: list[dict], path, title: str = "") -> str:
+    """A heat map of ``linear_probe_acc`` over (noise level ``t``, ``block``) from ``rows`` of a probe grid,
+    each cell labelled with its accuracy, under ``title``."""
+    plt = pyplot()
+
+    blocks = sorted({r["block"] for r in rows})
+    ts = sorted({r["t"] for r in rows})
+    acc = np.full((len(ts), len(blocks)), np.nan)
+    for r in rows:
+        acc[ts.index(r["t"]), blocks.index(r["block"])] = r["linear_probe_acc"]
+    fig, ax = plt.subplots(figsize=(1.0 + 0.8 * len(blocks), 1.2 + 0.6 * len(ts)))
+    im = ax.imshow(acc, cmap="viridis", aspect="auto")
+    for i in range(len(ts)):
+        for j in range(len(blocks)):
+            ax.text(j, i, f"{acc[i, j]:.3f}", ha="center", va="center", fontsize=7,
+                    color="white" if acc[i, j] < np.nanmean(acc) else "black")
+    ax.set_xticks(range(len(blocks)), [str(b) for b in blocks])
+    ax.set_yticks(range(len(ts)), [f"{t:g}" for t in ts])
+    ax.set_xlabel("block")
+    ax.set_ylabel("noise level t")
+    fig.colorbar(im, ax=ax, label="linear-probe accuracy")
+    ax.set_title(title, fontsize=8)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return str(path)
