@@ -87,9 +87,14 @@ def steady_state_rate(metrics: list[dict], global_batch: int, skip: int = 1) -> 
     return images / seconds, steps
 
 
+def set_value(sets: list[str], key: str, default: str) -> str:
+    """The value a run's ``--set`` overrides give ``key`` (the last one wins, as in the trainer), else ``default``."""
+    return next((kv.split("=", 1)[1] for kv in reversed(sets) if kv.startswith(f"{key}=")), default)
+
+
 def compile_scope(sets: list[str]) -> str:
-    """The record's name for the trainer's ``compile_scope`` (the last ``--set`` wins, as in the trainer)."""
-    scope = next((kv.split("=", 1)[1] for kv in reversed(sets) if kv.startswith("compile_scope=")), "blocks")
+    """The record's name for the trainer's ``compile_scope``."""
+    scope = set_value(sets, "compile_scope", "blocks")
     return "per_block" if scope == "blocks" else scope
 
 
@@ -100,7 +105,7 @@ def trainer_record(run: dict, run_dir: Path, env: dict, card: str) -> dict:
         summary = json.load(f)
     world, batch = run["world"], run["batch"]
     ips, steps = steady_state_rate(metrics, batch * world)
-    act_ckpt = next((kv.split("=", 1)[1] for kv in reversed(run["sets"]) if kv.startswith("act_ckpt=")), "none")
+    act_ckpt = set_value(run["sets"], "act_ckpt", "none")
     return {"kind": "trainer", "bench": run["task"], "model": run["preset"], "mode": run["mode"], "batch": batch,
             "world_size": world, "dist": run["dist"], "checkpointing": act_ckpt != "none",
             "fsdp_variant": run["variant"] if run["dist"] == "fsdp" else None,

@@ -194,7 +194,7 @@ def _kept_on_full_disk(ckpt_dir: Path, final: Path) -> str:
     """What the :class:`~dres.train.rundir.DiskFull` of a failed save of ``final`` says is left."""
     previous = [c for c in list_checkpoints(ckpt_dir) if c != final]
     kept = f"the previous checkpoint {previous[-1]} is intact" if previous else "no earlier checkpoint exists"
-    return f"removed the partial {rundir.temporary(final).name}; {kept}; free space, then continue with --resume auto"
+    return f"removed the partial {rundir.temporary(final).name}; {kept}; {rundir.FREE_SPACE_AND_RESUME}"
 
 
 def _first_line(e: BaseException) -> str:

@@ -90,6 +90,10 @@ def remove_partial(tmp: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+# what a run stopped by a full disk does next (its folder holds config.yaml, so a fresh start would be refused)
+FREE_SPACE_AND_RESUME = "free space, then continue with --resume auto"
+
+
 def temporary(path: Path) -> Path:
     """Where :func:`publish` writes ``path`` before the rename: ``.<name>.tmp`` beside it."""
     return path.with_name(f".{path.name}.tmp")
@@ -444,6 +448,5 @@ def record_start(out: Path, device, world: int, step: int) -> dict:
            "python": platform.python_version(), "dres": dres.__version__, "torch": torch.__version__,
            "triton": triton_version, "cuda": torch.version.cuda,
            **git_state(Path(dres.__file__).resolve().parent.parent)}
-    # the run folder holds config.yaml now, so a fresh start there would be refused
-    append_line(Path(out) / START_FILE, json.dumps(rec), "free space, then continue with --resume auto")
+    append_line(Path(out) / START_FILE, json.dumps(rec), FREE_SPACE_AND_RESUME)
     return rec

@@ -27,7 +27,7 @@ class RunLog:
         if not self.main:
             return
         rundir.append_line(self.metrics_path, json.dumps(rec),
-                           f"{self.kept()}; free space, then continue with --resume auto")
+                           f"{self.kept()}; {rundir.FREE_SPACE_AND_RESUME}")
         if self.tb:
             for k, v in rec.items():
                 if k != "step" and v is not None:
