@@ -6,9 +6,10 @@
 # compiled: the compiled bare MAE ViT-B/16 step of dres against torch.compile of the plain model, each
 # in SPREAD_PROCESSES (default 3) fresh processes: median and spread (a slow or noisy path shows here).
 # csrc_tests: the suite again with the optional CUDA C++ extension built (sm_90 only; the default backend
-# then takes its kernels for eager calls), the library removed afterwards.
+# then takes its kernels for eager calls), built into a temporary folder and removed afterwards.
 # trainers: each preset's trainer (one GPU, steady-state img/s and trainer / replay), each run cut at
-# TRAINER_TIMEOUT_S (default 150); model.backend=torch runs leave the norms to Inductor's own fused code.
+# TRAINER_TIMEOUT_S (default 150); model.backend=torch runs leave the norms to Inductor's own fused code;
+# TRAINER_ROWS=REGEX runs only the rows (of both lists below) that match it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./device_out}
@@ -47,8 +48,9 @@ if want trainers; then
   while read -r preset batch steps every extra; do
     timeout "$T" python3 -m benchmarks.bench_train --trainer "$preset" --batch "$batch" --modes compile --dist none \
       --trainer-steps "$steps" --trainer-log-every "$every" $extra --out "$OUT" >>"$OUT/trainers.log" 2>&1 || status=1
-  done <<'RUNS'
+  done < <(grep -E -- "${TRAINER_ROWS:-.}" <<'RUNS'
 mae_cifar10 1024 400 40
+mae_cifar10 1024 400 40 --set model.backend=torch
 mae_cifar10 256 600 60
 classify_cifar10 256 600 60
 uvit_cifar10 128 600 60 --set eval.n_samples=8
@@ -56,17 +58,21 @@ uvit_cifar10 128 600 60 --set eval.n_samples=8 --set model.backend=torch
 mae_vit_b16_in1k 256 60 10 --set data.name=synthetic
 mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model
 mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model --set model.backend=torch
+mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model --set model.variant=baseline --set model.alpha_min=1.0
+mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model --set model.variant=baseline --set model.alpha_min=1.0 --set model.backend=torch
 RUNS
+)
   # the compiled plain models the trainers are compared with, and the dres models with Inductor's own norm code
   while read -r bench batch models extra; do
     timeout "$((2 * T))" python3 -m benchmarks.bench_train --only "$bench" --batch "$batch" --models "$models" \
       --modes compile --no-flops $extra --out "$OUT" >>"$OUT/trainers.log" 2>&1 || status=1
-  done <<'BARE'
+  done < <(grep -E -- "${TRAINER_ROWS:-.}" <<'BARE'
 mae 256 timm,dres_baseline
 mae 256 dres_baseline --ops-backend torch
 uvit 128 plain,dres
 uvit 128 dres --ops-backend torch
 BARE
+)
   grep -E "^trainer|img/s, step" "$OUT/trainers.log"
 fi
 
@@ -76,14 +82,20 @@ if want train && [ -f benchmarks/bench_train.py ]; then
 fi
 
 if want csrc_tests; then
-  if DRES_BUILD_CUDA=1 DRES_CUDA_ARCHS=90 python3 -m pip install -q --no-deps --no-build-isolation -e . \
-      >"$OUT/install_csrc.log" 2>&1; then
-    python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} -m "${MARK:-gpu or not gpu}" 2>&1 | tee "$OUT/tests_csrc.log" | tail -n 20
+  # built into its own folder and tested from a copy of the tree without dres/, so the editable install
+  # (and anything running from this tree meanwhile) keeps the pure-Python library
+  csite=$(mktemp -d) csrun=$(mktemp -d)
+  if DRES_BUILD_CUDA=1 DRES_CUDA_ARCHS=90 python3 -m pip install -q --no-deps --no-build-isolation --target "$csite" . \
+      >"$OUT/install_csrc.log" 2>&1 \
+      && (cd / && PYTHONPATH="$csite" python3 -c 'from dres.ops import csrc_backend as c; assert c.available(), c.LOAD_ERROR') \
+      >>"$OUT/install_csrc.log" 2>&1; then
+    cp -r . "$csrun/tree" && rm -rf "$csrun/tree/dres"
+    (cd "$csrun/tree" && PYTHONPATH="$csite" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} \
+      -m "${MARK:-gpu or not gpu}" 2>&1) | tee "$OUT/tests_csrc.log" | tail -n 20
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   else
     echo "csrc build failed"; tail -n 20 "$OUT/install_csrc.log"; status=1
   fi
-  rm -f dres/_C*.so
-  python3 -m pip install -q --no-deps --no-build-isolation -e . >>"$OUT/install.log" 2>&1
+  rm -rf "$csite" "$csrun"
 fi
 exit $status

@@ -2,9 +2,10 @@
 selection, budget plan, records from real tiny runs, the RESULTS.md report)."""
 
 import json
+import math
 import os
 import subprocess
-import math
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -476,20 +477,48 @@ def test_classify_summary_holds_the_final_epochs_training_accuracy_and_loss(tmp_
     assert expected["final_epoch_steps"] == 24
 
 
-def test_device_hold_script_refuses_bad_calls_with_one_line(tmp_path):
+def hold_script(tmp_path):
+    """device_hold.sh with its hold and output under tmp_path, and a python3 stand-in (the install)."""
     script = Path(__file__).resolve().parents[1] / "experiments" / "device_hold.sh"
-    env = {**os.environ, "HOLD": str(tmp_path / "hold"), "OUT": str(tmp_path / "out")}
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python3").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / "bin" / "python3").chmod(0o755)
+    env = {**os.environ, "HOLD": str(tmp_path / "hold"), "OUT": str(tmp_path / "out"),
+           "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
 
-    def call(*args):
-        r = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=env, timeout=60)
-        return r.returncode, r.stderr.strip()
+    def call(*args, cwd=None):
+        r = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=env, timeout=60, cwd=cwd)
+        return r.returncode, r.stdout.strip(), r.stderr.strip()
+    return call
 
-    assert call() == (2, "usage: bash experiments/device_hold.sh start WORDS [GPUS] [COMMIT] | wait SECONDS")
+
+def test_device_hold_script_refuses_bad_calls_with_one_line(tmp_path):
+    call = hold_script(tmp_path)
+    usage = "usage: bash experiments/device_hold.sh start WORDS [GPUS] [COMMIT] | job NAME COMMAND | wait SECONDS"
+    assert call()[::2] == (2, usage)
     assert call("wait", "soon")[0] == 2
-    assert call("start", "C.timm.resnet50d", "four") == (2, "device_hold.sh: GPUS must be a number, got 'four'")
-    code, err = call("wait", "0")
-    assert code == 2 and err == f"device_hold.sh: no queue was started on this machine ({tmp_path / 'hold'})"
+    assert call("job", "a b", "true")[::2] == (2, usage)  # a job name becomes a file name
+    assert call("start", "C.timm.resnet50d", "four")[::2] == (2, "device_hold.sh: GPUS must be a number, got 'four'")
+    code, _, err = call("wait", "0")
+    assert code == 2 and err == f"device_hold.sh: no queue or job was started on this machine ({tmp_path / 'hold'})"
     assert not (tmp_path / "hold").exists() and not (tmp_path / "out").exists()  # a refused call leaves nothing
+
+
+def test_device_hold_job_runs_from_the_copy_and_comes_back_packed(tmp_path):
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "marker.txt").write_text("the tree\n")
+    call = hold_script(tmp_path)
+    code, out, _ = call("job", "copy", 'cp marker.txt "$OUT/seen.txt"; pwd >"$OUT/where.txt"', cwd=tree)
+    assert code == 0 and out.startswith("job copy started")
+    assert call("job", "fails", "exit 3", cwd=tree)[0] == 0
+    assert call("job", "copy", "true", cwd=tree)[::2] == (2, "device_hold.sh: job copy was already started on this machine")
+    code, out, _ = call("wait", "30", cwd=tree)
+    assert code == 0 and "job copy: exit 0" in out and "job fails: exit 3" in out
+    with tarfile.open(tmp_path / "out" / "jobs.tgz") as tar:
+        assert tar.extractfile("jobs/copy/seen.txt").read() == b"the tree\n"
+        assert tar.extractfile("jobs/copy/where.txt").read().decode().strip() == str(tmp_path / "hold" / "tree")
+    assert not (tmp_path / "out" / "records.tgz").exists()  # no queue was started
 
 
 def test_probe_grid_tables_mark_the_best_cell():
