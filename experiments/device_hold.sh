@@ -30,8 +30,11 @@ hold_tree() {
 }
 
 running() {
-  local pid
-  for pid in $(cat "$HOLD"/*.pid "$HOLD"/jobs/*.pid 2>/dev/null); do kill -0 "$pid" 2>/dev/null && return 0; done
+  local pid_file
+  [ -f "$HOLD/repro.pid" ] && kill -0 "$(cat "$HOLD/repro.pid")" 2>/dev/null && return 0
+  for pid_file in "$HOLD"/jobs/*.pid; do
+    [ -f "$pid_file" ] && [ ! -f "${pid_file%.pid}.rc" ] && kill -0 "$(cat "$pid_file")" 2>/dev/null && return 0
+  done
   return 1
 }
 
@@ -57,10 +60,11 @@ job)
   [ -e "$HOLD/jobs/$2.pid" ] && { echo "device_hold.sh: job $2 was already started on this machine" >&2; exit 2; }
   hold_tree || exit 1
   mkdir -p "$HOLD/jobs/$2"
-  # NAME.rc gets the command's exit status when it ends
-  (cd "$HOLD/tree" && OUT="$HOLD/jobs/$2" setsid nohup bash -c 'bash -c "$1"; echo $? >"$2"' job "$3" \
-     "$HOLD/jobs/$2.rc" >"$HOLD/jobs/$2.log" 2>&1 </dev/null &
-   echo $! >"$HOLD/jobs/$2.pid")
+  # the job's shell writes its own pid (what started it may fork away) and, at the end, NAME.rc
+  cd "$HOLD/tree" || exit 1
+  OUT="$HOLD/jobs/$2" setsid nohup bash -c 'echo $$ >"$3"; bash -c "$1"; echo $? >"$2"' job "$3" \
+    "$HOLD/jobs/$2.rc" "$HOLD/jobs/$2.pid" >"$HOLD/jobs/$2.log" 2>&1 </dev/null &
+  for _ in 1 2 3 4 5 6 7 8 9 10; do [ -s "$HOLD/jobs/$2.pid" ] && break; sleep 0.2; done
   echo "job $2 started: $3"
   ;;
 wait)

@@ -153,6 +153,29 @@ def test_paired_differences_by_seed_with_a_t_interval():
     assert repro.paired_line(recs, "X", "Z", "top1", 100, "d") is None
 
 
+def test_claim_c_report_pairs_each_mode_with_the_others_and_skips_cut_runs(tmp_path):
+    folder = tmp_path / "h100-2026-01-01-decisive"
+    (folder / "incomplete" / "C300-resnet50d-none-s1").mkdir(parents=True)  # a cut attempt of an arm with a record
+    (folder / "incomplete" / "C300-resnet50d-none-s1" / "metrics.jsonl").write_text("")
+    top1 = {"none": (0.875, 0.877, 0.876), "drop_path": (0.882, 0.882, 0.881), "residual_droppath": (0.844, 0.843, 0.846)}
+    for mode, values in top1.items():
+        for seed, value in enumerate(values):
+            arm = repro.BY_NAME[f"C300-resnet50d-{mode}-s{seed}"]
+            (folder / f"{arm.name}.json").write_text(json.dumps({
+                "arm": arm.name, "claim": "C", "group": arm.group, "seed": seed, "epochs": 300, "steps": 117000,
+                "overrides": list(arm.overrides), "curves": [], "train": {}, "artifacts": {}, "card": "cpu",
+                "date": "2026-01-01T00:00:00", "commit": "abc", "command": "x",
+                "metrics": {"top1": value, "final_epoch_train_acc": 0.9, "final_epoch_loss": 0.7}}))
+    text = repro.render(tmp_path, tmp_path, figures=tmp_path / "figures", notes=tmp_path / "notes.md", draw=False)
+    assert "| resnet50d | 32 | none | 300 | 0,1,2 | 87.60 ± 0.10 (n=3) | 90.0 ± 0.0 (n=3) |" in text
+    # residual_droppath − drop_path per seed -3.8, -3.9, -3.5: mean -3.73, sd 0.208, t(0.975, 2) = 4.303 -> 0.52
+    assert ("- resnet50d 32 px: residual_droppath − drop_path (points): -3.73 ± 0.52 (95% CI over 3 seed pairs "
+            "0,1,2; per seed -3.80, -3.90, -3.50)") in text
+    assert "- resnet50d 32 px: residual_droppath − none (points): -3.17 ±" in text
+    assert "- resnet50d 32 px: drop_path − none (points): +0.57 ±" in text
+    assert "C300-resnet50d-none-s1" not in text.split("Not run yet:")[1] and "incomplete" not in text
+
+
 def test_decisive_arms_are_the_issues_recipes():
     arms = {a.name: a for a in repro.MATRIX if a.stage == "decisive"}
     ov = {n: dict(o.split("=", 1) for o in a.overrides) for n, a in arms.items()}
@@ -512,9 +535,11 @@ def test_device_hold_job_runs_from_the_copy_and_comes_back_packed(tmp_path):
     code, out, _ = call("job", "copy", 'cp marker.txt "$OUT/seen.txt"; pwd >"$OUT/where.txt"', cwd=tree)
     assert code == 0 and out.startswith("job copy started")
     assert call("job", "fails", "exit 3", cwd=tree)[0] == 0
+    assert call("job", "slow", 'sleep 3; echo done >"$OUT/slow.txt"', cwd=tree)[0] == 0
     assert call("job", "copy", "true", cwd=tree)[::2] == (2, "device_hold.sh: job copy was already started on this machine")
     code, out, _ = call("wait", "30", cwd=tree)
     assert code == 0 and "job copy: exit 0" in out and "job fails: exit 3" in out
+    assert "job slow: exit 0" in out  # wait waited for the slowest job
     with tarfile.open(tmp_path / "out" / "jobs.tgz") as tar:
         assert tar.extractfile("jobs/copy/seen.txt").read() == b"the tree\n"
         assert tar.extractfile("jobs/copy/where.txt").read().decode().strip() == str(tmp_path / "hold" / "tree")
