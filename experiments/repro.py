@@ -716,6 +716,8 @@ A_COMPARISONS = [("official-a0.6", "official-a1.0", "linear_probe_acc", 100,
                  ("baseline-a0.6", "baseline-a1.0", "linear_probe_acc", 100,
                   "probe, baseline 0.6 − baseline 1.0 (points; zero-init on at 0.6 only)")]
 C_COLUMNS = [("top1", 100, 2), ("final_epoch_train_acc", 100, 1), ("final_epoch_loss", 1, 3)]
+# (mode a, mode b) of a − b in top-1, both stages of C: the claim against drop path, then each against none
+C_COMPARISONS = [("residual_droppath", "drop_path"), ("residual_droppath", "none"), ("drop_path", "none")]
 
 
 def render(records: Path, base: Path, figures: Path = FIGURES_DIR, notes: Path = NOTES_MD, draw: bool = True) -> str:
@@ -857,17 +859,17 @@ def render(records: Path, base: Path, figures: Path = FIGURES_DIR, notes: Path =
                ["model", "px", "mode", "epochs", "seeds", "top-1 %", "train acc % (last epoch)",
                 "train loss (last epoch)", "paper (CIFAR-10)"], c_rows("decisive", C_COLUMNS), ["top1"],
                "classify_decisive_curves.png",
-               [paired_line(recs, f"{prefix}-{arch}-{m}", f"{prefix}-{arch}-none", "top1", 100,
-                            f"{arch} {px} px: {m} − none (points)")
+               [paired_line(recs, f"{prefix}-{arch}-{x}", f"{prefix}-{arch}-{y}", "top1", 100,
+                            f"{arch} {px} px: {x} − {y} (points)")
                 for prefix, px in (("C300", 32), ("C224", 224)) for arch in ("resnet50d", "resnet50")
-                for m in MODES[1:]])
+                for x, y in C_COMPARISONS])
     L += block("C", "short", "Earlier short runs: 100 epochs (ResNet50d), 50 (ViT), one seed",
                "Presets `classify_resnet50d_cifar10`, `classify_resnet50_cifar10` (batch 256, lr 0.1, crop 0.35-1, "
                "no colour jitter) and `classify_cifar10`.",
                ["model", "mode", "epochs", "seeds", "top-1 %", "paper (CIFAR-10)"], c_rows("short", [("top1", 100, 2)]),
                ["top1"], "classify_curves.png",
-               [delta_line(recs, f"C-{arch}-{m}", f"C-{arch}-none", "top1", 100, f"{arch}: {m} − none (points)")
-                for arch in CLASSIFY_PRESETS for m in MODES[1:]])
+               [delta_line(recs, f"C-{arch}-{x}", f"C-{arch}-{y}", "top1", 100, f"{arch}: {x} − {y} (points)")
+                for arch in CLASSIFY_PRESETS for x, y in C_COMPARISONS])
     L += verdict("C")
 
     # provenance

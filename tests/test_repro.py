@@ -157,7 +157,8 @@ def test_claim_c_report_pairs_each_mode_with_the_others_and_skips_cut_runs(tmp_p
     folder = tmp_path / "h100-2026-01-01-decisive"
     (folder / "incomplete" / "C300-resnet50d-none-s1").mkdir(parents=True)  # a cut attempt of an arm with a record
     (folder / "incomplete" / "C300-resnet50d-none-s1" / "metrics.jsonl").write_text("")
-    top1 = {"none": (0.875, 0.877, 0.876), "drop_path": (0.882, 0.882, 0.881), "residual_droppath": (0.844, 0.843, 0.846)}
+    top1 = {"none": (0.875, 0.877, 0.876), "drop_path": (0.882, 0.882, 0.881),
+            "residual_droppath": (0.844, 0.843, 0.846)}
     for mode, values in top1.items():
         for seed, value in enumerate(values):
             arm = repro.BY_NAME[f"C300-resnet50d-{mode}-s{seed}"]
