@@ -258,18 +258,19 @@ def test_forked_loader_workers_keep_their_own_signal_behaviour():
 @pytest.mark.slow
 @pytest.mark.parametrize("dist", ["ddp", "fsdp"])
 def test_two_processes_agree_to_stop_when_one_rank_is_signalled(tmp_path, dist):
-    """Only rank 1 gets SIGTERM, during step 3; both ranks stop at the next log step (4), write one checkpoint
-    together and exit with the interrupted status."""
+    """Only rank 1 gets SIGTERM, during step 3; both ranks learn it from the next log step's (4) record, which
+    they read after issuing step 5, stop after step 5, write one checkpoint together and exit with the
+    interrupted status."""
     out = tmp_path / "run"
     args = _classify_args(out, "--set", f"dist={dist}", "--set", "log.every=2", "--set", "ckpt.every=0")
     results = _signalled(tmp_path, 3, "SIGTERM", 1, args, world=2, ranks="1")
     assert [r[0] for r in results] == [EXIT_INTERRUPTED] * 2, results
-    assert "stopped by a signal to another rank after step 4 of 8" in results[0][2], results[0][2]
-    assert "stopped by SIGTERM after step 4 of 8" in results[1][2], results[1][2]
+    assert "stopped by a signal to another rank after step 5 of 8" in results[0][2], results[0][2]
+    assert "stopped by SIGTERM after step 5 of 8" in results[1][2], results[1][2]
     (ckpt,) = checkpoint.list_checkpoints(out / "checkpoints")
-    assert checkpoint.step_of(ckpt) == 4 and ckpt.is_dir() == (dist == "fsdp")  # FSDP2: a DCP directory of both shards
+    assert checkpoint.step_of(ckpt) == 5 and ckpt.is_dir() == (dist == "fsdp")  # FSDP2: a DCP directory of both shards
     extra = checkpoint.read_file(ckpt / "extra.pt" if ckpt.is_dir() else ckpt)
-    assert extra["step"] == 4 and len(extra["rng"]) == 2
+    assert extra["step"] == 5 and len(extra["rng"]) == 2
     assert _steps(out / "metrics.jsonl") == [2, 4] and not (out / "run.lock").exists()
 
 

@@ -310,12 +310,17 @@ def test_steps_do_not_synchronise_with_the_host(tmp_path, graphs, scope):
         for _ in range(8):  # replays record their timing events without a sync
             loss, _ = trainer.train_step(trainer.loader.next())
             acc += loss
+        # a log step closes its window without a sync: reduced and copied to the host behind the step,
+        # read by the loop only after the next step is issued
+        window = trainer._log_window(acc, 8, {}, 12)
+        trainer.train_step(trainer.loader.next())
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(acc) and acc > 0
-    if trainer.graphed is not None:  # the events are read at a log step: the capture step's replay and 8 more
-        torch.cuda.synchronize()
-        timing = trainer.graphed.read_window(12, (time.perf_counter() - t0) * 1e3)
+    window["ready"].synchronize()
+    assert window["host"].tolist() == pytest.approx([(acc / 8).item(), 0.0, 0.0])  # mean loss, stop asked, bad
+    if trainer.graphed is not None:  # the window's replays: the capture step's and 8 more
+        timing = trainer.graphed.read_window(window["graph_window"], 12, (time.perf_counter() - t0) * 1e3)
         assert trainer.graphed.windows[-1]["replays"] == 9 and timing["gpu_ms_per_step"] > 0
 
 

@@ -129,9 +129,9 @@ class GraphedStep:
     line that says the step was captured. Everything else (scaler, EMA, ResidualDroppath, the
     non-finite flag) is ``step_body``'s own state, captured with it.
 
-    Every replay records a CUDA event pair from a ring of ``timed_replays`` pairs, reused across log
-    windows; :meth:`read_window` reads the window's replay times at a log step and keeps them in
-    ``windows`` for :func:`steady_timing`."""
+    Every replay of a log window records a CUDA event pair (the last ``timed_replays`` are kept);
+    :meth:`end_window` closes the window at a log step and :meth:`read_window` reads its replay times
+    once the host waits for that step anyway, keeping them in ``windows`` for :func:`steady_timing`."""
 
     def __init__(self, step_body, optimizer: torch.optim.Optimizer, scheduler, total_steps: int,
                  device: torch.device, *, warmup_steps: int = 3, timed_replays: int = 128, stream=None, log=print):
@@ -151,7 +151,7 @@ class GraphedStep:
         self._index = torch.zeros(1, dtype=torch.int64, device=device)
         self._lrs = torch.zeros(self.lr_table.shape[0], 1, device=device)
         self.lrs = list(self._lrs[:, 0].unbind(0))  # one 0-dim view per parameter group
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # grows to timed_replays, then reused
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # this window's, a ring of timed_replays
         self._replays = 0  # in the current log window
         self.windows: list[dict] = []
 
@@ -237,16 +237,19 @@ class GraphedStep:
             self.graph = None
 
     # ------------------------------------------------------------------ per log window
-    def read_window(self, steps: int, wall_ms: float) -> dict:
-        """The :func:`window_timing` fields of the log window that ends now (``steps`` steps in
-        ``wall_ms``), recorded in ``windows``; waits for the window's last replay (the loop has already
-        synchronised to read its metrics)."""
-        kept = min(self._replays, self.timed_replays)
-        replay_ms = []
-        if kept:
-            self._events[(self._replays - 1) % self.timed_replays][1].synchronize()
-            replay_ms = [start.elapsed_time(end) for start, end in self._events[:kept]]
-        timing = window_timing(replay_ms, self._replays, wall_ms)
-        self.windows.append({"steps": steps, "replays": self._replays, "wall_ms": wall_ms, **timing})
-        self._replays = 0
+    def end_window(self) -> tuple[list, int]:
+        """Close the log window at the step just issued, without waiting for it: its replays' event pairs and
+        replay count, for :meth:`read_window`; the next window records into new events."""
+        window = (self._events, self._replays)
+        self._events, self._replays = [], 0
+        return window
+
+    def read_window(self, window: tuple[list, int], steps: int, wall_ms: float) -> dict:
+        """The :func:`window_timing` fields of a window from :meth:`end_window` (``steps`` steps in
+        ``wall_ms``), recorded in ``windows``; waits for the window's replays to end."""
+        events, replays = window
+        for _, end in events:
+            end.synchronize()
+        timing = window_timing([start.elapsed_time(end) for start, end in events], replays, wall_ms)
+        self.windows.append({"steps": steps, "replays": replays, "wall_ms": wall_ms, **timing})
         return timing

@@ -161,6 +161,7 @@ class Trainer:
         self.graphed: GraphedStep | None = None  # the captured step (None: the step runs eagerly)
         self.step_fn = None  # the step train_step runs: graphed or step_body, chosen once in setup
         self._bad: torch.Tensor | None = None  # the device-side non-finite flag of the steps so far
+        self._window_start = 0.0  # wall time at which fit's current log window began
         # used by fit, evaluation and finish
         self.tb = None  # the TensorBoard writer (main rank, log.tensorboard)
         self.eval_loaders: dict = {}  # split -> its evaluation loader or None (train.common.eval_loader)
@@ -441,21 +442,66 @@ class Trainer:
 
     def _check_finite(self):
         if self._bad is not None and bool(distributed.all_sum(self._bad.float().reshape(1))[0] > 0):
-            raise NonFiniteLoss(f"non-finite loss before step {self.step}; stopping ({self._checkpoint_kept()}; "
-                                f"resume with --resume auto, perhaps with a lower lr or precision=fp32)")
+            raise self._non_finite()
+
+    def _non_finite(self) -> NonFiniteLoss:
+        return NonFiniteLoss(f"non-finite loss before step {self.step}; stopping ({self._checkpoint_kept()}; "
+                             f"resume with --resume auto, perhaps with a lower lr or precision=fp32)")
 
     def epoch(self) -> float | None:
         """Epochs trained, or None where the training data's size is unknown (a stream without counts)."""
         steps_per_epoch = len(self.loader)
         return self.step / steps_per_epoch if steps_per_epoch else None
 
+    def _log_window(self, acc_loss, acc_n: int, acc_metrics: dict, steps: int) -> dict:
+        """Close the log window at the step just issued without waiting for the GPU: the window's mean loss and
+        metrics, this rank's stop request and non-finite flag are reduced over the ranks and copied to the host
+        behind the step; :meth:`_write_record` reads them after the next step is issued."""
+        asked = torch.full((1,), float(self.stop_signal is not None), device=self.device)
+        bad = (torch.zeros(1, device=self.device) if self._bad is None else self._bad.float().reshape(1))
+        vals = distributed.all_mean(torch.cat([torch.stack([acc_loss] + list(acc_metrics.values())) / acc_n,
+                                               asked, bad]))
+        host, ready = vals, None
+        if vals.is_cuda:
+            host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
+            host.copy_(vals, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return {"step": self.step, "steps": steps, "lr": self.scheduler.get_last_lr()[0], "epoch": self.epoch(),
+                "keys": list(acc_metrics), "host": host, "ready": ready,
+                "graph_window": self.graphed.end_window() if self.graphed is not None else None}
+
+    def _write_record(self, window: dict, runlog: RunLog) -> bool:
+        """Wait for a window from :meth:`_log_window`, write its record (history, metrics.jsonl, TensorBoard,
+        the progress bar) and return whether any rank asked to stop; raise :class:`NonFiniteLoss` if a loss
+        anywhere was not finite."""
+        if window["ready"] is not None:
+            window["ready"].synchronize()
+        *vals, asked_anywhere, bad_anywhere = window["host"].tolist()
+        if bad_anywhere > 0:
+            raise self._non_finite()
+        now = time.time()  # the window's steps have ended on the GPU: its wall time is from the last window's end
+        wall, self._window_start = now - self._window_start, now
+        ips = window["steps"] * self.cfg.batch_size / max(wall, 1e-9)
+        rec = {"step": window["step"], "loss": vals[0], "lr": window["lr"], "img_per_s": ips, **self._flops_rate(ips),
+               "epoch": window["epoch"], **dict(zip(window["keys"], vals[1:]))}
+        if window["graph_window"] is not None:  # the replays' GPU time against this window's wall time
+            rec.update(self.graphed.read_window(window["graph_window"], window["steps"], wall * 1e3))
+        self.history.append(rec)
+        runlog.step(rec)
+        if asked_anywhere > 0 and self.stop_signal is None:
+            self.stop_signal = "a signal to another rank"
+        return asked_anywhere > 0
+
     def fit(self, until: int | None = None):
         """Train to ``total_steps``, or stop after step ``until`` as a run cut short there would (its schedule
         that of all ``total_steps``, a checkpoint at ``until``; a later ``fit`` or resume goes on). On a
         signal (:class:`StopOnSignal`) the step under way is finished, a checkpoint is written and
-        :class:`Interrupted` raised: with one process after that step; with several at the next log step,
-        where the ranks agree on it in the all-reduce that already carries the logged metrics (no
-        collective or host sync is added to the steps between). Each log step's record goes to the
+        :class:`Interrupted` raised: with one process after that step; with several after the step that
+        follows the next log step (the log step itself when it saves or evaluates), where the ranks agree
+        on it in the all-reduce that already carries the logged metrics (no collective or host sync is
+        added to the steps between). A log step's record is read from the GPU after the next step is
+        issued, so the GPU never waits for the host's logging, and goes to the
         :class:`~dres.train.runlog.RunLog` (metrics.jsonl, TensorBoard, the progress bar)."""
         cfg = self.cfg
         if until is not None and not 0 < until <= self.total_steps:
@@ -467,7 +513,9 @@ class Trainer:
         runlog = RunLog(self.out / "metrics.jsonl", main=self.main, tb=self.tb, show_progress=cfg.log.progress,
                         total=self.total_steps, initial=self.step, kept=self._checkpoint_kept)
         acc_loss, acc_n, acc_metrics = torch.zeros((), device=self.device), 0, {}
-        t_last, step_last, seen = time.time(), self.step, 0
+        step_last, seen = self.step, 0
+        self._window_start = time.time()
+        pending = None  # the last log step's record on its way to the host
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.log(f"[dres] training {self.total_steps} steps (from {self.step}), global batch {cfg.batch_size} "
@@ -487,32 +535,26 @@ class Trainer:
                 last = self.step == end
                 # one process stops after any step (a host flag, no sync); several agree at log steps, below
                 stop = self.stop_signal is not None and self.info.world == 1
+                if pending is not None:  # read now that this step is queued behind it: the GPU does not wait
+                    stop = self._write_record(pending, runlog) or stop
+                    pending = None
                 if self.step % cfg.log.every == 0 or last:
-                    self._check_finite()
-                    asked = torch.full((1,), float(self.stop_signal is not None), device=self.device)
-                    vals = torch.cat([torch.stack([acc_loss] + list(acc_metrics.values())) / acc_n, asked])
-                    *vals, asked_anywhere = distributed.all_mean(vals).tolist()
-                    stop = asked_anywhere > 0
-                    if stop and self.stop_signal is None:
-                        self.stop_signal = "a signal to another rank"
-                    now = time.time()
-                    ips = (self.step - step_last) * cfg.batch_size / max(now - t_last, 1e-9)
-                    rec = {"step": self.step, "loss": vals[0], "lr": self.scheduler.get_last_lr()[0],
-                           "img_per_s": ips, **self._flops_rate(ips), "epoch": self.epoch()}
-                    rec.update({k: v for k, v in zip(acc_metrics, vals[1:])})
-                    if self.graphed is not None:  # the replays' GPU time against this window's wall time
-                        rec.update(self.graphed.read_window(self.step - step_last, (now - t_last) * 1e3))
-                    self.history.append(rec)
-                    runlog.step(rec)
+                    pending = self._log_window(acc_loss, acc_n, acc_metrics, self.step - step_last)
                     acc_loss, acc_n, acc_metrics = torch.zeros((), device=self.device), 0, {}
-                    t_last, step_last = now, self.step
+                    step_last = self.step
+                save = bool(cfg.ckpt.every and self.step % cfg.ckpt.every == 0) or last or stop
+                curve = bool(cfg.eval.every and (self.step % cfg.eval.every == 0 or last))
+                if pending is not None and (save or curve):  # these wait for the GPU anyway
+                    stop = self._write_record(pending, runlog) or stop
+                    pending = None
+                    save = save or stop
                 runlog.advance()
-                if (cfg.ckpt.every and self.step % cfg.ckpt.every == 0) or last or stop:
+                if save:
                     self._check_finite()
                     self.save()
                 if stop:
                     raise Interrupted(self._stopped_message())
-                if cfg.eval.every and (self.step % cfg.eval.every == 0 or last):
+                if curve:
                     self.log(f"[dres] curve point at step {self.step}: {self.curve_point()}")
                     self.model.train()
         finally:
