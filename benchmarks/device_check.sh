@@ -60,6 +60,8 @@ mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model
 mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model --set model.backend=torch
 mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model --set model.variant=baseline --set model.alpha_min=1.0
 mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model --set model.variant=baseline --set model.alpha_min=1.0 --set model.backend=torch
+mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model --set model.variant=baseline --set model.alpha_min=1.0 --set data.side_stream=true
+mae_cifar10 1024 400 40 --set data.side_stream=true
 RUNS
 )
   # the compiled plain models the trainers are compared with, and the dres models with Inductor's own norm code

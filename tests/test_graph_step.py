@@ -291,6 +291,30 @@ def test_graphed_run_resumes_exactly(tmp_path, case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphs", ["true", "false"])
+def test_batches_made_on_a_side_stream_train_as_on_the_step_stream(tmp_path, graphs):
+    # the batch's gather and augmentation overlap the running step; the step must still see each batch whole
+    overrides = ["model.drop_path=0.3", "model.droppath_mode=residual_droppath", f"cuda_graphs={graphs}"]
+    side = _fit(tmp_path / "side", overrides + ["data.side_stream=true"], 9)
+    same = _fit(tmp_path / "same", overrides + ["data.side_stream=false"], 9)
+    assert side.data_stream is not None and same.data_stream is None
+    keys = ["loss"]
+    if _deterministic(tmp_path, overrides, "mae"):
+        assert torch.equal(_logged(side, keys), _logged(same, keys))
+        assert all(torch.equal(a, b) for a, b in zip(_params(side), _params(same)))
+    else:
+        torch.testing.assert_close(_logged(side, keys), _logged(same, keys), rtol=2e-4, atol=1e-6)
+
+
+def test_a_side_stream_on_the_cpu_changes_nothing(tmp_path):
+    overrides = ["device=cpu", "cuda_graphs=false"]
+    side = _fit(tmp_path / "side", overrides + ["data.side_stream=true"], 3)
+    same = _fit(tmp_path / "same", overrides + ["data.side_stream=false"], 3)
+    assert side.data_stream is None
+    assert torch.equal(_logged(side, ["loss"]), _logged(same, ["loss"]))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("graphs,scope", [("true", "blocks"), ("false", "blocks"), ("true", "model")])
 def test_steps_do_not_synchronise_with_the_host(tmp_path, graphs, scope):
     # mae_cifar10-like: compiled, bf16, augmentation on the device; RRC + flip on every batch

@@ -56,6 +56,8 @@ class DataConfig:
     # stop when more than this fraction of samples (or of shards) is unreadable
     max_corrupt_frac: float = 0.001
     verify_manifest: bool = True  # check shards against their folder's manifest.json sha256 before use
+    # make each batch (gather, augmentation, copy to the GPU) on a CUDA stream of its own, beside the running step
+    side_stream: bool = False
 
 
 @dataclass

@@ -162,6 +162,7 @@ class Trainer:
         self.step_fn = None  # the step train_step runs: graphed or step_body, chosen once in setup
         self._bad: torch.Tensor | None = None  # the device-side non-finite flag of the steps so far
         self._window_start = 0.0  # wall time at which fit's current log window began
+        self.data_stream = None  # the CUDA stream batches are made on (data.side_stream), else the step's
         # used by fit, evaluation and finish
         self.tb = None  # the TensorBoard writer (main rank, log.tensorboard)
         self.eval_loaders: dict = {}  # split -> its evaluation loader or None (train.common.eval_loader)
@@ -232,6 +233,8 @@ class Trainer:
                                    accum=cfg.accum_steps, seed=cfg.seed, device=self.device, train=True,
                                    log=self.log) if train else None
         epoch_steps = len(self.loader) if train else 0
+        if train and cfg.data.side_stream and self.device.type == "cuda":
+            self.data_stream = torch.cuda.Stream(self.device)
         if train:
             self._count_flops()
         self.total_steps = cfg.steps if cfg.steps > 0 else int(round(cfg.epochs * epoch_steps))
@@ -453,6 +456,20 @@ class Trainer:
         steps_per_epoch = len(self.loader)
         return self.step / steps_per_epoch if steps_per_epoch else None
 
+    def _next_batch(self) -> dict:
+        """The loader's next batch. With a data stream its GPU work runs there, beside the step already queued on
+        the step's stream (which waits for the batch, and keeps its memory from reuse until it has read it)."""
+        if self.data_stream is None:
+            return self.loader.next()
+        step_stream = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.data_stream):
+            batch = self.loader.next()
+        step_stream.wait_stream(self.data_stream)
+        for t in batch.values():
+            if t.is_cuda:
+                t.record_stream(step_stream)
+        return batch
+
     def _log_window(self, acc_loss, acc_n: int, acc_metrics: dict, steps: int) -> dict:
         """Close the log window at the step just issued without waiting for the GPU: the window's mean loss and
         metrics, this rank's stop request and non-finite flag are reduced over the ranks and copied to the host
@@ -516,6 +533,8 @@ class Trainer:
         step_last, seen = self.step, 0
         self._window_start = time.time()
         pending = None  # the last log step's record on its way to the host
+        if self.data_stream is not None:  # the loader's tensors were made on the step's stream
+            self.data_stream.wait_stream(torch.cuda.current_stream(self.device))
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.log(f"[dres] training {self.total_steps} steps (from {self.step}), global batch {cfg.batch_size} "
@@ -524,7 +543,7 @@ class Trainer:
         self.in_loop = True
         try:
             while self.step < end:
-                batch = self.loader.next()
+                batch = self._next_batch()
                 loss, metrics = self.train_step(batch)
                 self.step += 1
                 seen += cfg.batch_size
