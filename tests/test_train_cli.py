@@ -98,6 +98,7 @@ def test_apply_compile_scopes_count_their_regions():
 @pytest.mark.parametrize("args,msg", [
     (["mae", "--preset", "nope"], "unknown preset 'nope'"),
     (["mae", "--preset", "quickstart", "--set", "model.wat=1"], "unknown config key 'model.wat'"),
+    (["mae", "--preset", "quickstart", "--set", "model.attn_impl=flash"], "unknown config key 'model.attn_impl'"),
     (["mae", "--preset", "mae_vit_b16_in1k"], "no training data path"),
     (["mae", "--preset", "mae_cifar10", "--set", "data.path=/nonexistent/cifar"], "data path not found: /nonexistent/cifar"),
     (["mae", "--preset", "quickstart", "--set", "batch_size=100", "--set", "accum_steps=3"], "cannot be split"),

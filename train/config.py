@@ -87,7 +87,6 @@ class ModelConfig:
     per_block: bool = False       # one alpha per block instead of per sub-layer
     num_classes: int = 0          # classifier classes; U-ViT: 0 unconditional, else class-conditional
     global_pool: str = "cls"      # classifier head input: cls | avg
-    attn_impl: str = "sdpa"       # attention: sdpa (torch scaled_dot_product_attention) | flash | xformers
     # the GELU of every ViT MLP, as nn.GELU's approximate names it: none (exact, erf) | tanh (timm's gelu_tanh)
     gelu_approximate: str = "none"
     # zero the last Linear of every branch (ViT: attention proj, MLP fc2; timm ResNet: the last BN):
@@ -579,7 +578,7 @@ FINGERPRINT_KEYS = ("task", "batch_size", "data.img_size", "data.in_chans", "dat
                     "optim.ema_decay")
 # keys added to the fingerprint later: a record without one was made under this value
 _FINGERPRINT_BEFORE = {"optim.name": "adamw", "model.drop_rate": 0.0, "model.gelu_approximate": "none"}
-_MODEL_KEYS_NOT_IN_FINGERPRINT = ("backend", "attn_impl")  # implementation choices, same parameters
+_MODEL_KEYS_NOT_IN_FINGERPRINT = ("backend",)  # an implementation choice, same parameters
 
 
 def dotted_value(d: dict, key: str):
@@ -592,7 +591,7 @@ def dotted_value(d: dict, key: str):
 def fingerprint(cfg) -> dict:
     """The flat ``{dotted key: value}`` of :data:`FINGERPRINT_KEYS` and the model's keys, from a
     :class:`Config` or its dict (a saved ``config.yaml``)."""
-    d = to_dict(cfg) if dataclasses.is_dataclass(cfg) else cfg
+    d = to_dict(cfg) if dataclasses.is_dataclass(cfg) else _without_retired_keys(cfg)
     fp = {k: dotted_value(d, k) for k in FINGERPRINT_KEYS}
     fp.update({f"model.{k}": v for k, v in sorted((d.get("model") or {}).items())
                if k not in _MODEL_KEYS_NOT_IN_FINGERPRINT})
@@ -615,8 +614,17 @@ def save_config(cfg: Config, path):
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
 
 
+def _without_retired_keys(d: dict) -> dict:
+    """A saved config's dict without the keys that no longer exist but held what is now the only behaviour."""
+    model = d.get("model")
+    # configs saved while attention had other backends record model.attn_impl; SDPA is the one left
+    if isinstance(model, dict) and model.get("attn_impl") == "sdpa":
+        return {**d, "model": {k: v for k, v in model.items() if k != "attn_impl"}}
+    return d
+
+
 def load_config(path) -> Config:
     d = _read_yaml(path)
     if not isinstance(d, dict):
         raise ConfigError(f"{path} must be a YAML mapping")
-    return update_from_dict(Config(), d)
+    return update_from_dict(Config(), _without_retired_keys(d))

@@ -21,7 +21,7 @@ class ViTClassifier(nn.Module):
                  alpha_min: float = 1.0, schedule: str = "linspace", per_block: bool = False,
                  drop_path: float = 0.0, droppath_mode: str = "drop_path",
                  droppath: Optional[ResidualDroppath] = None, droppath_seed: int = 0, global_pool: str = "cls",
-                 pos_embed: str = "learned", zero_init: Optional[bool] = None, attn_impl: str = "sdpa",
+                 pos_embed: str = "learned", zero_init: Optional[bool] = None,
                  backend: Optional[str] = None, gelu_approximate: str = "none"):
         super().__init__()
         if global_pool not in ("cls", "avg"):
@@ -31,8 +31,7 @@ class ViTClassifier(nn.Module):
                                   qkv_bias=True, alpha_min=alpha_min, schedule=schedule, per_block=per_block,
                                   final_norm=True, pos_embed=pos_embed, drop_path=drop_path,
                                   droppath_mode=droppath_mode, droppath=droppath, droppath_seed=droppath_seed,
-                                  zero_init=zero_init, attn_impl=attn_impl, backend=backend,
-                                  gelu_approximate=gelu_approximate)
+                                  zero_init=zero_init, backend=backend, gelu_approximate=gelu_approximate)
         self.head = nn.Linear(embed_dim, num_classes)
         nn.init.trunc_normal_(self.head.weight, std=0.02)
         nn.init.zeros_(self.head.bias)

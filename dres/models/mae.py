@@ -103,7 +103,7 @@ class MAE(nn.Module):
                  norm_pix_loss: bool = True, mask_ratio: float = 0.75, alpha_min: float = 1.0,
                  schedule: str = "linspace", per_block: bool = False, drop_path: float = 0.0,
                  droppath_mode: str = "drop_path", droppath: Optional[ResidualDroppath] = None,
-                 droppath_seed: int = 0, zero_init: Optional[bool] = None, attn_impl: str = "sdpa",
+                 droppath_seed: int = 0, zero_init: Optional[bool] = None,
                  backend: Optional[str] = None, gelu_approximate: str = "none"):
         super().__init__()
         if variant not in VARIANTS:
@@ -118,8 +118,7 @@ class MAE(nn.Module):
                                   qkv_bias=True, alpha_min=alpha_min, schedule=schedule, per_block=per_block,
                                   final_norm=variant != "official", pos_embed="sincos", drop_path=drop_path,
                                   droppath_mode=droppath_mode, droppath=droppath, droppath_seed=droppath_seed,
-                                  zero_init=zero_init, attn_impl=attn_impl, backend=backend,
-                                  gelu_approximate=gelu_approximate)
+                                  zero_init=zero_init, backend=backend, gelu_approximate=gelu_approximate)
         num_patches = self.encoder.patch_embed.num_patches
 
         # skips: encoder blocks 1, 3, 5, ...; decoder block k takes the k-th deepest
@@ -138,7 +137,7 @@ class MAE(nn.Module):
         self.register_buffer("decoder_pos_embed",
                              sincos_2d(decoder_embed_dim, self.encoder.patch_embed.grid_size, cls_token=True)[None])
         self.decoder = TransformerStack(decoder_embed_dim, decoder_depth, decoder_num_heads, mlp_ratio,
-                                        qkv_bias=True, final_norm=True, attn_impl=attn_impl, backend=backend,
+                                        qkv_bias=True, final_norm=True, backend=backend,
                                         gelu_approximate=gelu_approximate)
         self.decoder_pred = nn.Linear(decoder_embed_dim, patch_size ** 2 * in_chans)
         skip_cls = {"official": SkipLayer, "paper": PaperSkip}.get(variant)

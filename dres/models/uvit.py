@@ -51,7 +51,7 @@ class UViT(nn.Module):
                  alpha_min: float = 1.0, schedule: str = "linspace", per_block: bool = False,
                  drop_path: float = 0.0, droppath_mode: str = "drop_path",
                  droppath: Optional[ResidualDroppath] = None, droppath_seed: int = 0,
-                 zero_init: Optional[bool] = None, attn_impl: str = "sdpa", backend: Optional[str] = None,
+                 zero_init: Optional[bool] = None, backend: Optional[str] = None,
                  gelu_approximate: str = "none"):
         super().__init__()
         self.embed_dim, self.in_chans, self.num_classes = embed_dim, in_chans, num_classes
@@ -68,8 +68,7 @@ class UViT(nn.Module):
         alphas = decay_schedule(2 * num_blocks, alpha_min, schedule, per_block)
         log.info(describe_schedule(alphas, schedule, alpha_min, per_block, "U-ViT"))
         self.transformer = TransformerStack(embed_dim, num_blocks, num_heads, mlp_ratio, qkv_bias, alphas,
-                                            final_norm=True, attn_impl=attn_impl, backend=backend,
-                                            gelu_approximate=gelu_approximate)
+                                            final_norm=True, backend=backend, gelu_approximate=gelu_approximate)
         self.skip_linears = nn.ModuleList(nn.Linear(2 * embed_dim, embed_dim) for _ in range(self.num_in_blocks))
         self.patch_dim = patch_size ** 2 * in_chans
         self.decoder_pred = nn.Linear(embed_dim, self.patch_dim)

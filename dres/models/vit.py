@@ -38,7 +38,7 @@ class ViTEncoder(nn.Module):
                  alpha_min: float = 1.0, schedule: str = "linspace", per_block: bool = False,
                  final_norm: bool = True, pos_embed: str = "sincos", drop_path: float = 0.0,
                  droppath_mode: str = "drop_path", droppath: Optional[ResidualDroppath] = None,
-                 droppath_seed: int = 0, zero_init: Optional[bool] = None, attn_impl: str = "sdpa",
+                 droppath_seed: int = 0, zero_init: Optional[bool] = None,
                  backend: Optional[str] = None, gelu_approximate: str = "none"):
         super().__init__()
         self.embed_dim, self.depth = embed_dim, depth
@@ -54,8 +54,7 @@ class ViTEncoder(nn.Module):
         alphas = decay_schedule(2 * depth, alpha_min, schedule, per_block)
         log.info(describe_schedule(alphas, schedule, alpha_min, per_block, "ViT encoder"))
         self.transformer = TransformerStack(embed_dim, depth, num_heads, mlp_ratio, qkv_bias, alphas,
-                                            final_norm=final_norm, attn_impl=attn_impl, backend=backend,
-                                            gelu_approximate=gelu_approximate)
+                                            final_norm=final_norm, backend=backend, gelu_approximate=gelu_approximate)
         self.droppath = build_droppath(droppath, drop_path, droppath_mode, 2 * depth, droppath_seed)
 
         init_vit_weights(self)

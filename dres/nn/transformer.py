@@ -22,7 +22,6 @@ replaces the stream (``a = 0``: ``out = h`` exactly, and no gradient into the ol
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -32,8 +31,6 @@ from torch import nn
 from dres import ops
 from dres.ops.bias_gelu import check_approximate
 from dres.nn.droppath import NO_SCALES, Scales
-
-ATTN_IMPLS = ("sdpa", "flash", "xformers")
 
 Hook = Callable[[torch.Tensor, dict], tuple[torch.Tensor, float]]
 BlockScales = tuple[Scales, Scales]  # drop-path scales of the residual entering a block and of its attention add
@@ -48,39 +45,21 @@ def autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention; SDPA by default, flash-attn or xformers when asked for."""
+    """Multi-head self-attention through :func:`sdpa`, which picks the SDPA backend per shape."""
 
-    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attn_impl: str = "sdpa"):
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
-        if attn_impl not in ATTN_IMPLS:
-            raise ValueError(f"attn_impl must be one of {ATTN_IMPLS}, got {attn_impl!r}")
-        if attn_impl == "flash" and importlib.util.find_spec("flash_attn") is None:
-            raise ImportError("attn_impl='flash' needs the flash-attn package, which is not installed")
-        if attn_impl == "xformers" and importlib.util.find_spec("xformers") is None:
-            raise ImportError("attn_impl='xformers' needs the xformers package, which is not installed")
         self.num_heads = num_heads
-        self.attn_impl = attn_impl
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, C = x.shape
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads)
-        if self.attn_impl == "flash":
-            from flash_attn import flash_attn_qkvpacked_func
-
-            out = flash_attn_qkvpacked_func(qkv)  # (B, N, H, hd); fp16/bf16 CUDA tensors only
-        elif self.attn_impl == "xformers":
-            import xformers.ops
-
-            q, k, v = qkv.unbind(2)
-            out = xformers.ops.memory_efficient_attention(q, k, v)
-        else:
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, hd)
-            out = sdpa(q, k, v).transpose(1, 2)
-        return self.proj(out.reshape(B, N, C))
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, hd)
+        return self.proj(sdpa(q, k, v).transpose(1, 2).reshape(B, N, C))
 
 
 # The memory-efficient kernel beat torch's own choice (cuDNN on Hopper) 1.2-1.5x forward+backward at
@@ -163,12 +142,11 @@ class Block(nn.Module):
     """
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
-                 attn_impl: str = "sdpa", eps: float = 1e-6, backend: Optional[str] = None,
-                 gelu_approximate: str = "none"):
+                 eps: float = 1e-6, backend: Optional[str] = None, gelu_approximate: str = "none"):
         check_approximate(gelu_approximate, "gelu_approximate")
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=eps)
-        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, attn_impl=attn_impl)
+        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias)
         self.norm2 = nn.LayerNorm(dim, eps=eps)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), backend=backend, approximate=gelu_approximate)
         self.backend = backend
@@ -299,11 +277,11 @@ class TransformerStack(ResidualStream, nn.Module):
     """
 
     def __init__(self, dim: int, depth: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
-                 alphas: Optional[Sequence[float]] = None, final_norm: bool = True, attn_impl: str = "sdpa",
-                 eps: float = 1e-6, backend: Optional[str] = None, gelu_approximate: str = "none"):
+                 alphas: Optional[Sequence[float]] = None, final_norm: bool = True, eps: float = 1e-6,
+                 backend: Optional[str] = None, gelu_approximate: str = "none"):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(dim, num_heads, mlp_ratio, qkv_bias, attn_impl, eps, backend,
-                                          gelu_approximate) for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(dim, num_heads, mlp_ratio, qkv_bias, eps, backend, gelu_approximate)
+                                    for _ in range(depth))
         self.norm = nn.LayerNorm(dim, eps=eps) if final_norm else None
         self.register_buffer("final_alpha", torch.ones(()), persistent=False)
         self.set_alphas([1.0] * (2 * depth) if alphas is None else alphas)
