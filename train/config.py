@@ -183,6 +183,8 @@ class Config:
     # capture the whole train step as one CUDA graph: auto (where supported) | true (capture or fail) | false
     cuda_graphs: str = "auto"
     act_ckpt: str = "none"    # none | full | selective
+    # the transformer blocks' Linear layers as float8 matmuls (torchao; GPUs of compute capability >= 8.9)
+    fp8: bool = False
     dist: str = "none"        # none | ddp | fsdp
     fsdp_param_dtype: str = "bf16"  # bf16 | fp32 (mixed-precision policy of FSDP2)
     fsdp_prefetch: bool = False  # units keep parameters gathered to the backward + forward prefetch
