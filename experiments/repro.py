@@ -799,20 +799,22 @@ def render(records: Path, base: Path, figures: Path = FIGURES_DIR, notes: Path =
         for a in _groups("B", stage):
             cells, recs_b = group_cells(a.group, recs, [("probe_t0.1_linear_probe_acc", 100, 1),
                                                         ("probe_t0.1_knn_acc", 100, 1),
-                                                        ("fd_cifar_classifier", 1, 2), ("fid_", 1, 2)])
+                                                        ("fd_cifar_classifier", 1, 2),
+                                                        ("fd_noise_cifar_classifier", 1, 2), ("fid_", 1, 2)])
             grid = next((r["artifacts"].get("samples_png") for r in recs_b if r["artifacts"].get("samples_png")),
                         None)
             rows.append([f"{a.labels['alpha_min']:g}"] + cells + [f"![samples]({rel(grid)})" if grid else "—",
                                                                   _paper(a)])
         return rows
     b_header = ["alpha_min", "epochs", "seeds", "mid-block probe %", "mid-block kNN %", "fd_cifar_classifier",
-                "FID", "samples", "paper (CIFAR-100)"]
+                "same for noise", "FID", "samples", "paper (CIFAR-100)"]
     steps_b = UVIT_DECISIVE_EPOCHS * (TRAIN_SIZES["cifar10_wds"] // 128)
     L += ["## B. U-ViT, decayed through the whole network (preset `uvit_cifar10`, U-ViT-S/2, CIFAR-10)", "",
           "The paper's numbers are on CIFAR-100, which cannot be had offline here: B runs on CIFAR-10. Probe of "
           "the mid-block features at t=0.1 (eval.probe_epochs), and `fd_cifar_classifier`: the Frechet "
           "distance between generated and test images in the penultimate features of a CIFAR-10 ViT classifier "
-          f"trained by dres (arm `{FD_CLASSIFIER_ARM}`). **It is not FID** and not comparable to published FID "
+          f"trained by dres (arm `{FD_CLASSIFIER_ARM}`), beside the same distance for the sampler's starting noise "
+          "(samples of a trained model must be far below it). **It is not FID** and not comparable to published FID "
           "values (the Inception weights cannot be downloaded here; with `eval.fid_inception=...` the same command "
           "reports real FID).", ""]
     L += block("B", "decisive", f"Decisive runs: {steps_b:,} steps, EMA {UVIT_EMA_DECAY}",

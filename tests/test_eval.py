@@ -203,6 +203,8 @@ def test_uvit_evaluation_reports_fd_cifar_classifier(tmp_path, capsys):
                                      "log.progress=true"]], [])) == 0
     ev = json.loads((out / "summary.json").read_text())["eval"]
     assert ev["fd_cifar_classifier_dpm2"] > 0 and not any(k.startswith("fid") for k in ev)
+    # the noise reference: the sampler's starting noise in the same features, a different distance
+    assert ev["fd_noise_cifar_classifier"] > 0 and ev["fd_noise_cifar_classifier"] != ev["fd_cifar_classifier_dpm2"]
     assert (out / ev["samples_png"].split("/")[-1]).exists()
     assert {"probe_t0.1_linear_probe_acc", "probe_t0.1_knn_acc", "probe_t0.1_effective_rank"} <= set(ev)
     points = [json.loads(l) for l in (out / "curves.jsonl").read_text().splitlines()]

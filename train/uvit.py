@@ -2,7 +2,8 @@
 grid (DPM-Solver or Euler-Maruyama), a linear probe (and kNN, effective rank) of features at a chosen
 block and noise level, FID when the Inception weights are given, and ``fd_cifar_classifier`` (the
 Frechet distance in a dres-trained classifier's features, not comparable to FID) when
-``eval.fd_classifier`` names a classify run.
+``eval.fd_classifier`` names a classify run, beside ``fd_noise_cifar_classifier``: the same distance for the
+sampler's starting noise, which samples of a trained model must be far below.
 
     dres-train uvit --preset uvit_cifar10
 """
@@ -147,6 +148,9 @@ class UViTTask:
             net = ClassifierFeatures(clf, cd.mean[:c] if cd.normalize else [0.0] * c,
                                      cd.std[:c] if cd.normalize else [1.0] * c, autocast=trainer.autocast)
             res[f"fd_cifar_classifier_{e.sampler}{e.steps}"] = classifier_frechet_distance(net, fake, real, trainer.device)
+            # the sampler's own starting point, as images: the distance a model that learnt nothing would reach
+            noise = to_uint8(torch.randn(fake.shape, generator=torch.Generator().manual_seed(cfg.seed)), mean, std)
+            res["fd_noise_cifar_classifier"] = classifier_frechet_distance(net, noise, real, trainer.device)
         if e.fid_inception:
             try:
                 res[f"fid_{e.sampler}{e.steps}"] = fid_fn(e.fid_inception, fake, real, device=trainer.device)
