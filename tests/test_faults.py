@@ -9,6 +9,7 @@ import builtins
 import errno
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -329,7 +330,7 @@ def test_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous_one(tm
         assert _train(out, "--resume", "auto", steps=4) == 2
     err = _one_line_error(capsys)
     assert f"no space left on the device of {out / 'checkpoints' / 'step_00000004.pt'}: it needs about " in err, err
-    assert "MiB free" in err and "removed the partial .step_00000004.pt.tmp" in err
+    assert re.search(r"\d\.\d [KMG]iB free", err) and "removed the partial .step_00000004.pt.tmp" in err
     assert f"the previous checkpoint {out / 'checkpoints' / 'step_00000002.pt'} is intact" in err
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002.pt"]  # no partial file left
     assert (out / "checkpoints" / "step_00000002.pt").read_bytes() == before
@@ -525,8 +526,6 @@ def test_a_refused_start_leaves_nothing_behind(tmp_path, capsys, extra, message)
 
 def test_the_fault_matrix_names_only_tests_that_exist():
     """docs/faults.md names the test of each row: each is defined, and each test of this file is named there."""
-    import re
-
     matrix = (REPO / "docs" / "faults.md").read_text()
     named = set(re.findall(r"\b(test_[a-z0-9_]+)", matrix)) - {"test_faults", "test_run_safety", "test_train_resume"}
     defined = {m for f in (REPO / "tests").glob("test_*.py") for m in re.findall(r"^def (test_\w+)", f.read_text(), re.M)}
@@ -534,3 +533,8 @@ def test_the_fault_matrix_names_only_tests_that_exist():
     here = set(re.findall(r"^def (test_\w+)", Path(__file__).read_text(), re.M)) - {
         "test_the_fault_matrix_names_only_tests_that_exist"}
     assert here <= named, sorted(here - named)
+
+
+def test_sizes_in_messages_take_the_unit_that_shows_them():
+    assert [rundir.byte_size(n) for n in (200, 3 * 2**10, 5.5 * 2**20, 2**31)] == ["200 bytes", "3.0 KiB", "5.5 MiB",
+                                                                                 "2.0 GiB"]

@@ -70,17 +70,21 @@ def is_disk_full(e: BaseException) -> bool:
     return False
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
+def byte_size(n: float) -> str:
+    """``n`` bytes in the unit that shows it: bytes, KiB, MiB or GiB (a metrics line is not "0.0 MiB")."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} bytes"
 
 
 def disk_full(path: Path, needed: int, kept: str) -> DiskFull:
     """The one-line :class:`DiskFull` for a failed write of about ``needed`` bytes to ``path``."""
     try:
-        free = _mib(shutil.disk_usage(Path(path).parent).free) + " free"
+        free = byte_size(shutil.disk_usage(Path(path).parent).free) + " free"
     except OSError:
         free = "free space unknown"
-    return DiskFull(f"no space left on the device of {path}: it needs about {_mib(needed)} ({free}); {kept}")
+    return DiskFull(f"no space left on the device of {path}: it needs about {byte_size(needed)} ({free}); {kept}")
 
 
 def remove_partial(tmp: Path) -> None:

@@ -119,7 +119,6 @@ class MAE(nn.Module):
                                   final_norm=variant != "official", pos_embed="sincos", drop_path=drop_path,
                                   droppath_mode=droppath_mode, droppath=droppath, droppath_seed=droppath_seed,
                                   zero_init=zero_init, backend=backend, gelu_approximate=gelu_approximate)
-        num_patches = self.encoder.patch_embed.num_patches
 
         # skips: encoder blocks 1, 3, 5, ...; decoder block k takes the k-th deepest
         if variant == "baseline":
