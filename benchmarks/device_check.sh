@@ -67,7 +67,8 @@ uvit_cifar10 128 600 60 --set eval.n_samples=8 --set fp8=true
 mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model --set model.variant=baseline --set model.alpha_min=1.0 --set fp8=true
 RUNS
 )
-  # the compiled plain models the trainers are compared with, and the dres models with Inductor's own norm code
+  # the compiled plain models the trainers are compared with, the dres models with Inductor's own norm code,
+  # and both with float8 block matmuls (the like-for-like bar of the fp8=true rows)
   while read -r bench batch models extra; do
     timeout "$((2 * T))" python3 -m benchmarks.bench_train --only "$bench" --batch "$batch" --models "$models" \
       --modes compile --no-flops $extra --out "$OUT" >>"$OUT/trainers.log" 2>&1 || status=1
@@ -76,6 +77,8 @@ mae 256 timm,dres_baseline
 mae 256 dres_baseline --ops-backend torch
 uvit 128 plain,dres
 uvit 128 dres --ops-backend torch
+mae 256 timm,dres_baseline --fp8
+uvit 128 plain,dres --fp8
 BARE
 )
   grep -E "^trainer|img/s, step" "$OUT/trainers.log"

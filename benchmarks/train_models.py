@@ -5,7 +5,9 @@ A model is a name of ``MODELS`` plus two options that apply to the dres models: 
 (``"cuda"``: every fused op on the csrc kernels, which need ``DRES_BUILD_CUDA=1 pip install -e .``;
 ``"torch"``: the ops' plain PyTorch code, which torch.compile fuses with its neighbours itself)
 and ``fused_branches`` (``True``/``False``: the fused MLP and MAE loss forced on or off; ``None``: the
-models' own choice, fused in eager mode only).
+models' own choice, fused in eager mode only); and ``fp8``, which applies to every model: the
+attention and MLP Linear layers of its transformer blocks as torchao float8 matmuls (``fp8=true``'s
+conversion; the plain models' same four layers per block, so the comparison stays like for like).
 """
 
 from __future__ import annotations
@@ -38,10 +40,15 @@ def is_dres_model(name: str) -> bool:
 
 
 def build_model(bench: str, name: str, ops_backend: str | None = None,
-                fused_branches: bool | None = None) -> torch.nn.Module:
+                fused_branches: bool | None = None, fp8: bool = False) -> torch.nn.Module:
     """``MODELS[bench][name]``, with the dres models' ops on ``ops_backend`` and their branch fusions
-    forced to ``fused_branches`` when given (the baselines have neither)."""
+    forced to ``fused_branches`` when given (the baselines have neither); ``fp8``: float8 block matmuls."""
     model = _build_plain(bench, name)
+    if fp8:
+        from dres.train.float8 import apply_float8
+
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        apply_float8(model, device, None if is_dres_model(name) else plain_block_linears(model))
     if not is_dres_model(name):
         return model
     if ops_backend is not None:
@@ -58,6 +65,17 @@ def build_model(bench: str, name: str, ops_backend: str | None = None,
         if hasattr(model, "fused_loss"):
             model.fused_loss = fused_branches
     return model
+
+
+def plain_block_linears(model: torch.nn.Module) -> set[str]:
+    """The baselines' counterpart of ``dres.train.float8.block_linears``: attention qkv and projection and
+    the two MLP layers of every transformer block (the U-ViT skip projection stays, as in dres)."""
+    names = set()
+    for name, m in model.named_modules():
+        parts = name.split(".")
+        if isinstance(m, torch.nn.Linear) and len(parts) >= 2 and parts[-2] in ("attn", "mlp"):
+            names.add(name)
+    return names
 
 
 def _build_plain(bench: str, name: str) -> torch.nn.Module:
@@ -93,6 +111,8 @@ def model_label(record: dict) -> str:
         options.append(f"ops {record['ops_backend']}")
     if record.get("fused_branches") is not None:
         options.append(f"fused branches {'on' if record['fused_branches'] else 'off'}")
+    if record.get("fp8"):
+        options.append("fp8")
     if isinstance(record.get("overrides"), list):  # a trainer run's model keys (its preset's variant changed)
         options += [kv for kv in record["overrides"] if kv.startswith("model.")]
     return record["model"] + (f" [{', '.join(options)}]" if options else "")
@@ -134,8 +154,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "which torch.compile fuses itself)")
     parser.add_argument("--fused-branches", choices=list(FUSED_BRANCHES), default="auto",
                         help="the dres models' fused MLP and MAE loss: on, off, or auto (eager mode only)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="every model's transformer-block Linear layers as torchao float8 matmuls (needs torchao)")
 
 
 def model_options(args) -> dict:
     """``build_model``'s keyword options from ``add_model_options``' arguments."""
-    return {"ops_backend": args.ops_backend, "fused_branches": FUSED_BRANCHES[args.fused_branches]}
+    return {"ops_backend": args.ops_backend, "fused_branches": FUSED_BRANCHES[args.fused_branches], "fp8": args.fp8}

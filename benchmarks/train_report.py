@@ -9,27 +9,27 @@ from benchmarks import measure
 from benchmarks.train_models import BASELINE, model_label
 
 
-TRAIN_KEY = ("card", "bench", "model", "ops_backend", "fused_branches", "mode", "batch", "world_size", "checkpointing",
+TRAIN_KEY = ("card", "bench", "model", "ops_backend", "fused_branches", "fp8", "mode", "batch", "world_size", "checkpointing",
              "kind", "dist", "fsdp_variant", "ddp_variant", "compile_scope", "overrides")
 
 
 def model_options(record: dict) -> tuple:
-    return record.get("ops_backend"), record.get("fused_branches")
+    return record.get("ops_backend"), record.get("fused_branches"), bool(record.get("fp8"))
 
 
 def add_ratios(records: list[dict]) -> None:
     """Ratios the comparisons are stated in, within one card: images/s and peak memory against the
-    benchmark's baseline under torch.compile at the same batch; dres_official against dres_baseline
+    benchmark's baseline under torch.compile at the same batch and matmul precision (``fp8``); dres_official against dres_baseline
     (same mode and model options); FSDP per-GPU rate at world size N against world size 1 (same model and mode).
     Several GPUs (kinds "dist" and "trainer"): ``scaling_efficiency`` = per-GPU rate on N GPUs / the
     same wrapping's on one GPU (DDP's one-GPU run is the unwrapped model); ``fsdp_vs_ddp`` = an
     FSDP2 run's rate / DDP's at the same GPU count and batch per GPU, i.e. the same global batch
     (on one GPU: FSDP2 / no FSDP2)."""
     thr = [r for r in records if r.get("kind") == "throughput"]
-    base = {(r["card"], r["bench"], r["batch"]): r for r in thr
+    base = {(r["card"], r["bench"], r["batch"], bool(r.get("fp8"))): r for r in thr
             if r["model"] == BASELINE[r["bench"]] and r["mode"] == "compile"}
     for r in thr:
-        b = base.get((r["card"], r["bench"], r["batch"]))
+        b = base.get((r["card"], r["bench"], r["batch"], bool(r.get("fp8"))))
         r["speedup_vs_baseline_compile"] = r["images_per_s"] / b["images_per_s"] if b else None
         r["mem_vs_baseline_compile"] = r["peak_mem_gib"] / b["peak_mem_gib"] if b else None
     by = {(r["card"], r["bench"], r["model"], model_options(r), r["mode"], r["batch"]): r for r in thr}

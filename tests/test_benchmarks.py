@@ -288,6 +288,50 @@ def test_train_ratios_and_markdown():
     assert "FSDP2 scaling" in md and "| 0.90 |" in md
 
 
+def test_fp8_rows_are_compared_with_the_fp8_baseline():
+    # the float8 models against the float8 plain model, the bf16 ones against bf16: like for like
+    recs = [_trec("timm", "compile", 4000, 13.0), _trec("dres_baseline", "compile", 5000, 11.0),
+            {**_trec("timm", "compile", 4800, 12.0), "fp8": True}, {**_trec("dres_baseline", "compile", 6000, 10.8),
+                                                                     "fp8": True}]
+    train_report.add_ratios(recs)
+    assert recs[1]["speedup_vs_baseline_compile"] == pytest.approx(1.25)
+    assert recs[3]["speedup_vs_baseline_compile"] == pytest.approx(1.25)
+    assert recs[3]["mem_vs_baseline_compile"] == pytest.approx(0.9)
+    assert train_models.model_label(recs[3]) == "dres_baseline [fp8]"
+    assert len(measure.merge_records(recs[:2], recs[2:], train_report.TRAIN_KEY)) == 4
+
+
+def test_plain_models_convert_the_same_block_linears_as_dres():
+    from dres.train.float8 import block_linears
+
+    for bench, plain, dres_name in (("mae", "timm", "dres_baseline"), ("uvit", "plain", "dres")):
+        if bench == "mae":
+            pytest.importorskip("timm")
+        plain_names = train_models.plain_block_linears(train_models._build_plain(bench, plain))
+        dres_names = block_linears(train_models._build_plain(bench, dres_name))
+        assert len(plain_names) == len(dres_names) > 0
+        assert {n.rsplit(".", 2)[-2] for n in plain_names} == {"attn", "mlp"}  # no skip projection, head or embedding
+
+
+def test_compare_runs_reports_the_relative_difference(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from benchmarks import compare_runs
+
+    for name, scale in (("ref", 1.0), ("other", 1.02)):
+        (tmp_path / name).mkdir()
+        rows = [{"step": 10 * i, "loss": scale * (2.0 - 0.01 * i)} for i in range(1, 41)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "cmp.png"
+    assert compare_runs.main([f"bf16={tmp_path / 'ref'}", f"fp8={tmp_path / 'other'}", "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["bf16"]["mean_rel_diff"] == 0.0
+    assert result["fp8"]["mean_rel_diff"] == pytest.approx(0.02) and result["fp8"]["max_rel_diff"] == pytest.approx(0.02)
+    assert result["fp8"]["steps_compared"] == 35 and result["fp8"]["final_step"] == 400
+    assert out.stat().st_size > 0 and "fp8: final loss" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        compare_runs.main([str(tmp_path / "ref"), str(tmp_path / "missing"), "--out", str(out)])
+
+
 def test_max_batch_search(monkeypatch):
     monkeypatch.setattr(train_memory, "fits", lambda bench, name, b, checkpointing, options: b <= 1000)
     assert train_memory.max_batch("mae", "timm", False, 256, 32, 8192) == (992, False)

@@ -37,16 +37,16 @@ def block_linears(model: nn.Module) -> set[str]:
     return names
 
 
-def apply_float8(model: nn.Module, device: torch.device) -> int:
-    """Convert the blocks' Linear layers of ``model`` (in place, before compiling and wrapping) to float8
-    training; the number converted."""
+def apply_float8(model: nn.Module, device: torch.device, names: set[str] | None = None) -> int:
+    """Convert the Linear layers ``names`` of ``model`` (default: :func:`block_linears`) in place, before
+    compiling and wrapping, to float8 training; the number converted."""
     if importlib.util.find_spec("torchao") is None:
         raise Float8Unavailable("fp8=true needs torchao: pip install 'dres[fp8]' (or torchao)")
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < FLOAT8_MIN_CAPABILITY:
         major, minor = torch.cuda.get_device_capability(device)
         raise Float8Unavailable(f"fp8=true needs a GPU of compute capability >= 8.9 (Ada, Hopper); "
                                 f"{torch.cuda.get_device_name(device)} has {major}.{minor}")
-    names = block_linears(model)
+    names = block_linears(model) if names is None else names
     if not names:
         raise Float8Unavailable(f"fp8=true: {type(model).__name__} has no transformer-block Linear layers to convert")
     from torchao.float8 import convert_to_float8_training
