@@ -1,5 +1,5 @@
 """Training-loss curves of several runs of one recipe side by side: whether a switch that changes the
-arithmetic (``fp8=true``, another kernel backend, a new commit) trains as the reference run does.
+arithmetic (float8 matmuls, another kernel backend, a new commit) trains as the reference run does.
 
     python -m benchmarks.compare_runs bf16=runs/uvit-bf16 fp8=runs/uvit-fp8 --out curves.png
 

@@ -9,7 +9,7 @@
 # then takes its kernels for eager calls), built into a temporary folder and removed afterwards.
 # trainers: each preset's trainer (one GPU, steady-state img/s and trainer / replay), each run cut at
 # TRAINER_TIMEOUT_S (default 150); model.backend=torch runs leave the norms to Inductor's own fused code;
-# TRAINER_ROWS=REGEX runs only the rows (of both lists below) that match it; the fp8=true rows need torchao
+# TRAINER_ROWS=REGEX runs only the rows (of both lists below) that match it; the --fp8 rows need torchao
 # (carried as a wheel).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,12 +63,10 @@ mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model -
 mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model --set model.variant=baseline --set model.alpha_min=1.0 --set model.backend=torch
 mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model --set model.variant=baseline --set model.alpha_min=1.0 --set data.side_stream=true
 mae_cifar10 1024 400 40 --set data.side_stream=true
-uvit_cifar10 128 600 60 --set eval.n_samples=8 --set fp8=true
-mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model --set model.variant=baseline --set model.alpha_min=1.0 --set fp8=true
 RUNS
 )
   # the compiled plain models the trainers are compared with, the dres models with Inductor's own norm code,
-  # and both with float8 block matmuls (the like-for-like bar of the fp8=true rows)
+  # and both with float8 block matmuls (torchao Float8Linear: slower than bf16 so far, BENCHMARKS.md)
   while read -r bench batch models extra; do
     timeout "$((2 * T))" python3 -m benchmarks.bench_train --only "$bench" --batch "$batch" --models "$models" \
       --modes compile --no-flops $extra --out "$OUT" >>"$OUT/trainers.log" 2>&1 || status=1

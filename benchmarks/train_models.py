@@ -6,8 +6,9 @@ A model is a name of ``MODELS`` plus two options that apply to the dres models: 
 ``"torch"``: the ops' plain PyTorch code, which torch.compile fuses with its neighbours itself)
 and ``fused_branches`` (``True``/``False``: the fused MLP and MAE loss forced on or off; ``None``: the
 models' own choice, fused in eager mode only); and ``fp8``, which applies to every model: the
-attention and MLP Linear layers of its transformer blocks as torchao float8 matmuls (``fp8=true``'s
-conversion; the plain models' same four layers per block, so the comparison stays like for like).
+attention and MLP Linear layers of its transformer blocks as torchao ``Float8Linear`` (dynamic
+tensorwise scaling, as torchtitan converts its models; the same four layers per block in every model, so
+the comparison stays like for like; needs torchao and a GPU of compute capability >= 8.9).
 """
 
 from __future__ import annotations
@@ -45,10 +46,7 @@ def build_model(bench: str, name: str, ops_backend: str | None = None,
     forced to ``fused_branches`` when given (the baselines have neither); ``fp8``: float8 block matmuls."""
     model = _build_plain(bench, name)
     if fp8:
-        from dres.train.float8 import apply_float8
-
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        apply_float8(model, device, None if is_dres_model(name) else plain_block_linears(model))
+        convert_to_float8(model)
     if not is_dres_model(name):
         return model
     if ops_backend is not None:
@@ -67,15 +65,29 @@ def build_model(bench: str, name: str, ops_backend: str | None = None,
     return model
 
 
-def plain_block_linears(model: torch.nn.Module) -> set[str]:
-    """The baselines' counterpart of ``dres.train.float8.block_linears``: attention qkv and projection and
-    the two MLP layers of every transformer block (the U-ViT skip projection stays, as in dres)."""
+def block_linears(model: torch.nn.Module) -> set[str]:
+    """The attention (qkv, projection) and MLP Linear layers of every transformer block whose sizes a
+    float8 matmul takes (multiples of 16); embeddings, heads and U-ViT skip projections stay."""
     names = set()
     for name, m in model.named_modules():
         parts = name.split(".")
-        if isinstance(m, torch.nn.Linear) and len(parts) >= 2 and parts[-2] in ("attn", "mlp"):
+        if (isinstance(m, torch.nn.Linear) and len(parts) >= 2 and parts[-2] in ("attn", "mlp")
+                and m.in_features % 16 == 0 and m.out_features % 16 == 0):
             names.add(name)
     return names
+
+
+def convert_to_float8(model: torch.nn.Module) -> int:
+    """:func:`block_linears` of ``model`` as torchao ``Float8Linear`` (in place, before compiling); the number
+    converted. A dres MLP takes its plain path, since the fused MLP reads ``fc1.weight`` itself."""
+    from torchao.float8 import convert_to_float8_training
+
+    from dres.nn import set_fused_mlp
+
+    names = block_linears(model)
+    convert_to_float8_training(model, module_filter_fn=lambda m, fqn: fqn in names)
+    set_fused_mlp(model, False)
+    return len(names)
 
 
 def _build_plain(bench: str, name: str) -> torch.nn.Module:

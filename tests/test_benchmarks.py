@@ -301,16 +301,24 @@ def test_fp8_rows_are_compared_with_the_fp8_baseline():
     assert len(measure.merge_records(recs[:2], recs[2:], train_report.TRAIN_KEY)) == 4
 
 
-def test_plain_models_convert_the_same_block_linears_as_dres():
-    from dres.train.float8 import block_linears
+def test_fp8_converts_the_same_block_linears_in_plain_and_dres_models():
+    pytest.importorskip("timm")
+    for bench, plain, dres_name, n_blocks in (("mae", "timm", "dres_baseline", 20), ("uvit", "plain", "dres", 13)):
+        plain_names = train_models.block_linears(train_models._build_plain(bench, plain))
+        dres_names = train_models.block_linears(train_models._build_plain(bench, dres_name))
+        # qkv, proj, fc1, fc2 of every block; no skip projection, head or embedding
+        assert len(plain_names) == len(dres_names) == 4 * n_blocks
+        assert {n.rsplit(".", 2)[-2] for n in plain_names | dres_names} == {"attn", "mlp"}
 
-    for bench, plain, dres_name in (("mae", "timm", "dres_baseline"), ("uvit", "plain", "dres")):
-        if bench == "mae":
-            pytest.importorskip("timm")
-        plain_names = train_models.plain_block_linears(train_models._build_plain(bench, plain))
-        dres_names = block_linears(train_models._build_plain(bench, dres_name))
-        assert len(plain_names) == len(dres_names) > 0
-        assert {n.rsplit(".", 2)[-2] for n in plain_names} == {"attn", "mlp"}  # no skip projection, head or embedding
+
+def test_fp8_conversion_swaps_those_layers():
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = train_models.build_model("uvit", "dres", fp8=True)
+    converted = {n for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert converted == train_models.block_linears(train_models._build_plain("uvit", "dres"))
+    assert all(m.fused is False for m in model.modules() if type(m).__name__ == "Mlp")
 
 
 def test_compare_runs_reports_the_relative_difference(tmp_path, capsys):

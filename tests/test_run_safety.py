@@ -134,13 +134,15 @@ def test_checkpoints_hold_only_plain_state(tmp_path):
     assert payload["fingerprint"]["model.embed_dim"] == 32 and payload["step"] == 2
 
 
-def test_a_run_whose_config_names_attn_impl_sdpa_still_evaluates_and_resumes(tmp_path, capsys):
-    """Configs saved while attention had other backends hold model.attn_impl: sdpa, the only one left; here
-    without fingerprint.json or a checkpoint fingerprint, so both fingerprints come from such a config."""
+@pytest.mark.parametrize("section,key,value", [("model", "attn_impl", "sdpa"), (None, "fp8", False)])
+def test_a_run_whose_config_names_a_retired_key_still_evaluates_and_resumes(tmp_path, capsys, section, key, value):
+    """Configs saved while attention had other backends hold model.attn_impl: sdpa, the only one left, and those
+    saved while float8 matmuls were a switch hold fp8: false; here without fingerprint.json or a checkpoint
+    fingerprint, so both fingerprints come from such a config."""
     out = tmp_path / "run"
     assert _train(out, steps=2) == 0
     config = yaml.safe_load((out / "config.yaml").read_text())
-    config["model"]["attn_impl"] = "sdpa"
+    (config[section] if section else config)[key] = value
     (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     (out / "fingerprint.json").unlink()
     ckpt = out / "checkpoints" / "step_00000002.pt"
@@ -151,7 +153,7 @@ def test_a_run_whose_config_names_attn_impl_sdpa_still_evaluates_and_resumes(tmp
     assert json.loads((out / "eval.json").read_text())["step"] == 2
     assert _train(out, "--resume", "auto", steps=4) == 0
     assert f"resumed from {ckpt} at step 2" in capsys.readouterr().out
-    assert "attn_impl" not in (out / "config.yaml").read_text()
+    assert f"{key}:" not in (out / "config.yaml").read_text()
 
 
 def test_all_checkpoints_unreadable_is_an_error_not_a_fresh_start(tmp_path, capsys):

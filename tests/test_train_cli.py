@@ -379,8 +379,8 @@ def test_packaging_metadata_has_one_version_and_named_extras():
     assert project["requires-python"] and project["description"]
     assert project["scripts"] == {"dres-train": "dres.train.cli:main", "dres-eval": "dres.train.cli:eval_main"}
     extras = project["optional-dependencies"]
-    assert {"timm", "tensorboard", "plots", "fp8", "all", "extras", "dev"} <= set(extras)
-    assert extras["all"] == ["dres[timm,tensorboard,plots,fp8]"] and "dres[all]" in extras["dev"]
+    assert {"timm", "tensorboard", "plots", "all", "extras", "dev"} <= set(extras)
+    assert extras["all"] == ["dres[timm,tensorboard,plots]"] and "dres[all]" in extras["dev"]
     assert not any(r.startswith("hypothesis") for r in extras["dev"])  # the tests never import it
     assert (root / "dres" / "py.typed").is_file()
 

@@ -183,8 +183,6 @@ class Config:
     # capture the whole train step as one CUDA graph: auto (where supported) | true (capture or fail) | false
     cuda_graphs: str = "auto"
     act_ckpt: str = "none"    # none | full | selective
-    # the transformer blocks' Linear layers as float8 matmuls (torchao; GPUs of compute capability >= 8.9)
-    fp8: bool = False
     dist: str = "none"        # none | ddp | fsdp
     fsdp_param_dtype: str = "bf16"  # bf16 | fp32 (mixed-precision policy of FSDP2)
     fsdp_prefetch: bool = False  # units keep parameters gathered to the backward + forward prefetch
@@ -618,6 +616,8 @@ def save_config(cfg: Config, path):
 
 def _without_retired_keys(d: dict) -> dict:
     """A saved config's dict without the keys that no longer exist but held what is now the only behaviour."""
+    if d.get("fp8") is False:  # configs saved while float8 matmuls were a switch (off: bf16, the only path now)
+        d = {k: v for k, v in d.items() if k != "fp8"}
     model = d.get("model")
     # configs saved while attention had other backends record model.attn_impl; SDPA is the one left
     if isinstance(model, dict) and model.get("attn_impl") == "sdpa":

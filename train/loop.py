@@ -39,7 +39,6 @@ from dres.train import distributed
 from dres.train import rundir
 from dres.train.common import dense_bf16_peak, flops_rate_text, model_flops_rate
 from dres.train.config import Config, ConfigError, cpu_threads, dotted_value, fingerprint, save_config, to_dict
-from dres.train.float8 import apply_float8
 from dres.train.graph_step import GraphedStep, graph_plan, graph_warmup_steps, steady_timing
 from dres.train.optim import build_optimizer, peak_lr
 from dres.train.runlog import RunLog
@@ -198,10 +197,6 @@ class Trainer:
         seed_all(cfg.seed)  # identical initial weights on every rank
         model = self.task.build_model(cfg)
         self.raw_model = model.to(self.device)
-        if cfg.fp8 and train:  # before compiling and wrapping, as torchtitan converts its models
-            n_fp8 = apply_float8(model, self.device)
-            self.log(f"[dres] fp8: {n_fp8} Linear layers of the blocks run float8 matmuls (torchao, dynamic "
-                     f"tensorwise scaling){'; emulated on the CPU' if self.device.type == 'cpu' else ''}")
         self.droppath = getattr(model, "droppath", None)
         self.n_params = sum(p.numel() for p in model.parameters())
         n_checkpointed = distributed.apply_activation_checkpointing(model, cfg.act_ckpt)
