@@ -23,6 +23,7 @@ from dres.ops.bias_gelu import fused_bias_gelu, fused_mlp
 from dres.ops.mae_loss import mae_loss, mae_loss_reference
 from dres.ops.residual_act import residual_act
 from dres.ops.residual_norm import layer_norm, residual_add, residual_layer_norm
+from dres.ops.short_attention import short_attention
 
 __all__ = ["fused_bias_gelu", "fused_mlp", "residual_layer_norm", "residual_add", "layer_norm", "mae_loss",
-           "mae_loss_reference", "reference", "residual_act"]
+           "mae_loss_reference", "reference", "residual_act", "short_attention"]

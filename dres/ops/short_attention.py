@@ -1,0 +1,199 @@
+"""Multi-head self-attention over short sequences (N <= 128 tokens) as one fused op per direction.
+
+    out = short_attention(qkv, num_heads, scale=None)
+
+    qkv: the qkv Linear's output (B, N, 3C), timm's layout: qkv.reshape(B, N, 3, H, d) holds q, k, v
+    out[b, n, h*d:(h+1)*d] = softmax(q_bh k_bh^T * scale) v_bh      (scale default 1/sqrt(d))
+    backward: dqkv (B, N, 3C) in qkv's layout, so the split and permute cost no copy
+
+i.e. ``F.scaled_dot_product_attention`` of the (B, H, N, d) views, transposed back to (B, N, C); no
+mask, dropout or causality. The Triton kernels (:mod:`dres.kernels.short_attention`) pack several
+whole sequences of one head into one tile; the autograd saves only qkv (the backward recomputes the
+softmax).
+
+As in :mod:`dres.ops.bias_gelu`: one explicit ``autograd.Function`` (``ShortAttentionFn``) whose
+launches take the backend, and ``torch.library`` custom ops (``dres::short_attention``,
+``dres::short_attention_backward``) built from the same launches and formulas for ``torch.compile``
+and ``opcheck``; eager calls skip the custom-op dispatch cost. ``backend``: None runs the Triton
+kernels on CUDA tensors and the PyTorch reference (below) on CPU tensors or float64; "triton" forces
+the kernels (on CPU under TRITON_INTERPRET=1); "torch" the reference; "cuda" (the csrc extension,
+which has no such kernel) runs Triton.
+
+Importing this module registers the ops but does not import Triton (the kernels are imported on
+the first Triton call), so ``import dres.ops`` works where Triton is not installed.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from dres.ops.checks import check_tensor, resolve_backend_without_csrc, supported_dtypes
+from dres.ops.reference import _compute_dtype
+from dres.ops.registration import define_op
+
+__all__ = ["short_attention", "short_attention_reference"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks: messages name the argument, before any kernel sees it
+
+
+def check_short_attention_inputs(backend: str, qkv: Tensor, num_heads: int, scale: Optional[float]) -> None:
+    check_tensor("qkv", qkv, supported_dtypes(backend))
+    if qkv.dim() != 3:
+        raise ValueError(f"qkv must have shape (B, N, 3*C), got {tuple(qkv.shape)}")
+    if not isinstance(num_heads, int) or isinstance(num_heads, bool):
+        raise TypeError(f"num_heads must be an int, got {type(num_heads).__name__}")
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be positive, got {num_heads}")
+    if qkv.shape[-1] % (3 * num_heads):
+        raise ValueError(f"qkv has last dimension {qkv.shape[-1]}, not divisible by 3 * num_heads = {3 * num_heads}")
+    if scale is not None and (not isinstance(scale, numbers.Real) or isinstance(scale, bool)):
+        raise TypeError(f"scale must be None or a float, got {type(scale).__name__}")
+    if scale is not None and not -math.inf < scale < math.inf:
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    if backend == "torch":
+        return
+    from dres.kernels.short_attention import HEAD_DIMS, MAX_SEQ_LEN
+
+    seq_len, head_dim = qkv.shape[1], qkv.shape[-1] // (3 * num_heads)
+    if seq_len > MAX_SEQ_LEN:
+        raise ValueError(f"qkv has N = {seq_len} tokens per sequence, above the kernel's maximum of {MAX_SEQ_LEN} "
+                         f"(use backend='torch')")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"qkv has head dimension d = {head_dim} (3*C / (3 * num_heads)); the kernel supports "
+                         f"{', '.join(map(str, HEAD_DIMS))} (use backend='torch')")
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference (what backend="torch" runs and what the tests compare against)
+
+
+def short_attention_reference(qkv: Tensor, num_heads: int, scale: Optional[float] = None) -> Tensor:
+    """The attention written out in fp32 (fp64 for fp64 qkv), gradients by autograd; result in qkv's dtype."""
+    B, N, three_c = qkv.shape
+    C = three_c // 3
+    head_dim = C // num_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    q, k, v = qkv.to(_compute_dtype(qkv)).reshape(B, N, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    probs = ((q @ k.transpose(-2, -1)) * scale).softmax(dim=-1)
+    return (probs @ v).transpose(1, 2).reshape(B, N, C).to(qkv.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton launches (also the bodies of the dres:: custom ops)
+
+
+def short_attention_triton(qkv: Tensor, num_heads: int, scale: float) -> Tensor:
+    from dres.kernels.short_attention import short_attention_forward
+
+    B, N, three_c = qkv.shape
+    out = torch.empty((B, N, three_c // 3), dtype=qkv.dtype, device=qkv.device)
+    short_attention_forward(qkv, out, num_heads, scale)
+    return out
+
+
+def short_attention_backward_triton(g: Tensor, qkv: Tensor, num_heads: int, scale: float) -> Tensor:
+    """dqkv in qkv's dtype and layout, contiguous; ``g`` (B, N, C) with any strides."""
+    from dres.kernels.short_attention import short_attention_backward
+
+    dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+    short_attention_backward(g, qkv, dqkv, num_heads, scale)
+    return dqkv
+
+
+# By backend: "triton" runs the kernels directly (eager), "dres" the custom ops (traced by torch.compile).
+
+
+def run_short_attention(backend: str, qkv: Tensor, num_heads: int, scale: float) -> Tensor:
+    if backend == "dres":
+        return torch.ops.dres.short_attention(qkv, num_heads, scale)
+    return short_attention_triton(qkv, num_heads, scale)
+
+
+def run_short_attention_backward(backend: str, g: Tensor, qkv: Tensor, num_heads: int, scale: float) -> Tensor:
+    if backend == "dres":
+        return torch.ops.dres.short_attention_backward(g, qkv, num_heads, scale)
+    return short_attention_backward_triton(g, qkv, num_heads, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# The autograd Function
+
+
+class ShortAttentionFn(torch.autograd.Function):
+    """out = softmax(q k^T * scale) v per (sequence, head); the backward recomputes the softmax from qkv,
+    the only saved tensor."""
+
+    @staticmethod
+    def forward(ctx, qkv, num_heads, scale, backend):
+        out = run_short_attention(backend, qkv, num_heads, scale)
+        ShortAttentionFn.save(ctx, backend, qkv, num_heads, scale)
+        return out
+
+    @staticmethod
+    def save(ctx, backend, qkv, num_heads, scale):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(qkv)
+        ctx.backend, ctx.num_heads, ctx.scale = backend, num_heads, scale
+
+    @staticmethod
+    def backward(ctx, g):
+        if g is None:
+            return None, None, None, None
+        (qkv,) = ctx.saved_tensors
+        return run_short_attention_backward(ctx.backend, g, qkv, ctx.num_heads, ctx.scale), None, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom ops (what torch.compile, opcheck and the dispatcher see)
+
+
+def _short_attention_fake(qkv, num_heads, scale):
+    B, N, three_c = qkv.shape
+    return qkv.new_empty((B, N, three_c // 3))
+
+
+def _short_attention_backward_fake(g, qkv, num_heads, scale):
+    return qkv.new_empty(qkv.shape)
+
+
+_QUALNAMES = ("dres::short_attention", "dres::short_attention_backward")
+short_attention_op = define_op("dres::short_attention", short_attention_triton, _short_attention_fake, _QUALNAMES)
+short_attention_backward_op = define_op("dres::short_attention_backward", short_attention_backward_triton,
+                                        _short_attention_backward_fake, _QUALNAMES)
+short_attention_op.register_autograd(
+    lambda ctx, g: ShortAttentionFn.backward(ctx, g)[:-1],  # the op takes no backend
+    setup_context=lambda ctx, inputs, output: ShortAttentionFn.save(ctx, "dres", *inputs))
+
+
+# ---------------------------------------------------------------------------------------------
+# Public function
+
+
+def short_attention(qkv: Tensor, num_heads: int, scale: Optional[float] = None,
+                    backend: Optional[str] = None) -> Tensor:
+    """Multi-head self-attention of each sequence of ``qkv`` (B, N, 3C), timm's qkv layout, with
+    ``num_heads`` heads of d = C / num_heads; returns (B, N, C) contiguous in qkv's dtype, as
+    ``F.scaled_dot_product_attention(q, k, v, scale=scale)`` transposed back. scale: default 1/sqrt(d).
+
+    Differentiable in qkv; the gradient comes back in qkv's layout. The kernels take N <= 128,
+    d in (16, 32, 64, 128) and bf16, fp16 or fp32 (fp32 accumulation); qkv with evenly spaced rows
+    and unit feature stride is read in place, other strides are copied.
+    """
+    check_tensor("qkv", qkv, supported_dtypes("torch"))  # before the backend looks at its dtype and device
+    if backend is None and qkv.dtype == torch.float64:  # only the reference computes in float64
+        backend = "torch"
+    backend = resolve_backend_without_csrc(backend, qkv, "qkv")
+    check_short_attention_inputs(backend, qkv, num_heads, scale)
+    if backend == "torch":
+        return short_attention_reference(qkv, num_heads, scale)
+    scale = 1.0 / math.sqrt(qkv.shape[-1] // (3 * num_heads)) if scale is None else float(scale)
+    if torch.compiler.is_compiling():
+        return short_attention_op(qkv, num_heads, scale)
+    return ShortAttentionFn.apply(qkv, num_heads, scale, backend)
