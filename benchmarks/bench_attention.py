@@ -1,5 +1,8 @@
 """SDPA's backends at the attention shapes of the presets: forward+backward of
-``F.scaled_dot_product_attention(q, k, v)`` with each backend forced (``sdpa_kernel``), bf16.
+``F.scaled_dot_product_attention(q, k, v)`` with each backend forced (``sdpa_kernel``), bf16; and
+``dres``: :func:`dres.ops.short_attention` (sequences of <= 128 tokens), timed from the qkv Linear's
+output to the projection's input as the model calls it (the SDPA rows start from contiguous (B, H, N, d)
+tensors and leave out the layout copies a model pays around them).
 
     python -m benchmarks.bench_attention --out $OUT
     python -m benchmarks.bench_attention --dry-run        # the plan, no GPU needed
@@ -25,7 +28,8 @@ import torch.nn.functional as F
 
 from benchmarks import measure
 
-BACKENDS = ("cudnn", "flash", "efficient", "math")
+BACKENDS = ("cudnn", "flash", "efficient", "math", "dres")
+SDPA_BACKENDS = BACKENDS[:4]
 # (where, batch, heads, tokens, head dim)
 SHAPES = (
     ("mae_cifar10 encoder (ViT-S/4, 25% of 64 patches + cls)", 1024, 6, 17, 64),
@@ -53,6 +57,24 @@ def fwd_bwd(backend: str, q, k, v, grad):
     return (out, *torch.autograd.grad(out, (q, k, v), grad))
 
 
+def packed(q, k, v) -> torch.Tensor:
+    """(B, H, N, d) q, k, v as the qkv Linear's output (B, N, 3 * H * d), a leaf."""
+    B, H, N, d = q.shape
+    return torch.stack((q, k, v), dim=2).permute(0, 3, 2, 1, 4).reshape(B, N, 3 * H * d).detach().requires_grad_(True)
+
+
+def dres_fwd_bwd(qkv, num_heads: int, grad_bnc):
+    """:func:`dres.ops.short_attention` forward+backward; out and the q, k, v gradients as (B, H, N, d)."""
+    from dres.ops import short_attention
+
+    B, N, three_c = qkv.shape
+    out = short_attention(qkv, num_heads)
+    (dqkv,) = torch.autograd.grad(out, (qkv,), grad_bnc)
+    d = three_c // (3 * num_heads)
+    heads = lambda t, parts: t.reshape(B, N, parts, num_heads, d).permute(2, 0, 3, 1, 4)  # noqa: E731
+    return (heads(out, 1)[0], *heads(dqkv, 3).unbind(0))
+
+
 def run_shape(where: str, shape: tuple, backends: list[str], card: str, env: dict) -> list[dict]:
     from triton.testing import do_bench
 
@@ -63,18 +85,20 @@ def run_shape(where: str, shape: tuple, backends: list[str], card: str, env: dic
         t.requires_grad_(True)
     want = fwd_bwd("math", *(t.detach().float().requires_grad_(True) for t in (q, k, v)), grad.float())
     records = []
+    qkv, grad_bnc = packed(q, k, v), grad.transpose(1, 2).reshape(B, N, H * d)
     for name in backends:
         rec = {"where": where, "batch": B, "heads": H, "tokens": N, "head_dim": d, "backend": name, "card": card,
                "date": measure.today(), **env}
+        run = (lambda: dres_fwd_bwd(qkv, H, grad_bnc)) if name == "dres" else (lambda: fwd_bwd(name, q, k, v, grad))
         try:
-            got = fwd_bwd(name, q, k, v, grad)
-        except RuntimeError as e:  # "No available kernel" for this shape / dtype
+            got = run()
+        except (RuntimeError, ValueError) as e:  # "No available kernel"; dres: more tokens than one tile holds
             rec.update(supported=False, why=str(e).strip().splitlines()[0][:160])
             records.append(rec)
             print(f"{where:55s} {name:9s} unsupported", flush=True)
             continue
         err = max(((g.float() - w).abs().max() / w.abs().max().clamp_min(1e-6)).item() for g, w in zip(got, want))
-        ms = do_bench(lambda: fwd_bwd(name, q, k, v, grad), warmup=25, rep=100)
+        ms = do_bench(run, warmup=25, rep=100)
         rec.update(supported=True, max_rel_err_vs_math_fp32=err, fwd_bwd_us=ms * 1e3)
         records.append(rec)
         print(f"{where:55s} {name:9s} {ms * 1e3:9.1f} us  (max rel err {err:.1e})", flush=True)

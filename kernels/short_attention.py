@@ -12,8 +12,8 @@ tile (the rest padding), and works on the tile's block diagonal::
     backward, P recomputed from q and k:
     dv = P^T dout,  dP = dout v^T,  dS = P * (dP - rowsum(P * dP)),  dq = dS k * scale,  dk = dS^T q * scale
 
-One tile per (sequence group, head) instead of one per (sequence, head) padded to 64-128 rows: the
-SDPA backends' padding is what puts them 10-20x above the memory-traffic floor at N = 17 or 65.
+One tile per (sequence group, head) instead of one per (sequence, head) padded to 64-128 rows, the
+padding that keeps the SDPA backends several times above the memory-traffic floor at N = 17 or 65.
 Every key of a sequence is in its tile, so the backward needs no atomics and no second pass, and it
 recomputes P rather than reading a saved log-sum-exp: the whole row fits in the tile, so the one
 extra q k^T costs less than writing and reading an (H, B*N) buffer. Padding rows (past S*N, or past

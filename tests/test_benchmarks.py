@@ -808,3 +808,21 @@ def test_trainer_batch_search_stops_each_wrapping_at_its_first_failure(tmp_path,
                                                               ("fsdp", 256)]
     with pytest.raises(SystemExit):
         bench_train.build_parser().parse_args(["--trainer", "x", "--trainer-batches", "64,big"])
+
+
+def test_bench_attention_times_short_attention_from_the_qkv_layout():
+    # the dres column packs q, k, v as the qkv Linear's output and returns out and gradients as (B, H, N, d)
+    import torch.nn.functional as F
+
+    from benchmarks import bench_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 3, 5, 16, generator=gen, dtype=torch.float64) for _ in range(4))
+    qkv = bench_attention.packed(q, k, v)
+    assert qkv.shape == (2, 5, 3 * 3 * 16) and qkv.is_leaf and qkv.requires_grad
+    got = bench_attention.dres_fwd_bwd(qkv, 3, grad.transpose(1, 2).reshape(2, 5, 48))
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves)
+    want = (out, *torch.autograd.grad(out, leaves, grad))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
