@@ -452,7 +452,10 @@ def test_attention_bench_plan_and_table(capsys):
     md = bench_attention.markdown([dict(base, backend="cudnn", supported=True, fwd_bwd_us=350.0),
                       dict(base, backend="efficient", supported=True, fwd_bwd_us=120.0),
                       dict(base, backend="flash", supported=False)])
-    assert "| 1024, 6, 17, 64 | mae enc | 350 | n/a | 120 | – | efficient |" in md
+    assert "| 1024, 6, 17, 64 | mae enc | 350 | n/a | 120 | – | – | efficient |" in md
+    md = bench_attention.markdown([dict(base, backend="efficient", supported=True, fwd_bwd_us=120.0),
+                                   dict(base, backend="dres", supported=True, fwd_bwd_us=70.0)])
+    assert "| 1024, 6, 17, 64 | mae enc | – | – | 120 | – | 70 | dres |" in md
 
 
 def test_branch_ops_plan_markdown_and_bad_arguments(capsys):
