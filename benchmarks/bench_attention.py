@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from benchmarks import measure
 
 BACKENDS = ("cudnn", "flash", "efficient", "math", "dres")
-SDPA_BACKENDS = BACKENDS[:4]
 # (where, batch, heads, tokens, head dim)
 SHAPES = (
     ("mae_cifar10 encoder (ViT-S/4, 25% of 64 patches + cls)", 1024, 6, 17, 64),

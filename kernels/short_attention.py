@@ -38,13 +38,18 @@ HEAD_DIMS = (16, 32, 64, 128)
 
 
 @triton.jit
-def _tile_rows(SEQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, num_rows):
-    """(tile row index, token index t, whether the row is a real token, feature columns of this head)."""
+def _load_tile(QKV, stride_qkv, num_rows, C, SEQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's tile: (tile row index, token index t, the mask of real tokens' elements, feature
+    columns of this head, q, k, v), padding rows loaded as zeros."""
     rows = tl.arange(0, BLOCK)
     tokens = tl.program_id(0).to(tl.int64) * ((BLOCK // SEQ) * SEQ) + rows
-    row_ok = (rows < (BLOCK // SEQ) * SEQ) & (tokens < num_rows)
+    mask = ((rows < (BLOCK // SEQ) * SEQ) & (tokens < num_rows))[:, None]
     cols = tl.program_id(1) * HEAD_DIM + tl.arange(0, HEAD_DIM)
-    return rows, tokens, row_ok, cols
+    q_ptrs = QKV + tokens[:, None] * stride_qkv + cols[None, :]
+    q = tl.load(q_ptrs, mask=mask, other=0.0)
+    k = tl.load(q_ptrs + C, mask=mask, other=0.0)
+    v = tl.load(q_ptrs + 2 * C, mask=mask, other=0.0)
+    return rows, tokens, mask, cols, q, k, v
 
 
 @triton.jit
@@ -64,12 +69,7 @@ def _short_attention_fwd_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    rows, tokens, row_ok, cols = _tile_rows(SEQ, HEAD_DIM, BLOCK, num_rows)
-    mask = row_ok[:, None]
-    q_ptrs = QKV + tokens[:, None] * stride_qkv + cols[None, :]
-    q = tl.load(q_ptrs, mask=mask, other=0.0)
-    k = tl.load(q_ptrs + C, mask=mask, other=0.0)
-    v = tl.load(q_ptrs + 2 * C, mask=mask, other=0.0)
+    rows, tokens, mask, cols, q, k, v = _load_tile(QKV, stride_qkv, num_rows, C, SEQ, HEAD_DIM, BLOCK)
     p = _probabilities(q, k, rows, scale, SEQ)
     out = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     tl.store(OUT + tokens[:, None] * stride_out + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
@@ -82,12 +82,7 @@ def _short_attention_bwd_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    rows, tokens, row_ok, cols = _tile_rows(SEQ, HEAD_DIM, BLOCK, num_rows)
-    mask = row_ok[:, None]
-    q_ptrs = QKV + tokens[:, None] * stride_qkv + cols[None, :]
-    q = tl.load(q_ptrs, mask=mask, other=0.0)
-    k = tl.load(q_ptrs + C, mask=mask, other=0.0)
-    v = tl.load(q_ptrs + 2 * C, mask=mask, other=0.0)
+    rows, tokens, mask, cols, q, k, v = _load_tile(QKV, stride_qkv, num_rows, C, SEQ, HEAD_DIM, BLOCK)
     # The products take one dtype: dout in qkv's (they are the same but for an fp32 gradient of a 16-bit output)
     dout = tl.load(DOUT + tokens[:, None] * stride_dout + cols[None, :], mask=mask, other=0.0).to(q.dtype)
     p = _probabilities(q, k, rows, scale, SEQ)
