@@ -103,12 +103,9 @@ def _short_attention_bwd_kernel(
 
 @functools.lru_cache(maxsize=None)
 def attention_config(seq_len: int, head_dim: int) -> tuple[int, int]:
-    """(BLOCK, num_warps): 64-row tiles up to N = 64 (three sequences at N = 17), 128 rows above, 4 warps.
-
-    Measured on an H100 in bf16 at B = 1024 (N, d = 5, 64; 9, 64; 17, 64; 50, 64; 65, 32): 64 rows
-    with 4 warps was the fastest or within 10% of it forward and backward everywhere it fits (128
-    rows, which pack more sequences, took up to 1.9x as long in the backward); 8 warps were slower.
-    """
+    """(BLOCK, num_warps): 64-row tiles up to N = 64 (three sequences at N = 17), 128 rows above, 4 warps:
+    the fastest in a sweep of tiles and warps on an H100 (bf16) whose record is not yet in BENCHMARKS.md;
+    bench_attention's dres column is the measurement to rerun."""
     return (64 if seq_len <= 64 else MAX_SEQ_LEN), 4
 
 
