@@ -540,3 +540,63 @@ def test_sdpa_backend_choice_matches_the_math_backend(tokens, head_dim, dtype):
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     for got, ref in zip((out,) + grads, (want,) + want_grads):
         assert (got.double() - ref).norm() / ref.norm() < tol
+
+
+def test_attention_takes_short_attention_where_the_rule_says():
+    from dres.nn.transformer import takes_short_attention
+
+    qkv = torch.zeros(2, 17, 3 * 64)
+    assert takes_short_attention(qkv, 17, 32, "triton")  # forced: every device and dtype
+    assert not takes_short_attention(qkv, 17, 32, None)  # a CPU tensor by default: SDPA
+    assert not takes_short_attention(qkv, 17, 32, "torch")  # plain PyTorch code: SDPA everywhere
+    assert not takes_short_attention(qkv, 129, 32, "triton")  # longer than one tile
+    assert not takes_short_attention(qkv, 17, 48, "triton")  # a head width the kernel has no tile for
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_attention_module_matches_sdpa_on_either_path(triton_device, backend):
+    """The Attention module through short_attention (Triton; the interpreter on the CPU) or SDPA computes
+    the same attention, forward and backward, as the heads written out in float64."""
+    from dres.nn.transformer import Attention
+
+    torch.manual_seed(3)
+    attn = Attention(48, 3, backend=backend).to(triton_device)
+    x = torch.randn(4, 9, 48, device=triton_device, requires_grad=True)
+    out = attn(x)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (x, attn.qkv.weight), g)
+    ref = Attention(48, 3, backend="torch").double().to(triton_device)
+    ref.load_state_dict(attn.state_dict())
+    x64 = x.detach().double().requires_grad_(True)
+    q, k, v = ref.qkv(x64).reshape(4, 9, 3, 3, 16).permute(2, 0, 3, 1, 4).unbind(0)
+    want = ref.proj((torch.softmax(q @ k.transpose(-1, -2) / 4.0, -1) @ v).transpose(1, 2).reshape(4, 9, 48))
+    want_grads = torch.autograd.grad(want, (x64, ref.qkv.weight), g.double())
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+    for a, b in zip(got, want_grads):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,head_dim", [(17, 64), (65, 32), (50, 64)])
+def test_compiled_attention_on_short_attention_matches_sdpa(tokens, head_dim):
+    """Under bf16 autocast on CUDA the Attention module takes short_attention by default; compiled and
+    eager, it agrees with the SDPA path (backend="torch") within bf16 rounding, forward and backward."""
+    from dres.nn.transformer import Attention
+
+    torch.manual_seed(4)
+    heads = 384 // head_dim
+    fast = Attention(384, heads).cuda()
+    sdpa_path = Attention(384, heads, backend="torch").cuda()
+    sdpa_path.load_state_dict(fast.state_dict())
+    x = torch.randn(64, tokens, 384, device="cuda")
+    g = torch.randn(64, tokens, 384, device="cuda")
+    results = []
+    for module in (sdpa_path, fast, torch.compile(fast)):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = module(xi)
+        results.append((out.float(), *torch.autograd.grad(out, (xi, fast.qkv.weight if module is not sdpa_path
+                                                                   else sdpa_path.qkv.weight), g)))
+    for got in results[1:]:
+        for a, b in zip(got, results[0]):
+            torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)

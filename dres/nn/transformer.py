@@ -45,21 +45,39 @@ def autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention through :func:`sdpa`, which picks the SDPA backend per shape."""
+    """Multi-head self-attention: sequences of up to 128 tokens through :func:`dres.ops.short_attention`
+    (which reads q, k, v from the qkv Linear's output in place), others through :func:`sdpa`, which picks
+    the SDPA backend per shape. ``backend`` follows the stack's (set by :func:`set_backend`): None takes
+    the kernel for bf16/fp16 CUDA tensors; "triton" for every dtype and device (on the CPU under
+    ``TRITON_INTERPRET=1``); "torch" keeps every shape on SDPA; short attention has no csrc kernel, so
+    "cuda" runs it as None does."""
 
-    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True):
+    def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, backend: Optional[str] = None):
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
-        self.num_heads = num_heads
+        self.num_heads, self.backend = num_heads, backend
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, N, C = x.shape
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, C // self.num_heads)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, N, hd)
+        qkv = self.qkv(x)
+        if takes_short_attention(qkv, N, C // self.num_heads, self.backend):
+            return self.proj(ops.short_attention(qkv, self.num_heads, backend="triton"))
+        q, k, v = qkv.reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
         return self.proj(sdpa(q, k, v).transpose(1, 2).reshape(B, N, C))
+
+
+# dres.ops.short_attention packs several sequences of a head into one tile, where SDPA's kernels pad one
+# sequence per tile; measured faster up to 128 tokens (BENCHMARKS.md, "Attention backends").
+SHORT_ATTENTION_MAX_TOKENS, SHORT_ATTENTION_HEAD_DIMS = 128, (16, 32, 64, 128)
+
+
+def takes_short_attention(qkv: torch.Tensor, tokens: int, head_dim: int, backend: Optional[str]) -> bool:
+    if backend == "torch" or tokens > SHORT_ATTENTION_MAX_TOKENS or head_dim not in SHORT_ATTENTION_HEAD_DIMS:
+        return False
+    return backend == "triton" or (qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16))
 
 
 # The memory-efficient kernel beat torch's own choice (cuDNN on Hopper) 1.2-1.5x forward+backward at
@@ -146,7 +164,7 @@ class Block(nn.Module):
         check_approximate(gelu_approximate, "gelu_approximate")
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=eps)
-        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias)
+        self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, backend=backend)
         self.norm2 = nn.LayerNorm(dim, eps=eps)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), backend=backend, approximate=gelu_approximate)
         self.backend = backend
@@ -316,7 +334,8 @@ class TransformerStack(ResidualStream, nn.Module):
 def set_backend(module: nn.Module, backend: Optional[str]) -> nn.Module:
     """Point every fused stack inside ``module`` at ``backend`` (None, "torch", "triton", "cuda")."""
     for m in module.modules():
-        if hasattr(m, "backend") and (isinstance(m, (TransformerStack, Block, Mlp)) or getattr(m, "_dres_fused", False)):
+        if hasattr(m, "backend") and (isinstance(m, (TransformerStack, Block, Attention, Mlp))
+                                      or getattr(m, "_dres_fused", False)):
             m.backend = backend
     return module
 
