@@ -163,10 +163,14 @@ def _short_attention_backward_fake(g, qkv, num_heads, scale):
     return qkv.new_empty(qkv.shape)
 
 
+# Opaque under torch.compile: launched from Inductor's generated code, the kernels ran about eight times
+# slower inside the whole-model compiled mae_cifar10 step than the same launches as a fallback
+# (BENCHMARKS.md); the trainers capture whole steps in CUDA graphs, where the fallback's host cost is not paid.
 _QUALNAMES = ("dres::short_attention", "dres::short_attention_backward")
-short_attention_op = define_op("dres::short_attention", short_attention_triton, _short_attention_fake, _QUALNAMES)
+short_attention_op = define_op("dres::short_attention", short_attention_triton, _short_attention_fake, _QUALNAMES,
+                               inline=False)
 short_attention_backward_op = define_op("dres::short_attention_backward", short_attention_backward_triton,
-                                        _short_attention_backward_fake, _QUALNAMES)
+                                        _short_attention_backward_fake, _QUALNAMES, inline=False)
 short_attention_op.register_autograd(
     lambda ctx, g: ShortAttentionFn.backward(ctx, g)[:-1],  # the op takes no backend
     setup_context=lambda ctx, inputs, output: ShortAttentionFn.save(ctx, "dres", *inputs))
