@@ -556,11 +556,22 @@ def test_tensors_on_different_devices():
         ops.residual_add(x, x, row_scale=torch.ones(4))
 
 
-def test_default_backend_is_reference_on_cpu():
-    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_default_backend_is_reference_on_cpu_and_in_float64(device):
+    x = torch.randn(3, 8, dtype=torch.float64, device=device, requires_grad=True)
     out, y = ops.residual_layer_norm(x, x, None, None, 0.5)
     assert out.dtype == torch.float64  # float64 works only through the reference
     torch.testing.assert_close(out, 1.5 * x)
+    torch.testing.assert_close(y, reference.layer_norm(out, None, None))
+
+
+def test_an_input_that_is_not_a_tensor_is_a_type_error_naming_it():
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        ops.residual_add([1.0], torch.ones(1))
+    with pytest.raises(TypeError, match="pre must be a torch.Tensor, got str"):
+        ops.fused_bias_gelu("pre")
+    with pytest.raises(TypeError, match="qkv must be a torch.Tensor, got NoneType"):
+        ops.short_attention(None, 2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ the same order: checks, reference, launch, explicit ``autograd.Function``, custo
 function. Shared pieces: helpers in :mod:`dres.ops.utils`, the backend choice and argument checks in
 :mod:`dres.ops.checks`, the custom-op wiring in :mod:`dres.ops.registration`, the csrc extension in
 :mod:`dres.ops.csrc_backend`. ``backend``: None picks Triton for CUDA tensors and the PyTorch
-reference otherwise; "triton" forces the kernels (on CPU only under ``TRITON_INTERPRET=1``);
+reference otherwise (CPU, float64); "triton" forces the kernels (on CPU only under ``TRITON_INTERPRET=1``);
 "torch" the reference (:mod:`dres.ops.reference`, float64-capable); "cuda" the csrc extension when built.
 """
 

@@ -31,7 +31,7 @@ def choose_default_backend(is_cuda: bool, numel: int, compiling: bool, capturing
 
 
 def _default_backend(x: torch.Tensor) -> str:
-    if not x.is_cuda:
+    if not x.is_cuda or x.dtype == torch.float64:  # only the references compute in float64
         return "torch"
     if torch.compiler.is_compiling():  # first, so that tracing never looks at sizes or the stream
         return "triton"
@@ -43,7 +43,9 @@ def _default_backend(x: torch.Tensor) -> str:
 
 def resolve_backend(backend: str | None, x: torch.Tensor, name: str = "x") -> str:
     """None -> the measured-faster kernels on CUDA tensors (:func:`choose_default_backend`), the
-    PyTorch reference elsewhere. ``name``: what the caller calls ``x``, for the messages."""
+    PyTorch reference elsewhere and in float64. ``name``: what the caller calls ``x``, for the messages."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if backend is None:
         return _default_backend(x)
     if backend not in BACKENDS:

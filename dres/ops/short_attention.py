@@ -190,9 +190,6 @@ def short_attention(qkv: Tensor, num_heads: int, scale: Optional[float] = None,
     d in (16, 32, 64, 128) and bf16, fp16 or fp32 (fp32 accumulation); qkv with evenly spaced rows
     and unit feature stride is read in place, other strides are copied.
     """
-    check_tensor("qkv", qkv, supported_dtypes("torch"))  # before the backend looks at its dtype and device
-    if backend is None and qkv.dtype == torch.float64:  # only the reference computes in float64
-        backend = "torch"
     backend = resolve_backend_without_csrc(backend, qkv, "qkv")
     check_short_attention_inputs(backend, qkv, num_heads, scale)
     if backend == "torch":
