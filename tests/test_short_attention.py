@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import dres.ops as ops
 from dres.ops.short_attention import short_attention_backward_op, short_attention_op, short_attention_reference
-from helpers import BF16, F16, F32, TOLERANCE, assert_close, assert_graph_runs, recording_backend, rel_err
+from helpers import BF16, F16, F32, TOLERANCE, assert_close, recording_backend, rel_err
 
 # (B, H, N, d): 64-row tiles (N <= 16) and 128-row ones, one token, a tile of padding rows after
 # the whole sequences (128 % N != 0), a last group of fewer sequences (B not a multiple of 128 // N),
@@ -155,8 +155,9 @@ def test_compile_fullgraph_matches_eager(triton_device):
         out.backward(g)
         results.append((out, w.grad))
     assert torch.equal(results[1][0], results[0][0]) and torch.equal(results[1][1], results[0][1])
-    assert_graph_runs(forward_targets, ["short_attention"], triton_device)
-    assert_graph_runs(backward_targets, ["short_attention_backward"], triton_device)
+    # opaque on every device: Inductor calls the ops (dres/ops/short_attention.py says why)
+    assert torch.ops.dres.short_attention.default in forward_targets
+    assert torch.ops.dres.short_attention_backward.default in backward_targets
 
 
 # ---------------------------------------------------------------------------------------------
