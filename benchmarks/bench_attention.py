@@ -1,6 +1,6 @@
 """SDPA's backends at the attention shapes of the presets: forward+backward of
 ``F.scaled_dot_product_attention(q, k, v)`` with each backend forced (``sdpa_kernel``), bf16; and
-``dres``: :func:`dres.ops.short_attention` (sequences of <= 128 tokens), timed from the qkv Linear's
+``dres``: :func:`dres.ops.short_attention` (sequences of <= 256 tokens), timed from the qkv Linear's
 output to the projection's input as the model calls it (the SDPA rows start from contiguous (B, H, N, d)
 tensors and leave out the layout copies a model pays around them).
 
@@ -91,7 +91,7 @@ def run_shape(where: str, shape: tuple, backends: list[str], card: str, env: dic
         run = (lambda: dres_fwd_bwd(qkv, H, grad_bnc)) if name == "dres" else (lambda: fwd_bwd(name, q, k, v, grad))
         try:
             got = run()
-        except (RuntimeError, ValueError) as e:  # "No available kernel"; dres: more tokens than one tile holds
+        except (RuntimeError, ValueError) as e:  # "No available kernel"; dres: more tokens than it takes
             rec.update(supported=False, why=str(e).strip().splitlines()[0][:160])
             records.append(rec)
             print(f"{where:55s} {name:9s} unsupported", flush=True)

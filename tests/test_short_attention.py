@@ -3,7 +3,8 @@
 Forward and backward of the Triton kernels against ``F.scaled_dot_product_attention`` in float64 on
 fresh random inputs, with tests/helpers.py's per-dtype relative-L2 tolerances, at odd sizes: one
 token, N below and above 16, N not dividing the 128-row tile, a last group of fewer sequences, the
-largest N; custom scale, strided qkv and output gradients, poisoned outputs, the saved tensors,
+largest packed N, and above it (a program per sequence) N past a power of two, N not a multiple of
+the query block, the largest N; custom scale, strided qkv and output gradients, poisoned outputs, the saved tensors,
 opcheck, torch.compile, and bad input. On CPU the kernels run under TRITON_INTERPRET=1
 (tests/conftest.py) in fp32 and fp16: the interpreter multiplies bf16 ``tl.dot`` operands as their
 raw uint16 bits, so bf16 runs on the GPU only; ``gpu``-marked tests add the models' shapes and Inductor.
@@ -21,9 +22,11 @@ from helpers import BF16, F16, F32, TOLERANCE, assert_close, recording_backend, 
 
 # (B, H, N, d): 64-row tiles (N <= 16) and 128-row ones, one token, a tile of padding rows after
 # the whole sequences (128 % N != 0), a last group of fewer sequences (B not a multiple of 128 // N),
-# one sequence per tile with half the tile padding (N = 65), the largest N.
+# one sequence per tile with half the tile padding (N = 65), the largest packed N; above it a program
+# per sequence: one key past a power of two (129), N not a multiple of the query block (197, the
+# ViT-B/16 MAE decoder's tokens, with its head dim 32), the largest N.
 SHAPES = [(5, 3, 5, 16), (2, 1, 1, 32), (3, 3, 17, 16), (9, 1, 17, 32), (4, 3, 33, 16), (3, 1, 65, 16),
-          (2, 1, 128, 16)]
+          (2, 1, 128, 16), (2, 2, 129, 16), (2, 1, 197, 32), (1, 2, 256, 16)]
 
 
 def kernel_dtypes(device: torch.device) -> list[torch.dtype]:
@@ -76,10 +79,11 @@ def test_custom_scale(triton_device):
         assert_matches_float64(make_qkv(3, 2, 17, 16, F32, triton_device, seed=1), 2, scale)
 
 
-def test_strided_inputs_read_in_place_or_copied(triton_device):
+@pytest.mark.parametrize("N", [17, 150])
+def test_strided_inputs_read_in_place_or_copied(triton_device, N):
     """qkv a slice of wider rows (read in place) or a transposed view (copied); output gradients a
     slice, a transposed view and an expanded tensor: each gives exactly the contiguous results."""
-    B, H, N, d = 3, 2, 17, 16
+    B, H, d = 3, 2, 16
     qkv = make_qkv(B, H, N, d, F32, triton_device, seed=2)
     g = torch.randn(B, N, H * d, device=triton_device)
     want = assert_matches_float64(qkv, H, g=g)
@@ -101,7 +105,7 @@ def test_strided_inputs_read_in_place_or_copied(triton_device):
 def test_every_output_element_is_written(triton_device, poisoned_allocations):
     """Every fresh allocation starts as NaN: an element the kernels skip (a head, a token of the
     last, partial group of sequences, a q/k/v part of dqkv) stays NaN."""
-    for B, H, N, d in [(9, 3, 17, 16), (4, 2, 33, 32), (5, 1, 5, 16)]:
+    for B, H, N, d in [(9, 3, 17, 16), (4, 2, 33, 32), (5, 1, 5, 16), (2, 2, 150, 16)]:
         out, dqkv = assert_matches_float64(make_qkv(B, H, N, d, F16, triton_device, seed=N), H)
         assert not torch.isnan(out).any() and not torch.isnan(dqkv).any()
 
@@ -192,10 +196,12 @@ def test_bad_input_errors_name_the_argument(triton_device, backend):
     with pytest.raises(ValueError, match="backend must be one of"):
         ops.short_attention(qkv, 2, backend="apex")
     if backend == "triton":
-        with pytest.raises(ValueError, match="qkv has N = 129 tokens per sequence, above the kernel's maximum of 128"):
-            call(make_qkv(1, 2, 129, 16, F32, triton_device))
+        with pytest.raises(ValueError, match="qkv has N = 257 tokens per sequence, above the kernel's maximum of 256"):
+            call(make_qkv(1, 2, 257, 16, F32, triton_device))
         with pytest.raises(ValueError, match="qkv has head dimension d = 24"):
             call(make_qkv(1, 2, 5, 24, F32, triton_device))
+        with pytest.raises(ValueError, match="d = 128 with N = 129 tokens; above 128 tokens the kernel supports d in 16"):
+            call(make_qkv(1, 1, 129, 128, F32, triton_device), heads=1)
         with pytest.raises(TypeError, match="qkv has dtype torch.float64"):
             call(qkv.double())
 
@@ -213,7 +219,8 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,dtype", [((64, 6, 17, 64), BF16), ((64, 8, 65, 32), BF16), ((32, 12, 50, 64), BF16),
                                          ((32, 12, 50, 64), F16), ((32, 12, 50, 64), F32), ((16, 2, 128, 128), BF16),
-                                         ((64, 4, 9, 16), BF16)],
+                                         ((64, 4, 9, 16), BF16), ((32, 16, 197, 32), BF16), ((16, 8, 256, 64), BF16),
+                                         ((16, 8, 256, 64), F32), ((8, 2, 200, 64), F16)],
                          ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v).replace("torch.", ""))
 def test_gpu_model_shapes_against_sdpa(shape, dtype):
     """Forward and backward against F.scaled_dot_product_attention in fp32 on the same values."""

@@ -70,7 +70,8 @@ class Attention(nn.Module):
 
 
 # dres.ops.short_attention packs several sequences of a head into one tile, where SDPA's kernels pad one
-# sequence per tile; measured faster up to 128 tokens (BENCHMARKS.md, "Attention backends").
+# sequence per tile; measured faster up to 128 tokens (BENCHMARKS.md, "Attention backends"). It takes up to
+# 256; its one-sequence-a-program kernels above 128 wait for their measurement.
 SHORT_ATTENTION_MAX_TOKENS, SHORT_ATTENTION_HEAD_DIMS = 128, (16, 32, 64, 128)
 
 

@@ -1,4 +1,4 @@
-"""Multi-head self-attention over short sequences (N <= 128 tokens) as one fused op per direction.
+"""Multi-head self-attention over short sequences (N <= 256 tokens) as one fused op per direction.
 
     out = short_attention(qkv, num_heads, scale=None)
 
@@ -59,7 +59,7 @@ def check_short_attention_inputs(backend: str, qkv: Tensor, num_heads: int, scal
         raise ValueError(f"scale must be finite, got {scale!r}")
     if backend == "torch":
         return
-    from dres.kernels.short_attention import HEAD_DIMS, MAX_SEQ_LEN
+    from dres.kernels.short_attention import HEAD_DIMS, MAX_SEQ_LEN, PACKED_MAX_SEQ_LEN, SEQUENCE_HEAD_DIMS
 
     seq_len, head_dim = qkv.shape[1], qkv.shape[-1] // (3 * num_heads)
     if seq_len > MAX_SEQ_LEN:
@@ -68,6 +68,10 @@ def check_short_attention_inputs(backend: str, qkv: Tensor, num_heads: int, scal
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"qkv has head dimension d = {head_dim} (3*C / (3 * num_heads)); the kernel supports "
                          f"{', '.join(map(str, HEAD_DIMS))} (use backend='torch')")
+    if seq_len > PACKED_MAX_SEQ_LEN and head_dim not in SEQUENCE_HEAD_DIMS:
+        raise ValueError(f"qkv has head dimension d = {head_dim} with N = {seq_len} tokens; above "
+                         f"{PACKED_MAX_SEQ_LEN} tokens the kernel supports d in {', '.join(map(str, SEQUENCE_HEAD_DIMS))} "
+                         f"(use backend='torch')")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,9 +190,9 @@ def short_attention(qkv: Tensor, num_heads: int, scale: Optional[float] = None,
     ``num_heads`` heads of d = C / num_heads; returns (B, N, C) contiguous in qkv's dtype, as
     ``F.scaled_dot_product_attention(q, k, v, scale=scale)`` transposed back. scale: default 1/sqrt(d).
 
-    Differentiable in qkv; the gradient comes back in qkv's layout. The kernels take N <= 128,
-    d in (16, 32, 64, 128) and bf16, fp16 or fp32 (fp32 accumulation); qkv with evenly spaced rows
-    and unit feature stride is read in place, other strides are copied.
+    Differentiable in qkv; the gradient comes back in qkv's layout. The kernels take N <= 256,
+    d in (16, 32, 64, 128) (above 128 tokens d <= 64) and bf16, fp16 or fp32 (fp32 accumulation);
+    qkv with evenly spaced rows and unit feature stride is read in place, other strides are copied.
     """
     backend = resolve_backend_without_csrc(backend, qkv, "qkv")
     check_short_attention_inputs(backend, qkv, num_heads, scale)
