@@ -3,7 +3,8 @@
 # lands under $OUT (default ./device_out). Usage:
 #   bash benchmarks/device_check.sh [tests|kernels|attention|compiled|train|trainers|csrc_tests|all]   (default: all)
 # Stages can be limited with STAGES="tests kernels" and pytest selection with TESTS="tests/test_ops.py".
-# attention: SDPA's backends and dres.ops.short_attention at the presets' attention shapes (bench_attention).
+# attention: SDPA's backends and dres.ops.short_attention at the presets' attention shapes (bench_attention),
+# then short_attention's launch configs at those shapes (tune_attention).
 # compiled: the compiled bare MAE ViT-B/16 step of dres against torch.compile of the plain model, each
 # in SPREAD_PROCESSES (default 3) fresh processes: median and spread (a slow or noisy path shows here).
 # csrc_tests: the suite again with the optional CUDA C++ extension built (sm_90 only; the default backend
@@ -41,6 +42,8 @@ fi
 
 if want attention; then
   python3 -m benchmarks.bench_attention --out "$OUT" 2>&1 | tee "$OUT/attention.log" | tail -n 12
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  python3 -m benchmarks.tune_attention 2>&1 | tee "$OUT/tune_attention.log" | grep -v "^ "
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -190,7 +190,7 @@ def _sequence_attention_bwd_kernel(
 def attention_config(seq_len: int, head_dim: int) -> tuple[int, int]:
     """(BLOCK, num_warps): 64-row tiles up to N = 64 (three sequences at N = 17), 128 rows above, 4 warps:
     the fastest in a sweep of tiles and warps on an H100 (bf16) whose record is not yet in BENCHMARKS.md;
-    bench_attention's dres column is the measurement to rerun."""
+    ``python -m benchmarks.tune_attention`` is the sweep to rerun."""
     return (64 if seq_len <= 64 else PACKED_MAX_SEQ_LEN), 4
 
 
@@ -198,7 +198,7 @@ def attention_config(seq_len: int, head_dim: int) -> tuple[int, int]:
 def sequence_attention_config(seq_len: int, head_dim: int) -> tuple[int, int, int]:
     """(KEYS, BLOCK_M, num_warps) above PACKED_MAX_SEQ_LEN: every key in one power-of-two tile, query blocks
     small enough that a block's fp32 scores, the keys and, in the backward, dk and dv fit in registers; a first
-    choice from that count, not yet swept on a GPU (bench_attention's dres column measures it)."""
+    choice from that count, not yet swept on a GPU (``python -m benchmarks.tune_attention``)."""
     return triton.next_power_of_2(seq_len), (64 if head_dim <= 32 else 32), 8
 
 
