@@ -20,15 +20,14 @@ extra q k^T costs less than writing and reading an (H, B*N) buffer. Padding rows
 the last sequence) load zeros and form sequences of their own: finite, never stored, never mixed
 into a real row.
 
-Above 128 tokens (the ViT-B/16 MAE decoder's 197) a sequence no longer fits a square tile with others;
-there one program takes one (sequence, head): all its keys and values in one KEYS-row tile (the next
+Above 128 tokens (the ViT-B/16 MAE decoder's 197) a square tile of a whole sequence would not fit in
+registers; there one program takes one (sequence, head): all its keys and values in one KEYS-row tile (the next
 power of two, padding keys masked out of the softmax), its queries in blocks of BLOCK_M rows, each
 block's softmax row whole in registers as above. The backward walks the query blocks, writing each
 block's dq and summing dk and dv in registers, so it too needs no atomics and no log-sum-exp.
 
-Products run on the tensor cores from the storage dtype with fp32 accumulation;
-fp32 inputs use IEEE fp32 products (no TF32), so fp32 results match a float64 reference to fp32
-rounding. Kernels and launchers only: no autograd here (that lives in ``dres.ops.short_attention``).
+Products run on the tensor cores from the storage dtype with fp32 accumulation; fp32 inputs use IEEE
+fp32 products (no TF32), so fp32 results match a float64 reference to fp32 rounding. Kernels and launchers only: no autograd here (that lives in ``dres.ops.short_attention``).
 """
 
 from __future__ import annotations
