@@ -543,13 +543,15 @@ def test_sdpa_backend_choice_matches_the_math_backend(tokens, head_dim, dtype):
 
 
 def test_attention_takes_short_attention_where_the_rule_says():
-    from dres.nn.transformer import takes_short_attention
+    from dres.kernels.short_attention import HEAD_DIMS
+    from dres.nn.transformer import SHORT_ATTENTION_HEAD_DIMS, takes_short_attention
 
+    assert SHORT_ATTENTION_HEAD_DIMS == HEAD_DIMS  # the models' copy of the kernel's head dims
     qkv = torch.zeros(2, 17, 3 * 64)
     assert takes_short_attention(qkv, 17, 32, "triton")  # forced: every device and dtype
     assert not takes_short_attention(qkv, 17, 32, None)  # a CPU tensor by default: SDPA
     assert not takes_short_attention(qkv, 17, 32, "torch")  # plain PyTorch code: SDPA everywhere
-    assert not takes_short_attention(qkv, 129, 32, "triton")  # longer than one tile
+    assert not takes_short_attention(qkv, 129, 32, "triton")  # longer than measured faster (SDPA above 128)
     assert not takes_short_attention(qkv, 17, 48, "triton")  # a head width the kernel has no tile for
 
 

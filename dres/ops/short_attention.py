@@ -8,13 +8,13 @@
 
 i.e. ``F.scaled_dot_product_attention`` of the (B, H, N, d) views, transposed back to (B, N, C); no
 mask, dropout or causality. The Triton kernels (:mod:`dres.kernels.short_attention`) pack several
-whole sequences of one head into one tile; the autograd saves only qkv (the backward recomputes the
-softmax).
+whole sequences of one head into one tile up to 128 tokens and give each (sequence, head) a program
+above; the autograd saves only qkv (the backward recomputes the softmax).
 
 As in :mod:`dres.ops.bias_gelu`: one explicit ``autograd.Function`` (``ShortAttentionFn``) whose
 launches take the backend, and ``torch.library`` custom ops (``dres::short_attention``,
 ``dres::short_attention_backward``) built from the same launches and formulas for ``torch.compile``
-and ``opcheck``; eager calls skip the custom-op dispatch cost. ``backend``: None runs the Triton
+(which calls them as opaque ops, see below) and ``opcheck``; eager calls skip the custom-op dispatch cost. ``backend``: None runs the Triton
 kernels on CUDA tensors and the PyTorch reference (below) on CPU tensors or float64; "triton" forces
 the kernels (on CPU under TRITON_INTERPRET=1); "torch" the reference; "cuda" (the csrc extension,
 which has no such kernel) runs Triton.
