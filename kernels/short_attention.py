@@ -187,18 +187,21 @@ def _sequence_attention_bwd_kernel(
 
 @functools.lru_cache(maxsize=None)
 def attention_config(seq_len: int, head_dim: int) -> tuple[int, int]:
-    """(BLOCK, num_warps): 64-row tiles up to N = 64 (three sequences at N = 17), 128 rows above, 4 warps:
-    the fastest in a sweep of tiles and warps on an H100 (bf16) whose record is not yet in BENCHMARKS.md;
-    ``python -m benchmarks.tune_attention`` is the sweep to rerun."""
-    return (64 if seq_len <= 64 else PACKED_MAX_SEQ_LEN), 4
+    """(BLOCK, num_warps): 64-row tiles up to N = 64 (three sequences at N = 17), 128 rows above; 4 warps,
+    2 where a 64-row tile holds one sequence of 64-wide heads (the ViT-B/16 encoder's 50 tokens): the fastest
+    of ``python -m benchmarks.tune_attention``'s sweep at the presets' shapes on an H100 (BENCHMARKS.md)."""
+    block = 64 if seq_len <= 64 else PACKED_MAX_SEQ_LEN
+    return block, (2 if block == 64 and seq_len > 32 and head_dim == 64 else 4)
 
 
 @functools.lru_cache(maxsize=None)
 def sequence_attention_config(seq_len: int, head_dim: int) -> tuple[int, int, int]:
     """(KEYS, BLOCK_M, num_warps) above PACKED_MAX_SEQ_LEN: every key in one power-of-two tile, query blocks
-    small enough that a block's fp32 scores, the keys and, in the backward, dk and dv fit in registers; a first
-    choice from that count, not yet swept on a GPU (``python -m benchmarks.tune_attention``)."""
-    return triton.next_power_of_2(seq_len), (64 if head_dim <= 32 else 32), 8
+    small enough that a block's fp32 scores, the keys and, in the backward, dk and dv fit in registers:
+    16 queries and 4 warps for heads up to 32 wide (the fastest at the ViT-B/16 decoder's 197 tokens on an
+    H100, BENCHMARKS.md), 32 and 8 above (not yet swept)."""
+    block_m, num_warps = (16, 4) if head_dim <= 32 else (32, 8)
+    return triton.next_power_of_2(seq_len), block_m, num_warps
 
 
 _FORWARD = CachedLaunch(_short_attention_fwd_kernel)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torchvision.transforms import RandomResizedCrop
 
-from dres.data import color_jitter, crop_theta, device_augment, jitter_params, normalize, rrc_params
+from dres.data import InMemoryLoader, color_jitter, crop_theta, device_augment, jitter_params, normalize, rrc_params
 
 
 def _torchvision_crops(n, height, width, scale, seed):
@@ -212,6 +212,22 @@ def test_augment_with_jitter_keeps_the_crops_and_slices_by_rows():
     part = device_augment(x[4:9], 16, np.random.default_rng(2), rows=(4, 16), jitter=0.4)
     assert torch.equal(part, jittered[4:9])
     assert jittered.min() >= 0 and jittered.max() <= 1
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compiled_augmentation_equals_eager(device):
+    """The loader's compiled gather + augmentation (compile_augment) gives the eager batches up to fp32
+    rounding, with crop, flip, jitter, normalisation and a rank's share of the global batch."""
+    images = torch.randint(0, 256, (40, 3, 20, 24), dtype=torch.uint8)
+    labels = torch.arange(40)
+    kw = dict(rank=1, world=2, seed=3, device=device, img_size=16, mean=[0.4, 0.5, 0.6], std=[0.2, 0.25, 0.3],
+              jitter=0.4)
+    eager = InMemoryLoader(images, labels, 16, **kw)
+    compiled = InMemoryLoader(images, labels, 16, compile_augment=True, **kw)
+    for _ in range(3):  # one compile, then the same kernels with the next steps' parameters
+        a, b = eager.next(), compiled.next()
+        assert torch.equal(a["label"], b["label"]) and b["image"].shape == (8, 3, 16, 16)
+        torch.testing.assert_close(b["image"], a["image"], rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------- evaluation transform

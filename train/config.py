@@ -176,7 +176,7 @@ class Config:
     epochs: float = 0.0       # training length in epochs of the train set ...
     steps: int = 0            # ... or in optimizer steps (steps wins when > 0)
     precision: str = "auto"   # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
-    compile: bool = False     # torch.compile the model: per block, or whole (compile_scope)
+    compile: bool = False     # torch.compile the model (per block, or whole: compile_scope) and, on CUDA, the in-memory augmentation
     # blocks: each transformer block one region (FSDP2's units; the glue between them runs eager) |
     # model: the model's forward as one graph (Inductor fuses the embedding, masking and loss glue too)
     compile_scope: str = "blocks"

@@ -231,7 +231,8 @@ class Trainer:
         # data: this rank's slice of every global batch
         self.loader = build_loader(cfg.data, "train", cfg.batch_size, rank=self.info.rank, world=self.info.world,
                                    accum=cfg.accum_steps, seed=cfg.seed, device=self.device, train=True,
-                                   log=self.log) if train else None
+                                   log=self.log, compile_augment=cfg.compile and self.device.type == "cuda") \
+            if train else None
         epoch_steps = len(self.loader) if train else 0
         if train and cfg.data.side_stream and self.device.type == "cuda":
             self.data_stream = torch.cuda.Stream(self.device)

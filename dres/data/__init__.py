@@ -97,8 +97,9 @@ def _shard_pattern(d, split):
 
 
 def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, seed=0, device="cpu", train=True,
-                 log=None):
-    """A resumable loader of this rank's share of each global batch; ``log`` gets lost-data lines."""
+                 log=None, compile_augment=False):
+    """A resumable loader of this rank's share of each global batch; ``log`` gets lost-data lines;
+    ``compile_augment``: the in-memory loader's augmentation compiled (:class:`InMemoryLoader`)."""
     mean, std = (d.mean, d.std) if d.normalize else (None, None)
     aug = d.aug if train else "none"
     where = f"the {split} split of data.name={d.name}"
@@ -108,7 +109,8 @@ def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, 
         check_labels(y, d.num_classes, where)
         loader = InMemoryLoader(x, y, global_batch, rank=rank, world=world, accum=accum, seed=seed, device=device,
                                 img_size=d.img_size, aug=aug, crop_min=d.crop_min, mean=mean, std=std,
-                                jitter=d.color_jitter if train else 0.0, eval_crop_pct=d.eval_crop_pct)
+                                jitter=d.color_jitter if train else 0.0, eval_crop_pct=d.eval_crop_pct,
+                                compile_augment=compile_augment)
         loader.counter = counter
         return loader
     if d.color_jitter or d.eval_crop_pct != 1:

@@ -106,11 +106,11 @@ def _grey(x):
 
 def color_jitter(x, factors, order):
     """torchvision's ColorJitter (tensor semantics) on a float batch in [0, 1], image ``i`` with its
-    own ``factors[i]`` applied in ``order[i]`` (:func:`jitter_params`). Every stage applies all three
-    adjustments, with factor 1 (the identity) for the images whose order puts another there, so the
-    batch needs no per-image branching."""
-    f = to_device(torch.from_numpy(np.ascontiguousarray(factors, np.float32)), x.device)
-    order = to_device(torch.from_numpy(np.ascontiguousarray(order, np.int64)), x.device)
+    own ``factors[i]`` applied in ``order[i]`` (:func:`jitter_params`; numpy arrays, or tensors on
+    ``x``'s device). Every stage applies all three adjustments, with factor 1 (the identity) for the
+    images whose order puts another there, so the batch needs no per-image branching."""
+    f = _on_device(factors, np.float32, x.device)
+    order = _on_device(order, np.int64, x.device)
     one = torch.ones((), device=x.device)
     for stage in range(3):
         for op in range(3):
@@ -124,12 +124,60 @@ def color_jitter(x, factors, order):
     return x
 
 
-def _standardise(x, mean, std):
+def _on_device(a, np_dtype, device):
+    """``a`` as a tensor on ``device``: a tensor as it is, a numpy array sent without a host sync."""
+    if isinstance(a, torch.Tensor):
+        return a
+    return to_device(torch.from_numpy(np.ascontiguousarray(a, np_dtype)), device)
+
+
+def channel_stats(mean, std, channels, device):
+    """``mean`` and ``std`` (sequences, None for no normalisation) as (channels,) float32 tensors on ``device``."""
     if mean is None:
-        return x
-    m = to_device(torch.tensor(mean), x.device)[: x.shape[1]].view(1, -1, 1, 1)
-    s = to_device(torch.tensor(std), x.device)[: x.shape[1]].view(1, -1, 1, 1)
-    return (x - m) / s
+        return None, None
+    return tuple(to_device(torch.tensor(v[:channels], dtype=torch.float32), device) for v in (mean, std))
+
+
+def augment_params(n, rng, aspect, rrc=True, flip=True, scale=(0.2, 1.0), jitter=0.0, share=None, device="cpu"):
+    """The host half of :func:`device_augment`: the crop matrices (:func:`crop_theta`; None without crop
+    and flip) and the colour-jitter factors and orders (:func:`jitter_params`; None without jitter) of a
+    batch of ``n`` images, drawn from ``rng`` in that order, those of images ``start:start + b`` kept
+    (``share=(start, b)``, default all) and sent to ``device``."""
+    start, b = share if share is not None else (0, n)
+    theta = factors = order = None
+    if rrc or flip:
+        theta = _on_device(crop_theta(n, rng, rrc, flip, scale, aspect=aspect)[start:start + b], np.float32, device)
+    if jitter > 0:  # drawn after the crop, so a run without jitter keeps its crops
+        factors, order = jitter_params(n, rng, jitter)
+        factors = _on_device(factors[start:start + b], np.float32, device)
+        order = _on_device(order[start:start + b], np.int64, device)
+    return theta, factors, order
+
+
+def apply_augment(x_uint8, size, theta=None, factors=None, order=None, mean=None, std=None):
+    """The device half of :func:`device_augment`: uint8 (B,C,H,W) -> float (B,C,size,size), the crop
+    and flip of ``theta`` by one bilinear ``affine_grid``/``grid_sample`` resample (without it, a resize
+    to ``size``), the colour jitter of ``factors``/``order``, then ``(x - mean) / std`` ((C,) tensors).
+    Tensors in, no host values: ``torch.compile`` fuses it into a few kernels (:func:`gather_augment`)."""
+    x = x_uint8.float().div_(255)
+    if theta is not None:
+        grid = F.affine_grid(theta, (x.shape[0], x.shape[1], size, size), align_corners=False)
+        x = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+    elif x.shape[-1] != size:
+        x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    if factors is not None:
+        x = color_jitter(x, factors, order)
+    return _standardise(x, mean, std)
+
+
+def _standardise(x, mean, std):
+    return x if mean is None else (x - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
+
+
+def gather_augment(images, idx, size, theta=None, factors=None, order=None, mean=None, std=None):
+    """:func:`apply_augment` of the rows ``idx`` of ``images``; compiled, the gather reads only the
+    pixels the resample needs."""
+    return apply_augment(images[idx], size, theta, factors, order, mean, std)
 
 
 def device_augment(x_uint8, size, rng, rrc=True, flip=True, scale=(0.2, 1.0), mean=None, std=None, rows=None,
@@ -141,20 +189,11 @@ def device_augment(x_uint8, size, rng, rrc=True, flip=True, scale=(0.2, 1.0), me
     depend on the device or on the world size; they reach the device without a host sync.
     ``rows=(start, n)``: ``x_uint8`` is rows ``start:start + B`` of a batch of ``n`` (a rank's share of
     the global batch); parameters are drawn for all ``n`` and only these rows are resampled."""
-    b = x_uint8.shape[0]
+    b, c = x_uint8.shape[:2]
     start, n = rows if rows is not None else (0, b)
-    x = x_uint8.float().div_(255)
-    if rrc or flip:
-        theta = crop_theta(n, rng, rrc, flip, scale, aspect=x.shape[-1] / x.shape[-2])[start:start + b]
-        grid = F.affine_grid(to_device(torch.from_numpy(theta), x.device), (b, x.shape[1], size, size),
-                             align_corners=False)
-        x = F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
-    elif x.shape[-1] != size:
-        x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    if jitter > 0:  # drawn after the crop, so a run without jitter keeps its crops
-        factors, order = jitter_params(n, rng, jitter)
-        x = color_jitter(x, factors[start:start + b], order[start:start + b])
-    return _standardise(x, mean, std)
+    params = augment_params(n, rng, x_uint8.shape[-1] / x_uint8.shape[-2], rrc, flip, scale, jitter, (start, b),
+                            x_uint8.device)
+    return apply_augment(x_uint8, size, *params, *channel_stats(mean, std, c, x_uint8.device))
 
 
 def normalize(x_uint8, size, mean=None, std=None, crop_pct=1.0):
@@ -170,7 +209,7 @@ def normalize(x_uint8, size, mean=None, std=None, crop_pct=1.0):
     hw = (short, int(short * w / h)) if h <= w else (int(short * h / w), short)
     x = F.interpolate(x, size=hw, mode="bicubic", antialias=True, align_corners=False).clamp_(0, 1)
     top, left = int(round((hw[0] - size) / 2.0)), int(round((hw[1] - size) / 2.0))
-    return _standardise(x[..., top:top + size, left:left + size], mean, std)
+    return _standardise(x[..., top:top + size, left:left + size], *channel_stats(mean, std, x.shape[1], x.device))
 
 
 def check_split(global_batch, world, accum):
@@ -194,9 +233,13 @@ class _Position:
 
 
 class InMemoryLoader(_Position):
+    """``compile_augment``: the gather and the augmentation of a step run as ``torch.compile`` of
+    :func:`gather_augment` (a few fused kernels instead of some twenty eager ones, equal to them up to
+    fp32 rounding); the batches' parameters are the same either way."""
+
     def __init__(self, images, labels, global_batch, *, rank=0, world=1, accum=1, seed=0, device="cpu",
                  img_size=None, aug="rrc_flip", crop_min=0.2, mean=None, std=None, jitter=0.0,
-                 eval_crop_pct=1.0):
+                 eval_crop_pct=1.0, compile_augment=False):
         self.local = check_split(global_batch, world, accum)
         if len(images) < global_batch:
             raise DataError(f"batch_size {global_batch} is larger than the data set ({len(images)} samples)")
@@ -206,6 +249,8 @@ class InMemoryLoader(_Position):
         self.size = img_size or images.shape[-1]
         self.aug, self.crop_min, self.mean, self.std = aug, crop_min, mean, std
         self.jitter, self.eval_crop_pct = jitter, eval_crop_pct
+        self.stats = channel_stats(mean, std, images.shape[1], self.images.device)
+        self.augment = torch.compile(gather_augment, dynamic=False) if compile_augment else gather_augment
         self.steps_per_epoch = len(images) // global_batch
         self.counter = CorruptCounter()  # build_loader hands over the reader's
         self._epoch_perm = None  # (epoch, its sample order on the device)
@@ -229,13 +274,13 @@ class InMemoryLoader(_Position):
         idx = perm[self.batch * self.global_batch:(self.batch + 1) * self.global_batch][lo:lo + self.local]
         rng = np.random.default_rng(_mix(self.seed, self.epoch, self.batch, 2))
         # augmentation drawn for the whole global batch, applied to this rank's share only
-        x = self.images[idx]
         if self.aug != "none":
-            x = device_augment(x, self.size, rng, rrc=self.aug == "rrc_flip", flip=True,
-                               scale=(self.crop_min, 1.0), mean=self.mean, std=self.std, rows=(lo, self.global_batch),
-                               jitter=self.jitter)
+            params = augment_params(self.global_batch, rng, self.images.shape[-1] / self.images.shape[-2],
+                                    rrc=self.aug == "rrc_flip", flip=True, scale=(self.crop_min, 1.0),
+                                    jitter=self.jitter, share=(lo, self.local), device=self.images.device)
+            x = self.augment(self.images, idx, self.size, *params, *self.stats)
         else:
-            x = normalize(x, self.size, self.mean, self.std)
+            x = normalize(self.images[idx], self.size, self.mean, self.std)
         self.batch += 1
         return {"image": x, "label": self.labels[idx]}
 
