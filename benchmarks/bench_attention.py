@@ -75,8 +75,6 @@ def dres_fwd_bwd(qkv, num_heads: int, grad_bnc):
 
 
 def run_shape(where: str, shape: tuple, backends: list[str], card: str, env: dict) -> list[dict]:
-    from triton.testing import do_bench
-
     B, H, N, d = shape
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, grad = (torch.randn(B, H, N, d, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(4))
@@ -97,10 +95,10 @@ def run_shape(where: str, shape: tuple, backends: list[str], card: str, env: dic
             print(f"{where:55s} {name:9s} unsupported", flush=True)
             continue
         err = max(((g.float() - w).abs().max() / w.abs().max().clamp_min(1e-6)).item() for g, w in zip(got, want))
-        ms = do_bench(run, warmup=25, rep=100)
-        rec.update(supported=True, max_rel_err_vs_math_fp32=err, fwd_bwd_us=ms * 1e3)
+        us = measure.do_bench_median_us(run)
+        rec.update(supported=True, max_rel_err_vs_math_fp32=err, fwd_bwd_us=us)
         records.append(rec)
-        print(f"{where:55s} {name:9s} {ms * 1e3:9.1f} us  (max rel err {err:.1e})", flush=True)
+        print(f"{where:55s} {name:9s} {us:9.1f} us  (max rel err {err:.1e})", flush=True)
     return records
 
 
