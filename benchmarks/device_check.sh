@@ -3,6 +3,9 @@
 # lands under $OUT (default ./device_out). Usage:
 #   bash benchmarks/device_check.sh [tests|kernels|attention|compiled|train|trainers|csrc_tests|all]   (default: all)
 # Stages can be limited with STAGES="tests kernels" and pytest selection with TESTS="tests/test_ops.py".
+# TEST_PROCS=N (without TESTS) runs the suite as N pytest processes at once, the test files split into groups of
+# about equal time by the last suites' reports (benchmarks.split_tests): one GPU's suite in about a third of the
+# time with 3 (each process its own junit-K.xml and tests-K.log).
 # attention: SDPA's backends and dres.ops.short_attention at the presets' attention shapes (bench_attention),
 # then short_attention's launch configs at those shapes (tune_attention).
 # compiled: the compiled bare MAE ViT-B/16 step of dres against torch.compile of the plain model, each
@@ -12,11 +15,12 @@
 # trainers: each preset's trainer (one GPU, steady-state img/s and trainer / replay), each run cut at
 # TRAINER_TIMEOUT_S (default 150); model.backend=torch runs leave the norms to Inductor's own fused code;
 # TRAINER_ROWS=REGEX runs only the rows (of both lists below) that match it; the --fp8 rows need torchao
-# (carried as a wheel).
+# (carried as a wheel). BASELINE=TGZ (a `git archive --format=tar.gz` of the commit to compare with) runs every
+# row from that tree too, just before this tree's, into $OUT/baseline: the two side by side in one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./device_out}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: the baseline's rows run from another folder
 STAGES=${STAGES:-${1:-all}}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 want() { [[ " $STAGES " == *" all "* || " $STAGES " == *" $1 "* ]]; }
@@ -30,7 +34,20 @@ status=0
 
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { echo "install failed"; cat "$OUT/install.log"; exit 1; }
 
-if want tests; then
+if want tests && [ "${TEST_PROCS:-1}" -gt 1 ] && [ -z "${TESTS:-}" ]; then
+  # one pytest process per group of test files, groups of about equal time by the last suites' reports
+  mapfile -t groups < <(python3 -m benchmarks.split_tests --procs "$TEST_PROCS")
+  pids=()
+  for k in "${!groups[@]}"; do
+    python3 -m pytest -q -p no:cacheprovider ${groups[$k]} -m "${MARK:-gpu or not gpu}" \
+      --junitxml="$OUT/junit-$k.xml" >"$OUT/tests-$k.log" 2>&1 &
+    pids+=($!)
+  done
+  for k in "${!pids[@]}"; do
+    wait "${pids[$k]}" || status=1
+    echo "tests, process $k (${groups[$k]}):"; tail -n 3 "$OUT/tests-$k.log"
+  done
+elif want tests; then
   python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} -m "${MARK:-gpu or not gpu}" --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log" | tail -n 40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
@@ -55,9 +72,28 @@ fi
 
 if want trainers; then
   T=${TRAINER_TIMEOUT_S:-150}
+  base_tree=""
+  if [ -n "${BASELINE:-}" ]; then
+    # the tree to compare with (`git archive --format=tar.gz -o base.tgz COMMIT`, carried), installed into a
+    # folder of its own and run from its copy without dres/, so each row runs from both trees, baseline first
+    base_tree=$(mktemp -d) base_site=$(mktemp -d)
+    if tar xzf "$BASELINE" -C "$base_tree" && python3 -m pip install -q --no-deps --no-build-isolation \
+        --target "$base_site" "$base_tree" >"$OUT/install_baseline.log" 2>&1; then
+      rm -rf "$base_tree/dres"
+    else
+      echo "baseline $BASELINE: install failed"; tail -n 5 "$OUT/install_baseline.log"; status=1; base_tree=""
+    fi
+  fi
+  bench_row() {  # TIMEOUT ARGS...: one row from the baseline (if any), then from this tree
+    if [ -n "$base_tree" ]; then
+      (cd "$base_tree" && PYTHONPATH="$base_site" timeout "$1" python3 -m benchmarks.bench_train "${@:2}" \
+        --out "$OUT/baseline") >>"$OUT/trainers-baseline.log" 2>&1 || status=1
+    fi
+    timeout "$1" python3 -m benchmarks.bench_train "${@:2}" --out "$OUT" >>"$OUT/trainers.log" 2>&1 || status=1
+  }
   while read -r preset batch steps every extra; do
-    timeout "$T" python3 -m benchmarks.bench_train --trainer "$preset" --batch "$batch" --modes compile --dist none \
-      --trainer-steps "$steps" --trainer-log-every "$every" $extra --out "$OUT" >>"$OUT/trainers.log" 2>&1 || status=1
+    bench_row "$T" --trainer "$preset" --batch "$batch" --modes compile --dist none \
+      --trainer-steps "$steps" --trainer-log-every "$every" $extra
   done < <(grep -E -- "${TRAINER_ROWS:-.}" <<'RUNS'
 mae_cifar10 1024 400 40
 mae_cifar10 1024 400 40 --set model.backend=torch
@@ -77,8 +113,7 @@ RUNS
   # the compiled plain models the trainers are compared with, the dres models with Inductor's own norm code,
   # and both with float8 block matmuls (torchao Float8Linear: slower than bf16 so far, BENCHMARKS.md)
   while read -r bench batch models extra; do
-    timeout "$((2 * T))" python3 -m benchmarks.bench_train --only "$bench" --batch "$batch" --models "$models" \
-      --modes compile --no-flops $extra --out "$OUT" >>"$OUT/trainers.log" 2>&1 || status=1
+    bench_row "$((2 * T))" --only "$bench" --batch "$batch" --models "$models" --modes compile --no-flops $extra
   done < <(grep -E -- "${TRAINER_ROWS:-.}" <<'BARE'
 mae 256 timm,dres_baseline
 mae 256 dres_baseline --ops-backend torch
@@ -88,7 +123,9 @@ mae 256 timm,dres_baseline --fp8
 uvit 128 plain,dres --fp8
 BARE
 )
+  [ -n "$base_tree" ] && { echo "baseline ($BASELINE):"; grep -E "^trainer|img/s, step" "$OUT/trainers-baseline.log"; }
   grep -E "^trainer|img/s, step" "$OUT/trainers.log"
+  [ -n "$base_tree" ] && rm -rf "$base_tree" "$base_site"
 fi
 
 if want train && [ -f benchmarks/bench_train.py ]; then

@@ -1,0 +1,53 @@
+"""benchmarks.split_tests: the GPU suite split over pytest processes by the durations of earlier reports."""
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import split_tests
+
+
+def _report(path: Path, cases: list[tuple[str, float, bool]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = "".join(f'<testcase classname="{c}" name="t{i}" time="{t}">{"<skipped/>" if skipped else ""}</testcase>'
+                   for i, (c, t, skipped) in enumerate(cases))
+    path.write_text(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{rows}</testsuite></testsuites>')
+    return path
+
+
+def test_durations_come_from_the_newest_record_and_its_reports_add_up(tmp_path):
+    old = _report(tmp_path / "h100-2026-11-26-gpu-suite" / "junit.xml",
+                  [("tests.test_a", 50.0, False), ("tests.test_b", 7.0, False), ("tests.test_c", 9.0, False)])
+    new = [_report(tmp_path / "h100-2026-11-27-suite" / "t1" / "junit.xml",
+                   [("tests.test_a", 10.0, False), ("tests.test_a.TestGroup", 5.0, False), ("tests.test_b", 99.0, True)]),
+           _report(tmp_path / "h100-2026-11-27-suite" / "t2" / "junit.xml", [("tests.test_a", 1.0, False)])]
+    assert split_tests.report_durations(new[0]) == {"tests/test_a.py": 15.0}  # skipped tests do not count
+    # test_a from the newest record (two reports added), test_b's skipped run is not one, so the older one holds
+    assert split_tests.newest_durations([old, *new]) == {"tests/test_a.py": 16.0, "tests/test_b.py": 7.0,
+                                                         "tests/test_c.py": 9.0}
+
+
+def test_groups_balance_the_heaviest_files_first_and_keep_every_file_once():
+    files = [f"tests/test_{n}.py" for n in "abcdefg"]
+    durations = {"tests/test_a.py": 300, "tests/test_b.py": 200, "tests/test_c.py": 150, "tests/test_d.py": 100,
+                 "tests/test_e.py": 50}
+    groups = split_tests.split(files, durations, 3)
+    assert [secs for secs, _ in groups] == [300, 250, 250]
+    assert sorted(f for _, g in groups for f in g) == files
+    assert groups[0][1] == ["tests/test_a.py"] and all(g == sorted(g) for _, g in groups)
+    assert len(split_tests.split(files[:2], durations, 5)) == 2  # never an empty group
+
+
+def test_main_prints_one_group_a_line_and_rejects_bad_arguments(tmp_path, capsys):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    for name in ("test_x.py", "test_y.py", "helpers.py"):
+        (tests / name).write_text("")
+    _report(tmp_path / "records" / "h100-2026-11-27-suite" / "junit.xml", [("tests.test_y", 3.0, False)])
+    assert split_tests.main(["--procs", "2", "--tests", str(tests), "--records", str(tmp_path / "records"),
+                             "--show"]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"3s {tests / 'test_y.py'}", f"0s {tests / 'test_x.py'}"]
+    with pytest.raises(SystemExit):
+        split_tests.main(["--procs", "0"])
+    with pytest.raises(SystemExit):
+        split_tests.main(["--procs", "2", "--tests", str(tmp_path / "missing")])
