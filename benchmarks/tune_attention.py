@@ -8,7 +8,7 @@ For each shape (batch x heads x tokens x head dim, bf16) it times :func:`dres.op
 forward+backward from the qkv layout (as ``bench_attention``'s dres column does; do_bench median) with
 each candidate config, and torch's own SDPA choice on the same values from contiguous (B, H, N, d)
 tensors for scale. Up to 128 tokens the config is ``attention_config``'s (BLOCK rows a tile,
-num_warps), above it ``sequence_attention_config``'s (KEYS, BLOCK_M query rows, num_warps); the
+num_warps), above it ``sequence_attention_config``'s (KEYS, BLOCK_M query rows, num_warps, num_stages); the
 launchers read them at every launch, and :func:`config_replaced` swaps the function for one returning
 the config under test. About a second per config (one compilation each).
 """
@@ -53,11 +53,13 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
 
 def candidates(seq_len: int) -> list[tuple[int, ...]]:
     """The configs to time: (BLOCK, num_warps) packed tiles that hold a whole sequence up to
-    PACKED_MAX_SEQ_LEN tokens, (KEYS, BLOCK_M, num_warps) above it (KEYS: the next power of two)."""
+    PACKED_MAX_SEQ_LEN tokens, (KEYS, BLOCK_M, num_warps, num_stages) above it (KEYS: the next power of two;
+    the stages pipeline the loop over query blocks)."""
     if seq_len <= PACKED_MAX_SEQ_LEN:
         return [(block, warps) for block, warps in itertools.product((32, 64, 128), (2, 4, 8)) if block >= seq_len]
     keys = 1 << (seq_len - 1).bit_length()
-    return [(keys, block_m, warps) for block_m, warps in itertools.product((16, 32, 64, 128), (4, 8))]
+    return [(keys, block_m, warps, stages)
+            for block_m, warps, stages in itertools.product((16, 32, 64, 128), (4, 8), (1, 2, 3))]
 
 
 @contextlib.contextmanager

@@ -195,13 +195,14 @@ def attention_config(seq_len: int, head_dim: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def sequence_attention_config(seq_len: int, head_dim: int) -> tuple[int, int, int]:
-    """(KEYS, BLOCK_M, num_warps) above PACKED_MAX_SEQ_LEN: every key in one power-of-two tile, query blocks
-    small enough that a block's fp32 scores, the keys and, in the backward, dk and dv fit in registers:
-    16 queries and 4 warps for heads up to 32 wide (the fastest at the ViT-B/16 decoder's 197 tokens on an
-    H100, BENCHMARKS.md), 32 and 8 above (not yet swept)."""
+def sequence_attention_config(seq_len: int, head_dim: int) -> tuple[int, int, int, int]:
+    """(KEYS, BLOCK_M, num_warps, num_stages) above PACKED_MAX_SEQ_LEN: every key in one power-of-two tile,
+    query blocks small enough that a block's fp32 scores, the keys and, in the backward, dk and dv fit in
+    registers: 16 queries and 4 warps for heads up to 32 wide (the fastest at the ViT-B/16 decoder's 197
+    tokens on an H100, BENCHMARKS.md), 32 and 8 above (not yet swept); Triton's default 3 stages for the
+    loop over query blocks (other depths not yet swept)."""
     block_m, num_warps = (16, 4) if head_dim <= 32 else (32, 8)
-    return triton.next_power_of_2(seq_len), block_m, num_warps
+    return triton.next_power_of_2(seq_len), block_m, num_warps, 3
 
 
 _FORWARD = CachedLaunch(_short_attention_fwd_kernel)
@@ -222,10 +223,10 @@ def short_attention_forward(qkv: torch.Tensor, out: torch.Tensor, num_heads: int
     # int(): a symbolic size (a dynamic-shape compile) is specialised here, the tile depends on it
     N, head_dim = int(N), int(C // num_heads)
     if N > PACKED_MAX_SEQ_LEN:
-        keys, block_m, num_warps = sequence_attention_config(N, head_dim)
+        keys, block_m, num_warps, num_stages = sequence_attention_config(N, head_dim)
         _SEQUENCE_FORWARD((B, num_heads), (
             qkv, out, stride_qkv, C, C, scale, N, head_dim, block_m, keys,
-        ), num_warps)
+        ), num_warps, num_stages)
         return
     block, num_warps = attention_config(N, head_dim)
     _FORWARD((cdiv(B, block // N), num_heads), (
@@ -245,10 +246,10 @@ def short_attention_backward(dout: torch.Tensor, qkv: torch.Tensor, dqkv: torch.
     dout, stride_dout = rows_of(dout)
     N, head_dim = int(N), int(C // num_heads)
     if N > PACKED_MAX_SEQ_LEN:
-        keys, block_m, num_warps = sequence_attention_config(N, head_dim)
+        keys, block_m, num_warps, num_stages = sequence_attention_config(N, head_dim)
         _SEQUENCE_BACKWARD((B, num_heads), (
             qkv, dout, dqkv, stride_qkv, stride_dout, three_c, C, scale, N, head_dim, block_m, keys,
-        ), num_warps)
+        ), num_warps, num_stages)
         return
     block, num_warps = attention_config(N, head_dim)
     _BACKWARD((cdiv(B, block // N), num_heads), (

@@ -388,7 +388,7 @@ def test_tune_attention_plan_and_bad_shapes(capsys):
     assert tune_attention.main(["--dry-run", "--shapes", "1024x6x17x64,256x16x197x32"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split(":")[0] for ln in lines] == ["1024x6x17x64", "256x16x197x32"]
-    assert "current (64, 4)" in lines[0] and "current (256, 16, 4)" in lines[1]
+    assert "current (64, 4)" in lines[0] and "current (256, 16, 4, 3)" in lines[1]
     for block, warps in tune_attention.candidates(17):  # packed tiles hold at least one whole sequence
         assert block >= 17 and block & (block - 1) == 0 and warps in (2, 4, 8)
     assert {c[0] for c in tune_attention.candidates(197)} == {256}  # every key in one power-of-two tile
