@@ -211,17 +211,22 @@ _SEQUENCE_FORWARD = CachedLaunch(_sequence_attention_fwd_kernel)
 _SEQUENCE_BACKWARD = CachedLaunch(_sequence_attention_bwd_kernel)
 
 
+def _dims(qkv: torch.Tensor, num_heads: int) -> tuple:
+    """(B, N, C, d) of ``qkv`` (B, N, 3C); N and d as ints: a symbolic size (a dynamic-shape compile) is
+    specialised here, since the tile depends on them."""
+    B, N, three_c = qkv.shape
+    C = three_c // 3
+    return B, int(N), C, int(C // num_heads)
+
+
 def short_attention_forward(qkv: torch.Tensor, out: torch.Tensor, num_heads: int, scale: float) -> None:
     """Write ``out`` (B, N, C), contiguous, the attention of each (sequence, head) of ``qkv``
     (B, N, 3C) in timm's layout, N <= MAX_SEQ_LEN, d = C / num_heads in ``HEAD_DIMS``; qkv with evenly
     spaced rows and unit feature stride (others are copied: ``rows_of``)."""
-    B, N, three_c = qkv.shape
+    B, N, C, head_dim = _dims(qkv, num_heads)
     if B * N == 0:
         return
-    C = three_c // 3
     qkv, stride_qkv = rows_of(qkv)
-    # int(): a symbolic size (a dynamic-shape compile) is specialised here, the tile depends on it
-    N, head_dim = int(N), int(C // num_heads)
     if N > PACKED_MAX_SEQ_LEN:
         keys, block_m, num_warps, num_stages = sequence_attention_config(N, head_dim)
         _SEQUENCE_FORWARD((B, num_heads), (
@@ -238,20 +243,18 @@ def short_attention_backward(dout: torch.Tensor, qkv: torch.Tensor, dqkv: torch.
                              scale: float) -> None:
     """Write ``dqkv`` (B, N, 3C), contiguous, in qkv's layout, from the output gradient ``dout``
     (B, N, C), any strides (copied unless its rows are evenly spaced with unit feature stride)."""
-    B, N, three_c = qkv.shape
+    B, N, C, head_dim = _dims(qkv, num_heads)
     if B * N == 0:
         return
-    C = three_c // 3
     qkv, stride_qkv = rows_of(qkv)
     dout, stride_dout = rows_of(dout)
-    N, head_dim = int(N), int(C // num_heads)
     if N > PACKED_MAX_SEQ_LEN:
         keys, block_m, num_warps, num_stages = sequence_attention_config(N, head_dim)
         _SEQUENCE_BACKWARD((B, num_heads), (
-            qkv, dout, dqkv, stride_qkv, stride_dout, three_c, C, scale, N, head_dim, block_m, keys,
+            qkv, dout, dqkv, stride_qkv, stride_dout, 3 * C, C, scale, N, head_dim, block_m, keys,
         ), num_warps, num_stages)
         return
     block, num_warps = attention_config(N, head_dim)
     _BACKWARD((cdiv(B, block // N), num_heads), (
-        qkv, dout, dqkv, stride_qkv, stride_dout, three_c, B * N, C, scale, N, head_dim, block,
+        qkv, dout, dqkv, stride_qkv, stride_dout, 3 * C, B * N, C, scale, N, head_dim, block,
     ), num_warps)
