@@ -234,7 +234,7 @@ class _Position:
 
 class InMemoryLoader(_Position):
     """``compile_augment``: the gather and the augmentation of a step run as ``torch.compile`` of
-    :func:`gather_augment` (a few fused kernels instead of some twenty eager ones, equal to them up to
+    :func:`gather_augment` (a few fused kernels instead of an eager kernel per operation, equal to them up to
     fp32 rounding); the batches' parameters are the same either way."""
 
     def __init__(self, images, labels, global_batch, *, rank=0, world=1, accum=1, seed=0, device="cpu",
