@@ -7,10 +7,12 @@
 For each shape (batch x heads x tokens x head dim, bf16) it times :func:`dres.ops.short_attention`
 forward+backward from the qkv layout (as ``bench_attention``'s dres column does; do_bench median) with
 each candidate config, and torch's own SDPA choice on the same values from contiguous (B, H, N, d)
-tensors for scale. Up to 128 tokens the config is ``attention_config``'s (BLOCK rows a tile,
-num_warps), above it ``sequence_attention_config``'s (KEYS, BLOCK_M query rows, num_warps, num_stages); the
-launchers read them at every launch, and :func:`config_replaced` swaps the function for one returning
-the config under test. About a second per config (one compilation each).
+tensors for scale, and the models' SDPA path from qkv with its permute copies (``sdpa_from_qkv``: what a
+model pays where it does not take short attention, the figure the models' token limit is decided against).
+Up to 128 tokens the config is ``attention_config``'s (BLOCK rows a tile, num_warps), above it
+``sequence_attention_config``'s (KEYS, BLOCK_M query rows, num_warps, num_stages); the launchers read them
+at every launch, and :func:`config_replaced` swaps the function for one returning the config under test.
+About a second per config (one compilation each).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from benchmarks import measure
 from benchmarks.bench_attention import SHAPES, dres_fwd_bwd, packed
 from dres.kernels.short_attention import (HEAD_DIMS, MAX_SEQ_LEN, PACKED_MAX_SEQ_LEN, SEQUENCE_HEAD_DIMS,
                                          attention_config, sequence_attention_config)
+from dres.nn.transformer import sdpa_from_qkv
 
 DEFAULT_SHAPES = ",".join(f"{B}x{H}x{N}x{d}" for _, B, H, N, d in SHAPES if N <= MAX_SEQ_LEN)
 
@@ -86,11 +89,16 @@ def sweep(B: int, H: int, N: int, d: int) -> str:
         out = F.scaled_dot_product_attention(q, k, v)
         return torch.autograd.grad(out, (q, k, v), grad)
 
+    def model_sdpa():  # the models' path above the short-attention limit, from qkv with its permute copies
+        out = sdpa_from_qkv(qkv, H)
+        return torch.autograd.grad(out, (qkv,), grad_bnc)
+
     def time_config(config):
         with config_replaced(N, config):
             return measure.do_bench_median_us(lambda: dres_fwd_bwd(qkv, H, grad_bnc), warmup_ms=5, rep_ms=30)
 
     sdpa_us = measure.do_bench_median_us(sdpa, warmup_ms=5, rep_ms=30)
+    model_sdpa_us = measure.do_bench_median_us(model_sdpa, warmup_ms=5, rep_ms=30)
     current = current_config(N, d)
     results = []
     for config in candidates(N):
@@ -103,7 +111,8 @@ def sweep(B: int, H: int, N: int, d: int) -> str:
         print(f"    {us:7.0f} us  {config}{'  (current)' if config == current else ''}", flush=True)
     now = next((us for us, config in results if config == current), float("nan"))
     best = "; ".join(f"{us:.0f} us {config}" for us, config in results[:3])
-    return f"{B}x{H}x{N}x{d}: torch's SDPA {sdpa_us:.0f} us; current {current} {now:.0f} us; best: {best}"
+    return (f"{B}x{H}x{N}x{d}: torch's SDPA {sdpa_us:.0f} us (the models' SDPA path from qkv, copies included: "
+            f"{model_sdpa_us:.0f} us); current {current} {now:.0f} us; best: {best}")
 
 
 def main(argv=None) -> int:

@@ -602,3 +602,18 @@ def test_compiled_attention_on_short_attention_matches_sdpa(tokens, head_dim):
     for got in results[1:]:
         for a, b in zip(got, results[0]):
             torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_sdpa_from_qkv_is_the_attention_of_the_qkv_layout():
+    """The models' SDPA path (permute out of the qkv output, transpose back) against short attention's
+    float64 reference on the same layout, forward and backward."""
+    from dres.nn.transformer import sdpa_from_qkv
+    from dres.ops import short_attention
+
+    torch.manual_seed(3)
+    qkv = torch.randn(3, 11, 3 * 2 * 8, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(3, 11, 16, dtype=torch.float64)
+    out = sdpa_from_qkv(qkv, 2)
+    ref = short_attention(qkv, 2, backend="torch")
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(torch.autograd.grad(out, qkv, g)[0], torch.autograd.grad(ref, qkv, g)[0])

@@ -65,8 +65,7 @@ class Attention(nn.Module):
         qkv = self.qkv(x)
         if takes_short_attention(qkv, N, C // self.num_heads, self.backend):
             return self.proj(ops.short_attention(qkv, self.num_heads, backend="triton"))
-        q, k, v = qkv.reshape(B, N, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4).unbind(0)
-        return self.proj(sdpa(q, k, v).transpose(1, 2).reshape(B, N, C))
+        return self.proj(sdpa_from_qkv(qkv, self.num_heads))
 
 
 # dres.ops.short_attention packs several sequences of a head into one tile, where SDPA's kernels pad one
@@ -86,6 +85,15 @@ def takes_short_attention(qkv: torch.Tensor, tokens: int, head_dim: int, backend
 # 17, 50 and 65 tokens with 64-wide heads, and lost 2.1x at 257 tokens and with 32-wide heads
 # (BENCHMARKS.md, "Attention backends").
 EFFICIENT_MAX_TOKENS, EFFICIENT_HEAD_DIM = 128, 64
+
+
+def sdpa_from_qkv(qkv: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The qkv Linear's output (B, N, 3C) -> (B, N, C) through :func:`sdpa`: q, k and v permuted out of it to
+    (B, H, N, d), the result transposed back (the copies SDPA costs a model beside its kernel)."""
+    B, N, three_c = qkv.shape
+    C = three_c // 3
+    q, k, v = qkv.reshape(B, N, 3, num_heads, C // num_heads).permute(2, 0, 3, 1, 4).unbind(0)
+    return sdpa(q, k, v).transpose(1, 2).reshape(B, N, C)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
