@@ -200,6 +200,23 @@ def do_bench_median_us(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: 
     return float(ms) * 1e3
 
 
+def time_configs(time_config: Callable[[tuple], float], configs: Iterable[tuple],
+                 label: Callable[[tuple], str] = str) -> list[tuple[float, tuple]]:
+    """``(microseconds, config)`` of every launch config ``time_config`` can run, fastest first, each printed
+    as it ranks (``label`` names a config); a config that fails (out of shared memory or registers for its
+    tile) is printed as skipped."""
+    results = []
+    for config in configs:
+        try:
+            results.append((time_config(config), config))
+        except Exception as e:
+            print(f"  skipped {label(config)}: {type(e).__name__}", flush=True)
+    results.sort()
+    for us, config in results:
+        print(f"    {us:7.0f} us  {label(config)}", flush=True)
+    return results
+
+
 def loop_median_us(fn: Callable[[], object], target_ms: float = 30, repeats: int = 5) -> float:
     """Microseconds per call of ``fn`` issued back to back (no cache flush in between), median over
     ``repeats`` loops. do_bench launches each call right after a 256 MB cache-flush kernel, which

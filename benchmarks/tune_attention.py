@@ -100,15 +100,8 @@ def sweep(B: int, H: int, N: int, d: int) -> str:
     sdpa_us = measure.do_bench_median_us(sdpa, warmup_ms=5, rep_ms=30)
     model_sdpa_us = measure.do_bench_median_us(model_sdpa, warmup_ms=5, rep_ms=30)
     current = current_config(N, d)
-    results = []
-    for config in candidates(N):
-        try:
-            results.append((time_config(config), config))
-        except Exception as e:  # e.g. out of shared memory / registers for this tile
-            print(f"  skipped {config}: {type(e).__name__}", flush=True)
-    results.sort()
-    for us, config in results:
-        print(f"    {us:7.0f} us  {config}{'  (current)' if config == current else ''}", flush=True)
+    results = measure.time_configs(time_config, candidates(N),
+                                   lambda config: f"{config}{'  (current)' if config == current else ''}")
     now = next((us for us, config in results if config == current), float("nan"))
     best = "; ".join(f"{us:.0f} us {config}" for us, config in results[:3])
     return (f"{B}x{H}x{N}x{d}: torch's SDPA {sdpa_us:.0f} us (the models' SDPA path from qkv, copies included: "

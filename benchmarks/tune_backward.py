@@ -101,17 +101,12 @@ def sweep(rows: int, dim: int, dtype: str, stages: list[int], ceiling_gbps: floa
 
     block_m, _, warps, per_sm, _ = backward_config(dim)
     current = time_config((block_m, warps, per_sm))
-    results = []
-    for bm, nw, pps, st in candidates(dim, stages):
-        try:
-            results.append((time_config((bm, nw, pps, st)), bm, nw, pps, st))
-        except Exception as e:  # e.g. out of shared memory / registers for this tile
-            print(f"  skipped bm{bm} w{nw} p{pps} s{st}: {type(e).__name__}", flush=True)
-    results.sort()
-    for t, bm, nw, pps, st in results:
-        print(f"    {t:7.0f} us  bm{bm} w{nw} p{pps} s{st or 'default'}", flush=True)
-    best = "; ".join(f"{t:.0f} us bm{bm} w{nw} p{pps} s{st or 'default'} ({100 * at_ceiling_us / t:.0f}%)"
-                     for t, bm, nw, pps, st in results[:4])
+    def label(config):
+        bm, nw, pps, st = config
+        return f"bm{bm} w{nw} p{pps} s{st or 'default'}"
+
+    results = measure.time_configs(time_config, candidates(dim, stages), label)
+    best = "; ".join(f"{t:.0f} us {label(config)} ({100 * at_ceiling_us / t:.0f}%)" for t, config in results[:4])
     return (f"{rows}x{dim} x={dtype}: at ceiling {at_ceiling_us:.0f} us; current {current:.0f} us "
             f"({100 * at_ceiling_us / current:.0f}%); best: {best}")
 

@@ -847,3 +847,14 @@ def test_bench_attention_times_short_attention_from_the_qkv_layout():
     want = (out, *torch.autograd.grad(out, leaves, grad))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+def test_time_configs_ranks_what_runs_and_skips_what_fails(capsys):
+    def time_config(config):
+        if config == (3,):
+            raise RuntimeError("out of resources")
+        return {(1,): 20.0, (2,): 10.0}[config]
+
+    assert measure.time_configs(time_config, [(1,), (2,), (3,)], lambda c: f"c{c[0]}") == [(10.0, (2,)), (20.0, (1,))]
+    assert capsys.readouterr().out.splitlines() == ["  skipped c3: RuntimeError", "         10 us  c2",
+                                                     "         20 us  c1"]
