@@ -158,7 +158,7 @@ def apply_augment(x_uint8, size, theta=None, factors=None, order=None, mean=None
     """The device half of :func:`device_augment`: uint8 (B,C,H,W) -> float (B,C,size,size), the crop
     and flip of ``theta`` by one bilinear ``affine_grid``/``grid_sample`` resample (without it, a resize
     to ``size``), the colour jitter of ``factors``/``order``, then ``(x - mean) / std`` ((C,) tensors).
-    Tensors in, no host values: ``torch.compile`` fuses it into a few kernels (:func:`gather_augment`)."""
+    Tensors in, no host values, so ``torch.compile`` traces it whole (:func:`gather_augment`)."""
     x = x_uint8.float().div_(255)
     if theta is not None:
         grid = F.affine_grid(theta, (x.shape[0], x.shape[1], size, size), align_corners=False)
