@@ -304,6 +304,27 @@ def test_uvit_features_are_the_block_stream():
     torch.testing.assert_close(model.features(x, t, block=0, pool="time"), outs[0][:, 0], **F64)
 
 
+def test_uvit_autocast_stream_dtypes_follow_the_plain_model():
+    """Under bf16 autocast the in-blocks carry a float32 stream and each out-block the skip Linear's bf16
+    output, as the authors' code does; the output matches the plain U-ViT under the same autocast."""
+    torch.manual_seed(8)
+    model = perturb_(create_uvit("uvit_test", alpha_min=0.8, backend="torch"))
+    x, t = torch.randn(2, 3, 8, 8), torch.rand(2) * 999
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, outs = model.run_blocks(model.tokens(x, t), collect=(0, 1, 2))
+        got, want = model(x, t), plain_uvit(model, x, t)
+    assert [outs[k].dtype for k in range(3)] == [torch.float32, torch.float32, torch.bfloat16]
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+    w = torch.randn_like(got, dtype=torch.float32)
+
+    def loss(fn):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return (fn().float() * w).sum()
+    got_grads = param_grads(model, lambda: loss(lambda: model(x, t)))
+    want_grads = param_grads(model, lambda: loss(lambda: plain_uvit(model, x, t)))
+    assert_grads_close(got_grads, want_grads, rtol=0.05, atol=0.05)
+
+
 # ---------------------------------------------------------------------------------------------
 # ViT classifier
 

@@ -8,7 +8,8 @@ where skip is the output of in-block ``depth//2 - 1 - j`` (the deepest first); t
 All ``2 * (2*(depth//2) + 1)`` residuals (attention and MLP of every block) decay, from the first
 in-block to the last out-block (docs/design.md: U-ViT decays the whole network). The blocks run
 as one :class:`~dres.nn.TransformerStack`; the skip Linear of an out-block is a stack hook that
-replaces the stream (``alpha = 0``) and is fused with the block's first norm.
+replaces the stream (``alpha = 0``): its output is the out-block's stream, bf16 under bf16 autocast as in
+the authors' code (the in-blocks' stream is float32).
 
 Init follows U-ViT (trunc-normal 0.02 Linears and position embedding), plus zero-initialised branch
 ends when ``alpha_min < 1``. ``gelu_approximate`` ("none": exact erf GELU, or "tanh") is every

@@ -11,13 +11,14 @@ that block's parameters (one FSDP2 unit per block).
 The first block's norm1 is a plain :func:`dres.ops.layer_norm`; the last add is fused with the final
 norm, or is a :func:`dres.ops.residual_add` when there is none.
 
-Mixed precision: under ``torch.autocast`` the residual stream stays float32 and the branches run in
-the autocast dtype (the normalised ``y`` has the branch's dtype), the common fast case.
+Mixed precision: under ``torch.autocast`` the stream starts float32, each add keeps the stream's dtype
+and the branches run in the autocast dtype (the normalised ``y`` has the branch's dtype).
 
 Hooks let a model change the stream between blocks without breaking the fusion: ``hooks[k](stream,
 outputs)`` returns ``(h, a)`` and the stream entering block k becomes ``a*stream + h`` (fused with
 block k's first norm). The official MAE's SkipLayer adds a branch (``a = 1``); U-ViT's skip Linear
-replaces the stream (``a = 0``: ``out = h`` exactly, and no gradient into the old stream but through h).
+replaces the stream (``a = 0``: h becomes the stream, in h's dtype, and no gradient reaches the old stream
+but through h).
 """
 
 from __future__ import annotations
@@ -140,21 +141,19 @@ def add_and_norm(hidden_states: torch.Tensor, residual: Optional[torch.Tensor], 
                  alpha, scales: Scales = NO_SCALES, backend: Optional[str] = None):
     """``residual = alpha * residual + scales * hidden_states`` fused with ``y = norm(residual)``; returns
     ``(residual, y)``. With ``residual`` None, ``hidden_states`` is the stream itself (the first block:
-    a plain LayerNorm); with ``norm`` None the add alone (``y`` is the new residual). Under autocast the
-    residual stays float32 and the first norm's ``y`` takes the autocast dtype."""
-    branch_dtype = autocast_dtype(hidden_states)
+    a plain LayerNorm); with ``norm`` None the add alone (``y`` is the new residual). The residual keeps
+    its dtype (float32 under autocast, as :meth:`ResidualStream.run_stream` starts it); a plain LayerNorm's
+    ``y`` takes the autocast dtype, a fused one's the branch's."""
     if residual is None:
         return hidden_states, ops.layer_norm(hidden_states, norm.weight, norm.bias, eps=norm.eps,
-                                             out_dtype=branch_dtype, backend=backend)
-    residual_dtype = torch.float32 if branch_dtype is not None else None
+                                             out_dtype=autocast_dtype(hidden_states), backend=backend)
     row_scale, grad_scale = scales
     if norm is None:
         out = ops.residual_add(residual, hidden_states, alpha=alpha, row_scale=row_scale, grad_scale=grad_scale,
-                               residual_dtype=residual_dtype, backend=backend)
+                               backend=backend)
         return out, out
     return ops.residual_layer_norm(residual, hidden_states, norm.weight, norm.bias, alpha=alpha, eps=norm.eps,
-                                   row_scale=row_scale, grad_scale=grad_scale, residual_dtype=residual_dtype,
-                                   backend=backend)
+                                   row_scale=row_scale, grad_scale=grad_scale, backend=backend)
 
 
 class Block(nn.Module):
@@ -278,8 +277,12 @@ class ResidualStream:
                                                     self.backend)
                     if k - 1 in collect:
                         outputs[k - 1] = hidden_states
-                skip, entering_alpha = hooks[k](hidden_states, outputs)
-                hidden_states, residual, block_scales = skip, hidden_states, (NO_SCALES, block_scales[1])
+                h, a = hooks[k](hidden_states, outputs)
+                # a = 0 replaces the stream: h enters block k as the stream itself, in its own dtype (bf16 from
+                # a Linear under autocast, as plain PyTorch code carries it), with no add and no gradient into
+                # the old stream but through h
+                hidden_states, residual, entering_alpha = (h, None, None) if a == 0 else (h, hidden_states, a)
+                block_scales = (NO_SCALES, block_scales[1])
             else:
                 entering_alpha = None
             hidden_states, residual, entering = block(hidden_states, residual, block_scales, entering_alpha)
