@@ -198,11 +198,12 @@ def attention_config(seq_len: int, head_dim: int) -> tuple[int, int]:
 def sequence_attention_config(seq_len: int, head_dim: int) -> tuple[int, int, int, int]:
     """(KEYS, BLOCK_M, num_warps, num_stages) above PACKED_MAX_SEQ_LEN: every key in one power-of-two tile,
     query blocks small enough that a block's fp32 scores, the keys and, in the backward, dk and dv fit in
-    registers: 16 queries and 4 warps for heads up to 32 wide (the fastest at the ViT-B/16 decoder's 197
-    tokens on an H100, BENCHMARKS.md), 32 and 8 above (not yet swept); Triton's default 3 stages for the
-    loop over query blocks (other depths not yet swept)."""
-    block_m, num_warps = (16, 4) if head_dim <= 32 else (32, 8)
-    return triton.next_power_of_2(seq_len), block_m, num_warps, 3
+    registers: 64 queries, 4 warps and 2 stages for heads up to 32 wide (the fastest at the ViT-B/16 decoder's
+    197 tokens in the sweep over 1-3 stages, BENCHMARKS.md), 32 queries, 8 warps and Triton's default 3 stages
+    above (not yet swept)."""
+    if head_dim <= 32:
+        return triton.next_power_of_2(seq_len), 64, 4, 2
+    return triton.next_power_of_2(seq_len), 32, 8, 3
 
 
 _FORWARD = CachedLaunch(_short_attention_fwd_kernel)

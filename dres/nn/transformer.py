@@ -46,7 +46,7 @@ def autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention: sequences of up to 128 tokens through :func:`dres.ops.short_attention`
+    """Multi-head self-attention: sequences of up to 256 tokens through :func:`dres.ops.short_attention`
     (which reads q, k, v from the qkv Linear's output in place), others through :func:`sdpa`, which picks
     the SDPA backend per shape. ``backend`` follows the stack's (set by :func:`set_backend`): None takes
     the kernel for bf16/fp16 CUDA tensors; "triton" for every dtype and device (on the CPU under
@@ -70,11 +70,11 @@ class Attention(nn.Module):
 
 
 # dres.ops.short_attention packs several sequences of a head into one tile, where SDPA's kernels pad one
-# sequence per tile; measured faster up to 128 tokens (BENCHMARKS.md, "Attention backends"). It takes up to
-# 256, but its one-sequence-a-program kernels above 128 measured 5% behind cuDNN at the ViT-B/16 decoder.
-# The head dims are the kernel's (dres.kernels.short_attention.HEAD_DIMS), written out so that building a
+# sequence per tile; measured faster up to 128 tokens (BENCHMARKS.md, "Attention backends"). Up to 256 tokens it
+# runs one sequence a program, faster than the models' SDPA path (permute copies included) at the ViT-B/16
+# decoder's 197 tokens. The head dims are the kernel's (dres.kernels.short_attention.HEAD_DIMS), written out so that building a
 # model imports no Triton.
-SHORT_ATTENTION_MAX_TOKENS, SHORT_ATTENTION_HEAD_DIMS = 128, (16, 32, 64, 128)
+SHORT_ATTENTION_MAX_TOKENS, SHORT_ATTENTION_HEAD_DIMS = 256, (16, 32, 64, 128)
 
 
 def takes_short_attention(qkv: torch.Tensor, tokens: int, head_dim: int, backend: Optional[str]) -> bool:
