@@ -80,6 +80,9 @@ if want trainers; then
     if tar xzf "$BASELINE" -C "$base_tree" && python3 -m pip install -q --no-deps --no-build-isolation \
         --target "$base_site" "$base_tree" >"$OUT/install_baseline.log" 2>&1; then
       rm -rf "$base_tree/dres"
+      # the installed copy looks for the data beside or inside its own folder: point it at this tree's shared/
+      ln -s "$(python3 -c 'from dres.data.sources import default_cifar10_dir as d; print(d().parents[1])')" \
+        "$base_site/shared"
     else
       echo "baseline $BASELINE: install failed"; tail -n 5 "$OUT/install_baseline.log"; status=1; base_tree=""
     fi
