@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import measure
-from benchmarks.bench_kernels import Case, build_fn, capture_graph, make_callable, make_inputs, make_mode_args
+from benchmarks.bench_kernels import Case, build_fn, make_callable, make_inputs, make_mode_args
 
 IMPLS = ("dres_triton", "dres_cuda", "unfused", "dres_triton_graph")
 MODES = ("plain", "drop_path", "rdp_even", "rdp_odd")
@@ -51,7 +51,8 @@ def step_for(impl: str, case: Case, device: torch.device):
     inputs = [make_inputs(case, device, requires_grad=True, seed=0)]
     mode_args = make_mode_args(case, device)
     if impl == "dres_triton_graph":
-        graph, outs = capture_graph(make_callable(build_fn("dres_triton", case), case, inputs, mode_args, "fwd_bwd"))
+        step = make_callable(build_fn("dres_triton", case), case, inputs, mode_args, "fwd_bwd")
+        graph, outs = measure.capture_graph(step)
         return lambda: (graph.replay(), outs)  # keeps the captured outputs alive with the graph
     fn = build_fn({"dres_triton": "dres_triton", "dres_cuda": "dres_cuda", "unfused": "eager"}[impl], case)
     return make_callable(fn, case, inputs, mode_args, "fwd_bwd")

@@ -414,23 +414,6 @@ def check_against(results, reference_results, case: Case) -> tuple[float, bool]:
     return err, err <= tol
 
 
-def capture_graph(step: Callable):
-    """Capture ``step`` (fwd or fwd+bwd) in a CUDA graph after warming it on a side stream, as the
-    PyTorch CUDA-graph docs prescribe; returns the graph and the captured outputs (kept alive so the
-    graph's memory stays valid)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
-    torch.cuda.synchronize()
-    return graph, outs
-
-
 # ---------------------------------------------------------------------------------------------
 # The run
 
@@ -471,7 +454,7 @@ def run_case(case: Case, impls: list[str], passes: list[str], graph_shapes: set,
                              "gpu": torch.cuda.get_device_name(device) if on_gpu else "cpu"}
                     if graph:
                         step = make_callable(fn, case, inputs[:1], pass_args, pass_)
-                        g, keep = capture_graph(step)
+                        g, keep = measure.capture_graph(step)
                         us = bench(g.replay, args.warmup, args.rep)
                         del g, keep
                     else:

@@ -200,6 +200,32 @@ def do_bench_median_us(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: 
     return float(ms) * 1e3
 
 
+def capture_graph(step: Callable):
+    """Capture ``step`` (fwd or fwd+bwd) in a CUDA graph after warming it on a side stream, as the
+    PyTorch CUDA-graph docs prescribe; returns the graph and the captured outputs (kept alive so the
+    graph's memory stays valid)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    torch.cuda.synchronize()
+    return graph, outs
+
+
+def graph_median_us(step: Callable[[], object], warmup_ms: float = 5, rep_ms: float = 30) -> float:
+    """Median microseconds of ``step`` replayed as a captured CUDA graph (:func:`do_bench_median_us` of the
+    replay): the GPU time alone, as the trainers replay their step, whatever the host's launch cost or load."""
+    graph, outs = capture_graph(step)
+    us = do_bench_median_us(graph.replay, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    del graph, outs
+    return us
+
+
 def time_configs(time_config: Callable[[tuple], float], configs: Iterable[tuple],
                  label: Callable[[tuple], str] = str) -> list[tuple[float, tuple]]:
     """``(microseconds, config)`` of every launch config ``time_config`` can run, fastest first, each printed

@@ -5,10 +5,12 @@
     python -m benchmarks.tune_attention --dry-run                        # the plan, no GPU needed
 
 For each shape (batch x heads x tokens x head dim, bf16) it times :func:`dres.ops.short_attention`
-forward+backward from the qkv layout (as ``bench_attention``'s dres column does; do_bench median) with
-each candidate config, and torch's own SDPA choice on the same values from contiguous (B, H, N, d)
-tensors for scale, and the models' SDPA path from qkv with its permute copies (``sdpa_from_qkv``: what a
-model pays where it does not take short attention, the figure the models' token limit is decided against).
+forward+backward from the qkv layout (as ``bench_attention``'s dres column does) with each candidate
+config, beside torch's own SDPA choice on the same values from contiguous (B, H, N, d) tensors for scale
+and the models' SDPA path from qkv with its permute copies (``sdpa_from_qkv``: what a model pays where it
+does not take short attention, the figure the models' token limit is decided against). Every timing is the
+median replay of a captured CUDA graph (``measure.graph_median_us``): the GPU time alone, as the trainers
+replay their step, so neither the host's launch cost nor its load ranks the configs.
 Up to 128 tokens the config is ``attention_config``'s (BLOCK rows a tile, num_warps), above it
 ``sequence_attention_config``'s (KEYS, BLOCK_M query rows, num_warps, num_stages); the launchers read them
 at every launch, and :func:`config_replaced` swaps the function for one returning the config under test.
@@ -94,11 +96,11 @@ def sweep(B: int, H: int, N: int, d: int) -> str:
         return torch.autograd.grad(out, (qkv,), grad_bnc)
 
     def time_config(config):
-        with config_replaced(N, config):
-            return measure.do_bench_median_us(lambda: dres_fwd_bwd(qkv, H, grad_bnc), warmup_ms=5, rep_ms=30)
+        with config_replaced(N, config):  # the config is read at launch, so at capture
+            return measure.graph_median_us(lambda: dres_fwd_bwd(qkv, H, grad_bnc))
 
-    sdpa_us = measure.do_bench_median_us(sdpa, warmup_ms=5, rep_ms=30)
-    model_sdpa_us = measure.do_bench_median_us(model_sdpa, warmup_ms=5, rep_ms=30)
+    sdpa_us = measure.graph_median_us(sdpa)
+    model_sdpa_us = measure.graph_median_us(model_sdpa)
     current = current_config(N, d)
     results = measure.time_configs(time_config, candidates(N),
                                    lambda config: f"{config}{'  (current)' if config == current else ''}")

@@ -388,7 +388,7 @@ def test_tune_attention_plan_and_bad_shapes(capsys):
     assert tune_attention.main(["--dry-run", "--shapes", "1024x6x17x64,256x16x197x32"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split(":")[0] for ln in lines] == ["1024x6x17x64", "256x16x197x32"]
-    assert "current (64, 4)" in lines[0] and "current (256, 16, 4, 3)" in lines[1]
+    assert "current (64, 4)" in lines[0] and "current (256, 64, 4, 2)" in lines[1]
     for block, warps in tune_attention.candidates(17):  # packed tiles hold at least one whole sequence
         assert block >= 17 and block & (block - 1) == 0 and warps in (2, 4, 8)
     assert {c[0] for c in tune_attention.candidates(197)} == {256}  # every key in one power-of-two tile
@@ -858,3 +858,15 @@ def test_time_configs_ranks_what_runs_and_skips_what_fails(capsys):
     assert measure.time_configs(time_config, [(1,), (2,), (3,)], lambda c: f"c{c[0]}") == [(10.0, (2,)), (20.0, (1,))]
     assert capsys.readouterr().out.splitlines() == ["  skipped c3: RuntimeError", "         10 us  c2",
                                                      "         20 us  c1"]
+
+
+@pytest.mark.gpu
+def test_graph_median_us_replays_the_captured_step():
+    a = torch.randn(512, 512, device="cuda")
+    graph, out = measure.capture_graph(lambda: a @ a)
+    a.copy_(torch.randn_like(a))  # a replay computes from the inputs' memory as it is then
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, a @ a)
+    us = measure.graph_median_us(lambda: a @ a)
+    assert 0 < us < 10_000
