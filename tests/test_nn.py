@@ -551,7 +551,9 @@ def test_attention_takes_short_attention_where_the_rule_says():
     assert takes_short_attention(qkv, 17, 32, "triton")  # forced: every device and dtype
     assert not takes_short_attention(qkv, 17, 32, None)  # a CPU tensor by default: SDPA
     assert not takes_short_attention(qkv, 17, 32, "torch")  # plain PyTorch code: SDPA everywhere
-    assert not takes_short_attention(qkv, 129, 32, "triton")  # longer than measured faster (SDPA above 128)
+    assert takes_short_attention(qkv, 197, 32, "triton")  # heads up to 32 wide: up to 256 tokens
+    assert not takes_short_attention(qkv, 257, 32, "triton")  # the kernel's limit
+    assert not takes_short_attention(qkv, 129, 64, "triton")  # wider heads: not measured faster above 128
     assert not takes_short_attention(qkv, 17, 48, "triton")  # a head width the kernel has no tile for
 
 

@@ -46,12 +46,12 @@ def autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention: sequences of up to 256 tokens through :func:`dres.ops.short_attention`
-    (which reads q, k, v from the qkv Linear's output in place), others through :func:`sdpa`, which picks
-    the SDPA backend per shape. ``backend`` follows the stack's (set by :func:`set_backend`): None takes
-    the kernel for bf16/fp16 CUDA tensors; "triton" for every dtype and device (on the CPU under
-    ``TRITON_INTERPRET=1``); "torch" keeps every shape on SDPA; short attention has no csrc kernel, so
-    "cuda" runs it as None does."""
+    """Multi-head self-attention: sequences of up to 128 tokens (256 with heads up to 32 wide) through
+    :func:`dres.ops.short_attention` (which reads q, k, v from the qkv Linear's output in place), others
+    through :func:`sdpa`, which picks the SDPA backend per shape. ``backend`` follows the stack's (set by
+    :func:`set_backend`): None takes the kernel for bf16/fp16 CUDA tensors; "triton" for every dtype and
+    device (on the CPU under ``TRITON_INTERPRET=1``); "torch" keeps every shape on SDPA; short attention has
+    no csrc kernel, so "cuda" runs it as None does."""
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, backend: Optional[str] = None):
         super().__init__()
@@ -71,14 +71,17 @@ class Attention(nn.Module):
 
 # dres.ops.short_attention packs several sequences of a head into one tile, where SDPA's kernels pad one
 # sequence per tile; measured faster up to 128 tokens (BENCHMARKS.md, "Attention backends"). Up to 256 tokens it
-# runs one sequence a program, faster than the models' SDPA path (permute copies included) at the ViT-B/16
-# decoder's 197 tokens. The head dims are the kernel's (dres.kernels.short_attention.HEAD_DIMS), written out so that building a
-# model imports no Triton.
-SHORT_ATTENTION_MAX_TOKENS, SHORT_ATTENTION_HEAD_DIMS = 256, (16, 32, 64, 128)
+# runs one sequence a program: faster than the models' SDPA path (permute copies included) with the 32-wide heads
+# of the ViT-B/16 decoder's 197 tokens, not yet measured with wider heads, which keep SDPA above 128 tokens.
+# The head dims are the kernel's (dres.kernels.short_attention.HEAD_DIMS), written out so that building a model
+# imports no Triton.
+SHORT_ATTENTION_MAX_TOKENS, SHORT_ATTENTION_HEAD_DIMS = 128, (16, 32, 64, 128)
+NARROW_HEADS_MAX_TOKENS, NARROW_HEAD_DIM = 256, 32
 
 
 def takes_short_attention(qkv: torch.Tensor, tokens: int, head_dim: int, backend: Optional[str]) -> bool:
-    if backend == "torch" or tokens > SHORT_ATTENTION_MAX_TOKENS or head_dim not in SHORT_ATTENTION_HEAD_DIMS:
+    max_tokens = NARROW_HEADS_MAX_TOKENS if head_dim <= NARROW_HEAD_DIM else SHORT_ATTENTION_MAX_TOKENS
+    if backend == "torch" or tokens > max_tokens or head_dim not in SHORT_ATTENTION_HEAD_DIMS:
         return False
     return backend == "triton" or (qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16))
 
