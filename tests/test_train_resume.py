@@ -107,8 +107,9 @@ def test_resuming_an_older_checkpoint_sets_the_later_branch_aside(tmp_path):
     assert sorted(p.name for p in aside.iterdir()) == ["step_00000004.pt", "step_00000006.pt"]
 
 
-def test_non_finite_loss_stops_with_clear_message_and_keeps_last_checkpoint(tmp_path):
-    trainer = _trainer(tmp_path, 8, ["ckpt.every=2", "log.every=1"])
+@pytest.mark.parametrize("log_every", [1, 2, 100])  # log steps between saves, at the saves, none before the end
+def test_non_finite_loss_stops_with_clear_message_and_keeps_last_checkpoint(tmp_path, log_every):
+    trainer = _trainer(tmp_path, 8, ["ckpt.every=2", f"log.every={log_every}"])
     trainer.fit(until=2)
     assert trainer.last_good is not None and trainer.last_good.name == "step_00000002.pt"
     real_loss = TASK.loss

@@ -564,13 +564,15 @@ class Trainer:
                     step_last = self.step
                 save = bool(cfg.ckpt.every and self.step % cfg.ckpt.every == 0) or last or stop
                 curve = bool(cfg.eval.every and (self.step % cfg.eval.every == 0 or last))
+                flag_read = False  # whether every rank's non-finite flag up to this step was read
                 if pending is not None and (save or curve):  # these wait for the GPU anyway
-                    stop = self._write_record(pending, runlog) or stop
-                    pending = None
+                    stop = self._write_record(pending, runlog) or stop  # this step's window, flag included
+                    pending, flag_read = None, True
                     save = save or stop
                 runlog.advance()
                 if save:
-                    self._check_finite()
+                    if not flag_read:
+                        self._check_finite()
                     self.save()
                 if stop:
                     raise Interrupted(self._stopped_message())
