@@ -10,8 +10,9 @@ tensors and leave out the layout copies a model pays around them).
 At CIFAR scale the sequences are short (17 visible tokens in the MAE encoder, 65 in its decoder);
 this says which backend wins at each shape against torch's own choice (cuDNN first on Hopper, what
 the trainer runs). Each backend's output and gradients are checked against the math backend in
-float32 first (a backend that cannot run a shape is recorded as unsupported). Timed by ``triton.testing.do_bench`` (median). Results merge into
-``<out>/<card>-attention.json`` and ``.md``.
+float32 first (a backend that cannot run a shape is recorded as unsupported). Each is timed as the median
+replay of its forward+backward captured in a CUDA graph (``measure.graph_median_us``: the GPU time alone, as
+the trainers replay their step). Results merge into ``<out>/<card>-attention.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def run_shape(where: str, shape: tuple, backends: list[str], card: str, env: dic
             print(f"{where:55s} {name:9s} unsupported", flush=True)
             continue
         err = max(((g.float() - w).abs().max() / w.abs().max().clamp_min(1e-6)).item() for g, w in zip(got, want))
-        us = measure.do_bench_median_us(run)
+        us = measure.graph_median_us(run)
         rec.update(supported=True, max_rel_err_vs_math_fp32=err, fwd_bwd_us=us)
         records.append(rec)
         print(f"{where:55s} {name:9s} {us:9.1f} us  (max rel err {err:.1e})", flush=True)
