@@ -56,7 +56,7 @@ def summarize(records: list[dict]) -> list[dict]:
         rows.append({"model": model, "mode": mode, "processes": len(rates), "images_per_s": rates,
                      "median": median, "min": min(rates), "max": max(rates),
                      "spread_pct": 100 * (max(rates) - min(rates)) / median,
-                     "host_issue_ms": [r.get("host_issue_ms") for r in recs],
+                     "gpu_busy_pct": [r.get("gpu_busy_pct") for r in recs],
                      "peak_mem_gib": statistics.median(r["peak_mem_gib"] for r in recs)})
     return rows
 
@@ -64,13 +64,13 @@ def summarize(records: list[dict]) -> list[dict]:
 def markdown(rows: list[dict], card: str, batch: int) -> list[str]:
     lines = [f"Compiled MAE ViT-B/16 step, batch {batch}, one process per measurement ({card})", "",
              "| model | mode | processes | median img/s | min | max | spread (max-min)/median | vs first model | "
-             "host ms to issue a step (per process) |",
+             "GPU busy % (per process) |",
              "|---|---|---|---|---|---|---|---|---|"]
     base = rows[0]["median"] if rows else None
     for r in rows:
-        host = ", ".join("–" if h is None else f"{h:.1f}" for h in r.get("host_issue_ms", []))
+        busy = ", ".join("–" if b is None else f"{b:.1f}" for b in r.get("gpu_busy_pct", []))
         lines.append(f"| {r['model']} | {r['mode']} | {r['processes']} | {r['median']:,.0f} | {r['min']:,.0f} | "
-                     f"{r['max']:,.0f} | {r['spread_pct']:.1f}% | {r['median'] / base:.3f} | {host} |")
+                     f"{r['max']:,.0f} | {r['spread_pct']:.1f}% | {r['median'] / base:.3f} | {busy} |")
     return lines
 
 
@@ -123,8 +123,8 @@ def main(argv=None) -> int:
                 continue
             rec["process"] = k
             records.append(rec)
-            host = f", host {rec['host_issue_ms']:.1f} ms to issue it" if rec.get("host_issue_ms") is not None else ""
-            print(f"process {k} {model} {mode}: {rec['images_per_s']:,.0f} img/s, step {rec['step_ms']:.2f} ms{host} "
+            busy = f", GPU busy {rec['gpu_busy_pct']:.1f}%" if rec.get("gpu_busy_pct") is not None else ""
+            print(f"process {k} {model} {mode}: {rec['images_per_s']:,.0f} img/s, step {rec['step_ms']:.2f} ms{busy} "
                   f"[{time.time() - t0:.0f} s]", flush=True)
             rows = summarize(records)
             measure.write_json_atomic(out / f"{card}-spread.json", {"card": card, "batch": args.batch, "rows": rows,

@@ -14,6 +14,7 @@ import os
 import re
 import statistics
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -224,6 +225,47 @@ def graph_median_us(step: Callable[[], object], warmup_ms: float = 5, rep_ms: fl
     us = do_bench_median_us(graph.replay, warmup_ms=warmup_ms, rep_ms=rep_ms)
     del graph, outs
     return us
+
+
+def union_us(intervals) -> float:
+    """Length of the union of ``(start, end)`` intervals: time the GPU ran anything, counting
+    overlapping kernels (compute beside NCCL on another stream) once."""
+    total, end = 0.0, None
+    for lo, hi in sorted(intervals):
+        if end is None or lo > end:
+            total += hi - lo
+            end = hi
+        elif hi > end:
+            total += hi - end
+            end = hi
+    return total
+
+
+def is_gpu_work(evt) -> bool:
+    """A profiler event that is a kernel, copy or memset: not the GPU-side span of a ``record_function`` range
+    (FSDP's hooks, ``Optimizer.step``), which lasts from its first to its last kernel, idle time included."""
+    return evt.device_type == torch.autograd.DeviceType.CUDA and not getattr(evt, "is_user_annotation", False)
+
+
+def gpu_busy_us(prof) -> float:
+    """Microseconds in which the GPU ran kernels or copies during ``prof`` (a finished ``torch.profiler.profile``)."""
+    return union_us((e.time_range.start, e.time_range.end) for e in prof.events() if is_gpu_work(e))
+
+
+def gpu_busy_pct(step: Callable[[], object], steps: int = 5) -> float:
+    """Percent of the wall time of ``steps`` back-to-back calls of ``step`` (warmed up by the caller) in which the
+    GPU ran kernels or copies: near 100 the step is GPU-bound; lower, the GPU waited for the host (the profiler's
+    own cost per launch included, so compare processes of one model rather than read it absolutely)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    return 100.0 * gpu_busy_us(prof) / wall_us
 
 
 def time_configs(time_config: Callable[[tuple], float], configs: Iterable[tuple],

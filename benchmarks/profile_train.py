@@ -72,26 +72,6 @@ def _device_time_us(evt) -> float:
     return 0.0
 
 
-def union_us(intervals) -> float:
-    """Length of the union of ``(start, end)`` intervals: time the GPU ran anything, counting
-    overlapping kernels (compute beside NCCL on another stream) once."""
-    total, end = 0.0, None
-    for lo, hi in sorted(intervals):
-        if end is None or lo > end:
-            total += hi - lo
-            end = hi
-        elif hi > end:
-            total += hi - end
-            end = hi
-    return total
-
-
-def _is_gpu_work(evt) -> bool:
-    """A kernel, copy or memset: not the GPU-side span of a ``record_function`` range (FSDP's hooks,
-    ``Optimizer.step``), which lasts from its first to its last kernel, idle time included."""
-    return evt.device_type == torch.autograd.DeviceType.CUDA and not getattr(evt, "is_user_annotation", False)
-
-
 TOP = 15
 PROFILE_KEY = ("card", "bench", "model", "mode", "batch", "dist", "world_size", "compile_scope", "overrides")
 
@@ -111,7 +91,7 @@ def profile_steps(step, steps: int, trace_path: Path | None) -> dict:
     by_cat: dict[str, float] = {}
     gpu_top, cpu_top = [], []
     for evt in prof.key_averages():
-        if _is_gpu_work(evt):
+        if measure.is_gpu_work(evt):
             t = _device_time_us(evt)
             if t > 0:
                 cat = categorize(evt.key)
@@ -119,7 +99,7 @@ def profile_steps(step, steps: int, trace_path: Path | None) -> dict:
                 gpu_top.append((t / steps, evt.count / steps, evt.key))
         elif evt.self_cpu_time_total > 0:
             cpu_top.append((evt.self_cpu_time_total / steps, evt.count / steps, evt.key))
-    busy = union_us((e.time_range.start, e.time_range.end) for e in prof.events() if _is_gpu_work(e)) / steps
+    busy = measure.gpu_busy_us(prof) / steps
     if trace_path is not None:
         prof.export_chrome_trace(str(trace_path))
     return {"wall_us_per_step": wall_us, "gpu_kernel_us_per_step": sum(by_cat.values()),

@@ -95,20 +95,6 @@ def first_training_step(bench: str, model: torch.nn.Module, x: torch.Tensor, com
         return step, "foreach"
 
 
-def host_issue_ms(step, repeats: int = 3) -> float:
-    """Median milliseconds the host takes to issue one step onto an idle GPU (synchronised before each, so no
-    wait for the launch queue is counted): the host's share of a step. A step whose GPU time is not well above
-    it runs at the edge of host-bound, and a slower host thread slows the step."""
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
 def warm_and_time(step, warmup: int, steps: int, t0: float) -> tuple[list[float], float, float]:
     """``(step milliseconds, warm-up seconds since t0, peak GiB)``: ``warmup`` - 1 more untimed steps
     after the first (compilation happens there), then ``steps`` timed ones with the peak memory reset."""
@@ -134,7 +120,7 @@ def run_one(bench: str, name: str, mode: str, batch: int, options: dict, *, step
     t0 = time.time()
     step, optimizer_kind = first_training_step(bench, model, images, compile_mode=mode)
     times, warm_s, peak = warm_and_time(step, warmup, steps, t0)
-    host_ms = host_issue_ms(step)
+    busy = measure.gpu_busy_pct(step)
     ms = statistics.median(times)
     ips = batch / (ms / 1e3)
     rec = {
@@ -143,7 +129,7 @@ def run_one(bench: str, name: str, mode: str, batch: int, options: dict, *, step
         "compile_scope": None if mode == "eager" else "model",
         "images_per_s": ips, "images_per_s_per_gpu": ips, "step_ms": ms,
         "step_ms_min": min(times), "step_ms_max": max(times), "steps": len(times), "warmup_s": warm_s,
-        "host_issue_ms": host_ms,
+        "gpu_busy_pct": busy,
         "peak_mem_gib": peak, "card": card, "torch": env["torch"], "triton": env["triton"],
         "date": measure.today(), "matmul_tflops": peak_tflops, "optimizer": optimizer_kind,
     }

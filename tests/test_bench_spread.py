@@ -31,15 +31,15 @@ def test_summary_gives_median_and_spread_per_model():
     assert any("| b | compile | 1 | 200 |" in line and "2.000 |" in line for line in table)
 
 
-def test_spread_summary_and_table_show_each_process_host_time():
-    recs = [{"model": "timm", "mode": "compile", "images_per_s": r, "peak_mem_gib": 13.4, "host_issue_ms": h}
-            for r, h in ((4445, 20.5), (4469, 21.0), (4457, None))]
-    recs += [{"model": "dres_baseline", "mode": "compile", "images_per_s": r, "peak_mem_gib": 13.1, "host_issue_ms": h}
-             for r, h in ((5230, 30.2), (5051, 47.9))]
+def test_spread_summary_and_table_show_each_process_gpu_busy():
+    recs = [{"model": "timm", "mode": "compile", "images_per_s": r, "peak_mem_gib": 13.4, "gpu_busy_pct": b}
+            for r, b in ((4445, 99.1), (4469, 99.4), (4457, None))]
+    recs += [{"model": "dres_baseline", "mode": "compile", "images_per_s": r, "peak_mem_gib": 13.1, "gpu_busy_pct": b}
+             for r, b in ((5230, 98.7), (5051, 95.2))]
     rows = bench_spread.summarize(recs)
     assert [r["model"] for r in rows] == ["timm", "dres_baseline"]
-    assert rows[0]["median"] == 4457 and rows[0]["host_issue_ms"] == [20.5, 21.0, None]
+    assert rows[0]["median"] == 4457 and rows[0]["gpu_busy_pct"] == [99.1, 99.4, None]
     assert abs(rows[1]["spread_pct"] - 100 * 179 / 5140.5) < 1e-9
     table = bench_spread.markdown(rows, "h100", 256)
-    assert table[-2].endswith("| 1.000 | 20.5, 21.0, – |")
-    assert table[-1].startswith("| dres_baseline | compile | 2 | 5,140 |") and table[-1].endswith("| 30.2, 47.9 |")
+    assert table[-2].endswith("| 1.000 | 99.1, 99.4, – |")
+    assert table[-1].startswith("| dres_baseline | compile | 2 | 5,140 |") and table[-1].endswith("| 98.7, 95.2 |")

@@ -426,12 +426,10 @@ def test_profile_train_groups_kernels_by_name():
 
 
 def test_profile_union_of_kernel_intervals():
-    from benchmarks import profile_train
-
     # overlapping compute and NCCL count once; a gap counts zero; an interval inside another adds nothing
-    assert profile_train.union_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
-    assert profile_train.union_us([]) == 0
-    assert profile_train.union_us(iter([(3, 4), (0, 1)])) == 2
+    assert measure.union_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25
+    assert measure.union_us([]) == 0
+    assert measure.union_us(iter([(3, 4), (0, 1)])) == 2
 
 
 def test_profile_train_rejects_models_of_another_benchmark(capsys):
@@ -706,14 +704,12 @@ def test_profile_counts_kernels_not_the_gpu_spans_of_annotated_ranges():
     its last kernel, idle time included: it is neither a kernel nor busy time."""
     from types import SimpleNamespace
 
-    from benchmarks import profile_train
-
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     kernel = SimpleNamespace(device_type=cuda, is_user_annotation=False)
     span = SimpleNamespace(device_type=cuda, is_user_annotation=True)
-    assert profile_train._is_gpu_work(kernel) and not profile_train._is_gpu_work(span)
-    assert not profile_train._is_gpu_work(SimpleNamespace(device_type=cpu, is_user_annotation=False))
-    assert profile_train._is_gpu_work(SimpleNamespace(device_type=cuda))  # a torch whose events lack the attribute
+    assert measure.is_gpu_work(kernel) and not measure.is_gpu_work(span)
+    assert not measure.is_gpu_work(SimpleNamespace(device_type=cpu, is_user_annotation=False))
+    assert measure.is_gpu_work(SimpleNamespace(device_type=cuda))  # a torch whose events lack the attribute
 
 
 def test_eager_launch_rounds_are_interleaved_and_recorded(tmp_path, capsys):
@@ -870,3 +866,12 @@ def test_graph_median_us_replays_the_captured_step():
     torch.testing.assert_close(out, a @ a)
     us = measure.graph_median_us(lambda: a @ a)
     assert 0 < us < 10_000
+
+
+@pytest.mark.gpu
+def test_gpu_busy_pct_of_back_to_back_kernels_is_high():
+    a = torch.randn(2048, 2048, device="cuda")
+    step = lambda: a @ a  # noqa: E731
+    step()
+    busy = measure.gpu_busy_pct(step, steps=20)
+    assert 50 < busy <= 100.5
