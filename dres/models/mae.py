@@ -15,7 +15,8 @@ Variants (docs/design.md, "Models"):
 * ``paper``: the paper's text. The baseline decoder input, and before decoder block k the k-th
   deepest skip (every other encoder block), scattered among its own mask tokens, is concatenated
   channel-wise with the stream and projected back, ``stream = Linear(cat(stream, skip))`` (U-ViT's
-  long-skip form).
+  long-skip form); under bf16 autocast that Linear's bf16 output is the decoder block's stream, as plain
+  PyTorch code carries it.
 
 Decay applies to the encoder only; decoder residuals keep alpha = 1. With ``alpha_min < 1`` (or
 ``zero_init=True``) the last Linear of every branch, encoder and decoder, starts at zero.
