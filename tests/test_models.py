@@ -313,7 +313,10 @@ def test_uvit_autocast_stream_dtypes_follow_the_plain_model():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, outs = model.run_blocks(model.tokens(x, t), collect=(0, 1, 2))
         got, want = model(x, t), plain_uvit(model, x, t)
+        features = model.features(x, t, block=2)
     assert [outs[k].dtype for k in range(3)] == [torch.float32, torch.float32, torch.bfloat16]
+    assert features.dtype == torch.float32  # pooled in float32 from the out-block's bf16 stream
+    torch.testing.assert_close(features, outs[2][:, model.extras:].float().mean(1))
     torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
     w = torch.randn_like(got, dtype=torch.float32)
 

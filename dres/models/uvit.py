@@ -136,12 +136,13 @@ class UViT(nn.Module):
     def features(self, x: torch.Tensor, timesteps: torch.Tensor, block: int, y: Optional[torch.Tensor] = None,
                  pool: str = "mean") -> torch.Tensor:
         """Features of the residual stream after ``block`` (0 .. num_blocks-1; in-blocks, mid, out-blocks):
-        the mean over patch tokens (``pool="mean"``) or the time token (``pool="time"``), (B, D)."""
+        the mean over patch tokens (``pool="mean"``) or the time token (``pool="time"``), (B, D), at least float32."""
         if not -self.num_blocks <= block < self.num_blocks:
             raise IndexError(f"block {block} out of range for {self.num_blocks} blocks")
         block %= self.num_blocks
         _, outputs = self.run_blocks(self.tokens(x, timesteps, y), collect=(block,))
         h = outputs[block]
+        h = h.to(torch.promote_types(h.dtype, torch.float32))  # an out-block's stream is bf16 under autocast
         if pool == "mean":
             return h[:, self.extras:].mean(dim=1)
         if pool == "time":
