@@ -252,10 +252,9 @@ def gpu_busy_us(prof) -> float:
     return union_us((e.time_range.start, e.time_range.end) for e in prof.events() if is_gpu_work(e))
 
 
-def gpu_busy_pct(step: Callable[[], object], steps: int = 5) -> float:
-    """Percent of the wall time of ``steps`` back-to-back calls of ``step`` (warmed up by the caller) in which the
-    GPU ran kernels or copies: near 100 the step is GPU-bound; lower, the GPU waited for the host (the profiler's
-    own cost per launch included, so compare processes of one model rather than read it absolutely)."""
+def profiled_steps(step: Callable[[], object], steps: int):
+    """``steps`` back-to-back calls of ``step`` (warmed up by the caller) under ``torch.profiler`` (CPU and CUDA
+    activity): ``(the finished profile, wall microseconds per step)``."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -264,8 +263,16 @@ def gpu_busy_pct(step: Callable[[], object], steps: int = 5) -> float:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
-        wall_us = (time.perf_counter() - t0) * 1e6
-    return 100.0 * gpu_busy_us(prof) / wall_us
+        wall_us = (time.perf_counter() - t0) * 1e6 / steps
+    return prof, wall_us
+
+
+def gpu_busy_pct(step: Callable[[], object], steps: int = 5) -> float:
+    """Percent of the wall time of ``steps`` back-to-back calls of ``step`` (warmed up by the caller) in which the
+    GPU ran kernels or copies: near 100 the step is GPU-bound; lower, the GPU waited for the host (the profiler's
+    own cost per launch included, so compare processes of one model rather than read it absolutely)."""
+    prof, wall_us = profiled_steps(step, steps)
+    return 100.0 * gpu_busy_us(prof) / steps / wall_us
 
 
 def time_configs(time_config: Callable[[tuple], float], configs: Iterable[tuple],

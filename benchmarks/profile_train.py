@@ -29,7 +29,6 @@ import argparse
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -79,15 +78,7 @@ PROFILE_KEY = ("card", "bench", "model", "mode", "batch", "dist", "world_size", 
 def profile_steps(step, steps: int, trace_path: Path | None) -> dict:
     """``torch.profiler`` over ``steps`` calls of ``step`` (warmed up by the caller): wall time, GPU
     kernel time by category, GPU busy/idle and the top kernels and CPU operators, per step."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        wall_us = (time.perf_counter() - t0) * 1e6 / steps
+    prof, wall_us = measure.profiled_steps(step, steps)
     by_cat: dict[str, float] = {}
     gpu_top, cpu_top = [], []
     for evt in prof.key_averages():
