@@ -13,7 +13,8 @@
 # csrc_tests: the suite again with the optional CUDA C++ extension built (sm_90 only; the default backend
 # then takes its kernels for eager calls), built into a temporary folder and removed afterwards.
 # trainers: each preset's trainer (one GPU, steady-state img/s and trainer / replay), each run cut at
-# TRAINER_TIMEOUT_S (default 150); model.backend=torch runs leave the norms to Inductor's own fused code;
+# TRAINER_TIMEOUT_S (default 150); model.backend=torch runs leave the norms to Inductor's own fused code, fused_mlp=false
+# runs the MLPs (auto: dres's fused MLP in the captured steps);
 # TRAINER_ROWS=REGEX runs only the rows (of both lists below) that match it; the --fp8 rows need torchao
 # (carried as a wheel). BASELINE=TGZ (a `git archive --format=tar.gz` of the commit to compare with) runs every
 # row from that tree too, just before this tree's, into $OUT/baseline: the two side by side in one call.
@@ -99,15 +100,19 @@ if want trainers; then
       --trainer-steps "$steps" --trainer-log-every "$every" $extra
   done < <(grep -E -- "${TRAINER_ROWS:-.}" <<'RUNS'
 mae_cifar10 1024 400 40
+mae_cifar10 1024 400 40 --set fused_mlp=false
 mae_cifar10 1024 400 40 --set model.backend=torch
 mae_cifar10 256 600 60
 classify_cifar10 256 600 60
 uvit_cifar10 128 600 60 --set eval.n_samples=8
+uvit_cifar10 128 600 60 --set eval.n_samples=8 --set fused_mlp=false
 uvit_cifar10 128 600 60 --set eval.n_samples=8 --set model.backend=torch
 mae_vit_b16_in1k 256 60 10 --set data.name=synthetic
 mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model
+mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model --set fused_mlp=false
 mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model --set model.backend=torch
 mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model --set model.variant=baseline --set model.alpha_min=1.0
+mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model --set model.variant=baseline --set model.alpha_min=1.0 --set fused_mlp=false
 mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model --set model.variant=baseline --set model.alpha_min=1.0 --set model.backend=torch
 mae_vit_b16_in1k 256 60 10 --set data.name=synthetic --set compile_scope=model --set model.variant=baseline --set model.alpha_min=1.0 --set data.side_stream=true
 mae_cifar10 1024 400 40 --set data.side_stream=true

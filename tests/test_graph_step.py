@@ -13,11 +13,12 @@ import time
 import pytest
 import torch
 
+from dres.nn import Mlp
 from dres.ops import csrc_backend
 from dres.train.config import ConfigError, build_config
 from dres.train.graph_step import (DDP_WARMUP_STEPS, GraphedStep, graph_plan, graph_warmup_steps, schedule_table,
                                    steady_timing, window_timing)
-from dres.train.loop import Trainer, lr_lambda
+from dres.train.loop import Trainer, fused_mlp_choice, lr_lambda
 
 CUDA = torch.device("cuda", 0)
 
@@ -140,6 +141,21 @@ def test_cpu_run_reports_no_replay_timing(tmp_path):
     assert summary["steps"] == 3 and not {"graph_gpu_ms_per_step", "trainer_vs_replay"} & set(summary)
 
 
+@pytest.mark.parametrize("setting,captured,want", [("auto", True, True), ("auto", False, None),
+                                                    ("true", False, True), ("false", True, False)])
+def test_fused_mlp_setting_picks_the_mlp_path(setting, captured, want):
+    assert fused_mlp_choice(setting, captured) is want
+
+
+@pytest.mark.parametrize("setting,want", [("auto", None), ("true", True), ("false", False)])
+def test_trainer_sets_every_mlp_to_the_fused_mlp_setting(tmp_path, setting, want):
+    # on the CPU nothing is captured: auto keeps the module's own rule (fused outside torch.compile)
+    cfg = build_config("mae", None, _TINY + ["device=cpu", "steps=1", f"fused_mlp={setting}", f"out={tmp_path}"])
+    trainer = Trainer(cfg, _task(), log=lambda m: None).setup()
+    mlps = [m for m in trainer.raw_model.modules() if isinstance(m, Mlp)]
+    assert len(mlps) == 3 and all(m.fused is want for m in mlps)  # 2 encoder blocks, 1 decoder block
+
+
 def test_cpu_trainer_runs_eagerly_and_says_why(tmp_path):
     cfg = build_config("mae", None, _TINY + ["device=cpu", "steps=2", f"out={tmp_path}"])
     lines = []
@@ -205,10 +221,12 @@ CASES = {
     "sgd": (["optim.name=sgd", "optim.lr=0.05", "optim.label_smoothing=0.1", "model.drop_path=0.2",
              "model.droppath_mode=residual_droppath"], "classify"),
     "sgd_fp16": (["optim.name=sgd", "optim.lr=0.05", "precision=fp16"], "classify"),
-    # the whole forward one compiled region, drop path's two parities included
+    # the whole forward one compiled region, drop path's two parities included; fused_mlp=true: the MLP path
+    # a captured compiled step takes (auto), in the eager run too
     "compiled_model": (["compile=true", "compile_scope=model", "model.drop_path=0.3",
-                        "model.droppath_mode=residual_droppath"], "mae"),
-    "compiled_model_classify": (["compile=true", "compile_scope=model", "optim.name=sgd", "optim.lr=0.05"], "classify"),
+                        "model.droppath_mode=residual_droppath", "fused_mlp=true"], "mae"),
+    "compiled_model_classify": (["compile=true", "compile_scope=model", "optim.name=sgd", "optim.lr=0.05",
+                                 "fused_mlp=true"], "classify"),
 }
 
 
@@ -258,6 +276,24 @@ def test_graphed_steps_match_eager_steps(tmp_path, case):
         assert graphed.scaler.get_scale() == eager.scaler.get_scale() < scaler_init  # the same skips and backoffs
         st = graphed.optimizer.state[next(iter(graphed.raw_model.parameters()))]["step"]
         assert st.item() == eager.optimizer.state[next(iter(eager.raw_model.parameters()))]["step"].item() < steps
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("task", ["mae", "classify"])
+def test_fused_mlp_in_a_captured_compiled_step_trains_as_inductors_mlp(tmp_path, task):
+    # auto takes the fused MLP in a captured compiled step: the same training as Inductor's MLP code up to
+    # bf16 rounding (the two round GELU's output to bf16 from the same fp32 values, in different kernels)
+    run = ["compile=true", "compile_scope=model", "cuda_graphs=true", "precision=bf16"]
+    auto = _fit(tmp_path / "auto", run, 9, task)
+    plain = _fit(tmp_path / "plain", run + ["fused_mlp=false"], 9, task)
+    assert auto.graphed.graph is not None and plain.graphed.graph is not None
+    assert all(m.fused is True for m in auto.raw_model.modules() if isinstance(m, Mlp))
+    assert all(m.fused is False for m in plain.raw_model.modules() if isinstance(m, Mlp))
+    a, p = _logged(auto, ["loss"]), _logged(plain, ["loss"])
+    assert torch.isfinite(a).all()
+    torch.testing.assert_close(a, p, rtol=2e-3, atol=1e-4)
+    for x, y in zip(_params(auto), _params(plain)):  # an optimizer step moves a weight ~lr at most: 9 steps
+        torch.testing.assert_close(x, y, rtol=0, atol=2 * 9 * auto.lr)
 
 
 @pytest.mark.gpu

@@ -182,6 +182,10 @@ class Config:
     compile_scope: str = "blocks"
     # capture the whole train step as one CUDA graph: auto (where supported) | true (capture or fail) | false
     cuda_graphs: str = "auto"
+    # the ViT MLPs through dres.ops.fused_mlp (GELU recomputed in the backward: one tokens x hidden activation
+    # fewer): auto (eager steps and captured ones; a compiled step that is not captured leaves the MLP to
+    # Inductor, since the opaque op costs host time there) | true | false
+    fused_mlp: str = "auto"
     act_ckpt: str = "none"    # none | full | selective
     dist: str = "none"        # none | ddp | fsdp
     fsdp_param_dtype: str = "bf16"  # bf16 | fp32 (mixed-precision policy of FSDP2)
@@ -205,7 +209,8 @@ class Config:
 
 CHOICES = {
     "task": TASKS, "precision": ("auto", "bf16", "fp16", "fp32"), "act_ckpt": ("none", "full", "selective"),
-    "cuda_graphs": ("auto", "true", "false"), "compile_scope": ("blocks", "model"),
+    "cuda_graphs": ("auto", "true", "false"), "fused_mlp": ("auto", "true", "false"),
+    "compile_scope": ("blocks", "model"),
     "dist": ("none", "ddp", "fsdp"), "fsdp_param_dtype": ("bf16", "fp32"),
     "fsdp_reshard": ("auto", "always", "except_last", "never"),
     "data.name": ("digits", "cifar10_wds", "wds", "imagefolder", "cifar_tv", "mnist_tv", "synthetic"),

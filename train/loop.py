@@ -33,7 +33,7 @@ import torch.nn as nn
 
 from dres.data import build_loader, lost_data_line
 from dres.models.flops import training_flops
-from dres.nn import set_backend
+from dres.nn import set_backend, set_fused_mlp
 from dres.train import checkpoint
 from dres.train import distributed
 from dres.train import rundir
@@ -91,6 +91,15 @@ def param_groups(model: nn.Module, weight_decay: float):
         else:
             decay.append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], names
+
+
+def fused_mlp_choice(setting: str, captured: bool) -> bool | None:
+    """The :class:`dres.nn.Mlp` path for the ``fused_mlp`` setting: True / False, or None (the module's own
+    rule: fused outside torch.compile). ``auto`` fuses a captured step even when it is compiled: the replay
+    has no host cost for the opaque op to add, and the op saves a (tokens x hidden) activation."""
+    if setting == "auto":
+        return True if captured else None
+    return setting == "true"
 
 
 def lr_lambda(total: int, warmup: int, schedule: str, min_ratio: float):
@@ -203,6 +212,7 @@ class Trainer:
         per_block = cfg.compile and cfg.compile_scope == "blocks"
         n_compiled = distributed.apply_compile(model) if per_block else 0
         graphs, why = graph_plan(cfg, self.device, self.precision, self.info.world)
+        set_fused_mlp(model, fused_mlp_choice(cfg.fused_mlp, captured=graphs and train))
         if graphs and train and cfg.model.backend is None:
             # capture takes the Triton kernels: the eager warm-up steps take them too, so that they compute
             # what the replays compute (the default picks the csrc kernels for eager calls when built)
