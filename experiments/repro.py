@@ -383,7 +383,9 @@ def make_record(arm: Arm, run_dir: Path, *, epochs: float, command: str, card: s
 
     summary = json.loads((run_dir / "summary.json").read_text())
     ev = summary.get("eval", {})
-    metrics = {k: v for k, v in ev.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    # the numbers, and U-ViT's probe grid (a list of {block, t, accuracies}) that the report tabulates
+    metrics = {k: v for k, v in ev.items()
+               if (isinstance(v, (int, float)) and not isinstance(v, bool)) or k == "probe_grid"}
     curves = read_points(run_dir / CURVES_JSONL) if (run_dir / CURVES_JSONL).exists() else []
     figs = records / "figs"
     artifacts = {}

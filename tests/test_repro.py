@@ -558,3 +558,14 @@ def test_probe_grid_tables_mark_the_best_cell():
     assert "| t | block 3 | block 6 |" in lines and "| 0.1 | 40.0 | **52.0** |" in lines and "| 0.3 | 31.0 | 45.0 |" in lines
     assert not any("C300" in ln or "a1.0" in ln for ln in lines)
     assert repro.probe_grid_lines({}, "B64-uvit") == []
+
+
+def test_record_keeps_the_probe_grid_and_the_numbers_of_the_evaluation(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    grid = [{"block": 3, "t": 0.1, "linear_probe_acc": 0.4, "knn_acc": 0.3}]
+    (run / "summary.json").write_text(json.dumps({"eval": {"probe_t0.1_knn_acc": 0.5, "probe_grid": grid,
+                                                           "samples_png": "/nowhere.png", "finite": True}}))
+    arm = next(a for a in repro.build_matrix() if a.name == "B64-uvit-a0.7-s0")
+    rec = repro.make_record(arm, run, epochs=64, command="c", card="card", commit="abc", records=tmp_path / "rec")
+    assert rec["metrics"] == {"probe_t0.1_knn_acc": 0.5, "probe_grid": grid}
