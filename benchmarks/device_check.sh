@@ -13,8 +13,8 @@
 # csrc_tests: the suite again with the optional CUDA C++ extension built (sm_90 only; the default backend
 # then takes its kernels for eager calls), built into a temporary folder and removed afterwards.
 # trainers: each preset's trainer (one GPU, steady-state img/s and trainer / replay), each run cut at
-# TRAINER_TIMEOUT_S (default 150); model.backend=torch runs leave the norms to Inductor's own fused code, fused_mlp=false
-# runs the MLPs (auto: dres's fused MLP in the captured steps);
+# TRAINER_TIMEOUT_S (default 150); model.backend=torch runs leave the norms to Inductor's own fused code, the fused_mlp
+# rows take the MLP path the preset does not (auto: dres's fused MLP in captured steps; mae_cifar10 sets false);
 # TRAINER_ROWS=REGEX runs only the rows (of both lists below) that match it; the --fp8 rows need torchao
 # (carried as a wheel). BASELINE=TGZ (a `git archive --format=tar.gz` of the commit to compare with) runs every
 # row from that tree too, just before this tree's, into $OUT/baseline: the two side by side in one call.
@@ -100,7 +100,7 @@ if want trainers; then
       --trainer-steps "$steps" --trainer-log-every "$every" $extra
   done < <(grep -E -- "${TRAINER_ROWS:-.}" <<'RUNS'
 mae_cifar10 1024 400 40
-mae_cifar10 1024 400 40 --set fused_mlp=false
+mae_cifar10 1024 400 40 --set fused_mlp=true
 mae_cifar10 1024 400 40 --set model.backend=torch
 mae_cifar10 256 600 60
 classify_cifar10 256 600 60
