@@ -16,8 +16,8 @@
 #               COMPILE_SCALING says), DDP and the trainer's FSDP2
 #   memory      (only when named in STAGES) the largest batch per GPU that trains on the most GPUs: the eager
 #               trainer of each MEMORY_PRESETS (default MAE ViT-L/16 and ViT-H/14), synthetic data, under DDP,
-#               DDP with activation checkpointing (act_ckpt=full) and FSDP2, MEMORY_BATCHES (default
-#               64,128,256,512) ascending until one fails
+#               and FSDP2 at MEMORY_BATCHES (default 128,256,512,768), DDP with activation checkpointing
+#               (act_ckpt=full) at MEMORY_CKPT_BATCHES (default 1024,2048,3072), ascending until one fails
 # Each stage gets at most its own cap and what is left of BUDGET_S (default 530 s), and is skipped when
 # too little is left; the tools write after every measurement, so a stage cut short keeps what it
 # measured (SIGINT: torchrun stops its workers). Under $OUT (at
@@ -107,12 +107,17 @@ stage trainer_profile 90 150 python3 -m benchmarks.profile_train --trainer mae_v
   --set data.synthetic_size=2048 --trace --out "$STAGE_DIR"
 stage compile 90 600 python3 -m benchmarks.bench_train --only mae --models "$MODELS" --modes compile \
   --scaling "$COMPILE_SCALING" --dist ddp,fsdp --steps 10 --warmup 4 --out "$STAGE_DIR"
+# memory_stage MAX_S BATCHES WRAPPING...: the synthetic set holds one global batch of the largest size (it lives on the GPU)
+memory_stage() {
+  local max=$1 batches=$2
+  shift 2
+  stage memory 60 "$max" python3 -m benchmarks.bench_train --trainer "$preset" --scaling "$MAXW" "$@" --modes eager \
+    --trainer-batches "$batches" --trainer-steps 12 --trainer-log-every 4 --set data.name=synthetic \
+    --set data.synthetic_size=$(( ${batches##*,} * MAXW )) --out "$STAGE_DIR"
+}
 for preset in ${MEMORY_PRESETS:-mae_vit_l16_in1k mae_vit_h14_in1k}; do
-  for wrapping in "--dist ddp,fsdp" "--dist ddp --set act_ckpt=full"; do
-    stage memory 60 300 python3 -m benchmarks.bench_train --trainer "$preset" --scaling "$MAXW" $wrapping --modes eager \
-      --trainer-batches "${MEMORY_BATCHES:-64,128,256,512}" --trainer-steps 12 --trainer-log-every 4 \
-      --set data.name=synthetic --set data.synthetic_size=8192 --out "$STAGE_DIR"
-  done
+  memory_stage 360 "${MEMORY_BATCHES:-128,256,512,768}" --dist ddp,fsdp
+  memory_stage 240 "${MEMORY_CKPT_BATCHES:-1024,2048,3072}" --dist ddp --set act_ckpt=full
 done
 
 [ -n "${DRY_RUN:-}" ] && exit 0

@@ -698,6 +698,17 @@ def test_multi_gpu_check_dry_run_fits_the_budget(tmp_path):
     assert "stage trainer (up to 110s)" in out and "--scaling 1,2 " in out  # the budget less the grace
     assert "SKIPPED" not in out  # dry runs take no time: compile still has the budget
     assert not (tmp_path / "out").exists()  # a dry run writes nothing
+    # the memory search: DDP and FSDP2, then DDP with activation checkpointing at larger batches; the synthetic
+    # set (on the GPU) holds one global batch of the largest size tried
+    env.update(NGPU="4", BUDGET_S="590", STAGES="memory", MEMORY_PRESETS="mae_vit_l16_in1k")
+    out = subprocess.run(["bash", str(repo / "benchmarks" / "multi_gpu_check.sh")], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    memory = [ln for ln in out.splitlines() if "] stage memory" in ln]
+    assert len(memory) == 2 and "(up to 360s)" in memory[0] and "(up to 240s)" in memory[1]
+    assert "--dist ddp,fsdp --modes eager --trainer-batches 128,256,512,768 " in memory[0]
+    assert "data.synthetic_size=3072 " in memory[0]
+    assert "--set act_ckpt=full --modes eager --trainer-batches 1024,2048,3072 " in memory[1]
+    assert "data.synthetic_size=12288 " in memory[1]
 
 
 def test_profile_counts_kernels_not_the_gpu_spans_of_annotated_ranges():
