@@ -112,7 +112,7 @@ memory_stage() {
   local max=$1 batches=$2
   shift 2
   stage memory 60 "$max" python3 -m benchmarks.bench_train --trainer "$preset" --scaling "$MAXW" "$@" --modes eager \
-    --trainer-batches "$batches" --trainer-steps 12 --trainer-log-every 4 --set data.name=synthetic \
+    --trainer-batches "$batches" --trainer-steps 24 --trainer-log-every 4 --set data.name=synthetic \
     --set data.synthetic_size=$(( ${batches##*,} * MAXW )) --out "$STAGE_DIR"
 }
 for preset in ${MEMORY_PRESETS:-mae_vit_l16_in1k mae_vit_h14_in1k}; do
