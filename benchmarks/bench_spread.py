@@ -8,8 +8,15 @@ over the processes.
 
 A fresh process re-runs everything that can differ between processes: Dynamo tracing, Inductor's
 code generation (or its cache), the CUDA caching allocator, kernel launches from a new host thread.
-``spread_pct`` = (max - min) / median of the per-process images/s. Results: ``<out>/<card>-spread.json``
-(every process's record) and ``.md`` (the table).
+``spread_pct`` = (max - min) / median of the per-process images/s.
+
+Each process also times the same step captured as one CUDA graph (``replay_ms``, the median replay:
+the GPU's time alone, no host launch or dispatch in it; ``train_step.replay_step_ms``), and the table
+gives the replay rate (batch / replay_ms) with its own median and spread, and per process its step
+time over its replay (``step / replay``). A process slow in its step but not in its replay lost its
+time on the host side (launches, dispatch: its step / replay is the higher); one slow in both, on the
+GPU side (the kernels themselves). Results: ``<out>/<card>-spread.json`` (every process's record) and
+``.md`` (the table).
 """
 
 from __future__ import annotations
@@ -45,7 +52,9 @@ def read_record(out: Path, model: str, mode: str) -> dict | None:
 
 
 def summarize(records: list[dict]) -> list[dict]:
-    """Per (model, mode): images/s of every process, their median, min, max and spread."""
+    """Per (model, mode): images/s of every process, their median, min, max and spread; every process's
+    replay ms and step / replay (None where it has none), and the median and spread of the replay rate
+    over the processes that have one (None if none has)."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for rec in records:
         groups.setdefault((rec["model"], rec["mode"]), []).append(rec)
@@ -53,10 +62,16 @@ def summarize(records: list[dict]) -> list[dict]:
     for (model, mode), recs in groups.items():
         rates = [r["images_per_s"] for r in recs]
         median = statistics.median(rates)
+        replay_rates = [r["batch"] / (r["replay_ms"] / 1e3) for r in recs if r.get("replay_ms")]
+        replay_median = statistics.median(replay_rates) if replay_rates else None
         rows.append({"model": model, "mode": mode, "processes": len(rates), "images_per_s": rates,
                      "median": median, "min": min(rates), "max": max(rates),
                      "spread_pct": 100 * (max(rates) - min(rates)) / median,
-                     "gpu_busy_pct": [r.get("gpu_busy_pct") for r in recs],
+                     "replay_ms": [r.get("replay_ms") for r in recs],
+                     "step_vs_replay": [r.get("step_vs_replay") for r in recs],
+                     "replay_median": replay_median,
+                     "replay_spread_pct": (100 * (max(replay_rates) - min(replay_rates)) / replay_median
+                                           if replay_rates else None),
                      "peak_mem_gib": statistics.median(r["peak_mem_gib"] for r in recs)})
     return rows
 
@@ -64,13 +79,16 @@ def summarize(records: list[dict]) -> list[dict]:
 def markdown(rows: list[dict], card: str, batch: int) -> list[str]:
     lines = [f"Compiled MAE ViT-B/16 step, batch {batch}, one process per measurement ({card})", "",
              "| model | mode | processes | median img/s | min | max | spread (max-min)/median | vs first model | "
-             "GPU busy % (per process) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "replay img/s median | replay spread | step / replay (per process) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = rows[0]["median"] if rows else None
     for r in rows:
-        busy = ", ".join("–" if b is None else f"{b:.1f}" for b in r.get("gpu_busy_pct", []))
+        replay = "–" if r.get("replay_median") is None else f"{r['replay_median']:,.0f}"
+        replay_spread = "–" if r.get("replay_spread_pct") is None else f"{r['replay_spread_pct']:.1f}%"
+        ratios = ", ".join("–" if v is None else f"{v:.3f}" for v in r.get("step_vs_replay", []))
         lines.append(f"| {r['model']} | {r['mode']} | {r['processes']} | {r['median']:,.0f} | {r['min']:,.0f} | "
-                     f"{r['max']:,.0f} | {r['spread_pct']:.1f}% | {r['median'] / base:.3f} | {busy} |")
+                     f"{r['max']:,.0f} | {r['spread_pct']:.1f}% | {r['median'] / base:.3f} | {replay} | "
+                     f"{replay_spread} | {ratios} |")
     return lines
 
 
@@ -123,9 +141,10 @@ def main(argv=None) -> int:
                 continue
             rec["process"] = k
             records.append(rec)
-            busy = f", GPU busy {rec['gpu_busy_pct']:.1f}%" if rec.get("gpu_busy_pct") is not None else ""
-            print(f"process {k} {model} {mode}: {rec['images_per_s']:,.0f} img/s, step {rec['step_ms']:.2f} ms{busy} "
-                  f"[{time.time() - t0:.0f} s]", flush=True)
+            replay = (f", replay {rec['replay_ms']:.2f} ms, step / replay {rec['step_vs_replay']:.3f}"
+                      if rec.get("replay_ms") is not None else "")
+            print(f"process {k} {model} {mode}: {rec['images_per_s']:,.0f} img/s, step {rec['step_ms']:.2f} ms"
+                  f"{replay} [{time.time() - t0:.0f} s]", flush=True)
             rows = summarize(records)
             measure.write_json_atomic(out / f"{card}-spread.json", {"card": card, "batch": args.batch, "rows": rows,
                                                                     "records": records, "failed": failed,

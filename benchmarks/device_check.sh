@@ -9,7 +9,9 @@
 # attention: SDPA's backends and dres.ops.short_attention at the presets' attention shapes (bench_attention),
 # then short_attention's launch configs at those shapes (tune_attention).
 # compiled: the compiled bare MAE ViT-B/16 step of dres against torch.compile of the plain model, each
-# in SPREAD_PROCESSES (default 3) fresh processes: median and spread (a slow or noisy path shows here).
+# in SPREAD_PROCESSES (default 3) fresh processes: median and spread (a slow or noisy path shows here), and
+# the same of the step's CUDA-graph replay with each process's step / replay (a slow process slow in its
+# replay too is slow on the GPU side; one slow only in its step, on the host side).
 # csrc_tests: the suite again with the optional CUDA C++ extension built (sm_90 only; the default backend
 # then takes its kernels for eager calls), built into a temporary folder and removed afterwards.
 # trainers: each preset's trainer (one GPU, steady-state img/s and trainer / replay), each run cut at

@@ -201,16 +201,19 @@ def do_bench_median_us(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: 
     return float(ms) * 1e3
 
 
-def capture_graph(step: Callable):
+def capture_graph(step: Callable, before_capture: Callable[[], object] | None = None):
     """Capture ``step`` (fwd or fwd+bwd) in a CUDA graph after warming it on a side stream, as the
     PyTorch CUDA-graph docs prescribe; returns the graph and the captured outputs (kept alive so the
-    graph's memory stays valid)."""
+    graph's memory stays valid). ``before_capture`` runs between the warm-up and the capture (a whole
+    training step sets its gradients to None there, so backward allocates them in the graph's pool)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(3):
             step()
     torch.cuda.current_stream().wait_stream(s)
+    if before_capture is not None:
+        before_capture()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = step()
@@ -218,10 +221,12 @@ def capture_graph(step: Callable):
     return graph, outs
 
 
-def graph_median_us(step: Callable[[], object], warmup_ms: float = 5, rep_ms: float = 30) -> float:
+def graph_median_us(step: Callable[[], object], warmup_ms: float = 5, rep_ms: float = 30,
+                    before_capture: Callable[[], object] | None = None) -> float:
     """Median microseconds of ``step`` replayed as a captured CUDA graph (:func:`do_bench_median_us` of the
-    replay): the GPU time alone, as the trainers replay their step, whatever the host's launch cost or load."""
-    graph, outs = capture_graph(step)
+    replay): the GPU time alone, as the trainers replay their step, whatever the host's launch cost or load.
+    ``before_capture``: as in :func:`capture_graph`."""
+    graph, outs = capture_graph(step, before_capture)
     us = do_bench_median_us(graph.replay, warmup_ms=warmup_ms, rep_ms=rep_ms)
     del graph, outs
     return us
@@ -265,14 +270,6 @@ def profiled_steps(step: Callable[[], object], steps: int):
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - t0) * 1e6 / steps
     return prof, wall_us
-
-
-def gpu_busy_pct(step: Callable[[], object], steps: int = 5) -> float:
-    """Percent of the wall time of ``steps`` back-to-back calls of ``step`` (warmed up by the caller) in which the
-    GPU ran kernels or copies: near 100 the step is GPU-bound; lower, the GPU waited for the host (the profiler's
-    own cost per launch included, so compare processes of one model rather than read it absolutely)."""
-    prof, wall_us = profiled_steps(step, steps)
-    return 100.0 * gpu_busy_us(prof) / steps / wall_us
 
 
 def time_configs(time_config: Callable[[tuple], float], configs: Iterable[tuple],

@@ -3,7 +3,9 @@ autocast, on synthetic data already on the GPU (the data pipeline is not measure
 events after a warm-up that also absorbs torch.compile's compilation. Images/s = batch / median step
 time; peak memory is ``torch.cuda.max_memory_allocated`` over the timed steps; FLOPs per step come
 from ``torch.utils.flop_counter.FlopCounterMode`` on one eager forward+backward, and model FLOP
-utilisation divides the achieved rate by the bf16 matmul rate measured in the same run.
+utilisation divides the achieved rate by the bf16 matmul rate measured in the same run. The same step
+captured as one CUDA graph and replayed gives its GPU time alone (``replay_ms``): against it, the
+launched step's time shows what the host adds (``step_vs_replay``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+import warnings
 
 import torch
 
@@ -30,11 +33,12 @@ def compile_for(model: torch.nn.Module, mode: str):
     return model
 
 
-def make_optimizer(model, fused: bool = True):
-    # MAE's recipe (AdamW 0.9/0.95, wd 0.05), fused; the hyper-parameters do not change the cost of a step
+def make_optimizer(model, fused: bool = True, *, capturable: bool = False):
+    # MAE's recipe (AdamW 0.9/0.95, wd 0.05), fused; the hyper-parameters do not change the cost of a step.
+    # capturable: the step will be captured in a CUDA graph (the step count and its arithmetic stay on the GPU)
     params = [p for p in model.parameters() if p.requires_grad]
     kind = {"fused": True} if fused else {"foreach": True}
-    return torch.optim.AdamW(params, lr=1.5e-4, betas=(0.9, 0.95), weight_decay=0.05, **kind)
+    return torch.optim.AdamW(params, lr=1.5e-4, betas=(0.9, 0.95), weight_decay=0.05, capturable=capturable, **kind)
 
 
 def count_flops(bench: str, model, x) -> int:
@@ -71,7 +75,7 @@ def first_training_step(bench: str, model: torch.nn.Module, x: torch.Tensor, com
                         sharded: bool = False):
     """``(step, optimizer kind)`` after running the first step: ``step()`` is one bf16-autocast
     forward + backward + fused AdamW step + zero_grad of ``model`` (wrapped by ``compile_for(model,
-    compile_mode)``; "eager" when its blocks were compiled already) on ``x``. When ``sharded``
+    compile_mode)``; "eager" when it or its blocks were compiled already) on ``x``. When ``sharded``
     (FSDP2) and this torch's fused AdamW rejects DTensor parameters, the step falls back to the
     foreach kernel, the next fastest; the kind says which runs."""
     fwd = compile_for(model, compile_mode)
@@ -107,10 +111,41 @@ def warm_and_time(step, warmup: int, steps: int, t0: float) -> tuple[list[float]
     return times, warm_s, torch.cuda.max_memory_allocated() / 2**30
 
 
+def capturable_step(bench: str, model_fwd, model: torch.nn.Module, x: torch.Tensor):
+    """``step()`` in the form PyTorch's whole-network capture takes: bf16-autocast forward through
+    ``model_fwd`` (the callable the timed step runs, compiled or not: no second compile), backward, and
+    the step of a second fused AdamW on ``model``'s parameters built ``capturable``. No zero_grad: the
+    gradients are set to None once before the capture, so each replay's backward writes them afresh
+    into the graph's memory, as the timed step's backward does after its zero_grad."""
+    opt = make_optimizer(model, capturable=True)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = loss_fn(bench, model_fwd, x)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def replay_step_ms(bench: str, model_fwd, model: torch.nn.Module, x: torch.Tensor, rep_ms: float = 1000) -> float:
+    """Median milliseconds of a replay of :func:`capturable_step` captured as one CUDA graph: the step's
+    GPU time alone, no host launch or dispatch in it. ``rep_ms`` of replays are timed (about 20 of a
+    ViT-B/16 step; ``graph_median_us``'s default, made for kernels, would time one). The replays update
+    ``model``'s parameters; the graph, its gradients and the second optimizer are freed on return."""
+    try:
+        with warnings.catch_warnings():  # the capturable optimizer's eager warm-up steps are deliberate
+            warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
+            return measure.graph_median_us(capturable_step(bench, model_fwd, model, x), rep_ms=rep_ms,
+                                           before_capture=lambda: model.zero_grad(set_to_none=True)) / 1e3
+    finally:
+        model.zero_grad(set_to_none=True)  # the gradients live in the graph's memory pool
+
+
 def run_one(bench: str, name: str, mode: str, batch: int, options: dict, *, steps: int, warmup: int, flops: bool,
             env: dict, card: str, peak_tflops: float) -> dict:
     """Images/s, peak memory, FLOPs (when ``flops``) and MFU of one (model with ``options``, mode,
-    batch) on one GPU, unwrapped."""
+    batch) on one GPU, unwrapped; and the GPU time of the same step replayed as a CUDA graph."""
     device = torch.device("cuda")
     torch._dynamo.reset()
     free_memory()
@@ -118,13 +153,14 @@ def run_one(bench: str, name: str, mode: str, batch: int, options: dict, *, step
     images = make_batch(bench, batch, device)
     flops = count_flops(bench, model, images) if flops else None
     t0 = time.time()
-    step, optimizer_kind = first_training_step(bench, model, images, compile_mode=mode)
+    fwd = compile_for(model, mode)  # compiled once: the timed step and its replay run the same code
+    step, optimizer_kind = first_training_step(bench, fwd, images)
     times, warm_s, peak = warm_and_time(step, warmup, steps, t0)
     try:
-        busy = measure.gpu_busy_pct(step)
-    except RuntimeError as e:  # the profiler unavailable (CUPTI held elsewhere): the figure is a probe, not the row
-        print(f"  gpu_busy_pct not measured: {str(e).splitlines()[0][:120]}", flush=True)
-        busy = None
+        replay_ms = replay_step_ms(bench, fwd, model, images)
+    except RuntimeError as e:  # the capture failed (a host sync in the step, ...): the figure is a probe, not the row
+        print(f"  replay_ms not measured: {str(e).splitlines()[0][:120]}", flush=True)
+        replay_ms = None
     ms = statistics.median(times)
     ips = batch / (ms / 1e3)
     rec = {
@@ -133,7 +169,7 @@ def run_one(bench: str, name: str, mode: str, batch: int, options: dict, *, step
         "compile_scope": None if mode == "eager" else "model",
         "images_per_s": ips, "images_per_s_per_gpu": ips, "step_ms": ms,
         "step_ms_min": min(times), "step_ms_max": max(times), "steps": len(times), "warmup_s": warm_s,
-        "gpu_busy_pct": busy,
+        "replay_ms": replay_ms, "step_vs_replay": ms / replay_ms if replay_ms else None,
         "peak_mem_gib": peak, "card": card, "torch": env["torch"], "triton": env["triton"],
         "date": measure.today(), "matmul_tflops": peak_tflops, "optimizer": optimizer_kind,
     }
@@ -142,6 +178,6 @@ def run_one(bench: str, name: str, mode: str, batch: int, options: dict, *, step
         rec["gflop_per_image"] = flops / batch / 1e9
         rec["achieved_tflops"] = flops / (ms / 1e3) / 1e12
         rec["mfu_pct"] = 100 * rec["achieved_tflops"] / peak_tflops if peak_tflops else None
-    del model, step, images
+    del model, fwd, step, images
     free_memory()
     return rec

@@ -31,15 +31,32 @@ def test_summary_gives_median_and_spread_per_model():
     assert any("| b | compile | 1 | 200 |" in line and "2.000 |" in line for line in table)
 
 
-def test_spread_summary_and_table_show_each_process_gpu_busy():
-    recs = [{"model": "timm", "mode": "compile", "images_per_s": r, "peak_mem_gib": 13.4, "gpu_busy_pct": b}
-            for r, b in ((4445, 99.1), (4469, 99.4), (4457, None))]
-    recs += [{"model": "dres_baseline", "mode": "compile", "images_per_s": r, "peak_mem_gib": 13.1, "gpu_busy_pct": b}
-             for r, b in ((5230, 98.7), (5051, 95.2))]
+def test_spread_summary_and_table_show_the_replay_of_each_process():
+    # batch 256: replay 50 ms = 5,120 img/s; the third timm process has no replay (its capture failed)
+    recs = [{"model": "timm", "mode": "compile", "batch": 256, "images_per_s": r, "peak_mem_gib": 13.4,
+             "replay_ms": ms, "step_vs_replay": v} for r, ms, v in ((4445, 50.0, 1.152), (4469, 51.2, 1.119),
+                                                                   (4457, None, None))]
+    recs += [{"model": "dres_baseline", "mode": "compile", "batch": 256, "images_per_s": r, "peak_mem_gib": 13.1,
+              "replay_ms": ms, "step_vs_replay": v} for r, ms, v in ((5230, 48.0, 1.021), (5051, 48.0, 1.057))]
     rows = bench_spread.summarize(recs)
     assert [r["model"] for r in rows] == ["timm", "dres_baseline"]
-    assert rows[0]["median"] == 4457 and rows[0]["gpu_busy_pct"] == [99.1, 99.4, None]
+    assert rows[0]["median"] == 4457 and rows[0]["replay_ms"] == [50.0, 51.2, None]
+    assert rows[0]["step_vs_replay"] == [1.152, 1.119, None]
+    assert rows[0]["replay_median"] == (5120 + 5000) / 2  # of the two processes with a replay
+    assert abs(rows[0]["replay_spread_pct"] - 100 * 120 / 5060) < 1e-9
+    assert rows[1]["replay_median"] == 256 / 0.048 and rows[1]["replay_spread_pct"] == 0.0
     assert abs(rows[1]["spread_pct"] - 100 * 179 / 5140.5) < 1e-9
     table = bench_spread.markdown(rows, "h100", 256)
-    assert table[-2].endswith("| 1.000 | 99.1, 99.4, – |")
-    assert table[-1].startswith("| dres_baseline | compile | 2 | 5,140 |") and table[-1].endswith("| 98.7, 95.2 |")
+    assert "| replay img/s median | replay spread | step / replay (per process) |" in table[2]
+    assert table[3].count("---") == table[2].count("|") - 1
+    assert table[-2].endswith("| 1.000 | 5,060 | 2.4% | 1.152, 1.119, – |")
+    assert table[-1].startswith("| dres_baseline | compile | 2 | 5,140 |")
+    assert table[-1].endswith("| 5,333 | 0.0% | 1.021, 1.057 |")
+
+
+def test_spread_table_without_any_replay():
+    recs = [{"model": "timm", "mode": "compile", "batch": 256, "images_per_s": r, "peak_mem_gib": 13.4,
+             "replay_ms": None, "step_vs_replay": None} for r in (4445, 4469)]
+    rows = bench_spread.summarize(recs)
+    assert rows[0]["replay_median"] is None and rows[0]["replay_spread_pct"] is None
+    assert bench_spread.markdown(rows, "h100", 256)[-1].endswith("| 1.000 | – | – | –, – |")
