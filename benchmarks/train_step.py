@@ -156,8 +156,8 @@ def run_one(bench: str, name: str, mode: str, batch: int, options: dict, *, step
     fwd = compile_for(model, mode)  # compiled once: the timed step and its replay run the same code
     step, optimizer_kind = first_training_step(bench, fwd, images)
     times, warm_s, peak = warm_and_time(step, warmup, steps, t0)
-    try:
-        replay_ms = replay_step_ms(bench, fwd, model, images)
+    try:  # reduce-overhead mode replays its own CUDA graphs already: they cannot be captured in another
+        replay_ms = replay_step_ms(bench, fwd, model, images) if mode != "compile_graphs" else None
     except RuntimeError as e:  # the capture failed (a host sync in the step, ...): the figure is a probe, not the row
         print(f"  replay_ms not measured: {str(e).splitlines()[0][:120]}", flush=True)
         replay_ms = None
