@@ -15,7 +15,7 @@
 # csrc_tests: the suite again with the optional CUDA C++ extension built (sm_90 only; the default backend
 # then takes its kernels for eager calls), built into a temporary folder and removed afterwards.
 # trainers: each preset's trainer (one GPU, steady-state img/s and trainer / replay), each run cut at
-# TRAINER_TIMEOUT_S (default 150); model.backend=torch runs leave the norms to Inductor's own fused code, the fused_mlp
+# TRAINER_TIMEOUT_S (default 300: a fresh machine compiles cold); model.backend=torch runs leave the norms to Inductor's own fused code, the fused_mlp
 # rows take the MLP path the preset does not (auto: dres's fused MLP in captured steps; mae_cifar10 sets false);
 # TRAINER_ROWS=REGEX runs only the rows (of both lists below) that match it; the --fp8 rows need torchao
 # (carried as a wheel). BASELINE=TGZ (a `git archive --format=tar.gz` of the commit to compare with) runs every
@@ -74,7 +74,7 @@ if want compiled; then
 fi
 
 if want trainers; then
-  T=${TRAINER_TIMEOUT_S:-150}
+  T=${TRAINER_TIMEOUT_S:-300}
   base_tree=""
   if [ -n "${BASELINE:-}" ]; then
     # the tree to compare with (`git archive --format=tar.gz -o base.tgz COMMIT`, carried), installed into a
