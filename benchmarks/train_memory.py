@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.train_models import build_model, loss_fn, make_batch
-from benchmarks.train_step import free_memory, make_optimizer
+from benchmarks.train_models import build_model, make_batch
+from benchmarks.train_step import forward_backward, free_memory, make_optimizer
 
 
 def apply_checkpointing(model: torch.nn.Module) -> int:
@@ -45,12 +45,9 @@ def fits(bench: str, name: str, batch: int, checkpointing: bool, options: dict) 
         opt = make_optimizer(model)
         x = make_batch(bench, batch, device)
         for _ in range(2):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = loss_fn(bench, model, x)
-            loss.backward()
+            forward_backward(bench, model, x)
             opt.step()
             opt.zero_grad(set_to_none=True)
-            del loss
         torch.cuda.synchronize()
         return True
     except torch.cuda.OutOfMemoryError:

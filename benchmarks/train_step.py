@@ -46,9 +46,7 @@ def count_flops(bench: str, model, x) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as fc:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_fn(bench, model, x)
-        loss.backward()
+        forward_backward(bench, model, x)
     model.zero_grad(set_to_none=True)
     return int(fc.get_total_flops())
 
@@ -71,20 +69,22 @@ def time_steps(step, steps: int) -> list[float]:
     return [start.elapsed_time(end) for start, end in events]
 
 
-def first_training_step(bench: str, model: torch.nn.Module, x: torch.Tensor, compile_mode: str = "eager",
-                        sharded: bool = False):
-    """``(step, optimizer kind)`` after running the first step: ``step()`` is one bf16-autocast
-    forward + backward + fused AdamW step + zero_grad of ``model`` (wrapped by ``compile_for(model,
-    compile_mode)``; "eager" when it or its blocks were compiled already) on ``x``. When ``sharded``
-    (FSDP2) and this torch's fused AdamW rejects DTensor parameters, the step falls back to the
-    foreach kernel, the next fastest; the kind says which runs."""
-    fwd = compile_for(model, compile_mode)
+def forward_backward(bench: str, model_fwd, x: torch.Tensor) -> None:
+    """One bf16-autocast forward of ``model_fwd`` on ``x`` and the backward of its loss."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = loss_fn(bench, model_fwd, x)
+    loss.backward()
+
+
+def first_training_step(bench: str, model: torch.nn.Module, x: torch.Tensor, sharded: bool = False):
+    """``(step, optimizer kind)`` after running the first step: ``step()`` is :func:`forward_backward` +
+    fused AdamW step + zero_grad of ``model`` (as given: compiled or wrapped already, or not) on ``x``.
+    When ``sharded`` (FSDP2) and this torch's fused AdamW rejects DTensor parameters, the step falls back
+    to the foreach kernel, the next fastest; the kind says which runs."""
     opt = make_optimizer(model)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_fn(bench, fwd, x)
-        loss.backward()
+        forward_backward(bench, model, x)
         opt.step()  # `opt` is looked up at call time, so the fallback below is used
         opt.zero_grad(set_to_none=True)
 
@@ -112,17 +112,15 @@ def warm_and_time(step, warmup: int, steps: int, t0: float) -> tuple[list[float]
 
 
 def capturable_step(bench: str, model_fwd, model: torch.nn.Module, x: torch.Tensor):
-    """``step()`` in the form PyTorch's whole-network capture takes: bf16-autocast forward through
-    ``model_fwd`` (the callable the timed step runs, compiled or not: no second compile), backward, and
+    """``step()`` in the form PyTorch's whole-network capture takes: :func:`forward_backward` through
+    ``model_fwd`` (the callable the timed step runs, compiled or not: no second compile), and
     the step of a second fused AdamW on ``model``'s parameters built ``capturable``. No zero_grad: the
     gradients are set to None once before the capture, so each replay's backward writes them afresh
     into the graph's memory, as the timed step's backward does after its zero_grad."""
     opt = make_optimizer(model, capturable=True)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_fn(bench, model_fwd, x)
-        loss.backward()
+        forward_backward(bench, model_fwd, x)
         opt.step()
 
     return step
