@@ -107,17 +107,18 @@ stage trainer_profile 90 150 python3 -m benchmarks.profile_train --trainer mae_v
   --set data.synthetic_size=2048 --trace --out "$STAGE_DIR"
 stage compile 90 600 python3 -m benchmarks.bench_train --only mae --models "$MODELS" --modes compile \
   --scaling "$COMPILE_SCALING" --dist ddp,fsdp --steps 10 --warmup 4 --out "$STAGE_DIR"
-# memory_stage MAX_S BATCHES WRAPPING...: the synthetic set holds one global batch of the largest size (it lives on the GPU)
+# memory_stage PRESET MAX_S BATCHES WRAPPING...: BATCHES ascending; the synthetic set holds one global batch of the
+# largest (it lives on the GPU)
 memory_stage() {
-  local max=$1 batches=$2
-  shift 2
+  local preset=$1 max=$2 batches=$3
+  shift 3
   stage memory 60 "$max" python3 -m benchmarks.bench_train --trainer "$preset" --scaling "$MAXW" "$@" --modes eager \
     --trainer-batches "$batches" --trainer-steps 24 --trainer-log-every 4 --set data.name=synthetic \
     --set data.synthetic_size=$(( ${batches##*,} * MAXW )) --out "$STAGE_DIR"
 }
 for preset in ${MEMORY_PRESETS:-mae_vit_l16_in1k mae_vit_h14_in1k}; do
-  memory_stage 360 "${MEMORY_BATCHES:-128,256,512,768}" --dist ddp,fsdp
-  memory_stage 240 "${MEMORY_CKPT_BATCHES:-1024,2048,3072}" --dist ddp --set act_ckpt=full
+  memory_stage "$preset" 360 "${MEMORY_BATCHES:-128,256,512,768}" --dist ddp,fsdp
+  memory_stage "$preset" 240 "${MEMORY_CKPT_BATCHES:-1024,2048,3072}" --dist ddp --set act_ckpt=full
 done
 
 [ -n "${DRY_RUN:-}" ] && exit 0
