@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list of {', '.join(BACKENDS)}")
     p.add_argument("--out", default=measure.default_out("attention"),
-                   help="record folder (default: benchmarks/records/<machine>-<today>-attention)")
+                   help="record folder (default: records/benchmarks/<machine>-<today>-attention)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     args = p.parse_args(argv)
     backends = [b for b in args.backends.split(",") if b]

@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default="fused_mlp,mae_loss", help="comma list of fused_mlp, mae_loss")
     p.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
     p.add_argument("--out", default=measure.default_out("branch-ops"),
-                   help="record folder (default: benchmarks/records/<machine>-<today>-branch-ops)")
+                   help="record folder (default: records/benchmarks/<machine>-<today>-branch-ops)")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=float, default=100, help="do_bench repetition time, ms")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")

@@ -525,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(default 12800x768; 'none' to skip)")
     p.add_argument("--quick", action="store_true", help="small set, < 2 minutes on an H100")
     p.add_argument("--out", default=measure.default_out("kernels"),
-                   help="record folder (default: benchmarks/records/<machine>-<today>-kernels)")
+                   help="record folder (default: records/benchmarks/<machine>-<today>-kernels)")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=float, default=100, help="do_bench repetition time, ms")
     p.add_argument("--max-minutes", type=float, default=None,

@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     p.add_argument("--train-steps", type=int, default=20)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=measure.default_out("residual-act"),
-                   help="record folder (default: benchmarks/records/<machine>-<today>-residual-act)")
+                   help="record folder (default: records/benchmarks/<machine>-<today>-residual-act)")
     p.add_argument("--dry-run", action="store_true")
     a = p.parse_args(argv)
     shapes = parse_shapes(a.shapes, a.batch)

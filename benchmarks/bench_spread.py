@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=30, help="timed steps per process (median)")
     p.add_argument("--warmup", type=int, default=8, help="untimed steps per process (compilation happens here)")
     p.add_argument("--timeout-s", type=float, default=300, help="limit for one process")
-    p.add_argument("--out", help="results folder (default: benchmarks/records/<machine>-<today>-compiled-step-spread)")
+    p.add_argument("--out", help="results folder (default: records/benchmarks/<machine>-<today>-compiled-step-spread)")
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     args = p.parse_args(argv)
     if args.processes < 1:

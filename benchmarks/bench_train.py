@@ -13,7 +13,7 @@ train_memory, train_distributed, trainer_runs and train_report).
     python -m benchmarks.bench_train --dry-run                           # the plan, no GPU needed
 
 Results merge into ``<out>/<card>-train.json`` (+ ``.md``); ``--out`` defaults to a new record folder
-``benchmarks/records/<machine>-<today>-train`` (benchmarks/records/README.md).
+``records/benchmarks/<machine>-<today>-train`` (records/README.md).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--trainer: log interval; the first interval (warm-up) is left out of the rate")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="--trainer: a config override for every run, e.g. data.name=synthetic")
-    p.add_argument("--out", help="record folder (default: benchmarks/records/<machine>-<today>-train)")
+    p.add_argument("--out", help="record folder (default: records/benchmarks/<machine>-<today>-train)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     return p
 

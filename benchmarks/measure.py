@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RECORDS_DIR = REPO_ROOT / "benchmarks" / "records"
+RECORDS_DIR = REPO_ROOT / "records" / "benchmarks"
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -47,7 +47,7 @@ def card_name(device: int | None = None) -> str:
 
 def machine_name() -> str:
     """The record folders' card word: ``h100`` for one H100 80GB HBM3, ``h100x2`` for a host of two,
-    ``cpu`` without a GPU (benchmarks/records/README.md)."""
+    ``cpu`` without a GPU (records/README.md)."""
     if not torch.cuda.is_available():
         return "cpu"
     count = torch.cuda.device_count()
@@ -55,7 +55,7 @@ def machine_name() -> str:
 
 
 def default_out(what: str) -> str:
-    """The record folder of a run without ``--out``: ``benchmarks/records/<machine>-<today>-<what>``."""
+    """The record folder of a run without ``--out``: ``records/benchmarks/<machine>-<today>-<what>``."""
     return str(RECORDS_DIR / f"{machine_name()}-{today()}-{what}")
 
 

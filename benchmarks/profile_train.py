@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="with --trainer: a config override (repeatable), e.g. cuda_graphs=false")
     p.add_argument("--out", default=measure.default_out("profile"),
-                   help="record folder (default: benchmarks/records/<machine>-<today>-profile)")
+                   help="record folder (default: records/benchmarks/<machine>-<today>-profile)")
     args = p.parse_args(argv)
     if args.overrides and not args.trainer:
         p.error("--set: only with --trainer")

@@ -4,7 +4,7 @@
     python -m benchmarks.split_tests --procs 3 --show   # with each group's expected seconds
 
 A file's weight is its tests' time (skipped ones excluded) in the newest JUnit report of the GPU suite that
-ran it, among the records (``benchmarks/records/<card>-<YYYY-MM-DD>-<what>/**/junit.xml``, newest by the
+ran it, among the records (``records/benchmarks/<card>-<YYYY-MM-DD>-<what>/**/junit.xml``, newest by the
 date in the folder name); a file no report has (no GPU test, or a new file) weighs nothing and goes to
 the lightest group. Groups are filled greedily, heaviest file first, into the lightest group (the
 longest-processing-time rule), and each group lists its files in the tests folder's order.
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--procs", type=int, required=True, help="number of groups (pytest processes)")
     p.add_argument("--tests", default="tests", help="the tests folder (its test_*.py files are split)")
-    p.add_argument("--records", default=str(REPO_ROOT / "benchmarks" / "records"),
+    p.add_argument("--records", default=str(REPO_ROOT / "records" / "benchmarks"),
                    help="where the JUnit reports of earlier GPU suites are found (**/junit*.xml)")
     p.add_argument("--show", action="store_true", help="print each group's expected seconds before its files")
     args = p.parse_args(argv)

@@ -9,9 +9,9 @@ arm without a record is "not run yet", never a number.
         --commit <sha>
     python -m experiments.repro --run C.resnet50d.s1@100,A.sweep@50 --gpus 4 ...  # one queue, a length per word
     python -m experiments.repro --run decisive --dry-run --gpus 4 --img-per-s mae=31000,classify=43000,uvit=3600
-    python -m experiments.repro --report    # experiments/records/*/*.json -> RESULTS.md + experiments/figures/
+    python -m experiments.repro --report    # records/experiments/*/*.json -> RESULTS.md + experiments/figures/
 
-Records are kept under ``experiments/records/<card>-<YYYY-MM-DD>-<what>/`` (benchmarks/records/README.md);
+Records are kept under ``records/experiments/<card>-<YYYY-MM-DD>-<what>/`` (records/README.md);
 the report reads the arm records of every such folder (the latest record of an arm wins).
 
 Two stages per claim: the short runs (one seed, lengths that fitted the first device budgets) and the
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RECORDS_ROOT = REPO_ROOT / "experiments" / "records"
+RECORDS_ROOT = REPO_ROOT / "records" / "experiments"
 FIGURES_DIR = REPO_ROOT / "experiments" / "figures"  # the report's curve figures
 NOTES_MD = REPO_ROOT / "experiments" / "notes.md"  # the hand-written verdict per claim ("## A", "## B", "## C")
 RESULTS_MD = REPO_ROOT / "RESULTS.md"
@@ -895,7 +895,7 @@ def render(records: Path, base: Path, figures: Path = FIGURES_DIR, notes: Path =
           "```bash",
           "python -m experiments.repro --run decisive --dry-run --gpus 4 --img-per-s mae=31000,classify=43000,uvit=3600",
           "python -m experiments.repro --run decisive --gpus 4 --root /tmp/dres-repro "
-          "--records experiments/records/CARD-DATE-WHAT",
+          "--records records/experiments/CARD-DATE-WHAT",
           "python -m experiments.repro --report", "```", ""]
     return "\n".join(L)
 
@@ -918,7 +918,7 @@ def main(argv=None) -> int:
                    "time-sliced, so more than 1 rarely adds throughput (experiments/README.md)")
     p.add_argument("--root", type=Path, default=Path("/tmp/dres-repro"), help="run directories (local disk)")
     p.add_argument("--records", type=Path, help="--run: the folder the JSON records go to (required); --report: "
-                   "the folder read, with its subfolders (default experiments/records)")
+                   "the folder read, with its subfolders (default records/experiments)")
     p.add_argument("--figures", type=Path, default=FIGURES_DIR, help="--report: where the curve figures go")
     p.add_argument("--notes", type=Path, default=NOTES_MD, help="--report: the verdicts (## A, ## B, ## C)")
     p.add_argument("--out", type=Path, default=RESULTS_MD, help="--report: the Markdown file")
@@ -958,16 +958,16 @@ def main(argv=None) -> int:
                 print(f"left  {arm.name}")
             if chosen:
                 print(f"\npython -m experiments.repro --run {','.join(x[0].name for x in chosen)} --epochs {a.epochs:g} "
-                      f"--gpus {a.gpus} --root /tmp/dres-repro --records experiments/records/CARD-DATE-WHAT")
+                      f"--gpus {a.gpus} --root /tmp/dres-repro --records records/experiments/CARD-DATE-WHAT")
             return 0
         if a.dry_run:
             dry_run(select_epochs(a.run, a.epochs), gpus=a.gpus, root=a.root,
-                    records=a.records or Path("experiments/records/CARD-DATE-WHAT"),
+                    records=a.records or Path("records/experiments/CARD-DATE-WHAT"),
                     presets=parse_task_map(a.preset, "--preset"), extra=a.extra, every=a.curve_every, force=a.force,
                     img_per_s=parse_task_map(a.img_per_s, "--img-per-s", float), overhead_s=a.overhead_s)
             return 0
         if a.records is None:
-            raise ValueError("--run needs --records FOLDER (a new experiments/records/<card>-<YYYY-MM-DD>-<what>, "
+            raise ValueError("--run needs --records FOLDER (a new records/experiments/<card>-<YYYY-MM-DD>-<what>, "
                              "or a scratch folder on the device)")
         status = run_arms(select_epochs(a.run, a.epochs), gpus=a.gpus, jobs=a.jobs, root=a.root, records=a.records,
                           presets=parse_task_map(a.preset, "--preset"), extra=a.extra, every=a.curve_every,

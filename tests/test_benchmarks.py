@@ -771,11 +771,11 @@ def test_profile_trainer_under_ddp_reports_from_the_main_rank(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# the records' convention (benchmarks/records/README.md)
+# the records' convention (records/README.md)
 
 REPO = Path(__file__).resolve().parent.parent
 RECORD_NAME = r"[a-z0-9]+-\d{4}-\d{2}-\d{2}(-[a-z0-9]+)+"
-RECORD_ROOTS = ("benchmarks/records", "experiments/records")
+RECORD_ROOTS = ("records/benchmarks", "records/experiments")
 
 
 @pytest.mark.parametrize("root", RECORD_ROOTS)
@@ -799,7 +799,7 @@ def test_benchmarks_md_points_at_records_that_exist():
     import re
 
     named = set(re.findall(r"`([a-z0-9]+-\d{4}-\d{2}-\d{2}(?:-[a-z0-9]+)+)`", (REPO / "BENCHMARKS.md").read_text()))
-    assert named and not [n for n in named if not (REPO / "benchmarks" / "records" / n).is_dir()]
+    assert named and not [n for n in named if not (REPO / "records" / "benchmarks" / n).is_dir()]
 
 
 def test_trainer_batch_search_stops_each_wrapping_at_its_first_failure(tmp_path, monkeypatch, capsys):

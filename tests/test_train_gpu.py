@@ -38,7 +38,7 @@ def test_mae_cifar10_bf16_compile(tmp_path):
     # The evaluation runs on the compiled model's encoder. After 60 steps its class token carries
     # little: every branch starts at zero (alpha_min 0.6), so at initialisation the token is the same
     # for all images; the probe measures 0.12-0.135 on an H200 against chance 0.10, and 0.35
-    # after 300 steps (benchmarks/records). Above chance is what 60 steps can promise.
+    # after 300 steps (records/benchmarks). Above chance is what 60 steps can promise.
     assert 0.10 < s["eval"]["linear_probe_acc"] <= 1.0
 
 
