@@ -795,11 +795,17 @@ def test_records_follow_the_convention(root):
         assert "session" not in path.name.lower(), f"{path.relative_to(REPO)}: name the measurement, not the session"
 
 
-def test_benchmarks_md_points_at_records_that_exist():
+def test_records_hold_the_two_roots_their_convention_and_history():
+    assert sorted(p.name for p in (REPO / "records").iterdir()) == ["HISTORY.md", "README.md", "benchmarks", "experiments"]
+
+
+@pytest.mark.parametrize("page", ["BENCHMARKS.md", "records/HISTORY.md"])
+def test_benchmark_pages_point_at_records_that_exist(page):
     import re
 
-    named = set(re.findall(r"`([a-z0-9]+-\d{4}-\d{2}-\d{2}(?:-[a-z0-9]+)+)`", (REPO / "BENCHMARKS.md").read_text()))
-    assert named and not [n for n in named if not (REPO / "records" / "benchmarks" / n).is_dir()]
+    named = set(re.findall(r"`([a-z0-9]+-\d{4}-\d{2}-\d{2}(?:-[a-z0-9]+)+)", (REPO / page).read_text()))
+    roots = [REPO / "records" / root for root in ("benchmarks", "experiments")]
+    assert named and not [n for n in named if not any((root / n).is_dir() for root in roots)]
 
 
 def test_trainer_batch_search_stops_each_wrapping_at_its_first_failure(tmp_path, monkeypatch, capsys):
