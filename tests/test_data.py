@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from dres.data import (CorruptCounter, DataError, InMemoryLoader, ShardLoader, build_loader, check_split, default_cifar10_dir,
+from dres.data import (CorruptCounter, DataError, InMemoryLoader, SamplePrep, ShardLoader, build_loader, check_split, default_cifar10_dir,
                        read_digits, read_shards, rrc_params)
 from dres.train.config import DataConfig
 
@@ -38,7 +38,7 @@ def test_cifar10_shards_split_by_rank_and_worker_disjoint_and_complete():
     seen = []
     for rank in range(2):
         ld = ShardLoader(pattern, 64, rank=rank, world=2, seed=0, num_workers=2, train=False, buffer=0,
-                         samples_per_epoch=1000)
+                         samples_per_epoch=1000, prep=SamplePrep(32, aug="none"))
         for _ in range(len(ld)):
             b = ld.next()
             assert b["image"].shape == (32, 3, 32, 32)
@@ -286,9 +286,9 @@ def test_lost_samples_of_a_cut_shard_split_over_slots_are_counted_once(tmp_path)
     lost, read = 0, 0
     for rank in range(3):
         c = CorruptCounter()
-        for img, _, events in _ShardStream([shard], rank, 3, 0, 0, 32, 3, False, 0, 0):
-            read += img is not None
-            c.replay(events)
+        for batch in _ShardStream([shard], rank, 3, 0, 0, SamplePrep(32, aug="none"), False, 0, 16):
+            read += len(batch["labels"])
+            c.replay(batch["events"])
         lost += c.count
     assert read + lost == counts[1]
 

@@ -48,7 +48,10 @@ class DataConfig:
     normalize: bool = True   # per-channel mean/std normalisation (stats from `mean`/`std`)
     mean: list = field(default_factory=lambda: [0.485, 0.456, 0.406])  # a value per channel
     std: list = field(default_factory=lambda: [0.229, 0.224, 0.225])
-    num_workers: int = 4     # streaming loaders only
+    num_workers: int = 4     # streaming loaders only: DataLoader workers reading (and with decode=cpu decoding) files
+    # streaming loaders: cpu (workers decode, crop, resize) | gpu (workers read bytes; batched GPU decode and crop
+    # kernel) | auto (gpu where a CUDA device and a GPU JPEG decoder are there)
+    decode: str = "auto"
     shuffle_buffer: int = 2000  # streamed shards: samples shuffled in memory
     limit: int = 0           # use only the first N training samples (0: all)
     val_limit: int = 0       # use only the first N held-out samples (0: all)
@@ -138,7 +141,15 @@ class EvalConfig:
     probe_wd: float = 0.0
     knn: bool = True          # k-nearest-neighbour accuracy on the same features
     knn_k: int = 20
-    feature: str = "cls"      # cls | mean (MAE encoder features)
+    # MAE encoder features: cls (class token) | mean (patch tokens, after the final norm where there is one) |
+    # stream_mean (all tokens of the raw stream, the decayed-shortcut authors' evaluation)
+    feature: str = "cls"
+    # more feature kinds, comma-separated, scored in the same evaluation pass (the same forward), metrics
+    # prefixed <kind>_ (e.g. stream_mean: stream_mean_linear_probe_acc)
+    also_features: str = ""
+    authors_probe: bool = False  # also the authors' probe (raw features, their eval_model's settings): authors_probe_acc
+    knn_standardized: bool = False  # also kNN on features standardised by the train split's mean/std: knn_std_acc
+    save_features: bool = False  # the final evaluation's features (float16, every kind, both splits) to <out>/features.pt
     layer: int = -1           # encoder block whose output is probed
     effective_rank: bool = True  # of the features' covariance (the decayed-shortcut paper's eq. 6)
     tsne: bool = False        # t-SNE plot of the val features (the [plots] extra)
@@ -163,6 +174,9 @@ class EvalConfig:
     # probe, effective rank) appended to <out>/curves.jsonl and plotted to <out>/curves.png
     every: int = 0
     curve_probe_epochs: int = 20  # the eval.every probe's epochs
+
+    def extra_feature_kinds(self) -> list[str]:
+        return [k.strip() for k in self.also_features.split(",") if k.strip()]
 
 
 @dataclass
@@ -207,6 +221,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
+FEATURE_KINDS = ("cls", "mean", "stream_mean")  # what ViTEncoder.forward_features returns
 CHOICES = {
     "task": TASKS, "precision": ("auto", "bf16", "fp16", "fp32"), "act_ckpt": ("none", "full", "selective"),
     "cuda_graphs": ("auto", "true", "false"), "fused_mlp": ("auto", "true", "false"),
@@ -214,19 +229,20 @@ CHOICES = {
     "dist": ("none", "ddp", "fsdp"), "fsdp_param_dtype": ("bf16", "fp32"),
     "fsdp_reshard": ("auto", "always", "except_last", "never"),
     "data.name": ("digits", "cifar10_wds", "wds", "imagefolder", "cifar_tv", "mnist_tv", "synthetic"),
-    "data.aug": ("rrc_flip", "flip", "none"), "model.droppath_mode": ("drop_path", "residual_droppath", "none"),
+    "data.aug": ("rrc_flip", "flip", "none"), "data.decode": ("auto", "cpu", "gpu"), "model.droppath_mode": ("drop_path", "residual_droppath", "none"),
     "model.arch": ("vit", "resnet18", "resnet50", "resnet50d"),
     "model.zero_init": ("auto", "true", "false"), "model.gelu_approximate": ("none", "tanh"),
     "model.variant": ("baseline", "official", "paper"), "model.schedule": ("linspace", "paper"), "optim.schedule": ("cosine", "constant"),
     "optim.name": ("adamw", "sgd"),
-    "ckpt.format": ("auto", "file", "dcp"), "eval.sampler": ("dpm", "em"), "eval.feature": ("cls", "mean"),
+    "ckpt.format": ("auto", "file", "dcp"), "eval.sampler": ("dpm", "em"), "eval.feature": FEATURE_KINDS,
 }
 
 
 # the eval.* keys each task reads (the other sections apply to every task; model keys by the model class)
 EVAL_KEYS = {
     "mae": ("probe", "probe_epochs", "probe_lr", "probe_batch", "probe_wd", "knn", "knn_k", "feature", "layer",
-            "effective_rank", "tsne", "recon", "max_train", "max_test", "every", "curve_probe_epochs"),
+            "effective_rank", "tsne", "recon", "max_train", "max_test", "every", "curve_probe_epochs",
+            "also_features", "authors_probe", "knn_standardized", "save_features"),
     "uvit": ("probe", "probe_epochs", "probe_lr", "probe_batch", "probe_wd", "knn_k", "max_train", "max_test",
              "sampler", "steps", "n_samples", "probe_block", "probe_t", "probe_grid_blocks", "probe_grid_ts",
              "fid_inception", "fid_samples",
@@ -537,6 +553,9 @@ def validate(cfg: Config) -> None:
         need(all(b == int(b) and 0 <= b < n_blocks for b in e.probe_grid_blocks), "eval.probe_grid_blocks",
              f"must be block indices in [0, {n_blocks - 1}] (model.depth={cfg.model.depth})")
     need(all(0 <= t <= 1 for t in e.probe_grid_ts), "eval.probe_grid_ts", "must be in [0, 1] (continuous diffusion time)")
+    also = e.extra_feature_kinds()
+    need(all(k in FEATURE_KINDS for k in also) and len(set(also)) == len(also) and e.feature not in also,
+         "eval.also_features", f"must list distinct kinds of {FEATURE_KINDS} other than eval.feature ({e.feature})")
     need(not cfg.eval.fd_classifier or Path(cfg.eval.fd_classifier).exists(), "eval.fd_classifier",
          "must be a classify run directory or checkpoint that exists")
     _need_plots(cfg)

@@ -13,8 +13,17 @@ mnist_tv        MNIST in torchvision's idx files (``path`` = the folder holding 
 synthetic       random images (throughput runs)
 ==============  ==============================================================================
 
-With ``gpu_resident`` (default; only for sources that fit in memory) the whole split is decoded
-once and augmented on the device; otherwise it streams through DataLoader workers.
+A loader is three parts, each chosen once here from the config:
+
+* **where the bytes come from**: memory (``gpu_resident``, the default, for sets that fit: decoded once,
+  :class:`InMemoryLoader`), an ImageFolder tree read file by file (:class:`FolderLoader`) or shards
+  streamed (:class:`ShardLoader`: local files, ``pipe:`` commands, HTTP(S) URLs);
+* **how they become pixels** (:mod:`dres.data.decode`, ``data.decode``): ``cpu`` decodes, crops and
+  resizes in the DataLoader workers; ``gpu`` has the workers only read the bytes and decodes each batch
+  on the GPU (nvImageCodec or nvJPEG) with its crop and resize in one kernel; ``auto`` is ``gpu`` where a
+  CUDA device and a GPU decoder are there;
+* **the augmentation on the device** (:mod:`dres.data.augment`): for data in memory, the batched
+  RandomResizedCrop, flip, jitter and normalisation; streamed data arrives cropped and is normalised there.
 
 Data accounting: every unreadable sample or shard is logged as it happens (one line each,
 rate-limited) and counted in the loader's ``counter`` (:class:`CorruptCounter`, which the trainer
@@ -30,13 +39,14 @@ import os
 
 import torch
 
-from dres.data.loaders import (FolderLoader, InMemoryLoader, ShardLoader, check_split, color_jitter, crop_theta,
-                               device_augment, jitter_params, normalize, rrc_params)
+from dres.data.augment import color_jitter, crop_theta, device_augment, jitter_params, normalize, rrc_params
+from dres.data.decode import BatchFinisher, SamplePrep, gpu_decode_backend
+from dres.data.loaders import FolderLoader, InMemoryLoader, ShardLoader, check_split
 from dres.data.sources import (CorruptCounter, DataError, check_labels, cifar10_pattern, default_cifar10_dir,
                                expand_shards, iter_shard, lost_data_line, manifest_samples, read_cifar_torchvision, read_digits,
                                read_image_folder, read_mnist_torchvision, read_shards, verify_manifest)
 
-__all__ = ["build_loader", "load_arrays", "DataError", "InMemoryLoader", "FolderLoader", "ShardLoader",
+__all__ = ["build_loader", "decode_backend", "load_arrays", "BatchFinisher", "SamplePrep", "DataError", "InMemoryLoader", "FolderLoader", "ShardLoader",
            "color_jitter", "crop_theta", "device_augment", "jitter_params", "normalize", "rrc_params", "read_shards", "read_digits", "iter_shard",
            "expand_shards", "default_cifar10_dir", "cifar10_pattern", "check_split", "CorruptCounter",
            "verify_manifest", "manifest_samples", "lost_data_line"]
@@ -96,6 +106,17 @@ def _shard_pattern(d, split):
     return pattern
 
 
+def decode_backend(d, device) -> str | None:
+    """The GPU decoder ``data.decode`` asks for on ``device`` (:func:`gpu_decode_backend`), None for CPU decode."""
+    if d.decode == "cpu":
+        return None
+    backend = gpu_decode_backend(device)
+    if backend is None and d.decode == "gpu":
+        raise DataError(f"data.decode=gpu needs a CUDA device and a GPU JPEG decoder (nvImageCodec or torchvision); "
+                        f"the trainer runs on {device}: set data.decode=cpu or auto")
+    return backend
+
+
 def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, seed=0, device="cpu", train=True,
                  log=None, compile_augment=False):
     """A resumable loader of this rank's share of each global batch; ``log`` gets lost-data lines;
@@ -116,15 +137,14 @@ def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, 
     if d.color_jitter or d.eval_crop_pct != 1:
         raise DataError(f"data.color_jitter and data.eval_crop_pct apply to the in-memory loader only; set "
                         f"data.gpu_resident=true for data.name={d.name} or leave them at 0 and 1")
+    backend = decode_backend(d, device)
+    prep = SamplePrep(d.img_size, d.in_chans, aug, d.crop_min, gpu=backend is not None)
+    finisher = BatchFinisher(device, d.img_size, d.in_chans, mean, std, backend)
+    common = dict(rank=rank, world=world, accum=accum, seed=seed, device=device, prep=prep, finisher=finisher,
+                  num_workers=d.num_workers, num_classes=d.num_classes, max_corrupt_frac=d.max_corrupt_frac, log=log)
     if d.name == "imagefolder":
-        return FolderLoader(_pattern(d, split), global_batch, rank=rank, world=world, accum=accum, seed=seed,
-                            device=device, img_size=d.img_size, in_chans=d.in_chans, train=train,
-                            crop_min=d.crop_min, mean=mean, std=std, num_workers=d.num_workers, limit=d.limit,
-                            num_classes=d.num_classes, max_corrupt_frac=d.max_corrupt_frac, log=log)
+        return FolderLoader(_pattern(d, split), global_batch, limit=d.limit, **common)
     pattern = _shard_pattern(d, split)
     # an epoch's length from the manifest's counts, so epochs=E and warmup_epochs work on streamed shards
-    return ShardLoader(pattern, global_batch, rank=rank, world=world, accum=accum, seed=seed,
-                       device=device, img_size=d.img_size, in_chans=d.in_chans, train=train, crop_min=d.crop_min,
-                       mean=mean, std=std, num_workers=d.num_workers, buffer=d.shuffle_buffer,
-                       samples_per_epoch=d.limit or manifest_samples(expand_shards(pattern)), num_classes=d.num_classes,
-                       max_corrupt_frac=d.max_corrupt_frac, log=log)
+    return ShardLoader(pattern, global_batch, train=train, buffer=d.shuffle_buffer,
+                       samples_per_epoch=d.limit or manifest_samples(expand_shards(pattern)), **common)

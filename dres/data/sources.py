@@ -21,12 +21,17 @@ import json
 import os
 import pickle
 import re
+import subprocess
 import tarfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from dres.data.decode import is_decode_error, read_file
 
 IMG_EXT = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".ppm")
 
@@ -46,7 +51,9 @@ class CorruptCounter:
     LOG_FIRST = 10
     LOG_EVERY_S = 30.0
 
-    def __init__(self, log=None, collect=False):
+    def __init__(self, log=None, collect=False, unit="shard"):
+        self.unit = unit         # what `shards_total` counts: "shard" (WebDataset) or "file" (a folder's images)
+        self.lost_keys: set = set()  # samples already counted: a streamed data set meets them again every epoch
         self.count = 0           # samples lost (for a damaged shard: what its manifest count says was not read)
         self.damaged: list = []  # shards that could not be read to their end
         self.uncounted: list = []  # damaged shards without a manifest count: how many samples they lost is unknown
@@ -55,9 +62,13 @@ class CorruptCounter:
         self.log, self.collect, self.pending = log, collect, []
         self._logged, self._quiet, self._last = 0, 0, 0.0
 
-    def add(self, what: str, shard: str = "", damaged: bool = False, lost: int | None = 1):
+    def add(self, what: str, shard: str = "", damaged: bool = False, lost: int | None = 1, key: str | None = None):
         """One lost sample or, with ``damaged``, the unread rest of ``shard``: ``lost`` samples by its
-        manifest, None when no manifest counts them."""
+        manifest, None when no manifest counts them. A sample ``key`` met again is not counted again."""
+        if key is not None:
+            if key in self.lost_keys:
+                return
+            self.lost_keys.add(key)
         if damaged:
             if shard not in self.damaged:  # a streaming loader meets it again every epoch
                 self.damaged.append(shard)
@@ -67,7 +78,7 @@ class CorruptCounter:
         if len(self.examples) < 20:
             self.examples.append(what)
         if self.collect:
-            self.pending.append((what, shard, damaged, lost))
+            self.pending.append((what, shard, damaged, lost, key))
         self._report(what)
 
     def drain(self) -> list:
@@ -75,8 +86,8 @@ class CorruptCounter:
         return out
 
     def replay(self, events):
-        for what, shard, damaged, lost in events:
-            self.add(what, shard, damaged, lost)
+        for what, shard, damaged, lost, key in events:
+            self.add(what, shard, damaged, lost, key)
 
     def _report(self, what):
         if self.log is None:
@@ -84,8 +95,8 @@ class CorruptCounter:
         now = time.monotonic()
         if self._logged < self.LOG_FIRST or now - self._last >= self.LOG_EVERY_S:
             more = f" (and {self._quiet} more since the last report)" if self._quiet else ""
-            self.log(f"[dres] lost data: {what}{more}; {self._samples_lost()} sample(s) and {len(self.damaged)} "
-                     f"shard(s) lost so far")
+            damaged = f" and {len(self.damaged)} damaged shard(s)" if self.unit == "shard" else ""
+            self.log(f"[dres] lost data: {what}{more}; {self._samples_lost()} sample(s){damaged} lost so far")
             self._logged, self._last, self._quiet = self._logged + 1, now, 0
         else:
             self._quiet += 1
@@ -110,9 +121,11 @@ class CorruptCounter:
         if self.count / samples <= max_frac and shard_frac <= max_frac:
             return
         names = ", ".join(self.damaged[:3]) + (" ..." if len(self.damaged) > 3 else "")
-        raise DataError(f"too much unreadable data in {where}: {self._samples_lost()} of {samples} samples and "
-                        f"{len(self.damaged)} of {self.shards_total} shards lost{' (' + names + ')' if names else ''}"
-                        f", above data.max_corrupt_frac={max_frac} (repair the data, or raise the limit)")
+        shards = (f" and {len(self.damaged)} of {self.shards_total} shards" if self.unit == "shard" else
+                  f" (of {self.shards_total} files)")
+        raise DataError(f"too much unreadable data in {where}: {self._samples_lost()} of {samples} samples{shards} "
+                        f"lost{' (' + names + ')' if names else ''}, above data.max_corrupt_frac={max_frac} (repair the "
+                        "data, or raise the limit)")
 
 
 def lost_data_line(lost: dict) -> str:
@@ -155,15 +168,38 @@ def manifest_entries(shards: list[str]) -> list[dict]:
     "samples": ...}}}``), ``{}`` for a shard the folder does not list or a folder without a manifest."""
     manifests, entries = {}, []
     for s in shards:
-        folder = os.path.dirname(os.path.abspath(s))
+        if s.startswith("pipe:"):  # a command's output has no folder
+            entries.append({})
+            continue
+        folder = s.rsplit("/", 1)[0] if is_remote(s) else os.path.dirname(os.path.abspath(s))
         if folder not in manifests:
-            mf = os.path.join(folder, "manifest.json")
-            try:
-                manifests[folder] = json.load(open(mf))["shards"] if os.path.exists(mf) else {}
-            except (ValueError, KeyError, TypeError) as e:
-                raise DataError(f"{mf} is not a shard manifest ({type(e).__name__}: {e})") from e
-        entries.append(manifests[folder].get(os.path.basename(s)) or {})
+            manifests[folder] = _read_manifest(folder)
+        entries.append(manifests[folder].get(s.rsplit("/", 1)[-1]) or {})
     return entries
+
+
+def _read_manifest(folder: str) -> dict:
+    """The ``shards`` table of ``folder``'s manifest.json (a local folder or a URL), {} where it has none."""
+    where = f"{folder}/manifest.json"
+    try:
+        if is_remote(folder):
+            try:
+                with urllib.request.urlopen(where, timeout=60) as r:
+                    text = r.read()
+            except urllib.error.HTTPError as e:
+                if e.code == 404:
+                    return {}
+                raise DataError(f"{where}: HTTP {e.code}") from e
+            except OSError as e:
+                raise DataError(f"{where} cannot be read ({type(e).__name__}: {e})") from e
+        elif os.path.exists(where):
+            with open(where) as f:
+                text = f.read()
+        else:
+            return {}
+        return json.loads(text)["shards"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{where} is not a shard manifest ({type(e).__name__}: {e})") from e
 
 
 def manifest_samples(shards: list[str]) -> int | None:
@@ -185,7 +221,7 @@ def verify_manifest(shards: list[str]) -> int:
     checked = 0
     for s, entry in zip(shards, manifest_entries(shards)):
         folder = os.path.dirname(os.path.abspath(s))
-        if "sha256" not in entry:
+        if "sha256" not in entry or is_remote(s):  # a streamed shard is checked as it is read (open_shard)
             continue
         got = _sha256(s)
         if got != entry["sha256"]:
@@ -238,11 +274,18 @@ def expand_shards(pattern: str) -> list[str]:
         raise DataError("no data path given (set data.path=...)")
     out = []
     for p in pattern.split("::"):
+        if is_remote(p):  # read when used; a missing one is a damaged shard then
+            out.extend(braceexpand(p))
+            continue
         for q in braceexpand(os.path.expanduser(p)):
             out.extend(sorted(glob.glob(q)) if any(c in q for c in "*?[") else [q])
-    missing = [p for p in out if not os.path.exists(p)]
+    local = [p for p in out if not is_remote(p)]
+    missing = [p for p in local if not os.path.exists(p)]
     if missing:
         raise DataError(f"data path not found: {missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    odd = [p for p in local if not os.path.isfile(p)]
+    if odd:
+        raise DataError(f"data path {odd[0]} is not a regular file (a shard is a .tar or .tar.gz file)")
     if not out:
         raise DataError(f"data path '{pattern}' matches no shard files")
     return out
@@ -257,15 +300,60 @@ def decode_image(data: bytes, in_chans: int = 3) -> np.ndarray:
     return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
 
 
-def iter_shard(path: str, counter: CorruptCounter, in_chans: int = 3, slot: tuple[int, int] | None = None,
-               first: int = 0):
-    """Yield ``(key, image uint8 CHW, label)`` from one shard; corrupt members/shards are counted, a
-    damaged shard's unread samples by its manifest count (unknown without one).
+def is_remote(pattern: str) -> bool:
+    """A shard read through a shell command (``pipe:CMD``, as webdataset writes it) or over HTTP(S)."""
+    return pattern.startswith(("pipe:", "http://", "https://"))
+
+
+class _HashingReader:
+    """A binary stream that hashes what is read through it (a streamed shard checked against its manifest)."""
+
+    def __init__(self, raw):
+        self.raw, self.sha = raw, hashlib.sha256()
+
+    def read(self, n=-1):
+        data = self.raw.read(n)
+        self.sha.update(data)
+        return data
+
+
+def open_shard(path: str):
+    """``(tarfile, finish)``: a local shard (a regular file: anything else would block or is not a shard)
+    read with seeks, a ``pipe:`` command's output or an HTTP(S) body read as a stream; ``finish()`` returns
+    why the stream was bad after its end (the command's exit status, a sha256 that differs from the manifest's)
+    or ''."""
+    if not is_remote(path):
+        if not os.path.isfile(path):
+            raise OSError(f"{path} is not a regular file")
+        return tarfile.open(path, "r:*"), lambda: ""
+    if path.startswith("pipe:"):
+        proc = subprocess.Popen(path[len("pipe:"):], shell=True, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+
+        def finish():
+            proc.stdout.close()
+            code = proc.wait()
+            return f"its command exited with status {code}" if code else ""
+        return tarfile.open(fileobj=proc.stdout, mode="r|*"), finish
+    body = _HashingReader(urllib.request.urlopen(path, timeout=60))
+    expected = (manifest_entries([path]) or [{}])[0].get("sha256")
+
+    def finish():
+        body.raw.close()
+        got = body.sha.hexdigest()
+        return f"its sha256 {got[:12]}... is not its manifest's {expected[:12]}..." if expected and got != expected else ""
+    return tarfile.open(fileobj=body, mode="r|*"), finish
+
+
+def iter_shard(path: str, counter: CorruptCounter, slot: tuple[int, int] | None = None, first: int = 0):
+    """Yield ``(key, encoded image bytes, label)`` from one shard (local, ``pipe:`` or a URL); members that
+    lack an image or a label and damaged shards are counted, a damaged shard's unread samples by its
+    manifest count (unknown without one).
 
     With ``slot=(keep, n)`` only the samples whose running index (from ``first``, over every sample
-    read or lost) is ``keep`` mod ``n`` are decoded, yielded and counted when lost. Returns the
-    index after the shard."""
+    read or lost) is ``keep`` mod ``n`` are yielded and counted when lost. Returns the index after
+    the shard."""
     seen = 0  # samples of this shard met so far, readable or not
+    name = os.path.basename(path)
 
     def mine(i):
         return slot is None or (first + i) % slot[1] == slot[0]
@@ -273,15 +361,15 @@ def iter_shard(path: str, counter: CorruptCounter, in_chans: int = 3, slot: tupl
     def lose_rest(why):
         total = manifest_samples([path])
         if total is None or total < seen:
-            counter.add(f"{os.path.basename(path)}: {why}, the rest of it is lost", path, damaged=True, lost=None)
+            counter.add(f"{name}: {why}, the rest of it is lost", path, damaged=True, lost=None)
             return first + seen
         lost = sum(mine(i) for i in range(seen, total))
-        counter.add(f"{os.path.basename(path)}: {why}, its last {total - seen} of {total} samples (manifest.json) "
-                    "are lost", path, damaged=True, lost=lost)
+        counter.add(f"{name}: {why}, its last {total - seen} of {total} samples (manifest.json) are lost", path,
+                    damaged=True, lost=lost)
         return first + total
 
     try:
-        tf = tarfile.open(path, "r:*")
+        tf, finish = open_shard(path)
     except (tarfile.TarError, OSError, EOFError) as e:
         return lose_rest(f"unreadable shard ({type(e).__name__})")
     cur_key, parts = None, {}
@@ -295,20 +383,19 @@ def iter_shard(path: str, counter: CorruptCounter, in_chans: int = 3, slot: tupl
         try:
             if img_bytes is None or "cls" not in parts:
                 raise ValueError("sample lacks an image or a .cls member")
-            img = decode_image(img_bytes, in_chans)
             label = int(parts["cls"].decode().strip())
-        except Exception as e:  # any decode failure is one corrupt sample, not a fatal error
-            counter.add(f"{os.path.basename(path)}:{key}: {type(e).__name__}", path)
+        except (ValueError, UnicodeDecodeError) as e:
+            counter.add(f"{name}:{key}: {type(e).__name__}", path, key=f"{path}:{key}")
             return None
-        return key, img, label
+        return key, img_bytes, label
 
     try:
         with tf:
             for m in tf:
                 if not m.isfile():
                     continue
-                name = os.path.basename(m.name)
-                key, _, ext = name.partition(".")
+                base = os.path.basename(m.name)
+                key, _, ext = base.partition(".")
                 key = os.path.join(os.path.dirname(m.name), key)
                 ext = "." + ext.lower() if ext.lower() != "cls" else "cls"
                 if key != cur_key and cur_key is not None:
@@ -324,7 +411,11 @@ def iter_shard(path: str, counter: CorruptCounter, in_chans: int = 3, slot: tupl
                     yield s
     except (tarfile.TarError, OSError, EOFError, zlib_error()) as e:
         # a truncated/corrupt shard: keep what was read; the sample being read when it broke is lost too
+        finish()
         return lose_rest(f"truncated or corrupt shard ({type(e).__name__})")
+    why = finish()
+    if why:
+        counter.add(f"{name}: {why}", path, damaged=True, lost=0)
     return first + seen
 
 
@@ -340,8 +431,14 @@ def read_shards(pattern: str, in_chans=3, limit=0, counter: CorruptCounter | Non
     imgs, labels = [], []
     for shard in expand_shards(pattern):
         counter.shards_total += 1
-        for _, img, label in iter_shard(shard, counter, in_chans):
-            imgs.append(img)
+        for key, data, label in iter_shard(shard, counter):
+            try:
+                imgs.append(decode_image(data, in_chans))
+            except Exception as e:
+                if not is_decode_error(e):
+                    raise
+                counter.add(f"{os.path.basename(shard)}:{key}: {type(e).__name__}", shard)
+                continue
             labels.append(label)
             if limit and len(imgs) >= limit:
                 break
@@ -468,7 +565,7 @@ def list_image_folder(root: str):
     paths, labels = [], []
     for ci, c in enumerate(classes):
         for f in sorted((r / c).rglob("*")):
-            if f.suffix.lower() in IMG_EXT:
+            if f.suffix.lower() in IMG_EXT and f.is_file():  # not a FIFO or a device that would block a read
                 paths.append(str(f))
                 labels.append(ci)
     if not paths:
@@ -480,19 +577,21 @@ def read_image_folder(root: str, in_chans=3, img_size=None, limit=0, counter=Non
     """Decode a (small) ImageFolder tree into memory, resizing to ``img_size`` when given."""
     from PIL import Image
 
-    counter = counter or CorruptCounter()
+    counter = counter or CorruptCounter(unit="file")
     paths, labels, _ = list_image_folder(root)
     counter.shards_total = len(paths)
     xs, ys = [], []
     for p, y in zip(paths, labels):
         try:
-            with Image.open(p) as im:
+            with Image.open(io.BytesIO(read_file(p))) as im:
                 im = im.convert("L" if in_chans == 1 else "RGB")
                 if img_size:
                     im = im.resize((img_size, img_size), Image.BICUBIC)
                 a = np.asarray(im, dtype=np.uint8)
-        except Exception as e:
-            counter.add(f"{p}: {type(e).__name__}", p)
+        except Exception as e:  # a stop request (a signal) is no damaged file: it passes
+            if not is_decode_error(e):
+                raise
+            counter.add(f"{p}: {type(e).__name__}", p, key=p)
             continue
         xs.append(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))
         ys.append(y)

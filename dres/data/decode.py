@@ -1,0 +1,317 @@
+"""How encoded image bytes become the pixels of a batch: on the CPU in the loader's workers, or on the GPU.
+
+A file-reading loader works in two halves:
+
+* **In a worker** (:class:`SamplePrep`): the image's header is read (size, format, colour mode), its
+  crop box and flip are drawn from the sample's own seed (torchvision's RandomResizedCrop, so a
+  sample's crop depends on ``(seed, epoch, index)`` alone and a resumed run sees the same batches),
+  then either the encoded bytes are kept for the GPU (``decode=gpu``: a baseline or progressive RGB or
+  greyscale JPEG) or the image is decoded on the CPU (libjpeg-turbo through ``torchvision.io``, PIL for
+  other formats and CMYK), cropped and resized once to ``size`` x ``size`` uint8. :func:`collate_prepared`
+  packs a batch into a few tensors: one buffer of all encoded bytes, one stack of pixels.
+* **In the training process** (:class:`BatchFinisher`): the packed bytes are decoded on the GPU in one
+  batched call (nvImageCodec, which reaches the hardware JPEG decoders, else torchvision's nvJPEG), the
+  crop, resize, flip and normalisation of the whole batch is one kernel
+  (:func:`dres.kernels.crop_resize.crop_resize_forward`, ``torchvision.ops.roi_align``'s arithmetic), the
+  CPU-made pixels are normalised on the GPU, and the rows are put back in the batch's order. An image
+  the GPU cannot decode is decoded on the CPU there; one nobody can decode is a lost sample.
+
+Workers ignore SIGTERM and SIGINT (:func:`worker_init`): a signal to the whole process group (what
+Slurm, Kubernetes and ``timeout`` send) is the training process's to act on, which finishes its step,
+saves and exits; its workers end with it.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import random
+import signal
+import stat
+import struct
+import warnings
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+DECODE_BACKENDS = ("nvimgcodec", "torchvision")
+
+
+def decode_errors() -> tuple:
+    """The exceptions a damaged or unsupported image raises while it is read or decoded."""
+    from PIL import Image
+
+    return (OSError, ValueError, SyntaxError, EOFError, struct.error, zlib.error, Image.DecompressionBombError)
+
+
+def is_decode_error(e: BaseException) -> bool:
+    # torchvision's decoders raise a plain RuntimeError; subclasses of it (a stop request) are not damage
+    return isinstance(e, decode_errors()) or type(e) is RuntimeError
+
+
+def read_file(path: str) -> bytes:
+    """The bytes of a regular file; anything else (a FIFO, a device, a socket named ``*.jpg``) is a
+    ``ValueError`` at once, since opening it non-blocking never waits for a writer."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def _quiet_torchvision():
+    """torchvision 0.29 warns on every decode that its image decoders are deprecated (for torchcodec's)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
+                                category=DeprecationWarning)
+        yield
+
+
+def worker_init(_worker_id: int) -> None:
+    """DataLoader workers leave SIGTERM and SIGINT to the training process (see the module doc)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def crop_box(width: int, height: int, rng: random.Random, aug: str, scale=(0.2, 1.0), ratio=(3 / 4, 4 / 3)):
+    """``(left, top, w, h), flip`` of one image: ``aug="rrc_flip"`` torchvision's RandomResizedCrop draw
+    (area uniform in ``scale``, log aspect uniform in ``log(ratio)``, 10 tries, rounded to pixels) and a
+    flip with probability 1/2; ``"flip"`` the centred square and the flip; ``"none"`` the centred square.
+    Where no try fits, the centred square."""
+    if aug == "rrc_flip":
+        for _ in range(10):
+            area = width * height * rng.uniform(*scale)
+            r = math.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1])))
+            w, h = int(round(math.sqrt(area * r))), int(round(math.sqrt(area / r)))
+            if 0 < w <= width and 0 < h <= height:
+                top, left = rng.randint(0, height - h), rng.randint(0, width - w)
+                return (left, top, w, h), rng.random() < 0.5
+    side = min(width, height)
+    box = ((width - side) // 2, (height - side) // 2, side, side)
+    return box, aug != "none" and rng.random() < 0.5
+
+
+def _decode_cpu(data: bytes, mode: str, jpeg: bool, in_chans: int) -> torch.Tensor:
+    """uint8 (C, H, W) with the memory of (H, W, C), so that a crop's resize takes torch's channels-last
+    uint8 path: libjpeg-turbo (``torchvision.io``) for RGB and greyscale JPEGs, PIL otherwise."""
+    if jpeg and mode in ("RGB", "L"):
+        try:
+            from torchvision.io import ImageReadMode, decode_jpeg
+        except ImportError:
+            pass
+        else:
+            read_mode = ImageReadMode.GRAY if in_chans == 1 else ImageReadMode.RGB
+            with _quiet_torchvision():
+                return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=read_mode)
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        a = np.array(im.convert("L" if in_chans == 1 else "RGB"), dtype=np.uint8)
+    return torch.from_numpy(a.reshape(a.shape[0], a.shape[1], -1)).permute(2, 0, 1)
+
+
+def crop_resize_cpu(image: torch.Tensor, box, flip: bool, size: int) -> torch.Tensor:
+    """uint8 (C, H, W) -> the crop ``box`` resized to uint8 (C, size, size) (bilinear, antialiased), flipped."""
+    left, top, w, h = box
+    crop = image[None, :, top:top + h, left:left + w]
+    out = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
+    return out.flip(-1) if flip else out
+
+
+@dataclass(frozen=True)
+class SamplePrep:
+    """What a worker makes of one sample's bytes (module doc): ``gpu`` keeps JPEGs encoded."""
+
+    size: int
+    in_chans: int = 3
+    aug: str = "rrc_flip"
+    crop_min: float = 0.2
+    gpu: bool = False
+
+    def __call__(self, data: bytes, seed: int):
+        """``("jpeg", bytes, box, flip)`` for the GPU, or ``("pixels", uint8 (C, size, size), box, flip)``."""
+        from PIL import Image
+
+        with Image.open(io.BytesIO(data)) as im:
+            (width, height), fmt, mode = im.size, im.format, im.mode
+        box, flip = crop_box(width, height, random.Random(seed), self.aug, (self.crop_min, 1.0))
+        jpeg = fmt in ("JPEG", "MPO")
+        if self.gpu and jpeg and mode in ("RGB", "L") and self.in_chans == 3:
+            return "jpeg", data, box, flip
+        return "pixels", crop_resize_cpu(_decode_cpu(data, mode, jpeg, self.in_chans), box, flip, self.size), box, flip
+
+
+def prepare(prep: SamplePrep, data: bytes, seed: int, label: int, name: str):
+    """One prepared sample for :func:`collate_prepared`: ``(kind, payload, box, flip, label, lost)``;
+    an image that cannot be read is ``lost`` (``"<name>: <error type>"``), never an exception."""
+    try:
+        return (*prep(data, seed), label, "")
+    except Exception as e:
+        if not is_decode_error(e):
+            raise
+        return None, None, None, False, label, f"{name}: {type(e).__name__}"
+
+
+def collate_prepared(samples: list) -> dict:
+    """Prepared samples -> one batch of a few tensors: the JPEGs' bytes in one buffer (``jpeg_bytes``,
+    ``jpeg_lengths``), their boxes and flips, the CPU-made pixels stacked, each with its row in the
+    batch (``jpeg_rows``, ``pixel_rows``), the labels of the samples kept and the lost samples' names."""
+    kept = [s for s in samples if s[0] is not None]
+    jpegs = [(row, s) for row, s in enumerate(kept) if s[0] == "jpeg"]
+    pixels = [(row, s) for row, s in enumerate(kept) if s[0] == "pixels"]
+    payload = b"".join(s[1] for _, s in jpegs)
+    return {
+        "labels": torch.tensor([s[4] for s in kept], dtype=torch.int64),
+        "jpeg_rows": torch.tensor([row for row, _ in jpegs], dtype=torch.int64),
+        "jpeg_bytes": torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8),
+        "jpeg_lengths": torch.tensor([len(s[1]) for _, s in jpegs], dtype=torch.int64),
+        "jpeg_boxes": torch.tensor([s[2] for _, s in jpegs], dtype=torch.float32).reshape(-1, 4),
+        "jpeg_flips": torch.tensor([s[3] for _, s in jpegs], dtype=torch.int64),
+        "pixel_rows": torch.tensor([row for row, _ in pixels], dtype=torch.int64),
+        "pixels": torch.stack([s[1] for _, s in pixels]) if pixels else None,
+        "lost": [s[5] for s in samples if s[0] is None],
+    }
+
+
+def gpu_decode_backend(device) -> str | None:
+    """The GPU decoder available for ``device``: ``"nvimgcodec"`` (the hardware JPEG decoders where the
+    GPU has them), ``"torchvision"`` (nvJPEG on CUDA cores), or None (no CUDA device, no decoder)."""
+    if torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return None
+    try:
+        from nvidia import nvimgcodec  # noqa: F401
+        return "nvimgcodec"
+    except ImportError:
+        pass
+    try:
+        import torchvision.io  # noqa: F401
+        return "torchvision"
+    except ImportError:
+        return None
+
+
+class BatchFinisher:
+    """The training process's half (module doc): a collated batch -> ``{"image": float (B, C, size, size)
+    normalised on the device, "label": (B,)}``. ``backend`` is the GPU decoder (:func:`gpu_decode_backend`)
+    for batches holding JPEG bytes, None when every sample comes as pixels. GPU work runs on a stream of
+    its own; the tensors returned are ready on the caller's current stream."""
+
+    def __init__(self, device, size: int, channels: int, mean=None, std=None, backend: str | None = None):
+        self.device, self.size, self.channels, self.backend = torch.device(device), size, channels, backend
+        mean = torch.tensor((mean or [0.0] * channels)[:channels], dtype=torch.float32)
+        std = torch.tensor((std or [1.0] * channels)[:channels], dtype=torch.float32)
+        # (v / 255 - mean) / std = v * scale + shift
+        self.scale = (1.0 / (255.0 * std)).to(self.device)
+        self.shift = (-mean / std).to(self.device)
+        self.stream = torch.cuda.Stream(self.device) if backend else None
+        self._decoder = None
+        self.gpu_fallbacks = 0  # JPEGs the GPU decoder refused, decoded on the CPU here instead
+
+    def __call__(self, batch: dict, lost: list) -> dict | None:
+        """``lost`` gets the names of images nobody could decode; None when the whole batch is lost."""
+        rows = [batch["pixel_rows"]]
+        parts = []
+        if batch["pixels"] is not None:
+            parts.append(batch["pixels"].to(self.device, non_blocking=True).float() * self.scale.view(1, -1, 1, 1)
+                         + self.shift.view(1, -1, 1, 1))
+        if len(batch["jpeg_rows"]):
+            decoded_rows, decoded, cpu_rows, cpu_pixels = self._decode_jpegs(batch, lost)
+            rows += [decoded_rows, cpu_rows]
+            parts += [decoded, cpu_pixels]
+        order = torch.cat(rows)
+        if not len(order):
+            return None
+        images = torch.cat([p for p in parts if p is not None])
+        keep = torch.argsort(order)  # rows of the samples kept, in the batch's order
+        labels = batch["labels"][order[keep]]
+        return {"image": images[keep.to(self.device)], "label": labels.to(self.device, non_blocking=True)}
+
+    def _decode_jpegs(self, batch, lost):
+        data, lengths = batch["jpeg_bytes"], batch["jpeg_lengths"].tolist()
+        starts = np.cumsum([0] + lengths[:-1]).tolist()
+        encoded = [data[s:s + n] for s, n in zip(starts, lengths)]
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            images = self._decode(encoded)
+            ok = [i for i, im in enumerate(images) if im is not None]
+            decoded = None
+            if ok:
+                decoded = self._crop_resize([images[i] for i in ok], batch["jpeg_boxes"][ok], batch["jpeg_flips"][ok])
+        caller.wait_stream(self.stream)
+        if decoded is not None:
+            decoded.record_stream(caller)
+        jpeg_rows = batch["jpeg_rows"]
+        refused = [i for i, im in enumerate(images) if im is None]
+        cpu_rows, cpu_pixels = [], []
+        for i in refused:  # rare: a JPEG the GPU decoder cannot do, decoded here
+            box = tuple(int(v) for v in batch["jpeg_boxes"][i].tolist())
+            try:
+                pixels = crop_resize_cpu(_decode_cpu(bytes(encoded[i].numpy()), "", False, self.channels), box,
+                                         bool(batch["jpeg_flips"][i]), self.size)
+            except Exception as e:
+                if not is_decode_error(e):
+                    raise
+                lost.append(f"a JPEG of the batch: {type(e).__name__}")
+                continue
+            self.gpu_fallbacks += 1
+            cpu_rows.append(int(jpeg_rows[i]))
+            cpu_pixels.append(pixels)
+        fallback = None
+        if cpu_pixels:
+            fallback = (torch.stack(cpu_pixels).to(self.device).float() * self.scale.view(1, -1, 1, 1)
+                        + self.shift.view(1, -1, 1, 1))
+        return (jpeg_rows[ok] if ok else jpeg_rows[:0], decoded, torch.tensor(cpu_rows, dtype=torch.int64), fallback)
+
+    def _crop_resize(self, images: list, boxes: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
+        """Decoded (C, H, W) images of any sizes -> one buffer in each image's own memory order (HWC or
+        CHW), then the batch's crop, resize, flip and normalisation in one kernel."""
+        from dres.kernels.crop_resize import crop_resize_forward
+
+        meta, dense, offset = [], [], 0
+        for im, flip in zip(images, flips.tolist()):
+            c, h, w = im.shape
+            if im.stride(0) == 1 and c > 1:  # HWC memory (nvImageCodec's images)
+                d, strides = im.permute(1, 2, 0).contiguous(), (w * c, c, 1)
+            else:
+                d, strides = im.contiguous(), (w, 1, h * w)
+            meta.append((offset, h, w, *strides, flip))
+            dense.append(d)
+            offset += d.numel()
+        src = torch.cat([d.reshape(-1) for d in dense])
+        meta_t = torch.tensor(meta, dtype=torch.int64).to(self.device, non_blocking=True)
+        return crop_resize_forward(src, meta_t, boxes.to(self.device, non_blocking=True), self.scale, self.shift,
+                                   self.size, self.channels)
+
+    def _decode(self, encoded: list) -> list:
+        """Each JPEG as a uint8 CUDA tensor (C, H, W) (any strides), None where the decoder refused it."""
+        if self.backend == "nvimgcodec":
+            from nvidia import nvimgcodec
+
+            if self._decoder is None:
+                self._decoder = nvimgcodec.Decoder(device_id=self.device.index or 0)
+            streams = [nvimgcodec.CodeStream(t.numpy()) for t in encoded]
+            out = self._decoder.decode(streams, cuda_stream=self.stream.cuda_stream)
+            return [None if im is None else torch.from_dlpack(im).permute(2, 0, 1) for im in out]
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        with _quiet_torchvision():
+            try:
+                return decode_jpeg(encoded, device=self.device, mode=ImageReadMode.RGB)
+            except RuntimeError:  # one bad image fails the batch: find it
+                out = []
+                for t in encoded:
+                    try:
+                        out.append(decode_jpeg(t, device=self.device, mode=ImageReadMode.RGB))
+                    except RuntimeError:
+                        out.append(None)
+                return out
