@@ -292,7 +292,7 @@ class Inputs:
 
 
 def make_mode_args(case: Case, device) -> tuple:
-    """(alpha, row_scale, grad_scale) of a mode (README's op table)."""
+    """(alpha, row_scale, grad_scale) of a mode (docs/ops.md's op table)."""
     batch, _ = case.batch_tokens
     gen = torch.Generator(device=device).manual_seed(1)
     m = (torch.rand(batch, device=device, generator=gen) < KEEP).float()

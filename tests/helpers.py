@@ -46,7 +46,7 @@ def assert_sum_close(name: str, a: torch.Tensor, ref: torch.Tensor, terms_rss: t
 
 
 def mode_scales(mode: str, batch: int, device, drop_prob: float = 0.4, generator=None):
-    """(row_scale, grad_scale) for each row of the README's drop-path table; masks drawn fresh each call."""
+    """(row_scale, grad_scale) for each row of docs/ops.md's drop-path table; masks drawn fresh each call."""
     if mode == "plain":
         return None, None
     m = (torch.rand(batch, generator=generator) >= drop_prob).float()

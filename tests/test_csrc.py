@@ -1,5 +1,5 @@
 """The CUDA C++ backend (csrc/, ``backend="cuda"``): against the float64 reference and against the
-Triton backend, forward and backward, every mode of README's op table, mixed dtypes, odd sizes
+Triton backend, forward and backward, every mode of docs/ops.md's op table, mixed dtypes, odd sizes
 (both the 16-byte-vector and the scalar paths, warp-per-row and block-per-row), strided gradients,
 poisoned outputs, deterministic weight gradients, opcheck and torch.compile.
 

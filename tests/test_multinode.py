@@ -1,5 +1,5 @@
 """Multi-node launch on the CPU: two ``torchrun --nnodes 2 --node_rank 0|1 --nproc_per_node 1`` processes
-(gloo, static rendezvous at 127.0.0.1), as the README's multi-node command starts them on two machines.
+(gloo, static rendezvous at 127.0.0.1), as docs/usage.md's multi-node command starts them on two machines.
 The trainer starts through its CLI, the two ranks train disjoint halves of every global batch, their
 DDP replicas end identical, and both exit 0."""
 

@@ -1,7 +1,7 @@
 """dres.ops.residual_act: the fused convolutional residual ``act(alpha*x + row_scale[b]*h)``.
 
 Every case compares the Triton kernels (CPU: TRITON_INTERPRET=1) with the float64 reference on fresh
-random inputs, forward and backward, at per-dtype tolerances: the four drop-path uses of the README
+random inputs, forward and backward, at per-dtype tolerances: the four drop-path uses of docs/ops.md's
 table, ReLU and identity, NCHW and channels_last, odd sizes, strided gradients, poisoned outputs,
 alpha as a tensor with a gradient, bad arguments, opcheck and torch.compile. ``gpu``-marked tests add
 ResNet-sized feature maps, more than 2**20 elements per sample, Inductor and CUDA graphs.

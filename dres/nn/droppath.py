@@ -2,7 +2,7 @@
 
 The controller owns the iteration count (its parity picks the kind of iteration) and the
 per-(residual, sample-slot) masks. For residual ``i`` and a batch of ``B`` samples it hands out the
-``(row_scale, grad_scale)`` pair that :func:`dres.ops.residual_layer_norm` takes (README table):
+``(row_scale, grad_scale)`` pair that :func:`dres.ops.residual_layer_norm` takes (docs/ops.md's table):
 
 =======================================  ==============  ===============
 iteration                                row_scale       grad_scale

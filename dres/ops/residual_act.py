@@ -219,7 +219,7 @@ def residual_act(x: Tensor, h: Tensor, alpha=1.0, row_scale: Optional[Tensor] = 
     """Fused ``act(alpha*x + row_scale[b]*h)`` for a ResNet block: x the shortcut, h the branch.
 
     x, h: (B, ...) of one shape (NCHW, channels_last or any batch-outermost layout). row_scale,
-    grad_scale: (B,) per-sample factors or None (grad_scale None = row_scale; the README's table).
+    grad_scale: (B,) per-sample factors or None (grad_scale None = row_scale; docs/ops.md's table).
     alpha: float or 0-dim tensor (gets a gradient if it requires one). out: x's dtype and layout.
     """
     check_tensor("x", x, REFERENCE_DTYPES)  # before the backend looks at x's device
