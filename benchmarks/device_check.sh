@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, run the GPU test suite, run the benchmarks; everything
 # lands under $OUT (default ./device_out). Usage:
-#   bash benchmarks/device_check.sh [tests|kernels|attention|compiled|train|trainers|csrc_tests|all]   (default: all)
+#   bash benchmarks/device_check.sh [tests|data|kernels|attention|compiled|train|trainers|csrc_tests|all]   (default: all)
+# data: an ImageNet-like JPEG folder, the file loaders alone (GPU and CPU decode, all cores and 4) and the trainers
+# from it against synthetic data (benchmarks.bench_data; DATA_ARGS narrows it).
 # Stages can be limited with STAGES="tests kernels" and pytest selection with TESTS="tests/test_ops.py".
 # TEST_PROCS=N (without TESTS) runs the suite as N pytest processes at once, the test files split into groups of
 # about equal time by the last suites' reports (benchmarks.split_tests): one GPU's suite in about a third of the
@@ -52,6 +54,14 @@ if want tests && [ "${TEST_PROCS:-1}" -gt 1 ] && [ -z "${TESTS:-}" ]; then
   done
 elif want tests; then
   python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} -m "${MARK:-gpu or not gpu}" --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log" | tail -n 40
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if want data; then
+  # real images: an ImageNet-like JPEG folder made here (DATA_ROOT, DATA_IMAGES), the loaders and trainers from it
+  root=${DATA_ROOT:-/tmp/dres-imagenet-like}
+  [ -d "$root" ] || python3 -m benchmarks.bench_data make --root "$root" --images "${DATA_IMAGES:-20000}" 2>&1 | tail -n 2
+  python3 -m benchmarks.bench_data all --root "$root" --out "$OUT" ${DATA_ARGS:-} 2>&1 | tee "$OUT/data.log" | tail -n 30
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
