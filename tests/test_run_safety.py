@@ -213,3 +213,115 @@ def test_progress_off_a_terminal_is_not_a_line_per_step(tmp_path, capsys):
     assert 1 <= len(steps_bar) <= 4, steps_bar
     assert "features" in captured.err
     assert "[dres] evaluating step 40 (mae)" in captured.out and "[dres] evaluation done in" in captured.out
+
+
+# ------------------------------------------------------------------------------ folders that are not runs
+def _tree(d):
+    return {str(p.relative_to(d)): (p.read_bytes() if p.is_file() else None) for p in sorted(d.rglob("*"))}
+
+
+@pytest.fixture
+def users_folder(tmp_path, monkeypatch):
+    """A folder of someone's files, the current directory."""
+    home = tmp_path / "project"
+    (home / "src").mkdir(parents=True)
+    (home / "notes.txt").write_text("my notes")
+    (home / "src" / "main.py").write_text("print('hi')")
+    (home / "config.yaml").write_text("name: my project\n")  # a config.yaml, but of no dres run
+    monkeypatch.chdir(home)
+    return home
+
+
+@pytest.mark.parametrize("out", [".", "..", "./", "src/..", "/"])
+@pytest.mark.parametrize("flag", [[], ["--overwrite"], ["--resume", "auto"]])
+def test_the_current_directory_and_those_above_it_are_never_run_directories(users_folder, capsys, out, flag):
+    """--out . --overwrite was a traceback that moved the user's files into a hidden ..old-<time>/."""
+    before, around = _tree(users_folder), sorted(p.name for p in users_folder.parent.iterdir())
+    assert _train(out, *flag) == 2
+    err = _one_line_error(capsys)
+    assert "is the current directory or holds it; a run needs a folder of its own" in err, err
+    assert _tree(users_folder) == before and sorted(p.name for p in users_folder.parent.iterdir()) == around
+
+
+@pytest.mark.parametrize("flag", [[], ["--overwrite"], ["--resume", "auto"], ["--resume", "/missing.pt"]])
+def test_a_folder_of_files_that_holds_no_run_is_refused_and_left_as_it_was(users_folder, tmp_path, capsys, flag):
+    """--overwrite used to move any folder aside whole, --resume auto to train among its files."""
+    before = _tree(users_folder)
+    assert _train(users_folder / "src", *flag) == 2
+    err = _one_line_error(capsys)
+    assert f"run directory {users_folder / 'src'} holds files but no dres run" in err, err
+    assert "nothing was moved" in err
+    assert _tree(users_folder) == before and not list(users_folder.glob("src.old-*"))
+    other = tmp_path / "other"  # out of the current directory, a folder whose config.yaml is not a dres run's
+    other.mkdir()
+    (other / "config.yaml").write_text("task: build\n")
+    assert _train(other, *flag) == 2 and "holds files but no dres run" in _one_line_error(capsys)
+    assert [p.name for p in other.iterdir()] == ["config.yaml"]
+
+
+def test_what_marks_a_folder_as_a_run(tmp_path):
+    from dres.train import rundir
+
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("")
+    assert not rundir.holds_a_run(d)
+    (d / "config.yaml").write_text("task: mae\nmodel: {depth: 2}\n")  # a run from before fingerprint.json
+    assert rundir.holds_a_run(d)
+    (d / "config.yaml").write_text(": not yaml :\n  - [")
+    assert not rundir.holds_a_run(d)
+    (d / "fingerprint.json").write_text(json.dumps({"task": "classify", "batch_size": 8}))
+    assert rundir.holds_a_run(d)
+    (d / "fingerprint.json").unlink()
+    (d / "run.lock").write_text(json.dumps({"host": "h", "pid": 1}))  # a start under way, or killed
+    assert rundir.holds_a_run(d)
+
+
+def test_overwrite_and_resume_of_a_run_from_before_fingerprint_json_still_work(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(out, steps=2) == 0
+    (out / "fingerprint.json").unlink()
+    assert _train(out, "--resume", "auto", steps=4) == 0 and "resumed from" in capsys.readouterr().out
+    (out / "fingerprint.json").unlink()
+    assert _train(out, "--overwrite", steps=2) == 0
+    assert len(list(tmp_path.glob("run.old-*"))) == 1
+
+
+def test_out_is_normalised_before_anything_is_created(tmp_path, monkeypatch):
+    """--out a/../b left an empty a/ behind; '..' after a symbolic link goes up from the link's target."""
+    monkeypatch.chdir(tmp_path)
+    assert _train("a/../b", steps=2) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+    assert yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())["out"] == "b"
+    from dres.train.rundir import normal_path
+
+    (tmp_path / "data" / "deep").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "data" / "deep")
+    assert normal_path("link/../runs/x") == "data/runs/x"  # where the kernel would put it
+    assert normal_path("./runs//x/") == "runs/x"
+    assert normal_path(str(tmp_path / "a" / ".." / "c")) == str(tmp_path / "c")
+    assert normal_path("../up") == "../up"
+
+
+# --------------------------------------------------------------------------------- MAE mask ratio
+@pytest.mark.parametrize("ratio", ["0", "1e-17", "0.76", "1"])
+def test_a_mask_ratio_that_masks_no_patch_or_hides_every_one_is_refused(tmp_path, capsys, ratio):
+    """model.mask_ratio=0 trained nothing: MAE's loss is over the masked patches, so with none it is 0. A ratio
+    so small that 1 - ratio rounds to 1 masks none as well; one above 1 - 1/patches leaves the encoder nothing."""
+    assert _train(tmp_path / "run", "--set", f"model.mask_ratio={ratio}", "--print-config") == 2
+    err = _one_line_error(capsys)
+    assert ("config key 'model.mask_ratio' must mask at least one of the model's 4 patches and leave one visible"
+            in err), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_smallest_and_largest_mask_ratios_that_train(tmp_path):
+    from dres.models import MAE
+
+    for ratio, masked in (("0.01", 1), ("0.75", 3)):  # 4 patches: int(4 * (1 - ratio)) visible
+        cfg = build_config("mae", "quickstart", TINY + [f"model.mask_ratio={ratio}"])
+        m = cfg.model
+        model = MAE(img_size=8, patch_size=4, in_chans=3, embed_dim=32, depth=1, num_heads=2, decoder_embed_dim=32,
+                    decoder_depth=1, decoder_num_heads=2, mask_ratio=m.mask_ratio)
+        loss, _, mask = model(torch.randn(2, 3, 8, 8))
+        assert mask.sum(1).tolist() == [masked, masked] and loss.item() > 0

@@ -3,12 +3,14 @@
 
 User errors (unknown preset or key, an impossible value, missing or corrupt data, a run directory
 that holds another run, an unreadable or incompatible checkpoint, non-finite loss) end with one line
-on stderr and exit status 2; ``--debug`` (or ``DRES_DEBUG=1``) shows the traceback instead.
+on stderr and exit status 2; a rank lost under several processes with one line and status 1 (the
+survivors'); ``--debug`` (or ``DRES_DEBUG=1``) shows the traceback instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -152,30 +154,60 @@ def _run(args, overrides=()):
 
     from dres.train.config import ConfigError, build_config, list_presets, to_dict
     from dres.train.loop import run
+    from dres.train.rundir import normal_path
 
     if not args.preset:
         raise ConfigError(f"no --preset given: one of {', '.join(list_presets())}, or a path to a .yaml file")
     cfg = build_config(args.task, args.preset, list(args.overrides) + list(overrides))
     if args.out:
         cfg.out = args.out
+    if cfg.out:
+        cfg.out = normal_path(cfg.out)
     if args.print_config:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return {}
-    return run(cfg, get_task(cfg.task), resume=args.resume, eval_only=args.eval_only, ckpt=args.ckpt,
-               overwrite=args.overwrite)
+    with _lost_rank_in_one_line(cfg, "continue with --resume auto once every rank can start"):
+        return run(cfg, get_task(cfg.task), resume=args.resume, eval_only=args.eval_only, ckpt=args.ckpt,
+                   overwrite=args.overwrite)
+
+
+@contextlib.contextmanager
+def _lost_rank_in_one_line(cfg, then: str):
+    """A collective that failed because another rank was lost becomes :class:`~dres.train.distributed.LostRank`,
+    naming the rank, the newest checkpoint of the run directory (``cfg.out``, as the trainer resolved it) and
+    ``then``, what to do once the ranks can run again."""
+    from dres.train import checkpoint, distributed
+
+    try:
+        yield
+    except Exception as e:
+        lost = distributed.lost_rank(e)
+        if lost is None:
+            raise
+        saved = checkpoint.list_checkpoints(Path(cfg.out) / "checkpoints") if cfg.out else []
+        last = f"the last checkpoint is {saved[-1]}; {then}" if saved else f"no checkpoint was written; {then}"
+        raise distributed.LostRank(f"{lost}; {last}") from e
 
 
 def _guarded(prog: str, fn, args) -> int:
     """Run ``fn(args)``; a user error becomes one line on stderr and exit status 2 (the traceback
-    with ``args.debug``), a stop on SIGTERM/SIGINT one line and status 75, and the process group (if
-    any) is torn down either way."""
+    with ``args.debug``), a lost rank one line and status 1, a stop on SIGTERM/SIGINT one line and
+    status 75 (recorded for dres-launch), and the process group (if any) is torn down either way."""
+    from dres.train.distributed import LostRank
+    from dres.train.launch import record_stop
     from dres.train.loop import EXIT_INTERRUPTED, Interrupted
 
     try:
         fn(args)
     except Interrupted as e:  # stopped on a signal, its checkpoint saved: a status of its own, for requeueing
         print(f"{prog}: {e}", file=sys.stderr)
+        record_stop()
         return EXIT_INTERRUPTED
+    except LostRank as e:  # not the user's error, and no checkpoint of this moment: neither 2 nor 75
+        if args.debug:
+            raise
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
     except _user_errors() as e:
         if args.debug:
             raise
@@ -241,14 +273,17 @@ def eval_main(argv=None):
 def _evaluate(a) -> None:
     from dres.train.config import build_config, load_config, to_dict
     from dres.train.loop import run
+    from dres.train.rundir import normal_path
 
-    cfgf = Path(a.run_dir) / "config.yaml"
+    run_dir = normal_path(a.run_dir)
+    cfgf = Path(run_dir) / "config.yaml"
     if not cfgf.exists():
-        raise FileNotFoundError(f"no config.yaml in {a.run_dir} (is it a dres run directory?)")
+        raise FileNotFoundError(f"no config.yaml in {run_dir} (is it a dres run directory?)")
     base = to_dict(load_config(cfgf))
     cfg = build_config(None, None, a.overrides, base=base)
-    cfg.out = a.run_dir
-    run(cfg, get_task(cfg.task), eval_only=True, ckpt=a.ckpt)
+    cfg.out = run_dir
+    with _lost_rank_in_one_line(cfg, f"evaluate again with dres-eval {run_dir} once every rank can start"):
+        run(cfg, get_task(cfg.task), eval_only=True, ckpt=a.ckpt)
 
 
 if __name__ == "__main__":

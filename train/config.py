@@ -202,6 +202,9 @@ class Config:
     fused_mlp: str = "auto"
     act_ckpt: str = "none"    # none | full | selective
     dist: str = "none"        # none | ddp | fsdp
+    # seconds a collective waits for a rank that has stopped answering (a hung process, a host gone without
+    # closing its connections) before this rank fails: the process group's timeout
+    dist_timeout_s: float = 1800.0
     fsdp_param_dtype: str = "bf16"  # bf16 | fp32 (mixed-precision policy of FSDP2)
     fsdp_prefetch: bool = False  # units keep parameters gathered to the backward + forward prefetch
     # which units free their gathered parameters after the forward: auto (never on 1 GPU, else all but the last)
@@ -495,7 +498,7 @@ POSITIVE_KEYS = (
     "model.img_size", "model.patch_size", "model.in_chans", "model.embed_dim", "model.depth", "model.num_heads",
     "model.decoder_embed_dim", "model.decoder_num_heads", "model.mlp_ratio", "optim.eps", "log.every",
     "eval.probe_epochs", "eval.probe_lr", "eval.probe_batch", "eval.knn_k", "eval.steps", "eval.n_samples",
-    "eval.fid_samples", "eval.curve_probe_epochs")
+    "eval.fid_samples", "eval.curve_probe_epochs", "dist_timeout_s")
 # key: what 0 means ('' when 0 is an ordinary value)
 NON_NEGATIVE_KEYS = {
     "seed": "", "steps": "use epochs", "epochs": "", "threads": "by the model's width",
@@ -576,7 +579,11 @@ def validate(cfg: Config) -> None:
     if cfg.task == "mae":
         need(m.decoder_num_heads > 0 and m.decoder_embed_dim % m.decoder_num_heads == 0, "model.decoder_num_heads",
              f"must divide model.decoder_embed_dim ({m.decoder_embed_dim})")
-        need(0 <= m.mask_ratio < 1, "model.mask_ratio", "must be in [0, 1)")
+        patches = (m.img_size // m.patch_size) ** 2
+        visible = int(patches * (1 - m.mask_ratio))  # MAE.random_masking's len_keep
+        # the loss is over masked patches only: none masked is a loss of 0 that trains nothing
+        need(0 < visible < patches, "model.mask_ratio", f"must mask at least one of the model's {patches} patches "
+             "and leave one visible (0 masks none: the loss, over masked patches only, is 0 and nothing trains)")
     need(cfg.compile_scope == "blocks" or cfg.dist != "fsdp", "compile_scope",
          "must be blocks under dist=fsdp (FSDP2 shards and compiles block by block)")
     need(0 < m.alpha_min <= 1, "model.alpha_min", "must be in (0, 1] (1: plain residuals)")

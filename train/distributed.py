@@ -15,13 +15,14 @@ import datetime
 import functools
 import os
 import pickle
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dres.train.config import ConfigError
+from dres.train.config import Config, ConfigError
 
 
 @dataclass
@@ -45,8 +46,9 @@ def pick_device(name="auto", local_rank=0) -> torch.device:
     return d
 
 
-def init(device="auto", mode="none") -> DistInfo:
-    """Join the process group when launched by torchrun (``WORLD_SIZE`` > 1) or already joined."""
+def init(device="auto", mode="none", timeout_s: float = Config.dist_timeout_s) -> DistInfo:
+    """Join the process group when launched by torchrun (``WORLD_SIZE`` > 1) or already joined. ``timeout_s``
+    (the config's ``dist_timeout_s``): how long a collective waits for a rank that stopped answering."""
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and mode == "none":  # each process would silently train a model of its own
         raise ConfigError(f"launched as {world} processes with dist=none, which would train {world} separate "
@@ -66,7 +68,7 @@ def init(device="auto", mode="none") -> DistInfo:
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=30),
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
                             **({"device_id": dev} if dev.type == "cuda" else {}))
     return DistInfo(dist.get_rank(), dist.get_world_size(), local, dev)
 
@@ -127,6 +129,51 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
 def cleanup():
     if is_dist():
         dist.destroy_process_group()
+
+
+class LostRank(RuntimeError):
+    """Another rank's process ended, or stopped answering for the process group's timeout, while this one
+    waited on it in a collective (one line, naming the rank where it can be known)."""
+
+
+_GLOO_PEER = re.compile(r"\[([^\]]+)\]:\d+")  # gloo names the far end of a broken pair as [address]:port
+
+
+def _lost_peer_errors(e: BaseException) -> list[BaseException]:
+    """The exceptions of ``e``'s chain (and of the ranks' failures a DCP CheckpointException holds) that are a
+    collective failing on a lost peer: torch's DistError (NCCL, the store) and gloo's transport errors, which
+    reach Python as plain RuntimeErrors that name gloo or a closed pair."""
+    found, seen = [], set()
+    while isinstance(e, BaseException) and id(e) not in seen:
+        seen.add(id(e))
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            for f in failures.values():
+                found += _lost_peer_errors(f[0] if isinstance(f, tuple) else f)
+        gloo = isinstance(e, RuntimeError) and ("gloo/" in str(e) or "pair closure" in str(e))
+        if gloo or isinstance(e, dist.DistError):
+            found.append(e)
+        e = e.__cause__ or e.__context__
+    return found
+
+
+def lost_rank(e: BaseException) -> str | None:
+    """``e`` told as a lost rank, in one line, where it is a collective of this process group that failed
+    because a peer was lost (the earliest such error of its chain: later ones are the teardown meeting the
+    same loss), else None. The rank is named where it can be known: the other one of two ranks, or the address
+    gloo gives."""
+    if not is_dist() or dist.get_world_size() < 2:
+        return None
+    errors = _lost_peer_errors(e)
+    if not errors:
+        return None
+    text = str(errors[-1]).strip().splitlines()[0]
+    reason = re.sub(r"^\[[^\]]*\]\s*", "", text).split(". ")[0].rstrip(".")  # without gloo's [file:line]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    address = _GLOO_PEER.search(text)
+    who = f"rank {1 - rank}" if world == 2 else f"the rank at {address.group(1)}" if address else "another rank"
+    wait = " (dist_timeout_s)" if re.search(r"timed? ?out", reason, re.I) else ""
+    return f"lost {who} of {world}: {reason[:200]}{wait}; its process ended, or its host stopped answering"
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -126,7 +126,7 @@ class Trainer:
     def __init__(self, cfg: Config, task, *, log=print, graph_warmup_steps: int | None = None):
         self.cfg, self.task = cfg, task
         self.graph_warmup_steps = graph_warmup_steps
-        self.info = distributed.init(cfg.device, cfg.dist)
+        self.info = distributed.init(cfg.device, cfg.dist, cfg.dist_timeout_s)
         self.device = self.info.device
         if self.device.type == "cpu":
             torch.set_num_threads(cpu_threads(cfg))

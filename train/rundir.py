@@ -12,6 +12,11 @@ keys that decide model, optimizer and data shapes) in ``<out>/fingerprint.json``
 * not empty, neither: a one-line error (a second run would mix its checkpoints and metrics with the
   first one's).
 
+A folder that cannot hold a run is refused before anything is created or moved in it, whatever the flags
+(:func:`check_run_directory`): a file; the current directory or one that holds it (moving it aside or
+filling it would take the user's own files along); a non-empty folder that holds no dres run
+(:func:`holds_a_run`). ``--out`` is normalised first (:func:`normal_path`), so ``a/../b`` creates no ``a``.
+
 The run lock (:class:`RunLock`, ``<out>/run.lock``) is taken before that and held until the run
 ends, by the main rank only: it is created with ``O_CREAT | O_EXCL``, which is atomic on local
 file systems and on NFSv3+ and the other shared file systems that run folders of several machines
@@ -42,7 +47,7 @@ from pathlib import Path
 
 import yaml
 
-from dres.train.config import fingerprint, fingerprint_diff
+from dres.train.config import TASKS, fingerprint, fingerprint_diff
 
 FINGERPRINT_FILE = "fingerprint.json"
 LOCK_FILE = "run.lock"
@@ -184,13 +189,63 @@ def contents(out: Path) -> list[Path]:
     return [p for p in out.iterdir() if p.name != LOCK_FILE] if out.is_dir() else []
 
 
-def claim(out: Path, cfg, *, resume=None, overwrite=False, log=print) -> None:
-    """Check and prepare (the move aside) ``out`` for a training run; the trainer calls it on the main
-    rank, holding the run lock, and shares the outcome with the other ranks."""
-    if resume and overwrite:
-        raise RunDirError("--resume and --overwrite exclude each other (continue the run, or move it aside)")
+def normal_path(out: str) -> str:
+    """``out`` without ``.`` and ``..`` parts, worked out before anything is created (making ``a/../b``
+    would leave an empty ``a``). A ``..`` goes up from what the path before it names on disk, a symbolic
+    link's target included, as the kernel resolves it; a relative path stays relative."""
+    parts = Path(out).parts
+    if ".." not in parts:
+        return os.path.normpath(out)
+    after = len(parts) - parts[::-1].index("..")  # the parts after the last '..' stay as written
+    path = os.path.join(os.path.realpath(os.path.join(*parts[:after])), *parts[after:])
+    return os.path.normpath(path if os.path.isabs(out) else os.path.relpath(path))
+
+
+def holds_the_working_directory(out: Path) -> bool:
+    """Whether ``out`` is the current directory or one of the folders above it."""
+    here, there = Path.cwd().resolve(), Path(out).resolve()
+    return there == here or there in here.parents
+
+
+def _names_a_task(record: dict | None) -> bool:
+    return isinstance(record, dict) and record.get("task") in TASKS
+
+
+def holds_a_run(out: Path) -> bool:
+    """Whether ``out`` holds a dres run: the record a run writes as its training starts (``fingerprint.json``,
+    or ``config.yaml`` of runs older than it), readable and naming a dres task, or the lock of a run
+    (``run.lock`` with its holder's record: a start under way, or one that was killed)."""
+    if read_record(out / LOCK_FILE).get("pid") is not None:
+        return True
+    for name, parse in ((FINGERPRINT_FILE, json.loads), ("config.yaml", yaml.safe_load)):
+        try:
+            if _names_a_task(parse((out / name).read_text())):
+                return True
+        except (OSError, ValueError, yaml.YAMLError):  # missing or damaged: not this record
+            continue
+    return False
+
+
+def check_run_directory(out: Path) -> None:
+    """Refuse (:class:`RunDirError`, one line) a run directory that cannot hold a run, before anything is
+    created or moved in it: a file, the current directory or one above it, or a folder of files that holds
+    no dres run (``--overwrite`` would move those files aside, ``--resume`` train among them)."""
     if out.exists() and not out.is_dir():
         raise RunDirError(f"run directory {out} is a file")
+    if holds_the_working_directory(out):
+        raise RunDirError(f"run directory {out} is the current directory or holds it; a run needs a folder of its "
+                          "own: give --out a folder below this one (e.g. runs/NAME) or run from elsewhere")
+    if contents(out) and not holds_a_run(out):
+        raise RunDirError(f"run directory {out} holds files but no dres run (no {FINGERPRINT_FILE} or config.yaml "
+                          "of one); nothing was moved: give --out a new or empty folder")
+
+
+def claim(out: Path, cfg, *, resume=None, overwrite=False, log=print) -> None:
+    """Check and prepare (the move aside) ``out`` for a training run; the trainer calls it on the main
+    rank, holding the run lock (whose :meth:`RunLock.acquire` has refused, through
+    :func:`check_run_directory`, folders that cannot hold a run), and shares the outcome with the other ranks."""
+    if resume and overwrite:
+        raise RunDirError("--resume and --overwrite exclude each other (continue the run, or move it aside)")
     if not contents(out):
         return
     if overwrite:  # entry by entry, so that the run lock this run holds stays in place
@@ -296,9 +351,9 @@ class RunLock:
 
     def acquire(self, log=print) -> RunLock:
         """Take the lock (``out`` is created if missing); :class:`RunDirError` while another live process
-        holds it. A lock whose holder is gone is taken over, saying whose it was."""
-        if self.out.exists() and not self.out.is_dir():
-            raise RunDirError(f"run directory {self.out} is a file")
+        holds it, or where ``out`` cannot hold a run (:func:`check_run_directory`: nothing is created there).
+        A lock whose holder is gone is taken over, saying whose it was."""
+        check_run_directory(self.out)
         self.record = _holder_record()
         for _ in range(3):  # a holder may release between our look and our try
             try:
