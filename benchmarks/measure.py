@@ -13,12 +13,13 @@ import math
 import os
 import re
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
+
+from dres.records import write_json_atomic  # noqa: F401 (the benchmarks write their records through it)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECORDS_DIR = REPO_ROOT / "records" / "benchmarks"
@@ -426,18 +427,6 @@ def load_records(path: Path) -> list[dict]:
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of records")
     return data
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    """Write through a temporary file and rename, so a run killed at its time limit leaves either the
-    previous file or the new one, never half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=False)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 IMPL_ORDER = ("dres_triton", "dres_cuda", "dres_triton_graph", "dres_cuda_graph", "eager", "eager_graph",

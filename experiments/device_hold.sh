@@ -78,7 +78,9 @@ wait)
   mkdir -p "$OUT"
   if [ -f "$HOLD/repro.pid" ]; then
     grep -E "^\[repro\] (start|resume|done|FAILED|skip)" "$HOLD/repro.log" | tail -n 30
-    tar czf "$OUT/records.tgz" -C "$HOLD" records
+    tar czf "$OUT/records.tgz" --exclude=features -C "$HOLD" records
+    # each arm's kept features (~15 MB) in a file of its own: one file brought back stays under 16 MiB
+    for f in "$HOLD"/records/features/*.pt; do [ -f "$f" ] && cp "$f" "$OUT/features-$(basename "$f")"; done
     # the run folders without their checkpoints: logs, metrics and curves of finished and unfinished arms
     tar czf "$OUT/runs.tgz" --exclude=checkpoints -C "$HOLD" repro.log runs 2>/dev/null
   fi

@@ -46,6 +46,9 @@ NOTES_MD = REPO_ROOT / "experiments" / "notes.md"  # the hand-written verdict pe
 RESULTS_MD = REPO_ROOT / "RESULTS.md"
 CURVE_POINTS = 10  # curve points per run: every ~10% of it
 TRAIN_SIZES = {"cifar10_wds": 50000, "cifar_tv": 50000}  # to turn epochs into the eval.every step count
+# a record keeps this many train and this many test features of every class (float16, each feature kind): a
+# ViT-S/4 arm's cls and stream_mean, 2 x 10,000 x 384 x 2 bytes = 15.4 MB
+RECORD_FEATURES_PER_CLASS = 500
 
 
 @dataclass(frozen=True)
@@ -136,10 +139,12 @@ def ema_initial_weight(decay: float, steps: int) -> float:
 
 def _mae_decisive_arm(variant, alpha, seed, tag, zero_init):
     group = f"A400-{variant}-a{alpha}" + ("-zi" if (variant, zero_init) == ("baseline", "true") else "")
+    # the seed pairs of official 0.6 vs 1.0 that decide the claim, every seed (A.pairs: retrain and rescore them all)
+    pair = ("A.pairs",) if variant == "official" and alpha in (0.6, 1.0) else ()
     return Arm(f"{group}-s{seed}", "A", group, "mae", "mae_cifar10",
                (f"model.variant={variant}", f"model.alpha_min={alpha}", f"model.zero_init={zero_init}",
                 f"batch_size={MAE_DECISIVE_BATCH}", f"eval.probe_epochs={PROBE_EPOCHS_PAPER}"), seed,
-               (tag, "A.decisive", "decisive"),
+               (tag, *pair, "A.decisive", "decisive"),
                paper=() if group.endswith("-zi") else MAE_PAPER.get((variant, alpha), ()),
                labels={"variant": variant, "alpha_min": alpha, "zero_init": zero_init}, stage="decisive",
                epochs=MAE_DECISIVE_EPOCHS)
@@ -179,6 +184,8 @@ def build_matrix() -> list[Arm]:
     arms += [_mae_decisive_arm("official", a, 0, "A.decisive.s0", "true") for a in (0.6, 1.0)]
     arms += [_mae_decisive_arm("baseline", a, 0, "A.decisive.s0", "auto") for a in (1.0, 0.6)]
     arms += [_mae_decisive_arm("official", a, 1, "A.decisive.s1", "true") for a in (0.6, 1.0)]
+    # what decides claim A next: seeds 2 and 3 of the pair, scored by both feature kinds and both probes
+    arms += [_mae_decisive_arm("official", a, s, f"A.decisive.s{s}", "true") for s in (2, 3) for a in (0.6, 1.0)]
     arms += [_classify_decisive_arm("resnet50d", m, s) for s in RDP_SEEDS for m in MODES]
     arms += [_classify_decisive_arm("resnet50d", m, 0, pilot=True) for m in MODES]
     arms += [_uvit_decisive_arm(a, 0) for a in (1.0, 0.7)]
@@ -332,6 +339,7 @@ def dry_run(queue: list[tuple[Arm, float, bool]], *, gpus: int, root: Path, reco
     log(f"[repro] dry run: {len(queue)} arm(s), one at a time on each of {max(gpus, 1)} "
         f"{'GPU' if gpus else 'CPU slot'}(s), run folders under {root}, records to {records}")
     actions = arm_actions(queue, root=root, records=records, force=force)
+    committed = load_records(RECORDS_ROOT)
     for arm, _, named in queue:
         action = actions[arm.name]
         if action.what == "skip":
@@ -339,14 +347,31 @@ def dry_run(queue: list[tuple[Arm, float, bool]], *, gpus: int, root: Path, reco
             continue
         cmd = planned_command(arm, epochs=action.epochs, root=root, presets=presets, extra=extra, every=every)
         rate = arm_rate(arm, img_per_s)
-        est = (f", ~{estimate_s(arm, action.epochs, img_per_s, overhead_s) / 60:.0f} min at {rate:g} img/s"
-               if rate else "")
+        if rate:
+            est = f", ~{estimate_s(arm, action.epochs, img_per_s, overhead_s) / 60:.0f} min at {rate:g} img/s"
+        else:
+            recorded = recorded_minutes(arm, action.epochs, committed)
+            est = f", ~{recorded[0]:.1f} min on one {recorded[1]} (its records' wall time)" if recorded else ""
         how = (f"resumes its run in {root / arm.name} from its newest checkpoint" if action.what == "resume"
                else f"starts in {root / arm.name}")
         kept = (f"; rebuilt for the arms that read its run folder, its record in {records} kept"
                 if action.keep_record else "")
         log(f"# {arm.name}: {action.epochs:g} epochs{est}; {how}{kept}")
         log(shlex.join(["python"] + cmd[1:]))
+
+
+def recorded_minutes(arm: Arm, epochs: float, recs: dict) -> tuple[float, str] | None:
+    """The arm's minutes from start to record as its committed records measured them: the median wall time of
+    the records of its group (else of its preset at its stage), scaled to ``epochs``, and their card; None
+    without such a record."""
+    def alike(match):
+        return [r for r in recs.values() if match(r) and r["train"].get("wall_s_last_process") and r["epochs"]]
+    rows = (alike(lambda r: r["group"] == arm.group)
+            or alike(lambda r: BY_NAME[r["arm"]].preset == arm.preset and BY_NAME[r["arm"]].stage == arm.stage))
+    if not rows:
+        return None
+    minutes = statistics.median(r["train"]["wall_s_last_process"] * epochs / r["epochs"] for r in rows) / 60
+    return minutes, statistics.mode(r["card"] for r in rows)
 
 
 def resolved_config(arm: Arm, presets: dict, extra: list[str]):
@@ -380,6 +405,7 @@ def make_record(arm: Arm, run_dir: Path, *, epochs: float, command: str, card: s
     """The arm's record from its finished run directory; its PNGs copied to ``records/figs``.
     ``arms_per_device``: how many arms shared its device (its img/s is per arm)."""
     from dres.eval.curves import CURVES_JSONL, METRICS_JSONL, final_epoch_means, read_points
+    from dres.eval.features import FEATURES_FILE
 
     summary = json.loads((run_dir / "summary.json").read_text())
     ev = summary.get("eval", {})
@@ -399,6 +425,9 @@ def make_record(arm: Arm, run_dir: Path, *, epochs: float, command: str, card: s
         figs.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(run_dir / "curves.png", figs / f"{arm.name}_curves.png")
         artifacts["curves_png"] = f"figs/{arm.name}_curves.png"
+    if (run_dir / FEATURES_FILE).exists():
+        kept = keep_features(run_dir / FEATURES_FILE, records / "features" / f"{arm.name}.pt")
+        artifacts["features"] = str(kept.relative_to(records))
     history = read_points(run_dir / METRICS_JSONL) if (run_dir / METRICS_JSONL).exists() else []
     # from the log windows, not summary.json: a resumed run's summary covers only its last process
     rates = [h["img_per_s"] for h in history[1:] if h.get("img_per_s")]
@@ -411,6 +440,60 @@ def make_record(arm: Arm, run_dir: Path, *, epochs: float, command: str, card: s
             "overrides": list(arm.overrides), "metrics": metrics, "curves": curves, "train": train,
             "artifacts": artifacts, "card": card, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"), "commit": commit, "command": command}
+
+
+def keep_features(run_features: Path, dest: Path, per_class: int = RECORD_FEATURES_PER_CLASS) -> Path:
+    """A class-balanced part of a run's final features (``per_class`` of each split's classes, float16) at
+    ``dest``, small enough to travel with the record, so the encoder can be rescored without retraining."""
+    import torch
+
+    from dres.eval.features import load_features, subset_features
+    from dres.train.rundir import publish
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = subset_features(load_features(run_features), per_class)
+    publish(dest, lambda tmp: torch.save(part, tmp))
+    return dest
+
+
+def rescore(folder: Path, out: Path, *, force: bool, log=print) -> dict[str, str]:
+    """Score every features file kept in ``folder`` (a records folder's ``features/<arm>.pt``, or a run root's
+    ``<arm>/features.pt``) with both feature kinds, the project's probe and the authors', kNN raw and
+    standardised, at its arm's evaluation settings; one JSON per arm in ``out`` (an existing one is kept unless
+    ``force``). Returns ``{arm: "rescored" | "kept"}``."""
+    import torch
+
+    from dres.eval.features import FEATURES_FILE, load_features, score_feature_kinds
+    from dres.records import write_json_atomic
+
+    found = {p.stem: p for p in sorted(Path(folder).glob("features/*.pt")) if p.stem in BY_NAME}
+    found.update({p.parent.name: p for p in sorted(Path(folder).glob(f"*/{FEATURES_FILE}")) if p.parent.name in BY_NAME})
+    if not found:
+        raise ValueError(f"--rescore: no features file of an arm in {folder} (features/<arm>.pt or <arm>/{FEATURES_FILE})")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    status = {}
+    for name, path in found.items():
+        dest = Path(out) / f"{name}.json"
+        if dest.exists() and not force:
+            log(f"[repro] {name}: {dest} exists; kept (--force rescores)")
+            status[name] = "kept"
+            continue
+        arm, state = BY_NAME[name], load_features(path)
+        e = resolved_config(arm, {}, []).eval
+        protocol = {"probe_epochs": e.probe_epochs, "probe_lr": e.probe_lr, "probe_batch": e.probe_batch,
+                    "probe_wd": e.probe_wd, "knn_k": e.knn_k, "authors_probe": True, "knn_standardized": True,
+                    "seed": arm.seed}
+        metrics = score_feature_kinds(state["train"], state["train_labels"], state["test"], state["test_labels"],
+                                      primary=state.get("meta", {}).get("primary", e.feature), device=device,
+                                      **protocol)
+        write_json_atomic(dest, {"arm": name, "features": str(path), "per_class": state["meta"].get("per_class"),
+                                 "n_train": len(state["train_labels"]), "n_test": len(state["test_labels"]),
+                                 "protocol": protocol, "metrics": metrics, "commit": git_commit(),
+                                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+        log(f"[repro] rescored {name} ({len(state['train_labels'])} train / {len(state['test_labels'])} test "
+            f"features of {path}): {metrics}")
+        status[name] = "rescored"
+    return status
 
 
 def need_epochs(name: str, epochs: float, records: Path) -> float:
@@ -435,7 +518,7 @@ def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root
     ``jobs`` at a time on each of ``gpus`` GPUs (0: on the CPU), each starting on the first free slot;
     ``force`` reruns the named arms that have a record. Returns
     ``{arm: "done" | "skipped" | "failed" | "blocked" | "not started"}``."""
-    from benchmarks.measure import write_json_atomic
+    from dres.records import write_json_atomic
 
     arms = [a for a, _, _ in queue]
     root, records = root.resolve(), records.resolve()
@@ -911,6 +994,9 @@ def main(argv=None) -> int:
     mode.add_argument("--run", metavar="ARMS", help="arm names, groups, tags (A.2x2, A.sweep, A.seeds, B, "
                       "C.resnet50d.s0, C.vit, ...), claims or 'all', comma-separated, each optionally @EPOCHS")
     mode.add_argument("--report", action="store_true", help="write RESULTS.md and the curve figures from the records")
+    mode.add_argument("--rescore", metavar="FOLDER", type=Path, help="score the features kept in FOLDER (a records "
+                      "folder's features/<arm>.pt or a run root's <arm>/features.pt) with both probes and kNN "
+                      "raw and standardised; JSON per arm to --records (default FOLDER/rescored)")
     p.add_argument("--epochs", type=float, default=0, help="training length of every arm (--plan; --run: of the "
                    "words without @EPOCHS)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs (0: the CPU)")
@@ -946,6 +1032,9 @@ def main(argv=None) -> int:
         if a.report:
             report(a.records or RECORDS_ROOT, a.out, figures=a.figures, notes=a.notes)
             print(f"[repro] wrote {a.out}")
+            return 0
+        if a.rescore:
+            rescore(a.rescore, a.records or a.rescore / "rescored", force=a.force)
             return 0
         if a.plan:
             if a.epochs <= 0:

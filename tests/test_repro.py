@@ -434,7 +434,10 @@ def test_dry_run_says_what_the_run_does_with_each_arm(tmp_path, monkeypatch, cap
             planned[name] = (action, None if action == "skip" else lines[i + 1])
     assert {n: a for n, (a, _) in planned.items()} == {"C-vit-none-s0": "start", "B-uvit-a1.0-s0": "resume",
                                                       "B-uvit-a0.7-s0": "skip"}
-    assert any(l.startswith("# C-vit-none-s0: 50 epochs;") and "its record in" in l and l.endswith("kept")
+    assert any(l.startswith("# C-vit-none-s0: 50 epochs") and "its record in" in l and l.endswith("kept")
+               for l in lines)
+    # without --img-per-s the estimate is the committed records' wall time of the arm's group (92 s and 97 s)
+    assert any(l.startswith("# C-vit-none-s0: 50 epochs, ~1.6 min on one NVIDIA H") and "(its records' wall time)" in l
                for l in lines)
 
     class FinishedArm:  # an arm that ends at once with its run folder's summary.json written
@@ -569,3 +572,52 @@ def test_record_keeps_the_probe_grid_and_the_numbers_of_the_evaluation(tmp_path)
     arm = next(a for a in repro.build_matrix() if a.name == "B64-uvit-a0.7-s0")
     rec = repro.make_record(arm, run, epochs=64, command="c", card="card", commit="abc", records=tmp_path / "rec")
     assert rec["metrics"] == {"probe_t0.1_knn_acc": 0.5, "probe_grid": grid}
+
+
+def test_claim_a_pairs_hold_four_seeds_queued_before_the_sweep():
+    pairs = [a for a in repro.MATRIX if "A.pairs" in a.tags]
+    assert sorted((a.labels["alpha_min"], a.seed) for a in pairs) == [(al, s) for al in (0.6, 1.0) for s in range(4)]
+    assert all("model.zero_init=true" in a.overrides and a.epochs == 400 for a in pairs)
+    order = [a.name for a in repro.MATRIX]
+    assert max(order.index(a.name) for a in pairs) < order.index("A400-official-a0.5-s0")
+    # the preset every A arm runs scores both feature kinds with both probes and keeps its features
+    e = build_config("mae", "mae_cifar10", list(pairs[0].overrides)).eval
+    assert (e.feature, e.extra_feature_kinds(), e.authors_probe, e.knn_standardized, e.save_features) == \
+        ("cls", ["stream_mean"], True, True, True)
+
+
+def _features_run(run, n_per_class=6, classes=3, dim=8):
+    """A finished run folder holding a summary and a features file of well-separated blobs."""
+    from dres.eval.features import features_state
+
+    g = torch.Generator().manual_seed(0)
+    centers = torch.randn(classes, dim, generator=g) * 4
+    y = torch.arange(classes).repeat(n_per_class)
+    x = {k: centers[y] * s + torch.randn(len(y), dim, generator=g) for k, s in (("cls", 1), ("stream_mean", 3))}
+    run.mkdir(parents=True)
+    (run / "summary.json").write_text(json.dumps({"eval": {"linear_probe_acc": 0.9}}))
+    torch.save(features_state(x, y, x, y, primary="cls"), run / "features.pt")
+
+
+def test_record_keeps_a_balanced_part_of_the_features_and_rescore_scores_it(tmp_path, capsys):
+    from dres.eval.features import balanced_subset, load_features
+
+    run, records = tmp_path / "runs" / "A400-official-a0.6-s2", tmp_path / "rec"
+    _features_run(run)
+    arm = repro.BY_NAME["A400-official-a0.6-s2"]
+    rec = repro.make_record(arm, run, epochs=400, command="c", card="card", commit="abc", records=records)
+    kept = load_features(records / rec["artifacts"]["features"])
+    assert rec["artifacts"]["features"] == "features/A400-official-a0.6-s2.pt"
+    assert set(kept["train"]) == {"cls", "stream_mean"} and kept["train"]["cls"].dtype == torch.float16
+    assert kept["meta"]["per_class"] == repro.RECORD_FEATURES_PER_CLASS and len(kept["test_labels"]) == 18
+    assert balanced_subset(torch.tensor([2, 0, 2, 1, 0, 2, 0]), 2).tolist() == [0, 1, 2, 3, 4]
+    assert repro.main(["--rescore", str(records)]) == 0
+    out = json.loads((records / "rescored" / "A400-official-a0.6-s2.json").read_text())
+    m = out["metrics"]
+    for key in ("linear_probe_acc", "authors_probe_acc", "knn_acc", "knn_std_acc"):
+        assert m[key] > 0.9 and m["stream_mean_" + key] > 0.9, (key, m)
+    assert out["n_train"] == out["n_test"] == 18 and out["protocol"]["probe_epochs"] == 200
+    # a run root's full features file is found too; an existing rescore is kept without --force
+    assert repro.main(["--rescore", str(tmp_path / "runs"), "--records", str(records / "rescored")]) == 0
+    assert "exists; kept" in capsys.readouterr().out
+    assert repro.main(["--rescore", str(tmp_path / "nothing")]) == 2

@@ -12,8 +12,10 @@ import sys
 
 import torch
 
-from dres.eval import mae_reconstruction_grid, representation_metrics, tsne_plot
+from dres.eval import mae_reconstruction_grid, tsne_plot
+from dres.eval.features import FEATURES_FILE, features_state, score_feature_kinds
 from dres.train.common import eval_loader, features, model_kwargs, progress
+from dres.train.rundir import publish
 
 
 class MAETask:
@@ -28,37 +30,47 @@ class MAETask:
         loss, _, _ = model(batch["image"])
         return loss, {}
 
-    def _representation(self, trainer, model, probe_epochs, tsne=False) -> dict:
-        """Probe / kNN / effective rank of the encoder's features (eval.layer, eval.feature; the rank
-        of the class token) on the train and val splits, and a t-SNE plot of the val features when
-        ``tsne``; {} when either split is missing."""
+    def _representation(self, trainer, model, probe_epochs, tsne=False, final=False) -> dict:
+        """Probe / kNN / effective rank of the encoder's features (eval.layer; eval.feature unprefixed, each kind
+        of eval.also_features prefixed ``<kind>_``, all from one forward; the rank of the class token) on the
+        train and val splits; in the ``final`` evaluation the authors' probe where eval.authors_probe and the
+        features kept where eval.save_features; a t-SNE plot of the val features when ``tsne``; {} when either
+        split is missing."""
         cfg, e = trainer.cfg, trainer.cfg.eval
         if not (e.probe or e.knn or e.effective_rank or tsne):
             return {}
         train, val = eval_loader(trainer, "train", 256), eval_loader(trainer, "val", 256)
         if train is None or val is None:
             return {}
+        kinds = [e.feature] + e.extra_feature_kinds()
+        read = kinds + (["cls"] if e.effective_rank and "cls" not in kinds else [])  # the rank is the cls tokens'
 
-        def fn(x):
-            return model.forward_features(x, e.layer)[e.feature]
+        def fn(x):  # every kind of one forward side by side (each embed_dim wide)
+            out = model.forward_features(x, e.layer)
+            return torch.cat([out[k] for k in read], dim=1)
 
         xtr, ytr = features(trainer, fn, train, e.max_train)
         xte, yte = features(trainer, fn, val, e.max_test)
-        cls = None
-        if e.effective_rank and e.feature != "cls":
-            cls = features(trainer, lambda x: model.forward_features(x, e.layer)["cls"], train, e.max_train)[0]
-        res = representation_metrics(xtr, ytr, xte, yte, rank_features=cls, probe=e.probe, knn=e.knn,
-                                     rank=e.effective_rank, probe_epochs=probe_epochs, probe_lr=e.probe_lr,
-                                     probe_batch=e.probe_batch, probe_wd=e.probe_wd, knn_k=e.knn_k,
-                                     num_classes=cfg.data.num_classes, seed=cfg.seed, device=trainer.device,
-                                     progress=functools.partial(progress, enabled=trainer.main and cfg.log.progress))
+        xtr, xte = dict(zip(read, xtr.chunk(len(read), dim=1))), dict(zip(read, xte.chunk(len(read), dim=1)))
+        if final and e.save_features:
+            state = features_state(xtr, ytr, xte, yte, step=trainer.step, layer=e.layer, primary=e.feature)
+            publish(trainer.out / FEATURES_FILE, lambda tmp: torch.save(state, tmp))
+        res = score_feature_kinds({k: xtr[k] for k in kinds}, ytr, {k: xte[k] for k in kinds}, yte,
+                                  primary=e.feature, rank_features=xtr.get("cls"), probe=e.probe, knn=e.knn,
+                                  rank=e.effective_rank, authors_probe=final and e.authors_probe,
+                                  knn_standardized=e.knn_standardized, probe_epochs=probe_epochs,
+                                  probe_lr=e.probe_lr, probe_batch=e.probe_batch, probe_wd=e.probe_wd,
+                                  knn_k=e.knn_k, num_classes=cfg.data.num_classes, seed=cfg.seed,
+                                  device=trainer.device,
+                                  progress=functools.partial(progress, enabled=trainer.main and cfg.log.progress))
         if tsne:
             m = cfg.model
             scores = ", ".join(f"{name} {res[k]:.3f}" for k, name in (("linear_probe_acc", "linear probe"),
                                                                        ("knn_acc", "kNN")) if k in res)
             title = (f"{trainer.out.name}: MAE {m.variant}, alpha_min {m.alpha_min}, step {trainer.step}\n"
                      f"{e.feature} features of block {e.layer} on the val split" + (f"; {scores}" if scores else ""))
-            res["tsne_png"] = tsne_plot(xte, yte, trainer.out / f"tsne_step{trainer.step}.png", seed=cfg.seed, title=title)
+            res["tsne_png"] = tsne_plot(xte[e.feature], yte, trainer.out / f"tsne_step{trainer.step}.png", seed=cfg.seed,
+                                        title=title)
         return res
 
     def curve(self, trainer) -> dict:
@@ -85,7 +97,7 @@ class MAETask:
             with trainer.autocast():
                 path = mae_reconstruction_grid(model, imgs, trainer.out / f"recon_step{trainer.step}.png", mean, std)
             res["recon_png"] = path
-        res.update(self._representation(trainer, model, e.probe_epochs, tsne=e.tsne))
+        res.update(self._representation(trainer, model, e.probe_epochs, tsne=e.tsne, final=True))
         return res
 
 

@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from dres.eval.probe import effective_rank, knn_accuracy, linear_probe
+from dres.eval.probe import authors_linear_probe, effective_rank, knn_accuracy, linear_probe
 
 CURVES_JSONL = "curves.jsonl"
 CURVES_PNG = "curves.png"
@@ -19,18 +19,25 @@ AXES = ("step", "epoch")
 
 def representation_metrics(train_x, train_y, test_x, test_y, *, rank_features=None, probe=True, knn=True,
                            rank=True, probe_epochs=20, probe_lr=1e-2, probe_batch=1024, probe_wd=0.0, knn_k=20,
-                           num_classes=None, seed=0, device="cpu", progress=None) -> dict:
+                           authors_probe=False, knn_standardized=False, num_classes=None, seed=0, device="cpu",
+                           progress=None) -> dict:
     """Linear probe (``linear_probe_acc``, ``linear_probe_train_acc``), kNN (``knn_acc``) and the
-    effective rank (eq. 6) of ``rank_features`` (default ``train_x``) on frozen features; kNN and
-    rank run on ``device``; ``progress``: the probe's epoch bar (:func:`dres.eval.linear_probe`)."""
+    effective rank (eq. 6) of ``rank_features`` (default ``train_x``) on frozen features; with
+    ``authors_probe`` the authors' probe too (``authors_probe_acc``, :func:`dres.eval.authors_linear_probe`),
+    with ``knn_standardized`` kNN on standardised features (``knn_std_acc``). kNN and rank run on
+    ``device``; ``progress``: the probes' epoch bars (:func:`dres.eval.linear_probe`)."""
     res = {}
     if probe:
         res.update(linear_probe(train_x, train_y, test_x, test_y, epochs=probe_epochs, lr=probe_lr,
                                 batch_size=probe_batch, weight_decay=probe_wd, num_classes=num_classes, seed=seed,
                                 device=device, progress=progress))
-    if knn:
-        res["knn_acc"] = knn_accuracy(train_x.to(device), train_y, test_x.to(device), test_y, k=knn_k,
-                                      num_classes=num_classes)
+    if authors_probe:
+        res.update(authors_linear_probe(train_x, train_y, test_x, test_y, num_classes=num_classes, seed=seed,
+                                        device=device, progress=progress))
+    for on, key, standardized in ((knn, "knn_acc", False), (knn_standardized, "knn_std_acc", True)):
+        if on:
+            res[key] = knn_accuracy(train_x.to(device), train_y, test_x.to(device), test_y, k=knn_k,
+                                    num_classes=num_classes, standardize_first=standardized)
     if rank:
         er = effective_rank((train_x if rank_features is None else rank_features).to(device))
         res["effective_rank"], res["effective_rank_entropy"] = er["effective_rank"], er["entropy"]

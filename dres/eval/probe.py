@@ -5,8 +5,13 @@
   features are standardised with the training set's mean/std first (what the MAE repo's affine-free
   BatchNorm in front of the head does at evaluation). ``progress`` counts its epochs on a bar (the
   trainers pass ``dres.train.common.progress``).
+* :func:`authors_linear_probe` — the decayed-shortcut authors' probe as their released code runs it
+  (``MAE/util/misc.py::eval_model``): raw features (no standardisation, no BatchNorm), the default-initialised
+  ``nn.Linear``, ``AdamW(lr=1e-2)`` with torch's default weight decay 0.01, a cosine learning rate set per
+  epoch after each epoch, 200 epochs, the last partial batch dropped (:data:`AUTHORS_PROBE`).
 * :func:`knn_accuracy` — k=20 nearest neighbours by cosine similarity, votes weighted by
-  ``exp(sim / 0.07)`` (the DINO / InstDisc weighted kNN).
+  ``exp(sim / 0.07)`` (the DINO / InstDisc weighted kNN); ``standardize_first`` standardises the features first
+  with the training set's mean/std, so no channel's scale alone decides the cosine.
 * :func:`effective_rank` — eq. 6 of the paper: the Shannon entropy of the normalised singular values
   of the covariance of the class tokens (reported as ``effective_rank_entropy``); the effective rank
   ``effective_rank`` is its exponential.
@@ -30,6 +35,13 @@ def extract_features(fn, batches, device=None):
     return torch.cat(feats), torch.cat(labels)
 
 
+def standardize(train_x, test_x):
+    """Both feature sets standardised with the training set's per-channel mean and std (float32)."""
+    train_x, test_x = train_x.float(), test_x.float()
+    mu, sd = train_x.mean(0, keepdim=True), train_x.std(0, keepdim=True) + 1e-6
+    return (train_x - mu) / sd, (test_x - mu) / sd
+
+
 def linear_probe(train_x, train_y, test_x, test_y, *, epochs=200, lr=1e-2, batch_size=1024, weight_decay=0.0,
                  num_classes=None, seed=0, device="cpu", progress=None):
     """Top-1 test accuracy (and train accuracy) of a linear classifier on frozen features.
@@ -39,51 +51,94 @@ def linear_probe(train_x, train_y, test_x, test_y, *, epochs=200, lr=1e-2, batch
     ``update(n)`` and ``close()`` (a tqdm bar: ``dres.train.common.progress``).
     """
     g = torch.Generator().manual_seed(seed)
-    train_x, test_x = train_x.float(), test_x.float()
-    mu, sd = train_x.mean(0, keepdim=True), train_x.std(0, keepdim=True) + 1e-6
-    train_x, test_x = ((train_x - mu) / sd).to(device), ((test_x - mu) / sd).to(device)
-    train_y, test_y = train_y.long().to(device), test_y.long().to(device)
-    c = num_classes or int(max(train_y.max(), test_y.max())) + 1
-    head = torch.nn.Linear(train_x.shape[1], c).to(device)
+    train_x, test_x = standardize(train_x, test_x)
+    head = torch.nn.Linear(train_x.shape[1], _classes(train_y, test_y, num_classes)).to(device)
     with torch.no_grad():
         head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.01)
     torch.nn.init.zeros_(head.bias)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay)
-    n = len(train_x)
-    steps_per_epoch = max(1, math.ceil(n / batch_size))
-    total = epochs * steps_per_epoch
+    total = epochs * max(1, math.ceil(len(train_x) / batch_size))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
-    bar = None if progress is None else progress(total=epochs, desc="linear probe", unit="epoch")
+    acc, train_acc = _fit_head(head, opt, train_x, train_y, test_x, test_y, epochs=epochs, batch_size=batch_size,
+                               g=g, device=device, bar_name="linear probe", progress=progress,
+                               after_step=sched.step)
+    return {"linear_probe_acc": acc, "linear_probe_train_acc": train_acc}
+
+
+# eval_model's probe: its AdamW is built as AdamW(params, 1e-2), so torch's default weight decay applies;
+# 256 samples a GPU, the paper's 1024 on four GPUs
+AUTHORS_PROBE = {"epochs": 200, "lr": 1e-2, "weight_decay": 0.01, "batch_size": 1024}
+
+
+def authors_linear_probe(train_x, train_y, test_x, test_y, *, num_classes=None, seed=0, device="cpu",
+                         progress=None, epochs=AUTHORS_PROBE["epochs"], batch_size=AUTHORS_PROBE["batch_size"]):
+    """Top-1 test accuracy (and train accuracy) of the authors' probe (:data:`AUTHORS_PROBE`) on raw features:
+    ``authors_probe_acc``, ``authors_probe_train_acc``. ``epochs`` and ``batch_size`` are the protocol's unless
+    a caller shrinks them (tests)."""
+    g = torch.Generator().manual_seed(seed)
+    train_x, test_x = train_x.float(), test_x.float()
+    head = torch.nn.Linear(train_x.shape[1], _classes(train_y, test_y, num_classes)).to(device)
+    with torch.no_grad():  # nn.Linear's own initialisation, drawn from the probe's generator
+        torch.nn.init.kaiming_uniform_(head.weight, a=math.sqrt(5), generator=g)
+        bound = 1 / math.sqrt(train_x.shape[1])
+        torch.nn.init.uniform_(head.bias, -bound, bound, generator=g)
+    lr = AUTHORS_PROBE["lr"]
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=AUTHORS_PROBE["weight_decay"])
+    batch_size = min(batch_size, len(train_x))  # fewer samples than a batch: one batch (eval_model would train none)
+
+    def after_epoch(ep):  # adjust_learning_rate(optimizer, ep) after epoch ep: the next one at cos(pi ep / epochs)
+        for group in opt.param_groups:
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * ep / epochs))
+    acc, train_acc = _fit_head(head, opt, train_x, train_y, test_x, test_y, epochs=epochs, batch_size=batch_size,
+                               g=g, device=device, bar_name="authors' probe", progress=progress,
+                               after_epoch=after_epoch, drop_last=True)
+    return {"authors_probe_acc": acc, "authors_probe_train_acc": train_acc}
+
+
+def _classes(train_y, test_y, num_classes):
+    return num_classes or int(max(train_y.max(), test_y.max())) + 1
+
+
+def _fit_head(head, opt, train_x, train_y, test_x, test_y, *, epochs, batch_size, g, device, bar_name, progress,
+              after_step=None, after_epoch=None, drop_last=False) -> tuple[float, float]:
+    """Train ``head`` on the features in shuffled batches (``g`` draws the order), then its (test, train)
+    top-1 accuracy; ``after_step`` / ``after_epoch(epoch)`` set the learning rate."""
+    train_x, test_x = train_x.to(device), test_x.to(device)
+    train_y, test_y = train_y.long().to(device), test_y.long().to(device)
+    n = len(train_x) // batch_size * batch_size if drop_last else len(train_x)
+    bar = None if progress is None else progress(total=epochs, desc=bar_name, unit="epoch")
     try:
         with torch.enable_grad():  # callers usually evaluate under no_grad
-            _train_head(head, opt, sched, train_x, train_y, epochs, batch_size, g, device, bar)
+            for ep in range(epochs):
+                perm = torch.randperm(len(train_x), generator=g)[:n].to(device)
+                for i in range(0, n, batch_size):
+                    idx = perm[i:i + batch_size]
+                    loss = F.cross_entropy(head(train_x[idx]), train_y[idx])
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    if after_step is not None:
+                        after_step()
+                if after_epoch is not None:
+                    after_epoch(ep)
+                if bar is not None:
+                    bar.update(1)
     finally:
         if bar is not None:
             bar.close()
     with torch.no_grad():
         acc = (head(test_x).argmax(1) == test_y).float().mean().item()
         train_acc = (head(train_x).argmax(1) == train_y).float().mean().item()
-    return {"linear_probe_acc": acc, "linear_probe_train_acc": train_acc}
-
-
-def _train_head(head, opt, sched, train_x, train_y, epochs, batch_size, g, device, bar):
-    n = len(train_x)
-    for _ in range(epochs):
-        perm = torch.randperm(n, generator=g).to(device)
-        for i in range(0, n, batch_size):
-            idx = perm[i:i + batch_size]
-            loss = F.cross_entropy(head(train_x[idx]), train_y[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-        if bar is not None:
-            bar.update(1)
+    return acc, train_acc
 
 
 @torch.no_grad()
-def knn_accuracy(train_x, train_y, test_x, test_y, k=20, temperature=0.07, num_classes=None, chunk=1024):
-    """Weighted kNN top-1 accuracy with cosine similarity, on the features' device."""
+def knn_accuracy(train_x, train_y, test_x, test_y, k=20, temperature=0.07, num_classes=None, chunk=1024,
+                 standardize_first=False):
+    """Weighted kNN top-1 accuracy with cosine similarity, on the features' device; ``standardize_first``:
+    on features standardised by the training set's mean/std (:func:`standardize`)."""
+    if standardize_first:
+        train_x, test_x = standardize(train_x, test_x)
     train_x, test_x = F.normalize(train_x.float(), dim=1), F.normalize(test_x.float(), dim=1)
     c = num_classes or int(max(train_y.max(), test_y.max())) + 1
     k = min(k, len(train_x))

@@ -95,7 +95,9 @@ class ViTEncoder(nn.Module):
         return layer % self.depth
 
     def forward_features(self, imgs: torch.Tensor, layer: int = -1) -> dict[str, torch.Tensor]:
-        """Class token and mean patch token of encoder block ``layer`` (no masking), for probes.
+        """Class token and mean patch token of encoder block ``layer`` (no masking), for probes, and
+        ``stream_mean``: the mean over all tokens, class token included, of the block's raw stream (the
+        decayed-shortcut authors' ``forward_feat(x).mean(dim=1)``, never final-normed).
 
         Intermediate layers give the raw residual stream; the last layer gives the final-normed
         output when the encoder has a final norm (the raw stream otherwise).
@@ -104,7 +106,7 @@ class ViTEncoder(nn.Module):
         tokens = self.add_cls(self.embed(imgs))
         y, outputs = self.run_blocks(tokens, collect=(k,))
         x = y if (k == self.depth - 1 and self.transformer.norm is not None) else outputs[k]
-        return {"cls": x[:, 0], "mean": x[:, 1:].mean(dim=1)}
+        return {"cls": x[:, 0], "mean": x[:, 1:].mean(dim=1), "stream_mean": outputs[k].mean(dim=1)}
 
 
 def build_from_config(cls, configs: dict, kind: str, name: str, overrides: dict):
