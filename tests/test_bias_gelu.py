@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import dres.ops as ops
 from dres.ops import bias_gelu as bg
+from dres.ops import reference
 from helpers import (BF16, F16, F32, TOLERANCE, as_f64, assert_close, assert_graph_runs, capture_graph, grads, leaves,
                      recording_backend, rel_err)
 
@@ -49,7 +50,7 @@ def bias_gelu_against_float64(pre, bias, g=None, backend="triton", approximate="
     g = torch.randn_like(act) if g is None else g
     got = grads(act, g, (pl, bl))
     p6, b6 = as_f64(pre, bias)
-    act6 = bg.bias_gelu_reference(p6, b6, approximate=approximate)
+    act6 = reference.bias_gelu(p6, b6, approximate=approximate)
     want = grads(act6, g.double(), (p6, b6))
     return (act, *got), (act6, *want)
 
@@ -61,7 +62,7 @@ def mlp_against_float64(x, w1, b1, w2, b2, g=None, backend="triton", approximate
     g = torch.randn_like(out) if g is None else g
     got = grads(out, g, inputs)
     inputs6 = as_f64(x, w1, b1, w2, b2)
-    out6 = bg.mlp_reference(*inputs6, approximate=approximate)
+    out6 = reference.mlp(*inputs6, approximate=approximate)
     want = grads(out6, g.double(), inputs6)
     return (out, *got), (out6, *want)
 
@@ -108,7 +109,7 @@ def test_tanh_bias_gelu_matches_float64(triton_device, dtype):
     assert_close("dpre", dpre, dpre6, dtype)
     assert_close("dbias", dbias, dbias6, F32)
     if dtype == F32:  # the tanh kernel ran, not the erf one: their difference is far above fp32 rounding
-        assert rel_err(act, bg.bias_gelu_reference(*as_f64(pre, bias))) > 10 * TOLERANCE[F32]
+        assert rel_err(act, reference.bias_gelu(*as_f64(pre, bias))) > 10 * TOLERANCE[F32]
 
 
 # The interpreter computes with numpy, which warns where fp32 overflows to inf as the kernel means it to.
@@ -263,7 +264,7 @@ def test_fused_mlp_autocast_bf16(triton_device):
     g = torch.randn_like(out)
     got = grads(out, g, inputs)
     inputs6 = as_f64(*params)
-    out6 = bg.mlp_reference(*inputs6)
+    out6 = reference.mlp(*inputs6)
     want = grads(out6, g.double(), inputs6)
     assert_close("out", out, out6, BF16)
     for name, a, r, p in zip(MLP_GRAD_NAMES, got, want, params):

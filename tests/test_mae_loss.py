@@ -13,7 +13,8 @@ import torch
 
 import dres.ops as ops
 from dres.models import create_mae
-from dres.ops.mae_loss import mae_loss_op, mae_loss_reference
+from dres.ops import reference
+from dres.ops.mae_loss import mae_loss_op
 from dres.ops.utils import patchify, unpatchify
 from helpers import (BF16, F16, F32, TOLERANCE, assert_close, assert_graph_runs, inductor_caches_off, recording_backend,
                      rel_err)
@@ -52,7 +53,7 @@ def fused_loss_and_grad(pred, imgs, mask, patch_size, norm_pix, grad_output=1.0,
 
 def float64_loss_and_grad(pred, imgs, mask, patch_size, norm_pix, grad_output=1.0):
     leaf = pred.detach().double().requires_grad_(True)
-    loss = mae_loss_reference(leaf, imgs.double(), mask.double(), patch_size, norm_pix)
+    loss = reference.mae_loss(leaf, imgs.double(), mask.double(), patch_size, norm_pix)
     (loss * grad_output).backward()
     return loss, leaf.grad
 
@@ -365,7 +366,7 @@ def test_default_backend_is_reference_on_cpu():
     pred, imgs, mask = make_case(2, 2, 3, 3, 5, torch.float64, "cpu")
     loss = ops.mae_loss(pred, imgs.double(), mask, 2)
     assert loss.dtype == torch.float64  # float64 works only through the reference
-    assert torch.equal(loss, mae_loss_reference(pred, imgs.double(), mask, 2))
+    assert torch.equal(loss, reference.mae_loss(pred, imgs.double(), mask, 2))
 
 
 @pytest.mark.gpu

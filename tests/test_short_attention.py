@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import dres.ops as ops
-from dres.ops.short_attention import short_attention_backward_op, short_attention_op, short_attention_reference
+from dres.ops import reference
+from dres.ops.short_attention import short_attention_backward_op, short_attention_op
 from helpers import BF16, F16, F32, TOLERANCE, assert_close, recording_backend, rel_err
 
 # (B, H, N, d): 64-row tiles (N <= 16) and 128-row ones, one token, a tile of padding rows after
@@ -171,7 +172,7 @@ def test_compile_fullgraph_matches_eager(triton_device):
 def test_default_backend_is_the_reference_on_cpu_and_in_float64(triton_device):
     for qkv in (make_qkv(2, 2, 5, 16, F32, "cpu"), make_qkv(2, 2, 5, 16, torch.float64, triton_device)):
         out = ops.short_attention(qkv, 2)
-        assert out.dtype == qkv.dtype and torch.equal(out, short_attention_reference(qkv, 2))
+        assert out.dtype == qkv.dtype and torch.equal(out, reference.short_attention(qkv, 2))
         assert_close("reference", out, sdpa(qkv.double(), 2), F32)
 
 

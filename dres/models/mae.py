@@ -39,7 +39,7 @@ from torch import nn
 from dres import ops
 from dres.models.vit import ViTEncoder, build_from_config
 from dres.nn import ResidualDroppath, TransformerStack, init_vit_weights, sincos_2d
-from dres.ops.mae_loss import mae_loss_reference
+from dres.ops.reference import mae_loss as mae_loss_reference
 from dres.ops.utils import patchify, unpatchify
 
 VARIANTS = ("baseline", "official", "paper")

@@ -15,12 +15,16 @@ default) or "tanh" (``nn.GELU(approximate="tanh")``, timm's ``gelu_tanh``). Its 
 so an MLP stores one (tokens x hidden) activation fewer than under plain autograd (which keeps both
 ``fc1(x)`` for GELU's backward and ``gelu(fc1(x))`` for fc2's).
 
-As in :mod:`dres.ops.residual_norm`: one explicit ``autograd.Function`` per op (``BiasGeluFn``,
-``FusedMlpFn``) whose launches take the backend, and ``torch.library`` custom ops (``dres::bias_gelu``,
-``dres::bias_gelu_backward``) built from the same launches and formulas for ``torch.compile`` and
-``opcheck``; eager calls skip the custom-op dispatch cost. ``backend``: None runs the Triton kernels on CUDA tensors and the PyTorch reference
-(float64-capable, below) elsewhere; "triton" forces the kernels (on CPU under TRITON_INTERPRET=1);
-"torch" the reference; "cuda" (the csrc extension, which has no such kernel) runs Triton.
+As in :mod:`dres.ops.residual_norm`: one explicit ``autograd.Function`` per op whose launches take
+the backend. ``BiasGeluFn`` is also the autograd of the custom ops ``dres::bias_gelu`` and
+``dres::bias_gelu_backward`` (``define_op(..., autograd=BiasGeluFn)``), which ``torch.compile`` and
+``opcheck`` see; eager calls skip the custom-op dispatch cost. ``FusedMlpFn`` has no custom op of its
+own: it is two matmuls around ``dres::bias_gelu``, and torch.compile traces the Function itself, so the
+matmuls stay aten ops Inductor sees and the bias + GELU stays the custom op (docs/design.md, "The ops",
+says why). ``backend``: None runs the Triton kernels on CUDA tensors and the PyTorch reference
+(:func:`dres.ops.reference.bias_gelu`, :func:`dres.ops.reference.mlp`, float64-capable) elsewhere;
+"triton" forces the kernels (on CPU under TRITON_INTERPRET=1); "torch" the reference; "cuda" (the
+csrc extension, which has no such kernel) runs Triton.
 
 Importing this module registers the ops but does not import Triton (the kernels are imported on
 the first Triton call), so ``import dres.ops`` works where Triton is not installed.
@@ -34,13 +38,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dres.ops import reference
 from dres.ops.checks import (KERNEL_DTYPES, check_dtype_arg, check_same_device, check_tensor, check_vector,
                              resolve_backend_without_csrc, supported_dtypes)
-from dres.ops.reference import _compute_dtype
 from dres.ops.registration import define_op
-from dres.ops.utils import param_grad
+from dres.ops.utils import mlp_compute_dtype, param_grad
 
-__all__ = ["fused_bias_gelu", "fused_mlp", "bias_gelu_reference", "mlp_reference", "mlp_compute_dtype"]
+__all__ = ["fused_bias_gelu", "fused_mlp", "BiasGeluFn", "FusedMlpFn"]
 
 GELU_APPROXIMATIONS = ("none", "tanh")  # F.gelu's names
 
@@ -94,39 +98,8 @@ def check_mlp_inputs(backend: str, x: Tensor, fc1_weight: Tensor, fc1_bias: Opti
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference (what backend="torch" runs and what the tests compare against)
-
-
-def bias_gelu_reference(pre: Tensor, bias: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
-                        approximate: str = "none") -> Tensor:
-    """``F.gelu(pre + bias, approximate=approximate)`` in fp32, or fp64 when an input is; result in
-    out_dtype (default pre.dtype)."""
-    compute = _compute_dtype(pre, bias)
-    v = pre.to(compute)
-    if bias is not None:
-        v = v + bias.to(compute)
-    return F.gelu(v, approximate=approximate).to(out_dtype or pre.dtype)
-
-
-def mlp_compute_dtype(x: Tensor) -> torch.dtype:
-    """The dtype fused_mlp's matmuls run in: the autocast dtype when autocast is on for x's device
-    type, else x.dtype. (A custom Function's backward does not run under autocast, so the forward
-    records this dtype and casts explicitly.)"""
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return x.dtype
-
-
-def mlp_reference(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_weight: Tensor,
-                  fc2_bias: Optional[Tensor], approximate: str = "none") -> Tensor:
-    """``fc2(gelu(fc1(x)))`` with the fused op's dtypes, through ordinary autograd: matmuls in
-    :func:`mlp_compute_dtype`, fc1 without its bias, then bias + GELU in fp32 (fp64 for fp64 inputs)
-    rounded to the compute dtype. In float64 this is the exact MLP."""
-    compute = mlp_compute_dtype(x)
-    pre = F.linear(x.to(compute), fc1_weight.to(compute))
-    act = bias_gelu_reference(pre, fc1_bias, approximate=approximate)
-    return F.linear(act, fc2_weight.to(compute), None if fc2_bias is None else fc2_bias.to(compute))
+# Reference: dres.ops.reference.bias_gelu, .mlp (backend="torch" runs them; the tests compare the
+# kernels against them)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,24 +133,25 @@ def bias_gelu_backward_triton(g: Tensor, pre: Tensor, bias: Optional[Tensor], ac
             dbias if dbias is not None else pre.new_empty((0,), dtype=torch.float32))
 
 
-# By backend: "triton" runs the kernels directly (eager), "dres" the custom ops (traced by
-# torch.compile, where Inductor calls them as fallbacks).
+# By backend: "triton" runs the kernels directly (eager), "dres" the custom ops (FusedMlpFn under
+# torch.compile, and the backward of the custom op's own autograd).
 
 
 def run_bias_gelu(backend: str, pre: Tensor, bias: Optional[Tensor], out_dtype: Optional[torch.dtype],
                   approximate: str) -> Tensor:
-    if backend == "dres":
-        return torch.ops.dres.bias_gelu(pre, bias, out_dtype, approximate)
-    return bias_gelu_triton(pre, bias, out_dtype, approximate)
+    if backend == "triton":
+        return bias_gelu_triton(pre, bias, out_dtype, approximate)
+    return getattr(torch.ops, backend).bias_gelu(pre, bias, out_dtype, approximate)
 
 
-def run_bias_gelu_backward(backend: str, g: Tensor, pre: Tensor, bias: Optional[Tensor], act_dtype: Optional[torch.dtype],
-                  need_dbias: bool, approximate: str, dpre: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+def run_bias_gelu_backward(backend: str, g: Tensor, pre: Tensor, bias: Optional[Tensor],
+                           act_dtype: Optional[torch.dtype], need_dbias: bool, approximate: str,
+                           dpre: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """``dpre``: see :func:`bias_gelu_backward_triton`; the custom op allocates its own (compiled
     graphs leave buffer reuse to Inductor's memory planning)."""
-    if backend == "dres":
-        return torch.ops.dres.bias_gelu_backward(g, pre, bias, act_dtype, need_dbias, approximate)
-    return bias_gelu_backward_triton(g, pre, bias, act_dtype, need_dbias, approximate, dpre)
+    if backend == "triton":
+        return bias_gelu_backward_triton(g, pre, bias, act_dtype, need_dbias, approximate, dpre)
+    return getattr(torch.ops, backend).bias_gelu_backward(g, pre, bias, act_dtype, need_dbias, approximate)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,12 +163,14 @@ class BiasGeluFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, pre, bias, out_dtype, approximate, backend):
-        act = run_bias_gelu(backend, pre, bias, out_dtype, approximate)
-        BiasGeluFn.save(ctx, backend, pre, bias, approximate)
+        inputs = (pre, bias, out_dtype, approximate)
+        act = run_bias_gelu(backend, *inputs)
+        BiasGeluFn.save(ctx, backend, inputs, act)
         return act
 
     @staticmethod
-    def save(ctx, backend, pre, bias, approximate):
+    def save(ctx, backend, inputs, output):
+        pre, bias, out_dtype, approximate = inputs
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(pre, bias)
         ctx.backend, ctx.approximate = backend, approximate
@@ -276,14 +252,11 @@ def _bias_gelu_backward_fake(g, pre, bias, act_dtype, need_dbias, approximate):
 
 
 _QUALNAMES = ("dres::bias_gelu", "dres::bias_gelu_backward")
-bias_gelu_op = define_op("dres::bias_gelu", bias_gelu_triton, _bias_gelu_fake, _QUALNAMES)
+bias_gelu_op = define_op("dres::bias_gelu", bias_gelu_triton, _bias_gelu_fake, _QUALNAMES, autograd=BiasGeluFn)
 bias_gelu_backward_op = define_op(
     "dres::bias_gelu_backward", bias_gelu_backward_triton, _bias_gelu_backward_fake, _QUALNAMES,
     schema="(Tensor g, Tensor pre, Tensor? bias, ScalarType? act_dtype, bool need_dbias, str approximate) "
            "-> (Tensor, Tensor, Tensor)")
-bias_gelu_op.register_autograd(
-    lambda ctx, g: BiasGeluFn.backward(ctx, g)[:-1],  # the op takes no backend
-    setup_context=lambda ctx, inputs, output: BiasGeluFn.save(ctx, "dres", inputs[0], inputs[1], inputs[3]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,7 +275,7 @@ def fused_bias_gelu(pre: Tensor, bias: Optional[Tensor] = None, out_dtype: Optio
     backend = resolve_backend_without_csrc(backend, pre, "pre")
     check_bias_gelu_inputs(backend, pre, bias, out_dtype, approximate)
     if backend == "torch":
-        return bias_gelu_reference(pre, bias, out_dtype, approximate)
+        return reference.bias_gelu(pre, bias, out_dtype, approximate)
     if torch.compiler.is_compiling():
         return bias_gelu_op(pre, bias, out_dtype, approximate)
     return BiasGeluFn.apply(pre, bias, out_dtype, approximate, backend)
@@ -321,6 +294,6 @@ def fused_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_wei
     backend = resolve_backend_without_csrc(backend, x)
     check_mlp_inputs(backend, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate)
     if backend == "torch":
-        return mlp_reference(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate)
+        return reference.mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate)
     return FusedMlpFn.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, mlp_compute_dtype(x), approximate,
                             "dres" if torch.compiler.is_compiling() else "triton")

@@ -15,7 +15,7 @@ gradient, and passing one that requires grad is an error rather than a silently 
 Eager calls run :class:`MAELossFn`; under ``torch.compile(fullgraph=True)`` (and for ``opcheck``)
 the custom op ``dres::mae_loss``, built from the same launch and formulas (custom-op dispatch
 costs tens of microseconds per call, so eager calls skip it). ``backend="torch"`` (the default
-on CPU) runs :func:`mae_loss_reference`, which is ``forward_loss`` written out (float64-capable).
+on CPU) runs :func:`dres.ops.reference.mae_loss`, which is ``forward_loss`` written out (float64-capable).
 A mask with no counted patch (all zero) gives loss 0 and a zero gradient on every backend.
 """
 
@@ -24,10 +24,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dres.ops import reference
 from dres.ops.checks import REFERENCE_DTYPES, check_eps, check_tensor, resolve_backend_without_csrc, supported_dtypes
-from dres.ops.reference import _compute_dtype
 from dres.ops.registration import define_op
-from dres.ops.utils import patchify
 
 # mask is any float tensor of weights (normally 0/1) or a bool tensor; it is only read
 MASK_DTYPES = REFERENCE_DTYPES + (torch.bool,)
@@ -78,23 +77,8 @@ def check_mae_loss_inputs(backend: str, pred: Tensor, imgs: Tensor, mask: Tensor
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference
-
-
-def mae_loss_reference(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int, norm_pix: bool = True,
-                       eps: float = 1e-6) -> Tensor:
-    """``MAE.forward_loss`` in plain PyTorch: fp32 (fp64 when pred or imgs is fp64), gradients by autograd."""
-    dtype = _compute_dtype(pred, imgs)
-    target = patchify(imgs, patch_size).to(dtype)
-    if norm_pix:
-        mean = target.mean(dim=-1, keepdim=True)
-        var = target.var(dim=-1, keepdim=True)
-        target = (target - mean) / (var + eps) ** 0.5
-    loss = ((pred.to(dtype) - target) ** 2).mean(dim=-1)
-    mask = mask.to(dtype)
-    mask_sum = mask.sum()
-    # An all-zero mask counts no patch: loss 0 and zero gradient rather than 0 / 0.
-    return (loss * mask).sum() / torch.where(mask_sum != 0, mask_sum, torch.ones_like(mask_sum))
+# Reference: dres.ops.reference.mae_loss (backend="torch" runs it; the tests compare the kernel
+# against it)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,23 +111,26 @@ class MAELossFn(torch.autograd.Function):
     the forward writes dloss/dpred in the same pass, so the backward is dpred * grad_loss."""
 
     @staticmethod
-    def forward(ctx, pred, imgs, mask, patch_size, norm_pix, eps, need_dpred):
-        loss, dpred = mae_loss_triton(pred, imgs, mask, patch_size, norm_pix, eps, need_dpred)
-        MAELossFn.save(ctx, dpred)
-        return loss
+    def forward(ctx, pred, imgs, mask, patch_size, norm_pix, eps, need_dpred, backend):
+        inputs = (pred, imgs, mask, patch_size, norm_pix, eps, need_dpred)
+        output = mae_loss_triton(*inputs)  # eager calls run Triton: the csrc extension has no such kernel
+        MAELossFn.save(ctx, backend, inputs, output)
+        return output[0]
 
     @staticmethod
-    def save(ctx, dpred):
+    def save(ctx, backend, inputs, output):
+        _, dpred = output
+        ctx.mark_non_differentiable(dpred)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(dpred)
 
     @staticmethod
     def backward(ctx, grad_loss, *_dpred_grad):
         if grad_loss is None:
-            return (None,) * 7
+            return (None,) * 8
         (dpred,) = ctx.saved_tensors
         # dpred is the gradient for grad_loss = 1; a 0-dim multiply keeps pred's dtype and never syncs.
-        return dpred * grad_loss, None, None, None, None, None, None
+        return dpred * grad_loss, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,14 +142,7 @@ def _mae_loss_fake(pred, imgs, mask, patch_size, norm_pix, eps, need_dpred):
     return pred.new_empty((), dtype=torch.float32), dpred
 
 
-def _mae_loss_setup(ctx, inputs, output):
-    _, dpred = output
-    ctx.mark_non_differentiable(dpred)
-    MAELossFn.save(ctx, dpred)
-
-
-mae_loss_op = define_op("dres::mae_loss", mae_loss_triton, _mae_loss_fake, ["dres::mae_loss"])
-mae_loss_op.register_autograd(MAELossFn.backward, setup_context=_mae_loss_setup)
+mae_loss_op = define_op("dres::mae_loss", mae_loss_triton, _mae_loss_fake, ["dres::mae_loss"], autograd=MAELossFn)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,16 +156,16 @@ def mae_loss(pred: Tensor, imgs: Tensor, mask: Tensor, patch_size: int, norm_pix
     pred: (B, L, p*p*C) (bf16 under autocast, or fp32/fp16), unit stride along the last dim or it is
     copied; imgs: (B, C, H, W), any strides; mask: (B, L), 1 = masked (counted); an all-zero mask
     gives loss 0 with a zero gradient. eps: a positive float. ``backend``: None
-    picks Triton for CUDA tensors and :func:`mae_loss_reference` otherwise; "triton" or "torch" force one
+    picks Triton for CUDA tensors and :func:`dres.ops.reference.mae_loss` otherwise; "triton" or "torch" force one
     ("cuda", the csrc extension's name, has no kernel for this op and runs Triton).
     """
     backend = resolve_backend_without_csrc(backend, pred, "pred")
     check_mae_loss_inputs(backend, pred, imgs, mask, patch_size, norm_pix, eps)
     if backend == "torch":
-        return mae_loss_reference(pred, imgs, mask, patch_size, norm_pix, eps)
+        return reference.mae_loss(pred, imgs, mask, patch_size, norm_pix, eps)
     # In evaluation the kernel skips writing the gradient.
     args = (pred, imgs, mask, patch_size, bool(norm_pix), float(eps), pred.requires_grad and torch.is_grad_enabled())
     if torch.compiler.is_compiling():
         loss, _ = mae_loss_op(*args)
         return loss
-    return MAELossFn.apply(*args)
+    return MAELossFn.apply(*args, "triton")

@@ -1,5 +1,6 @@
-"""How every dres:: custom op is defined (:func:`define_op`), and Inductor fallback lowerings for
-them (imports no Triton).
+"""How every dres:: custom op is defined (:func:`define_op`): its body, fake kernel, autograd (the
+op's ``torch.autograd.Function``, :func:`register_function_autograd`), the rule that traces it
+through under torch.compile, and Inductor fallback lowerings for it (imports no Triton).
 
 On CUDA tensors of static shape torch.compile sees through the ops: AOTAutograd replaces an op by
 its body, whose Triton launches are recorded into the graph (``torch.library.wrap_triton``, as
@@ -92,14 +93,30 @@ def _inline_on_cuda(body: Callable) -> Callable:
     return functional_rule
 
 
+def register_function_autograd(qualname: str, function: type[torch.autograd.Function]) -> None:
+    """``function``'s formulas as the autograd of the custom op ``qualname`` (a ``dres::`` op, or a
+    ``dres_cuda::`` op the csrc extension defines in C++). Every op's Function takes the op's inputs
+    and then ``backend``, and has ``save(ctx, backend, inputs, output)``, its setup, with ``output``
+    what the op returns; here ``backend`` is the op's namespace, so the formulas' backward calls that
+    namespace's backward op. The backward drops the Function's last gradient (for ``backend``)."""
+    namespace = qualname.split("::")[0]
+    torch.library.register_autograd(
+        qualname, lambda ctx, *grads: function.backward(ctx, *grads)[:-1],
+        setup_context=lambda ctx, inputs, output: function.save(ctx, namespace, inputs, output))
+
+
 def define_op(qualname: str, body: Callable, fake: Callable, module_qualnames: Iterable[str],
-              schema: Optional[str] = None, inline: bool = True) -> torch.library.CustomOpDef:
+              schema: Optional[str] = None, inline: bool = True,
+              autograd: Optional[type[torch.autograd.Function]] = None) -> torch.library.CustomOpDef:
     """The custom op ``qualname`` running ``body`` (the Triton launches), with ``fake`` as its fake
-    kernel (registering the fallbacks of ``module_qualnames``, the ops of one module, first), traced
-    through on CUDA by torch.compile (:func:`_inline_on_cuda`) unless ``inline`` is False. Autograd
-    is the caller's to add."""
+    kernel (registering the fallbacks of ``module_qualnames``, the ops of one module, first), the
+    formulas of ``autograd`` (the op's Function, :func:`register_function_autograd`; None for a
+    backward op), traced through on CUDA by torch.compile (:func:`_inline_on_cuda`) unless
+    ``inline`` is False."""
     op = torch.library.custom_op(qualname, body, mutates_args=(), schema=schema)
     op.register_fake(with_inductor_fallbacks(module_qualnames, fake))
     if inline:
         op.register_torch_dispatch(FunctionalTensorMode, _inline_on_cuda(body))
+    if autograd is not None:
+        register_function_autograd(qualname, autograd)
     return op

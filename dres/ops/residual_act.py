@@ -21,7 +21,6 @@ elsewhere; "triton" forces the kernels (on CPU under TRITON_INTERPRET=1); "torch
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -58,8 +57,8 @@ def check_residual_act_inputs(backend: str, x, h, alpha, row_scale, grad_scale, 
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference: dres.ops.reference.residual_act (built on the residual_norm family's reference);
-# backend="torch" runs it and the tests compare the kernels against it.
+# Reference: dres.ops.reference.residual_act (backend="torch" runs it; the tests compare the kernels
+# against it)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,43 +145,49 @@ def residual_act_backward_triton(g: Tensor, out: Optional[Tensor], x: Optional[T
     return dx, dh if dh is not None else empty(x_dtype), dalpha if dalpha is not None else empty(torch.float32)
 
 
+def run_residual_act_backward(backend: str, *args) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dh, dalpha): "triton" launches the kernels (eager), "dres" calls the backward custom op
+    (the custom op's autograd)."""
+    if backend == "triton":
+        return residual_act_backward_triton(*args)
+    return getattr(torch.ops, backend).residual_act_backward(*args)
+
+
 # ---------------------------------------------------------------------------------------------
-# Autograd formulas, shared by ResidualActFn (eager) and the custom op's register_autograd
-
-
-def _setup(ctx, inputs, output):
-    x, h, alpha, alpha_value, row_scale, grad_scale, act = inputs
-    ctx.set_materialize_grads(False)
-    need_dalpha = alpha is not None and ctx.needs_input_grad[2]
-    ctx.save_for_backward(output if act == "relu" else None, x if need_dalpha else None, alpha,
-                          grad_scale if grad_scale is not None else row_scale)
-    ctx.alpha_value, ctx.x_dtype, ctx.h_dtype = alpha_value, x.dtype, h.dtype
-    ctx.need = (ctx.needs_input_grad[1], need_dalpha)
-
-
-def _backward(backward_op, ctx, g):
-    if g is None:
-        return (None,) * 7
-    out, x, alpha, grad_scale = ctx.saved_tensors
-    need_dh, need_dalpha = ctx.need
-    dx, dh, dalpha = backward_op(g, out, x, alpha, ctx.alpha_value, grad_scale, ctx.x_dtype,
-                                 ctx.h_dtype if need_dh else None, need_dalpha)
-    return (dx, dh if need_dh else None, dalpha.to(alpha.dtype).reshape(alpha.shape) if need_dalpha else None,
-            None, None, None, None)
+# The autograd Function
 
 
 class ResidualActFn(torch.autograd.Function):
-    """The eager path: the op's body and formulas without custom-op dispatch (tens of microseconds a call)."""
+    """out = act(alpha*x + row_scale[b]*h); g' = g * act'(out), dx = alpha*g', dh = grad_scale[b]*g'
+    (grad_scale None = row_scale), dalpha = sum(g'*x). The ReLU backward reads only the stored out."""
 
     @staticmethod
-    def forward(ctx, x, h, alpha, alpha_value, row_scale, grad_scale, act):
-        out = residual_act_triton(x, h, alpha, alpha_value, row_scale, grad_scale, act)
-        _setup(ctx, (x, h, alpha, alpha_value, row_scale, grad_scale, act), out)
+    def forward(ctx, x, h, alpha, alpha_value, row_scale, grad_scale, act, backend):
+        inputs = (x, h, alpha, alpha_value, row_scale, grad_scale, act)
+        out = residual_act_triton(*inputs)  # eager calls run Triton: the csrc extension has no such kernel
+        ResidualActFn.save(ctx, backend, inputs, out)
         return out
 
     @staticmethod
+    def save(ctx, backend, inputs, output):
+        x, h, alpha, alpha_value, row_scale, grad_scale, act = inputs
+        ctx.set_materialize_grads(False)
+        need_dalpha = alpha is not None and ctx.needs_input_grad[2]
+        ctx.save_for_backward(output if act == "relu" else None, x if need_dalpha else None, alpha,
+                              grad_scale if grad_scale is not None else row_scale)
+        ctx.backend, ctx.alpha_value, ctx.x_dtype, ctx.h_dtype = backend, alpha_value, x.dtype, h.dtype
+        ctx.need = (ctx.needs_input_grad[1], need_dalpha)
+
+    @staticmethod
     def backward(ctx, g):
-        return _backward(residual_act_backward_triton, ctx, g)
+        if g is None:
+            return (None,) * 8
+        out, x, alpha, grad_scale = ctx.saved_tensors
+        need_dh, need_dalpha = ctx.need
+        dx, dh, dalpha = run_residual_act_backward(ctx.backend, g, out, x, alpha, ctx.alpha_value, grad_scale,
+                                                   ctx.x_dtype, ctx.h_dtype if need_dh else None, need_dalpha)
+        return (dx, dh if need_dh else None, dalpha.to(alpha.dtype).reshape(alpha.shape) if need_dalpha else None,
+                None, None, None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,10 +209,10 @@ def _residual_act_backward_fake(g, out, x, alpha, alpha_value, grad_scale, x_dty
 # tests/test_convert_resnet.py no longer matched eager (without drop path, on an H100); the ResNet
 # trainer captures whole steps in CUDA graphs, where the fallback's host cost is not paid per step.
 _QUALNAMES = ("dres::residual_act", "dres::residual_act_backward")
-residual_act_op = define_op("dres::residual_act", residual_act_triton, _residual_act_fake, _QUALNAMES, inline=False)
+residual_act_op = define_op("dres::residual_act", residual_act_triton, _residual_act_fake, _QUALNAMES, inline=False,
+                            autograd=ResidualActFn)
 residual_act_backward_op = define_op("dres::residual_act_backward", residual_act_backward_triton,
                                      _residual_act_backward_fake, _QUALNAMES, inline=False)
-residual_act_op.register_autograd(functools.partial(_backward, residual_act_backward_op), setup_context=_setup)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,4 +235,4 @@ def residual_act(x: Tensor, h: Tensor, alpha=1.0, row_scale: Optional[Tensor] = 
     alpha, alpha_value = alpha_args(alpha)
     if torch.compiler.is_compiling():
         return residual_act_op(x, h, alpha, alpha_value, row_scale, grad_scale, act)
-    return ResidualActFn.apply(x, h, alpha, alpha_value, row_scale, grad_scale, act)
+    return ResidualActFn.apply(x, h, alpha, alpha_value, row_scale, grad_scale, act, "triton")

@@ -29,7 +29,7 @@ from torch import Tensor
 from dres.ops import csrc_backend, reference
 from dres.ops.checks import (check_alpha, check_dtype_arg, check_eps, check_factors_are_data, check_same_device,
                              check_tensor, check_vector, resolve_backend, supported_dtypes)
-from dres.ops.registration import define_op, with_inductor_fallbacks
+from dres.ops.registration import define_op, register_function_autograd, with_inductor_fallbacks
 from dres.ops.utils import alpha_args, param_grad, rows_per_sample
 
 __all__ = ["residual_layer_norm", "residual_add", "layer_norm", "ResidualLayerNormFn", "ResidualAddFn", "LayerNormFn"]
@@ -96,8 +96,8 @@ def check_residual_norm_inputs(
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference: dres.ops.reference (residual_layer_norm, residual_add, layer_norm), which residual_act's
-# reference shares; backend="torch" runs it and the tests compare the kernels against it.
+# Reference: dres.ops.reference.residual_layer_norm, .residual_add, .layer_norm (backend="torch"
+# runs them; the tests compare the kernels against them)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,14 +226,16 @@ class ResidualLayerNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype,
                 backend):
-        out, y, mean, rstd = run_residual_layer_norm(backend, x, h, weight, bias, alpha, alpha_value, eps, row_scale,
-                                                     grad_scale, residual_dtype, out_dtype)
-        ResidualLayerNormFn.save(ctx, backend, x, h, weight, bias, alpha, alpha_value, row_scale, grad_scale, out,
-                                 mean, rstd)
-        return out, y
+        inputs = (x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype)
+        output = run_residual_layer_norm(backend, *inputs)
+        ResidualLayerNormFn.save(ctx, backend, inputs, output)
+        return output[:2]
 
     @staticmethod
-    def save(ctx, backend, x, h, weight, bias, alpha, alpha_value, row_scale, grad_scale, out, mean, rstd):
+    def save(ctx, backend, inputs, output):
+        x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype = inputs
+        out, y, mean, rstd = output
+        ctx.mark_non_differentiable(mean, rstd)
         ctx.set_materialize_grads(False)
         need_dalpha = alpha is not None and ctx.needs_input_grad[4]
         ctx.save_for_backward(out, weight, bias, mean, rstd, alpha, grad_scale if grad_scale is not None else row_scale,
@@ -263,12 +265,14 @@ class ResidualAddFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype, backend):
-        out = run_residual_add(backend, x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype)
-        ResidualAddFn.save(ctx, backend, x, h, alpha, alpha_value, row_scale, grad_scale)
+        inputs = (x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype)
+        out = run_residual_add(backend, *inputs)
+        ResidualAddFn.save(ctx, backend, inputs, out)
         return out
 
     @staticmethod
-    def save(ctx, backend, x, h, alpha, alpha_value, row_scale, grad_scale):
+    def save(ctx, backend, inputs, output):
+        x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype = inputs
         ctx.set_materialize_grads(False)
         need_dalpha = alpha is not None and ctx.needs_input_grad[2]
         ctx.save_for_backward(alpha, grad_scale if grad_scale is not None else row_scale, x if need_dalpha else None)
@@ -294,12 +298,16 @@ class LayerNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps, out_dtype, backend):
-        y, mean, rstd = run_layer_norm(backend, x, weight, bias, eps, out_dtype)
-        LayerNormFn.save(ctx, backend, x, weight, bias, mean, rstd)
-        return y
+        inputs = (x, weight, bias, eps, out_dtype)
+        output = run_layer_norm(backend, *inputs)
+        LayerNormFn.save(ctx, backend, inputs, output)
+        return output[0]
 
     @staticmethod
-    def save(ctx, backend, x, weight, bias, mean, rstd):
+    def save(ctx, backend, inputs, output):
+        x, weight, bias, eps, out_dtype = inputs
+        y, mean, rstd = output
+        ctx.mark_non_differentiable(mean, rstd)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.backend, ctx.x_dtype = backend, x.dtype
@@ -362,46 +370,20 @@ def fakes_registering_fallbacks(namespace: str) -> dict:
     return {name: with_inductor_fallbacks(qualnames, fake) for name, fake in FAKE_IMPLS.items()}
 
 
-def register_autograd(namespace: str) -> None:
-    """The Functions' save/backward as the autograd of ``torch.ops.<namespace>``'s forward ops; their
-    backward calls that namespace's backward op. The custom ops return (mean, rstd) as outputs and
-    take no backend argument: the backward drops the Function's last (backend) gradient."""
-
-    def residual_layer_norm_setup(ctx, inputs, output):
-        x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype = inputs
-        out, y, mean, rstd = output
-        ctx.mark_non_differentiable(mean, rstd)
-        ResidualLayerNormFn.save(ctx, namespace, x, h, weight, bias, alpha, alpha_value, row_scale, grad_scale, out,
-                                 mean, rstd)
-
-    def residual_add_setup(ctx, inputs, output):
-        x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype = inputs
-        ResidualAddFn.save(ctx, namespace, x, h, alpha, alpha_value, row_scale, grad_scale)
-
-    def layer_norm_setup(ctx, inputs, output):
-        x, weight, bias, eps, out_dtype = inputs
-        y, mean, rstd = output
-        ctx.mark_non_differentiable(mean, rstd)
-        LayerNormFn.save(ctx, namespace, x, weight, bias, mean, rstd)
-
-    for name, fn, setup in (("residual_layer_norm", ResidualLayerNormFn, residual_layer_norm_setup),
-                            ("residual_add", ResidualAddFn, residual_add_setup),
-                            ("layer_norm", LayerNormFn, layer_norm_setup)):
-        torch.library.register_autograd(f"{namespace}::{name}", lambda ctx, *grads, fn=fn: fn.backward(ctx, *grads)[:-1],
-                                        setup_context=setup)
-
-
 _QUALNAMES = [f"dres::{name}" for name in FAKE_IMPLS]
 residual_layer_norm_op = define_op("dres::residual_layer_norm", residual_layer_norm_triton, _residual_layer_norm_fake,
-                                   _QUALNAMES)
-residual_add_op = define_op("dres::residual_add", residual_add_triton, _residual_add_fake, _QUALNAMES)
-layer_norm_op = define_op("dres::layer_norm", layer_norm_triton, _layer_norm_fake, _QUALNAMES)
+                                   _QUALNAMES, autograd=ResidualLayerNormFn)
+residual_add_op = define_op("dres::residual_add", residual_add_triton, _residual_add_fake, _QUALNAMES,
+                            autograd=ResidualAddFn)
+layer_norm_op = define_op("dres::layer_norm", layer_norm_triton, _layer_norm_fake, _QUALNAMES, autograd=LayerNormFn)
 residual_norm_backward_op = define_op("dres::residual_norm_backward", residual_norm_backward_triton,
                                       _residual_norm_backward_fake, _QUALNAMES)
-register_autograd("dres")
+# The csrc ops (defined in C++ with the same schemas) take the same fakes and the same Functions' formulas.
 if csrc_backend.available():
     csrc_backend.register_fakes(fakes_registering_fallbacks("dres_cuda"))
-    register_autograd("dres_cuda")
+    for name, function in (("residual_layer_norm", ResidualLayerNormFn), ("residual_add", ResidualAddFn),
+                           ("layer_norm", LayerNormFn)):
+        register_function_autograd(f"dres_cuda::{name}", function)
 
 
 def _custom_op(backend: str, name: str):

@@ -11,13 +11,14 @@ mask, dropout or causality. The Triton kernels (:mod:`dres.kernels.short_attenti
 whole sequences of one head into one tile up to 128 tokens and give each (sequence, head) a program
 above; the autograd saves only qkv (the backward recomputes the softmax).
 
-As in :mod:`dres.ops.bias_gelu`: one explicit ``autograd.Function`` (``ShortAttentionFn``) whose
-launches take the backend, and ``torch.library`` custom ops (``dres::short_attention``,
-``dres::short_attention_backward``) built from the same launches and formulas for ``torch.compile``
-(which calls them as opaque ops, see below) and ``opcheck``; eager calls skip the custom-op dispatch cost. ``backend``: None runs the Triton
-kernels on CUDA tensors and the PyTorch reference (below) on CPU tensors or float64; "triton" forces
-the kernels (on CPU under TRITON_INTERPRET=1); "torch" the reference; "cuda" (the csrc extension,
-which has no such kernel) runs Triton.
+As in every op module: one explicit ``autograd.Function`` (``ShortAttentionFn``), which is also the
+autograd of the ``torch.library`` custom ops (``dres::short_attention``,
+``dres::short_attention_backward``, ``define_op(..., autograd=ShortAttentionFn)``) that
+``torch.compile`` (which calls them as opaque ops, see below) and ``opcheck`` see; eager calls skip
+the custom-op dispatch cost. ``backend``: None runs the Triton kernels on CUDA tensors and the
+PyTorch reference (:func:`dres.ops.reference.short_attention`) on CPU tensors or float64; "triton"
+forces the kernels (on CPU under TRITON_INTERPRET=1); "torch" the reference; "cuda" (the csrc
+extension, which has no such kernel) runs Triton.
 
 Importing this module registers the ops but does not import Triton (the kernels are imported on
 the first Triton call), so ``import dres.ops`` works where Triton is not installed.
@@ -32,11 +33,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from dres.ops import reference
 from dres.ops.checks import check_tensor, resolve_backend_without_csrc, supported_dtypes
-from dres.ops.reference import _compute_dtype
 from dres.ops.registration import define_op
 
-__all__ = ["short_attention", "short_attention_reference"]
+__all__ = ["short_attention", "ShortAttentionFn"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,18 +76,8 @@ def check_short_attention_inputs(backend: str, qkv: Tensor, num_heads: int, scal
 
 
 # ---------------------------------------------------------------------------------------------
-# Reference (what backend="torch" runs and what the tests compare against)
-
-
-def short_attention_reference(qkv: Tensor, num_heads: int, scale: Optional[float] = None) -> Tensor:
-    """The attention written out in fp32 (fp64 for fp64 qkv), gradients by autograd; result in qkv's dtype."""
-    B, N, three_c = qkv.shape
-    C = three_c // 3
-    head_dim = C // num_heads
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    q, k, v = qkv.to(_compute_dtype(qkv)).reshape(B, N, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-    probs = ((q @ k.transpose(-2, -1)) * scale).softmax(dim=-1)
-    return (probs @ v).transpose(1, 2).reshape(B, N, C).to(qkv.dtype)
+# Reference: dres.ops.reference.short_attention (backend="torch" runs it; the tests compare the
+# kernels against it)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,19 +102,12 @@ def short_attention_backward_triton(g: Tensor, qkv: Tensor, num_heads: int, scal
     return dqkv
 
 
-# By backend: "triton" runs the kernels directly (eager), "dres" the custom ops (traced by torch.compile).
-
-
-def run_short_attention(backend: str, qkv: Tensor, num_heads: int, scale: float) -> Tensor:
-    if backend == "dres":
-        return torch.ops.dres.short_attention(qkv, num_heads, scale)
-    return short_attention_triton(qkv, num_heads, scale)
-
-
 def run_short_attention_backward(backend: str, g: Tensor, qkv: Tensor, num_heads: int, scale: float) -> Tensor:
-    if backend == "dres":
-        return torch.ops.dres.short_attention_backward(g, qkv, num_heads, scale)
-    return short_attention_backward_triton(g, qkv, num_heads, scale)
+    """dqkv: "triton" launches the kernels (eager), "dres" calls the backward custom op (the custom
+    op's autograd)."""
+    if backend == "triton":
+        return short_attention_backward_triton(g, qkv, num_heads, scale)
+    return getattr(torch.ops, backend).short_attention_backward(g, qkv, num_heads, scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,12 +120,14 @@ class ShortAttentionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qkv, num_heads, scale, backend):
-        out = run_short_attention(backend, qkv, num_heads, scale)
-        ShortAttentionFn.save(ctx, backend, qkv, num_heads, scale)
+        inputs = (qkv, num_heads, scale)
+        out = short_attention_triton(*inputs)  # eager calls run Triton: the csrc extension has no such kernel
+        ShortAttentionFn.save(ctx, backend, inputs, out)
         return out
 
     @staticmethod
-    def save(ctx, backend, qkv, num_heads, scale):
+    def save(ctx, backend, inputs, output):
+        qkv, num_heads, scale = inputs
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(qkv)
         ctx.backend, ctx.num_heads, ctx.scale = backend, num_heads, scale
@@ -172,12 +158,9 @@ def _short_attention_backward_fake(g, qkv, num_heads, scale):
 # (BENCHMARKS.md); the trainers capture whole steps in CUDA graphs, where the fallback's host cost is not paid.
 _QUALNAMES = ("dres::short_attention", "dres::short_attention_backward")
 short_attention_op = define_op("dres::short_attention", short_attention_triton, _short_attention_fake, _QUALNAMES,
-                               inline=False)
+                               inline=False, autograd=ShortAttentionFn)
 short_attention_backward_op = define_op("dres::short_attention_backward", short_attention_backward_triton,
                                         _short_attention_backward_fake, _QUALNAMES, inline=False)
-short_attention_op.register_autograd(
-    lambda ctx, g: ShortAttentionFn.backward(ctx, g)[:-1],  # the op takes no backend
-    setup_context=lambda ctx, inputs, output: ShortAttentionFn.save(ctx, "dres", *inputs))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,7 +180,7 @@ def short_attention(qkv: Tensor, num_heads: int, scale: Optional[float] = None,
     backend = resolve_backend_without_csrc(backend, qkv, "qkv")
     check_short_attention_inputs(backend, qkv, num_heads, scale)
     if backend == "torch":
-        return short_attention_reference(qkv, num_heads, scale)
+        return reference.short_attention(qkv, num_heads, scale)
     scale = 1.0 / math.sqrt(qkv.shape[-1] // (3 * num_heads)) if scale is None else float(scale)
     if torch.compiler.is_compiling():
         return short_attention_op(qkv, num_heads, scale)

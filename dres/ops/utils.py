@@ -35,6 +35,16 @@ def param_grad(grad: Optional[Tensor], like: Optional[Tensor], needed: bool) -> 
     return grad if grad.shape == like.shape else grad.reshape(like.shape)
 
 
+def mlp_compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype fused_mlp's matmuls run in: the autocast dtype when autocast is on for x's device
+    type, else x.dtype. (A custom Function's backward does not run under autocast, so the forward
+    records this dtype and casts explicitly.)"""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
 def patchify(imgs: Tensor, patch_size: int) -> Tensor:
     """(B, C, H, W) -> (B, L, p*p*C), MAE's and U-ViT's layout: column (pp*p + q)*C + c of patch
     (i, j) is ``imgs[b, c, i*p + pp, j*p + q]``."""
