@@ -14,8 +14,9 @@
 # in SPREAD_PROCESSES (default 3) fresh processes: median and spread (a slow or noisy path shows here), and
 # the same of the step's CUDA-graph replay with each process's step / replay (a slow process slow in its
 # replay too is slow on the GPU side; one slow only in its step, on the host side).
-# csrc_tests: the suite again with the optional CUDA C++ extension built (sm_90 only; the default backend
-# then takes its kernels for eager calls), built into a temporary folder and removed afterwards.
+# csrc_tests: the whole suite again, CPU and GPU tests in one process, with the optional CUDA C++ extension built
+# (sm_90 only; the default backend then takes its kernels for eager calls) into a temporary folder removed
+# afterwards; CSRC_TESTS="tests/test_csrc.py ..." narrows it (TESTS and MARK are the tests stage's alone).
 # trainers: each preset's trainer (one GPU, steady-state img/s and trainer / replay), each run cut at
 # TRAINER_TIMEOUT_S (default 300: a fresh machine compiles cold); model.backend=torch runs leave the norms to Inductor's own fused code, the fused_mlp
 # rows take the MLP path the preset does not (auto: dres's fused MLP in captured steps; mae_cifar10 sets false);
@@ -162,8 +163,8 @@ if want csrc_tests; then
       && (cd / && PYTHONPATH="$csite" python3 -c 'from dres.ops import csrc_backend as c; assert c.available(), c.LOAD_ERROR') \
       >>"$OUT/install_csrc.log" 2>&1; then
     cp -r . "$csrun/tree" && rm -rf "$csrun/tree/dres"
-    (cd "$csrun/tree" && PYTHONPATH="$csite" python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} \
-      -m "${MARK:-gpu or not gpu}" 2>&1) | tee "$OUT/tests_csrc.log" | tail -n 20
+    (cd "$csrun/tree" && PYTHONPATH="$csite" python3 -m pytest -q -p no:cacheprovider ${CSRC_TESTS:-tests} \
+      --junitxml="$OUT/junit_csrc.xml" 2>&1) | tee "$OUT/tests_csrc.log" | tail -n 20
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   else
     echo "csrc build failed"; tail -n 20 "$OUT/install_csrc.log"; status=1

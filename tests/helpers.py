@@ -1,7 +1,7 @@
 """Helpers shared by the op tests (test_ops, test_csrc, test_mae_loss, test_bias_gelu): per-dtype
-tolerances against float64, the drop-path modes of the op table, random cases, gradient plumbing
-and CUDA-graph capture. Imported as ``helpers`` (pytest puts tests/ on sys.path), so any one test
-file collects on its own."""
+tolerances against float64, the drop-path modes of the op table, random cases, gradient plumbing,
+CUDA-graph capture and CUDA dispatch forced on CPU tensors. Imported as ``helpers`` (pytest puts
+tests/ on sys.path), so any one test file collects on its own."""
 
 from __future__ import annotations
 
@@ -156,4 +156,16 @@ def inductor_caches_off():
     """Inductor without its FX-graph and AOTAutograd caches (a cache hit skips lowering), through
     the configs' own ``patch``: monkeypatch's undo deletes config keys under pytest 9."""
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
+@contextlib.contextmanager
+def cuda_dispatch_forced():
+    """CPU tensors dispatched to CUDA kernels while the context lasts (the CUDA key in the thread's
+    included dispatch keys), the thread's keys restored exactly on leaving. On torch 2.11
+    ``_IncludeDispatchKeyGuard(DispatchKey.CUDA)`` alone leaves CUDA's backend bit set on exit (the
+    included keys' raw form goes from 0x804000000 to 0x804000002), after which every CPU op of the
+    process dispatches to its CUDA kernel and fails ("CUDAGuardImpl initialized with non-CUDA
+    DeviceType: cpu"); ``_PreserveDispatchKeyGuard`` saves the whole key set and puts it back."""
+    with torch._C._PreserveDispatchKeyGuard(), torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.CUDA):
         yield

@@ -20,8 +20,8 @@ import torch
 
 import dres.ops as ops
 from dres.ops import csrc_backend, reference
-from helpers import (BF16, F16, F32, MODES, TOLERANCE, assert_close, capture_graph, f64, grads, leaves, make_case,
-                     mode_scales)
+from helpers import (BF16, F16, F32, MODES, TOLERANCE, assert_close, capture_graph, cuda_dispatch_forced, f64, grads,
+                     leaves, make_case, mode_scales)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPS = ("residual_layer_norm", "residual_add", "layer_norm", "residual_norm_backward")
@@ -444,12 +444,25 @@ def test_argument_checks_raise_through_the_python_autograd_without_gpu():
         lambda: c.residual_norm_backward(None, None, None, None, None, None, None, None, 1.0, None, F32, None,
                                          False, False, False),
     ]
-    with torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.CUDA):
+    with cuda_dispatch_forced():
         for call in calls[:3]:
             with pytest.raises(RuntimeError, match="x must be a CUDA tensor"):
                 call()
         with pytest.raises(RuntimeError, match="needs g_out or g_y"):
             calls[3]()
+    assert torch.equal(torch.ones(2) + 1, torch.full((2,), 2.0))  # CPU tensors reach CPU kernels again
+
+
+def test_forced_cuda_dispatch_leaves_the_thread_as_it_found_it():
+    """What forcing the CUDA dispatch key in one test must not leak into the next: with the key left
+    in the thread's included set (torch 2.11's guard alone), every later CPU op of the suite failed
+    in CUDAGuardImpl (36 tests of test_ops.py after the argument-check test above, extension built)."""
+    included = torch._C._dispatch_tls_local_include_set
+    before = included().raw_repr()
+    with cuda_dispatch_forced():
+        assert included().has(torch._C.DispatchKey.CUDA)
+    assert included().raw_repr() == before
+    assert torch.equal(torch.ones(2) + 1, torch.full((2,), 2.0))
 
 
 

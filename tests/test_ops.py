@@ -453,7 +453,11 @@ def test_op_test_files_collect_without_the_repository_root_on_sys_path(tmp_path)
     helpers live in tests/helpers.py, never in benchmarks/ (importable only from the repo root)."""
     tests = os.path.dirname(os.path.abspath(__file__))
     files = [os.path.join(tests, f) for f in ("test_ops.py", "test_csrc.py", "test_mae_loss.py", "test_bias_gelu.py")]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    # PYTHONPATH less the repository root: the subprocess imports the dres this suite runs (device_check.sh's
+    # csrc stage puts a build with the extension there)
+    root = os.path.dirname(tests)
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and os.path.abspath(p) != root]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(kept)}
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -880,13 +884,13 @@ def test_default_backend_follows_the_measurements():
     assert ops.checks.resolve_backend(None, torch.zeros(2, 8)) == "torch"
 
 
-def test_backward_config_hook_of_the_tuning_sweep():
+def test_backward_config_hook_of_the_tuning_sweep(triton_device):
     """The backward launcher reads ``backward_config`` at every launch: benchmarks.tune_backward's
     ``backward_config_replaced`` runs it with another tile and programs per SM, gradients unchanged."""
     from benchmarks.tune_backward import backward_config_replaced
     from dres.kernels import residual_norm as kernels
 
-    x, h, w, b = make_case((3, 5, 40), F32, F32, "cpu")
+    x, h, w, b = make_case((3, 5, 40), F32, F32, triton_device)
 
     def gradients():
         xl, hl, wl, bl = leaves(x, h, w, b)
