@@ -104,7 +104,7 @@ def loader_rate(root: str, decode: str, workers: int, batch: int = 256, warmup: 
             "batch": batch, "images_per_s": n / seconds, "gpu_fallbacks": loader.finisher.gpu_fallbacks}
 
 
-def decoder_rate(root: str, backend: str, batch: int = 256, batches: int = 20) -> dict:
+def decoder_rate(root: str, backend: str, batch: int = 256, batches: int = 20, hw_load: float = 0.65) -> dict:
     """Images/s of the training process's half alone (GPU decode, crop-resize kernel, order) on batches of
     the folder read and prepared once: the GPU decoder's own limit, with no worker in the way."""
     import torch
@@ -118,7 +118,7 @@ def decoder_rate(root: str, backend: str, batch: int = 256, batches: int = 20) -
                                   for i, (p, y) in enumerate(zip(paths[k * batch:(k + 1) * batch],
                                                                  labels[k * batch:(k + 1) * batch]))])
                 for k in range(4)]
-    finisher = BatchFinisher("cuda", 224, 3, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225], backend)
+    finisher = BatchFinisher("cuda", 224, 3, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225], backend, hw_load)
     for b in prepared:
         finisher(b, [])
     torch.cuda.synchronize()
@@ -127,10 +127,22 @@ def decoder_rate(root: str, backend: str, batch: int = 256, batches: int = 20) -
     for k in range(batches):
         n += len(finisher(prepared[k % len(prepared)], [])["label"])
     torch.cuda.synchronize()
-    return {"kind": "decoder", "backend": backend, "batch": batch, "images_per_s": n / (time.perf_counter() - t0)}
+    seconds = time.perf_counter() - t0
+    # the decode call alone, the rest of the GPU half (crop kernel, order) being the difference
+    encoded = [prepared[0]["jpeg_bytes"][s:s + n] for s, n in zip(
+        np.cumsum([0] + prepared[0]["jpeg_lengths"].tolist()[:-1]).tolist(), prepared[0]["jpeg_lengths"].tolist())]
+    finisher._decode(encoded)
+    torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    for _ in range(batches):
+        finisher._decode(encoded)
+    torch.cuda.synchronize()
+    decode_only = batches * len(encoded) / (time.perf_counter() - t1)
+    return {"kind": "decoder", "backend": backend, "hw_load": hw_load if backend == "nvimgcodec" else None,
+            "batch": batch, "images_per_s": n / seconds, "decode_call_images_per_s": decode_only}
 
 
-def trainer_rate(name: str, data: list[str], cores: int | None, steps: int, batch: int) -> dict:
+def trainer_rate(name: str, data: list[str], cores: int | None, steps: int, batch: int, timeout_s: float = 300) -> dict:
     """Steady-state images/s of a trainer run (``dres.train.TASK``), under ``taskset`` to ``cores`` cores."""
     from benchmarks.trainer_runs import TRAINER_EVAL_OFF, steady_state_rate
 
@@ -143,7 +155,10 @@ def trainer_rate(name: str, data: list[str], cores: int | None, steps: int, batc
         if cores:
             cmd = ["taskset", "-c", f"0-{cores - 1}", *cmd]
         t0 = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"kind": "trainer", "name": name, "data": data, "cores": cores, "error": f"over {timeout_s} s"}
         if proc.returncode != 0:
             return {"kind": "trainer", "name": name, "data": data, "cores": cores, "error": proc.stderr[-2000:]}
         with open(Path(out) / "metrics.jsonl") as f:
@@ -159,25 +174,37 @@ def run_all(args) -> list[dict]:
     rows = []
     backends = [b for b in ("nvimgcodec", "torchvision") if _importable(b)]
     for backend in backends:
-        rows.append(decoder_rate(args.root, backend))
-        print(json.dumps(rows[-1]), flush=True)
+        for hw_load in (args.hw_loads if backend == "nvimgcodec" else [0.0]):
+            rows.append(decoder_rate(args.root, backend, hw_load=hw_load))
+            print(json.dumps(rows[-1]), flush=True)
+    if args.loaders:
+        _loader_rows(args, rows)
+    _trainer_rows(args, rows)
+    print("gpu decoder:", gpu_decode_backend("cuda"))
+    return rows
+
+
+def _loader_rows(args, rows):
     for cores in args.cores:
         for decode, workers in (("gpu", min(cores, 4)), ("cpu", cores)):
             rows.append({**_in_subprocess_loader(args.root, decode, workers, cores), "cores": cores})
             print(json.dumps(rows[-1]), flush=True)
-    folder = [f"data.path={args.root}", "data.name=imagefolder", "data.num_classes=100", "data.gpu_resident=false"]
+
+
+def _trainer_rows(args, rows):
+    folder = [f"data.path={args.root}", "data.name=imagefolder", "data.num_classes=100", "data.gpu_resident=false",
+              *[f"data.{kv}" for kv in args.data_sets]]
     for name in args.trainers:
         batch = 256
-        rows.append(trainer_rate(name, ["data.name=synthetic", "data.num_classes=100"], None, args.steps, batch))
+        rows.append(trainer_rate(name, ["data.name=synthetic", "data.num_classes=100"], None, args.steps, batch,
+                                 args.trainer_timeout))
         print(json.dumps(rows[-1]), flush=True)
         for cores in args.cores:
             for decode in args.trainer_decodes:
                 workers = min(cores, 4) if decode == "gpu" else max(cores - 1, 1)
                 data = folder + [f"data.decode={decode}", f"data.num_workers={workers}"]
-                rows.append(trainer_rate(name, data, cores, args.steps, batch))
+                rows.append(trainer_rate(name, data, cores, args.steps, batch, args.trainer_timeout))
                 print(json.dumps(rows[-1]), flush=True)
-    print("gpu decoder:", gpu_decode_backend("cuda"))
-    return rows
 
 
 def _importable(backend: str) -> bool:
@@ -211,7 +238,9 @@ def markdown(rows: list[dict], card: str) -> str:
             lines.append(f"| {r['kind']} {r.get('name', '')} | {r.get('decode', '')} | {r.get('cores', '')} | | failed | |")
             continue
         if r["kind"] == "decoder":
-            lines.append(f"| GPU half alone ({r['backend']}) | gpu | | | {r['images_per_s']:,.0f} | |")
+            hw = f", hardware share {r['hw_load']}" if r.get("hw_load") is not None else ""
+            lines.append(f"| GPU half alone ({r['backend']}{hw}; the decode call alone "
+                         f"{r['decode_call_images_per_s']:,.0f}) | gpu | | | {r['images_per_s']:,.0f} | |")
         elif r["kind"] == "loader":
             lines.append(f"| loader ({r.get('backend') or 'cpu'}) | {r['decode']} | {r['cores']} | {r['workers']} | "
                          f"{r['images_per_s']:,.0f} | |")
@@ -236,6 +265,11 @@ def main(argv=None):
     ap.add_argument("--trainers", default="mae_vit_b16_baseline,mae_vit_b16_official,resnet50d_224")
     ap.add_argument("--trainer-decodes", default="gpu,cpu")
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--trainer-timeout", type=float, default=300, help="seconds a trainer run may take")
+    ap.add_argument("--hw-loads", default="0,0.65,1", help="nvImageCodec hardware shares the GPU half is timed at")
+    ap.add_argument("--no-loaders", dest="loaders", action="store_false", help="skip the loader-alone rows")
+    ap.add_argument("--set", dest="data_sets", action="append", default=[],
+                    help="KEY=VALUE of data.* for the trainers from files (e.g. hw_decode_load=0.8)")
     ap.add_argument("--out", default=os.environ.get("OUT", "./device_out"))
     args = ap.parse_args(argv)
     if args.what == "make":
@@ -249,6 +283,7 @@ def main(argv=None):
     args.cores = [int(c) for c in args.cores.split(",") if c]
     args.trainers = [t for t in args.trainers.split(",") if t]
     args.trainer_decodes = [d for d in args.trainer_decodes.split(",") if d]
+    args.hw_loads = [float(v) for v in args.hw_loads.split(",") if v]
     from benchmarks import measure
 
     rows = run_all(args)

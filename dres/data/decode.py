@@ -199,14 +199,30 @@ def gpu_decode_backend(device) -> str | None:
         return None
 
 
+def nvimgcodec_decoder(device_index: int, hw_load: float):
+    """An nvImageCodec decoder that gives ``hw_load`` of each batch's JPEGs to the GPU's hardware JPEG decoders
+    (where it has them) and the rest, with whatever they cannot do (progressive files), to nvJPEG on the CUDA
+    cores, then to nvJPEG's CPU-assisted path: the two GPU paths run at once (DALI's ``hw_decoder_load``)."""
+    from nvidia import nvimgcodec
+
+    kinds = [nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY, load_hint=hw_load)] if hw_load > 0 else []
+    kinds += [nvimgcodec.Backend(nvimgcodec.BackendKind.GPU_ONLY, load_hint=1.0),
+              nvimgcodec.Backend(nvimgcodec.BackendKind.HYBRID_CPU_GPU, load_hint=1.0)]
+    return nvimgcodec.Decoder(device_id=device_index, backends=kinds)
+
+
 class BatchFinisher:
     """The training process's half (module doc): a collated batch -> ``{"image": float (B, C, size, size)
     normalised on the device, "label": (B,)}``. ``backend`` is the GPU decoder (:func:`gpu_decode_backend`)
     for batches holding JPEG bytes, None when every sample comes as pixels. GPU work runs on a stream of
     its own; the tensors returned are ready on the caller's current stream."""
 
-    def __init__(self, device, size: int, channels: int, mean=None, std=None, backend: str | None = None):
+    def __init__(self, device, size: int, channels: int, mean=None, std=None, backend: str | None = None,
+                 hw_load: float = 0.65):
         self.device, self.size, self.channels, self.backend = torch.device(device), size, channels, backend
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.hw_load = hw_load
         mean = torch.tensor((mean or [0.0] * channels)[:channels], dtype=torch.float32)
         std = torch.tensor((std or [1.0] * channels)[:channels], dtype=torch.float32)
         # (v / 255 - mean) / std = v * scale + shift
@@ -298,7 +314,7 @@ class BatchFinisher:
             from nvidia import nvimgcodec
 
             if self._decoder is None:
-                self._decoder = nvimgcodec.Decoder(device_id=self.device.index or 0)
+                self._decoder = nvimgcodec_decoder(self.device.index, self.hw_load)
             streams = [nvimgcodec.CodeStream(t.numpy()) for t in encoded]
             out = self._decoder.decode(streams, cuda_stream=self.stream.cuda_stream)
             return [None if im is None else torch.from_dlpack(im).permute(2, 0, 1) for im in out]
