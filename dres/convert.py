@@ -1,57 +1,64 @@
-"""Convert a timm ``VisionTransformer`` in place to decayed, fused residuals, keeping its weights.
+"""Convert a timm ``VisionTransformer`` (DeiT, DINOv2 and the other ViTs of timm's ``Block``) or
+``Eva`` in place to decayed, fused residuals, keeping its weights.
 
 ``convert_timm_vit(model, alpha_min, schedule)`` replaces ``model.blocks`` (an ``nn.Sequential`` of
-timm ``Block``) by :class:`FusedTimmBlocks`, an ``nn.Sequential`` subclass holding the very same
-block modules: parameters, their names and the ``state_dict`` are unchanged. Its forward is the
-residual-stream loop of :class:`dres.nn.TransformerStack` (:class:`dres.nn.transformer.ResidualStream`):
-each block's attention and MLP add (with the block's LayerScale and DropPath applied to the branch)
-is fused with the next norm; the last add is a ``residual_add`` and the model's own ``norm`` follows.
+timm ``Block``, or Eva's ``nn.ModuleList`` of ``EvaBlock``) by :class:`FusedTimmBlocks`, an
+``nn.Sequential`` subclass holding the very same block modules: parameters, their names and the
+``state_dict`` are unchanged. Its forward is the residual-stream loop of
+:class:`dres.nn.TransformerStack` (:class:`dres.nn.transformer.ResidualStream`): each block's
+attention and MLP add (with the block's LayerScale and DropPath applied to the branch) is fused with
+the next norm; the last add is a ``residual_add`` and the model's own ``norm`` follows.
 
 Paths that call blocks one at a time (gradient checkpointing's ``checkpoint_seq``, attention masks,
-``forward_intermediates``) get each block's decayed forward with its adds unfused from the norms, so
-every path computes the same function. With the defaults that function is the original model's.
+``forward_intermediates``, and every forward of Eva, whose loop hands each block its rotary
+embedding) get each block's decayed forward: its attention add fused with ``norm2``, its MLP add a
+``residual_add`` (the next block's ``norm1`` is its own call), so every path computes the same
+function. With the defaults that function is the original model's. Only pre-LN blocks can be
+converted: timm's post-norm blocks (``ResPostBlock``, ``EvaBlockPostNorm``) are refused.
 
 ``drop_path`` / ``droppath_mode``: drop path (timm's, scaled by 1/keep) or ResidualDroppath, as
 :func:`dres.convert_timm_resnet` and the dres ViT have them: per-sample scales of each residual's
 branch from a :class:`dres.nn.ResidualDroppath` controller attached as ``model.droppath`` (rates
 linear in depth over blocks, both residuals of a block sharing its rate; its state, the key
-``droppath._extra_state``, travels with checkpoints; the training loop calls
-``model.droppath.next_iteration()`` once per optimizer step). A timm ``DropPath`` the model was
-created with keeps acting on the branch.
+``droppath._extra_state``, travels with checkpoints, and the original model's checkpoint, which
+lacks it, still loads strictly; the iteration advances once per optimizer step,
+:mod:`dres.nn.droppath`). A timm ``DropPath`` the model was created with keeps acting on the branch.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
-from dres.nn.droppath import NO_SCALES, ResidualDroppath, build_droppath, droppath_scales
+from dres.nn.droppath import NO_SCALES, ResidualDroppath, build_droppath, droppath_scales, refuse_two_drop_paths
 from dres.nn.schedule import decay_schedule
 from dres.nn.transformer import ResidualStream, add_and_norm
-
-_BLOCK_PARTS = ("norm1", "attn", "norm2", "mlp")
+from dres.optional import import_optional
 
 
 def _branch_tail(blk: nn.Module, which: int):
-    """LayerScale then DropPath of branch 1 or 2 (identity when the timm version lacks them)."""
+    """LayerScale (timm's ``ls1`` module, Eva's ``gamma_1`` parameter) then DropPath of branch 1 or 2
+    (identity where the block has none)."""
     ls = getattr(blk, f"ls{which}", None) or nn.Identity()
+    gamma = getattr(blk, f"gamma_{which}", None)
     dp = getattr(blk, f"drop_path{which}", None) or getattr(blk, "drop_path", None) or nn.Identity()
-    return lambda h: dp(ls(h))
+    return (lambda h: dp(ls(h))) if gamma is None else (lambda h: dp(gamma * h))
 
 
 def _decayed_block_forward(stream: "FusedTimmBlocks", index: int, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """Block ``index``'s forward with decayed shortcuts and dropped paths, its adds unfused from the
-    norms (for paths that call blocks one by one); ``args``/``kwargs`` go to the attention."""
+    """Block ``index``'s forward with decayed shortcuts and dropped paths, for paths that call blocks
+    one by one: its attention add fused with norm2, its MLP add alone; ``args``/``kwargs`` go to the
+    attention."""
     blk = stream[index]
     attention_alpha, mlp_alpha = stream.block_alphas(index)
     scales = stream.droppath_scales(x)
     attention_scales, mlp_scales = (NO_SCALES, NO_SCALES) if scales is None else scales[2 * index:2 * index + 2]
     h = _branch_tail(blk, 1)(blk.attn(blk.norm1(x), *args, **kwargs))
-    x, _ = add_and_norm(h, x, None, attention_alpha, attention_scales, stream.backend)
-    h = _branch_tail(blk, 2)(blk.mlp(blk.norm2(x)))
+    x, y = add_and_norm(h, x, blk.norm2, attention_alpha, attention_scales, stream.backend)
+    h = _branch_tail(blk, 2)(blk.mlp(y))
     return add_and_norm(h, x, None, mlp_alpha, mlp_scales, stream.backend)[0]
 
 
@@ -98,6 +105,11 @@ class FusedTimmBlocks(ResidualStream, nn.Sequential):
     def fused_call(self, block: nn.Module):
         return functools.partial(_fused_block_forward, block, backend=self.backend)
 
+    def __getitem__(self, index):
+        if isinstance(index, slice):  # timm slices its blocks (forward_intermediates, prune_intermediate_layers)
+            return nn.Sequential(*list(self)[index])  # the blocks keep their decayed block-by-block forwards
+        return super().__getitem__(index)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.run_stream(x, norm=None, scales=self.droppath_scales(x))[0]  # the model's own norm follows
 
@@ -115,11 +127,22 @@ def check_norm(where: str, norm: nn.Module) -> None:
                         "dimension only")
 
 
-def _check_block(i: int, blk: nn.Module) -> None:
-    missing = [p for p in _BLOCK_PARTS if not hasattr(blk, p)]
-    if missing:
-        raise TypeError(f"block {i} ({type(blk).__name__}) lacks {missing}: only pre-LN timm Blocks "
-                        "(norm1, attn, norm2, mlp) can be converted")
+def _pre_ln_block_types() -> tuple[type, ...]:
+    """The timm blocks whose forward the converter computes: ``x + f(norm(x))`` twice, each branch
+    ending with LayerScale and DropPath. timm's other blocks (post-norm, parallel) have the same
+    attribute names and another function, so they are refused by type."""
+    vision_transformer = import_optional("timm.models.vision_transformer", "timm", "convert_timm_vit")
+    eva = import_optional("timm.models.eva", "timm", "convert_timm_vit")
+    return vision_transformer.Block, eva.EvaBlock
+
+
+def _check_block(i: int, blk: nn.Module, pre_ln: tuple[type, ...]) -> None:
+    if "alphas" in blk._buffers:
+        raise ValueError(f"block {i} is already converted")
+    if type(blk) not in pre_ln:
+        kind = type(blk)
+        raise TypeError(f"block {i} is a {kind.__module__}.{kind.__qualname__}; only timm's pre-LN blocks "
+                        "(timm.models.vision_transformer.Block, timm.models.eva.EvaBlock) can be converted")
     for name in ("norm1", "norm2"):
         check_norm(f"block {i}.{name}", getattr(blk, name))
 
@@ -130,17 +153,10 @@ def has_timm_drop_path(blk: nn.Module) -> bool:
                for name in ("drop_path", "drop_path1", "drop_path2"))
 
 
-def refuse_two_drop_paths(drop_path: float, blocks: Sequence[nn.Module], has_own: Callable[[nn.Module], bool]) -> None:
-    """A converter's ``drop_path`` and the model's own DropPath would drop every branch twice."""
-    if drop_path > 0 and any(has_own(blk) for blk in blocks):
-        raise ValueError("the model already drops paths with timm's DropPath; create it with drop_path_rate=0 "
-                         "and pass drop_path= here")
-
-
 def convert_timm_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "linspace", per_block: bool = False,
                      drop_path: float = 0.0, droppath_mode: str = "drop_path", backend: Optional[str] = None,
                      droppath_seed: int = 0) -> nn.Module:
-    """Make ``model`` (a timm VisionTransformer) use decayed, fused residuals; returns the same object.
+    """Make ``model`` (a timm VisionTransformer or Eva) use decayed, fused residuals; returns the same object.
 
     alpha_min / schedule / per_block: as :func:`dres.nn.decay_schedule` over the ``2*depth`` residuals
     (``model.blocks.set_alphas`` changes them later). drop_path: the deepest block's drop rate (0:
@@ -152,10 +168,12 @@ def convert_timm_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, FusedTimmBlocks):
         raise ValueError("model.blocks is already converted (model.blocks.set_alphas changes the alphas)")
-    if not isinstance(blocks, nn.Sequential) or len(blocks) == 0:
-        raise TypeError(f"expected a timm VisionTransformer with an nn.Sequential `blocks`, got {type(model).__name__}")
+    if not isinstance(blocks, (nn.Sequential, nn.ModuleList)) or len(blocks) == 0:
+        raise TypeError(f"expected a timm VisionTransformer or Eva with `blocks` (nn.Sequential or nn.ModuleList), "
+                        f"got {type(model).__name__}")
+    pre_ln = _pre_ln_block_types()
     for i, blk in enumerate(blocks):
-        _check_block(i, blk)
+        _check_block(i, blk, pre_ln)
     refuse_two_drop_paths(drop_path, blocks, has_timm_drop_path)
     droppath = build_droppath(None, drop_path, droppath_mode, 2 * len(blocks), droppath_seed)
     alphas = float32_alphas(2 * len(blocks), alpha_min, schedule, per_block)

@@ -385,7 +385,7 @@ def test_trainer_compiles_resnet_blocks_with_static_shapes():
     from unittest import mock
 
     from dres.models import create_classifier
-    from dres.models.classifier import ResNetClassifier
+    from dres.models import ResNetClassifier
     from dres.train.distributed import apply_compile
 
     calls = []

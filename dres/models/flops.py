@@ -20,7 +20,8 @@ from typing import Optional
 
 from torch import nn
 
-from dres.models.classifier import ResNetClassifier, ViTClassifier
+from dres.convert_resnet import ResNetClassifier
+from dres.models.classifier import ViTClassifier
 from dres.models.mae import MAE, SkipLayer
 from dres.models.uvit import UViT
 

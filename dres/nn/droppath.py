@@ -29,29 +29,65 @@ The masks are counter-based: the mask of (residual, slot) in draw ``d`` is a has
 * resume is exact on any number of ranks (the state is the counter and the seed, not a generator),
   and CPU and CUDA draw the same masks bit for bit.
 
-Contract with the trainer: call :meth:`next_iteration` once per optimizer step, after it. All
-training batches of a run have the size of the first one (the masks pair slots of an even and an
+The iteration advances once per optimizer step, by itself: a controller that drew masks in a
+training forward is advanced right after the next ``torch.optim`` step (a process-wide step
+post-hook), so the micro-batches of a step share masks (gradient accumulation), ResidualDroppath's
+even and odd iterations are consecutive optimizer steps, a recomputing forward (activation
+checkpointing) sees the masks of its step, a step that ``GradScaler`` skips does not advance it, and
+a captured step records the advance with the optimizer. A caller may keep the count itself
+instead: the first :meth:`next_iteration` call makes the count the caller's (the trainers call it
+once per step, after the step; a call right after the step that advanced it is that step's, not a
+second advance), and a training forward that finds an optimizer step taken since the previous one
+with no call between warns, once. An update that is not a ``torch.optim`` step needs the calls.
+
+All training batches of a run have the size of the first one (the masks pair slots of an even and an
 odd iteration); another size raises ``ValueError``: use ``drop_last=True`` and equal micro-batches.
 The state (counter, seed) is this module's extra state, so it is part of the owning model's
-``state_dict``.
+``state_dict``; a ``state_dict`` without it (the checkpoint of the model before conversion) loads
+strictly and leaves the state as it is.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
+import warnings
+import weakref
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
-MODES = ("residual_droppath", "drop_path")
+# residual_droppath_literal: Park's Algorithm 1 as written, where an odd iteration detaches every kept branch,
+# those of rate 0 (block 0 under the linear-in-depth rule) too; residual_droppath leaves rate-0 residuals alone
+MODES = ("residual_droppath", "drop_path", "residual_droppath_literal")
 
 Scales = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
 NO_SCALES: Scales = (None, None)
 
 _M32 = 0xFFFFFFFF
 _SLOT_BITS = 20  # a residual's slots are hashed as residual * 2**20 + slot: batches up to 2**20 per rank
+
+# controllers that optimizer steps advance: those that drew masks in a training forward, not advanced by hand
+_advancing: "weakref.WeakSet[ResidualDroppath]" = weakref.WeakSet()
+_optimizer_steps = 0  # torch.optim steps taken in this process since the first training forward of a controller
+_step_hook = None
+
+
+@torch.compiler.disable
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+    for controller in list(_advancing):
+        controller._advance_after_step()
+
+
+def _watch_optimizer_steps() -> None:
+    """Register the process-wide optimizer step post-hook (once)."""
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 def depth_linear_rates(drop_prob: float, num_residuals: int, residuals_per_block: int = 2) -> list[float]:
@@ -136,6 +172,12 @@ class ResidualDroppath(nn.Module):
         self.register_buffer("keep_threshold", torch.tensor([round((1.0 - r) * 2 ** 24) for r in self.rates],
                                                              dtype=torch.int64), persistent=False)
         self._scales: Optional[tuple[tuple[torch.device, int], list[Scales]]] = None
+        self.advanced_by_hand = False  # whether next_iteration was called: the count is then the caller's
+        self._drew_since_advance = False  # a training forward drew masks since the last advance
+        self._advanced_by_step = False  # an optimizer step advanced it and no training forward followed yet
+        self._steps_at_forward = 0  # _optimizer_steps at the last training forward (hand-advanced controllers)
+        self._called_since_forward = False  # next_iteration was called since the last training forward
+        self._warned = False
 
     def extra_repr(self) -> str:
         return f"drop_prob={self.drop_prob}, num_residuals={self.num_residuals}, mode={self.mode}"
@@ -155,10 +197,43 @@ class ResidualDroppath(nn.Module):
         return self.iteration % 2 == 1
 
     def next_iteration(self) -> None:
-        """Advance to the next optimizer step (call once per step, after it). One in-place add on the
-        counter's device, so it can be captured in a CUDA graph with the step."""
+        """Advance to the next optimizer step by hand (once per step, after it). The first call makes
+        the count the caller's: optimizer steps no longer advance it, and a call right after the step
+        that advanced it is that step's. One in-place add on the counter's device, so it can be
+        captured in a CUDA graph with the step."""
+        if self.advanced_by_hand or not self._advanced_by_step:
+            self._advance()
+        self.advanced_by_hand = True
+        _advancing.discard(self)
+        self._advanced_by_step = False
+        self._called_since_forward = True
+
+    def _advance(self) -> None:
         self.counter.add_(1)
         self._scales = None
+        self._drew_since_advance = False
+
+    def _advance_after_step(self) -> None:
+        """An optimizer step was taken: advance if a training forward drew masks since the last advance."""
+        if self._drew_since_advance and not self.advanced_by_hand:
+            self._advance()
+            self._advanced_by_step = True
+
+    def _note_training_forward(self) -> None:
+        """Enlist the controller with the optimizer steps, or (advanced by hand) warn once when an
+        optimizer step was taken since the last training forward and next_iteration was not called."""
+        _watch_optimizer_steps()
+        if not self.advanced_by_hand:
+            _advancing.add(self)
+            self._drew_since_advance, self._advanced_by_step = True, False
+            return
+        if _optimizer_steps != self._steps_at_forward and not self._called_since_forward and not self._warned:
+            self._warned = True
+            warnings.warn("ResidualDroppath: this training forward reuses the masks of the previous one although an "
+                          "optimizer step was taken between them. next_iteration() was called before, which makes "
+                          "the count the caller's: call it after every optimizer step, or never (optimizer steps "
+                          "then advance it)", stacklevel=3)
+        self._steps_at_forward, self._called_since_forward = _optimizer_steps, False
 
     def _draw_index(self) -> torch.Tensor:
         # an odd residual_droppath iteration reuses the masks of the even one before it
@@ -197,7 +272,8 @@ class ResidualDroppath(nn.Module):
             row = torch.where(odd, torch.ones_like(m), m)
             grad = torch.where(odd, 1.0 - m, m)
             pairs = list(zip(row.unbind(0), grad.unbind(0)))
-        return [NO_SCALES if rate == 0.0 else pair for rate, pair in zip(self.rates, pairs)]
+        literal = self.mode == "residual_droppath_literal"
+        return [NO_SCALES if rate == 0.0 and not literal else pair for rate, pair in zip(self.rates, pairs)]
 
     @torch.compiler.disable
     def scales(self, batch_size: int, device) -> list[Scales]:
@@ -209,6 +285,7 @@ class ResidualDroppath(nn.Module):
             return [NO_SCALES] * self.num_residuals
         batch_size, device = int(batch_size), torch.device(device)
         self._check_batch(batch_size)
+        self._note_training_forward()
         if self._scales is None or self._scales[0] != (device, batch_size):
             self._scales = ((device, batch_size), self._compute_scales(batch_size, device))
         return self._scales[1]
@@ -224,6 +301,16 @@ class ResidualDroppath(nn.Module):
         self.counter.fill_(int(state["iteration"]))  # in place: a captured step keeps reading this buffer
         self.seed = int(state["seed"])
         self._scales = None
+        self._drew_since_advance = self._advanced_by_step = False
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        # the checkpoint of the model before conversion has no controller: it loads strictly all the same
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + "_extra_state"
+        if key not in state_dict and key in missing_keys:
+            missing_keys.remove(key)
 
 
 def build_droppath(droppath: Optional[ResidualDroppath], drop_path: float, droppath_mode: str,
@@ -236,6 +323,13 @@ def build_droppath(droppath: Optional[ResidualDroppath], drop_path: float, dropp
     if drop_path > 0:
         return ResidualDroppath(drop_path, num_residuals, mode=droppath_mode, seed=seed)
     return None
+
+
+def refuse_two_drop_paths(drop_path: float, blocks: Sequence[nn.Module], has_own: Callable[[nn.Module], bool]) -> None:
+    """A converter's ``drop_path`` and the model's own DropPath would drop every branch twice."""
+    if drop_path > 0 and any(has_own(blk) for blk in blocks):
+        raise ValueError("the model already drops paths with timm's DropPath; create it with drop_path_rate=0 "
+                         "and pass drop_path= here")
 
 
 def droppath_scales(droppath: Optional[ResidualDroppath], x: torch.Tensor) -> Optional[list[Scales]]:
