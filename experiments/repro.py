@@ -121,8 +121,14 @@ MAE_DECISIVE_BATCH = 1024     # every A arm the same; lr = blr x 1024 / 256
 PROBE_EPOCHS_PAPER = 200      # the decayed-shortcut paper's linear probe: 200 epochs, lr 1e-2, batch 1024
 # 64 x 390 = 24,960 steps of 128: ~15 minutes at 3.6k img/s, so an arm ends within one device lease
 UVIT_DECISIVE_EPOCHS = 64
-# the final evaluation's probe grid (the paper picks the best block and noise level): 13 blocks in uvit_cifar10
+# the final evaluation's probe grid (the paper picks the best block and noise level): 13 blocks in uvit_cifar10;
+# seed 0 probed 3 / 6 / 9 x 0.05 / 0.1 / 0.3, the later seeds every block at the low noise levels the paper favours
 UVIT_PROBE_GRID = ("eval.probe_grid_blocks=[3, 6, 9]", "eval.probe_grid_ts=[0.05, 0.1, 0.3]")
+UVIT_PROBE_GRID_FULL = ("eval.probe_grid_blocks=[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]",
+                        "eval.probe_grid_ts=[0.01, 0.02, 0.05, 0.1]")
+# the later seeds' generation measure: three sample draws, the real-vs-real floor (train against test images) and a
+# 2,000-sample classifier FD at every curve point (does it rank the model along training?)
+UVIT_FD = ("eval.fd_draws=3", "eval.fd_real_floor=true", "eval.curve_fd_samples=2000")
 UVIT_EMA_DECAY = 0.9998       # 0.9998 ** 24,960 = 0.68% of the initial weights left (the paper's 0.9999: 8.2%)
 EMA_INITIAL_WEIGHT_MAX = 0.01
 RDP_DECISIVE_EPOCHS = 300     # timm's train.py default
@@ -152,21 +158,33 @@ def _mae_decisive_arm(variant, alpha, seed, tag, zero_init):
 
 def _uvit_decisive_arm(alpha, seed):
     group = f"B64-uvit-a{alpha}"
+    evaluation = UVIT_PROBE_GRID if seed == 0 else UVIT_PROBE_GRID_FULL + UVIT_FD  # seed 0's record keeps its recipe
     return Arm(f"{group}-s{seed}", "B", group, "uvit", "uvit_cifar10",
                (f"model.alpha_min={alpha}", "model.zero_init=true", f"optim.ema_decay={UVIT_EMA_DECAY}",
-                *UVIT_PROBE_GRID), seed,
+                *evaluation), seed,
                (f"B.decisive.s{seed}", "B.decisive", "decisive"), needs=(FD_CLASSIFIER_ARM,),
                paper=UVIT_PAPER[alpha], labels={"alpha_min": alpha}, stage="decisive", epochs=UVIT_DECISIVE_EPOCHS)
 
 
-def _classify_decisive_arm(arch, mode, seed, pilot=False):
-    group = f"{'C224' if pilot else 'C300'}-{arch}-{mode}"
+def _classify_decisive_arm(arch, mode, seed, pilot=False, head_dropout=True):
+    """A C arm of timm's recipe; ``head_dropout=False``: without the preset's dropout 0.1 before the classifier
+    (timm's ``--drop`` default is 0)."""
+    prefix = "C224" if pilot else "C300" if head_dropout else "C300d0"
+    group = f"{prefix}-{arch}-{mode}"
     paper = ((f"CIFAR-10 {arch} top-1", RDP_PAPER[(arch, mode)]),) if (arch, mode) in RDP_PAPER else ()
-    tags = ("C.pilot224", "decisive") if pilot else (f"C.timm.{arch}.s{seed}", f"C.timm.{arch}", "C.timm",
-                                                      "decisive")
-    overrides = (f"model.droppath_mode={mode}",) + (() if arch == "resnet50d" else (f"model.arch={arch}",))
+    if pilot:
+        tags = ("C.pilot224", "decisive")
+    elif not head_dropout:
+        tags = (f"C.d0.s{seed}", "C.d0", "decisive")
+    elif mode == "residual_droppath_literal":
+        tags = (f"C.literal.s{seed}", "C.literal", "decisive")
+    else:
+        tags = (f"C.timm.{arch}.s{seed}", f"C.timm.{arch}", "C.timm", "decisive")
+    overrides = ((f"model.droppath_mode={mode}",) + (() if arch == "resnet50d" else (f"model.arch={arch}",))
+                 + (() if head_dropout else ("model.drop_rate=0",)))
     return Arm(f"{group}-s{seed}", "C", group, "classify", TIMM_PRESET_224 if pilot else TIMM_PRESET, overrides,
-               seed, tags, paper=paper, labels={"arch": arch, "mode": mode, "px": 224 if pilot else 32},
+               seed, tags, paper=paper, labels={"arch": arch, "mode": mode, "px": 224 if pilot else 32,
+                                                "drop_rate": 0.1 if head_dropout else 0.0},
                stage="decisive", epochs=RDP_PILOT_EPOCHS if pilot else RDP_DECISIVE_EPOCHS)
 
 
@@ -180,18 +198,19 @@ def build_matrix() -> list[Arm]:
     arms += [_uvit_arm(a, 0) for a in (1.0, 0.7)]
     arms += [_classify_arm("resnet50d", m, 1) for m in MODES]
     arms += [_classify_arm("resnet50", m, 0) for m in MODES]
-    # the decisive runs, in the order a budget should buy them
+    # the decisive runs, in the order a budget should buy them (an arm with a record is skipped): what decides
+    # claim A first (its seed pairs, then the alpha sweep), then B's seeds, then C's open questions
     arms += [_mae_decisive_arm("official", a, 0, "A.decisive.s0", "true") for a in (0.6, 1.0)]
     arms += [_mae_decisive_arm("baseline", a, 0, "A.decisive.s0", "auto") for a in (1.0, 0.6)]
     arms += [_mae_decisive_arm("official", a, 1, "A.decisive.s1", "true") for a in (0.6, 1.0)]
-    # what decides claim A next: seeds 2 and 3 of the pair, scored by both feature kinds and both probes
     arms += [_mae_decisive_arm("official", a, s, f"A.decisive.s{s}", "true") for s in (2, 3) for a in (0.6, 1.0)]
-    arms += [_classify_decisive_arm("resnet50d", m, s) for s in RDP_SEEDS for m in MODES]
-    arms += [_classify_decisive_arm("resnet50d", m, 0, pilot=True) for m in MODES]
-    arms += [_uvit_decisive_arm(a, 0) for a in (1.0, 0.7)]
     arms += [_mae_decisive_arm("official", a, 0, "A.decisive.sweep", "true") for a in (0.5, 0.7, 0.8)]
     arms += [_mae_decisive_arm("baseline", 1.0, 0, "A.decisive.zi", "true")]  # the skips without the init change
-    arms += [_uvit_decisive_arm(a, 1) for a in (1.0, 0.7)]
+    arms += [_classify_decisive_arm("resnet50d", m, s) for s in RDP_SEEDS for m in MODES]
+    arms += [_classify_decisive_arm("resnet50d", m, 0, pilot=True) for m in MODES]
+    arms += [_uvit_decisive_arm(a, s) for s in (0, 1, 2) for a in (1.0, 0.7)]
+    arms += [_classify_decisive_arm("resnet50d", m, s, head_dropout=False) for s in RDP_SEEDS for m in MODES]
+    arms += [_classify_decisive_arm("resnet50d", "residual_droppath_literal", s) for s in RDP_SEEDS]
     arms += [_classify_decisive_arm("resnet50", m, 0) for m in MODES]
     return arms
 

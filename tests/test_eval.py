@@ -187,11 +187,9 @@ def test_classifier_frechet_distance_of_a_trained_dres_classifier(tmp_path):
         load_trained(tmp_path)
 
 
-def test_uvit_evaluation_reports_fd_cifar_classifier(tmp_path, capsys):
-    import json
-
+def _tiny_uvit_run(tmp_path, extra):
+    """A 4-step U-ViT run on digits with curve points at steps 2 and 4 and the classifier FD of 40 samples."""
     from dres.train import cli
-    from dres.train.config import ConfigError, build_config
 
     run = _tiny_classifier(tmp_path / "clf")
     out = tmp_path / "uvit"
@@ -199,8 +197,17 @@ def test_uvit_evaluation_reports_fd_cifar_classifier(tmp_path, capsys):
                     TINY_DIGITS_8 + ["data.mean=[0.5]", "data.std=[0.5]", "model.patch_size=2", "batch_size=32",
                                      "steps=4", "eval.every=2", "eval.steps=2", "eval.n_samples=8",
                                      "eval.probe_epochs=2", "eval.curve_probe_epochs=2", "eval.max_train=128",
-                                     "eval.max_test=64", "eval.fid_samples=40", f"eval.fd_classifier={run}",
-                                     "log.progress=true"]], [])) == 0
+                                     "eval.max_test=64", "eval.fid_samples=40", f"eval.fd_classifier={run}"]
+                    + extra], [])) == 0
+    return out
+
+
+def test_uvit_evaluation_reports_fd_cifar_classifier(tmp_path, capsys):
+    import json
+
+    from dres.train.config import ConfigError, build_config
+
+    out = _tiny_uvit_run(tmp_path, ["log.progress=true"])
     ev = json.loads((out / "summary.json").read_text())["eval"]
     assert ev["fd_cifar_classifier_dpm2"] > 0 and not any(k.startswith("fid") for k in ev)
     # the noise reference: the sampler's starting noise in the same features, a different distance
@@ -214,6 +221,24 @@ def test_uvit_evaluation_reports_fd_cifar_classifier(tmp_path, capsys):
     assert "FID samples" in printed.err and "40/40" in printed.err  # the sampling shows its progress
     with pytest.raises(ConfigError, match="eval.fd_classifier' must be a classify run directory"):
         build_config("uvit", "uvit_cifar10", [f"eval.fd_classifier={tmp_path / 'missing'}"])
+
+
+def test_uvit_fd_over_sample_draws_with_the_real_floor_and_along_training(tmp_path):
+    """eval.fd_draws draws, their mean as fd_cifar_classifier (each draw and the sd beside it); the real-vs-real
+    floor (train against test images) below the noise reference; eval.curve_fd_samples puts a classifier FD
+    on every curve point."""
+    import json
+    import statistics
+
+    out = _tiny_uvit_run(tmp_path, ["eval.fd_draws=2", "eval.fd_real_floor=true", "eval.curve_fd_samples=16",
+                                    "log.progress=false"])
+    ev = json.loads((out / "summary.json").read_text())["eval"]
+    draws = [ev["fd_cifar_classifier_dpm2_draw0"], ev["fd_cifar_classifier_dpm2_draw1"]]
+    assert draws[0] != draws[1] and ev["fd_cifar_classifier_dpm2"] == pytest.approx(statistics.fmean(draws))
+    assert ev["fd_cifar_classifier_dpm2_sd"] == pytest.approx(statistics.stdev(draws))
+    assert 0 < ev["fd_real_cifar_classifier"] < ev["fd_noise_cifar_classifier"]
+    points = [json.loads(l) for l in (out / "curves.jsonl").read_text().splitlines()]
+    assert all(p["fd_cifar_classifier_curve"] > 0 for p in points) and len(points) == 2
 
 
 def _run_dir(tmp_path, overrides=()):

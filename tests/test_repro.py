@@ -621,3 +621,24 @@ def test_record_keeps_a_balanced_part_of_the_features_and_rescore_scores_it(tmp_
     assert repro.main(["--rescore", str(tmp_path / "runs"), "--records", str(records / "rescored")]) == 0
     assert "exists; kept" in capsys.readouterr().out
     assert repro.main(["--rescore", str(tmp_path / "nothing")]) == 2
+
+
+def test_issue_arms_of_b_and_c_resolve_to_their_recipes():
+    """B's later seeds probe every block at t 0.01-0.1 and measure FD over three draws with the real floor and
+    along training; C's arms without head dropout and with the literal Algorithm 1, three seeds each."""
+    for seed in (1, 2):
+        for alpha in (1.0, 0.7):
+            e = build_config("uvit", "uvit_cifar10", list(repro.BY_NAME[f"B64-uvit-a{alpha}-s{seed}"].overrides)).eval
+            assert e.probe_grid_blocks == list(range(13)) and e.probe_grid_ts == [0.01, 0.02, 0.05, 0.1]
+            assert (e.fd_draws, e.fd_real_floor, e.curve_fd_samples) == (3, True, 2000)
+    seed0 = build_config("uvit", "uvit_cifar10", list(repro.BY_NAME["B64-uvit-a1.0-s0"].overrides)).eval
+    assert seed0.probe_grid_blocks == [3, 6, 9] and seed0.fd_draws == 1  # its record's recipe, still counted
+    for seed in repro.RDP_SEEDS:
+        for mode in repro.MODES:
+            cfg = build_config("classify", repro.TIMM_PRESET, list(repro.BY_NAME[f"C300d0-resnet50d-{mode}-s{seed}"].overrides))
+            assert cfg.model.drop_rate == 0 and cfg.model.droppath_mode == mode and cfg.model.drop_path == 0.1
+        literal = repro.BY_NAME[f"C300-resnet50d-residual_droppath_literal-s{seed}"]
+        cfg = build_config("classify", literal.preset, list(literal.overrides))
+        assert cfg.model.droppath_mode == "residual_droppath_literal" and cfg.model.drop_rate == 0.1
+    names = [a.name for a in repro.select("C.d0,C.literal")]
+    assert len(names) == 12 and all(repro.BY_NAME[n].epochs == 300 for n in names)

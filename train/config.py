@@ -52,6 +52,9 @@ class DataConfig:
     # streaming loaders: cpu (workers decode, crop, resize) | gpu (workers read bytes; batched GPU decode and crop
     # kernel) | auto (gpu where a CUDA device and a GPU JPEG decoder are there)
     decode: str = "auto"
+    # decode=gpu with nvImageCodec: the share of each batch's JPEGs for the hardware JPEG decoders (the rest, and
+    # what they cannot do, to nvJPEG on the CUDA cores at the same time)
+    hw_decode_load: float = 0.65
     shuffle_buffer: int = 2000  # streamed shards: samples shuffled in memory
     limit: int = 0           # use only the first N training samples (0: all)
     val_limit: int = 0       # use only the first N held-out samples (0: all)
@@ -86,7 +89,9 @@ class ModelConfig:
     schedule: str = "linspace"    # how alpha falls with depth: linspace | paper
     drop_path: float = 0.0        # drop rate of the last block (linear in depth)
     drop_rate: float = 0.0        # classify, timm ResNets: dropout before the classifier (timm's --drop)
-    droppath_mode: str = "drop_path"  # drop_path (timm) | residual_droppath (Park), active when drop_path > 0 | none (classify: off)
+    # drop_path (timm) | residual_droppath (Park) | residual_droppath_literal (Park's Algorithm 1 as written: odd
+    # iterations detach rate-0 branches too), active when drop_path > 0 | none (classify: off)
+    droppath_mode: str = "drop_path"
     per_block: bool = False       # one alpha per block instead of per sub-layer
     num_classes: int = 0          # classifier classes; U-ViT: 0 unconditional, else class-conditional
     global_pool: str = "cls"      # classifier head input: cls | avg
@@ -170,6 +175,9 @@ class EvalConfig:
     # Frechet distance in the penultimate features of a classifier trained by dres (a classify run
     # directory or checkpoint): reported as fd_cifar_classifier, not comparable to published FID
     fd_classifier: str = ""
+    fd_draws: int = 1         # independent sample draws for fd_cifar_classifier (their mean; each, and the sd, when > 1)
+    fd_real_floor: bool = False  # also fd_real_cifar_classifier: train images against the test images (the floor)
+    curve_fd_samples: int = 0  # U-ViT eval.every points: fd_cifar_classifier_curve of this many samples (0: none)
     # every N steps during training (0: never) a cheap evaluation (MAE: kNN, a curve_probe_epochs
     # probe, effective rank) appended to <out>/curves.jsonl and plotted to <out>/curves.png
     every: int = 0
@@ -232,7 +240,8 @@ CHOICES = {
     "dist": ("none", "ddp", "fsdp"), "fsdp_param_dtype": ("bf16", "fp32"),
     "fsdp_reshard": ("auto", "always", "except_last", "never"),
     "data.name": ("digits", "cifar10_wds", "wds", "imagefolder", "cifar_tv", "mnist_tv", "synthetic"),
-    "data.aug": ("rrc_flip", "flip", "none"), "data.decode": ("auto", "cpu", "gpu"), "model.droppath_mode": ("drop_path", "residual_droppath", "none"),
+    "data.aug": ("rrc_flip", "flip", "none"), "data.decode": ("auto", "cpu", "gpu"),
+    "model.droppath_mode": ("drop_path", "residual_droppath", "residual_droppath_literal", "none"),
     "model.arch": ("vit", "resnet18", "resnet50", "resnet50d"),
     "model.zero_init": ("auto", "true", "false"), "model.gelu_approximate": ("none", "tanh"),
     "model.variant": ("baseline", "official", "paper"), "model.schedule": ("linspace", "paper"), "optim.schedule": ("cosine", "constant"),
@@ -249,7 +258,7 @@ EVAL_KEYS = {
     "uvit": ("probe", "probe_epochs", "probe_lr", "probe_batch", "probe_wd", "knn_k", "max_train", "max_test",
              "sampler", "steps", "n_samples", "probe_block", "probe_t", "probe_grid_blocks", "probe_grid_ts",
              "fid_inception", "fid_samples",
-             "fd_classifier", "every", "curve_probe_epochs"),
+             "fd_classifier", "fd_draws", "fd_real_floor", "curve_fd_samples", "every", "curve_probe_epochs"),
     "classify": ("every",),
 }
 
@@ -498,7 +507,7 @@ POSITIVE_KEYS = (
     "model.img_size", "model.patch_size", "model.in_chans", "model.embed_dim", "model.depth", "model.num_heads",
     "model.decoder_embed_dim", "model.decoder_num_heads", "model.mlp_ratio", "optim.eps", "log.every",
     "eval.probe_epochs", "eval.probe_lr", "eval.probe_batch", "eval.knn_k", "eval.steps", "eval.n_samples",
-    "eval.fid_samples", "eval.curve_probe_epochs", "dist_timeout_s")
+    "eval.fid_samples", "eval.curve_probe_epochs", "eval.fd_draws", "dist_timeout_s")
 # key: what 0 means ('' when 0 is an ordinary value)
 NON_NEGATIVE_KEYS = {
     "seed": "", "steps": "use epochs", "epochs": "", "threads": "by the model's width",
@@ -506,7 +515,7 @@ NON_NEGATIVE_KEYS = {
     "data.val_limit": "all", "model.decoder_depth": "", "model.num_classes": "", "optim.blr": "",
     "optim.lr": "from optim.blr", "optim.min_lr": "", "optim.weight_decay": "", "optim.warmup_epochs": "",
     "optim.clip_grad": "off", "ckpt.every": "only at the end", "ckpt.keep": "keep all", "eval.probe_wd": "",
-    "eval.max_train": "all", "eval.max_test": "all", "eval.every": "never"}
+    "eval.max_train": "all", "eval.max_test": "all", "eval.every": "never", "eval.curve_fd_samples": "none"}
 
 
 def _get(cfg, key):
@@ -564,6 +573,7 @@ def validate(cfg: Config) -> None:
     _need_plots(cfg)
     need(0 <= d.max_corrupt_frac <= 1, "data.max_corrupt_frac", "must be in [0, 1]")
     need(0 < d.crop_min <= 1, "data.crop_min", "must be in (0, 1]")
+    need(0 <= d.hw_decode_load <= 1, "data.hw_decode_load", "must be in [0, 1]")
     need(0 <= d.color_jitter, "data.color_jitter", "must be >= 0 (0: off)")
     need(0 < d.eval_crop_pct <= 1, "data.eval_crop_pct", "must be in (0, 1] (1: resize the whole image)")
     if d.normalize:

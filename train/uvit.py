@@ -11,11 +11,13 @@ sampler's starting noise, which samples of a trained model must be far below.
 from __future__ import annotations
 
 import functools
+import statistics
 import sys
 
 import torch
 
-from dres.train.common import eval_loader, features, model_kwargs, progress
+from dres.eval import classifier_frechet_distance
+from dres.train.common import cap, eval_loader, features, model_kwargs, progress
 
 
 class UViTTask:
@@ -91,11 +93,58 @@ class UViTTask:
                 "probe_grid_png": probe_grid_plot(rows, trainer.out / f"probe_grid_step{trainer.step}.png", title)}
 
     def curve(self, trainer) -> dict:
-        """The eval.every point: the feature probe with an eval.curve_probe_epochs linear head."""
+        """The eval.every point: the feature probe with an eval.curve_probe_epochs linear head, and with
+        eval.curve_fd_samples the classifier Frechet distance of that many samples (does it rank the points?)."""
         model = trainer.full_state_copy()  # EMA weights when kept
         if not trainer.main:
             return {}
-        return self._probe_at_default(trainer, model.eval(), trainer.cfg.eval.curve_probe_epochs)
+        e = trainer.cfg.eval
+        res = self._probe_at_default(trainer, model.eval(), e.curve_probe_epochs)
+        if e.curve_fd_samples and e.fd_classifier:
+            real = self._real_images(trainer, "val", e.fid_samples)
+            if real is not None:
+                fake = self._fake_images(trainer, model, e.curve_fd_samples, torch.Generator(device=trainer.device)
+                                         .manual_seed(trainer.cfg.seed))
+                res["fd_cifar_classifier_curve"] = classifier_frechet_distance(
+                    self._fd_features(trainer), fake, real, trainer.device)
+        return res
+
+    def _real_images(self, trainer, split, n):
+        """The first ``n`` images of ``split`` as uint8, or None without the split."""
+        from dres.eval import to_uint8
+
+        d = trainer.cfg.data
+        loader = eval_loader(trainer, split, 500)
+        if loader is None:
+            return None
+        mean, std = (d.mean, d.std) if d.normalize else (None, None)
+        return torch.cat([to_uint8(b["image"], mean, std) for b in cap(loader.eval_batches(500), n)])[:n]
+
+    def _fake_images(self, trainer, model, n, generator=None):
+        """``n`` samples of the eval.sampler as uint8, in batches of 500 (``generator``: the draw)."""
+        from dres.eval import dpm_solver, euler_maruyama, to_uint8
+
+        d, e = trainer.cfg.data, trainer.cfg.eval
+        mean, std = (d.mean, d.std) if d.normalize else (None, None)
+        sampler = dpm_solver if e.sampler == "dpm" else euler_maruyama
+        bar = progress(total=n, desc="FID samples", unit="img", enabled=trainer.main and trainer.cfg.log.progress)
+        fakes = []
+        for k in range(0, n, 500):
+            fakes.append(to_uint8(self._sample(trainer, model, min(500, n - k), sampler, generator), mean, std))
+            bar.update(len(fakes[-1]))
+        bar.close()
+        return torch.cat(fakes)
+
+    def _fd_features(self, trainer):
+        """The eval.fd_classifier's penultimate features, for the classifier Frechet distance."""
+        from dres.eval import ClassifierFeatures
+        from dres.train.classify import load_trained
+
+        clf, ccfg = load_trained(trainer.cfg.eval.fd_classifier, trainer.device)
+        cd = ccfg.data
+        c = cd.in_chans
+        return ClassifierFeatures(clf, cd.mean[:c] if cd.normalize else [0.0] * c,
+                                  cd.std[:c] if cd.normalize else [1.0] * c, autocast=trainer.autocast)
 
     def _sample(self, trainer, model, n, sampler, generator=None):
         cfg, e, d = trainer.cfg, trainer.cfg.eval, trainer.cfg.data
@@ -105,8 +154,7 @@ class UViTTask:
                            device=trainer.device, generator=generator)
 
     def evaluate(self, trainer) -> dict:
-        from dres.eval import (ClassifierFeatures, FIDUnavailable, classifier_frechet_distance, dpm_solver,
-                               euler_maruyama, save_grid, to_uint8)
+        from dres.eval import FIDUnavailable, dpm_solver, euler_maruyama, save_grid, to_uint8
         from dres.eval import fid as fid_fn
 
         cfg, e, d = trainer.cfg, trainer.cfg.eval, trainer.cfg.data
@@ -128,29 +176,29 @@ class UViTTask:
                    "inception-2015-12-05.pt, the TorchScript FID Inception of StyleGAN2-ADA/EDM)")
         if not (e.fid_inception or e.fd_classifier):
             return res
-        val = eval_loader(trainer, "val", 500)
-        if val is None:
+        real = self._real_images(trainer, "val", e.fid_samples)
+        if real is None:
             return res
-        real = torch.cat([to_uint8(b["image"], mean, std) for b in val.eval_batches(500)])[:e.fid_samples]
-        bar = progress(total=e.fid_samples, desc="FID samples", unit="img", enabled=cfg.log.progress)
-        fakes = []
-        for n in range(0, e.fid_samples, 500):
-            fakes.append(to_uint8(self._sample(trainer, model, min(500, e.fid_samples - n), sampler), mean, std))
-            bar.update(len(fakes[-1]))
-        bar.close()
-        fake = torch.cat(fakes)
+        # eval.fd_draws independent sample draws (draw k from seed + k); FID reads the first
+        fakes = [self._fake_images(trainer, model, e.fid_samples,
+                                   torch.Generator(device=trainer.device).manual_seed(cfg.seed + k))
+                 for k in range(e.fd_draws if e.fd_classifier else 1)]
+        fake = fakes[0]
         if e.fd_classifier:
-            from dres.train.classify import load_trained
-
-            clf, ccfg = load_trained(e.fd_classifier, trainer.device)
-            cd = ccfg.data
-            c = cd.in_chans
-            net = ClassifierFeatures(clf, cd.mean[:c] if cd.normalize else [0.0] * c,
-                                     cd.std[:c] if cd.normalize else [1.0] * c, autocast=trainer.autocast)
-            res[f"fd_cifar_classifier_{e.sampler}{e.steps}"] = classifier_frechet_distance(net, fake, real, trainer.device)
+            net = self._fd_features(trainer)
+            name = f"fd_cifar_classifier_{e.sampler}{e.steps}"
+            fds = [classifier_frechet_distance(net, f, real, trainer.device) for f in fakes]
+            res[name] = sum(fds) / len(fds)
+            if len(fds) > 1:
+                res.update({f"{name}_draw{k}": v for k, v in enumerate(fds)})
+                res[f"{name}_sd"] = statistics.stdev(fds)
             # the sampler's own starting point, as images: the distance a model that learnt nothing would reach
             noise = to_uint8(torch.randn(fake.shape, generator=torch.Generator().manual_seed(cfg.seed)), mean, std)
             res["fd_noise_cifar_classifier"] = classifier_frechet_distance(net, noise, real, trainer.device)
+            if e.fd_real_floor:  # real against real: train images against the test images, the floor
+                train_real = self._real_images(trainer, "train", e.fid_samples)
+                if train_real is not None:
+                    res["fd_real_cifar_classifier"] = classifier_frechet_distance(net, train_real, real, trainer.device)
         if e.fid_inception:
             try:
                 res[f"fid_{e.sampler}{e.steps}"] = fid_fn(e.fid_inception, fake, real, device=trainer.device)
