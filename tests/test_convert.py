@@ -252,3 +252,125 @@ def test_export_refuses_other_models_and_unknown_keys():
     model.probe = torch.nn.Linear(32, 2)
     with pytest.raises(ValueError, match="'probe.weight' has no timm VisionTransformer counterpart"):
         export_timm_state_dict(model)
+
+
+# ---------------------------------------------------------------------------------------------
+# More of timm's ViTs: DINOv2 (LayerScale, register tokens), Eva (rotary embeddings, LayerScale as
+# parameters, SwiGLU); post-norm blocks refused
+
+
+def small_eva(**kw):
+    from timm.models.eva import Eva
+
+    torch.manual_seed(0)
+    args = dict(img_size=16, patch_size=8, embed_dim=32, depth=3, num_heads=2, num_classes=5, init_values=0.1,
+                use_rot_pos_emb=True, ref_feat_shape=(2, 2))
+    return perturb_(Eva(**{**args, **kw})).eval()
+
+
+def eva_decayed_reference(model, alphas, imgs, scales=None):
+    """Eva's forward with the decayed residuals written out (``scales``: per residual a per-sample factor)."""
+    x, rope = model._pos_embed(model.patch_embed(imgs))
+    x = model.norm_pre(x)
+    scale = [torch.ones(len(imgs), 1, 1, dtype=x.dtype)] * len(alphas) if scales is None else scales
+    for k, blk in enumerate(model.blocks):
+        x = alphas[2 * k] * x + scale[2 * k] * blk.gamma_1 * blk.attn(blk.norm1(x), rope=rope)
+        x = alphas[2 * k + 1] * x + scale[2 * k + 1] * blk.gamma_2 * blk.mlp(blk.norm2(x))
+    return model.forward_head(model.norm(x))
+
+
+def assert_same_function_and_state(original, converted, imgs, tol):
+    """Outputs and parameter gradients of the two models agree to ``tol``; their state_dicts load into
+    each other strictly."""
+    torch.testing.assert_close(converted(imgs), original(imgs), **tol)
+    assert_grads_close(param_grads(converted, lambda: converted(imgs).square().sum()),
+                       param_grads(original, lambda: original(imgs).square().sum()), **tol)
+    converted.load_state_dict(original.state_dict(), strict=True)
+    original.load_state_dict(converted.state_dict(), strict=True)
+
+
+@pytest.mark.parametrize("kw", [{}, {"swiglu_mlp": True, "scale_mlp": True}, {"use_rot_pos_emb": False}])
+def test_eva_alpha1_keeps_function(kw):
+    original = small_eva(**kw).double()
+    converted = dres.convert_timm_vit(copy.deepcopy(original), backend="torch")
+    assert isinstance(converted.blocks, FusedTimmBlocks)
+    imgs = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    assert_same_function_and_state(original, converted, imgs, dict(rtol=1e-10, atol=1e-10))
+
+
+def test_eva_decayed_and_dropped_paths_are_those_written_out():
+    model = small_eva().double()
+    imgs = torch.randn(4, 3, 16, 16, dtype=torch.float64)
+    dres.convert_timm_vit(model, alpha_min=0.6, backend="torch")
+    alphas = model.blocks.alphas.tolist()
+    out = model(imgs)
+    torch.testing.assert_close(out, eva_decayed_reference(model, alphas, imgs), rtol=1e-10, atol=1e-10)
+    model.set_grad_checkpointing(True)  # Eva's own checkpointing calls the same block-by-block forwards
+    torch.testing.assert_close(model(imgs), out, rtol=1e-10, atol=1e-10)
+
+    dropped = dres.convert_timm_vit(small_eva().double(), drop_path=0.5, backend="torch").train()
+    out = dropped(imgs)
+    assert 0 < dropped.droppath.masks[4:].sum() < 8
+    scales = [torch.ones(4, 1, 1, dtype=torch.float64) if row is None else row.double().view(4, 1, 1)
+              for row, _ in dropped.droppath.scales(4, "cpu")]  # m / keep, 1 where the rate is 0
+    torch.testing.assert_close(out, eva_decayed_reference(dropped, [1.0] * 6, imgs, scales), rtol=1e-10, atol=1e-10)
+
+
+def test_dinov2_alpha1_keeps_function():
+    """timm's DINOv2 (LayerScale, register tokens), built small from its name."""
+    import timm
+
+    torch.manual_seed(0)
+    original = perturb_(timm.create_model("vit_small_patch14_reg4_dinov2", pretrained=False, img_size=28, depth=2,
+                                          embed_dim=32, num_heads=2, num_classes=5)).double().eval()
+    converted = dres.convert_timm_vit(copy.deepcopy(original), backend="torch")
+    imgs = torch.randn(2, 3, 28, 28, dtype=torch.float64)
+    assert_same_function_and_state(original, converted, imgs, dict(rtol=1e-10, atol=1e-10))
+
+
+def test_post_norm_blocks_are_refused():
+    from timm.models.vision_transformer import ResPostBlock
+
+    with pytest.raises(TypeError, match="block 0 is a timm.models.vision_transformer.ResPostBlock; only timm's pre-LN"):
+        dres.convert_timm_vit(small_vit(block_fn=ResPostBlock))
+    with pytest.raises(TypeError, match="EvaBlockPostNorm; only timm's pre-LN"):
+        dres.convert_timm_vit(small_eva(use_post_norm=True, init_values=None))
+
+
+@pytest.mark.parametrize("make", [small_vit, small_eva])
+def test_intermediates_of_a_converted_model(make):
+    """forward_intermediates stopping early slices the blocks: the slice keeps their decayed forwards."""
+    original = make().double()
+    converted = dres.convert_timm_vit(copy.deepcopy(original), backend="torch")
+    imgs = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    for stop_early in (False, True):
+        want = original.forward_intermediates(imgs, indices=2, stop_early=stop_early, intermediates_only=True)
+        got = converted.forward_intermediates(imgs, indices=2, stop_early=stop_early, intermediates_only=True)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_original_checkpoint_loads_strictly_into_a_model_with_drop_path():
+    """The controller's state is no key of the original model: its checkpoint loads strictly and the
+    iteration stays; other missing or unexpected keys are still errors."""
+    original = small_vit()
+    model = dres.convert_timm_vit(small_vit(), drop_path=0.1, droppath_mode="residual_droppath").train()
+    model(torch.randn(2, 3, 16, 16))
+    model.droppath.next_iteration()
+    model.load_state_dict(original.state_dict(), strict=True)
+    assert model.droppath.iteration == 1
+    partial = {k: v for k, v in original.state_dict().items() if k != "head.bias"}
+    with pytest.raises(RuntimeError, match="Missing key.*head.bias"):
+        model.load_state_dict(partial)
+    with pytest.raises(RuntimeError, match="Unexpected key.*droppath.counter"):
+        model.load_state_dict({**original.state_dict(), "droppath.counter": torch.zeros(())})
+
+
+def test_eva_triton_interpreter(triton_device):
+    model = small_eva(depth=2).to(triton_device)
+    imgs = torch.randn(2, 3, 16, 16, device=triton_device)
+    before = model(imgs)
+    before_grads = param_grads(model, lambda: model(imgs).square().sum())
+    dres.convert_timm_vit(model, backend="triton")
+    torch.testing.assert_close(model(imgs), before, rtol=1e-4, atol=1e-4)
+    assert_grads_close(param_grads(model, lambda: model(imgs).square().sum()), before_grads, rtol=1e-3, atol=1e-4)

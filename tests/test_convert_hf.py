@@ -68,14 +68,17 @@ def outputs_and_grads(model, inputs: dict, grad_input: Optional[str]):
     return out.detach(), None if grad_input is None else inputs[grad_input].grad, grads
 
 
-def assert_same_function(original, converted, inputs, grad_input, tol: dict, grad_tol: Optional[dict] = None):
-    """Outputs to ``tol``, input and parameter gradients to ``grad_tol`` (default ``tol``)."""
+def assert_same_function(original, converted, inputs, grad_input, tol: dict, grad_tol: Optional[dict] = None,
+                         unused: frozenset = frozenset()):
+    """Outputs to ``tol``, input and parameter gradients to ``grad_tol`` (default ``tol``); every
+    trainable parameter but those ``unused`` by the inputs gets a gradient."""
     grad_tol = grad_tol or tol
     out_a, din_a, grads_a = outputs_and_grads(original, inputs, grad_input)
     out_b, din_b, grads_b = outputs_and_grads(converted, inputs, grad_input)
     torch.testing.assert_close(out_b, out_a, **tol)
     torch.testing.assert_close(din_b, din_a, **grad_tol)
-    assert grads_b.keys() == grads_a.keys() == {n for n, _ in original.named_parameters()}
+    trainable = {n for n, p in original.named_parameters() if p.requires_grad}
+    assert grads_b.keys() == grads_a.keys() == trainable - unused
     for name in grads_a:
         torch.testing.assert_close(grads_b[name], grads_a[name], **grad_tol, msg=lambda m: f"{name}: {m}")
 
@@ -194,6 +197,98 @@ def test_vit_triton_interpreter(triton_device):
         assert_same_function(original, converted, vit_inputs(torch.float32, triton_device), "pixel_values",
                              KERNEL_TOL, KERNEL_GRAD_TOL)
     assert calls.counts[:2] == (4, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# More pre-LN ViTs: DeiT, DINOv2 (LayerScale, DropPath, SwiGLU), ViTMAE with its decoder
+
+
+def tiny_deit(cls_name="DeiTForImageClassification"):
+    torch.manual_seed(0)
+    config = transformers.DeiTConfig(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=3,
+                                     num_attention_heads=2, intermediate_size=64, num_labels=5)
+    return perturb_(getattr(transformers, cls_name)(config)).eval()
+
+
+def tiny_dinov2(cls_name="Dinov2ForImageClassification", **kw):
+    torch.manual_seed(0)
+    args = dict(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+                mlp_ratio=2, layerscale_value=0.5, num_labels=5)
+    return perturb_(getattr(transformers, cls_name)(transformers.Dinov2Config(**{**args, **kw}))).eval()
+
+
+@pytest.mark.parametrize("cls_name", ["DeiTForImageClassification", "DeiTForImageClassificationWithTeacher"])
+def test_deit_alpha1_keeps_function(cls_name):
+    original = tiny_deit(cls_name).double()
+    converted = dres.convert_hf_vit(copy.deepcopy(original), backend="torch")
+    with CallCounts() as calls:
+        assert_same_function(original, converted, vit_inputs(), "pixel_values", F64)
+    assert calls.counts[:2] == (2 * 3, 0)  # every add of the converted model fused, none plain
+    converted.load_state_dict(original.state_dict(), strict=True)
+
+
+@pytest.mark.parametrize("kw", [{}, {"use_swiglu_ffn": True}])
+def test_dinov2_alpha1_keeps_function(kw):
+    original = tiny_dinov2(**kw).double()
+    converted = dres.convert_hf_vit(copy.deepcopy(original), backend="torch")
+    assert_same_function(original, converted, vit_inputs(), "pixel_values", F64,
+                         unused={"dinov2.embeddings.mask_token"})  # masked-image inputs only
+    converted.load_state_dict(original.state_dict(), strict=True)
+    model = tiny_dinov2("Dinov2Model", **kw).double()
+    fused = dres.convert_hf_vit(copy.deepcopy(model), backend="torch")
+    inputs = vit_inputs()
+    with CallCounts() as calls:
+        got = fused(**inputs).last_hidden_state
+    assert calls.counts == (6, 0, 1)  # every add fused, the last with the final layernorm
+    torch.testing.assert_close(got, model(**inputs).last_hidden_state, **F64)
+
+
+def test_dinov2_drop_path_in_training_keeps_function():
+    """DINOv2's own DropPath (drop_path_rate) draws in the same order in the converted layers."""
+    original = tiny_dinov2(drop_path_rate=0.5).double().train()
+    converted = dres.convert_hf_vit(copy.deepcopy(original), backend="torch")
+    results = []
+    for model in (original, converted):
+        torch.manual_seed(3)
+        results.append(outputs_and_grads(model, vit_inputs(), "pixel_values"))
+    for got, want in zip(results[1][:2], results[0][:2]):
+        torch.testing.assert_close(got, want, **F64)
+    for name, grad in results[0][2].items():
+        torch.testing.assert_close(results[1][2][name], grad, **F64)
+
+
+def tiny_vit_mae():
+    torch.manual_seed(0)
+    config = transformers.ViTMAEConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=3,
+                                       num_attention_heads=2, intermediate_size=64, decoder_hidden_size=16,
+                                       decoder_num_hidden_layers=2, decoder_num_attention_heads=2,
+                                       decoder_intermediate_size=32, mask_ratio=0.5)
+    return perturb_(transformers.ViTMAEForPreTraining(config)).eval()
+
+
+def test_vit_mae_encoder_and_decoder_are_converted():
+    """ViTMAEForPreTraining: the decoder's adds are fused too (the last with decoder_norm), at alpha 1
+    whatever the encoder's decay; outputs, gradients and the loss are the original's."""
+    original = tiny_vit_mae().double()
+    converted = dres.convert_hf_vit(copy.deepcopy(original), backend="torch")
+    inputs = {**vit_inputs(), "noise": torch.rand(2, 16, dtype=torch.float64)}  # the same patches masked
+    with CallCounts() as calls:
+        converted(**inputs)
+    assert calls.counts == (2 * 3 + 2 * 2, 0, 2)  # torch's LayerNorm: the first layer of each stack
+    assert_same_function(original, converted, inputs, "pixel_values", F64)
+    torch.testing.assert_close(converted(**inputs).loss, original(**inputs).loss, **F64)
+    decayed = dres.convert_hf_vit(copy.deepcopy(original), alpha_min=0.5, backend="torch")
+    assert [layer._dres_alphas for layer in decayed.decoder.decoder_layers] == [(1.0, 1.0)] * 2
+    assert min(min(layer._dres_alphas) for layer in hf_layers(decayed.vit)) == 0.5
+
+
+def test_vit_converter_refuses_other_layers_in_one_line():
+    with pytest.raises(TypeError, match=r"^layer 0 \(BertLayer\) is not a pre-LN ViT or DINOv2 layer"):
+        dres.convert_hf_vit(tiny_bert())
+    model = tiny_dinov2()
+    model.dinov2.encoder.layer[2].norm2 = nn.RMSNorm(32)
+    with pytest.raises(TypeError, match="layer 2.norm2 is RMSNorm"):
+        dres.convert_hf_vit(model)
 
 
 # ---------------------------------------------------------------------------------------------
