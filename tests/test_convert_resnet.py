@@ -196,6 +196,9 @@ def test_controller_state_travels_with_the_state_dict():
     other = dres.convert_timm_resnet(tiny_resnet(BasicBlock, False), drop_path=0.1, droppath_mode="residual_droppath")
     other.load_state_dict(model.state_dict())
     assert other.droppath.iteration == 1
+    # the original timm checkpoint has no controller: it loads strictly, the iteration stays
+    other.load_state_dict(tiny_resnet(BasicBlock, False).state_dict(), strict=True)
+    assert other.droppath.iteration == 1
 
 
 def test_bad_models_and_arguments():

@@ -2,9 +2,10 @@
 ``dres-eval RUN_DIR`` (or ``python -m dres.train.<task>``; under ``torchrun`` for several GPUs).
 
 User errors (unknown preset or key, an impossible value, missing or corrupt data, a run directory
-that holds another run, an unreadable or incompatible checkpoint, non-finite loss) end with one line
-on stderr and exit status 2; a rank lost under several processes with one line and status 1 (the
-survivors'); ``--debug`` (or ``DRES_DEBUG=1``) shows the traceback instead.
+that holds another run, an unreadable or incompatible checkpoint, non-finite loss, an optional
+dependency not installed) end with one line on stderr and exit status 2; a rank lost under several
+processes with one line and status 1 (the survivors'); ``--debug`` (or ``DRES_DEBUG=1``) shows the
+traceback instead.
 """
 
 from __future__ import annotations
@@ -141,12 +142,13 @@ def _debug_flag(p):
 
 def _user_errors():
     from dres.data import DataError
+    from dres.optional import MissingExtra
     from dres.train.checkpoint import CheckpointError
     from dres.train.config import ConfigError
     from dres.train.loop import NonFiniteLoss
     from dres.train.rundir import RunDirError
 
-    return (ConfigError, DataError, NonFiniteLoss, FileNotFoundError, CheckpointError, RunDirError)
+    return (ConfigError, DataError, NonFiniteLoss, FileNotFoundError, CheckpointError, RunDirError, MissingExtra)
 
 
 def _run(args, overrides=()):

@@ -7,6 +7,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dres.optional import import_optional
+
 
 def to_uint8(x: torch.Tensor, mean=None, std=None) -> torch.Tensor:
     """Undo normalisation (if given) and map [0, 1] floats to uint8 (B, C, H, W)."""
@@ -112,11 +114,7 @@ def mae_reconstruction_grid(model, imgs: torch.Tensor, path, mean=None, std=None
 
 def pyplot():
     """matplotlib.pyplot drawing to files (Agg); an optional dependency, the ``[plots]`` extra."""
-    try:
-        import matplotlib
-    except ImportError as e:
-        raise ModuleNotFoundError("plots need matplotlib, which is not installed: pip install 'dres[plots]'",
-                                  name="matplotlib") from e
+    matplotlib = import_optional("matplotlib", "plots", "drawing plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
