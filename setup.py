@@ -29,6 +29,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 packages = ["dres"] + [f"dres.{p}" for p in find_packages("dres")]
 packages += ["dres.kernels"] + [f"dres.kernels.{p}" for p in find_packages("kernels")]
 packages += ["dres.train"] + [f"dres.train.{p}" for p in find_packages("train")]
+packages += ["dres.train.presets"]  # the YAML presets: a data folder, which setuptools asks to list as a package
 
 
 def _build_mode() -> str:
@@ -128,6 +129,6 @@ def cuda_extension_kwargs() -> dict:
 setup(
     packages=packages,
     package_dir={"dres": "dres", "dres.kernels": "kernels", "dres.train": "train"},
-    package_data={"dres": ["py.typed"], "dres.train": ["presets/*.yaml"]},
+    package_data={"dres": ["py.typed"], "dres.train.presets": ["*.yaml"]},
     **cuda_extension_kwargs(),
 )
