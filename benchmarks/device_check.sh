@@ -6,7 +6,7 @@
 # from it against synthetic data (benchmarks.bench_data; DATA_ARGS narrows it).
 # Stages can be limited with STAGES="tests kernels" and pytest selection with TESTS="tests/test_ops.py".
 # TEST_PROCS=N (without TESTS) runs the suite as N pytest processes at once, the test files split into groups of
-# about equal time by the last suites' reports (benchmarks.split_tests): one GPU's suite in about a third of the
+# about equal time by the last suites' reports (tests/split_tests.py): one GPU's suite in about a third of the
 # time with 3 (each process its own junit-K.xml and tests-K.log).
 # attention: SDPA's backends and dres.ops.short_attention at the presets' attention shapes (bench_attention),
 # then short_attention's launch configs at those shapes (tune_attention).
@@ -42,7 +42,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 
 if want tests && [ "${TEST_PROCS:-1}" -gt 1 ] && [ -z "${TESTS:-}" ]; then
   # one pytest process per group of test files, groups of about equal time by the last suites' reports
-  mapfile -t groups < <(python3 -m benchmarks.split_tests --procs "$TEST_PROCS")
+  mapfile -t groups < <(python3 tests/split_tests.py --procs "$TEST_PROCS")
   pids=()
   for k in "${!groups[@]}"; do
     python3 -m pytest -q -p no:cacheprovider ${groups[$k]} -m "${MARK:-gpu or not gpu}" \

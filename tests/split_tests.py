@@ -1,14 +1,14 @@
 """Split the test files into groups of about equal GPU time, for several pytest processes on one machine.
 
-    python -m benchmarks.split_tests --procs 3          # one line per group: its test files
-    python -m benchmarks.split_tests --procs 3 --show   # with each group's expected seconds
+    python tests/split_tests.py --procs 3          # one line per group: its test files
+    python tests/split_tests.py --procs 3 --show   # with each group's expected seconds
 
 A file's weight is its tests' time (skipped ones excluded) in the newest JUnit report of the GPU suite that
 ran it, among the records (``records/benchmarks/<card>-<YYYY-MM-DD>-<what>/**/junit.xml``, newest by the
 date in the folder name); a file no report has (no GPU test, or a new file) weighs nothing and goes to
 the lightest group. Groups are filled greedily, heaviest file first, into the lightest group (the
 longest-processing-time rule), and each group lists its files in the tests folder's order.
-``device_check.sh``'s tests stage runs one pytest process per group when ``TEST_PROCS`` > 1.
+``benchmarks/device_check.sh``'s tests stage runs one pytest process per group when ``TEST_PROCS`` > 1.
 """
 
 from __future__ import annotations

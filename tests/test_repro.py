@@ -1,5 +1,6 @@
-"""The reproduction's pieces (CPU): the model.zero_init switch, and experiments/repro.py (arm matrix,
-selection, budget plan, records from real tiny runs, the RESULTS.md report)."""
+"""The reproduction's pieces (CPU): the model.zero_init switch, and experiments/repro.py with its plan (arms.py:
+the arm matrix, selection), runner (runner.py: budget plan, records from real tiny runs, rescoring) and report
+(report.py: RESULTS.md)."""
 
 import json
 import math
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments import repro
+from experiments import arms, report, repro, runner
 from dres.train.cli import get_task
 from dres.train.config import ConfigError, build_config
 
@@ -90,53 +91,53 @@ def test_drop_rate_is_timms_dropout_before_the_resnet_classifier():
 # ---------------------------------------------------------------------------------------------- runner
 
 def test_matrix_holds_the_issue_arms():
-    names = {a.name for a in repro.MATRIX}
+    names = {a.name for a in arms.MATRIX}
     for v in ("baseline", "official"):
         for a in (1.0, 0.6):
             assert f"A-{v}-a{a}-s0" in names
     assert {"A-official-a0.5-s0", "A-official-a0.7-s0", "A-official-a0.8-s0", "A-baseline-a1.0-s1",
             "A-official-a0.6-s1", "B-uvit-a1.0-s0", "B-uvit-a0.7-s0"} <= names
     for arch, seeds in (("resnet50d", (0, 1)), ("resnet50", (0,)), ("vit", (0,))):
-        for m in repro.MODES:
+        for m in arms.MODES:
             for s in seeds:
                 assert f"C-{arch}-{m}-s{s}" in names
-    official_1 = repro.BY_NAME["A-official-a1.0-s0"]
+    official_1 = arms.BY_NAME["A-official-a1.0-s0"]
     assert "model.zero_init=true" in official_1.overrides
-    assert all("model.zero_init=auto" in a.overrides for a in repro.MATRIX
+    assert all("model.zero_init=auto" in a.overrides for a in arms.MATRIX
                if a.claim == "A" and a.stage == "short" and a is not official_1)
     # every arm's config resolves with its preset (the ResNet presets included)
-    for a in repro.MATRIX:
+    for a in arms.MATRIX:
         build_config(a.task, a.preset, list(a.overrides) + [f"seed={a.seed}"])
 
 
 def test_select_adds_needs_and_rejects_unknown_words():
-    assert [a.name for a in repro.select("A.2x2")] == [a.name for a in repro.MATRIX if "A.2x2" in a.tags]
-    b = [a.name for a in repro.select("B")]
+    assert [a.name for a in arms.select("A.2x2")] == [a.name for a in arms.MATRIX if "A.2x2" in a.tags]
+    b = [a.name for a in arms.select("B")]
     assert b.index("C-vit-none-s0") < b.index("B-uvit-a1.0-s0")  # the FD classifier first
-    assert len(repro.select("all")) == len(repro.MATRIX)
+    assert len(arms.select("all")) == len(arms.MATRIX)
     with pytest.raises(ValueError, match="no arm, group, tag or claim named 'A.3x3'"):
-        repro.select("A.3x3")
+        arms.select("A.3x3")
 
 
 def test_plan_packs_arms_within_the_budget():
     rates = {"mae": 50000.0, "classify": 25000.0, "uvit": 10000.0}
-    chosen, left = repro.plan(repro.MATRIX, epochs=100, gpus=2, budget_min=10, img_per_s=rates, overhead_s=60)
+    chosen, left = runner.plan(arms.MATRIX, epochs=100, gpus=2, budget_min=10, img_per_s=rates, overhead_s=60)
     # an MAE arm: 100 * 50000 / 50000 + 60 = 160 s; two GPUs, 600 s each
     load = [0.0, 0.0]
     for arm, g, est in chosen:
         load[g] += est
-    assert max(load) <= 600 and chosen[0][0].name == repro.MATRIX[0].name
-    assert {a.name for a in left} | {a.name for a, _, _ in chosen} == set(repro.BY_NAME)
+    assert max(load) <= 600 and chosen[0][0].name == arms.MATRIX[0].name
+    assert {a.name for a in left} | {a.name for a, _, _ in chosen} == set(arms.BY_NAME)
     names = [a.name for a, _, _ in chosen]
     assert all(n in names[:names.index(a.name)] for a, _, _ in chosen for n in a.needs)
     with pytest.raises(ValueError, match="no rate for task 'uvit'"):
-        repro.plan(repro.MATRIX, epochs=1, gpus=1, budget_min=1e6, img_per_s={"mae": 1.0, "classify": 1.0},
+        runner.plan(arms.MATRIX, epochs=1, gpus=1, budget_min=1e6, img_per_s={"mae": 1.0, "classify": 1.0},
                    overhead_s=0)
 
 
 def test_stat_is_mean_and_standard_deviation():
-    assert repro.stat([0.5]) == "0.5"
-    assert repro.stat([0.80, 0.84, 0.88], scale=100) == "84.0 ± 4.0 (n=3)"
+    assert report.stat([0.5]) == "0.5"
+    assert report.stat([0.80, 0.84, 0.88], scale=100) == "84.0 ± 4.0 (n=3)"
 
 
 def test_paired_differences_by_seed_with_a_t_interval():
@@ -144,13 +145,13 @@ def test_paired_differences_by_seed_with_a_t_interval():
         return {"group": group, "seed": seed, "metrics": {"top1": top1}}
     recs = {f"{g}-s{s}": rec(g, s, v) for g, s, v in (("X", 0, 0.90), ("X", 1, 0.91), ("X", 2, 0.93), ("X", 3, 0.5),
                                                         ("Y", 0, 0.89), ("Y", 1, 0.89), ("Y", 2, 0.90))}
-    line = repro.paired_line(recs, "X", "Y", "top1", 100, "X − Y")
+    line = report.paired_line(recs, "X", "Y", "top1", 100, "X − Y")
     # seed 3 has no pair; differences 1, 2, 3: mean 2, sd 1, t(0.975, 2) = 4.303 -> 2.48
     assert line.startswith("- X − Y: +2.00 ± 2.48 (95% CI over 3 seed pairs 0,1,2;")
     assert "+1.00, +2.00, +3.00" in line
-    assert "one pair, no interval" in repro.paired_line({k: v for k, v in recs.items() if k.endswith(("s0", ))},
+    assert "one pair, no interval" in report.paired_line({k: v for k, v in recs.items() if k.endswith(("s0", ))},
                                                         "X", "Y", "top1", 100, "d")
-    assert repro.paired_line(recs, "X", "Z", "top1", 100, "d") is None
+    assert report.paired_line(recs, "X", "Z", "top1", 100, "d") is None
 
 
 def test_claim_c_report_pairs_each_mode_with_the_others_and_skips_cut_runs(tmp_path):
@@ -161,14 +162,14 @@ def test_claim_c_report_pairs_each_mode_with_the_others_and_skips_cut_runs(tmp_p
             "residual_droppath": (0.844, 0.843, 0.846)}
     for mode, values in top1.items():
         for seed, value in enumerate(values):
-            arm = repro.BY_NAME[f"C300-resnet50d-{mode}-s{seed}"]
+            arm = arms.BY_NAME[f"C300-resnet50d-{mode}-s{seed}"]
             (folder / f"{arm.name}.json").write_text(json.dumps({
                 "arm": arm.name, "claim": "C", "group": arm.group, "seed": seed, "epochs": 300, "steps": 117000,
                 "overrides": list(arm.overrides), "curves": [], "train": {}, "artifacts": {}, "card": "cpu",
                 "date": "2026-01-01T00:00:00", "commit": "abc", "command": "x",
                 "metrics": {"top1": value, "final_epoch_train_acc": 0.9, "final_epoch_loss": 0.7}}))
-    text = repro.render(tmp_path, tmp_path, figures=tmp_path / "figures", notes=tmp_path / "notes.md", draw=False)
-    assert "| resnet50d | 32 | none | 300 | 0,1,2 | 87.60 ± 0.10 (n=3) | 90.0 ± 0.0 (n=3) |" in text
+    text = report.render(tmp_path, tmp_path, figures=tmp_path / "figures", notes=tmp_path / "notes.md", draw=False)
+    assert "| resnet50d | 32 | 0.1 | none | 300 | 0,1,2 | 87.60 ± 0.10 (n=3) | 90.0 ± 0.0 (n=3) |" in text
     # residual_droppath − drop_path per seed -3.8, -3.9, -3.5: mean -3.73, sd 0.208, t(0.975, 2) = 4.303 -> 0.52
     assert ("- resnet50d 32 px: residual_droppath − drop_path (points): -3.73 ± 0.52 (95% CI over 3 seed pairs "
             "0,1,2; per seed -3.80, -3.90, -3.50)") in text
@@ -178,8 +179,8 @@ def test_claim_c_report_pairs_each_mode_with_the_others_and_skips_cut_runs(tmp_p
 
 
 def test_decisive_arms_are_the_issues_recipes():
-    arms = {a.name: a for a in repro.MATRIX if a.stage == "decisive"}
-    ov = {n: dict(o.split("=", 1) for o in a.overrides) for n, a in arms.items()}
+    decisive = {a.name: a for a in arms.MATRIX if a.stage == "decisive"}
+    ov = {n: dict(o.split("=", 1) for o in a.overrides) for n, a in decisive.items()}
     # A: 400 epochs, batch 1024 in every arm, official 0.6 vs 1.0 both zero-init, 2 seeds; vanilla and decayed baselines
     for alpha in (0.6, 1.0):
         for seed in (0, 1):
@@ -187,34 +188,34 @@ def test_decisive_arms_are_the_issues_recipes():
             assert o["model.zero_init"] == "true" and o["model.variant"] == "official"
     assert ov["A400-baseline-a1.0-s0"]["model.zero_init"] == "auto"  # vanilla MAE: no zero-init at alpha 1
     assert ov["A400-baseline-a1.0-zi-s0"]["model.zero_init"] == "true"
-    a_arms = [a for a in arms.values() if a.claim == "A"]
+    a_arms = [a for a in decisive.values() if a.claim == "A"]
     assert {a.epochs for a in a_arms} == {400} and {ov[a.name]["batch_size"] for a in a_arms} == {"1024"}
     # B: the evaluated EMA holds < 1% of the initial weights after the arm's steps (batch 128, 390 steps an epoch)
     for seed in (0, 1):
         for alpha in (1.0, 0.7):
-            arm = arms[f"B64-uvit-a{alpha}-s{seed}"]
+            arm = decisive[f"B64-uvit-a{alpha}-s{seed}"]
             cfg = build_config("uvit", arm.preset, list(arm.overrides))
             steps = int(arm.epochs * (50000 // cfg.batch_size))
             assert cfg.optim.ema_decay ** steps < 0.01 and steps >= 24000
             assert cfg.model.zero_init == "true"
-    assert repro.ema_initial_weight(0.9999, 3900) > 0.6  # the short runs' EMA: mostly the initialisation
+    assert arms.ema_initial_weight(0.9999, 3900) > 0.6  # the short runs' EMA: mostly the initialisation
     # C: timm's recipe, three modes x three seeds, and the 224 px pilot
-    for mode in repro.MODES:
+    for mode in arms.MODES:
         for seed in (0, 1, 2):
-            arm = arms[f"C300-resnet50d-{mode}-s{seed}"]
+            arm = decisive[f"C300-resnet50d-{mode}-s{seed}"]
             cfg = build_config("classify", arm.preset, list(arm.overrides))
             assert arm.epochs == 300 and cfg.batch_size == 128 and cfg.optim.blr * cfg.batch_size / 256 == 0.05
             assert (cfg.data.crop_min, cfg.data.color_jitter, cfg.data.eval_crop_pct) == (0.08, 0.4, 0.875)
             assert cfg.model.drop_rate == 0.1 and cfg.model.drop_path == 0.1 and cfg.model.droppath_mode == mode
-        pilot = build_config("classify", arms[f"C224-resnet50d-{mode}-s0"].preset, [])
+        pilot = build_config("classify", decisive[f"C224-resnet50d-{mode}-s0"].preset, [])
         assert pilot.data.img_size == pilot.model.img_size == 224 and pilot.data.color_jitter == 0.4
-    assert build_config("classify", arms["C300-resnet50-none-s0"].preset,
-                        list(arms["C300-resnet50-none-s0"].overrides)).model.arch == "resnet50"
+    assert build_config("classify", decisive["C300-resnet50-none-s0"].preset,
+                        list(decisive["C300-resnet50-none-s0"].overrides)).model.arch == "resnet50"
     # a word without @EPOCHS gives each decisive arm its own length; the FD classifier its record's
-    lengths = {a.name: e for a, e, _ in repro.select_epochs("decisive", 0)}
+    lengths = {a.name: e for a, e, _ in arms.select_epochs("decisive", 0)}
     assert lengths["A400-official-a0.6-s1"] == 400 and lengths["C300-resnet50d-none-s2"] == 300
     assert lengths["C224-resnet50d-none-s0"] == 30 and lengths["B64-uvit-a0.7-s0"] == 64
-    assert repro.need_epochs("C-vit-none-s0", 0, repro.REPO_ROOT / "no-such-folder") == 50  # its committed record
+    assert runner.need_epochs("C-vit-none-s0", 0, runner.REPO_ROOT / "no-such-folder") == 50  # its committed record
 
 
 def test_dry_run_prints_the_exact_commands_and_runs_nothing(tmp_path, capsys):
@@ -237,9 +238,9 @@ def test_dry_run_prints_the_exact_commands_and_runs_nothing(tmp_path, capsys):
 
 
 def test_report_without_records_says_not_run_yet_everywhere(tmp_path):
-    text = repro.report(tmp_path / "records", tmp_path / "RESULTS.md", figures=tmp_path / "figures",
+    text = report.report(tmp_path / "records", tmp_path / "RESULTS.md", figures=tmp_path / "figures",
                         notes=tmp_path / "notes.md")
-    groups = {a.group for a in repro.MATRIX}
+    groups = {a.group for a in arms.MATRIX}
     table_rows = [l for l in text.splitlines() if l.startswith("| ") and "not run yet" in l]
     assert len(table_rows) == len(groups)
     for value in ("83.6", "61.5", "62.5", "14.3", "89.55", "89.84", "90.84", "88.07"):  # the papers' numbers
@@ -249,8 +250,8 @@ def test_report_without_records_says_not_run_yet_everywhere(tmp_path):
 
 
 def test_committed_results_md_is_the_report_of_the_committed_records():
-    text = repro.render(repro.RECORDS_ROOT, repro.REPO_ROOT, draw=False)
-    assert (repro.REPO_ROOT / "RESULTS.md").read_text() == text, "rebuild it: python -m experiments.repro --report"
+    text = report.render(runner.RECORDS_ROOT, runner.REPO_ROOT, draw=False)
+    assert (runner.REPO_ROOT / "RESULTS.md").read_text() == text, "rebuild it: python -m experiments.repro --report"
 
 
 def test_report_reads_every_records_folder_and_the_latest_record_of_an_arm_wins(tmp_path, capsys):
@@ -268,10 +269,10 @@ def test_report_reads_every_records_folder_and_the_latest_record_of_an_arm_wins(
         dict(base, arm="C-vit-none-s0", date="2026-03-01T00:00:00", metrics={"top1": 0.1},
              overrides=["model.droppath_mode=none", "optim.ema_decay=0.999"])))
     other = []
-    recs = repro.load_records(tmp_path, other)
+    recs = runner.load_records(tmp_path, other)
     assert list(recs) == ["C-vit-none-s0"] and recs["C-vit-none-s0"]["metrics"]["top1"] == 0.75
     assert [p.parent.name for p in other] == ["cpu-2026-03-01-other"]
-    text = repro.render(tmp_path, tmp_path, figures=tmp_path / "figures", notes=tmp_path / "notes.md", draw=False)
+    text = report.render(tmp_path, tmp_path, figures=tmp_path / "figures", notes=tmp_path / "notes.md", draw=False)
     assert "Not counted (made with other overrides than their arm's today): `cpu-2026-03-01-other/C-vit-none-s0.json`" \
         in text
     assert repro.main(["--run", "C-vit-none-s0", "--epochs", "1", "--gpus", "0"]) == 2
@@ -286,12 +287,12 @@ SMOKE = ["--preset", "mae=quickstart", "--set", "model.depth=2", "--set", "model
 
 def test_runner_trains_two_arms_writes_records_and_report(tmp_path, capsys):
     records, root = tmp_path / "records", tmp_path / "runs"
-    arms = "A-baseline-a1.0-s0,A-official-a0.6-s0"
+    names = "A-baseline-a1.0-s0,A-official-a0.6-s0"
     # digits: 1437 training images, 22 steps of 64 a epoch; 0.2 epochs = 4 steps, a curve point every 2
-    rc = repro.main(["--run", arms, "--epochs", "0.2", "--gpus", "0", "--root", str(root), "--records", str(records),
+    rc = repro.main(["--run", names, "--epochs", "0.2", "--gpus", "0", "--root", str(root), "--records", str(records),
                      "--curve-every", "2", "--commit", "abc123"] + SMOKE)
     assert rc == 0, capsys.readouterr()
-    for name in arms.split(","):
+    for name in names.split(","):
         rec = json.loads((records / f"{name}.json").read_text())
         assert rec["arm"] == name and rec["epochs"] == 0.2 and rec["commit"] == "abc123" and rec["card"].startswith("cpu")
         assert 0 <= rec["metrics"]["linear_probe_acc"] <= 1 and rec["metrics"]["effective_rank"] >= 1
@@ -304,10 +305,10 @@ def test_runner_trains_two_arms_writes_records_and_report(tmp_path, capsys):
         assert rec["metrics"]["effective_rank_entropy"] == pytest.approx(math.log(rec["metrics"]["effective_rank"]))
         assert (records / rec["artifacts"]["curves_png"]).stat().st_size > 0  # relative to its records folder
     # a second call skips the recorded arms
-    assert repro.main(["--run", arms, "--epochs", "0.2", "--gpus", "0", "--root", str(root), "--records",
+    assert repro.main(["--run", names, "--epochs", "0.2", "--gpus", "0", "--root", str(root), "--records",
                        str(records), "--curve-every", "2"] + SMOKE) == 0
     assert "A-baseline-a1.0-s0: skipped" in capsys.readouterr().out
-    text = repro.report(records, tmp_path / "RESULTS.md", figures=tmp_path / "figures", notes=tmp_path / "notes.md")
+    text = report.report(records, tmp_path / "RESULTS.md", figures=tmp_path / "figures", notes=tmp_path / "notes.md")
     row = next(l for l in text.splitlines() if l.startswith("| baseline | 1 | auto | 0.2 |"))
     assert "not run yet" not in row and "| 0 |" in row
     h, exp_h = (float(c) for c in row.split(" | ")[7:9])  # eq. 6's entropy and its exponential, both shown
@@ -328,7 +329,7 @@ def test_runner_bad_override_is_one_line_error(tmp_path, capsys):
 def test_runner_maps_gpu_slots_through_cuda_visible_devices(tmp_path, monkeypatch, capsys):
     """``--gpus 2`` under CUDA_VISIBLE_DEVICES=5,7 starts its arms on devices 5 and 7, not 0 and 1, each
     with half the host's cores for its CPU threads."""
-    started, threads, popen = [], [], repro.subprocess.Popen
+    started, threads, popen = [], [], runner.subprocess.Popen
 
     class ExitedArm:  # an arm that ends at once (failed: no record is made, no GPU is queried)
         returncode = 1
@@ -343,13 +344,13 @@ def test_runner_maps_gpu_slots_through_cuda_visible_devices(tmp_path, monkeypatc
         threads.append(int(kw["env"]["OMP_NUM_THREADS"]))
         return ExitedArm()
 
-    monkeypatch.setattr(repro.subprocess, "Popen", fake_popen)
+    monkeypatch.setattr(runner.subprocess, "Popen", fake_popen)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     rc = repro.main(["--run", "A-baseline-a1.0-s0,A-official-a0.6-s0", "--epochs", "1", "--gpus", "2",
                      "--root", str(tmp_path), "--records", str(tmp_path / "r"), "--curve-every", "2"] + SMOKE)
     assert rc == 1 and sorted(started) == ["5", "7"]
-    assert threads == [max(1, (repro.os.cpu_count() or 1) // 2)] * 2  # each arm a share of the host's cores
+    assert threads == [max(1, (runner.os.cpu_count() or 1) // 2)] * 2  # each arm a share of the host's cores
     assert "CUDA_VISIBLE_DEVICES=5 python" in capsys.readouterr().out
     assert repro.main(["--run", "A-baseline-a1.0-s0", "--epochs", "1", "--gpus", "3", "--root", str(tmp_path),
                        "--records", str(tmp_path / "r")]) == 2
@@ -357,21 +358,21 @@ def test_runner_maps_gpu_slots_through_cuda_visible_devices(tmp_path, monkeypatc
 
 
 def test_run_words_take_their_own_epochs():
-    queue = repro.select_epochs("C.resnet50d.s1@100,A.sweep@50,B.short", 10)
+    queue = arms.select_epochs("C.resnet50d.s1@100,A.sweep@50,B.short", 10)
     lengths = {a.name: e for a, e, _ in queue}
     assert [a.name for a, _, named in queue if not named] == ["C-vit-none-s0"]
     assert lengths == {**{f"C-resnet50d-{m}-s1": 100 for m in ("none", "drop_path", "residual_droppath")},
                        **{f"A-official-a{x}-s0": 50 for x in (0.5, 0.7, 0.8)},
                        "B-uvit-a1.0-s0": 10, "B-uvit-a0.7-s0": 10, "C-vit-none-s0": 10}  # B's need: B's length
-    assert [a.name for a, _, _ in queue] == [a.name for a in repro.MATRIX if a.name in lengths]  # matrix order
+    assert [a.name for a, _, _ in queue] == [a.name for a in arms.MATRIX if a.name in lengths]  # matrix order
     # a need named itself keeps its own length
-    assert {a.name: (e, named) for a, e, named in repro.select_epochs("B.short@10,C-vit-none-s0@50", 0)}[
+    assert {a.name: (e, named) for a, e, named in arms.select_epochs("B.short@10,C-vit-none-s0@50", 0)}[
         "C-vit-none-s0"] == (50, True)
     for spec, default, match in (("A.sweep", 0, "give a positive --epochs or A.sweep@EPOCHS"),
                                  ("A.sweep@x", 0, "'x' is not a number of epochs"),
                                  ("A.sweep@50,A-official-a0.5-s0@40", 0, "given 50 and 40 epochs")):
         with pytest.raises(ValueError, match=match):
-            repro.select_epochs(spec, default)
+            arms.select_epochs(spec, default)
 
 
 def test_force_reruns_named_arms_only_and_a_rebuilt_need_keeps_its_record(tmp_path, monkeypatch, capsys):
@@ -383,7 +384,7 @@ def test_force_reruns_named_arms_only_and_a_rebuilt_need_keeps_its_record(tmp_pa
     need = {"arm": "C-vit-none-s0", "epochs": 50, "metrics": {"top1": 0.77}}
     for name, rec in (("C-vit-none-s0", need), ("B-uvit-a1.0-s0", {"arm": "B-uvit-a1.0-s0", "epochs": 10})):
         (records / f"{name}.json").write_text(json.dumps(rec))
-    started, popen = [], repro.subprocess.Popen
+    started, popen = [], runner.subprocess.Popen
 
     class ExitedArm:
         returncode = 1
@@ -398,7 +399,7 @@ def test_force_reruns_named_arms_only_and_a_rebuilt_need_keeps_its_record(tmp_pa
                        next(c for c in cmd if c.startswith("epochs=")))
         return ExitedArm()
 
-    monkeypatch.setattr(repro.subprocess, "Popen", fake_popen)
+    monkeypatch.setattr(runner.subprocess, "Popen", fake_popen)
     args = ["--run", "B-uvit-a1.0-s0@25", "--force", "--gpus", "0", "--root", str(root), "--records", str(records)]
     assert repro.main(args) == 1
     assert started == ["C-vit-none-s0 epochs=50"]  # then B is blocked by the failed need
@@ -446,7 +447,7 @@ def test_dry_run_says_what_the_run_does_with_each_arm(tmp_path, monkeypatch, cap
         def poll(self):
             return self.returncode
 
-    popen = repro.subprocess.Popen
+    popen = runner.subprocess.Popen
 
     def fake_popen(cmd, **kw):  # arms only; anything else (platform's uname) runs
         if "--resume" not in cmd:
@@ -456,7 +457,7 @@ def test_dry_run_says_what_the_run_does_with_each_arm(tmp_path, monkeypatch, cap
         (out / "summary.json").write_text("{}")
         return FinishedArm()
 
-    monkeypatch.setattr(repro.subprocess, "Popen", fake_popen)
+    monkeypatch.setattr(runner.subprocess, "Popen", fake_popen)
     assert repro.main(args) == 0
     out = capsys.readouterr().out
     done = {}
@@ -504,13 +505,13 @@ def test_classify_summary_holds_the_final_epochs_training_accuracy_and_loss(tmp_
     assert expected["final_epoch_steps"] == 24
 
 
-def hold_script(tmp_path):
-    """device_hold.sh with its hold and output under tmp_path, and a python3 stand-in (the install)."""
-    script = Path(__file__).resolve().parents[1] / "experiments" / "device_hold.sh"
+def queue_script(tmp_path):
+    """queue.sh with its queue folder and output under tmp_path, and a python3 stand-in (the install)."""
+    script = Path(__file__).resolve().parents[1] / "experiments" / "queue.sh"
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "python3").write_text("#!/bin/sh\nexit 0\n")
     (tmp_path / "bin" / "python3").chmod(0o755)
-    env = {**os.environ, "HOLD": str(tmp_path / "hold"), "OUT": str(tmp_path / "out"),
+    env = {**os.environ, "QUEUE_DIR": str(tmp_path / "queue"), "OUT": str(tmp_path / "out"),
            "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
 
     def call(*args, cwd=None):
@@ -519,34 +520,34 @@ def hold_script(tmp_path):
     return call
 
 
-def test_device_hold_script_refuses_bad_calls_with_one_line(tmp_path):
-    call = hold_script(tmp_path)
-    usage = "usage: bash experiments/device_hold.sh start WORDS [GPUS] [COMMIT] | job NAME COMMAND | wait SECONDS"
+def test_queue_script_refuses_bad_calls_with_one_line(tmp_path):
+    call = queue_script(tmp_path)
+    usage = "usage: bash experiments/queue.sh start WORDS [GPUS] [COMMIT] | job NAME COMMAND | wait SECONDS"
     assert call()[::2] == (2, usage)
     assert call("wait", "soon")[0] == 2
     assert call("job", "a b", "true")[::2] == (2, usage)  # a job name becomes a file name
-    assert call("start", "C.timm.resnet50d", "four")[::2] == (2, "device_hold.sh: GPUS must be a number, got 'four'")
+    assert call("start", "C.timm.resnet50d", "four")[::2] == (2, "queue.sh: GPUS must be a number, got 'four'")
     code, _, err = call("wait", "0")
-    assert code == 2 and err == f"device_hold.sh: no queue or job was started on this machine ({tmp_path / 'hold'})"
-    assert not (tmp_path / "hold").exists() and not (tmp_path / "out").exists()  # a refused call leaves nothing
+    assert code == 2 and err == f"queue.sh: no queue or job was started on this host ({tmp_path / 'queue'})"
+    assert not (tmp_path / "queue").exists() and not (tmp_path / "out").exists()  # a refused call leaves nothing
 
 
-def test_device_hold_job_runs_from_the_copy_and_comes_back_packed(tmp_path):
+def test_queue_job_runs_from_the_copy_and_comes_back_packed(tmp_path):
     tree = tmp_path / "tree"
     tree.mkdir()
     (tree / "marker.txt").write_text("the tree\n")
-    call = hold_script(tmp_path)
+    call = queue_script(tmp_path)
     code, out, _ = call("job", "copy", 'cp marker.txt "$OUT/seen.txt"; pwd >"$OUT/where.txt"', cwd=tree)
     assert code == 0 and out.startswith("job copy started")
     assert call("job", "fails", "exit 3", cwd=tree)[0] == 0
     assert call("job", "slow", 'sleep 3; echo done >"$OUT/slow.txt"', cwd=tree)[0] == 0
-    assert call("job", "copy", "true", cwd=tree)[::2] == (2, "device_hold.sh: job copy was already started on this machine")
+    assert call("job", "copy", "true", cwd=tree)[::2] == (2, "queue.sh: job copy was already started on this host")
     code, out, _ = call("wait", "30", cwd=tree)
     assert code == 0 and "job copy: exit 0" in out and "job fails: exit 3" in out
     assert "job slow: exit 0" in out  # wait waited for the slowest job
     with tarfile.open(tmp_path / "out" / "jobs.tgz") as tar:
         assert tar.extractfile("jobs/copy/seen.txt").read() == b"the tree\n"
-        assert tar.extractfile("jobs/copy/where.txt").read().decode().strip() == str(tmp_path / "hold" / "tree")
+        assert tar.extractfile("jobs/copy/where.txt").read().decode().strip() == str(tmp_path / "queue" / "tree")
     assert not (tmp_path / "out" / "records.tgz").exists()  # no queue was started
 
 
@@ -556,11 +557,11 @@ def test_probe_grid_tables_mark_the_best_cell():
     recs = {"B64-uvit-a0.7-s0": {"group": "B64-uvit-a0.7", "seed": 0, "metrics": {"probe_grid": grid}},
             "B64-uvit-a1.0-s0": {"group": "B64-uvit-a1.0", "seed": 0, "metrics": {}},
             "C300-resnet50d-none-s0": {"group": "C300-resnet50d-none", "seed": 0, "metrics": {"probe_grid": grid}}}
-    lines = repro.probe_grid_lines(recs, "B64-uvit")
+    lines = report.probe_grid_lines(recs, "B64-uvit")
     assert lines[0] == "`B64-uvit-a0.7-s0` (seed 0): linear-probe accuracy % by noise level t and block"
     assert "| t | block 3 | block 6 |" in lines and "| 0.1 | 40.0 | **52.0** |" in lines and "| 0.3 | 31.0 | 45.0 |" in lines
     assert not any("C300" in ln or "a1.0" in ln for ln in lines)
-    assert repro.probe_grid_lines({}, "B64-uvit") == []
+    assert report.probe_grid_lines({}, "B64-uvit") == []
 
 
 def test_record_keeps_the_probe_grid_and_the_numbers_of_the_evaluation(tmp_path):
@@ -569,16 +570,16 @@ def test_record_keeps_the_probe_grid_and_the_numbers_of_the_evaluation(tmp_path)
     grid = [{"block": 3, "t": 0.1, "linear_probe_acc": 0.4, "knn_acc": 0.3}]
     (run / "summary.json").write_text(json.dumps({"eval": {"probe_t0.1_knn_acc": 0.5, "probe_grid": grid,
                                                            "samples_png": "/nowhere.png", "finite": True}}))
-    arm = next(a for a in repro.build_matrix() if a.name == "B64-uvit-a0.7-s0")
-    rec = repro.make_record(arm, run, epochs=64, command="c", card="card", commit="abc", records=tmp_path / "rec")
+    arm = next(a for a in arms.build_matrix() if a.name == "B64-uvit-a0.7-s0")
+    rec = runner.make_record(arm, run, epochs=64, command="c", card="card", commit="abc", records=tmp_path / "rec")
     assert rec["metrics"] == {"probe_t0.1_knn_acc": 0.5, "probe_grid": grid}
 
 
 def test_claim_a_pairs_hold_four_seeds_queued_before_the_sweep():
-    pairs = [a for a in repro.MATRIX if "A.pairs" in a.tags]
+    pairs = [a for a in arms.MATRIX if "A.pairs" in a.tags]
     assert sorted((a.labels["alpha_min"], a.seed) for a in pairs) == [(al, s) for al in (0.6, 1.0) for s in range(4)]
     assert all("model.zero_init=true" in a.overrides and a.epochs == 400 for a in pairs)
-    order = [a.name for a in repro.MATRIX]
+    order = [a.name for a in arms.MATRIX]
     assert max(order.index(a.name) for a in pairs) < order.index("A400-official-a0.5-s0")
     # the preset every A arm runs scores both feature kinds with both probes and keeps its features
     e = build_config("mae", "mae_cifar10", list(pairs[0].overrides)).eval
@@ -604,12 +605,12 @@ def test_record_keeps_a_balanced_part_of_the_features_and_rescore_scores_it(tmp_
 
     run, records = tmp_path / "runs" / "A400-official-a0.6-s2", tmp_path / "rec"
     _features_run(run)
-    arm = repro.BY_NAME["A400-official-a0.6-s2"]
-    rec = repro.make_record(arm, run, epochs=400, command="c", card="card", commit="abc", records=records)
+    arm = arms.BY_NAME["A400-official-a0.6-s2"]
+    rec = runner.make_record(arm, run, epochs=400, command="c", card="card", commit="abc", records=records)
     kept = load_features(records / rec["artifacts"]["features"])
     assert rec["artifacts"]["features"] == "features/A400-official-a0.6-s2.pt"
     assert set(kept["train"]) == {"cls", "stream_mean"} and kept["train"]["cls"].dtype == torch.float16
-    assert kept["meta"]["per_class"] == repro.RECORD_FEATURES_PER_CLASS and len(kept["test_labels"]) == 18
+    assert kept["meta"]["per_class"] == runner.RECORD_FEATURES_PER_CLASS and len(kept["test_labels"]) == 18
     assert balanced_subset(torch.tensor([2, 0, 2, 1, 0, 2, 0]), 2).tolist() == [0, 1, 2, 3, 4]
     assert repro.main(["--rescore", str(records)]) == 0
     out = json.loads((records / "rescored" / "A400-official-a0.6-s2.json").read_text())
@@ -628,17 +629,79 @@ def test_issue_arms_of_b_and_c_resolve_to_their_recipes():
     along training; C's arms without head dropout and with the literal Algorithm 1, three seeds each."""
     for seed in (1, 2):
         for alpha in (1.0, 0.7):
-            e = build_config("uvit", "uvit_cifar10", list(repro.BY_NAME[f"B64-uvit-a{alpha}-s{seed}"].overrides)).eval
+            e = build_config("uvit", "uvit_cifar10", list(arms.BY_NAME[f"B64-uvit-a{alpha}-s{seed}"].overrides)).eval
             assert e.probe_grid_blocks == list(range(13)) and e.probe_grid_ts == [0.01, 0.02, 0.05, 0.1]
             assert (e.fd_draws, e.fd_real_floor, e.curve_fd_samples) == (3, True, 2000)
-    seed0 = build_config("uvit", "uvit_cifar10", list(repro.BY_NAME["B64-uvit-a1.0-s0"].overrides)).eval
+    seed0 = build_config("uvit", "uvit_cifar10", list(arms.BY_NAME["B64-uvit-a1.0-s0"].overrides)).eval
     assert seed0.probe_grid_blocks == [3, 6, 9] and seed0.fd_draws == 1  # its record's recipe, still counted
-    for seed in repro.RDP_SEEDS:
-        for mode in repro.MODES:
-            cfg = build_config("classify", repro.TIMM_PRESET, list(repro.BY_NAME[f"C300d0-resnet50d-{mode}-s{seed}"].overrides))
+    for seed in arms.RDP_SEEDS:
+        for mode in arms.MODES:
+            cfg = build_config("classify", arms.TIMM_PRESET, list(arms.BY_NAME[f"C300d0-resnet50d-{mode}-s{seed}"].overrides))
             assert cfg.model.drop_rate == 0 and cfg.model.droppath_mode == mode and cfg.model.drop_path == 0.1
-        literal = repro.BY_NAME[f"C300-resnet50d-residual_droppath_literal-s{seed}"]
+        literal = arms.BY_NAME[f"C300-resnet50d-residual_droppath_literal-s{seed}"]
         cfg = build_config("classify", literal.preset, list(literal.overrides))
         assert cfg.model.droppath_mode == "residual_droppath_literal" and cfg.model.drop_rate == 0.1
-    names = [a.name for a in repro.select("C.d0,C.literal")]
-    assert len(names) == 12 and all(repro.BY_NAME[n].epochs == 300 for n in names)
+    names = [a.name for a in arms.select("C.d0,C.literal")]
+    assert len(names) == 12 and all(arms.BY_NAME[n].epochs == 300 for n in names)
+
+
+def test_report_lists_fd_draws_the_real_floor_and_fd_along_training():
+    m = {"fd_cifar_classifier_dpm50": 21.0, "fd_cifar_classifier_dpm50_draw0": 20.0,
+         "fd_cifar_classifier_dpm50_draw1": 21.0, "fd_cifar_classifier_dpm50_draw2": 22.0,
+         "fd_cifar_classifier_dpm50_sd": 1.0, "fd_real_cifar_classifier": 3.5}
+    curves = [{"step": s, "fd_cifar_classifier_curve": f} for s, f in ((100, 90.0), (200, 60.0), (300, 65.0),
+                                                                      (400, 30.0))]
+    recs = {"B64-uvit-a0.7-s1": {"group": "B64-uvit-a0.7", "seed": 1, "metrics": m, "curves": curves},
+            "B64-uvit-a1.0-s0": {"group": "B64-uvit-a1.0", "seed": 0, "metrics": {"fd_cifar_classifier_dpm50": 28.0},
+                                 "curves": []}}
+    assert report.fd_draw_lines(recs, "B64-uvit") == [
+        "- `B64-uvit-a0.7-s1`: fd_cifar_classifier of 3 draws 20.00 / 21.00 / 22.00 (sd 1.00); real train images "
+        "against the test images 3.50", ""]
+    # ranks of FD against the steps 1..4: 4, 2, 3, 1 -> rho = 1 - 6 * (9 + 0 + 0 + 9) / (4 * 15) = -0.8
+    assert report.fd_along_training_lines(recs, "B64-uvit") == [
+        "- `B64-uvit-a0.7-s1`: 4 points, FD 90.0 at step 100 to 30.0 at step 400; Spearman's rho of FD with the "
+        "step -0.80", ""]
+    assert report.fd_draw_lines(recs, "C300") == [] and report.fd_along_training_lines({}, "B64-uvit") == []
+
+
+def test_report_pairs_claim_a_every_way_its_decisive_arms_score_it(tmp_path):
+    folder = tmp_path / "h100-2026-01-01-decisive"
+    folder.mkdir()
+    for alpha, base in ((0.6, 0.80), (1.0, 0.78)):
+        for seed in (2, 3):
+            arm = arms.BY_NAME[f"A400-official-a{alpha}-s{seed}"]
+            metrics = {k: base + 0.01 * seed for k in ("linear_probe_acc", "knn_acc", "knn_std_acc",
+                                                       "authors_probe_acc", "stream_mean_authors_probe_acc",
+                                                       "stream_mean_linear_probe_acc", "stream_mean_knn_acc",
+                                                       "stream_mean_knn_std_acc")}
+            (folder / f"{arm.name}.json").write_text(json.dumps({
+                "arm": arm.name, "claim": "A", "group": arm.group, "seed": seed, "epochs": 400, "steps": 19200,
+                "overrides": list(arm.overrides), "curves": [], "train": {}, "artifacts": {}, "card": "cpu",
+                "date": "2026-01-01T00:00:00", "commit": "abc", "command": "x",
+                "metrics": {**metrics, "effective_rank_entropy": 3.0, "effective_rank": 20.0}}))
+    text = report.render(tmp_path, tmp_path, figures=tmp_path / "figures", notes=tmp_path / "notes.md", draw=False)
+    line = next(l for l in text.splitlines() if l.startswith("- the authors' probe on the stream mean (their "))
+    assert "official 0.6 − official 1.0 (points): +2.00 ± 0.00 (95% CI over 2 seed pairs 2,3" in line
+    assert "| official | 0.6 | true | 400 | 2,3 | 82.5 ± 0.7 (n=2) | 82.5 ± 0.7 (n=2) | 82.5 ± 0.7 (n=2) |" in text
+
+
+def test_queue_wait_packs_each_arms_features_in_a_file_of_its_own(tmp_path):
+    """The records travel without their features (records.tgz); each arm's kept features as features-<arm>.pt;
+    the run folders without checkpoints or full features (runs.tgz)."""
+    queue = tmp_path / "queue"
+    (queue / "records" / "features").mkdir(parents=True)
+    (queue / "records" / "A400-official-a0.6-s2.json").write_text("{}")
+    (queue / "records" / "features" / "A400-official-a0.6-s2.pt").write_bytes(b"kept")
+    (queue / "runs" / "A400-official-a0.6-s2" / "checkpoints").mkdir(parents=True)
+    (queue / "runs" / "A400-official-a0.6-s2" / "features.pt").write_bytes(b"full")
+    (queue / "runs" / "A400-official-a0.6-s2" / "metrics.jsonl").write_text("{}\n")
+    (queue / "repro.log").write_text("[repro] done A400-official-a0.6-s2: {}\n")
+    (queue / "repro.pid").write_text("999999999\n")  # no such process: the queue has ended
+    code, out, _ = queue_script(tmp_path)("wait", "0")
+    assert code == 0 and "[repro] done A400-official-a0.6-s2" in out
+    assert (tmp_path / "out" / "features-A400-official-a0.6-s2.pt").read_bytes() == b"kept"
+    with tarfile.open(tmp_path / "out" / "records.tgz") as tar:
+        assert tar.getnames() == ["records", "records/A400-official-a0.6-s2.json"]
+    with tarfile.open(tmp_path / "out" / "runs.tgz") as tar:
+        assert "runs/A400-official-a0.6-s2/metrics.jsonl" in tar.getnames()
+        assert not any(n.endswith(("features.pt", "checkpoints")) for n in tar.getnames())

@@ -1,10 +1,10 @@
-"""benchmarks.split_tests: the GPU suite split over pytest processes by the durations of earlier reports."""
+"""tests/split_tests.py: the GPU suite split over pytest processes by the durations of earlier reports."""
 
 from pathlib import Path
 
 import pytest
 
-from benchmarks import split_tests
+import split_tests
 
 
 def _report(path: Path, cases: list[tuple[str, float, bool]]) -> Path:

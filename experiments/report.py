@@ -1,0 +1,437 @@
+"""The report: RESULTS.md and the claims' curve figures, built from the arm records alone (an arm without a
+record is "not run yet", never a number) and the hand-written verdicts of experiments/notes.md.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+
+from experiments.arms import (BY_NAME, CLASSIFY_PRESETS, FD_CLASSIFIER_ARM, MAE_DECISIVE_BATCH, MAE_DECISIVE_EPOCHS,
+                              MATRIX, PROBE_EPOCHS_PAPER, RDP_DECISIVE_EPOCHS, RDP_SEEDS, TIMM_PRESET, TIMM_PRESET_224,
+                              TRAIN_SIZES, UVIT_DECISIVE_EPOCHS, UVIT_EMA_DECAY, Arm, ema_initial_weight)
+from experiments.runner import RECORDS_ROOT, REPO_ROOT, load_records
+
+FIGURES_DIR = REPO_ROOT / "experiments" / "figures"  # the report's curve figures
+NOTES_MD = REPO_ROOT / "experiments" / "notes.md"  # the hand-written verdict per claim ("## A", "## B", "## C")
+RESULTS_MD = REPO_ROOT / "RESULTS.md"
+
+
+def stat(values: list[float], scale=1.0, digits=1) -> str:
+    """``mean ± sd (n)`` over seeds (the sample standard deviation), or the one value."""
+    v = [x * scale for x in values]
+    if len(v) == 1:
+        return f"{v[0]:.{digits}f}"
+    return f"{statistics.fmean(v):.{digits}f} ± {statistics.stdev(v):.{digits}f} (n={len(v)})"
+
+
+def metric(rec: dict, name: str):
+    """A metric by name or, for names that carry a sampler suffix (``fd_cifar_classifier``), prefix."""
+    m = rec["metrics"]
+    if name in m:
+        return m[name]
+    if name == "effective_rank_entropy" and m.get("effective_rank"):  # recorded as exp(H) only before
+        return math.log(m["effective_rank"])
+    hits = [v for k, v in m.items() if k.startswith(name)]
+    return hits[0] if hits else None
+
+
+def group_cells(group: str, recs: dict, columns: list[tuple[str, float, int]]) -> tuple[list[str], list[dict]]:
+    """Cells of one setting's row: epochs, seeds and each (metric, scale, digits) over its records."""
+    rows = [r for r in recs.values() if r["group"] == group]
+    if not rows:
+        return ["not run yet"] + ["—"] * (1 + len(columns)), []
+    epochs = sorted({r["epochs"] for r in rows})
+    seeds = ",".join(str(r["seed"]) for r in sorted(rows, key=lambda r: r["seed"]))
+    cells = ["/".join(f"{e:g}" for e in epochs), seeds]
+    for name, scale, digits in columns:
+        vals = [metric(r, name) for r in rows]
+        vals = [v for v in vals if v is not None]
+        cells.append(stat(vals, scale, digits) if vals else "—")
+    return cells, rows
+
+
+def probe_grid_lines(recs: dict, group_prefix: str) -> list[str]:
+    """Per record of the groups starting with ``group_prefix`` that carries a ``probe_grid`` (U-ViT): a table of
+    linear-probe accuracy (%) by noise level (rows) and block (columns), best cell in bold."""
+    lines = []
+    for name, r in sorted(recs.items()):
+        grid = r["group"].startswith(group_prefix) and r["metrics"].get("probe_grid")
+        if not grid:
+            continue
+        blocks, ts = sorted({g["block"] for g in grid}), sorted({g["t"] for g in grid})
+        acc = {(g["t"], g["block"]): g["linear_probe_acc"] for g in grid}
+        best = max(acc, key=acc.get)
+        rows = [[f"{t:g}"] + [(f"**{100 * acc[t, b]:.1f}**" if (t, b) == best else f"{100 * acc[t, b]:.1f}")
+                              if (t, b) in acc else "—" for b in blocks] for t in ts]
+        lines += [f"`{name}` (seed {r['seed']}): linear-probe accuracy % by noise level t and block", ""]
+        lines += _table(["t"] + [f"block {b}" for b in blocks], rows) + [""]
+    return lines
+
+
+def delta_line(recs: dict, a: str, b: str, name: str, scale: float, what: str) -> str | None:
+    va = [metric(r, name) for r in recs.values() if r["group"] == a]
+    vb = [metric(r, name) for r in recs.values() if r["group"] == b]
+    va, vb = [v for v in va if v is not None], [v for v in vb if v is not None]
+    if not va or not vb:
+        return None
+    d = (statistics.fmean(va) - statistics.fmean(vb)) * scale
+    return f"- {what}: {d:+.2f} ({a} {len(va)} seed(s) vs {b} {len(vb)} seed(s))"
+
+
+def paired_line(recs: dict, a: str, b: str, name: str, scale: float, what: str) -> str | None:
+    """``a − b`` paired by seed: the mean difference with its 95% t confidence interval over the pairs."""
+    by_seed = {g: {r["seed"]: metric(r, name) for r in recs.values() if r["group"] == g} for g in (a, b)}
+    seeds = sorted(s for s in by_seed[a] if s in by_seed[b] and None not in (by_seed[a][s], by_seed[b][s]))
+    if not seeds:
+        return None
+    d = [(by_seed[a][s] - by_seed[b][s]) * scale for s in seeds]
+    seed_list = ",".join(str(s) for s in seeds)
+    if len(d) == 1:
+        return f"- {what}: {d[0]:+.2f} (seed {seed_list}; one pair, no interval)"
+    from scipy.stats import t
+
+    half = t.ppf(0.975, len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
+    return (f"- {what}: {statistics.fmean(d):+.2f} ± {half:.2f} (95% CI over {len(d)} seed pairs {seed_list}; "
+            f"per seed {', '.join(f'{x:+.2f}' for x in d)})")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def _paper(arm: Arm) -> str:
+    return "; ".join(f"{v} ({w})" for w, v in arm.paper) or "—"
+
+
+def _groups(claim: str, stage: str) -> list[Arm]:
+    """The first arm of every group of ``claim`` at ``stage`` (matrix order)."""
+    seen, out = set(), []
+    for a in MATRIX:
+        if a.claim == claim and a.stage == stage and a.group not in seen:
+            seen.add(a.group)
+            out.append(a)
+    return out
+
+
+def _notes(f: Path) -> dict[str, str]:
+    f = Path(f)
+    if not f.exists():
+        return {}
+    out, key = {}, None
+    for line in f.read_text().splitlines():
+        if line.startswith("## "):
+            key = line[3:].strip().split()[0]
+            out[key] = ""
+        elif key:
+            out[key] += line + "\n"
+    return {k: v.strip() for k, v in out.items()}
+
+
+def claim_figure(claim: str, stage: str, recs: dict, figures: Path, keys: list[str], name: str,
+                 draw: bool) -> Path | None:
+    """``figures/name``: the curves of every arm of ``claim`` at ``stage`` that has some (drawn when ``draw``)."""
+    from dres.eval.curves import plot_curves
+
+    series = {r["arm"]: r["curves"] for r in recs.values()
+              if r["claim"] == claim and BY_NAME[r["arm"]].stage == stage and r["curves"]}
+    keys = [k for k in keys if any(any(k in p for p in pts) for pts in series.values())]
+    if not series or not keys:
+        return None
+    if draw:
+        Path(figures).mkdir(parents=True, exist_ok=True)
+        plot_curves(series, Path(figures) / name, keys, title=f"claim {claim} ({stage} runs): metrics over training")
+    return Path(figures) / name
+
+
+def report(records: Path = RECORDS_ROOT, out: Path = RESULTS_MD, figures: Path = FIGURES_DIR,
+           notes: Path = NOTES_MD) -> str:
+    """Write ``out`` (and the claims' curve figures under ``figures``) from the records and the
+    verdicts in ``notes``; returns the text."""
+    text = render(records, Path(out).resolve().parent, figures=figures, notes=notes)
+    Path(out).write_text(text)
+    return text
+
+
+A_COLUMNS = [("linear_probe_acc", 100, 1), ("knn_acc", 100, 1), ("effective_rank_entropy", 1, 2),
+             ("effective_rank", 1, 1)]
+A_HEADER = ["probe %", "kNN %", "H (eq. 6)", "exp(H)"]
+# the decisive arms also read the authors' way: the raw last stream's mean over all tokens, their probe
+A_DECISIVE_COLUMNS = A_COLUMNS[:2] + [("knn_std_acc", 100, 1), ("stream_mean_authors_probe_acc", 100, 1),
+                                      ("stream_mean_knn_acc", 100, 1)] + A_COLUMNS[2:]
+A_DECISIVE_HEADER = A_HEADER[:2] + ["kNN % standardised", "authors' probe % (stream mean)",
+                                    "kNN % (stream mean)"] + A_HEADER[2:]
+A_CURVES = ["linear_probe_acc", "knn_acc", "effective_rank_entropy", "effective_rank"]
+# (group a, group b, metric, scale, label) of a − b, the same in both stages of A
+A_COMPARISONS = [("official-a0.6", "official-a1.0", "linear_probe_acc", 100,
+                  "probe, official 0.6 − official 1.0 (points)"),
+                 ("official-a0.6", "official-a1.0", "knn_acc", 100, "kNN, official 0.6 − official 1.0 (points)"),
+                 ("baseline-a0.6", "baseline-a1.0", "linear_probe_acc", 100,
+                  "probe, baseline 0.6 − baseline 1.0 (points; zero-init on at 0.6 only)")]
+# the pair that decides A, scored every way the decisive arms record (cls / stream mean, the project's probe /
+# the authors' probe, kNN raw / standardised)
+A_PAIR_SCORES = [("stream_mean_authors_probe_acc", "the authors' probe on the stream mean (their evaluation)"),
+                 ("stream_mean_linear_probe_acc", "the project's probe on the stream mean"),
+                 ("authors_probe_acc", "the authors' probe on cls"),
+                 ("stream_mean_knn_acc", "kNN on the stream mean"), ("knn_std_acc", "kNN on standardised cls"),
+                 ("stream_mean_knn_std_acc", "kNN on the standardised stream mean")]
+B_COLUMNS = [("probe_t0.1_linear_probe_acc", 100, 1), ("probe_t0.1_knn_acc", 100, 1), ("fd_cifar_classifier", 1, 2),
+             ("fd_noise_cifar_classifier", 1, 2), ("fd_real_cifar_classifier", 1, 2), ("fid_", 1, 2)]
+B_HEADER = ["mid-block probe %", "mid-block kNN %", "fd_cifar_classifier", "same for noise",
+            "same for real train images (floor)", "FID"]
+C_COLUMNS = [("top1", 100, 2), ("final_epoch_train_acc", 100, 1), ("final_epoch_loss", 1, 3)]
+# (mode a, mode b) of a − b in top-1, both stages of C: the claim against drop path, then each against none
+C_COMPARISONS = [("residual_droppath", "drop_path"), ("residual_droppath", "none"), ("drop_path", "none")]
+# the decisive recipes' groups: (prefix, what) for the paired lines
+C_DECISIVE_PREFIXES = [("C300", "32 px"), ("C300d0", "32 px, no head dropout"), ("C224", "224 px")]
+
+
+def fd_draw_lines(recs: dict, group_prefix: str) -> list[str]:
+    """Per record of the groups starting with ``group_prefix`` that measured several sample draws: each draw's
+    fd_cifar_classifier, their sd and the real-vs-real floor."""
+    lines = []
+    for name, r in sorted(recs.items()):
+        m = r["metrics"]
+        draws = sorted(k for k in m if k.startswith("fd_cifar_classifier") and "_draw" in k)
+        if not r["group"].startswith(group_prefix) or not draws:
+            continue
+        sd = next((v for k, v in m.items() if k.startswith("fd_cifar_classifier") and k.endswith("_sd")), None)
+        floor = (f"; real train images against the test images {m['fd_real_cifar_classifier']:.2f}"
+                        if "fd_real_cifar_classifier" in m else "")
+        lines.append(f"- `{name}`: fd_cifar_classifier of {len(draws)} draws "
+                     + " / ".join(f"{m[k]:.2f}" for k in draws) + (f" (sd {sd:.2f})" if sd is not None else "")
+                     + floor)
+    return lines + [""] if lines else []
+
+
+def fd_along_training_lines(recs: dict, group_prefix: str) -> list[str]:
+    """Per record with a classifier FD at its curve points (``fd_cifar_classifier_curve``): the points' FD from
+    first to last and Spearman's rank correlation of FD with the step (near -1: FD ranks the model's progress)."""
+    from scipy.stats import spearmanr
+
+    lines = []
+    for name, r in sorted(recs.items()):
+        pts = [(p["step"], p["fd_cifar_classifier_curve"]) for p in r["curves"] if "fd_cifar_classifier_curve" in p]
+        if not r["group"].startswith(group_prefix) or len(pts) < 3:
+            continue
+        rho = spearmanr([s for s, _ in pts], [f for _, f in pts]).statistic
+        lines.append(f"- `{name}`: {len(pts)} points, FD {pts[0][1]:.1f} at step {pts[0][0]:,} to {pts[-1][1]:.1f} at "
+                     f"step {pts[-1][0]:,}; Spearman's rho of FD with the step {rho:+.2f}")
+    return lines + [""] if lines else []
+
+
+class Page:
+    """What every part of the report reads: the records, the verdicts, where figures go, paths made relative."""
+
+    def __init__(self, records: Path, base: Path, figures: Path, notes: Path, draw: bool):
+        self.records, self.base = Path(records).resolve(), Path(base).resolve()
+        self.figures, self.notes, self.draw = Path(figures).resolve(), notes, draw
+        self.other_recipe: list[Path] = []
+        self.recs = load_records(self.records, self.other_recipe)
+        self.verdicts = _notes(notes)
+
+    def rel(self, p) -> str:
+        p = Path(p).resolve()
+        return p.relative_to(self.base).as_posix() if p.is_relative_to(self.base) else str(p)
+
+    def block(self, claim, stage, title, intro, header, rows, curve_keys, figure, deltas) -> list[str]:
+        """One stage of a claim: its title, intro, table, curve figure and differences."""
+        fig = claim_figure(claim, stage, self.recs, self.figures, curve_keys, figure, self.draw)
+        curves = f"![claim {claim} {stage} curves]({self.rel(fig)})" if fig else "Curves: none yet (no record)."
+        deltas = [d for d in deltas if d]
+        tail = ["Differences (from the records):", ""] + deltas + [""] if deltas else []
+        return [f"### {title}", "", intro, ""] + _table(header, rows) + ["", curves, ""] + tail
+
+    def rows(self, claim, stage, columns, row) -> list[list[str]]:
+        """A table row per setting of ``claim`` at ``stage``: ``row(its first arm, its cells, its records)``."""
+        return [row(a, *group_cells(a.group, self.recs, columns)) for a in _groups(claim, stage)]
+
+    def verdict(self, claim) -> list[str]:
+        return [self.verdicts.get(claim) or f"Verdict: pending — write it under `## {claim}` in {self.rel(self.notes)} "
+                "and rebuild.", ""]
+
+
+def render(records: Path, base: Path, figures: Path = FIGURES_DIR, notes: Path = NOTES_MD, draw: bool = True) -> str:
+    """The Markdown of the records and the verdicts in ``notes``, paths relative to ``base``; the
+    curve figures go to ``figures`` and are drawn when ``draw``."""
+    page = Page(records, base, figures, notes, draw)
+    L = ["# Reproducing the papers' claims at CIFAR scale", "",
+         "Generated by `python -m experiments.repro --report` from the records in "
+         f"`{page.rel(page.records)}/` (one JSON per finished arm: metrics, seed, epochs, card, date, commit, command). "
+         "An arm without a record reads *not run yet*. Values are mean ± standard deviation over seeds (n seeds), "
+         "or the single run's value; differences of the decisive runs are paired by seed, with a 95% t "
+         "interval. The papers' numbers are on other data and models (ImageNet, CIFAR-100, ViT-B/16): compare "
+         "directions, not absolute values. Each claim has its decisive runs (the papers' recipes at full length, "
+         "with seeds) and the earlier short runs (one seed, shorter, other settings), never mixed in one table.",
+         ""]
+    return "\n".join(L + claim_a(page) + claim_b(page) + claim_c(page) + runs(page))
+
+
+def claim_a(page: Page) -> list[str]:
+    recs = page.recs
+
+    def a_rows(stage, columns):
+        return page.rows("A", stage, columns, lambda a, cells, _: [a.labels["variant"], f"{a.labels['alpha_min']:g}",
+                                                                   a.labels["zero_init"]] + cells + [_paper(a)])
+    labels = ["variant", "alpha_min", "zero_init", "epochs", "seeds"]
+    L = ["## A. Decayed identity shortcuts, MAE on CIFAR-10 (preset `mae_cifar10`, ViT-S/4)", "",
+         "Linear probe (on frozen cls features, eval.probe_epochs) and kNN (k=20, cosine) on the 10k test split; "
+         "effective rank of the last-layer cls features as eq. 6 defines it, the entropy H of the normalised "
+         "singular values of their covariance, and as exp(H). The IN-1K numbers are vanilla MAE's, on the "
+         "baseline 1.0 row.", ""]
+    L += page.block("A", "decisive", f"Decisive runs: {MAE_DECISIVE_EPOCHS} epochs, batch {MAE_DECISIVE_BATCH}, "
+                    f"probe {PROBE_EPOCHS_PAPER} epochs",
+                    f"Preset `mae_cifar10` at its {MAE_DECISIVE_EPOCHS} epochs (20 warm-up), batch {MAE_DECISIVE_BATCH} "
+                    f"(lr = blr x batch / 256) in every arm. The project's probe: {PROBE_EPOCHS_PAPER} epochs, lr 1e-2 "
+                    "cosine per iteration, batch 1024, AdamW, on cls features standardised by the train split's mean "
+                    "and std (what MAE's own probe does with its affine-free BatchNorm; the decayed-shortcut paper's "
+                    "code has none). The authors' evaluation (arms run since it was added; `—` before): their "
+                    "`eval_model` probe (raw features, AdamW lr 1e-2 with weight decay 0.01, cosine per epoch, 200 "
+                    "epochs) on the last encoder block's stream averaged over all tokens. Official 0.6 vs 1.0 both "
+                    "with `model.zero_init=true`, so initialisation is not confounded with alpha; baseline 1.0 is "
+                    "vanilla MAE (no zero-init), baseline 1.0 zi the same with zero-init, to separate the official "
+                    "architecture (skips, SkipLayer, decoder input, no final encoder LayerNorm) from the init.",
+                    labels + A_DECISIVE_HEADER + ["papers (ImageNet)"], a_rows("decisive", A_DECISIVE_COLUMNS),
+                    A_CURVES, "mae_decisive_curves.png",
+                    [paired_line(recs, f"A400-{x}", f"A400-{y}", m, scale, what)
+                     for x, y, m, scale, what in A_COMPARISONS]
+                    + [paired_line(recs, "A400-official-a0.6", "A400-official-a1.0", m, 100,
+                                   f"{what}, official 0.6 − official 1.0 (points)") for m, what in A_PAIR_SCORES]
+                    + [paired_line(recs, "A400-official-a1.0", "A400-baseline-a1.0-zi", "linear_probe_acc", 100,
+                                   "probe, official 1.0 − baseline 1.0 zi (points; official architecture vs vanilla "
+                                   "MAE, both zero-init)"),
+                       paired_line(recs, "A400-official-a0.6", "A400-official-a1.0", "effective_rank_entropy", 1,
+                                   "H, official 0.6 − official 1.0"),
+                       paired_line(recs, "A400-baseline-a1.0-zi", "A400-baseline-a1.0", "linear_probe_acc", 100,
+                                   "probe, baseline 1.0 zi − baseline 1.0 (points; zero-init alone)")])
+    L += page.block("A", "short", "Earlier short runs: 50 epochs, batch 512, probe 100 epochs, one seed",
+                    "The first runs: 40% of the 50 epochs warm-up; official 1.0 with `model.zero_init=true`, the "
+                    "other arms `auto` (zero-init where alpha_min < 1), so official 1.0 − baseline 1.0 changes the "
+                    "official architecture and the initialisation together.",
+                    labels + A_HEADER + ["papers (ImageNet)"], a_rows("short", A_COLUMNS), A_CURVES, "mae_curves.png",
+                    [delta_line(recs, f"A-{x}", f"A-{y}", m, scale, what) for x, y, m, scale, what in A_COMPARISONS]
+                    + [delta_line(recs, "A-official-a1.0", "A-baseline-a1.0", "linear_probe_acc", 100,
+                                  "probe, official 1.0 − baseline 1.0 (points; the official architecture and "
+                                  "zero-init together)")])
+    return L + page.verdict("A")
+
+
+def claim_b(page: Page) -> list[str]:
+    recs = page.recs
+
+    def b_row(a, cells, recs_b):
+        grid = next((r["artifacts"].get("samples_png") for r in recs_b if r["artifacts"].get("samples_png")), None)
+        return [f"{a.labels['alpha_min']:g}"] + cells + [f"![samples]({page.rel(grid)})" if grid else "—", _paper(a)]
+
+    def b_rows(stage):
+        return page.rows("B", stage, B_COLUMNS, b_row)
+    b_header = ["alpha_min", "epochs", "seeds"] + B_HEADER + ["samples", "paper (CIFAR-100)"]
+    steps_b = UVIT_DECISIVE_EPOCHS * (TRAIN_SIZES["cifar10_wds"] // 128)
+    L = ["## B. U-ViT, decayed through the whole network (preset `uvit_cifar10`, U-ViT-S/2, CIFAR-10)", "",
+         "The paper's numbers are on CIFAR-100, which cannot be had offline here: B runs on CIFAR-10. Probe of "
+         "the mid-block features at t=0.1 (eval.probe_epochs), and `fd_cifar_classifier`: the Frechet "
+         "distance between generated and test images in the penultimate features of a CIFAR-10 ViT classifier "
+         f"trained by dres (arm `{FD_CLASSIFIER_ARM}`), beside the same distance for the sampler's starting noise "
+         "(samples of a trained model must be far below it) and, where measured, for real train images (the floor "
+         "a perfect generator would reach at this sample size). **It is not FID** and not comparable to published "
+         "FID values (the Inception weights cannot be downloaded here; with `eval.fid_inception=...` the same "
+         "command reports real FID).", ""]
+    L += page.block("B", "decisive", f"Decisive runs: {steps_b:,} steps, EMA {UVIT_EMA_DECAY}",
+                    f"{UVIT_DECISIVE_EPOCHS} epochs of batch 128 ({steps_b:,} steps; the paper trains 500k), EMA decay "
+                    f"{UVIT_EMA_DECAY} chosen for that length: the initial weights weigh {UVIT_EMA_DECAY}^{steps_b} = "
+                    f"{ema_initial_weight(UVIT_EMA_DECAY, steps_b):.2%} of the evaluated model (the paper's 0.9999 "
+                    f"would leave {ema_initial_weight(0.9999, steps_b):.1%}). `model.zero_init=true` in both arms "
+                    "(matched). Seeds 1 and 2 average fd_cifar_classifier over three sample draws.",
+                    b_header, b_rows("decisive"), ["probe_t0.1_linear_probe_acc", "probe_t0.1_knn_acc"],
+                    "uvit_decisive_curves.png",
+                    [paired_line(recs, "B64-uvit-a0.7", "B64-uvit-a1.0", "probe_t0.1_linear_probe_acc", 100,
+                                 "mid-block probe, 0.7 − 1.0 (points)"),
+                     paired_line(recs, "B64-uvit-a0.7", "B64-uvit-a1.0", "fd_cifar_classifier", 1,
+                                 "fd_cifar_classifier, 0.7 − 1.0")])
+    draws, along = fd_draw_lines(recs, "B64-uvit"), fd_along_training_lines(recs, "B64-uvit")
+    if draws:
+        L += ["Sample draws of the classifier FD (each of the final evaluation's draws):", ""] + draws
+    if along:
+        L += ["The classifier FD along training (2,000 samples at each curve point):", ""] + along
+    grids = probe_grid_lines(recs, "B64-uvit")
+    L += ["Probe grids of the decisive arms (`eval.probe_grid_blocks` x `eval.probe_grid_ts`, the final evaluation; "
+          "the paper picks the best block and noise level):", ""] + (grids or ["Not run yet.", ""])
+    L += page.block("B", "short", "Earlier short runs: 3,900 steps, the preset's EMA 0.9999",
+                    f"10 epochs of batch 128: the EMA still held 0.9999^3900 = {ema_initial_weight(0.9999, 3900):.0%} "
+                    "of the initial weights, so these evaluate mostly-initial networks; zero-init `auto` (on at 0.7 "
+                    "only).", b_header, b_rows("short"), ["probe_t0.1_linear_probe_acc", "probe_t0.1_knn_acc"],
+                    "uvit_curves.png",
+                    [delta_line(recs, "B-uvit-a0.7", "B-uvit-a1.0", "probe_t0.1_linear_probe_acc", 100,
+                                "mid-block probe, 0.7 − 1.0 (points)"),
+                     delta_line(recs, "B-uvit-a0.7", "B-uvit-a1.0", "fd_cifar_classifier", 1,
+                                "fd_cifar_classifier, 0.7 − 1.0")])
+    return L + page.verdict("B")
+
+
+def claim_c(page: Page) -> list[str]:
+    recs = page.recs
+
+    def c_rows(stage, columns):
+        def row(a, cells, _):
+            recipe = [str(a.labels["px"]), f"{a.labels['drop_rate']:g}"] if stage == "decisive" else []
+            return [a.labels["arch"]] + recipe + [a.labels["mode"]] + cells + [_paper(a)]
+        return page.rows("C", stage, columns, row)
+    L = ["## C. ResidualDroppath on CIFAR-10 (timm ResNet50d / ResNet50, dres ViT-Ti/4)", "",
+         "Top-1 on the 10k test split; the modes differ only in `model.droppath_mode` (drop path 0.1, "
+         "linear in depth); train accuracy and loss are the final epoch's (from the training log).", ""]
+    L += page.block("C", "decisive", f"Decisive runs: timm's train.py recipe, {RDP_DECISIVE_EPOCHS} epochs, "
+                    f"{len(RDP_SEEDS)} seeds; 224 px pilot",
+                    f"Preset `{TIMM_PRESET}` (its comments give the recipe and where dres departs from timm's): batch "
+                    "128, lr 0.05, RandomResizedCrop 0.08-1, colour jitter 0.4, evaluation resize by crop_pct 0.875 "
+                    "then centre crop, 32 px, and dropout 0.1 before the classifier in every arm (`model.drop_rate`; "
+                    "timm's `--drop` defaults to 0, so the rows with head dropout 0 are timm's default); "
+                    "`residual_droppath_literal` is Park's Algorithm 1 read literally (odd iterations detach the "
+                    f"never-dropped block 0 too). The pilot `{TIMM_PRESET_224}` at 224 px, one seed, a complete "
+                    "schedule of as many epochs as its row says (its warm-up included).",
+                    ["model", "px", "head dropout", "mode", "epochs", "seeds", "top-1 %", "train acc % (last epoch)",
+                     "train loss (last epoch)", "paper (CIFAR-10)"], c_rows("decisive", C_COLUMNS), ["top1"],
+                    "classify_decisive_curves.png",
+                    [paired_line(recs, f"{prefix}-{arch}-{x}", f"{prefix}-{arch}-{y}", "top1", 100,
+                                 f"{arch} {what}: {x} − {y} (points)")
+                     for prefix, what in C_DECISIVE_PREFIXES for arch in ("resnet50d", "resnet50")
+                     for x, y in C_COMPARISONS]
+                    + [paired_line(recs, "C300-resnet50d-residual_droppath_literal", "C300-resnet50d-residual_droppath",
+                                   "top1", 100, "resnet50d 32 px: residual_droppath_literal − residual_droppath "
+                                   "(points)")])
+    L += page.block("C", "short", "Earlier short runs: 100 epochs (ResNet50d), 50 (ViT), one seed",
+                    "Presets `classify_resnet50d_cifar10`, `classify_resnet50_cifar10` (batch 256, lr 0.1, crop "
+                    "0.35-1, no colour jitter) and `classify_cifar10`.",
+                    ["model", "mode", "epochs", "seeds", "top-1 %", "paper (CIFAR-10)"],
+                    c_rows("short", [("top1", 100, 2)]), ["top1"], "classify_curves.png",
+                    [delta_line(recs, f"C-{arch}-{x}", f"C-{arch}-{y}", "top1", 100, f"{arch}: {x} − {y} (points)")
+                     for arch in CLASSIFY_PRESETS for x, y in C_COMPARISONS])
+    return L + page.verdict("C")
+
+
+def runs(page: Page) -> list[str]:
+    """Provenance: every counted record's arm, card, date, commit and command; what is not counted or not run."""
+    recs = page.recs
+    L = ["## Runs", ""]
+    if recs:
+        L += _table(["arm", "epochs", "steps", "card", "date", "commit", "img/s (arms sharing the GPU)", "command"],
+                    [[r["arm"], f"{r['epochs']:g}", r["steps"], r["card"], r["date"], r["commit"][:12],
+                      (f"{r['train']['img_per_s']:.0f} ({r['train'].get('arms_per_device', 1)})"
+                       if r["train"].get("img_per_s") else "—"),
+                      f"`{r['command']}`"] for r in recs.values()])
+    else:
+        L += ["No arm has run yet."]
+    if page.other_recipe:
+        L += ["", "Not counted (made with other overrides than their arm's today): "
+              + ", ".join(f"`{page.rel(p)}`" for p in page.other_recipe) + "."]
+    pending = [a.name for a in MATRIX if a.name not in recs]
+    L += ["", "Not run yet: " + (", ".join(f"`{n}`" for n in pending) if pending else "none") + ".", "",
+          "The decisive runs (experiments/README.md, \"The decisive runs\", gives the queue of each GPU hold); see the "
+          "commands, then rebuild this file:", "",
+          "```bash",
+          "python -m experiments.repro --run decisive --dry-run --gpus 4",
+          "python -m experiments.repro --run decisive --gpus 4 --root /tmp/dres-repro "
+          "--records records/experiments/CARD-DATE-WHAT",
+          "python -m experiments.repro --report", "```", ""]
+    return L
