@@ -21,6 +21,15 @@ def small_vit(**kw):
     return perturb_(VisionTransformer(**{**args, **kw})).eval()
 
 
+def small_eva(**kw):
+    from timm.models.eva import Eva
+
+    torch.manual_seed(0)
+    args = dict(img_size=16, patch_size=8, embed_dim=32, depth=3, num_heads=2, num_classes=5, init_values=0.1,
+                use_rot_pos_emb=True, ref_feat_shape=(2, 2))
+    return perturb_(Eva(**{**args, **kw})).eval()
+
+
 def decayed_reference(model, alphas, imgs):
     """timm's forward with the decayed residuals written out (unfused, block by block)."""
     x = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(imgs))))
@@ -72,8 +81,9 @@ def test_convert_decayed_is_the_decayed_function():
     torch.testing.assert_close(model(imgs), original, rtol=1e-9, atol=1e-9)
 
 
-def test_convert_triton_interpreter(triton_device):
-    model = small_vit(depth=2).to(triton_device)
+@pytest.mark.parametrize("make", [small_vit, small_eva])
+def test_convert_triton_interpreter(triton_device, make):
+    model = make(depth=2).to(triton_device)
     imgs = torch.randn(2, 3, 16, 16, device=triton_device)
     before = model(imgs)
     before_grads = param_grads(model, lambda: model(imgs).square().sum())
@@ -259,15 +269,6 @@ def test_export_refuses_other_models_and_unknown_keys():
 # parameters, SwiGLU); post-norm blocks refused
 
 
-def small_eva(**kw):
-    from timm.models.eva import Eva
-
-    torch.manual_seed(0)
-    args = dict(img_size=16, patch_size=8, embed_dim=32, depth=3, num_heads=2, num_classes=5, init_values=0.1,
-                use_rot_pos_emb=True, ref_feat_shape=(2, 2))
-    return perturb_(Eva(**{**args, **kw})).eval()
-
-
 def eva_decayed_reference(model, alphas, imgs, scales=None):
     """Eva's forward with the decayed residuals written out (``scales``: per residual a per-sample factor)."""
     x, rope = model._pos_embed(model.patch_embed(imgs))
@@ -364,13 +365,3 @@ def test_original_checkpoint_loads_strictly_into_a_model_with_drop_path():
         model.load_state_dict(partial)
     with pytest.raises(RuntimeError, match="Unexpected key.*droppath.counter"):
         model.load_state_dict({**original.state_dict(), "droppath.counter": torch.zeros(())})
-
-
-def test_eva_triton_interpreter(triton_device):
-    model = small_eva(depth=2).to(triton_device)
-    imgs = torch.randn(2, 3, 16, 16, device=triton_device)
-    before = model(imgs)
-    before_grads = param_grads(model, lambda: model(imgs).square().sum())
-    dres.convert_timm_vit(model, backend="triton")
-    torch.testing.assert_close(model(imgs), before, rtol=1e-4, atol=1e-4)
-    assert_grads_close(param_grads(model, lambda: model(imgs).square().sum()), before_grads, rtol=1e-3, atol=1e-4)
