@@ -38,7 +38,8 @@ def test_import_optional_names_the_extra(monkeypatch):
 def test_an_installed_package_that_fails_to_import_keeps_its_error(monkeypatch):
     import types
 
-    monkeypatch.setitem(sys.modules, "timm", types.ModuleType("timm"))  # a module, not a package
+    uninstall(monkeypatch, "timm")
+    monkeypatch.setitem(sys.modules, "timm", types.ModuleType("timm"))  # found, but a module, not a package
     with pytest.raises(ModuleNotFoundError) as caught:
         import_optional("timm.models.resnet", "timm", "the thing")
     assert not isinstance(caught.value, MissingExtra) and caught.value.name == "timm.models"
