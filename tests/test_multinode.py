@@ -1,4 +1,4 @@
-"""Multi-node launch on the CPU: two ``torchrun --nnodes 2 --node_rank 0|1 --nproc_per_node 1`` processes
+"""Multi-node launch on the CPU: two ``dres-launch --nnodes 2 --node_rank 0|1 --nproc_per_node 1`` processes
 (gloo, static rendezvous at 127.0.0.1), as docs/usage.md's multi-node command starts them on two machines.
 The trainer starts through its CLI, the two ranks train disjoint halves of every global batch, their
 DDP replicas end identical, and both exit 0."""
@@ -75,7 +75,7 @@ def test_two_nodes_shard_the_data_and_finish(tmp_path):
     sets = [a for kv in OVERRIDES for a in ("--set", kv)]
     nodes = []
     for node_rank in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node_rank),
+        cmd = [sys.executable, "-m", "dres.train.launch", "--nnodes", "2", "--node_rank", str(node_rank),
                "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
                str(entry), str(tmp_path), "classify", "--preset", "classify_cifar10", "--out", str(tmp_path / "run"), *sets]
         nodes.append(subprocess.Popen(cmd, cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,

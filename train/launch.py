@@ -8,8 +8,10 @@ A rank stopped by SIGTERM or SIGINT finishes its step, writes a checkpoint with 
 (``EXIT_INTERRUPTED``: ``--resume auto`` continues), but torchrun exits 1 whenever a rank exits non-zero, so
 the 75 never reaches the job script. This launcher exits 75 instead of torchrun's status where
 
-* the ranks were signalled and every rank that ended exited 75 (torchrun's ChildFailedError carries each
-  one's exit status; a rank exits 75 only after the checkpoint's last barrier, so it is complete);
+* the ranks were signalled, a rank exited 75 and every other one that failed exited 75 too or was ended by a
+  signal (torchrun's ChildFailedError carries their exit statuses; once one rank exits, torchrun stops the
+  others with SIGTERM). A rank exits 75 only after the checkpoint's last barrier, which every rank passed,
+  so the checkpoint is complete whatever ended the others after it;
 * the launcher was signalled (what a signal to its process group reaches: torchrun starts each rank in a
   session of its own). torchrun forwards the signal to the ranks, waits for them for its shutdown timeout
   (30 s; torch 2.12 and later take ``--shutdown-timeout`` or ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``), kills
@@ -68,14 +70,15 @@ def main(argv=None) -> int:
             torchrun(sys.argv[1:] if argv is None else argv)
             return 0
         except ChildFailedError as e:
-            if any(f.exitcode != EXIT_INTERRUPTED for f in e.failures.values()):
+            codes = [f.exitcode for f in e.failures.values()]
+            if EXIT_INTERRUPTED not in codes or any(c > 0 and c != EXIT_INTERRUPTED for c in codes):
                 raise
-            what = "every rank that ended stopped on a signal"
+            what = "the ranks stopped on a signal"
         except SignalException as e:
             if not every_rank_stopped(folder):
                 raise
             what = f"{e.sigval.name}: every rank of this node stopped"
-    print(f"dres-launch: {what} with its checkpoint written; continue with --resume auto "
+    print(f"dres-launch: {what} with the run's checkpoint written; continue with --resume auto "
           f"(exit status {EXIT_INTERRUPTED})", file=sys.stderr)
     return EXIT_INTERRUPTED
 
