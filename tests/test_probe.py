@@ -181,7 +181,8 @@ def test_score_feature_kinds_prefixes_the_other_kinds_and_ranks_once():
     assert not any(k.startswith("stream_mean_effective") for k in res)
 
 
-def test_mae_final_evaluation_scores_both_kinds_both_protocols_and_keeps_the_features(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_mae_final_evaluation_scores_both_kinds_both_protocols_and_keeps_the_features(tmp_path, device):
     """One evaluation pass: cls (unprefixed) and stream_mean (prefixed), each with the project's probe,
     the authors' probe, kNN raw and standardised; the features file holds both kinds of both splits."""
     from dres.eval.features import FEATURES_FILE, load_features
@@ -190,7 +191,8 @@ def test_mae_final_evaluation_scores_both_kinds_both_protocols_and_keeps_the_fea
     settings = ["steps=1", "log.every=1", "model.depth=1", "model.decoder_depth=1", "batch_size=32",
                 "eval.probe_epochs=2", "eval.max_train=128", "eval.max_test=64", "eval.recon=false",
                 "eval.feature=cls", "eval.also_features=stream_mean", "eval.authors_probe=true", "eval.knn_standardized=true",
-                "eval.save_features=true", "log.tensorboard=false", "optim.warmup_steps=1", "ckpt.every=0"]
+                "eval.save_features=true", "log.tensorboard=false", "optim.warmup_steps=1", "ckpt.every=0",
+                f"device={device}"]
     out = tmp_path / "run"
     args = ["mae", "--preset", "quickstart", "--out", str(out)] + sum([["--set", s] for s in settings], [])
     assert cli.main(args) == 0
@@ -203,3 +205,13 @@ def test_mae_final_evaluation_scores_both_kinds_both_protocols_and_keeps_the_fea
     assert set(state["train"]) == {"cls", "stream_mean"} and state["train"]["cls"].dtype == torch.float16
     assert state["train"]["cls"].shape[0] == len(state["train_labels"]) == 128
     assert state["test"]["stream_mean"].shape[0] == len(state["test_labels"]) == 64
+
+
+def test_a_file_that_is_not_a_features_file_is_one_line(tmp_path):
+    from dres.eval.features import load_features
+
+    (tmp_path / "notes.pt").write_text("not a torch file")
+    torch.save({"train": {"cls": torch.zeros(2, 3)}}, tmp_path / "partial.pt")
+    for name in ("notes.pt", "partial.pt"):
+        with pytest.raises(ValueError, match=f"{name}: not a features file"):
+            load_features(tmp_path / name)

@@ -27,7 +27,10 @@ def features_state(train: dict, train_labels, test: dict, test_labels, **meta) -
 
 def load_features(path) -> dict:
     """A features file of :func:`save_features`; a file of another shape is a one-line ValueError."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # not a torch file, or one holding more than tensors and plain values
+        raise ValueError(f"{path}: not a features file ({type(e).__name__})") from None
     if not (isinstance(state, dict) and {"train", "train_labels", "test", "test_labels"} <= set(state)
             and set(state["train"]) == set(state["test"]) and state["train"]):
         raise ValueError(f"{path}: not a features file (train / test features of the same kinds, with labels)")
