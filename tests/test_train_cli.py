@@ -377,7 +377,8 @@ def test_packaging_metadata_has_one_version_and_named_extras():
     assert not re.search(r"\bversion\s*=", (root / "setup.py").read_text())  # one version source
     assert md.version("dres") == dres.__version__
     assert project["requires-python"] and project["description"]
-    assert project["scripts"] == {"dres-train": "dres.train.cli:main", "dres-eval": "dres.train.cli:eval_main"}
+    assert project["scripts"] == {"dres-train": "dres.train.cli:main", "dres-eval": "dres.train.cli:eval_main",
+                                  "dres-launch": "dres.train.launch:main"}
     extras = project["optional-dependencies"]
     assert {"timm", "tensorboard", "plots", "all", "extras", "dev"} <= set(extras)
     assert extras["all"] == ["dres[timm,tensorboard,plots]"] and "dres[all]" in extras["dev"]
