@@ -337,6 +337,27 @@ def test_a_rank_that_stops_answering_is_lost_after_dist_timeout_s(tmp_path):
             f"{out / 'checkpoints' / 'step_00000004.pt'}") in err, err
 
 
+def test_only_a_collective_that_lost_its_peer_is_a_lost_rank():
+    """The gloo errors the lost-rank tests meet, found under the teardown's errors and in a DCP checkpoint's
+    per-rank failures; an error that merely says "timed out" is not one."""
+    from dres.train import distributed
+
+    reset = RuntimeError("[/x/gloo/transport/tcp/pair.cc:545] Read error [10.0.0.2]:3931: Connection reset by peer.")
+    try:
+        try:
+            raise reset
+        finally:
+            raise RuntimeError("Application timeout caused pair closure")  # the barrier of run()'s teardown
+    except RuntimeError as e:
+        assert distributed._lost_peer_errors(e)[-1] is reset
+    saved = type("CheckpointException", (BaseException,), {})("save failed")
+    saved.failures = {1: (reset, None)}
+    assert distributed._lost_peer_errors(saved) == [reset]
+    for other in (RuntimeError("DataLoader timed out after 5 seconds"), ValueError("Connection reset by peer"),
+                  RuntimeError("[enforce fail at /x/gloo/allreduce.cc:10] sizes differ")):
+        assert distributed._lost_peer_errors(other) == []
+
+
 # ----------------------------------------------------------------------------------------- disk full
 def _disk_fills_on(fragment: str, after: int = 64):
     """``open`` where files whose name contains ``fragment`` take ``after`` bytes in all (however often they

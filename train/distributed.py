@@ -137,12 +137,22 @@ class LostRank(RuntimeError):
 
 
 _GLOO_PEER = re.compile(r"\[([^\]]+)\]:\d+")  # gloo names the far end of a broken pair as [address]:port
+# what gloo's transport errors (plain RuntimeErrors) and NCCL's (DistBackendError) say of a peer that is gone
+_PEER_GONE = re.compile(r"connection (reset|closed)|closed by peer|pair closure|broken pipe|timed? ?out|"
+                        r"remote process|network error|ncclRemoteError|ncclSystemError", re.I)
+
+
+def _is_lost_peer(e: BaseException) -> bool:
+    if isinstance(e, (dist.DistNetworkError, dist.DistStoreError)):  # the store's host is gone
+        return True
+    text = str(e)
+    backend = isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and ("gloo" in text or "pair" in text))
+    return backend and _PEER_GONE.search(text) is not None
 
 
 def _lost_peer_errors(e: BaseException) -> list[BaseException]:
     """The exceptions of ``e``'s chain (and of the ranks' failures a DCP CheckpointException holds) that are a
-    collective failing on a lost peer: torch's DistError (NCCL, the store) and gloo's transport errors, which
-    reach Python as plain RuntimeErrors that name gloo or a closed pair."""
+    collective failing on a lost peer, outermost first."""
     found, seen = [], set()
     while isinstance(e, BaseException) and id(e) not in seen:
         seen.add(id(e))
@@ -150,8 +160,7 @@ def _lost_peer_errors(e: BaseException) -> list[BaseException]:
         if isinstance(failures, dict):
             for f in failures.values():
                 found += _lost_peer_errors(f[0] if isinstance(f, tuple) else f)
-        gloo = isinstance(e, RuntimeError) and ("gloo/" in str(e) or "pair closure" in str(e))
-        if gloo or isinstance(e, dist.DistError):
+        if _is_lost_peer(e):
             found.append(e)
         e = e.__cause__ or e.__context__
     return found

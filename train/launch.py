@@ -45,16 +45,12 @@ def record_stop() -> None:
 
 def every_rank_stopped(folder) -> bool:
     """Whether every rank of this node's latest start recorded its stop (:func:`record_stop`) in ``folder``."""
-    starts: dict[int, set] = {}
-    size = {}
-    for p in Path(folder).iterdir():
-        restart, local_rank, world = (int(n) for n in p.name.split("."))
-        starts.setdefault(restart, set()).add(local_rank)
-        size[restart] = world
-    if not starts:
+    records = [tuple(int(n) for n in p.name.split(".")) for p in Path(folder).iterdir()]
+    if not records:
         return False
-    latest = max(starts)
-    return starts[latest] == set(range(size[latest]))
+    latest = max(restart for restart, _, _ in records)
+    stopped = {(local_rank, world) for restart, local_rank, world in records if restart == latest}
+    return {local_rank for local_rank, _ in stopped} == set(range(max(world for _, world in stopped)))
 
 
 def main(argv=None) -> int:
