@@ -55,7 +55,7 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     asynchronously (a copy from pageable memory would wait for the stream)."""
     device = torch.device(device)
     if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
+        return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
     return t.to(device)
 
 

@@ -39,6 +39,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dres.data.augment import to_device
+
 DECODE_BACKENDS = ("nvimgcodec", "torchvision")
 
 
@@ -237,7 +239,7 @@ class BatchFinisher:
         rows = [batch["pixel_rows"]]
         parts = []
         if batch["pixels"] is not None:
-            parts.append(batch["pixels"].to(self.device, non_blocking=True).float() * self.scale.view(1, -1, 1, 1)
+            parts.append(to_device(batch["pixels"], self.device).float() * self.scale.view(1, -1, 1, 1)
                          + self.shift.view(1, -1, 1, 1))
         if len(batch["jpeg_rows"]):
             decoded_rows, decoded, cpu_rows, cpu_pixels = self._decode_jpegs(batch, lost)
@@ -249,14 +251,14 @@ class BatchFinisher:
         images = torch.cat([p for p in parts if p is not None])
         keep = torch.argsort(order)  # rows of the samples kept, in the batch's order
         labels = batch["labels"][order[keep]]
-        return {"image": images[keep.to(self.device)], "label": labels.to(self.device, non_blocking=True)}
+        return {"image": images[to_device(keep, self.device)], "label": to_device(labels, self.device)}
 
     def _decode_jpegs(self, batch, lost):
         data, lengths = batch["jpeg_bytes"], batch["jpeg_lengths"].tolist()
         starts = np.cumsum([0] + lengths[:-1]).tolist()
         encoded = [data[s:s + n] for s, n in zip(starts, lengths)]
         caller = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(caller)
+        # the inputs are host tensors: the decode waits for nothing queued on the caller's stream (the running step)
         with torch.cuda.stream(self.stream):
             images = self._decode(encoded)
             ok = [i for i, im in enumerate(images) if im is not None]
@@ -284,7 +286,7 @@ class BatchFinisher:
             cpu_pixels.append(pixels)
         fallback = None
         if cpu_pixels:
-            fallback = (torch.stack(cpu_pixels).to(self.device).float() * self.scale.view(1, -1, 1, 1)
+            fallback = (to_device(torch.stack(cpu_pixels), self.device).float() * self.scale.view(1, -1, 1, 1)
                         + self.shift.view(1, -1, 1, 1))
         return (jpeg_rows[ok] if ok else jpeg_rows[:0], decoded, torch.tensor(cpu_rows, dtype=torch.int64), fallback)
 
@@ -304,9 +306,8 @@ class BatchFinisher:
             dense.append(d)
             offset += d.numel()
         src = torch.cat([d.reshape(-1) for d in dense])
-        meta_t = torch.tensor(meta, dtype=torch.int64).to(self.device, non_blocking=True)
-        return crop_resize_forward(src, meta_t, boxes.to(self.device, non_blocking=True), self.scale, self.shift,
-                                   self.size, self.channels)
+        return crop_resize_forward(src, to_device(torch.tensor(meta, dtype=torch.int64), self.device),
+                                   to_device(boxes, self.device), self.scale, self.shift, self.size, self.channels)
 
     def _decode(self, encoded: list) -> list:
         """Each JPEG as a uint8 CUDA tensor (C, H, W) (any strides), None where the decoder refused it."""

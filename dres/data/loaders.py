@@ -137,23 +137,25 @@ class _StreamingLoader(_Position):
         self._read, self._expected, self._it = 0, 0, None
 
     def _loader(self, dataset, **kw):
+        # forkserver: a worker forked from the trainer (its CUDA context, compile and decoder threads) can hang on
+        # a lock a thread held at the fork
         return torch.utils.data.DataLoader(
             dataset, num_workers=self.num_workers, pin_memory=torch.device(self.device).type == "cuda",
             worker_init_fn=worker_init if self.num_workers else None,
+            multiprocessing_context="forkserver" if self.num_workers else None,
             prefetch_factor=4 if self.num_workers else None, **kw)
 
     def _finish(self, prepared: dict) -> dict | None:
         """A collated batch -> the batch on the device, its losses counted (None: nothing of it survived)."""
         lost = list(prepared["lost"])
         self.counter.replay(prepared.get("events", ()))
+        check_labels(prepared["labels"], self.num_classes, self.where)  # on the host: no wait for the GPU
         out = self.finisher(prepared, lost) if len(prepared["labels"]) else None
         for name in lost:
             self.counter.add(name, name.rsplit(": ", 1)[0], key=name.rsplit(": ", 1)[0])
         self._read += 0 if out is None else len(out["label"])
         if lost or prepared.get("events"):
             self.counter.check(self._read, self.max_corrupt_frac, self.where, self._expected)
-        if out is not None:
-            check_labels(out["label"], self.num_classes, self.where)
         return out
 
     def load_state_dict(self, s):
