@@ -36,6 +36,21 @@ TRAINERS = {
 }
 
 
+def encode(pixels: np.ndarray, kind: str) -> bytes:
+    """(H, W, 3) uint8 pixels as a file of one of ImageNet's kinds: ``jpeg``, ``progressive``, ``grey`` and
+    ``cmyk`` JPEGs (quality 90), or ``png``."""
+    from PIL import Image
+
+    im = Image.fromarray(pixels)
+    buf = io.BytesIO()
+    if kind == "png":
+        im.save(buf, "PNG")
+    else:
+        im = im.convert({"grey": "L", "cmyk": "CMYK"}.get(kind, "RGB"))
+        im.save(buf, "JPEG", quality=90, progressive=kind == "progressive")
+    return buf.getvalue()
+
+
 def _image(args):
     """One ImageNet-like file: smooth colour fields with texture, JPEG q90 (or the listed odd kinds)."""
     path, seed, kind = args
@@ -47,18 +62,9 @@ def _image(args):
     low = rng.uniform(0, 255, (max(h // 24, 2), max(w // 24, 2), 3)).astype(np.uint8)
     base = np.asarray(Image.fromarray(low).resize((w, h), Image.BICUBIC), dtype=np.float32)
     pixels = np.clip(base + rng.normal(0, 22, (h, w, 3)), 0, 255).astype(np.uint8)
-    im = Image.fromarray(pixels)
-    buf = io.BytesIO()
-    if kind == "grey":
-        im.convert("L").save(buf, "JPEG", quality=90)
-    elif kind == "cmyk":
-        im.convert("CMYK").save(buf, "JPEG", quality=90)
-    elif kind == "png":
-        im.save(buf, "PNG")
-    else:
-        im.save(buf, "JPEG", quality=90, progressive=kind == "progressive")
-    Path(path).write_bytes(buf.getvalue())
-    return len(buf.getvalue())
+    data = encode(pixels, kind)
+    Path(path).write_bytes(data)
+    return len(data)
 
 
 def make_folder(root: str, images: int, classes: int, procs: int | None = None) -> dict:

@@ -2,7 +2,6 @@
 formats that stay on the CPU), the folder loader (exact resume, ranks, workers, lost files, FIFOs) and, on a
 GPU, the batched GPU decode against the CPU decode."""
 
-import io
 import os
 import random
 
@@ -10,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.bench_data import encode
 from dres.data import DataError, build_loader
 from dres.data.decode import (BatchFinisher, SamplePrep, collate_prepared, crop_box, gpu_decode_backend, prepare,
                               read_file)
-from dres.data.loaders import FolderLoader
 from dres.kernels.crop_resize import crop_resize_forward
 from dres.train.config import DataConfig
 
@@ -71,20 +70,7 @@ def test_crop_draws_depend_on_the_seed_alone_and_fit_the_image():
 
 
 def _encode(kind, w=60, h=40, seed=0):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    im = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
-    buf = io.BytesIO()
-    if kind == "grey":
-        im.convert("L").save(buf, "JPEG", quality=90)
-    elif kind == "cmyk":
-        im.convert("CMYK").save(buf, "JPEG", quality=90)
-    elif kind == "png":
-        im.save(buf, "PNG")
-    else:
-        im.save(buf, "JPEG", quality=90, progressive=kind == "progressive")
-    return buf.getvalue()
+    return encode(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8), kind)
 
 
 @pytest.mark.parametrize("kind", ["jpeg", "progressive", "grey", "cmyk", "png"])
@@ -197,3 +183,110 @@ def test_gpu_decode_is_the_default_where_a_decoder_is_there(tmp_path):
     assert loader.prep.gpu == (gpu_decode_backend("cuda") is not None)
     batch = loader.next()
     assert batch["image"].is_cuda and batch["image"].shape == (8, 3, 16, 16)
+
+
+# ------------------------------------------------------------------ the trainer reading files, as a process
+TINY_FOLDER_RUN = ["data.name=imagefolder", "data.gpu_resident=false", "data.decode=cpu", "data.num_workers=2",
+                   "data.img_size=8", "data.num_classes=3", "data.max_corrupt_frac=0.5", "model.img_size=8",
+                   "model.patch_size=4", "model.embed_dim=32", "model.depth=1", "model.num_heads=2",
+                   "model.decoder_embed_dim=32", "model.decoder_depth=1", "model.decoder_num_heads=2", "batch_size=8",
+                   "optim.warmup_steps=1", "log.every=1", "log.progress=false", "log.tensorboard=false",
+                   "eval.probe=false", "eval.knn=false", "eval.effective_rank=false", "eval.recon=false", "threads=1"]
+
+
+def _folder_run(tmp_path, out, steps, extra=(), flags=()):
+    import subprocess
+    import sys
+
+    images = tmp_path / "images"
+    if not images.exists():
+        images.mkdir()
+        _folder(images)
+    sets = [*TINY_FOLDER_RUN, f"data.path={images}", f"steps={steps}", *extra]
+    cmd = [sys.executable, "-m", "dres.train.mae", "--preset", "quickstart", "--out", str(out), *flags]
+    cmd += [a for kv in sets for a in ("--set", kv)]
+    return subprocess.Popen(cmd, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_a_run_reading_files_with_workers_ends_when_it_is_done(tmp_path):
+    """The workers ignore SIGTERM (a signal to the group is the trainer's), so the loader stops them itself:
+    the process exits when training ends, without waiting on them."""
+    proc = _folder_run(tmp_path, tmp_path / "run", steps=4)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, (out, err)
+    assert "done: 4 steps" in out
+
+
+def test_sigterm_to_the_process_group_with_workers_saves_and_exits_75(tmp_path):
+    """What Slurm, Kubernetes and timeout do: SIGTERM to every process of the group, the DataLoader workers
+    included; the trainer finishes its step, saves and exits 75, and the run resumes from there."""
+    import signal
+    import time
+
+    from dres.train import checkpoint
+    from dres.train.loop import EXIT_INTERRUPTED
+
+    out = tmp_path / "run"
+    proc = _folder_run(tmp_path, out, steps=100000, extra=["ckpt.every=0"])
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED, (stdout, stderr)
+    assert "stopped by SIGTERM after step" in stderr and "DataLoader worker" not in stderr
+    saved = checkpoint.list_checkpoints(out / "checkpoints")
+    assert len(saved) == 1
+    step = int(saved[0].stem.split("_")[1])
+    resumed = _folder_run(tmp_path, out, steps=step + 2, extra=["ckpt.every=0"], flags=["--resume", "auto"])
+    stdout, stderr = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, (stdout, stderr)
+    import json
+
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, step + 3)), steps  # the resumed run went on from the checkpoint's step
+
+
+def test_a_stop_request_while_decoding_into_memory_is_no_lost_file(tmp_path, monkeypatch):
+    """The trainer's signal handler raises its stop (a RuntimeError subclass) wherever the main thread is: while
+    a folder is decoded into memory, that is a stop, never a damaged file."""
+    from dres.data import sources
+
+    class Stop(RuntimeError):
+        pass
+
+    root = _folder(tmp_path)
+    calls = []
+
+    def read_then_stop(path):
+        calls.append(path)
+        if len(calls) == 3:
+            raise Stop("stopped by SIGTERM before training started")
+        return read_file(path)
+
+    monkeypatch.setattr(sources, "read_file", read_then_stop)
+    counter = sources.CorruptCounter()
+    with pytest.raises(Stop):
+        sources.read_image_folder(root, counter=counter)
+    assert counter.count == 0
+
+
+def test_streamed_files_raise_no_warning(tmp_path):
+    """Greyscale, CMYK and PNG files, workers and the main process: no NumPy or torch warning per sample."""
+    import warnings
+
+    root = tmp_path / "mixed"
+    for i, kind in enumerate(["jpeg", "grey", "cmyk", "png", "progressive", "jpeg", "grey", "png"]):
+        (root / f"c{i % 2}").mkdir(parents=True, exist_ok=True)
+        (root / f"c{i % 2}" / f"{i}.JPEG").write_bytes(_encode(kind, 30, 20, seed=i))
+    d = DataConfig(name="imagefolder", path=str(root), img_size=8, num_classes=2, gpu_resident=False, decode="cpu",
+                   num_workers=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = build_loader(d, "train", 4)
+        for _ in range(4):
+            assert loader.next()["image"].shape == (4, 3, 8, 8)

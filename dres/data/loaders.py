@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import weakref
 
 import numpy as np
 import torch
@@ -135,14 +136,29 @@ class _StreamingLoader(_Position):
         self.max_corrupt_frac, self.where = max_corrupt_frac, where
         self.counter = CorruptCounter(log, unit=unit)
         self._read, self._expected, self._it = 0, 0, None
+        # the DataLoader iterator whose workers run; they ignore SIGTERM, so they are stopped by message, at the
+        # latest when the loader is collected or the process exits (before multiprocessing's own exit handler)
+        self._running: list = []
+        weakref.finalize(self, _stop_workers, self._running)
+
+    def _open(self, dataset, **kw):
+        """A fresh DataLoader iterator over ``dataset``, the workers of the previous one stopped first."""
+        self.close()
+        self._running.append(iter(self._loader(dataset, **kw)))
+        return self._running[-1]
+
+    def close(self):
+        """Stop the workers (the next batch starts new ones)."""
+        _stop_workers(self._running)
 
     def _loader(self, dataset, **kw):
-        # forkserver: a worker forked from the trainer (its CUDA context, compile and decoder threads) can hang on
-        # a lock a thread held at the fork
+        # a process with CUDA running (the trainer: its compile and decoder threads) starts workers from a forkserver:
+        # a worker forked from it can hang on a lock one of its threads held at the fork
+        forkserver = self.num_workers and torch.cuda.is_initialized()
         return torch.utils.data.DataLoader(
             dataset, num_workers=self.num_workers, pin_memory=torch.device(self.device).type == "cuda",
             worker_init_fn=worker_init if self.num_workers else None,
-            multiprocessing_context="forkserver" if self.num_workers else None,
+            multiprocessing_context="forkserver" if forkserver else None,
             prefetch_factor=4 if self.num_workers else None, **kw)
 
     def _finish(self, prepared: dict) -> dict | None:
@@ -160,7 +176,16 @@ class _StreamingLoader(_Position):
 
     def load_state_dict(self, s):
         super().load_state_dict(s)
+        self.close()
         self._it = None
+
+
+def _stop_workers(running: list):
+    for it in running:
+        shutdown = getattr(it, "_shutdown_workers", None)  # absent without workers
+        if shutdown is not None:
+            shutdown()
+    running.clear()
 
 
 class _FolderSamples(torch.utils.data.Dataset):
@@ -224,7 +249,7 @@ class FolderLoader(_StreamingLoader):
         if self._it is None:
             keys = folder_batches(len(self.ds), self.global_batch, self.rank, self.local, self.seed, self.epoch,
                                   self.batch)
-            self._it = iter(self._loader(self.ds, batch_sampler=keys, collate_fn=collate_prepared))
+            self._it = self._open(self.ds, batch_sampler=keys, collate_fn=collate_prepared)
         prepared = next(self._it)
         self.batch += 1
         out = self._finish(prepared)
@@ -320,7 +345,7 @@ class ShardLoader(_StreamingLoader):
         """This epoch's collated batches of ``local`` samples, those with no sample left accounted here."""
         ds = _ShardStream(self.shards, self.rank, self.world, self.seed, self.epoch, self.prep, self.train,
                           self.buffer, self.local)
-        for prepared in self._loader(ds, batch_size=None):
+        for prepared in self._open(ds, batch_size=None):
             if len(prepared["labels"]) == self.local:
                 yield prepared
             else:

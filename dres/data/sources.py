@@ -269,7 +269,8 @@ def braceexpand(pattern: str) -> list[str]:
 
 
 def expand_shards(pattern: str) -> list[str]:
-    """Brace notation and globs -> existing shard paths; a missing path is a one-line error."""
+    """Brace notation, globs and folders with a ``manifest.json`` (its shards) -> shard paths; a missing local
+    path is a one-line error; ``pipe:`` commands and URLs are taken as they are."""
     if not pattern:
         raise DataError("no data path given (set data.path=...)")
     out = []
@@ -278,6 +279,9 @@ def expand_shards(pattern: str) -> list[str]:
             out.extend(braceexpand(p))
             continue
         for q in braceexpand(os.path.expanduser(p)):
+            if os.path.isdir(q) and os.path.isfile(os.path.join(q, "manifest.json")):  # a folder of shards (dres-prep)
+                out.extend(os.path.join(q, name) for name in sorted(_read_manifest(q)))
+                continue
             out.extend(sorted(glob.glob(q)) if any(c in q for c in "*?[") else [q])
     local = [p for p in out if not is_remote(p)]
     missing = [p for p in local if not os.path.exists(p)]
