@@ -8,15 +8,16 @@ of samples whatever the world size (each rank takes its slice) — which is what
 and N processes produce the same losses.
 
 * :class:`InMemoryLoader`: the whole data set as a uint8 tensor on the device (CIFAR, digits):
-  decoded once, augmented on the device (batched RandomResizedCrop + flip through one
-  ``affine_grid``/``grid_sample``, then optionally torchvision's ColorJitter per image), so the loader
-  never limits throughput; its unaugmented passes can use timm's evaluation transform (``crop_pct``). The crop parameters of a
-  step are drawn for the *global* batch from a generator seeded by (seed, epoch, batch).
-* :class:`FolderLoader`: ImageFolder trees (ImageNet) decoded in DataLoader workers with a
-  per-sample seeded RandomResizedCrop; same global-batch slicing.
+  decoded once, augmented on the device (:mod:`dres.data.augment`), so the loader never limits throughput;
+  its unaugmented passes can use timm's evaluation transform (``crop_pct``). The crop parameters of a step are
+  drawn for the *global* batch from a generator seeded by (seed, epoch, batch).
+* :class:`FolderLoader`: ImageFolder trees (ImageNet) read file by file in DataLoader workers that live for the
+  run, each sample's crop seeded by (seed, epoch, index); same global-batch slicing.
 * :class:`ShardLoader`: WebDataset shards streamed (for data too large for memory): shards split
   by rank and worker, a seeded shuffle buffer, corrupt samples skipped and counted; resume skips
-  the batches already consumed in the epoch.
+  the batches already consumed in the epoch without decoding them.
+
+Both file loaders make pixels the way :mod:`dres.data.decode` says (in the workers, or on the GPU).
 """
 
 from __future__ import annotations
