@@ -94,7 +94,14 @@ def set_value(sets: list[str], key: str, default: str) -> str:
 
 def compile_scope(sets: list[str]) -> str:
     """The record's name for the trainer's ``compile_scope``."""
-    scope = set_value(sets, "compile_scope", "blocks")
+    from types import SimpleNamespace
+
+    from dres.train.config import auto_compile_scope
+
+    scope = set_value(sets, "compile_scope", "auto")
+    if scope == "auto":  # as the trainer resolves it (the runs here always set dist)
+        scope = auto_compile_scope(SimpleNamespace(dist=set_value(sets, "dist", "none"),
+                                                   act_ckpt=set_value(sets, "act_ckpt", "none")))
     return "per_block" if scope == "blocks" else scope
 
 

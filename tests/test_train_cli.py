@@ -54,9 +54,13 @@ def test_overrides_coerce_types_and_reject_unknown_keys():
 
 
 def test_compile_scope_is_blocks_or_model_and_blocks_under_fsdp():
-    assert build_config("mae", "quickstart").compile_scope == "blocks"
+    # auto: the whole model for one process (measured faster), per block under DDP, FSDP2 and checkpointing
+    assert build_config("mae", "quickstart").compile_scope == "model"
+    for dist in ("ddp", "fsdp"):
+        assert build_config("mae", "quickstart", [f"dist={dist}"]).compile_scope == "blocks"
+    assert build_config("mae", "quickstart", ["act_ckpt=full"]).compile_scope == "blocks"
     assert build_config("mae", "quickstart", ["compile=true", "compile_scope=model"]).compile_scope == "model"
-    with pytest.raises(ConfigError, match="config key 'compile_scope' must be one of blocks, model"):
+    with pytest.raises(ConfigError, match="config key 'compile_scope' must be one of auto, blocks, model"):
         build_config("mae", "quickstart", ["compile_scope=graph"])
     with pytest.raises(ConfigError, match="config key 'compile_scope' must be blocks under dist=fsdp"):
         build_config("mae", "quickstart", ["compile_scope=model", "dist=fsdp"])
