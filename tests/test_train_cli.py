@@ -382,7 +382,7 @@ def test_packaging_metadata_has_one_version_and_named_extras():
     assert md.version("dres") == dres.__version__
     assert project["requires-python"] and project["description"]
     assert project["scripts"] == {"dres-train": "dres.train.cli:main", "dres-eval": "dres.train.cli:eval_main",
-                                  "dres-launch": "dres.train.launch:main"}
+                                  "dres-launch": "dres.train.launch:main", "dres-prep": "dres.data.prep:main"}
     extras = project["optional-dependencies"]
     assert {"timm", "tensorboard", "plots", "all", "extras", "dev"} <= set(extras)
     assert extras["all"] == ["dres[timm,tensorboard,plots]"] and "dres[all]" in extras["dev"]

@@ -227,7 +227,7 @@ def main(argv=None):
     return _guarded("dres-train", _run, args)
 
 
-TRAINING_EVAL_KEYS = ("eval.every", "eval.curve_probe_epochs")  # act during training, not in dres-eval
+TRAINING_EVAL_KEYS = ("eval.every", "eval.curve_probe_epochs", "eval.curve_fd_samples")  # act during training, not in dres-eval
 
 
 def _eval_epilog() -> str:
