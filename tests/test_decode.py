@@ -290,3 +290,29 @@ def test_streamed_files_raise_no_warning(tmp_path):
         loader = build_loader(d, "train", 4)
         for _ in range(4):
             assert loader.next()["image"].shape == (4, 3, 8, 8)
+
+
+def test_two_ranks_train_from_a_folder_with_their_workers(tmp_path):
+    """DDP from files: two gloo ranks under dres-launch, each reading its share of every batch with its own
+    workers, train to the end and exit 0 (each rank's share is checked in
+    test_folder_loader_resumes_exactly_and_ranks_split_the_global_batch)."""
+    import socket
+    import subprocess
+    import sys
+
+    images = tmp_path / "images"
+    images.mkdir()
+    _folder(images)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # the baseline MAE: with one encoder block the official variant's skip layers take no part in the loss
+    sets = [*TINY_FOLDER_RUN, f"data.path={images}", "steps=4", "dist=ddp", "compile=false", "model.variant=baseline"]
+    cmd = [sys.executable, "-m", "dres.train.launch", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), "-m", "dres.train.mae", "--preset", "quickstart", "--out", str(tmp_path / "run")]
+    cmd += [a for kv in sets for a in ("--set", kv)]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    proc = subprocess.run(cmd, cwd=str(tmp_path), env=dict(env, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    assert "world 2 (ddp)" in proc.stdout and "done: 4 steps" in proc.stdout
