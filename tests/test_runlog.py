@@ -2,6 +2,12 @@
 progress bar, written on the main rank only."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from dres.train.runlog import RunLog
 
@@ -29,7 +35,8 @@ def _one_log_step(tmp_path, main):
     return tb.added
 
 
-def test_a_log_step_writes_its_line_its_scalars_and_the_bar(tmp_path, capsys):
+def test_a_log_step_writes_its_line_its_scalars_and_the_bar(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: the bar, no plain line
     scalars = _one_log_step(tmp_path, True)
     assert (tmp_path / "metrics.jsonl").read_text() == json.dumps(REC) + "\n"
     # every value but the step and the unknown epoch, at the record's step
@@ -37,8 +44,107 @@ def test_a_log_step_writes_its_line_its_scalars_and_the_bar(tmp_path, capsys):
                        ("train/model_tflops", 0.5, 5), ("train/mfu", 0.125, 5)]
     bar = capsys.readouterr().err.replace("\r", "\n").splitlines()[-1]
     assert "5/10" in bar and "img_s=640, loss=0.2500, lr=1.00e-03, mfu=12.5%" in bar, bar  # tqdm sorts them
+    assert capsys.readouterr().out == ""
 
 
 def test_other_ranks_write_nothing(tmp_path, capsys):
     assert _one_log_step(tmp_path, False) == []
     assert not (tmp_path / "metrics.jsonl").exists() and capsys.readouterr().err == ""
+
+
+def test_piped_a_log_step_is_one_plain_line_and_no_bar(tmp_path, capsys):
+    """stderr not a terminal (a pipe, a batch job's .out): one line per log step, never a \\r-redrawn bar."""
+    _one_log_step(tmp_path, True)
+    out, err = capsys.readouterr()
+    assert err == ""
+    line, = out.splitlines()
+    assert line.startswith("[dres] step 5/10 loss 0.2500 lr 1.00e-03 img/s 640 mfu 12.5% eta "), line
+
+
+def test_a_terminal_that_reports_no_size_gets_a_bar_of_100_columns(monkeypatch):
+    from dres.train.common import progress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    monkeypatch.setattr(os, "get_terminal_size", lambda fd=1: os.terminal_size((0, 24)))
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("LINES", raising=False)
+    bar = progress(total=3)
+    assert bar.ncols == 100 and bar.nrows == 24 and not bar.dynamic_ncols
+    bar.close()
+
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = ["model.img_size=8", "model.patch_size=4", "data.img_size=8", "model.embed_dim=16", "model.depth=1",
+        "model.num_heads=2", "model.decoder_embed_dim=16", "model.decoder_depth=1", "model.decoder_num_heads=2",
+        "batch_size=16", "steps=4", "log.every=1", "log.tensorboard=false", "eval.probe=false", "eval.knn=false",
+        "eval.effective_rank=false", "eval.recon=false", "threads=1"]
+
+
+def _cli(out):
+    return [sys.executable, "-m", "dres.train.mae", "--preset", "quickstart", "--out", str(out),
+            *[a for kv in TINY for a in ("--set", kv)]]
+
+
+def test_a_piped_run_prints_a_line_per_log_step(tmp_path):
+    proc = subprocess.run(_cli(tmp_path / "run"), capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("[dres] step ")]
+    assert [line.split()[2] for line in steps] == ["1/4", "2/4", "3/4", "4/4"], proc.stdout
+    assert all(" loss " in line and " img/s " in line and " eta " in line for line in steps)
+    assert "\r" not in proc.stderr and "\r" not in proc.stdout
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_on_a_terminal_messages_never_share_the_bars_line(tmp_path):
+    """In a pseudo-terminal the bar is drawn; every [dres] message starts its own line (the bar is cleared
+    before it and drawn again after)."""
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(_cli(tmp_path / "run"), stdin=follower, stdout=follower, stderr=follower,
+                            env={k: v for k, v in dict(os.environ, OMP_NUM_THREADS="1").items()
+                                 if k not in ("COLUMNS", "LINES")})
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:  # the follower side closed
+            break
+        if not data:
+            break
+        chunks.append(data)
+    assert proc.wait(timeout=300) == 0
+    os.close(leader)
+    text = b"".join(chunks).decode(errors="replace")
+    assert "4/4 [" in text  # the bar was drawn (the pseudo-terminal reports no width: 100 columns)
+    for line in text.splitlines():
+        shown = line.split("\r")[-1]  # what a terminal shows of the line once every \r has rewound it
+        if "[dres]" in shown:
+            assert shown.lstrip().startswith("[dres]"), repr(line)
+
+
+def test_a_full_disk_while_tensorboard_logs_is_one_line_like_the_metrics(tmp_path, capsys):
+    """TensorBoard's writer thread meets the full disk; the trainer reports it in the one line (exit 2) the
+    metrics path gives, naming the folder and the last good checkpoint, with no traceback."""
+    pytest.importorskip("tensorboard")
+    import errno
+    from unittest import mock
+
+    from tensorboard.compat.tensorflow_stub.io import gfile
+    from test_faults import _one_line_error
+
+    from dres.train import cli
+
+    def full(self, filename, content, mode):  # TensorBoard's event files are written through its gfile
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / "run"
+    args = ["mae", "--preset", "quickstart", "--out", str(out), *[a for kv in TINY for a in ("--set", kv)],
+            "--set", "log.tensorboard=true", "--set", "ckpt.every=2", "--set", "steps=6"]
+    with mock.patch.object(gfile.LocalFileSystem, "_write", full):
+        assert cli.main(args) == 2
+    err = _one_line_error(capsys)
+    assert f"no space left on the device of {out / 'tb' / 'events'}" in err, err
+    assert "free space, then continue with --resume auto" in err

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import shutil
 import sys
 from typing import Optional
 
@@ -114,8 +115,16 @@ def progress(*, total=None, initial=0, desc=None, unit="it", enabled=True):
     from tqdm import tqdm
 
     tty = sys.stderr.isatty()
+    try:
+        size = os.get_terminal_size(sys.stderr.fileno()) if tty else None
+    except (OSError, ValueError):
+        size = None
+    # a terminal that reports no size (a fresh pseudo-terminal, some consoles) would get a bar of no width, hidden
+    # below a screen of no rows: $COLUMNS / $LINES or 100 x 24 instead
+    fixed = shutil.get_terminal_size((100, 24)) if tty and not (size and size.columns and size.lines) else None
     return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr, disable=not enabled,
-                dynamic_ncols=tty, mininterval=0.1 if tty else 30.0)
+                dynamic_ncols=tty and fixed is None, ncols=fixed and fixed.columns, nrows=fixed and fixed.lines,
+                mininterval=0.1 if tty else 30.0)
 
 
 def features(trainer, fn, loader, limit=0, batch=256):

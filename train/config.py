@@ -126,7 +126,8 @@ class OptimConfig:
 @dataclass
 class LogConfig:
     every: int = 20           # steps between metrics.jsonl records and log lines
-    progress: bool = True     # a progress bar on a terminal
+    # where stderr is a terminal a progress bar, elsewhere (a pipe, a batch job's log) a plain line per log step
+    progress: bool = True
     tensorboard: bool = True  # <out>/tb when tensorboard is installed (the [tensorboard] extra)
 
 

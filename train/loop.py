@@ -41,7 +41,7 @@ from dres.train.common import dense_bf16_peak, flops_rate_text, model_flops_rate
 from dres.train.config import Config, ConfigError, cpu_threads, dotted_value, fingerprint, save_config, to_dict
 from dres.train.graph_step import GraphedStep, graph_plan, graph_warmup_steps, steady_timing
 from dres.train.optim import build_optimizer, peak_lr
-from dres.train.runlog import RunLog
+from dres.train.runlog import RunLog, TensorBoard
 
 
 class NonFiniteLoss(RuntimeError):
@@ -539,7 +539,8 @@ class Trainer:
         self.write_record()
         self.tb = self._tensorboard() if self.main and cfg.log.tensorboard else None
         runlog = RunLog(self.out / "metrics.jsonl", main=self.main, tb=self.tb, show_progress=cfg.log.progress,
-                        total=self.total_steps, initial=self.step, kept=self._checkpoint_kept)
+                        total=self.total_steps, initial=self.step, kept=self._checkpoint_kept, write=self.log)
+        plain_log, self._log = self._log, runlog.around_bar(self._log)  # messages clear the bar's line first
         acc_loss, acc_n, acc_metrics = torch.zeros((), device=self.device), 0, {}
         step_last, seen = self.step, 0
         self._window_start = time.time()
@@ -592,6 +593,7 @@ class Trainer:
         finally:
             self.in_loop = False
             runlog.close()
+            self._log = plain_log
         wall = time.time() - t0
         final = self.history[-1] if self.history else self.last_record
         ips = seen / max(wall, 1e-9)
@@ -611,13 +613,13 @@ class Trainer:
 
     def _tensorboard(self):
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # noqa: F401 (TensorBoard writes through it)
         except Exception as e:  # tensorboard is optional at run time
             self.log(f"[dres] tensorboard disabled ({type(e).__name__}: {e}); pip install 'dres[tensorboard]' for "
                      "<out>/tb, or set log.tensorboard=false")
             return None
         # a resumed run hides the events its predecessor logged after the checkpoint, as metrics.jsonl cuts them
-        return SummaryWriter(str(self.out / "tb"), purge_step=self.step + 1 if self.step else None)
+        return TensorBoard(self.out / "tb", self._checkpoint_kept, purge_step=self.step + 1 if self.step else None)
 
     def _stopped_message(self) -> str:
         done = self.step == self.total_steps
