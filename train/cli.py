@@ -191,6 +191,13 @@ def _lost_rank_in_one_line(cfg, then: str):
         raise distributed.LostRank(f"{lost}; {last}") from e
 
 
+def _say(line: str) -> None:
+    """One line on stderr in one write: the ranks of a job share their stderr, and a line written in two parts
+    (print's text, then its newline) can have another rank's line land in the middle."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def _guarded(prog: str, fn, args) -> int:
     """Run ``fn(args)``; a user error becomes one line on stderr and exit status 2 (the traceback
     with ``args.debug``), a lost rank one line and status 1, a stop on SIGTERM/SIGINT one line and
@@ -202,18 +209,18 @@ def _guarded(prog: str, fn, args) -> int:
     try:
         fn(args)
     except Interrupted as e:  # stopped on a signal, its checkpoint saved: a status of its own, for requeueing
-        print(f"{prog}: {e}", file=sys.stderr)
+        _say(f"{prog}: {e}")
         record_stop()
         return EXIT_INTERRUPTED
     except LostRank as e:  # not the user's error, and no checkpoint of this moment: neither 2 nor 75
         if args.debug:
             raise
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        _say(f"{prog}: error: {e}")
         return 1
     except _user_errors() as e:
         if args.debug:
             raise
-        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        _say(f"{prog}: error: {' '.join(str(e).split())}")
         return 2
     finally:
         from dres.train import distributed
