@@ -4,7 +4,7 @@ held to fewer cores (``taskset``, which its DataLoader workers inherit).
 
     python -m benchmarks.bench_data make --root DIR [--images 20000 --classes 100]
     python -m benchmarks.bench_data loader --root DIR --decode gpu --workers 4 [--cores 4]
-    python -m benchmarks.bench_data all --root DIR [--cores 16,4] [--out OUT]
+    python -m benchmarks.bench_data all --root DIR [--cores 16,4] [--shards] [--out OUT]
 
 The folder is like ImageNet's train split: landscape and portrait photos of 500 x 375 / 333 mostly, some of
 other sizes, JPEG quality 90 at about ImageNet's mean file size, 1% greyscale, 0.2% CMYK and 0.1% PNGs named
@@ -83,14 +83,16 @@ def make_folder(root: str, images: int, classes: int, procs: int | None = None) 
 
 
 def _data_config(root: str, decode: str, workers: int, size: int = 224):
+    """The folder ``root``, or shards where ``root`` holds a ``manifest.json`` (``dres-prep``'s output)."""
     from dres.train.config import DataConfig
 
-    return DataConfig(name="imagefolder", path=root, img_size=size, num_classes=1000, gpu_resident=False,
-                      decode=decode, num_workers=workers, crop_min=0.2)
+    shards = (Path(root) / "manifest.json").is_file()
+    return DataConfig(name="wds" if shards else "imagefolder", path=root, img_size=size, num_classes=1000,
+                      gpu_resident=False, decode=decode, num_workers=workers, crop_min=0.2)
 
 
 def loader_rate(root: str, decode: str, workers: int, batch: int = 256, warmup: int = 10, batches: int = 40) -> dict:
-    """Images/s of the folder loader alone (batches made on the GPU and waited for), after ``warmup`` batches."""
+    """Images/s of the file loader alone (batches made on the GPU and waited for), after ``warmup`` batches."""
     import torch
 
     from dres.data import build_loader, decode_backend
@@ -106,7 +108,7 @@ def loader_rate(root: str, decode: str, workers: int, batch: int = 256, warmup: 
         n += len(loader.next()["label"])
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    return {"kind": "loader", "decode": decode, "backend": decode_backend(cfg, "cuda"), "workers": workers,
+    return {"kind": "loader", "source": cfg.name, "decode": decode, "backend": decode_backend(cfg, "cuda"), "workers": workers,
             "batch": batch, "images_per_s": n / seconds, "gpu_fallbacks": loader.finisher.gpu_fallbacks}
 
 
@@ -191,37 +193,33 @@ def run_all(args) -> list[dict]:
 
 
 def _loader_rows(args, rows):
-    for cores in args.cores:
-        for decode, workers in (("gpu", min(cores, 4)), ("cpu", cores)):
-            rows.append({**_in_subprocess_loader(args.root, decode, workers, cores), "cores": cores})
-            print(json.dumps(rows[-1]), flush=True)
+    for root in args.sources:
+        for cores in args.cores:
+            for decode, workers in (("gpu", min(cores, 4)), ("cpu", cores)):
+                rows.append({**_in_subprocess_loader(root, decode, workers, cores), "cores": cores})
+                print(json.dumps(rows[-1]), flush=True)
 
 
 def _trainer_rows(args, rows):
-    folder = [f"data.path={args.root}", "data.name=imagefolder", "data.num_classes=100", "data.gpu_resident=false",
-              *[f"data.{kv}" for kv in args.data_sets]]
+    sources = [[f"data.path={root}", f"data.name={'wds' if root != args.root else 'imagefolder'}",
+                "data.num_classes=100", "data.gpu_resident=false", *[f"data.{kv}" for kv in args.data_sets]]
+               for root in args.sources]
     for name in args.trainers:
         batch = 256
         rows.append(trainer_rate(name, ["data.name=synthetic", "data.num_classes=100"], None, args.steps, batch,
                                  args.trainer_timeout))
         print(json.dumps(rows[-1]), flush=True)
-        for cores in args.cores:
-            for decode in args.trainer_decodes:
-                workers = min(cores, 4) if decode == "gpu" else max(cores - 1, 1)
-                data = folder + [f"data.decode={decode}", f"data.num_workers={workers}"]
-                rows.append(trainer_rate(name, data, cores, args.steps, batch, args.trainer_timeout))
-                print(json.dumps(rows[-1]), flush=True)
+        for files, cores, decode in ((f, c, d) for f in sources for c in args.cores for d in args.trainer_decodes):
+            workers = min(cores, 4) if decode == "gpu" else max(cores - 1, 1)
+            data = files + [f"data.decode={decode}", f"data.num_workers={workers}"]
+            rows.append(trainer_rate(name, data, cores, args.steps, batch, args.trainer_timeout))
+            print(json.dumps(rows[-1]), flush=True)
 
 
 def _importable(backend: str) -> bool:
-    try:
-        if backend == "nvimgcodec":
-            from nvidia import nvimgcodec  # noqa: F401
-        else:
-            import torchvision.io  # noqa: F401
-        return True
-    except ImportError:
-        return False
+    import importlib.util
+
+    return importlib.util.find_spec("nvidia.nvimgcodec" if backend == "nvimgcodec" else "torchvision.io") is not None
 
 
 def _in_subprocess_loader(root, decode, workers, cores) -> dict:
@@ -247,9 +245,12 @@ def markdown(rows: list[dict], card: str) -> str:
             hw = f", hardware share {r['hw_load']}" if r.get("hw_load") is not None else ""
             lines.append(f"| GPU half alone ({r['backend']}{hw}; the decode call alone "
                          f"{r['decode_call_images_per_s']:,.0f}) | gpu | | | {r['images_per_s']:,.0f} | |")
+        elif r["kind"] == "prep":
+            lines.append(f"| dres-prep, shorter side {r['short_side']} ({r['mean_kib']:.1f} KiB an image, "
+                         f"{r['seconds']:.0f} s) | | all | | {r['images'] / r['seconds']:,.0f} | |")
         elif r["kind"] == "loader":
-            lines.append(f"| loader ({r.get('backend') or 'cpu'}) | {r['decode']} | {r['cores']} | {r['workers']} | "
-                         f"{r['images_per_s']:,.0f} | |")
+            lines.append(f"| loader {r.get('source', 'imagefolder')} ({r.get('backend') or 'cpu'}) | {r['decode']} | "
+                         f"{r['cores']} | {r['workers']} | {r['images_per_s']:,.0f} | |")
         else:
             data = dict(kv.split("=", 1) for kv in r["data"])
             ratio = r["images_per_s"] / synthetic[r["name"]] if r["name"] in synthetic else float("nan")
@@ -274,6 +275,8 @@ def main(argv=None):
     ap.add_argument("--trainer-timeout", type=float, default=300, help="seconds a trainer run may take")
     ap.add_argument("--hw-loads", default="0,0.65,1", help="nvImageCodec hardware shares the GPU half is timed at")
     ap.add_argument("--no-loaders", dest="loaders", action="store_false", help="skip the loader-alone rows")
+    ap.add_argument("--shards", action="store_true",
+                    help="also the folder as dres-prep shards (ROOT-shards, made once, timed): loaders and trainers")
     ap.add_argument("--set", dest="data_sets", action="append", default=[],
                     help="KEY=VALUE of data.* for the trainers from files (e.g. hw_decode_load=0.8)")
     ap.add_argument("--out", default=os.environ.get("OUT", "./device_out"))
@@ -292,7 +295,21 @@ def main(argv=None):
     args.hw_loads = [float(v) for v in args.hw_loads.split(",") if v]
     from benchmarks import measure
 
-    rows = run_all(args)
+    args.sources = [args.root]
+    rows = []
+    if args.shards:
+        from dres.data.prep import prepare_shards
+
+        shards = args.root.rstrip("/") + "-shards"
+        t0 = time.time()
+        manifest = prepare_shards(args.root, shards, log=lambda m: None)
+        rows.append({"kind": "prep", "images": sum(e["samples"] for e in manifest["shards"].values()),
+                     "short_side": manifest["short_side"], "seconds": time.time() - t0,
+                     "mean_kib": sum(os.path.getsize(Path(shards) / n) for n in manifest["shards"]) / 1024
+                     / max(sum(e["samples"] for e in manifest["shards"].values()), 1)})
+        print(json.dumps(rows[-1]), flush=True)
+        args.sources.append(shards)
+    rows += run_all(args)
     card = measure.card_name()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -316,3 +316,23 @@ def test_two_ranks_train_from_a_folder_with_their_workers(tmp_path):
                           timeout=300)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     assert "world 2 (ddp)" in proc.stdout and "done: 4 steps" in proc.stdout
+
+
+def test_bench_data_makes_an_imagenet_like_folder_and_reads_its_rows(tmp_path):
+    """The benchmark's CPU parts: the folder (layout, kinds, every file readable as the loader reads it) and the
+    table, each trainer row over the same trainer on synthetic data."""
+    from benchmarks.bench_data import _data_config, make_folder, markdown
+
+    stats = make_folder(str(tmp_path / "inet"), 24, 3, procs=1)
+    assert stats["images"] == 24 and sum(stats["kinds"].values()) == 24 and stats["mean_kib"] > 10
+    assert _data_config(str(tmp_path / "inet"), "cpu", 0).name == "imagefolder"
+    d = DataConfig(name="imagefolder", path=str(tmp_path / "inet"), img_size=16, num_classes=3, gpu_resident=False,
+                   decode="cpu", num_workers=0, max_corrupt_frac=0.0)
+    loader = build_loader(d, "train", 8)
+    assert [len(loader.next()["label"]) for _ in range(3)] == [8, 8, 8] and loader.counter.count == 0
+    rows = [{"kind": "trainer", "name": "vit", "data": ["data.name=synthetic"], "cores": None, "images_per_s": 5000.0},
+            {"kind": "trainer", "name": "vit", "data": ["data.name=imagefolder", "data.decode=gpu",
+                                                        "data.num_workers=4"], "cores": 4, "images_per_s": 4750.0},
+            {"kind": "loader", "source": "wds", "decode": "cpu", "error": "boom", "cores": 4}]
+    table = markdown(rows, "h100")
+    assert "| trainer vit (imagefolder) | gpu | 4 | 4 | 4,750 | 0.95x |" in table and "failed" in table
