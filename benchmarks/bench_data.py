@@ -219,7 +219,10 @@ def _trainer_rows(args, rows):
 def _importable(backend: str) -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("nvidia.nvimgcodec" if backend == "nvimgcodec" else "torchvision.io") is not None
+    try:
+        return importlib.util.find_spec("nvidia.nvimgcodec" if backend == "nvimgcodec" else "torchvision.io") is not None
+    except ModuleNotFoundError:  # no nvidia package at all
+        return False
 
 
 def _in_subprocess_loader(root, decode, workers, cores) -> dict:
