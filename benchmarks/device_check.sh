@@ -40,6 +40,16 @@ status=0
 
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { echo "install failed"; cat "$OUT/install.log"; exit 1; }
 
+# optional wheels carried in .whl/ (nvImageCodec and nvJPEG for the GPU decode: benchmarks/README.md): installed
+# apart, their `nvidia` folder made a namespace that also reaches the image's own nvidia packages
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dres-wheels .whl/*.whl >>"$OUT/install.log" 2>&1 &&
+    echo "__path__ = __import__('pkgutil').extend_path(__path__, __name__)" >/tmp/dres-wheels/nvidia/__init__.py &&
+    export PYTHONPATH=/tmp/dres-wheels${PYTHONPATH:+:$PYTHONPATH} \
+      LD_LIBRARY_PATH=/tmp/dres-wheels/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} ||
+    echo "the wheels in .whl/ did not install (see install.log)"
+fi
+
 if want tests && [ "${TEST_PROCS:-1}" -gt 1 ] && [ -z "${TESTS:-}" ]; then
   # one pytest process per group of test files, groups of about equal time by the last suites' reports
   mapfile -t groups < <(python3 tests/split_tests.py --procs "$TEST_PROCS")
