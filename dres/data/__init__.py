@@ -6,7 +6,8 @@
 digits          scikit-learn's handwritten digits (no download), upsampled to ``img_size``
 cifar10_wds     the shared CIFAR-10 WebDataset shards (``path`` = their folder; default
                 ``../shared/data/cifar10`` beside the checkout)
-wds             any WebDataset shards: ``path`` in brace notation, e.g. ``/d/train-{000..099}.tar``
+wds             any WebDataset shards: ``path`` in brace notation (``/d/train-{000..099}.tar``), a folder with
+                a ``manifest.json`` (``dres-prep``'s output), ``pipe:CMD`` or ``http(s)://`` URLs
 imagefolder     ImageNet-layout ``root/<class>/<image>`` trees
 cifar_tv        CIFAR-10/100 in torchvision's pickled format (``path`` = the root folder)
 mnist_tv        MNIST in torchvision's idx files (``path`` = the folder holding ``MNIST/raw/``)
