@@ -153,13 +153,9 @@ class _StreamingLoader(_Position):
         _stop_workers(self._running)
 
     def _loader(self, dataset, **kw):
-        # a process with CUDA running (the trainer: its compile and decoder threads) starts workers from a forkserver:
-        # a worker forked from it can hang on a lock one of its threads held at the fork
-        forkserver = self.num_workers and torch.cuda.is_initialized()
         return torch.utils.data.DataLoader(
             dataset, num_workers=self.num_workers, pin_memory=torch.device(self.device).type == "cuda",
             worker_init_fn=worker_init if self.num_workers else None,
-            multiprocessing_context="forkserver" if forkserver else None,
             prefetch_factor=4 if self.num_workers else None, **kw)
 
     def _finish(self, prepared: dict) -> dict | None:
