@@ -20,15 +20,10 @@ import triton.language as tl
 
 from .utils import CachedLaunch
 
-# per-image int64 metadata: element offset in the buffer, height, width, and the strides of a row,
-# a column and a channel, then the flip flag
-META_FIELDS = 7
-
-
 @triton.jit
 def _crop_resize_kernel(SRC, META, BOX, SCALE, SHIFT, OUT, size,
                         C: tl.constexpr, CB: tl.constexpr, BLOCK: tl.constexpr):
-    b = tl.program_id(0)
+    b = tl.program_id(0)  # META's row b: offset in SRC, height, width, row / column / channel strides, flip
     pix = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = pix < size * size
     oy = (pix // size).to(tl.float32)

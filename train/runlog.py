@@ -29,7 +29,7 @@ class RunLog:
         shown = main and show_progress
         self.bar = progress(total=total, initial=initial, unit="step") if shown and sys.stderr.isatty() else None
         self.plain = shown and self.bar is None
-        self.write = self.around_bar(write)
+        self.write = write  # the plain lines, written where there is no bar
         self._since = (initial, time.monotonic())  # the step and time ETA counts from
 
     def around_bar(self, write: Callable[[str], None]) -> Callable[[str], None]:

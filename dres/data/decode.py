@@ -41,9 +41,6 @@ import torch.nn.functional as F
 
 from dres.data.augment import to_device
 
-DECODE_BACKENDS = ("nvimgcodec", "torchvision")
-
-
 def decode_errors() -> tuple:
     """The exceptions a damaged or unsupported image raises while it is read or decoded."""
     from PIL import Image
@@ -160,7 +157,12 @@ def prepare(prep: SamplePrep, data: bytes, seed: int, label: int, name: str):
     except Exception as e:
         if not is_decode_error(e):
             raise
-        return None, None, None, False, label, f"{name}: {type(e).__name__}"
+        return lost_sample(label, name, e)
+
+
+def lost_sample(label: int, name: str, error: BaseException):
+    """The prepared form of a sample that could not be read or decoded (:func:`prepare`)."""
+    return None, None, None, False, label, f"{name}: {type(error).__name__}"
 
 
 def collate_prepared(samples: list) -> dict:
@@ -239,8 +241,7 @@ class BatchFinisher:
         rows = [batch["pixel_rows"]]
         parts = []
         if batch["pixels"] is not None:
-            parts.append(to_device(batch["pixels"], self.device).float() * self.scale.view(1, -1, 1, 1)
-                         + self.shift.view(1, -1, 1, 1))
+            parts.append(self._normalised(batch["pixels"]))
         if len(batch["jpeg_rows"]):
             decoded_rows, decoded, cpu_rows, cpu_pixels = self._decode_jpegs(batch, lost)
             rows += [decoded_rows, cpu_rows]
@@ -284,11 +285,12 @@ class BatchFinisher:
             self.gpu_fallbacks += 1
             cpu_rows.append(int(jpeg_rows[i]))
             cpu_pixels.append(pixels)
-        fallback = None
-        if cpu_pixels:
-            fallback = (to_device(torch.stack(cpu_pixels), self.device).float() * self.scale.view(1, -1, 1, 1)
-                        + self.shift.view(1, -1, 1, 1))
+        fallback = self._normalised(torch.stack(cpu_pixels)) if cpu_pixels else None
         return (jpeg_rows[ok] if ok else jpeg_rows[:0], decoded, torch.tensor(cpu_rows, dtype=torch.int64), fallback)
+
+    def _normalised(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Host uint8 (B, C, size, size) -> float on the device, ``v * scale + shift``."""
+        return to_device(pixels, self.device).float() * self.scale.view(1, -1, 1, 1) + self.shift.view(1, -1, 1, 1)
 
     def _crop_resize(self, images: list, boxes: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
         """Decoded (C, H, W) images of any sizes -> one buffer in each image's own memory order (HWC or

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from dres.data.augment import augment_params, channel_stats, gather_augment, normalize, to_device
-from dres.data.decode import BatchFinisher, SamplePrep, collate_prepared, prepare, read_file, worker_init
+from dres.data.decode import (BatchFinisher, SamplePrep, collate_prepared, lost_sample, prepare, read_file,
+                              worker_init)
 from dres.data.sources import (CorruptCounter, DataError, check_labels, expand_shards, iter_shard,
                                list_image_folder)
 
@@ -165,7 +166,8 @@ class _StreamingLoader(_Position):
         check_labels(prepared["labels"], self.num_classes, self.where)  # on the host: no wait for the GPU
         out = self.finisher(prepared, lost) if len(prepared["labels"]) else None
         for name in lost:
-            self.counter.add(name, name.rsplit(": ", 1)[0], key=name.rsplit(": ", 1)[0])
+            source = name.rsplit(": ", 1)[0]  # "<file or shard:key>: <error>"
+            self.counter.add(name, source, key=source)
         self._read += 0 if out is None else len(out["label"])
         if lost or prepared.get("events"):
             self.counter.check(self._read, self.max_corrupt_frac, self.where, self._expected)
@@ -200,7 +202,7 @@ class _FolderSamples(torch.utils.data.Dataset):
         try:
             data = read_file(path)
         except (OSError, ValueError) as e:
-            return None, None, None, False, self.labels[idx], f"{path}: {type(e).__name__}"
+            return lost_sample(self.labels[idx], path, e)
         return prepare(self.prep, data, seed, self.labels[idx], path)
 
 

@@ -17,7 +17,6 @@ written. It refuses an output folder that holds anything else.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import os
 import random
@@ -28,7 +27,7 @@ from multiprocessing import Pool
 from pathlib import Path
 
 from dres.data.decode import is_decode_error, read_file
-from dres.data.sources import DataError, list_image_folder
+from dres.data.sources import DataError, file_sha256, list_image_folder
 from dres.records import write_json_atomic
 
 SHARD = "{name}-{index:06d}.tar"
@@ -74,22 +73,14 @@ def _write_shard(job) -> dict:
                 tar.addfile(info, io.BytesIO(payload))
             samples += 1
     os.replace(tmp, path)
-    return {"shard": os.path.basename(path), "samples": samples, "sha256": _sha256(path), "lost": lost}
+    return {"shard": os.path.basename(path), "samples": samples, "sha256": file_sha256(path), "lost": lost}
 
 
 def _existing_shard(path: str) -> dict:
     """A shard written by an earlier run: its count (of ``.cls`` members) and sha256."""
     with tarfile.open(path) as tar:
         samples = sum(m.name.endswith(".cls") for m in tar)
-    return {"shard": os.path.basename(path), "samples": samples, "sha256": _sha256(path), "lost": []}
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return {"shard": os.path.basename(path), "samples": samples, "sha256": file_sha256(path), "lost": []}
 
 
 def prepare_shards(src: str, out: str, *, short_side: int = 320, shard_size: int = 1000, quality: int = 90,

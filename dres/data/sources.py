@@ -151,7 +151,8 @@ def check_labels(labels: torch.Tensor, num_classes: int, where: str):
 _SHA_CACHE: dict = {}
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+    """A file's sha256, remembered by its real path, size and modification time."""
     st = os.stat(path)
     key = (os.path.realpath(path), st.st_size, st.st_mtime_ns)
     if key not in _SHA_CACHE:
@@ -223,7 +224,7 @@ def verify_manifest(shards: list[str]) -> int:
         folder = os.path.dirname(os.path.abspath(s))
         if "sha256" not in entry or is_remote(s):  # a streamed shard is checked as it is read (open_shard)
             continue
-        got = _sha256(s)
+        got = file_sha256(s)
         if got != entry["sha256"]:
             raise DataError(f"shard {s} does not match {folder}/manifest.json (sha256 {got[:12]}..., expected "
                             f"{entry['sha256'][:12]}...): re-fetch it, or set data.verify_manifest=false to use it as is")
