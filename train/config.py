@@ -508,7 +508,7 @@ def build_config(task: str | None = None, preset: str | None = None, overrides=(
 
 def auto_compile_scope(cfg: Config) -> str:
     """``compile_scope=auto``: the whole model where one process trains it without activation checkpointing (the
-    ViT-B/16 MAE trainer 4-5% faster than per block on one H100, BENCHMARKS.md), per block otherwise (FSDP2 and
+    ViT-B/16 MAE trainer on synthetic data 4-5% faster than per block on one H100, docs/usage.md), per block otherwise (FSDP2 and
     checkpointing work block by block; under DDP only per block has been measured)."""
     return "model" if cfg.dist == "none" and cfg.act_ckpt == "none" else "blocks"
 
