@@ -28,6 +28,15 @@ def make(shape, dtype, device, layout="nchw"):
     return t.to(memory_format=torch.channels_last) if layout == "channels_last" else t
 
 
+def away_from_the_kink(x, h, alpha, row_scale):
+    """Move x, in place, where ``alpha*x + row_scale*h`` lies within fp32 rounding of 0: there relu has no one
+    derivative (fp32 and float64 may round the pre-activation to opposite signs; about 3 draws in 1000 of the
+    bf16 cases had one such element)."""
+    scale = 1.0 if row_scale is None else row_scale.double().view(-1, *[1] * (x.dim() - 1))
+    pre = alpha * x.double() + scale * h.double()
+    x.add_((pre.abs() < 1e-4).to(x.dtype) * 0.0625)
+
+
 def against_float64(x, h, alpha=0.8, row_scale=None, grad_scale=None, act="relu", g=None, backend="triton"):
     """((out, dx, dh, dalpha) of the op, the same of the float64 reference) for cotangent g.
 
@@ -69,6 +78,8 @@ def test_matches_float64(triton_device, x_dtype, h_dtype, mode, act, layout):
     shape = (3, 5, 7, 9)
     x, h = make(shape, x_dtype, triton_device, layout), make(shape, h_dtype, triton_device, layout)
     row_scale, grad_scale = mode_scales(mode, 3, triton_device)
+    if act == "relu":
+        away_from_the_kink(x, h, 0.85, row_scale)
     got, want = against_float64(x, h, 0.85, row_scale, grad_scale, act)
     check_all(got, want, x_dtype, h_dtype)
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
