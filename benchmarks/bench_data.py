@@ -3,14 +3,21 @@ the trainers from it against the same trainers on synthetic data, each with ever
 held to fewer cores (``taskset``, which its DataLoader workers inherit).
 
     python -m benchmarks.bench_data make --root DIR [--images 20000 --classes 100]
-    python -m benchmarks.bench_data loader --root DIR --decode gpu --workers 4 [--cores 4]
+    python -m benchmarks.bench_data loader --root DIR --decode gpu --workers 4
     python -m benchmarks.bench_data all --root DIR [--cores 16,4] [--shards] [--out OUT]
+        [--gpus 2] [--first-core 32] [--trainer-set compile_scope=model] [--no-decoders]
+
+``--gpus N`` runs every trainer as DDP on N GPUs (``dres.train.launch``), 256 images a GPU, and ``--cores``
+then counts cores a GPU (the workers' count is a rank's). Every ``taskset`` range starts at ``--first-core``:
+two runs on one host, given their GPUs by ``CUDA_VISIBLE_DEVICES``, are held to disjoint cores that way (the GPU
+half alone runs in this process: ``--no-decoders``, or ``taskset`` on the whole command).
 
 The folder is like ImageNet's train split: landscape and portrait photos of 500 x 375 / 333 mostly, some of
 other sizes, JPEG quality 90 at about ImageNet's mean file size, 1% greyscale, 0.2% CMYK and 0.1% PNGs named
 .JPEG (as ImageNet has), 2% progressive. ``all`` writes ``data.json`` and ``data.md`` under OUT: the GPU
 decoder's own rate (the training process's half alone, on batches read once), each loader's images/s, and each
-trainer's steady-state images/s from files over its rate on synthetic data.
+trainer's steady-state images/s from files over its rate on synthetic data (with the largest ``--cores``, the
+same GPUs and ``--trainer-set`` overrides).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -28,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-# (preset, task, overrides): the trainers measured from files; batch and steps set per run
+# (preset, task, model sets): the trainers measured from files; batch and steps set per run
 TRAINERS = {
     "mae_vit_b16_baseline": ("mae_vit_b16_in1k", "mae", ["model.variant=baseline"]),
     "mae_vit_b16_official": ("mae_vit_b16_in1k", "mae", ["model.variant=official"]),
@@ -150,37 +158,65 @@ def decoder_rate(root: str, backend: str, batch: int = 256, batches: int = 20, h
             "batch": batch, "images_per_s": n / seconds, "decode_call_images_per_s": decode_only}
 
 
-def trainer_rate(name: str, data: list[str], cores: int | None, steps: int, batch: int, timeout_s: float = 300) -> dict:
-    """Steady-state images/s of a trainer run (``dres.train.TASK``), under ``taskset`` to ``cores`` cores."""
-    from benchmarks.trainer_runs import TRAINER_EVAL_OFF, steady_state_rate
+def core_range(first_core: int, cores: int) -> str:
+    """``taskset -c``'s list of ``cores`` cores from ``first_core`` on."""
+    return f"{first_core}-{first_core + cores - 1}"
 
-    preset, task, overrides = TRAINERS[name]
+
+def trainer_command(name: str, data: list[str], cores: int, first_core: int, gpus: int, steps: int, batch: int,
+                    out: str, overrides: list[str]) -> list[str]:
+    """The trainer run of :data:`TRAINERS` ``name`` on ``gpus`` GPUs (one process, or DDP through
+    ``dres.train.launch``), ``batch`` images a GPU, held to ``cores`` cores a GPU from ``first_core`` on;
+    ``overrides`` come last and so win."""
+    from benchmarks.trainer_runs import TRAINER_EVAL_OFF
+
+    preset, task, model_sets = TRAINERS[name]
+    launcher = ["-m", "dres.train.launch", "--standalone", "--nproc_per_node", str(gpus)] if gpus > 1 else []
+    cmd = ["taskset", "-c", core_range(first_core, cores * gpus), sys.executable, *launcher, "-m", f"dres.train.{task}",
+           "--preset", preset, "--out", out]
+    for kv in [*model_sets, *data, f"dist={'ddp' if gpus > 1 else 'none'}", f"batch_size={batch * gpus}",
+               f"steps={steps}", "log.every=10", "log.progress=false", "log.tensorboard=false", "ckpt.every=0",
+               *TRAINER_EVAL_OFF, *overrides]:
+        cmd += ["--set", kv]
+    return cmd
+
+
+def trainer_rate(name: str, data: list[str], cores: int, first_core: int, gpus: int, steps: int, batch: int,
+                 overrides: list[str], timeout_s: float = 300) -> dict:
+    """Steady-state images/s of a trainer run (:func:`trainer_command`); ``batch`` is a GPU's."""
+    from benchmarks.train_distributed import NCCL_ENV
+    from benchmarks.trainer_runs import steady_state_rate
+
+    row = {"kind": "trainer", "name": name, "data": data, "cores": cores, "gpus": gpus, "overrides": overrides}
     with tempfile.TemporaryDirectory(prefix="dres-data-") as out:
-        cmd = [sys.executable, "-m", f"dres.train.{task}", "--preset", preset, "--out", out]
-        for kv in [*overrides, *data, "dist=none", f"batch_size={batch}", f"steps={steps}", "log.every=10",
-                   "log.progress=false", "log.tensorboard=false", "ckpt.every=0", *TRAINER_EVAL_OFF]:
-            cmd += ["--set", kv]
-        if cores:
-            cmd = ["taskset", "-c", f"0-{cores - 1}", *cmd]
+        cmd = trainer_command(name, data, cores, first_core, gpus, steps, batch, out, overrides)
         t0 = time.time()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                env=dict(os.environ, **NCCL_ENV))
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            _, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            return {"kind": "trainer", "name": name, "data": data, "cores": cores, "error": f"over {timeout_s} s"}
+            # SIGTERM, which torchrun passes on to the ranks and waits for: a SIGKILL would leave them on the GPUs
+            proc.terminate()
+            try:
+                proc.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+            return {**row, "error": f"over {timeout_s} s"}
         if proc.returncode != 0:
-            return {"kind": "trainer", "name": name, "data": data, "cores": cores, "error": proc.stderr[-2000:]}
+            return {**row, "error": stderr[-2000:]}
         with open(Path(out) / "metrics.jsonl") as f:
             metrics = [json.loads(line) for line in f if line.strip()]
-        ips, timed = steady_state_rate(metrics, batch)
-    return {"kind": "trainer", "name": name, "data": data, "cores": cores, "batch": batch, "images_per_s": ips,
-            "steps_timed": timed, "wall_s": time.time() - t0}
+        ips, timed = steady_state_rate(metrics, batch * gpus)
+    return {**row, "batch": batch, "images_per_s": ips, "steps_timed": timed, "wall_s": time.time() - t0}
 
 
 def run_all(args) -> list[dict]:
     from dres.data.decode import gpu_decode_backend
 
     rows = []
-    backends = [b for b in ("nvimgcodec", "torchvision") if _importable(b)]
+    backends = [b for b in ("nvimgcodec", "torchvision") if _importable(b)] if args.decoders else []
     for backend in backends:
         for hw_load in (args.hw_loads if backend == "nvimgcodec" else [0.0]):
             rows.append(decoder_rate(args.root, backend, hw_load=hw_load))
@@ -196,7 +232,7 @@ def _loader_rows(args, rows):
     for root in args.sources:
         for cores in args.cores:
             for decode, workers in (("gpu", min(cores, 4)), ("cpu", cores)):
-                rows.append({**_in_subprocess_loader(root, decode, workers, cores), "cores": cores})
+                rows.append({**_in_subprocess_loader(root, decode, workers, cores, args.first_core), "cores": cores})
                 print(json.dumps(rows[-1]), flush=True)
 
 
@@ -204,15 +240,15 @@ def _trainer_rows(args, rows):
     sources = [[f"data.path={root}", f"data.name={'wds' if root != args.root else 'imagefolder'}",
                 "data.num_classes=100", "data.gpu_resident=false", *[f"data.{kv}" for kv in args.data_sets]]
                for root in args.sources]
+    run = dict(first_core=args.first_core, gpus=args.gpus, steps=args.steps, batch=256, overrides=args.trainer_sets,
+               timeout_s=args.trainer_timeout)
     for name in args.trainers:
-        batch = 256
-        rows.append(trainer_rate(name, ["data.name=synthetic", "data.num_classes=100"], None, args.steps, batch,
-                                 args.trainer_timeout))
+        rows.append(trainer_rate(name, ["data.name=synthetic", "data.num_classes=100"], max(args.cores), **run))
         print(json.dumps(rows[-1]), flush=True)
         for files, cores, decode in ((f, c, d) for f in sources for c in args.cores for d in args.trainer_decodes):
             workers = min(cores, 4) if decode == "gpu" else max(cores - 1, 1)
             data = files + [f"data.decode={decode}", f"data.num_workers={workers}"]
-            rows.append(trainer_rate(name, data, cores, args.steps, batch, args.trainer_timeout))
+            rows.append(trainer_rate(name, data, cores, **run))
             print(json.dumps(rows[-1]), flush=True)
 
 
@@ -225,41 +261,63 @@ def _importable(backend: str) -> bool:
         return False
 
 
-def _in_subprocess_loader(root, decode, workers, cores) -> dict:
-    """:func:`loader_rate` in a fresh process held to ``cores`` cores."""
-    cmd = ["taskset", "-c", f"0-{cores - 1}", sys.executable, "-m", "benchmarks.bench_data", "loader", "--root", root,
-           "--decode", decode, "--workers", str(workers)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def loader_command(root: str, decode: str, workers: int, cores: int, first_core: int) -> list[str]:
+    """:func:`loader_rate` in a fresh process held to ``cores`` cores from ``first_core`` on."""
+    return ["taskset", "-c", core_range(first_core, cores), sys.executable, "-m", "benchmarks.bench_data", "loader",
+            "--root", root, "--decode", decode, "--workers", str(workers)]
+
+
+def _in_subprocess_loader(root, decode, workers, cores, first_core) -> dict:
+    proc = subprocess.run(loader_command(root, decode, workers, cores, first_core), capture_output=True, text=True)
     if proc.returncode != 0:
-        return {"kind": "loader", "decode": decode, "workers": workers, "error": proc.stderr[-2000:]}
+        return {"kind": "loader", "source": _data_config(root, decode, workers).name, "decode": decode,
+                "workers": workers, "error": proc.stderr[-2000:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _trainer_key(row: dict) -> tuple:
+    """What a trainer row from files shares with its synthetic row: trainer, GPUs and overrides."""
+    return row["name"], row.get("gpus", 1), tuple(row.get("overrides", []))
+
+
+def error_line(error: str) -> str:
+    """The line of a failed run's stderr that says what failed: the last exception with a message, else the last
+    line (torchrun's report of a failed rank ends in rules and fields below the rank's own exception)."""
+    lines = [line.strip() for line in error.splitlines() if line.strip()] or ["no message"]
+    return next((line for line in reversed(lines) if re.search(r"\w(Error|Exception): \S", line)), lines[-1])
+
+
 def markdown(rows: list[dict], card: str) -> str:
-    """The loaders' and trainers' table: each trainer row over the same trainer on synthetic data."""
-    synthetic = {r["name"]: r["images_per_s"] for r in rows
+    """The loaders' and trainers' table: each trainer row over the same trainer on synthetic data with the same
+    GPUs and overrides; a failed row shows what failed."""
+    synthetic = {_trainer_key(r): r["images_per_s"] for r in rows
                  if r["kind"] == "trainer" and "data.name=synthetic" in r["data"] and "images_per_s" in r}
-    lines = [f"Card: {card}", "", "| what | decode | cores | workers | img/s | vs synthetic |", "|---|---|---|---|---|---|"]
+    lines = [f"Card: {card}", "", "| what | decode | gpus | cores a GPU | workers a GPU | img/s | vs synthetic |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        if "error" in r:
-            lines.append(f"| {r['kind']} {r.get('name', '')} | {r.get('decode', '')} | {r.get('cores', '')} | | failed | |")
-            continue
         if r["kind"] == "decoder":
             hw = f", hardware share {r['hw_load']}" if r.get("hw_load") is not None else ""
             lines.append(f"| GPU half alone ({r['backend']}{hw}; the decode call alone "
-                         f"{r['decode_call_images_per_s']:,.0f}) | gpu | | | {r['images_per_s']:,.0f} | |")
-        elif r["kind"] == "prep":
+                         f"{r['decode_call_images_per_s']:,.0f}) | gpu | 1 | | | {r['images_per_s']:,.0f} | |")
+            continue
+        if r["kind"] == "prep":
             lines.append(f"| dres-prep, shorter side {r['short_side']} ({r['mean_kib']:.1f} KiB an image, "
-                         f"{r['seconds']:.0f} s) | | all | | {r['images'] / r['seconds']:,.0f} | |")
-        elif r["kind"] == "loader":
-            lines.append(f"| loader {r.get('source', 'imagefolder')} ({r.get('backend') or 'cpu'}) | {r['decode']} | "
-                         f"{r['cores']} | {r['workers']} | {r['images_per_s']:,.0f} | |")
+                         f"{r['seconds']:.0f} s) | | | all | | {r['images'] / r['seconds']:,.0f} | |")
+            continue
+        if r["kind"] == "loader":
+            backend = f" ({r['backend'] or 'cpu'})" if "backend" in r else ""
+            cells = [f"loader {r.get('source', 'imagefolder')}{backend}", r["decode"], 1, r["cores"], r["workers"]]
         else:
             data = dict(kv.split("=", 1) for kv in r["data"])
-            ratio = r["images_per_s"] / synthetic[r["name"]] if r["name"] in synthetic else float("nan")
-            lines.append(f"| trainer {r['name']} ({data.get('data.name')}) | {data.get('data.decode', '')} | "
-                         f"{r['cores'] or 'all'} | {data.get('data.num_workers', '')} | {r['images_per_s']:,.0f} | "
-                         f"{ratio:.2f}x |")
+            sets = "".join(f"; {kv}" for kv in r.get("overrides", []))
+            cells = [f"trainer {r['name']} ({data.get('data.name')}{sets})", data.get("data.decode", ""),
+                     r.get("gpus", 1), r["cores"] or "all", data.get("data.num_workers", "")]
+        if "error" in r:
+            cells += ["failed: " + error_line(r["error"]).replace("|", "\\|"), ""]
+        else:
+            baseline = synthetic.get(_trainer_key(r)) if r["kind"] == "trainer" else None
+            cells += [f"{r['images_per_s']:,.0f}", f"{r['images_per_s'] / baseline:.2f}x" if baseline else ""]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -271,13 +329,19 @@ def main(argv=None):
     ap.add_argument("--classes", type=int, default=100)
     ap.add_argument("--decode", choices=("cpu", "gpu"), default="gpu")
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--cores", default=f"{os.cpu_count()},4", help="comma-separated core counts (taskset)")
+    ap.add_argument("--cores", help="comma-separated core counts a GPU (taskset); default: every core from "
+                    "--first-core on shared by the GPUs, and 4")
+    ap.add_argument("--first-core", type=int, default=0, help="the first core of every taskset range")
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs a trainer runs on (DDP where more than one)")
     ap.add_argument("--trainers", default="mae_vit_b16_baseline,mae_vit_b16_official,resnet50d_224")
     ap.add_argument("--trainer-decodes", default="gpu,cpu")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--trainer-timeout", type=float, default=300, help="seconds a trainer run may take")
+    ap.add_argument("--trainer-set", dest="trainer_sets", action="append", default=[],
+                    help="KEY=VALUE for every trainer run, after the benchmark's own (e.g. compile_scope=model)")
     ap.add_argument("--hw-loads", default="0,0.65,1", help="nvImageCodec hardware shares the GPU half is timed at")
     ap.add_argument("--no-loaders", dest="loaders", action="store_false", help="skip the loader-alone rows")
+    ap.add_argument("--no-decoders", dest="decoders", action="store_false", help="skip the GPU-half-alone rows")
     ap.add_argument("--shards", action="store_true",
                     help="also the folder as dres-prep shards (ROOT-shards, made once, timed): loaders and trainers")
     ap.add_argument("--set", dest="data_sets", action="append", default=[],
@@ -292,7 +356,14 @@ def main(argv=None):
     if args.what == "loader":
         print(json.dumps(loader_rate(args.root, args.decode, args.workers)), flush=True)
         return 0
-    args.cores = [int(c) for c in args.cores.split(",") if c]
+    if args.gpus < 1:
+        ap.error(f"--gpus {args.gpus}: at least 1")
+    every_core = (os.cpu_count() - args.first_core) // args.gpus
+    args.cores = [int(c) for c in args.cores.split(",") if c] if args.cores else \
+        [every_core, 4] if every_core > 4 else [every_core]
+    if args.first_core < 0 or min(args.cores) < 1 or args.first_core + max(args.cores) * args.gpus > os.cpu_count():
+        ap.error(f"--first-core {args.first_core}, --cores {max(args.cores)} a GPU x --gpus {args.gpus}: not within "
+                 f"this machine's cores 0-{os.cpu_count() - 1}")
     args.trainers = [t for t in args.trainers.split(",") if t]
     args.trainer_decodes = [d for d in args.trainer_decodes.split(",") if d]
     args.hw_loads = [float(v) for v in args.hw_loads.split(",") if v]

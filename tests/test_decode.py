@@ -333,6 +333,7 @@ def test_bench_data_makes_an_imagenet_like_folder_and_reads_its_rows(tmp_path):
     rows = [{"kind": "trainer", "name": "vit", "data": ["data.name=synthetic"], "cores": None, "images_per_s": 5000.0},
             {"kind": "trainer", "name": "vit", "data": ["data.name=imagefolder", "data.decode=gpu",
                                                         "data.num_workers=4"], "cores": 4, "images_per_s": 4750.0},
-            {"kind": "loader", "source": "wds", "decode": "cpu", "error": "boom", "cores": 4}]
+            {"kind": "loader", "source": "wds", "decode": "cpu", "workers": 4, "error": "boom", "cores": 4}]
     table = markdown(rows, "h100")
-    assert "| trainer vit (imagefolder) | gpu | 4 | 4 | 4,750 | 0.95x |" in table and "failed" in table
+    assert "| trainer vit (imagefolder) | gpu | 1 | 4 | 4 | 4,750 | 0.95x |" in table
+    assert "| loader wds | cpu | 1 | 4 | 4 | failed: boom |  |" in table
