@@ -41,10 +41,12 @@ status=0
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { echo "install failed"; cat "$OUT/install.log"; exit 1; }
 
 # optional wheels carried in .whl/ (nvImageCodec and nvJPEG for the GPU decode: benchmarks/README.md): installed
-# apart, their `nvidia` folder made a namespace that also reaches the image's own nvidia packages
+# apart, their `nvidia` folder made a namespace that also reaches the image's own nvidia packages; installed once
+# a host (the namespace file is written last), so that runs started side by side share it
 if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dres-wheels .whl/*.whl >>"$OUT/install.log" 2>&1 &&
-    echo "__path__ = __import__('pkgutil').extend_path(__path__, __name__)" >/tmp/dres-wheels/nvidia/__init__.py &&
+  { [ -f /tmp/dres-wheels/nvidia/__init__.py ] ||
+    { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dres-wheels .whl/*.whl >>"$OUT/install.log" 2>&1 &&
+      echo "__path__ = __import__('pkgutil').extend_path(__path__, __name__)" >/tmp/dres-wheels/nvidia/__init__.py; }; } &&
     export PYTHONPATH=/tmp/dres-wheels${PYTHONPATH:+:$PYTHONPATH} \
       LD_LIBRARY_PATH=/tmp/dres-wheels/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} ||
     echo "the wheels in .whl/ did not install (see install.log)"
@@ -173,7 +175,7 @@ if want csrc_tests; then
       && (cd / && PYTHONPATH="$csite" python3 -c 'from dres.ops import csrc_backend as c; assert c.available(), c.LOAD_ERROR') \
       >>"$OUT/install_csrc.log" 2>&1; then
     cp -r . "$csrun/tree" && rm -rf "$csrun/tree/dres"
-    (cd "$csrun/tree" && PYTHONPATH="$csite" python3 -m pytest -q -p no:cacheprovider ${CSRC_TESTS:-tests} \
+    (cd "$csrun/tree" && PYTHONPATH="$csite${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -p no:cacheprovider ${CSRC_TESTS:-tests} \
       --junitxml="$OUT/junit_csrc.xml" 2>&1) | tee "$OUT/tests_csrc.log" | tail -n 20
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   else

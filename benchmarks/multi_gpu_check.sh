@@ -6,7 +6,7 @@
 #   profile     one GPU, eager: no FSDP2, FSDP2 with a unit per block and the trainer's default (top CPU
 #               ops, top kernels, GPU idle, Chrome traces)
 #   ddp_profile DDP and DDP with gradients as bucket views on the most GPUs, under torchrun (traces)
-#   ddp_graph_test  the two-GPU test of the captured DDP step against eager DDP (tests/test_graph_step.py)
+#   ddp_graph_test  the two-GPU test of the captured DDP step against eager DDP (tests/test_step.py)
 #   trainer     torchrun -m dres.train.mae --preset mae_vit_b16_in1k, synthetic data, eager, 256 images/GPU,
 #               dist none|ddp, DDP eager (ddp:eager) and with the whole step captured (ddp, the default) and fsdp on
 #               TRAINER_SCALING GPUs, steady-state img/s
@@ -96,7 +96,7 @@ stage profile 45 80 python3 -m benchmarks.profile_train --bench mae --models "$P
   -m benchmarks.profile_train --bench mae --models "$PROFILE_MODELS" --mode eager --dist ddp,ddp:bucket_view \
   --steps 3 --warmup 4 --trace --out "$STAGE_DIR"
 [ "$MAXW" -gt 1 ] && stage ddp_graph_test 30 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" -m gpu \
-  tests/test_graph_step.py -k ddp -rfE
+  tests/test_step.py -k ddp -rfE
 stage trainer 90 180 python3 -m benchmarks.bench_train --trainer mae_vit_b16_in1k --scaling "$TRAINER_SCALING" \
   --dist ddp:eager,ddp,fsdp --modes eager --batch 256 --trainer-steps 60 --trainer-log-every 10 \
   --set data.name=synthetic --set data.synthetic_size=2048 --out "$STAGE_DIR"

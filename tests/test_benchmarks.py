@@ -689,7 +689,7 @@ def test_multi_gpu_check_dry_run_fits_the_budget(tmp_path):
     assert "--scaling 1,2,4 --dist ddp,fsdp,fsdp:auto:1,fsdp:never:4,fsdp:auto:8 " in out
     assert "--nproc_per_node=4 -m benchmarks.profile_train" in out and "--dist none,fsdp:auto:1,fsdp " in out
     assert "--modes compile --scaling 1,4" in out and "--trainer mae_vit_b16_in1k --scaling 1,4 " in out
-    assert "tests/test_graph_step.py -k ddp" in out and "--dist ddp:eager,ddp,fsdp " in out
+    assert "tests/test_step.py -k ddp" in out and "--dist ddp:eager,ddp,fsdp " in out
     # the trainer's own step profiled on one GPU and, graphed with DDP, on all four
     assert "--nproc_per_node=4 -m benchmarks.profile_train --trainer mae_vit_b16_in1k --batch 256 --set dist=ddp " in out
     env.update(NGPU="2", BUDGET_S="150", STAGES="trainer compile")

@@ -322,12 +322,9 @@ def test_curves_png_draws_the_training_loss_first(tmp_path, monkeypatch):
 
 
 def test_tensorboard_missing_is_one_line_naming_the_extra(tmp_path, monkeypatch):
-    from types import SimpleNamespace
-
-    from dres.train.loop import Trainer
+    from dres.train.runlog import open_tensorboard
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     lines = []
-    trainer = SimpleNamespace(log=lines.append, out=tmp_path, step=0)
-    assert Trainer._tensorboard(trainer) is None
+    assert open_tensorboard(tmp_path / "tb", str, lines.append) is None
     assert len(lines) == 1 and "pip install 'dres[tensorboard]'" in lines[0] and "log.tensorboard=false" in lines[0]

@@ -1,7 +1,7 @@
 """The optimizer switch (dres.train.optim: optim.name adamw | sgd), label smoothing for classify, their
 config checks, the CUDA-graph decision for SGD, and the fingerprint that keeps a run on its optimizer.
 On the device (``gpu``): graphed SGD steps make no host synchronisation (graphed against eager steps:
-test_graph_step.py's 'sgd' cases)."""
+test_step.py's 'sgd' cases)."""
 
 import json
 from unittest import mock
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from dres.train import cli, rundir
 from dres.train.classify import TASK as CLASSIFY
 from dres.train.config import ConfigError, build_config, fingerprint, fingerprint_diff, to_dict
-from dres.train.graph_step import graph_plan
+from dres.train.step import graph_plan
 from dres.train.loop import Trainer, param_groups
 from dres.train.optim import build_optimizer, peak_lr
 
@@ -250,10 +250,10 @@ def test_fingerprint_keeps_a_run_on_its_optimizer(tmp_path):
 
 
 # -------------------------------------------------------------------------------------------- GPU
-# graphed SGD steps against eager ones: test_graph_step.py's CASES 'sgd' and 'sgd_fp16'
+# graphed SGD steps against eager ones: test_step.py's CASES 'sgd' and 'sgd_fp16'
 @pytest.mark.gpu
 def test_graphed_sgd_steps_do_not_synchronise_with_the_host(tmp_path):
-    from test_graph_step import _CLASSIFY as GPU_CLASSIFY, _task
+    from test_step import _CLASSIFY as GPU_CLASSIFY, _task
 
     cfg = build_config("classify", None, GPU_CLASSIFY + ["optim.name=sgd", "optim.label_smoothing=0.1",
                                                          "cuda_graphs=true", "steps=12", f"out={tmp_path}"])

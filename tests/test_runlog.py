@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from dres.train.runlog import RunLog
+from dres.train.runlog import ReplayTimer, RunLog
 
 REC = {"step": 5, "loss": 0.25, "lr": 1e-3, "img_per_s": 640.0, "model_tflops": 0.5, "mfu": 0.125, "epoch": None}
 
@@ -28,7 +29,7 @@ def _one_log_step(tmp_path, main):
     """What a RunLog of a rank (``main`` or not) gives a SummaryWriter for the step of :data:`REC`."""
     tb = _Scalars()
     runlog = RunLog(tmp_path / "metrics.jsonl", main=main, tb=tb, show_progress=True, total=10, initial=4,
-                    kept=lambda: "no checkpoint was written")
+                    kept=lambda: "no checkpoint was written", batch_size=64, rate=lambda ips: {})
     runlog.advance()
     runlog.step(REC)
     runlog.close()
@@ -59,6 +60,40 @@ def test_piped_a_log_step_is_one_plain_line_and_no_bar(tmp_path, capsys):
     assert err == ""
     line, = out.splitlines()
     assert line.startswith("[dres] step 5/10 loss 0.2500 lr 1.00e-03 img/s 640 mfu 12.5% eta "), line
+
+
+def _window_log(tmp_path, **options):
+    return RunLog(tmp_path / "metrics.jsonl", main=True, tb=None, show_progress=False, total=10, initial=0,
+                  kept=lambda: "no checkpoint was written", batch_size=64,
+                  rate=lambda ips: {"model_tflops": ips * 1e-3, "mfu": None}, **options)
+
+
+def test_a_log_window_is_read_back_as_its_record(tmp_path, monkeypatch):
+    """close_window then read_window: the window's mean loss and metrics, img/s over its wall time, the rate's
+    fields and whether a rank asked to stop; written to metrics.jsonl."""
+    clock = iter([100.0, 102.0])  # the window opens at construction and is read 2 s later
+    monkeypatch.setattr("dres.train.runlog.time.time", lambda: next(clock))
+    runlog = _window_log(tmp_path)
+    window = runlog.close_window(step=8, steps=4, lr=1e-3, epoch=0.5, loss_sum=torch.tensor(3.0), n=4,
+                                 metrics={"acc": torch.tensor(2.0)}, stop_asked=True, bad=torch.tensor(False))
+    rec, asked = runlog.read_window(window)
+    assert asked is True
+    assert rec == {"step": 8, "loss": 0.75, "lr": 1e-3, "img_per_s": 128.0, "model_tflops": 0.128, "mfu": None,
+                   "epoch": 0.5, "acc": 0.5}
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == rec
+
+
+def test_a_non_finite_window_writes_no_record(tmp_path):
+    runlog = _window_log(tmp_path)
+    window = runlog.close_window(step=2, steps=2, lr=1e-3, epoch=None, loss_sum=torch.tensor(float("nan")), n=2,
+                                 metrics={}, stop_asked=False, bad=torch.tensor(True))
+    assert runlog.read_window(window) == (None, False)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_replay_timer_keeps_at_least_one_replay():
+    with pytest.raises(ValueError, match="timed_replays must be >= 1"):
+        ReplayTimer(0)
 
 
 def test_a_terminal_that_reports_no_size_gets_a_bar_of_100_columns(monkeypatch):

@@ -7,7 +7,8 @@ import torch
 
 from dres.train import checkpoint
 from dres.train.config import build_config
-from dres.train.loop import NonFiniteLoss, Trainer
+from dres.train.loop import Trainer
+from dres.train.step import NonFiniteLoss
 from dres.train.mae import TASK
 
 # a tiny MAE (official variant, decayed) with ResidualDroppath, on 8x8 digits with augmentation

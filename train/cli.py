@@ -145,7 +145,7 @@ def _user_errors():
     from dres.optional import MissingExtra
     from dres.train.checkpoint import CheckpointError
     from dres.train.config import ConfigError
-    from dres.train.loop import NonFiniteLoss
+    from dres.train.step import NonFiniteLoss
     from dres.train.rundir import RunDirError
 
     return (ConfigError, DataError, NonFiniteLoss, FileNotFoundError, CheckpointError, RunDirError, MissingExtra)

@@ -39,13 +39,9 @@ from dres.train import distributed
 from dres.train import rundir
 from dres.train.common import dense_bf16_peak, flops_rate_text, model_flops_rate
 from dres.train.config import Config, ConfigError, cpu_threads, dotted_value, fingerprint, save_config, to_dict
-from dres.train.graph_step import GraphedStep, graph_plan, graph_warmup_steps, steady_timing
 from dres.train.optim import build_optimizer, peak_lr
-from dres.train.runlog import RunLog, TensorBoard
-
-
-class NonFiniteLoss(RuntimeError):
-    pass
+from dres.train.runlog import LogFile, RunLog, open_tensorboard, steady_timing
+from dres.train.step import GraphedStep, NonFiniteLoss, TrainStep, graph_plan, graph_warmup_steps
 
 
 # sysexits' EX_TEMPFAIL ("try again later"): the run stopped on a signal after saving, --resume auto continues it
@@ -120,7 +116,7 @@ def lr_lambda(total: int, warmup: int, schedule: str, min_ratio: float):
 class Trainer:
     """One run of ``task`` under ``cfg``: :meth:`setup`, then :meth:`fit`, :meth:`evaluate` and :meth:`finish`
     (or :meth:`resume` / :meth:`load_weights` first). ``log`` prints a line; ``graph_warmup_steps``: the
-    eager steps before a captured step's capture (None: :func:`~dres.train.graph_step.graph_warmup_steps`,
+    eager steps before a captured step's capture (None: :func:`~dres.train.step.graph_warmup_steps`,
     what lazy initialisation and DDP need; more than the run's steps: the same body, never captured)."""
 
     def __init__(self, cfg: Config, task, *, log=print, graph_warmup_steps: int | None = None):
@@ -152,8 +148,7 @@ class Trainer:
         self.loaded_from: str | None = None  # the checkpoint load_weights read
         self.flops_per_image: float | None = None  # model FLOPs of one training image (_count_flops)
         self.peak_tflops: float | None = None  # the card's dense bf16 peak, the denominator of mfu
-        self.log_path: Path | None = None  # log.txt, from start_log on
-        self._held: list[str] = []
+        self.log_file = LogFile()  # <out>/log.txt, a copy of what the main rank printed
         # built by setup
         self.raw_model: nn.Module | None = None  # the model before DDP / FSDP2 / whole-model compile
         self.model: nn.Module | None = None  # what the step calls
@@ -167,10 +162,9 @@ class Trainer:
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.scaler: torch.amp.GradScaler | None = None
         self.ema: dict | None = None  # fp32 EMA of the parameters (optim.ema_decay > 0)
+        self.step_body: TrainStep | None = None  # the eager step (train/step.py), its non-finite flag included
         self.graphed: GraphedStep | None = None  # the captured step (None: the step runs eagerly)
         self.step_fn = None  # the step train_step runs: graphed or step_body, chosen once in setup
-        self._bad: torch.Tensor | None = None  # the device-side non-finite flag of the steps so far
-        self._window_start = 0.0  # wall time at which fit's current log window began
         self.data_stream = None  # the CUDA stream batches are made on (data.side_stream), else the step's
         # used by fit, evaluation and finish
         self.tb = None  # the TensorBoard writer (main rank, log.tensorboard)
@@ -179,26 +173,12 @@ class Trainer:
     def log(self, msg):
         if self.main:
             self._log(msg)
-            self._keep(msg)
-
-    def _keep(self, msg):
-        """Copy ``msg`` into ``<out>/log.txt`` once the run has its folder (:meth:`start_log`); held until then."""
-        if self.log_path is None:
-            self._held.append(msg)
-            return
-        try:
-            with open(self.log_path, "a") as f:
-                f.write(msg + "\n")
-        except OSError:  # log.txt copies what was printed; a failed copy does not stop the run
-            pass
+            self.log_file.write(msg)
 
     def start_log(self):
         """From now on :meth:`log` also appends to ``<out>/log.txt``, starting with what it printed before."""
-        if self.main and self.log_path is None:
-            self.log_path = self.out / "log.txt"
-            held, self._held = self._held, []
-            if held:
-                self._keep("\n".join(held))
+        if self.main:
+            self.log_file.open(self.out / "log.txt")
 
     # ---------------------------------------------------------------- setup
     def setup(self, train=True):
@@ -262,6 +242,8 @@ class Trainer:
         # EMA of the parameters (fp32; sharded like the parameters under FSDP)
         self.ema = ({n: p.detach().clone().float() for n, p in self.raw_model.named_parameters()}
                     if o.ema_decay > 0 else None)
+        self.step_body = TrainStep(self.task, cfg, self.model, self.raw_model, self.optimizer, self.scaler,
+                                   self.autocast, self.device, ema=self.ema, droppath=self.droppath)
         if graphs and train:
             eager_steps = (self.graph_warmup_steps if self.graph_warmup_steps is not None
                            else graph_warmup_steps(cfg, self.info.world))
@@ -314,7 +296,7 @@ class Trainer:
                 "fingerprint": fingerprint(self.cfg), "history_len": len(self.history)}
 
     def save(self):
-        if self._bad is not None and bool(self._bad):
+        if self.step_body.bad is not None and bool(self.step_body.bad):
             raise NonFiniteLoss("non-finite loss; not saving")
         p = checkpoint.save(self.ckpt_dir, self.step, self.model, self.optimizer, self._extra(), dcp_format=self.dcp,
                    keep=self.cfg.ckpt.keep, device=self.device, ema=self.ema)
@@ -400,49 +382,6 @@ class Trainer:
         self.log(f"[dres] loaded weights of step {self.step} from {extra['path']}")
 
     # ----------------------------------------------------------------- train
-    @torch.no_grad()
-    def _ema_update(self):
-        d = self.cfg.optim.ema_decay
-        params = [p for n, p in self.raw_model.named_parameters()]
-        ema = list(self.ema.values())
-        torch._foreach_lerp_(ema, [p.detach().float() for p in params], 1.0 - d)
-
-    def step_body(self, batch):
-        """One optimizer step on ``batch`` with device work only (no host sync, so that
-        :class:`~dres.train.graph_step.GraphedStep` can capture it): returns the step's mean loss and
-        metrics as device tensors. The LR scheduler is stepped by :meth:`train_step`."""
-        cfg, model = self.cfg, self.model
-        A = cfg.accum_steps
-        n = next(iter(batch.values())).shape[0]
-        mb = n // A
-        loss_sum = torch.zeros((), device=self.device)
-        metrics_sum: dict = {}
-        for i in range(A):
-            micro = {k: v[i * mb:(i + 1) * mb] for k, v in batch.items()}
-            with distributed.set_grad_sync(model, i == A - 1):
-                with self.autocast():
-                    loss, metrics = self.task.loss(model, micro, cfg)
-                self.scaler.scale(loss / A).backward()
-            loss_sum += loss.detach().float() / A
-            for k, v in metrics.items():
-                metrics_sum[k] = metrics_sum.get(k, 0) + v.detach().float() / A
-        if cfg.optim.clip_grad > 0:
-            self.scaler.unscale_(self.optimizer)
-            gn = nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
-            metrics_sum["grad_norm"] = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.ema is not None:
-            self._ema_update()
-        if self.droppath is not None:
-            self.droppath.next_iteration()
-        # non-finite detection without a per-step host sync: checked at log/checkpoint steps; in place,
-        # so that a captured step keeps updating the flag the loop reads
-        bad = ~torch.isfinite(loss_sum)
-        self._bad = bad if self._bad is None else self._bad.logical_or_(bad)
-        return loss_sum, metrics_sum
-
     def train_step(self, batch):
         """One optimizer step: ``step_fn`` (the captured step when CUDA graphs are on, else
         :meth:`step_body`), then the host's LR schedule."""
@@ -455,7 +394,8 @@ class Trainer:
         return f"the last good checkpoint is {self.last_good}" if self.last_good else "no checkpoint was written"
 
     def _check_finite(self):
-        if self._bad is not None and bool(distributed.all_sum(self._bad.float().reshape(1))[0] > 0):
+        bad = self.step_body.bad
+        if bad is not None and bool(distributed.all_sum(bad.float().reshape(1))[0] > 0):
             raise self._non_finite()
 
     def _non_finite(self) -> NonFiniteLoss:
@@ -481,45 +421,16 @@ class Trainer:
                 t.record_stream(step_stream)
         return batch
 
-    def _log_window(self, acc_loss, acc_n: int, acc_metrics: dict, steps: int) -> dict:
-        """Close the log window at the step just issued without waiting for the GPU: the window's mean loss and
-        metrics, this rank's stop request and non-finite flag are reduced over the ranks and copied to the host
-        behind the step; :meth:`_write_record` reads them after the next step is issued."""
-        asked = torch.full((1,), float(self.stop_signal is not None), device=self.device)
-        bad = (torch.zeros(1, device=self.device) if self._bad is None else self._bad.float().reshape(1))
-        vals = distributed.all_mean(torch.cat([torch.stack([acc_loss] + list(acc_metrics.values())) / acc_n,
-                                               asked, bad]))
-        host, ready = vals, None
-        if vals.is_cuda:
-            host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
-            host.copy_(vals, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        return {"step": self.step, "steps": steps, "lr": self.scheduler.get_last_lr()[0], "epoch": self.epoch(),
-                "keys": list(acc_metrics), "host": host, "ready": ready,
-                "graph_window": self.graphed.end_window() if self.graphed is not None else None}
-
-    def _write_record(self, window: dict, runlog: RunLog) -> bool:
-        """Wait for a window from :meth:`_log_window`, write its record (history, metrics.jsonl, TensorBoard,
-        the progress bar) and return whether any rank asked to stop; raise :class:`NonFiniteLoss` if a loss
-        anywhere was not finite."""
-        if window["ready"] is not None:
-            window["ready"].synchronize()
-        *vals, asked_anywhere, bad_anywhere = window["host"].tolist()
-        if bad_anywhere > 0:
+    def _read_window(self, window: dict, runlog: RunLog) -> bool:
+        """Read a log window's record (:meth:`RunLog.read_window`) into the history and return whether any rank
+        asked to stop; raise :class:`NonFiniteLoss` if a loss anywhere was not finite."""
+        rec, asked_anywhere = runlog.read_window(window)
+        if rec is None:
             raise self._non_finite()
-        now = time.time()  # the window's steps have ended on the GPU: its wall time is from the last window's end
-        wall, self._window_start = now - self._window_start, now
-        ips = window["steps"] * self.cfg.batch_size / max(wall, 1e-9)
-        rec = {"step": window["step"], "loss": vals[0], "lr": window["lr"], "img_per_s": ips, **self._flops_rate(ips),
-               "epoch": window["epoch"], **dict(zip(window["keys"], vals[1:]))}
-        if window["graph_window"] is not None:  # the replays' GPU time against this window's wall time
-            rec.update(self.graphed.read_window(window["graph_window"], window["steps"], wall * 1e3))
         self.history.append(rec)
-        runlog.step(rec)
-        if asked_anywhere > 0 and self.stop_signal is None:
+        if asked_anywhere and self.stop_signal is None:
             self.stop_signal = "a signal to another rank"
-        return asked_anywhere > 0
+        return asked_anywhere
 
     def fit(self, until: int | None = None):
         """Train to ``total_steps``, or stop after step ``until`` as a run cut short there would (its schedule
@@ -537,13 +448,17 @@ class Trainer:
         end = self.total_steps if until is None else until
         start_step, t0 = self.step, time.time()
         self.write_record()
-        self.tb = self._tensorboard() if self.main and cfg.log.tensorboard else None
+        # a resumed run hides the events its predecessor logged after the checkpoint, as metrics.jsonl cuts them
+        self.tb = (open_tensorboard(self.out / "tb", self._checkpoint_kept, self.log,
+                                    purge_step=self.step + 1 if self.step else None)
+                   if self.main and cfg.log.tensorboard else None)
         runlog = RunLog(self.out / "metrics.jsonl", main=self.main, tb=self.tb, show_progress=cfg.log.progress,
-                        total=self.total_steps, initial=self.step, kept=self._checkpoint_kept, write=self.log)
+                        total=self.total_steps, initial=self.step, kept=self._checkpoint_kept,
+                        batch_size=cfg.batch_size, rate=self._flops_rate,
+                        timer=self.graphed.timer if self.graphed is not None else None, write=self.log)
         plain_log, self._log = self._log, runlog.around_bar(self._log)  # messages clear the bar's line first
         acc_loss, acc_n, acc_metrics = torch.zeros((), device=self.device), 0, {}
         step_last, seen = self.step, 0
-        self._window_start = time.time()
         pending = None  # the last log step's record on its way to the host
         if self.data_stream is not None:  # the loader's tensors were made on the step's stream
             self.data_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -567,17 +482,20 @@ class Trainer:
                 # one process stops after any step (a host flag, no sync); several agree at log steps, below
                 stop = self.stop_signal is not None and self.info.world == 1
                 if pending is not None:  # read now that this step is queued behind it: the GPU does not wait
-                    stop = self._write_record(pending, runlog) or stop
+                    stop = self._read_window(pending, runlog) or stop
                     pending = None
                 if self.step % cfg.log.every == 0 or last:
-                    pending = self._log_window(acc_loss, acc_n, acc_metrics, self.step - step_last)
+                    pending = runlog.close_window(step=self.step, steps=self.step - step_last,
+                                                  lr=self.scheduler.get_last_lr()[0], epoch=self.epoch(),
+                                                  loss_sum=acc_loss, n=acc_n, metrics=acc_metrics,
+                                                  stop_asked=self.stop_signal is not None, bad=self.step_body.bad)
                     acc_loss, acc_n, acc_metrics = torch.zeros((), device=self.device), 0, {}
                     step_last = self.step
                 save = bool(cfg.ckpt.every and self.step % cfg.ckpt.every == 0) or last or stop
                 curve = bool(cfg.eval.every and (self.step % cfg.eval.every == 0 or last))
                 flag_read = False  # whether every rank's non-finite flag up to this step was read
                 if pending is not None and (save or curve):  # these wait for the GPU anyway
-                    stop = self._write_record(pending, runlog) or stop  # this step's window, flag included
+                    stop = self._read_window(pending, runlog) or stop  # this step's window, flag included
                     pending, flag_read = None, True
                     save = save or stop
                 runlog.advance()
@@ -605,21 +523,11 @@ class Trainer:
                                          if self.device.type == "cuda" else None),
                         "lost_data": self.loader.counter.summary()}
         if self.graphed is not None:  # how close the trainer's steps come to the replays' GPU time
-            self.summary.update(steady_timing(self.graphed.windows))
+            self.summary.update(steady_timing(self.graphed.timer.windows))
         return self.summary
 
     def _flops_rate(self, img_per_s: float) -> dict:
         return model_flops_rate(img_per_s, self.flops_per_image, self.info.world, self.peak_tflops)
-
-    def _tensorboard(self):
-        try:
-            from torch.utils.tensorboard import SummaryWriter  # noqa: F401 (TensorBoard writes through it)
-        except Exception as e:  # tensorboard is optional at run time
-            self.log(f"[dres] tensorboard disabled ({type(e).__name__}: {e}); pip install 'dres[tensorboard]' for "
-                     "<out>/tb, or set log.tensorboard=false")
-            return None
-        # a resumed run hides the events its predecessor logged after the checkpoint, as metrics.jsonl cuts them
-        return TensorBoard(self.out / "tb", self._checkpoint_kept, purge_step=self.step + 1 if self.step else None)
 
     def _stopped_message(self) -> str:
         done = self.step == self.total_steps
@@ -780,8 +688,8 @@ def run(cfg: Config, task, *, resume=None, eval_only=False, ckpt=None, overwrite
             ev = trainer.evaluate()
             return trainer.finish(ev)
     except Exception as e:
-        if trainer.log_path is not None:  # the one line the command line prints, in the run's log too
-            trainer._keep(f"[dres] {'' if isinstance(e, Interrupted) else 'error: '}{' '.join(str(e).split())}")
+        if trainer.log_file.path is not None:  # the one line the command line prints, in the run's log too
+            trainer.log_file.write(f"[dres] {'' if isinstance(e, Interrupted) else 'error: '}{' '.join(str(e).split())}")
         raise
     finally:
         if trainer.graphed is not None:

@@ -9,7 +9,7 @@
 Both take the trainer's parameter groups as they are (no weight decay on 1-D tensors, tokens and
 position embeddings: timm's ``weight_decay_exclude_1d`` for a ResNet). On CUDA ``optim.fused`` picks
 the fused kernels; those read a learning rate held in a device tensor on the device, which is what
-the whole-step CUDA graph (:mod:`dres.train.graph_step`) needs.
+the whole-step CUDA graph (:mod:`dres.train.step`) needs.
 """
 
 from __future__ import annotations

@@ -1,36 +1,84 @@
-"""Where the training loop reports a log step: :class:`RunLog`, one object for every output of it, and
-:class:`TensorBoard`, the run's TensorBoard writer whose full disk is one line like every other log's."""
+"""Where the training loop reports a log step: :class:`RunLog`, one object for the log window's read-back and
+every output of it, :class:`ReplayTimer`, the captured step's GPU time per window, and :class:`TensorBoard`,
+the run's TensorBoard writer whose full disk is one line like every other log's."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import statistics
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
-from dres.train import rundir
+import torch
+
+from dres.train import distributed, rundir
 from dres.train.common import progress
 
 
 class RunLog:
-    """The outputs of the log steps of one :meth:`Trainer.fit <dres.train.loop.Trainer.fit>`: on the main
-    rank, each record as a line of ``metrics_path`` (metrics.jsonl), its values as TensorBoard scalars
-    ``train/<key>`` (``tb``, a :class:`TensorBoard` or None) and, with ``show_progress``, either a progress bar
-    counting every step from ``initial`` to ``total`` where stderr is a terminal, or one plain line per log step
-    through ``write`` (step, epoch, loss, lr, img/s, MFU, ETA: a pipe, a batch job's log); other ranks write
-    nothing. ``kept()`` says what the run still has (its last good checkpoint) in the message of a full disk."""
+    """The log steps of one :meth:`Trainer.fit <dres.train.loop.Trainer.fit>`. A log window is closed at the
+    step just issued without waiting for the GPU (:meth:`close_window`: the window's mean loss and metrics, the
+    stop request and non-finite flag, reduced over the ranks and copied to the host behind the step) and read
+    once the next step is issued (:meth:`read_window`), so the GPU never waits for the host's logging. Its record
+    (img/s from ``batch_size`` images a step over the window's wall time, ``rate(img_per_s)``'s FLOP fields, the
+    replays' GPU time from ``timer``) goes, on the main rank, to ``metrics_path`` (metrics.jsonl), to TensorBoard
+    as scalars ``train/<key>`` (``tb``, a :class:`TensorBoard` or None) and, with ``show_progress``, either to a
+    progress bar counting every step from ``initial`` to ``total`` where stderr is a terminal, or to one plain
+    line per log step through ``write`` (step, epoch, loss, lr, img/s, MFU, ETA: a pipe, a batch job's log);
+    other ranks write nothing. ``kept()`` says what the run still has (its last good checkpoint) in the message
+    of a full disk."""
 
     def __init__(self, metrics_path: Path, *, main: bool, tb, show_progress: bool, total: int, initial: int,
-                 kept: Callable[[], str], write: Callable[[str], None] = print):
+                 kept: Callable[[], str], batch_size: int, rate: Callable[[float], dict],
+                 timer: ReplayTimer | None = None, write: Callable[[str], None] = print):
         self.metrics_path, self.main, self.tb, self.kept, self.total = metrics_path, main, tb, kept, total
+        self.batch_size, self.rate, self.timer = batch_size, rate, timer
         shown = main and show_progress
         self.bar = progress(total=total, initial=initial, unit="step") if shown and sys.stderr.isatty() else None
         self.plain = shown and self.bar is None
         self.write = write  # the plain lines, written where there is no bar
         self._since = (initial, time.monotonic())  # the step and time ETA counts from
+        self._window_start = time.time()  # wall time at which the current log window began
+
+    def close_window(self, *, step: int, steps: int, lr: float, epoch: float | None, loss_sum: torch.Tensor,
+                     n: int, metrics: dict, stop_asked: bool, bad: torch.Tensor | None) -> dict:
+        """Close the window of ``steps`` steps ending at ``step`` (``n`` accumulated losses and ``metrics`` of
+        device tensors, this rank's ``stop_asked`` and non-finite flag ``bad``) without waiting for the GPU."""
+        device = loss_sum.device
+        asked = torch.full((1,), float(stop_asked), device=device)
+        bad = torch.zeros(1, device=device) if bad is None else bad.float().reshape(1)
+        vals = distributed.all_mean(torch.cat([torch.stack([loss_sum] + list(metrics.values())) / n, asked, bad]))
+        host, ready = vals, None
+        if vals.is_cuda:
+            host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
+            host.copy_(vals, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        return {"step": step, "steps": steps, "lr": lr, "epoch": epoch, "keys": list(metrics), "host": host,
+                "ready": ready, "replays": self.timer.end_window() if self.timer is not None else None}
+
+    def read_window(self, window: dict) -> tuple[dict | None, bool]:
+        """Wait for a window from :meth:`close_window` and write its record: ``(record, whether any rank asked to
+        stop)``; the record is None, and nothing written, where a loss on any rank was not finite."""
+        if window["ready"] is not None:
+            window["ready"].synchronize()
+        *vals, asked_anywhere, bad_anywhere = window["host"].tolist()
+        if bad_anywhere > 0:
+            return None, asked_anywhere > 0
+        now = time.time()  # the window's steps have ended on the GPU: its wall time is from the last window's end
+        wall, self._window_start = now - self._window_start, now
+        ips = window["steps"] * self.batch_size / max(wall, 1e-9)
+        rec = {"step": window["step"], "loss": vals[0], "lr": window["lr"], "img_per_s": ips, **self.rate(ips),
+               "epoch": window["epoch"], **dict(zip(window["keys"], vals[1:]))}
+        if window["replays"] is not None:  # the replays' GPU time against this window's wall time
+            rec.update(self.timer.read_window(window["replays"], window["steps"], wall * 1e3))
+        self.step(rec)
+        return rec, asked_anywhere > 0
 
     def around_bar(self, write: Callable[[str], None]) -> Callable[[str], None]:
         """``write`` that clears the bar first and draws it again after, so a message never shares its line."""
@@ -79,6 +127,114 @@ class RunLog:
         """End the bar (the TensorBoard writer stays open: evaluation writes to it after the loop)."""
         if self.bar:
             self.bar.close()
+
+
+class ReplayTimer:
+    """The GPU time of a captured step's replays, by a CUDA event pair recorded around each on the current stream
+    (outside the graph) and read only at log steps, where the loop synchronises anyway: the replay's GPU time is
+    the floor of the trainer's step, and :func:`window_timing` / :func:`steady_timing` set the wall time of the
+    log windows against it. The last ``kept`` replays of a window are timed. Eager steps are not: events around
+    them would measure the host's launch time as much as the GPU's, which is no floor."""
+
+    def __init__(self, kept: int = 128):
+        if kept < 1:
+            raise ValueError(f"timed_replays must be >= 1, got {kept}")
+        self.kept = kept
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # this window's, a ring of ``kept``
+        self._replays = 0  # in the current log window
+        self.windows: list[dict] = []
+
+    @contextlib.contextmanager
+    def timed(self):
+        """Time the replay issued inside."""
+        slot = self._replays % self.kept
+        if slot == len(self._events):
+            self._events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        start, end = self._events[slot]
+        start.record()
+        yield
+        end.record()
+        self._replays += 1
+
+    def end_window(self) -> tuple[list, int]:
+        """Close the log window at the step just issued, without waiting for it: its replays' event pairs and
+        replay count, for :meth:`read_window`; the next window records into new events."""
+        window = (self._events, self._replays)
+        self._events, self._replays = [], 0
+        return window
+
+    def read_window(self, window: tuple[list, int], steps: int, wall_ms: float) -> dict:
+        """The :func:`window_timing` fields of a window from :meth:`end_window` (``steps`` steps in
+        ``wall_ms``), recorded in ``windows``; waits for the window's replays to end."""
+        events, replays = window
+        for _, end in events:
+            end.synchronize()
+        timing = window_timing([start.elapsed_time(end) for start, end in events], replays, wall_ms)
+        self.windows.append({"steps": steps, "replays": replays, "wall_ms": wall_ms, **timing})
+        return timing
+
+
+def window_timing(replay_ms: list[float], replays: int, wall_ms: float) -> dict:
+    """The metrics.jsonl fields of one log window of ``wall_ms`` in which ``replays`` steps were graph
+    replays, ``replay_ms`` the GPU times of (the last of) them: ``gpu_ms_per_step``, their mean, and
+    ``gpu_bound``, the fraction of the wall time the GPU spent in the step's graph (1.0: the trainer
+    adds nothing to the replays); nothing when no replay ran in the window."""
+    if not replay_ms or replays <= 0:
+        return {}
+    if wall_ms <= 0:
+        raise ValueError(f"wall_ms must be positive, got {wall_ms}")
+    per_step = sum(replay_ms) / len(replay_ms)
+    return {"gpu_ms_per_step": per_step, "gpu_bound": per_step * replays / wall_ms}
+
+
+def steady_timing(windows: list[dict], skip: int = 2) -> dict:
+    """summary.json's ``graph_gpu_ms_per_step`` and ``trainer_vs_replay`` (wall ms per step / replay GPU
+    ms per step; 1.0 is the floor): medians over the log windows after the first ``skip`` (compilation,
+    warm-up, capture) in which every step was a replay. ``windows``: per log window its ``steps``,
+    ``replays`` and ``wall_ms`` with the :func:`window_timing` fields; nothing when no window qualifies."""
+    steady = [w for w in windows[skip:] if w["replays"] == w["steps"] > 0]
+    if not steady:
+        return {}
+    return {"graph_gpu_ms_per_step": statistics.median(w["gpu_ms_per_step"] for w in steady),
+            "trainer_vs_replay": statistics.median(w["wall_ms"] / w["steps"] / w["gpu_ms_per_step"] for w in steady)}
+
+
+class LogFile:
+    """``log.txt``: a copy of what the run printed. Lines written before the run has its folder (:meth:`open`) are
+    held and written first; a failed write does not stop the run (the lines were printed)."""
+
+    def __init__(self):
+        self.path: Path | None = None
+        self._held: list[str] = []
+
+    def open(self, path: Path) -> None:
+        if self.path is None:
+            self.path = path
+            held, self._held = self._held, []
+            if held:
+                self.write("\n".join(held))
+
+    def write(self, msg: str) -> None:
+        if self.path is None:
+            self._held.append(msg)
+            return
+        try:
+            with open(self.path, "a") as f:
+                f.write(msg + "\n")
+        except OSError:
+            pass
+
+
+def open_tensorboard(folder: Path, kept: Callable[[], str], log: Callable[[str], None], **writer_options):
+    """A :class:`TensorBoard` of ``folder``, or None, said in one line through ``log``, where TensorBoard is not
+    installed (it is optional at run time)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401 (TensorBoard writes through it)
+    except Exception as e:
+        log(f"[dres] tensorboard disabled ({type(e).__name__}: {e}); pip install 'dres[tensorboard]' for "
+            "<out>/tb, or set log.tensorboard=false")
+        return None
+    return TensorBoard(folder, kept, **writer_options)
 
 
 class TensorBoard:

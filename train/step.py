@@ -1,14 +1,16 @@
-"""The trainer's step as one CUDA graph, kept apart from the loop (torchtitan style).
+"""The train step, in one file: :class:`TrainStep`, one optimizer step of device work only, and
+:class:`GraphedStep`, the same step captured as one CUDA graph and replayed (torchtitan keeps its step
+apart from the loop the same way). The trainer (:mod:`dres.train.loop`) picks one of them once, in setup:
+the captured step where :func:`graph_plan` allows it, the eager step where not.
 
-:class:`GraphedStep` wraps a step function, the trainer's :meth:`Trainer.step_body
-<dres.train.loop.Trainer.step_body>` — forward and backward of every micro-batch, loss scaling,
-gradient clipping, the optimizer, EMA, the ResidualDroppath iteration and the non-finite flag —
-without changing it, and takes only what it reads besides (the optimizer, the LR schedule, the
-device and its capture stream), not the trainer; the trainer picks its step once, in setup: the
-wrapper where the run is captured, its ``step_body`` where not. It runs the body eagerly
-for a few warm-up steps on a side stream (lazy initialisation, torch.compile and Triton autotuning
-happen there, as torch's "whole network capture" recipe asks), captures it once, and replays the
-graph for every later step. What the body reads and writes stays at fixed addresses:
+:class:`TrainStep` runs the forward and backward of every micro-batch, loss scaling, gradient clipping,
+the optimizer, the EMA of the parameters, the ResidualDroppath iteration and a device-side non-finite
+flag, with no host sync, so that it can be captured. :class:`GraphedStep` wraps it without changing it,
+and takes only what it reads besides (the optimizer, the LR schedule, the device and its capture
+stream), not the trainer. It runs the step eagerly for a few warm-up steps on a side stream (lazy
+initialisation, torch.compile and Triton autotuning happen there, as torch's "whole network capture"
+recipe asks), captures it once, and replays the graph for every later step. What the step reads and
+writes stays at fixed addresses:
 
 * the batch is copied into static input tensors before each replay (a device-to-device copy: the
   GPU-resident loader's batches are already on the device);
@@ -21,28 +23,82 @@ graph for every later step. What the body reads and writes stays at fixed addres
   advances by what the captured draws consume, as the eager step would: the RNG state a checkpoint
   saves resumes the same sequence; ResidualDroppath masks hash a device counter.
 
-Warm-up steps and replays run the same body, so they compute the same values; the eager trainer
+Warm-up steps and replays run the same step, so they compute the same values; the eager trainer
 (``cuda_graphs=false``) differs only in the learning rate's rounding (a Python float there, a float32
-tensor here). :func:`graph_plan` decides whether a run captures its step; a configuration that
-cannot be captured runs the eager step and says why in one line.
-
-Each replay is timed by a pair of CUDA events on the current stream (recorded outside the graph, read
-only at log steps, where the loop synchronises anyway): the replay's GPU time is the floor of the
-trainer's step, and :func:`window_timing` / :func:`steady_timing` set the wall
-time of the log windows against it. Eager steps are not timed: events around them would measure the
-host's launch time as much as the GPU's, which is no floor.
+tensor here). A configuration that cannot be captured runs the eager step and says why in one line.
+Each replay is timed by a :class:`~dres.train.runlog.ReplayTimer` (the log windows' GPU time against
+their wall time, :mod:`dres.train.runlog`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import statistics
 import warnings
 
 import torch
+import torch.nn as nn
 
+from dres.train import distributed
 from dres.train.config import ConfigError
 from dres.train.optim import capture_blocker
+from dres.train.runlog import ReplayTimer
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+class TrainStep:
+    """``step(batch) -> (loss, metrics)``: one optimizer step on ``batch`` (``cfg.accum_steps`` micro-batches
+    of ``task.loss`` on ``model`` under ``autocast()``) with device work only, returning the step's mean loss
+    and metrics as device tensors; the LR scheduler is stepped by the caller. Besides the optimizer and
+    ``scaler`` it updates ``ema`` (name -> fp32 tensor, from ``raw_model``'s parameters) and advances
+    ``droppath`` where given, and ORs the loss's non-finiteness into :attr:`bad`, read only at log and
+    checkpoint steps (in place, so that a captured step keeps updating the tensor the loop reads)."""
+
+    def __init__(self, task, cfg, model: nn.Module, raw_model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler, autocast, device: torch.device, *, ema: dict | None = None,
+                 droppath=None):
+        self.task, self.cfg, self.model, self.raw_model = task, cfg, model, raw_model
+        self.optimizer, self.scaler, self.autocast, self.device = optimizer, scaler, autocast, device
+        self.ema, self.droppath = ema, droppath
+        self.bad: torch.Tensor | None = None  # the device-side non-finite flag of the steps so far
+
+    def __call__(self, batch: dict):
+        cfg, model = self.cfg, self.model
+        A = cfg.accum_steps
+        n = next(iter(batch.values())).shape[0]
+        mb = n // A
+        loss_sum = torch.zeros((), device=self.device)
+        metrics_sum: dict = {}
+        for i in range(A):
+            micro = {k: v[i * mb:(i + 1) * mb] for k, v in batch.items()}
+            with distributed.set_grad_sync(model, i == A - 1):
+                with self.autocast():
+                    loss, metrics = self.task.loss(model, micro, cfg)
+                self.scaler.scale(loss / A).backward()
+            loss_sum += loss.detach().float() / A
+            for k, v in metrics.items():
+                metrics_sum[k] = metrics_sum.get(k, 0) + v.detach().float() / A
+        if cfg.optim.clip_grad > 0:
+            self.scaler.unscale_(self.optimizer)
+            gn = nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
+            metrics_sum["grad_norm"] = gn.full_tensor() if hasattr(gn, "full_tensor") else gn
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self._ema_update()
+        if self.droppath is not None:
+            self.droppath.next_iteration()
+        bad = ~torch.isfinite(loss_sum)
+        self.bad = bad if self.bad is None else self.bad.logical_or_(bad)
+        return loss_sum, metrics_sum
+
+    @torch.no_grad()
+    def _ema_update(self):
+        params = [p.detach().float() for p in self.raw_model.parameters()]
+        torch._foreach_lerp_(list(self.ema.values()), params, 1.0 - self.cfg.optim.ema_decay)
 
 
 # DDP does host-side work in its first iterations (bucket rebuild, sampled logging): torch's recipe for
@@ -92,55 +148,26 @@ def schedule_table(scheduler, total_steps: int, device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32, device=device)
 
 
-def window_timing(replay_ms: list[float], replays: int, wall_ms: float) -> dict:
-    """The metrics.jsonl fields of one log window of ``wall_ms`` in which ``replays`` steps were graph
-    replays, ``replay_ms`` the GPU times of (the last of) them: ``gpu_ms_per_step``, their mean, and
-    ``gpu_bound``, the fraction of the wall time the GPU spent in the step's graph (1.0: the trainer
-    adds nothing to the replays); nothing when no replay ran in the window."""
-    if not replay_ms or replays <= 0:
-        return {}
-    if wall_ms <= 0:
-        raise ValueError(f"wall_ms must be positive, got {wall_ms}")
-    per_step = sum(replay_ms) / len(replay_ms)
-    return {"gpu_ms_per_step": per_step, "gpu_bound": per_step * replays / wall_ms}
-
-
-def steady_timing(windows: list[dict], skip: int = 2) -> dict:
-    """summary.json's ``graph_gpu_ms_per_step`` and ``trainer_vs_replay`` (wall ms per step / replay GPU
-    ms per step; 1.0 is the floor): medians over the log windows after the first ``skip`` (compilation,
-    warm-up, capture) in which every step was a replay. ``windows``: per log window its ``steps``,
-    ``replays`` and ``wall_ms`` with the :func:`window_timing` fields; nothing when no window qualifies."""
-    steady = [w for w in windows[skip:] if w["replays"] == w["steps"] > 0]
-    if not steady:
-        return {}
-    return {"graph_gpu_ms_per_step": statistics.median(w["gpu_ms_per_step"] for w in steady),
-            "trainer_vs_replay": statistics.median(w["wall_ms"] / w["steps"] / w["gpu_ms_per_step"] for w in steady)}
-
-
 class GraphedStep:
-    """``step(batch) -> (loss, metrics)`` like ``step_body``, the step it wraps, captured as one CUDA graph
-    after ``warmup_steps`` eager steps (every call is one real training step). The returned tensors
-    are the graph's static outputs: read them before the next call (the loop accumulates them).
+    """``step(batch) -> (loss, metrics)`` like ``step`` (a :class:`TrainStep`), the step it wraps, captured as
+    one CUDA graph after ``warmup_steps`` eager steps (every call is one real training step). The returned
+    tensors are the graph's static outputs: read them before the next call (the loop accumulates them).
 
-    What the wrapper reads besides ``step_body``: the ``optimizer``'s parameter groups (their lr is a
-    device tensor inside the step), the LambdaLR ``scheduler`` (its table over ``total_steps`` positions,
-    and its position when the first batch comes, after any resume), the ``device``, the ``stream`` it
-    warms up and captures on (DDP must have been built on it; a new one when None) and ``log`` for the
-    line that says the step was captured. Everything else (scaler, EMA, ResidualDroppath, the
-    non-finite flag) is ``step_body``'s own state, captured with it.
+    What the wrapper reads besides ``step``: the ``optimizer``'s parameter groups (their lr is a device
+    tensor inside the step), the LambdaLR ``scheduler`` (its table over ``total_steps`` positions, and its
+    position when the first batch comes, after any resume), the ``device``, the ``stream`` it warms up and
+    captures on (DDP must have been built on it; a new one when None) and ``log`` for the line that says the
+    step was captured. Everything else (scaler, EMA, ResidualDroppath, the non-finite flag) is ``step``'s own
+    state, captured with it. Every replay is timed by ``timer`` (a :class:`~dres.train.runlog.ReplayTimer`
+    keeping the last ``timed_replays`` of each log window)."""
 
-    Every replay of a log window records a CUDA event pair (the last ``timed_replays`` are kept);
-    :meth:`end_window` closes the window at a log step and :meth:`read_window` reads its replay times
-    once the host waits for that step anyway, keeping them in ``windows`` for :func:`steady_timing`."""
-
-    def __init__(self, step_body, optimizer: torch.optim.Optimizer, scheduler, total_steps: int,
+    def __init__(self, step, optimizer: torch.optim.Optimizer, scheduler, total_steps: int,
                  device: torch.device, *, warmup_steps: int = 3, timed_replays: int = 128, stream=None, log=print):
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (lazy initialisation cannot be captured), got {warmup_steps}")
-        if timed_replays < 1:
-            raise ValueError(f"timed_replays must be >= 1, got {timed_replays}")
-        self.step_body, self.optimizer, self.scheduler, self.device = step_body, optimizer, scheduler, device
-        self.warmup_steps, self.timed_replays, self.log = warmup_steps, timed_replays, log
+        self.step, self.optimizer, self.scheduler, self.device = step, optimizer, scheduler, device
+        self.warmup_steps, self.log = warmup_steps, log
+        self.timer = ReplayTimer(timed_replays)
         self.warmed = 0
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: dict | None = None
@@ -151,9 +178,6 @@ class GraphedStep:
         self._index = torch.zeros(1, dtype=torch.int64, device=device)
         self._lrs = torch.zeros(self.lr_table.shape[0], 1, device=device)
         self.lrs = list(self._lrs[:, 0].unbind(0))  # one 0-dim view per parameter group
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # this window's, a ring of timed_replays
-        self._replays = 0  # in the current log window
-        self.windows: list[dict] = []
 
     # ------------------------------------------------------------------ the captured function
     @contextlib.contextmanager
@@ -174,7 +198,7 @@ class GraphedStep:
         torch.index_select(self.lr_table, 1, self._index, out=self._lrs)
         self.position.add_(1)
         with self._device_lr():
-            return self.step_body(self.inputs)
+            return self.step(self.inputs)
 
     # ------------------------------------------------------------------ per call
     def _load(self, batch: dict):
@@ -217,14 +241,8 @@ class GraphedStep:
             return self._warmup()
         if self.graph is None:
             self._capture()
-        slot = self._replays % self.timed_replays
-        if slot == len(self._events):
-            self._events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-        start, end = self._events[slot]
-        start.record()
-        self.graph.replay()
-        end.record()
-        self._replays += 1
+        with self.timer.timed():
+            self.graph.replay()
         return self.outputs
 
     def release(self) -> None:
@@ -235,21 +253,3 @@ class GraphedStep:
             torch.cuda.synchronize(self.device)
             self.graph.reset()
             self.graph = None
-
-    # ------------------------------------------------------------------ per log window
-    def end_window(self) -> tuple[list, int]:
-        """Close the log window at the step just issued, without waiting for it: its replays' event pairs and
-        replay count, for :meth:`read_window`; the next window records into new events."""
-        window = (self._events, self._replays)
-        self._events, self._replays = [], 0
-        return window
-
-    def read_window(self, window: tuple[list, int], steps: int, wall_ms: float) -> dict:
-        """The :func:`window_timing` fields of a window from :meth:`end_window` (``steps`` steps in
-        ``wall_ms``), recorded in ``windows``; waits for the window's replays to end."""
-        events, replays = window
-        for _, end in events:
-            end.synchronize()
-        timing = window_timing([start.elapsed_time(end) for start, end in events], replays, wall_ms)
-        self.windows.append({"steps": steps, "replays": replays, "wall_ms": wall_ms, **timing})
-        return timing

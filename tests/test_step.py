@@ -1,4 +1,4 @@
-"""The CUDA-graphed train step (dres.train.graph_step): on the CPU, which configurations capture and
+"""The train step (dres.train.step) and its replay timing (dres.train.runlog): on the CPU, which configurations capture and
 the device LR table; on the device (``gpu``), graphed steps against eager ones (accumulation,
 clipping, EMA, ResidualDroppath, fp16 overflow skips, classification metrics, DDP on two GPUs), exact
 resume of a graphed run, steps with no host synchronisation, and the replay time each run reports as
@@ -16,9 +16,9 @@ import torch
 from dres.nn import Mlp
 from dres.ops import csrc_backend
 from dres.train.config import ConfigError, build_config
-from dres.train.graph_step import (DDP_WARMUP_STEPS, GraphedStep, graph_plan, graph_warmup_steps, schedule_table,
-                                   steady_timing, window_timing)
 from dres.train.loop import Trainer, fused_mlp_choice, lr_lambda
+from dres.train.runlog import RunLog, steady_timing, window_timing
+from dres.train.step import DDP_WARMUP_STEPS, GraphedStep, graph_plan, graph_warmup_steps, schedule_table
 
 CUDA = torch.device("cuda", 0)
 
@@ -372,7 +372,11 @@ def test_steps_do_not_synchronise_with_the_host(tmp_path, graphs, scope):
             acc += loss
         # a log step closes its window without a sync: reduced and copied to the host behind the step,
         # read by the loop only after the next step is issued
-        window = trainer._log_window(acc, 8, {}, 12)
+        window = RunLog(tmp_path / "metrics.jsonl", main=False, tb=None, show_progress=False, total=20, initial=0,
+                        kept=str, batch_size=cfg.batch_size, rate=lambda ips: {},
+                        timer=trainer.graphed.timer if trainer.graphed is not None else None).close_window(
+            step=12, steps=12, lr=0.0, epoch=None, loss_sum=acc, n=8, metrics={}, stop_asked=False,
+            bad=trainer.step_body.bad)
         trainer.train_step(trainer.loader.next())
     finally:
         torch.cuda.set_sync_debug_mode(0)
@@ -380,8 +384,8 @@ def test_steps_do_not_synchronise_with_the_host(tmp_path, graphs, scope):
     window["ready"].synchronize()
     assert window["host"].tolist() == pytest.approx([(acc / 8).item(), 0.0, 0.0])  # mean loss, stop asked, bad
     if trainer.graphed is not None:  # the window's replays: the capture step's and 8 more
-        timing = trainer.graphed.read_window(window["graph_window"], 12, (time.perf_counter() - t0) * 1e3)
-        assert trainer.graphed.windows[-1]["replays"] == 9 and timing["gpu_ms_per_step"] > 0
+        timing = trainer.graphed.timer.read_window(window["replays"], 12, (time.perf_counter() - t0) * 1e3)
+        assert trainer.graphed.timer.windows[-1]["replays"] == 9 and timing["gpu_ms_per_step"] > 0
 
 
 @pytest.mark.gpu
