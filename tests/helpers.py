@@ -160,6 +160,19 @@ def inductor_caches_off():
 
 
 @contextlib.contextmanager
+def fp32_on_cuda():
+    """Full fp32 convolutions and matmuls on CUDA while the context lasts: TF32 (cuDNN's default for
+    convolutions) rounds their inputs to 10 mantissa bits, far above what an fp32 comparison allows."""
+    matmul_tf32 = torch.backends.cuda.matmul.allow_tf32  # a property: mock.patch cannot delete it afterwards
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.backends.cudnn.flags(allow_tf32=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
+
+
+@contextlib.contextmanager
 def cuda_dispatch_forced():
     """CPU tensors dispatched to CUDA kernels while the context lasts (the CUDA key in the thread's
     included dispatch keys), the thread's keys restored exactly on leaving. On torch 2.11

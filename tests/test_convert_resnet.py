@@ -247,7 +247,7 @@ def test_inductor_compile_of_a_converted_resnet_matches_eager_in_training(triton
     stage, and torch 2.14's backward compile then specialises them again and fails in Inductor
     (``Cannot convert expression to float``, BatchNorm's 1/N); plain timm blocks with a graph break
     and no dres op fail the same way."""
-    from helpers import inductor_caches_off, rel_err
+    from helpers import fp32_on_cuda, inductor_caches_off, rel_err
 
     torch.manual_seed(9)
     _, model = converted_pair(tiny_resnet(Bottleneck, True), torch.float32, alpha_min=0.7, drop_path=0.5,
@@ -256,7 +256,7 @@ def test_inductor_compile_of_a_converted_resnet_matches_eager_in_training(triton
     model = model.to(triton_device, memory_format=memory_format).train()
     compiled_model = copy.deepcopy(model)
     x = torch.randn(4, 3, 32, 32, device=triton_device).to(memory_format=memory_format)
-    with inductor_caches_off():
+    with inductor_caches_off(), fp32_on_cuda():
         compiled_model.compile(dynamic=dynamic)
         for _ in range(2):  # an even and an odd ResidualDroppath iteration
             want, got = model(x), compiled_model(x)
@@ -275,14 +275,14 @@ def test_inductor_default_compile_follows_the_batch_size(triton_device):
     recompile makes the batch symbolic) and a third size give eager's outputs and parameter gradients.
     BatchNorm in eval mode (running statistics), so the comparison isolates the compiled graph around
     dres::residual_act and its backward from batch-statistics conditioning (training: the test above)."""
-    from helpers import inductor_caches_off, rel_err
+    from helpers import fp32_on_cuda, inductor_caches_off, rel_err
 
     torch.manual_seed(10)
     torch._dynamo.reset()  # no sizes remembered by automatic dynamic from earlier compiles of the same code
     _, model = converted_pair(tiny_resnet(Bottleneck, True), torch.float32, alpha_min=0.7, backend="triton")
     model = model.to(triton_device, memory_format=torch.channels_last).eval()
     compiled_model = copy.deepcopy(model)
-    with inductor_caches_off():
+    with inductor_caches_off(), fp32_on_cuda():
         compiled_model.compile()
         for batch in (4, 3, 5):
             x = torch.randn(batch, 3, 32, 32, device=triton_device).to(memory_format=torch.channels_last)
@@ -306,7 +306,7 @@ def test_gpu_resnet50d_compiled_matches_eager(mode, precision):
     last BN of each branch cancel, so fp32 eager itself is only ~1% accurate there (measured on CPU
     with Inductor: worst 1.13e-2 eager, 1.13e-2 compiled, ratio <= 1.4); compiled-vs-eager at 1e-4
     failed on an H100 for that reason, not for a wrong kernel (a wrong op is O(1) off)."""
-    from helpers import rel_err
+    from helpers import fp32_on_cuda, rel_err
 
     torch.manual_seed(8)
     model = timm.create_model("resnet50d", pretrained=False, num_classes=10)
@@ -319,22 +319,17 @@ def test_gpu_resnet50d_compiled_matches_eager(mode, precision):
     x = torch.randn(16, 3, 64, 64, device="cuda").to(memory_format=torch.channels_last)
     bf16 = precision == "bf16_autocast"
     floor = 1e-2 if bf16 else 1e-5
-    matmul_tf32 = torch.backends.cuda.matmul.allow_tf32  # a property: mock.patch cannot delete it afterwards
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        with torch.backends.cudnn.flags(allow_tf32=False):
-            for step in range(2):  # an even and an odd iteration
-                want = reference(x.double())
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-                    a, b = model(x), compiled_model(x)
-                assert rel_err(b, want) <= 2 * rel_err(a, want) + floor, step
-                for out in (want, a.float(), b.float()):
-                    out.square().mean().backward()
-                if mode != "none":
-                    for m in (reference, model, compiled_model):
-                        m.droppath.next_iteration()
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
+    with fp32_on_cuda():
+        for step in range(2):  # an even and an odd iteration
+            want = reference(x.double())
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+                a, b = model(x), compiled_model(x)
+            assert rel_err(b, want) <= 2 * rel_err(a, want) + floor, step
+            for out in (want, a.float(), b.float()):
+                out.square().mean().backward()
+            if mode != "none":
+                for m in (reference, model, compiled_model):
+                    m.droppath.next_iteration()
     grads = zip(reference.named_parameters(), model.parameters(), compiled_model.parameters())
     errors = {n: (rel_err(p.grad, r.grad), rel_err(q.grad, r.grad)) for (n, r), p, q in grads}
     bad = {n: e for n, e in errors.items() if e[1] > 2 * e[0] + floor}

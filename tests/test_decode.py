@@ -186,7 +186,7 @@ def test_gpu_decode_is_the_default_where_a_decoder_is_there(tmp_path):
 
 
 # ------------------------------------------------------------------ the trainer reading files, as a process
-TINY_FOLDER_RUN = ["data.name=imagefolder", "data.gpu_resident=false", "data.decode=cpu", "data.num_workers=2",
+TINY_FOLDER_RUN = ["device=cpu", "data.name=imagefolder", "data.gpu_resident=false", "data.decode=cpu", "data.num_workers=2",
                    "data.img_size=8", "data.num_classes=3", "data.max_corrupt_frac=0.5", "model.img_size=8",
                    "model.patch_size=4", "model.embed_dim=32", "model.depth=1", "model.num_heads=2",
                    "model.decoder_embed_dim=32", "model.decoder_depth=1", "model.decoder_num_heads=2", "batch_size=8",

@@ -30,8 +30,9 @@ def train_step(model, optimizer, micro_batches=1, hand_call=None):
     """One optimizer step over ``micro_batches`` forwards; returns the masks each forward used.
     hand_call: "after" / "before" the optimizer step, or None."""
     used = []
+    device = next(model.parameters()).device
     for i in range(micro_batches):
-        imgs, labels = batch(seed=i)
+        imgs, labels = (t.to(device) for t in batch(seed=i))
         torch.nn.functional.cross_entropy(model(imgs), labels).backward()
         used.append(model.droppath.masks)
     if hand_call == "before":

@@ -30,7 +30,7 @@ from dres.train.mae import TASK
 
 REPO = Path(__file__).resolve().parent.parent
 
-TINY = ["data.img_size=8", "model.img_size=8", "model.patch_size=4", "model.embed_dim=32", "model.depth=1",
+TINY = ["device=cpu", "data.img_size=8", "model.img_size=8", "model.patch_size=4", "model.embed_dim=32", "model.depth=1",
         "model.num_heads=2", "model.decoder_embed_dim=32", "model.decoder_depth=1", "model.decoder_num_heads=2",
         "batch_size=32", "optim.warmup_steps=1", "ckpt.every=2", "ckpt.keep=0", "log.every=1", "log.progress=false",
         "log.tensorboard=false", "eval.probe=false", "eval.knn=false", "eval.effective_rank=false",
@@ -43,7 +43,7 @@ def _args(out, *extra, steps=4):
 
 
 # two processes train a tiny classifier (all its parameters take part in the loss, as DDP requires)
-CLASSIFY = ["data.name=synthetic", "data.synthetic_size=64", "data.img_size=8", "data.in_chans=1", "data.mean=[0.5]",
+CLASSIFY = ["device=cpu", "data.name=synthetic", "data.synthetic_size=64", "data.img_size=8", "data.in_chans=1", "data.mean=[0.5]",
             "data.std=[0.25]", "data.aug=none", "model.img_size=8", "model.patch_size=4", "model.in_chans=1",
             "model.embed_dim=16", "model.depth=1", "model.num_heads=2", "model.num_classes=10", "batch_size=16",
             "optim.lr=1e-3", "optim.warmup_steps=0", "log.progress=false", "log.tensorboard=false", "threads=1",
