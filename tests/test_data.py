@@ -359,9 +359,9 @@ def test_trainer_logs_epochs_only_for_data_of_known_size(tmp_path):
     assert [h["epoch"] for h in trainer.history] == [0.25, 0.5]  # 16 samples, 4 steps an epoch
 
 
-def test_colour_jitter_trains_only_and_eval_crop_pct_reach_the_in_memory_loader(tmp_path):
-    """data.color_jitter acts on training batches only; data.eval_crop_pct on the unaugmented passes; the
-    streamed loaders refuse both in one line (they augment per sample, in workers)."""
+def test_colour_jitter_trains_only_and_eval_crop_pct_reach_the_in_memory_loader():
+    """data.color_jitter acts on training batches only; data.eval_crop_pct on the unaugmented passes (the
+    file loaders' own: tests/test_decode.py)."""
     digits = dict(name="digits", img_size=8, mean=[0.3, 0.3, 0.3], std=[0.4, 0.4, 0.4])
     d = DataConfig(**digits, color_jitter=0.4, eval_crop_pct=0.875)
     train, val = build_loader(d, "train", 64, train=True), build_loader(d, "val", 64, train=False)
@@ -370,6 +370,3 @@ def test_colour_jitter_trains_only_and_eval_crop_pct_reach_the_in_memory_loader(
                                                                                       train=False)
     assert not torch.equal(train.next()["image"], plain.next()["image"])  # the same crops, jittered
     assert not torch.equal(next(val.eval_batches(8))["image"], next(plain_val.eval_batches(8))["image"])
-    streamed = DataConfig(name="imagefolder", path=str(tmp_path), gpu_resident=False, color_jitter=0.4)
-    with pytest.raises(DataError, match="data.color_jitter and data.eval_crop_pct apply to the in-memory loader"):
-        build_loader(streamed, "train", 64, train=True)

@@ -11,6 +11,7 @@ import torch
 
 from benchmarks.bench_data import encode
 from dres.data import DataError, build_loader
+from dres.data.augment import color_jitter
 from dres.data.decode import (BatchFinisher, SamplePrep, collate_prepared, crop_box, gpu_decode_backend, prepare,
                               read_file)
 from dres.kernels.crop_resize import crop_resize_forward
@@ -67,6 +68,41 @@ def test_crop_draws_depend_on_the_seed_alone_and_fit_the_image():
         assert 0 <= left and 0 <= top and left + bw <= w and top + bh <= h and bw > 0 and bh > 0
     box, flip = crop_box(500, 300, random.Random(0), "none")
     assert box == (100, 0, 300, 300) and not flip
+    # timm's evaluation crop: the centre crop_pct of the shorter side (resize to size / crop_pct, keep size)
+    assert crop_box(500, 300, random.Random(0), "none", crop_pct=0.875) == ((119, 19, 262, 262), False)
+
+
+def test_colour_jitter_is_drawn_per_sample_and_applied_in_the_finisher_before_the_statistics():
+    """A worker draws each image's ColorJitter factors and order from its seed (after the crop, which stays
+    the same); the finisher jitters the batch in [0, 1] as dres.data.augment.color_jitter does, then
+    standardises. Evaluation preps draw none."""
+    mean, std = [0.4, 0.5, 0.6], [0.2, 0.25, 0.3]
+    prep, plain = SamplePrep(8, jitter=0.4), SamplePrep(8)
+    samples = [prepare(prep, _encode("jpeg", seed=i), 10 + i, i, f"f{i}") for i in range(4)]
+    assert [s[:4] for s in samples][0][2:] == plain(_encode("jpeg", seed=0), 10)[2:4]  # crop and flip unchanged
+    assert samples[0][4] == prep(_encode("jpeg", seed=0), 10)[4]  # the seed decides the jitter
+    factors = torch.tensor([s[4][:3] for s in samples])
+    assert ((0.6 <= factors) & (factors <= 1.4)).all() and len({s[4] for s in samples}) == 4
+    assert all(sorted(s[4][3:]) == [0, 1, 2] for s in samples)
+    batch = collate_prepared(samples)
+    out = BatchFinisher("cpu", 8, 3, mean, std)(batch, [])
+    pixels = torch.stack([s[1] for s in samples]).float() / 255
+    want = color_jitter(pixels, factors, torch.tensor([s[4][3:] for s in samples]).long())
+    want = (want - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+    torch.testing.assert_close(out["image"], want)
+    assert collate_prepared([prepare(plain, _encode("jpeg"), 0, 0, "f")])["jitter"] is None
+
+
+def test_a_folder_loader_jitters_training_batches_and_crops_evaluation_at_crop_pct(tmp_path):
+    root = _folder(tmp_path)
+    d = dict(name="imagefolder", path=root, img_size=8, num_classes=3, gpu_resident=False, decode="cpu",
+             num_workers=0, max_corrupt_frac=0.5)
+    jittered = build_loader(DataConfig(**d, color_jitter=0.4), "train", 8, seed=5)
+    plain = build_loader(DataConfig(**d), "train", 8, seed=5)
+    a, b = jittered.next(), plain.next()
+    assert torch.equal(a["label"], b["label"]) and not torch.equal(a["image"], b["image"])
+    val = build_loader(DataConfig(**d, val_path=root, color_jitter=0.4, eval_crop_pct=0.5), "val", 8, train=False)
+    assert val.prep.jitter == 0.0 and val.prep.crop_pct == 0.5
 
 
 def _encode(kind, w=60, h=40, seed=0):

@@ -40,10 +40,10 @@ class DataConfig:
     gpu_resident: bool = True
     aug: str = "rrc_flip"    # rrc_flip | flip | none  (RandomResizedCrop + horizontal flip for MAE)
     crop_min: float = 0.2    # smallest RandomResizedCrop area (fraction of the image)
-    # torchvision ColorJitter(s, s, s) after the crop, as timm's --color-jitter s (0: off; in-memory loader)
+    # torchvision ColorJitter(s, s, s) after the crop, as timm's --color-jitter s (0: off; on the GPU for every loader)
     color_jitter: float = 0.0
     # evaluation: 1 resizes the image to img_size; < 1 is timm's transform (shorter side to
-    # img_size / eval_crop_pct, bicubic, then the centre crop; timm's default 0.875; in-memory loader)
+    # img_size / eval_crop_pct, then the centre crop; timm's default 0.875; bicubic in memory, bilinear from files)
     eval_crop_pct: float = 1.0
     normalize: bool = True   # per-channel mean/std normalisation (stats from `mean`/`std`)
     mean: list = field(default_factory=lambda: [0.485, 0.456, 0.406])  # a value per channel

@@ -135,11 +135,9 @@ def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, 
                                 compile_augment=compile_augment)
         loader.counter = counter
         return loader
-    if d.color_jitter or d.eval_crop_pct != 1:
-        raise DataError(f"data.color_jitter and data.eval_crop_pct apply to the in-memory loader only; set "
-                        f"data.gpu_resident=true for data.name={d.name} or leave them at 0 and 1")
     backend = decode_backend(d, device)
-    prep = SamplePrep(d.img_size, d.in_chans, aug, d.crop_min, gpu=backend is not None)
+    prep = SamplePrep(d.img_size, d.in_chans, aug, d.crop_min, gpu=backend is not None,
+                      jitter=d.color_jitter if train else 0.0, crop_pct=d.eval_crop_pct)
     finisher = BatchFinisher(device, d.img_size, d.in_chans, mean, std, backend, d.hw_decode_load)
     common = dict(rank=rank, world=world, accum=accum, seed=seed, device=device, prep=prep, finisher=finisher,
                   num_workers=d.num_workers, num_classes=d.num_classes, max_corrupt_frac=d.max_corrupt_frac, log=log)

@@ -3,8 +3,9 @@
 A file-reading loader works in two halves:
 
 * **In a worker** (:class:`SamplePrep`): the image's header is read (size, format, colour mode), its
-  crop box and flip are drawn from the sample's own seed (torchvision's RandomResizedCrop, so a
-  sample's crop depends on ``(seed, epoch, index)`` alone and a resumed run sees the same batches),
+  crop box and flip (and, with ``jitter``, its colour jitter's factors and order) are drawn from the
+  sample's own seed (torchvision's RandomResizedCrop, so a sample's crop depends on ``(seed, epoch,
+  index)`` alone and a resumed run sees the same batches),
   then either the encoded bytes are kept for the GPU (``decode=gpu``: a baseline or progressive RGB or
   greyscale JPEG) or the image is decoded on the CPU (libjpeg-turbo through ``torchvision.io``, PIL for
   other formats and CMYK), cropped and resized once to ``size`` x ``size`` uint8. :func:`collate_prepared`
@@ -13,7 +14,8 @@ A file-reading loader works in two halves:
   batched call (nvImageCodec, which reaches the hardware JPEG decoders, else torchvision's nvJPEG), the
   crop, resize, flip and normalisation of the whole batch is one kernel
   (:func:`dres.kernels.crop_resize.crop_resize_forward`, ``torchvision.ops.roi_align``'s arithmetic), the
-  CPU-made pixels are normalised on the GPU, and the rows are put back in the batch's order. An image
+  CPU-made pixels are normalised on the GPU, and the rows are put back in the batch's order; a batch
+  drawn with colour jitter is jittered there, on pixels in [0, 1], before its normalisation. An image
   the GPU cannot decode is decoded on the CPU there; one nobody can decode is a lost sample.
 
 Workers ignore SIGTERM and SIGINT (:func:`worker_init`): a signal to the whole process group (what
@@ -39,7 +41,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dres.data.augment import to_device
+from dres.data.augment import color_jitter, to_device
 
 def decode_errors() -> tuple:
     """The exceptions a damaged or unsupported image raises while it is read or decoded."""
@@ -81,11 +83,13 @@ def worker_init(_worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def crop_box(width: int, height: int, rng: random.Random, aug: str, scale=(0.2, 1.0), ratio=(3 / 4, 4 / 3)):
+def crop_box(width: int, height: int, rng: random.Random, aug: str, scale=(0.2, 1.0), ratio=(3 / 4, 4 / 3),
+             crop_pct: float = 1.0):
     """``(left, top, w, h), flip`` of one image: ``aug="rrc_flip"`` torchvision's RandomResizedCrop draw
     (area uniform in ``scale``, log aspect uniform in ``log(ratio)``, 10 tries, rounded to pixels) and a
     flip with probability 1/2; ``"flip"`` the centred square and the flip; ``"none"`` the centred square.
-    Where no try fits, the centred square."""
+    Where no try fits, the centred square. The centred square's side is ``crop_pct`` of the shorter side
+    (timm's evaluation crop: resize to ``size / crop_pct``, then the centre ``size``)."""
     if aug == "rrc_flip":
         for _ in range(10):
             area = width * height * rng.uniform(*scale)
@@ -94,7 +98,7 @@ def crop_box(width: int, height: int, rng: random.Random, aug: str, scale=(0.2, 
             if 0 < w <= width and 0 < h <= height:
                 top, left = rng.randint(0, height - h), rng.randint(0, width - w)
                 return (left, top, w, h), rng.random() < 0.5
-    side = min(width, height)
+    side = max(1, round(min(width, height) * crop_pct))
     box = ((width - side) // 2, (height - side) // 2, side, side)
     return box, aug != "none" and rng.random() < 0.5
 
@@ -135,22 +139,35 @@ class SamplePrep:
     aug: str = "rrc_flip"
     crop_min: float = 0.2
     gpu: bool = False
+    jitter: float = 0.0  # timm's --color-jitter strength (brightness, contrast, saturation); 0: none
+    crop_pct: float = 1.0  # the centred crop's share of the shorter side where aug does not crop at random
 
     def __call__(self, data: bytes, seed: int):
-        """``("jpeg", bytes, box, flip)`` for the GPU, or ``("pixels", uint8 (C, size, size), box, flip)``."""
+        """``("jpeg", bytes, box, flip, jitter)`` for the GPU, or ``("pixels", uint8 (C, size, size), box, flip,
+        jitter)``; ``jitter`` is None, or the 3 factors and the order of :func:`~dres.data.augment.jitter_params`."""
         from PIL import Image
 
         with Image.open(io.BytesIO(data)) as im:
             (width, height), fmt, mode = im.size, im.format, im.mode
-        box, flip = crop_box(width, height, random.Random(seed), self.aug, (self.crop_min, 1.0))
+        rng = random.Random(seed)
+        box, flip = crop_box(width, height, rng, self.aug, (self.crop_min, 1.0), crop_pct=self.crop_pct)
+        jitter = self._jitter(rng) if self.jitter else None
         jpeg = fmt in ("JPEG", "MPO")
         if self.gpu and jpeg and mode in ("RGB", "L") and self.in_chans == 3:
-            return "jpeg", data, box, flip
-        return "pixels", crop_resize_cpu(_decode_cpu(data, mode, jpeg, self.in_chans), box, flip, self.size), box, flip
+            return "jpeg", data, box, flip, jitter
+        pixels = crop_resize_cpu(_decode_cpu(data, mode, jpeg, self.in_chans), box, flip, self.size)
+        return "pixels", pixels, box, flip, jitter
+
+    def _jitter(self, rng: random.Random) -> tuple:
+        """torchvision's ColorJitter draw for one image: 3 factors uniform in [max(0, 1 - S), 1 + S], then the
+        order it applies them in."""
+        factors = [rng.uniform(max(0.0, 1.0 - self.jitter), 1.0 + self.jitter) for _ in range(3)]
+        order = sorted(range(3), key=lambda _: rng.random())
+        return (*factors, *order)
 
 
 def prepare(prep: SamplePrep, data: bytes, seed: int, label: int, name: str):
-    """One prepared sample for :func:`collate_prepared`: ``(kind, payload, box, flip, label, lost)``;
+    """One prepared sample for :func:`collate_prepared`: ``(kind, payload, box, flip, jitter, label, lost)``;
     an image that cannot be read is ``lost`` (``"<name>: <error type>"``), never an exception."""
     try:
         return (*prep(data, seed), label, "")
@@ -162,19 +179,22 @@ def prepare(prep: SamplePrep, data: bytes, seed: int, label: int, name: str):
 
 def lost_sample(label: int, name: str, error: BaseException):
     """The prepared form of a sample that could not be read or decoded (:func:`prepare`)."""
-    return None, None, None, False, label, f"{name}: {type(error).__name__}"
+    return None, None, None, False, None, label, f"{name}: {type(error).__name__}"
 
 
 def collate_prepared(samples: list) -> dict:
     """Prepared samples -> one batch of a few tensors: the JPEGs' bytes in one buffer (``jpeg_bytes``,
     ``jpeg_lengths``), their boxes and flips, the CPU-made pixels stacked, each with its row in the
-    batch (``jpeg_rows``, ``pixel_rows``), the labels of the samples kept and the lost samples' names."""
+    batch (``jpeg_rows``, ``pixel_rows``), the labels of the samples kept, their colour jitter (``jitter``:
+    (kept, 6) factors then order, or None) and the lost samples' names."""
     kept = [s for s in samples if s[0] is not None]
     jpegs = [(row, s) for row, s in enumerate(kept) if s[0] == "jpeg"]
     pixels = [(row, s) for row, s in enumerate(kept) if s[0] == "pixels"]
     payload = b"".join(s[1] for _, s in jpegs)
     return {
-        "labels": torch.tensor([s[4] for s in kept], dtype=torch.int64),
+        "labels": torch.tensor([s[5] for s in kept], dtype=torch.int64),
+        "jitter": (torch.tensor([s[4] for s in kept], dtype=torch.float32)
+                   if kept and kept[0][4] is not None else None),
         "jpeg_rows": torch.tensor([row for row, _ in jpegs], dtype=torch.int64),
         "jpeg_bytes": torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8),
         "jpeg_lengths": torch.tensor([len(s[1]) for _, s in jpegs], dtype=torch.int64),
@@ -182,7 +202,7 @@ def collate_prepared(samples: list) -> dict:
         "jpeg_flips": torch.tensor([s[3] for _, s in jpegs], dtype=torch.int64),
         "pixel_rows": torch.tensor([row for row, _ in pixels], dtype=torch.int64),
         "pixels": torch.stack([s[1] for _, s in pixels]) if pixels else None,
-        "lost": [s[5] for s in samples if s[0] is None],
+        "lost": [s[6] for s in samples if s[0] is None],
     }
 
 
@@ -229,21 +249,26 @@ class BatchFinisher:
         self.hw_load = hw_load
         mean = torch.tensor((mean or [0.0] * channels)[:channels], dtype=torch.float32)
         std = torch.tensor((std or [1.0] * channels)[:channels], dtype=torch.float32)
-        # (v / 255 - mean) / std = v * scale + shift
+        # (v / 255 - mean) / std = v * scale + shift; a jittered batch is made in [0, 1] first (v / 255)
         self.scale = (1.0 / (255.0 * std)).to(self.device)
         self.shift = (-mean / std).to(self.device)
+        self.unit_scale = torch.full((channels,), 1.0 / 255.0, device=self.device)
+        self.no_shift = torch.zeros(channels, device=self.device)
+        self.mean, self.std = mean.to(self.device), std.to(self.device)
         self.stream = torch.cuda.Stream(self.device) if backend else None
         self._decoder = None
         self.gpu_fallbacks = 0  # JPEGs the GPU decoder refused, decoded on the CPU here instead
 
     def __call__(self, batch: dict, lost: list) -> dict | None:
         """``lost`` gets the names of images nobody could decode; None when the whole batch is lost."""
+        jitter = batch.get("jitter")
+        scale, shift = (self.unit_scale, self.no_shift) if jitter is not None else (self.scale, self.shift)
         rows = [batch["pixel_rows"]]
         parts = []
         if batch["pixels"] is not None:
-            parts.append(self._normalised(batch["pixels"]))
+            parts.append(self._normalised(batch["pixels"], scale, shift))
         if len(batch["jpeg_rows"]):
-            decoded_rows, decoded, cpu_rows, cpu_pixels = self._decode_jpegs(batch, lost)
+            decoded_rows, decoded, cpu_rows, cpu_pixels = self._decode_jpegs(batch, lost, scale, shift)
             rows += [decoded_rows, cpu_rows]
             parts += [decoded, cpu_pixels]
         order = torch.cat(rows)
@@ -251,10 +276,14 @@ class BatchFinisher:
             return None
         images = torch.cat([p for p in parts if p is not None])
         keep = torch.argsort(order)  # rows of the samples kept, in the batch's order
-        labels = batch["labels"][order[keep]]
-        return {"image": images[to_device(keep, self.device)], "label": to_device(labels, self.device)}
+        images = images[to_device(keep, self.device)]
+        if jitter is not None:
+            j = to_device(jitter[order[keep]], self.device)
+            images = color_jitter(images, j[:, :3], j[:, 3:].long())
+            images = (images - self.mean.view(1, -1, 1, 1)) / self.std.view(1, -1, 1, 1)
+        return {"image": images, "label": to_device(batch["labels"][order[keep]], self.device)}
 
-    def _decode_jpegs(self, batch, lost):
+    def _decode_jpegs(self, batch, lost, scale, shift):
         data, lengths = batch["jpeg_bytes"], batch["jpeg_lengths"].tolist()
         starts = np.cumsum([0] + lengths[:-1]).tolist()
         encoded = [data[s:s + n] for s, n in zip(starts, lengths)]
@@ -265,7 +294,8 @@ class BatchFinisher:
             ok = [i for i, im in enumerate(images) if im is not None]
             decoded = None
             if ok:
-                decoded = self._crop_resize([images[i] for i in ok], batch["jpeg_boxes"][ok], batch["jpeg_flips"][ok])
+                decoded = self._crop_resize([images[i] for i in ok], batch["jpeg_boxes"][ok], batch["jpeg_flips"][ok],
+                                            scale, shift)
         caller.wait_stream(self.stream)
         if decoded is not None:
             decoded.record_stream(caller)
@@ -285,14 +315,15 @@ class BatchFinisher:
             self.gpu_fallbacks += 1
             cpu_rows.append(int(jpeg_rows[i]))
             cpu_pixels.append(pixels)
-        fallback = self._normalised(torch.stack(cpu_pixels)) if cpu_pixels else None
+        fallback = self._normalised(torch.stack(cpu_pixels), scale, shift) if cpu_pixels else None
         return (jpeg_rows[ok] if ok else jpeg_rows[:0], decoded, torch.tensor(cpu_rows, dtype=torch.int64), fallback)
 
-    def _normalised(self, pixels: torch.Tensor) -> torch.Tensor:
+    def _normalised(self, pixels: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         """Host uint8 (B, C, size, size) -> float on the device, ``v * scale + shift``."""
-        return to_device(pixels, self.device).float() * self.scale.view(1, -1, 1, 1) + self.shift.view(1, -1, 1, 1)
+        return to_device(pixels, self.device).float() * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1)
 
-    def _crop_resize(self, images: list, boxes: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
+    def _crop_resize(self, images: list, boxes: torch.Tensor, flips: torch.Tensor, scale: torch.Tensor,
+                     shift: torch.Tensor) -> torch.Tensor:
         """Decoded (C, H, W) images of any sizes -> one buffer in each image's own memory order (HWC or
         CHW), then the batch's crop, resize, flip and normalisation in one kernel."""
         from dres.kernels.crop_resize import crop_resize_forward
@@ -309,7 +340,7 @@ class BatchFinisher:
             offset += d.numel()
         src = torch.cat([d.reshape(-1) for d in dense])
         return crop_resize_forward(src, to_device(torch.tensor(meta, dtype=torch.int64), self.device),
-                                   to_device(boxes, self.device), self.scale, self.shift, self.size, self.channels)
+                                   to_device(boxes, self.device), scale, shift, self.size, self.channels)
 
     def _decode(self, encoded: list) -> list:
         """Each JPEG as a uint8 CUDA tensor (C, H, W) (any strides), None where the decoder refused it."""

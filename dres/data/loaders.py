@@ -371,7 +371,7 @@ class ShardLoader(_StreamingLoader):
 
     def eval_batches(self, batch_size):
         """Every sample once, in order, unaugmented, in batches of ``batch_size`` (in this process)."""
-        prep = SamplePrep(self.prep.size, self.prep.in_chans, "none", 0.0, self.prep.gpu)
+        prep = SamplePrep(self.prep.size, self.prep.in_chans, "none", 0.0, self.prep.gpu, crop_pct=self.prep.crop_pct)
         for prepared in _ShardStream(self.shards, self.rank, self.world, self.seed, 0, prep, False, 0, batch_size):
             out = self._finish(prepared)
             if out is not None:
