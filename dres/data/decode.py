@@ -6,9 +6,11 @@ A file-reading loader works in two halves:
   crop box and flip (and, with ``jitter``, its colour jitter's factors and order) are drawn from the
   sample's own seed (torchvision's RandomResizedCrop, so a sample's crop depends on ``(seed, epoch,
   index)`` alone and a resumed run sees the same batches),
-  then either the encoded bytes are kept for the GPU (``decode=gpu``: a baseline or progressive RGB or
-  greyscale JPEG) or the image is decoded on the CPU (libjpeg-turbo through ``torchvision.io``, PIL for
-  other formats and CMYK), cropped and resized once to ``size`` x ``size`` uint8. :func:`collate_prepared`
+  then either the encoded bytes are kept for the GPU (``decode=gpu``: a baseline RGB or greyscale JPEG)
+  or the image is decoded on the CPU (libjpeg-turbo through ``torchvision.io``, PIL for other formats and
+  CMYK), cropped and resized once to ``size`` x ``size`` uint8. Progressive JPEGs are decoded here too:
+  neither the hardware decoders nor nvJPEG's batched GPU path take them, and nvJPEG's fallback decodes
+  their Huffman stage on the CPU of the calling thread, the training process's. :func:`collate_prepared`
   packs a batch into a few tensors: one buffer of all encoded bytes, one stack of pixels.
 * **In the training process** (:class:`BatchFinisher`): the packed bytes are decoded on the GPU in one
   batched call (nvImageCodec, which reaches the hardware JPEG decoders, else torchvision's nvJPEG), the
@@ -149,11 +151,12 @@ class SamplePrep:
 
         with Image.open(io.BytesIO(data)) as im:
             (width, height), fmt, mode = im.size, im.format, im.mode
+            progressive = bool(im.info.get("progressive") or im.info.get("progression"))
         rng = random.Random(seed)
         box, flip = crop_box(width, height, rng, self.aug, (self.crop_min, 1.0), crop_pct=self.crop_pct)
         jitter = self._jitter(rng) if self.jitter else None
         jpeg = fmt in ("JPEG", "MPO")
-        if self.gpu and jpeg and mode in ("RGB", "L") and self.in_chans == 3:
+        if self.gpu and jpeg and not progressive and mode in ("RGB", "L") and self.in_chans == 3:
             return "jpeg", data, box, flip, jitter
         pixels = crop_resize_cpu(_decode_cpu(data, mode, jpeg, self.in_chans), box, flip, self.size)
         return "pixels", pixels, box, flip, jitter
