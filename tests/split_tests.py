@@ -5,8 +5,9 @@
 
 A file's weight is its tests' time (skipped ones excluded) in the newest JUnit report of the GPU suite that
 ran it, among the records (``records/benchmarks/<card>-<YYYY-MM-DD>-<what>/**/junit.xml``, newest by the
-date in the folder name); a file no report has (no GPU test, or a new file) weighs nothing and goes to
-the lightest group. Groups are filled greedily, heaviest file first, into the lightest group (the
+date in the folder name); a file no report has (no GPU test, or a new file) weighs the median of the files
+that have one, so that such files spread over the groups (on a GPU host the CPU tests take time too, and
+weighing nothing put them all in one group, which ran four times as long as the others). Groups are filled greedily, heaviest file first, into the lightest group (the
 longest-processing-time rule), and each group lists its files in the tests folder's order.
 ``benchmarks/device_check.sh``'s tests stage runs one pytest process per group when ``TEST_PROCS`` > 1.
 """
@@ -66,7 +67,9 @@ def newest_durations(reports: list[Path]) -> dict[str, float]:
 
 def split(files: list[str], durations: dict[str, float], procs: int) -> list[tuple[float, list[str]]]:
     """``procs`` groups of ``files`` as ``(expected seconds, files in their given order)``, heaviest first."""
-    weight = {f: durations.get(f, 0.0) for f in files}
+    known = sorted(durations[f] for f in files if f in durations)
+    unknown = known[len(known) // 2] if known else 1.0
+    weight = {f: durations.get(f, unknown) for f in files}
     groups: list[tuple[float, list[str]]] = [(0.0, []) for _ in range(min(procs, len(files)))]
     for f in sorted(files, key=lambda f: (-weight[f], f)):
         k = min(range(len(groups)), key=lambda i: (groups[i][0], i))
