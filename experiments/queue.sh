@@ -14,8 +14,8 @@
 # Limits: one queue a host (a second start is refused; a job name once); the copy is taken once, so later changes
 # of the checkout do not reach a running queue; run folders and their checkpoints live on this host only, and an arm
 # cut short resumes from its last checkpoint when a queue naming it starts again on the same host. What `wait`
-# packs stays within eight files of at most 16 MiB: records.tgz (the records, their kept features apart),
-# features-<arm>.pt (each arm's kept features, about 15 MB), runs.tgz (the queue's log and every run folder without
+# packs stays within eight files of at most 16 MiB: records.tgz (the records with their kept features, about 1.5 MB
+# an arm), runs.tgz (the queue's log and every run folder without
 # its checkpoints) and jobs.tgz (each job's OUT, log and exit status).
 set -uo pipefail
 QUEUE_DIR=${QUEUE_DIR:-/tmp/dres-queue}
@@ -82,8 +82,7 @@ wait)
   mkdir -p "$OUT"
   if [ -f "$QUEUE_DIR/repro.pid" ]; then
     grep -E "^\[repro\] (start|resume|done|FAILED|skip)" "$QUEUE_DIR/repro.log" | tail -n 30
-    tar czf "$OUT/records.tgz" --exclude=features -C "$QUEUE_DIR" records
-    for f in "$QUEUE_DIR"/records/features/*.pt; do [ -f "$f" ] && cp "$f" "$OUT/features-$(basename "$f")"; done
+    tar czf "$OUT/records.tgz" -C "$QUEUE_DIR" records
     # the run folders without their checkpoints: logs, metrics and curves of finished and unfinished arms
     tar czf "$OUT/runs.tgz" --exclude=checkpoints --exclude=features.pt -C "$QUEUE_DIR" repro.log runs 2>/dev/null
   fi

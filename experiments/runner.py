@@ -23,8 +23,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RECORDS_ROOT = REPO_ROOT / "records" / "experiments"  # every records folder the report and the runner read
 CURVE_POINTS = 10  # curve points per run: every ~10% of it
 # a record keeps this many train and this many test features of every class (float16, each feature kind): a
-# ViT-S/4 arm's cls and stream_mean, 2 x 10,000 x 384 x 2 bytes = 15.4 MB
-RECORD_FEATURES_PER_CLASS = 500
+# ViT-S/4 arm's cls and stream_mean, 2 x 1,000 x 384 x 2 bytes = 1.5 MB; records travel with the tree to GPU
+# hosts (64 MiB with the carried wheels), so ten decisive arms may not take more than a few MB each
+RECORD_FEATURES_PER_CLASS = 50
 
 
 def parse_task_map(text: str, what: str, cast=str) -> dict:

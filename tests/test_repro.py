@@ -685,9 +685,9 @@ def test_report_pairs_claim_a_every_way_its_decisive_arms_score_it(tmp_path):
     assert "| official | 0.6 | true | 400 | 2,3 | 82.5 ± 0.7 (n=2) | 82.5 ± 0.7 (n=2) | 82.5 ± 0.7 (n=2) |" in text
 
 
-def test_queue_wait_packs_each_arms_features_in_a_file_of_its_own(tmp_path):
-    """The records travel without their features (records.tgz); each arm's kept features as features-<arm>.pt;
-    the run folders without checkpoints or full features (runs.tgz)."""
+def test_queue_wait_packs_the_records_with_their_kept_features(tmp_path):
+    """The records travel with their kept features (records.tgz, 1.5 MB an arm); the run folders without
+    checkpoints or full features (runs.tgz)."""
     queue = tmp_path / "queue"
     (queue / "records" / "features").mkdir(parents=True)
     (queue / "records" / "A400-official-a0.6-s2.json").write_text("{}")
@@ -699,9 +699,10 @@ def test_queue_wait_packs_each_arms_features_in_a_file_of_its_own(tmp_path):
     (queue / "repro.pid").write_text("999999999\n")  # no such process: the queue has ended
     code, out, _ = queue_script(tmp_path)("wait", "0")
     assert code == 0 and "[repro] done A400-official-a0.6-s2" in out
-    assert (tmp_path / "out" / "features-A400-official-a0.6-s2.pt").read_bytes() == b"kept"
     with tarfile.open(tmp_path / "out" / "records.tgz") as tar:
-        assert tar.getnames() == ["records", "records/A400-official-a0.6-s2.json"]
+        assert sorted(tar.getnames()) == ["records", "records/A400-official-a0.6-s2.json", "records/features",
+                                          "records/features/A400-official-a0.6-s2.pt"]
+        assert tar.extractfile("records/features/A400-official-a0.6-s2.pt").read() == b"kept"
     with tarfile.open(tmp_path / "out" / "runs.tgz") as tar:
         assert "runs/A400-official-a0.6-s2/metrics.jsonl" in tar.getnames()
         assert not any(n.endswith(("features.pt", "checkpoints")) for n in tar.getnames())
