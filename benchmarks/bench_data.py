@@ -231,7 +231,7 @@ def run_all(args) -> list[dict]:
 def _loader_rows(args, rows):
     for root in args.sources:
         for cores in args.cores:
-            for decode, workers in (("gpu", min(cores, 4)), ("cpu", cores)):
+            for decode, workers in (("gpu", min(cores, args.gpu_workers)), ("cpu", cores)):
                 rows.append({**_in_subprocess_loader(root, decode, workers, cores, args.first_core), "cores": cores})
                 print(json.dumps(rows[-1]), flush=True)
 
@@ -246,7 +246,7 @@ def _trainer_rows(args, rows):
         rows.append(trainer_rate(name, ["data.name=synthetic", "data.num_classes=100"], max(args.cores), **run))
         print(json.dumps(rows[-1]), flush=True)
         for files, cores, decode in ((f, c, d) for f in sources for c in args.cores for d in args.trainer_decodes):
-            workers = min(cores, 4) if decode == "gpu" else max(cores - 1, 1)
+            workers = min(cores, args.gpu_workers) if decode == "gpu" else max(cores - 1, 1)
             data = files + [f"data.decode={decode}", f"data.num_workers={workers}"]
             rows.append(trainer_rate(name, data, cores, **run))
             print(json.dumps(rows[-1]), flush=True)
@@ -335,6 +335,8 @@ def main(argv=None):
     ap.add_argument("--gpus", type=int, default=1, help="GPUs a trainer runs on (DDP where more than one)")
     ap.add_argument("--trainers", default="mae_vit_b16_baseline,mae_vit_b16_official,resnet50d_224")
     ap.add_argument("--trainer-decodes", default="gpu,cpu")
+    ap.add_argument("--gpu-workers", type=int, default=4,
+                    help="DataLoader workers of the GPU-decode rows (at most the cores; CPU decode: every core)")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--trainer-timeout", type=float, default=300, help="seconds a trainer run may take")
     ap.add_argument("--trainer-set", dest="trainer_sets", action="append", default=[],
@@ -358,6 +360,8 @@ def main(argv=None):
         return 0
     if args.gpus < 1:
         ap.error(f"--gpus {args.gpus}: at least 1")
+    if args.gpu_workers < 1:
+        ap.error(f"--gpu-workers {args.gpu_workers}: at least 1")
     every_core = (os.cpu_count() - args.first_core) // args.gpus
     args.cores = [int(c) for c in args.cores.split(",") if c] if args.cores else \
         [every_core, 4] if every_core > 4 else [every_core]

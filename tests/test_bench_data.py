@@ -59,6 +59,7 @@ CORES = f"this machine's cores 0-{os.cpu_count() - 1}"
      f"--first-core 0, --cores {os.cpu_count() + 1} a GPU x --gpus 1: not within {CORES}"),
     (["--first-core", "-1", "--cores", "1"], f"--first-core -1, --cores 1 a GPU x --gpus 1: not within {CORES}"),
     (["--gpus", "0"], "--gpus 0: at least 1"),
+    (["--gpu-workers", "0"], "--gpu-workers 0: at least 1"),
 ])
 def test_a_core_range_off_the_machine_or_no_gpus_is_an_argument_error(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as exit_:
@@ -105,3 +106,21 @@ def test_markdown_shows_a_failed_row_with_what_failed():
     assert "| loader wds | cpu | 1 | 4 | 4 | failed: last |  |" in table
     assert error_line("x | y") == "x | y" and error_line("") == "no message"
     assert "failed: x \\| y |" in markdown([{**failed, "error": "x | y"}], "h100")
+
+
+def test_trainer_rows_from_files_take_the_gpu_workers_and_the_data_settings(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    import benchmarks.bench_data as bench_data
+
+    runs = []
+    monkeypatch.setattr(bench_data, "trainer_rate", lambda name, data, cores, **run: runs.append((data, cores)) or {})
+    args = SimpleNamespace(root=str(tmp_path), sources=[str(tmp_path)], data_sets=["hw_decode_load=1"], first_core=0,
+                           gpus=1, steps=10, trainer_sets=[], trainer_timeout=60, trainers=["mae_vit_b16_baseline"],
+                           cores=[16, 4], trainer_decodes=["gpu", "cpu"], gpu_workers=8)
+    bench_data._trainer_rows(args, [])
+    workers = [(cores, next(d for d in data if d.startswith("data.num_workers="))) for data, cores in runs[1:]]
+    assert workers == [(16, "data.num_workers=8"), (16, "data.num_workers=15"), (4, "data.num_workers=4"),
+                       (4, "data.num_workers=3")]
+    assert all("data.hw_decode_load=1" in data for data, _ in runs[1:]) and runs[0][1] == 16
+
