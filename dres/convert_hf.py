@@ -64,9 +64,11 @@ def _fused_add_norm(x: torch.Tensor, h: torch.Tensor, norm: nn.LayerNorm, alpha:
 def _handed_norm_forward(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     """A LayerNorm that returns the value the previous layer computed fused with its last add, when
     called on that layer's output; otherwise (and when nothing was left) its ordinary forward."""
-    pending = norm.__dict__.pop("_dres_pending", None)
-    if pending is not None and pending[0] is x:
-        return pending[1]
+    pending = getattr(norm, "_dres_pending", None)
+    if pending is not None:
+        norm._dres_pending = None  # taken once (torch 2.11's Dynamo cannot trace a pop of the module's __dict__)
+        if pending[0] is x:
+            return pending[1]
     return nn.LayerNorm.forward(norm, x)
 
 
