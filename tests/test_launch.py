@@ -21,7 +21,7 @@ from dres.train.launch import STATUS_DIR_ENV, every_rank_stopped, record_stop
 from dres.train.loop import EXIT_INTERRUPTED
 
 # a tiny DDP classifier run of the real CLI, long enough to be signalled while it trains
-CLASSIFY = ["data.name=synthetic", "data.synthetic_size=64", "data.img_size=8", "data.in_chans=1", "data.mean=[0.5]",
+CLASSIFY = ["device=cpu", "data.name=synthetic", "data.synthetic_size=64", "data.img_size=8", "data.in_chans=1", "data.mean=[0.5]",
             "data.std=[0.25]", "data.aug=none", "model.img_size=8", "model.patch_size=4", "model.in_chans=1",
             "model.embed_dim=16", "model.depth=1", "model.num_heads=2", "model.num_classes=10", "batch_size=16",
             "optim.lr=1e-3", "optim.warmup_steps=0", "log.progress=false", "log.tensorboard=false", "threads=1",

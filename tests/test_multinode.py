@@ -52,7 +52,7 @@ NODE_ENTRY = textwrap.dedent('''
 ''')
 
 STEPS, GLOBAL_BATCH = 3, 16
-OVERRIDES = ["data.name=synthetic", "data.synthetic_size=64", "data.img_size=8", "data.in_chans=1",
+OVERRIDES = ["device=cpu", "data.name=synthetic", "data.synthetic_size=64", "data.img_size=8", "data.in_chans=1",
              "data.mean=[0.5]", "data.std=[0.25]", "data.aug=none", "model.img_size=8", "model.patch_size=4",
              "model.in_chans=1", "model.embed_dim=16", "model.depth=1", "model.num_heads=2", "model.num_classes=10",
              f"batch_size={GLOBAL_BATCH}", f"steps={STEPS}", "optim.lr=1e-3", "optim.warmup_steps=0", "log.every=1",
