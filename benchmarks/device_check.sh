@@ -7,7 +7,8 @@
 # Stages can be limited with STAGES="tests kernels" and pytest selection with TESTS="tests/test_ops.py".
 # TEST_PROCS=N (without TESTS) runs the suite as N pytest processes at once, the test files split into groups of
 # about equal time by the last suites' reports (tests/split_tests.py): one GPU's suite in about a third of the
-# time with 3 (each process its own junit-K.xml and tests-K.log).
+# time with 3 (each process its own junit-K.xml and tests-K.log). The logs name each test as it ends (-v), so a
+# process stopped before its report still says which tests failed.
 # attention: SDPA's backends and dres.ops.short_attention at the presets' attention shapes (bench_attention),
 # then short_attention's launch configs at those shapes (tune_attention).
 # compiled: the compiled bare MAE ViT-B/16 step of dres against torch.compile of the plain model, each
@@ -57,7 +58,7 @@ if want tests && [ "${TEST_PROCS:-1}" -gt 1 ] && [ -z "${TESTS:-}" ]; then
   mapfile -t groups < <(python3 tests/split_tests.py --procs "$TEST_PROCS")
   pids=()
   for k in "${!groups[@]}"; do
-    python3 -m pytest -q -p no:cacheprovider ${groups[$k]} -m "${MARK:-gpu or not gpu}" \
+    python3 -m pytest -v -p no:cacheprovider ${groups[$k]} -m "${MARK:-gpu or not gpu}" \
       --junitxml="$OUT/junit-$k.xml" >"$OUT/tests-$k.log" 2>&1 &
     pids+=($!)
   done
@@ -66,7 +67,7 @@ if want tests && [ "${TEST_PROCS:-1}" -gt 1 ] && [ -z "${TESTS:-}" ]; then
     echo "tests, process $k (${groups[$k]}):"; tail -n 3 "$OUT/tests-$k.log"
   done
 elif want tests; then
-  python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests} -m "${MARK:-gpu or not gpu}" --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log" | tail -n 40
+  python3 -m pytest -v -p no:cacheprovider ${TESTS:-tests} -m "${MARK:-gpu or not gpu}" --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log" | tail -n 40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
@@ -175,7 +176,7 @@ if want csrc_tests; then
       && (cd / && PYTHONPATH="$csite" python3 -c 'from dres.ops import csrc_backend as c; assert c.available(), c.LOAD_ERROR') \
       >>"$OUT/install_csrc.log" 2>&1; then
     cp -r . "$csrun/tree" && rm -rf "$csrun/tree/dres"
-    (cd "$csrun/tree" && PYTHONPATH="$csite${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -q -p no:cacheprovider ${CSRC_TESTS:-tests} \
+    (cd "$csrun/tree" && PYTHONPATH="$csite${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -v -p no:cacheprovider ${CSRC_TESTS:-tests} \
       --junitxml="$OUT/junit_csrc.xml" 2>&1) | tee "$OUT/tests_csrc.log" | tail -n 20
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   else
