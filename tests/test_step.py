@@ -18,7 +18,7 @@ from dres.ops import csrc_backend
 from dres.train.config import ConfigError, build_config
 from dres.train.loop import Trainer, fused_mlp_choice, lr_lambda
 from dres.train.runlog import RunLog, steady_timing, window_timing
-from dres.train.step import DDP_WARMUP_STEPS, GraphedStep, graph_plan, graph_warmup_steps, schedule_table
+from dres.train.step import DDP_WARMUP_STEPS, GraphedStep, TrainStep, graph_plan, graph_warmup_steps, schedule_table
 
 CUDA = torch.device("cuda", 0)
 
@@ -27,6 +27,64 @@ CUDA = torch.device("cuda", 0)
 def _plan(overrides=(), device=CUDA, precision="bf16", world=1):
     cfg = build_config("mae", None, list(overrides))
     return graph_plan(cfg, device, precision, world)
+
+
+class _Linear:
+    """A task of one linear layer under a mean-squared loss: ``loss(model, batch, cfg) -> (loss, {"err": ...})``."""
+
+    @staticmethod
+    def loss(model, batch, cfg):
+        err = model(batch["x"]) - batch["y"]
+        return err.square().mean(), {"err": err.abs().mean()}
+
+
+class _Advances:
+    iterations = 0
+
+    def next_iteration(self):
+        self.iterations += 1
+
+
+def _train_step(accum, ema_decay=0.0, clip=0.0):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    cfg = build_config("mae", None, [f"accum_steps={accum}", f"optim.ema_decay={ema_decay}", f"optim.clip_grad={clip}"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    ema = {n: p.detach().clone().float() for n, p in model.named_parameters()} if ema_decay else None
+    step = TrainStep(_Linear, cfg, model, model, optimizer, scaler, lambda: torch.autocast("cpu", enabled=False),
+                     torch.device("cpu"), ema=ema, droppath=_Advances())
+    return step, model
+
+
+def test_the_train_step_accumulates_micro_batches_into_one_update():
+    """accum_steps micro-batches of a batch give the update, loss and metrics of the whole batch at once (equal
+    micro-batches of a mean loss); the drop-path controller advances once a step."""
+    g = torch.Generator().manual_seed(1)
+    batch = {"x": torch.randn(8, 4, generator=g), "y": torch.randn(8, 2, generator=g)}
+    (one, m1), (two, m2) = _train_step(1), _train_step(2)
+    loss1, metrics1 = one(batch)
+    loss2, metrics2 = two(batch)
+    torch.testing.assert_close(loss2, loss1)
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(q, p)
+    assert metrics1.keys() == metrics2.keys() == {"err"}
+    torch.testing.assert_close(metrics2["err"], metrics1["err"])  # the mean of equal micro-batches' means
+    assert one.droppath.iterations == two.droppath.iterations == 1 and one.bad is not None and not one.bad
+
+
+def test_the_train_step_keeps_the_ema_and_a_sticky_non_finite_flag():
+    step, model = _train_step(1, ema_decay=0.9, clip=1.0)
+    before = {n: t.clone() for n, t in step.ema.items()}
+    batch = {"x": torch.ones(2, 4), "y": torch.zeros(2, 2)}
+    _, metrics = step(batch)
+    assert "grad_norm" in metrics  # clipping reports the norm
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(step.ema[n], before[n] + 0.1 * (p.detach() - before[n]))  # lerp by 1 - decay
+    step({"x": torch.full((2, 4), float("nan")), "y": torch.zeros(2, 2)})
+    assert bool(step.bad)
+    step({"x": torch.ones(2, 4), "y": torch.zeros(2, 2)})  # a finite step after does not clear it
+    assert bool(step.bad)
 
 
 def test_plan_captures_single_process_cuda_by_default():
