@@ -190,15 +190,16 @@ def test_decode_gpu_without_a_gpu_is_a_one_line_error(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("jitter", [0.0, 0.4])
 @pytest.mark.parametrize("backend", ["nvimgcodec", "torchvision"])
-def test_gpu_decode_matches_the_cpu_decode_of_the_same_crops(tmp_path, backend):
+def test_gpu_decode_matches_the_cpu_decode_of_the_same_crops(tmp_path, backend, jitter):
     if backend == "nvimgcodec":
         pytest.importorskip("nvidia.nvimgcodec")
     kinds = ["jpeg", "progressive", "grey", "cmyk", "png", "jpeg"]
     blobs = [_encode(k, 120 + 7 * i, 90 + 5 * i, seed=i) for i, k in enumerate(kinds)] + [b"broken"]
     batches = {}
     for gpu in (True, False):
-        prep = SamplePrep(32, gpu=gpu)
+        prep = SamplePrep(32, gpu=gpu, jitter=jitter)  # the same seeds: the same crops and jitter either way
         batch = collate_prepared([prepare(prep, b, i, i, f"f{i}") for i, b in enumerate(blobs)])
         finisher = BatchFinisher("cuda", 32, 3, MEAN, STD, backend if gpu else None)
         lost = []
