@@ -43,14 +43,16 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 
 # optional wheels carried in .whl/ (nvImageCodec and nvJPEG for the GPU decode: benchmarks/README.md): installed
 # apart, their `nvidia` folder made a namespace that also reaches the image's own nvidia packages; installed once
-# a host (the namespace file is written last), so that runs started side by side share it
-if compgen -G ".whl/*.whl" >/dev/null; then
-  { [ -f /tmp/dres-wheels/nvidia/__init__.py ] ||
-    { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dres-wheels .whl/*.whl >>"$OUT/install.log" 2>&1 &&
-      echo "__path__ = __import__('pkgutil').extend_path(__path__, __name__)" >/tmp/dres-wheels/nvidia/__init__.py; }; } &&
-    export PYTHONPATH=/tmp/dres-wheels${PYTHONPATH:+:$PYTHONPATH} \
-      LD_LIBRARY_PATH=/tmp/dres-wheels/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} ||
+# a host (the namespace file is written last) and used by every later run there, a copy of the tree without
+# .whl/ included (a queue's, taken when another call carried other files)
+wheels=/tmp/dres-wheels
+if compgen -G ".whl/*.whl" >/dev/null && [ ! -f $wheels/nvidia/__init__.py ]; then
+  { python3 -m pip install -q --no-index --no-deps --no-compile --target $wheels .whl/*.whl >>"$OUT/install.log" 2>&1 &&
+    echo "__path__ = __import__('pkgutil').extend_path(__path__, __name__)" >$wheels/nvidia/__init__.py; } ||
     echo "the wheels in .whl/ did not install (see install.log)"
+fi
+if [ -f $wheels/nvidia/__init__.py ]; then
+  export PYTHONPATH=$wheels${PYTHONPATH:+:$PYTHONPATH} LD_LIBRARY_PATH=$wheels/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
 
 if want tests && [ "${TEST_PROCS:-1}" -gt 1 ] && [ -z "${TESTS:-}" ]; then
