@@ -43,7 +43,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dres.data.augment import color_jitter, to_device
+from dres.data.augment import color_jitter, jitter_params, to_device
+
 
 def decode_errors() -> tuple:
     """The exceptions a damaged or unsupported image raises while it is read or decoded."""
@@ -154,19 +155,18 @@ class SamplePrep:
             progressive = bool(im.info.get("progressive") or im.info.get("progression"))
         rng = random.Random(seed)
         box, flip = crop_box(width, height, rng, self.aug, (self.crop_min, 1.0), crop_pct=self.crop_pct)
-        jitter = self._jitter(rng) if self.jitter else None
+        jitter = self._jitter(seed) if self.jitter else None
         jpeg = fmt in ("JPEG", "MPO")
         if self.gpu and jpeg and not progressive and mode in ("RGB", "L") and self.in_chans == 3:
             return "jpeg", data, box, flip, jitter
         pixels = crop_resize_cpu(_decode_cpu(data, mode, jpeg, self.in_chans), box, flip, self.size)
         return "pixels", pixels, box, flip, jitter
 
-    def _jitter(self, rng: random.Random) -> tuple:
-        """torchvision's ColorJitter draw for one image: 3 factors uniform in [max(0, 1 - S), 1 + S], then the
-        order it applies them in."""
-        factors = [rng.uniform(max(0.0, 1.0 - self.jitter), 1.0 + self.jitter) for _ in range(3)]
-        order = sorted(range(3), key=lambda _: rng.random())
-        return (*factors, *order)
+    def _jitter(self, seed: int) -> tuple:
+        """The in-memory loader's ColorJitter draw (:func:`~dres.data.augment.jitter_params`) for this one image,
+        from its seed: its 3 factors, then the order it applies them in."""
+        factors, order = jitter_params(1, np.random.default_rng(seed), self.jitter)
+        return (*factors[0].tolist(), *order[0].tolist())
 
 
 def prepare(prep: SamplePrep, data: bytes, seed: int, label: int, name: str):

@@ -22,6 +22,7 @@ Both file loaders make pixels the way :mod:`dres.data.decode` says (in the worke
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -371,7 +372,7 @@ class ShardLoader(_StreamingLoader):
 
     def eval_batches(self, batch_size):
         """Every sample once, in order, unaugmented, in batches of ``batch_size`` (in this process)."""
-        prep = SamplePrep(self.prep.size, self.prep.in_chans, "none", 0.0, self.prep.gpu, crop_pct=self.prep.crop_pct)
+        prep = dataclasses.replace(self.prep, aug="none", crop_min=0.0, jitter=0.0)
         for prepared in _ShardStream(self.shards, self.rank, self.world, self.seed, 0, prep, False, 0, batch_size):
             out = self._finish(prepared)
             if out is not None:
