@@ -6,6 +6,7 @@ held to fewer cores (``taskset``, which its DataLoader workers inherit).
     python -m benchmarks.bench_data loader --root DIR --decode gpu --workers 4
     python -m benchmarks.bench_data all --root DIR [--cores 16,4] [--shards] [--out OUT]
         [--gpus 2] [--first-core 32] [--trainer-set compile_scope=model] [--no-decoders]
+        [--variant finish_ahead=0 --variant hw_decode_load=1,num_workers=8]
 
 ``--gpus N`` runs every trainer as DDP on N GPUs (``dres.train.launch``), 256 images a GPU, and ``--cores``
 then counts cores a GPU (the workers' count is a rank's). Every ``taskset`` range starts at ``--first-core``:
@@ -17,7 +18,8 @@ other sizes, JPEG quality 90 at about ImageNet's mean file size, 1% greyscale, 0
 .JPEG (as ImageNet has), 2% progressive. ``all`` writes ``data.json`` and ``data.md`` under OUT: the GPU
 decoder's own rate (the training process's half alone, on batches read once), each loader's images/s, and each
 trainer's steady-state images/s from files over its rate on synthetic data (with the largest ``--cores``, the
-same GPUs and ``--trainer-set`` overrides).
+same GPUs and ``--trainer-set`` overrides). Each ``--variant`` (data settings, comma-separated) adds the loader
+and trainer rows from files once more with those settings: the levers side by side in one run.
 """
 
 from __future__ import annotations
@@ -90,22 +92,27 @@ def make_folder(root: str, images: int, classes: int, procs: int | None = None) 
             "kinds": {str(k): int((kinds == k).sum()) for k in np.unique(kinds)}}
 
 
-def _data_config(root: str, decode: str, workers: int, size: int = 224):
-    """The folder ``root``, or shards where ``root`` holds a ``manifest.json`` (``dres-prep``'s output)."""
-    from dres.train.config import DataConfig
+def _data_config(root: str, decode: str, workers: int, size: int = 224, sets=()):
+    """The folder ``root``, or shards where ``root`` holds a ``manifest.json`` (``dres-prep``'s output); ``sets``:
+    more data settings, ``KEY=VALUE``."""
+    from dres.train.config import DataConfig, parse_override, set_key
 
     shards = (Path(root) / "manifest.json").is_file()
-    return DataConfig(name="wds" if shards else "imagefolder", path=root, img_size=size, num_classes=1000,
-                      gpu_resident=False, decode=decode, num_workers=workers, crop_min=0.2)
+    cfg = DataConfig(name="wds" if shards else "imagefolder", path=root, img_size=size, num_classes=1000,
+                     gpu_resident=False, decode=decode, num_workers=workers, crop_min=0.2)
+    for kv in sets:
+        set_key(cfg, *parse_override(kv), prefix="data.")
+    return cfg
 
 
-def loader_rate(root: str, decode: str, workers: int, batch: int = 256, warmup: int = 10, batches: int = 40) -> dict:
+def loader_rate(root: str, decode: str, workers: int, batch: int = 256, warmup: int = 10, batches: int = 40,
+                sets=()) -> dict:
     """Images/s of the file loader alone (batches made on the GPU and waited for), after ``warmup`` batches."""
     import torch
 
     from dres.data import build_loader, decode_backend
 
-    cfg = _data_config(root, decode, workers)
+    cfg = _data_config(root, decode, workers, sets=sets)
     loader = build_loader(cfg, "train", batch, device="cuda", seed=0)
     for _ in range(warmup):
         loader.next()
@@ -116,8 +123,9 @@ def loader_rate(root: str, decode: str, workers: int, batch: int = 256, warmup: 
         n += len(loader.next()["label"])
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    return {"kind": "loader", "source": cfg.name, "decode": decode, "backend": decode_backend(cfg, "cuda"), "workers": workers,
-            "batch": batch, "images_per_s": n / seconds, "gpu_fallbacks": loader.finisher.gpu_fallbacks}
+    return {"kind": "loader", "source": cfg.name, "decode": decode, "backend": decode_backend(cfg, "cuda"),
+            "workers": cfg.num_workers, "batch": batch, "images_per_s": n / seconds,
+            "gpu_fallbacks": loader.finisher.gpu_fallbacks, "variant": list(sets)}
 
 
 def decoder_rate(root: str, backend: str, batch: int = 256, batches: int = 20, hw_load: float = 0.65) -> dict:
@@ -229,11 +237,12 @@ def run_all(args) -> list[dict]:
 
 
 def _loader_rows(args, rows):
-    for root in args.sources:
-        for cores in args.cores:
-            for decode, workers in (("gpu", min(cores, args.gpu_workers)), ("cpu", cores)):
-                rows.append({**_in_subprocess_loader(root, decode, workers, cores, args.first_core), "cores": cores})
-                print(json.dumps(rows[-1]), flush=True)
+    for root, variant, cores in ((r, v, c) for r in args.sources for v in args.variants for c in args.cores):
+        for decode, workers in (("gpu", min(cores, args.gpu_workers)), ("cpu", cores)):
+            rows.append({**_in_subprocess_loader(root, decode, workers, cores, args.first_core,
+                                                 [*args.data_sets, *variant]),
+                         "cores": cores})
+            print(json.dumps(rows[-1]), flush=True)
 
 
 def _trainer_rows(args, rows):
@@ -245,10 +254,11 @@ def _trainer_rows(args, rows):
     for name in args.trainers:
         rows.append(trainer_rate(name, ["data.name=synthetic", "data.num_classes=100"], max(args.cores), **run))
         print(json.dumps(rows[-1]), flush=True)
-        for files, cores, decode in ((f, c, d) for f in sources for c in args.cores for d in args.trainer_decodes):
+        for files, variant, cores, decode in ((f, v, c, d) for f in sources for v in args.variants
+                                              for c in args.cores for d in args.trainer_decodes):
             workers = min(cores, args.gpu_workers) if decode == "gpu" else max(cores - 1, 1)
-            data = files + [f"data.decode={decode}", f"data.num_workers={workers}"]
-            rows.append(trainer_rate(name, data, cores, **run))
+            data = files + [f"data.decode={decode}", f"data.num_workers={workers}", *[f"data.{kv}" for kv in variant]]
+            rows.append({**trainer_rate(name, data, cores, **run), "variant": variant})
             print(json.dumps(rows[-1]), flush=True)
 
 
@@ -261,17 +271,18 @@ def _importable(backend: str) -> bool:
         return False
 
 
-def loader_command(root: str, decode: str, workers: int, cores: int, first_core: int) -> list[str]:
+def loader_command(root: str, decode: str, workers: int, cores: int, first_core: int, sets=()) -> list[str]:
     """:func:`loader_rate` in a fresh process held to ``cores`` cores from ``first_core`` on."""
     return ["taskset", "-c", core_range(first_core, cores), sys.executable, "-m", "benchmarks.bench_data", "loader",
-            "--root", root, "--decode", decode, "--workers", str(workers)]
+            "--root", root, "--decode", decode, "--workers", str(workers), *[a for kv in sets for a in ("--set", kv)]]
 
 
-def _in_subprocess_loader(root, decode, workers, cores, first_core) -> dict:
-    proc = subprocess.run(loader_command(root, decode, workers, cores, first_core), capture_output=True, text=True)
+def _in_subprocess_loader(root, decode, workers, cores, first_core, sets=()) -> dict:
+    proc = subprocess.run(loader_command(root, decode, workers, cores, first_core, sets), capture_output=True,
+                          text=True)
     if proc.returncode != 0:
         return {"kind": "loader", "source": _data_config(root, decode, workers).name, "decode": decode,
-                "workers": workers, "error": proc.stderr[-2000:]}
+                "workers": workers, "variant": list(sets), "error": proc.stderr[-2000:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -304,12 +315,13 @@ def markdown(rows: list[dict], card: str) -> str:
             lines.append(f"| dres-prep, shorter side {r['short_side']} ({r['mean_kib']:.1f} KiB an image, "
                          f"{r['seconds']:.0f} s) | | | all | | {r['images'] / r['seconds']:,.0f} | |")
             continue
+        variant = "".join(f"; {kv}" for kv in r.get("variant", []))
         if r["kind"] == "loader":
-            backend = f" ({r['backend'] or 'cpu'})" if "backend" in r else ""
+            backend = f" ({r['backend'] or 'cpu'}{variant})" if "backend" in r else f" ({variant[2:]})" if variant else ""
             cells = [f"loader {r.get('source', 'imagefolder')}{backend}", r["decode"], 1, r["cores"], r["workers"]]
         else:
             data = dict(kv.split("=", 1) for kv in r["data"])
-            sets = "".join(f"; {kv}" for kv in r.get("overrides", []))
+            sets = "".join(f"; {kv}" for kv in r.get("overrides", [])) + variant
             cells = [f"trainer {r['name']} ({data.get('data.name')}{sets})", data.get("data.decode", ""),
                      r.get("gpus", 1), r["cores"] or "all", data.get("data.num_workers", "")]
         if "error" in r:
@@ -348,6 +360,9 @@ def main(argv=None):
                     help="also the folder as dres-prep shards (ROOT-shards, made once, timed): loaders and trainers")
     ap.add_argument("--set", dest="data_sets", action="append", default=[],
                     help="KEY=VALUE of data.* for the trainers from files (e.g. hw_decode_load=0.8)")
+    ap.add_argument("--variant", dest="variants", action="append", default=None,
+                    help="data.* settings, KEY=VALUE comma-separated, of another set of rows from files (the loaders "
+                         "and the trainers); repeatable, beside the rows without them")
     ap.add_argument("--out", default=os.environ.get("OUT", "./device_out"))
     args = ap.parse_args(argv)
     if args.what == "make":
@@ -356,7 +371,7 @@ def main(argv=None):
         print(json.dumps({**stats, "seconds": time.time() - t0}), flush=True)
         return 0
     if args.what == "loader":
-        print(json.dumps(loader_rate(args.root, args.decode, args.workers)), flush=True)
+        print(json.dumps(loader_rate(args.root, args.decode, args.workers, sets=args.data_sets)), flush=True)
         return 0
     if args.gpus < 1:
         ap.error(f"--gpus {args.gpus}: at least 1")
@@ -371,6 +386,7 @@ def main(argv=None):
     args.trainers = [t for t in args.trainers.split(",") if t]
     args.trainer_decodes = [d for d in args.trainer_decodes.split(",") if d]
     args.hw_loads = [float(v) for v in args.hw_loads.split(",") if v]
+    args.variants = [[]] + [[kv for kv in v.split(",") if kv] for v in args.variants or []]
     from benchmarks import measure
 
     args.sources = [args.root]

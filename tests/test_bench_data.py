@@ -117,10 +117,39 @@ def test_trainer_rows_from_files_take_the_gpu_workers_and_the_data_settings(monk
     monkeypatch.setattr(bench_data, "trainer_rate", lambda name, data, cores, **run: runs.append((data, cores)) or {})
     args = SimpleNamespace(root=str(tmp_path), sources=[str(tmp_path)], data_sets=["hw_decode_load=1"], first_core=0,
                            gpus=1, steps=10, trainer_sets=[], trainer_timeout=60, trainers=["mae_vit_b16_baseline"],
-                           cores=[16, 4], trainer_decodes=["gpu", "cpu"], gpu_workers=8)
+                           cores=[16, 4], trainer_decodes=["gpu", "cpu"], gpu_workers=8, variants=[[]])
     bench_data._trainer_rows(args, [])
     workers = [(cores, next(d for d in data if d.startswith("data.num_workers="))) for data, cores in runs[1:]]
     assert workers == [(16, "data.num_workers=8"), (16, "data.num_workers=15"), (4, "data.num_workers=4"),
                        (4, "data.num_workers=3")]
     assert all("data.hw_decode_load=1" in data for data, _ in runs[1:]) and runs[0][1] == 16
+
+
+def test_each_variant_is_a_set_of_rows_from_files_with_its_settings_last(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    import benchmarks.bench_data as bench_data
+
+    runs = []
+    monkeypatch.setattr(bench_data, "trainer_rate", lambda name, data, cores, **run: runs.append(data) or {})
+    monkeypatch.setattr(bench_data, "_in_subprocess_loader",
+                        lambda root, decode, workers, cores, first, sets: runs.append((decode, sets)) or {})
+    args = SimpleNamespace(root=str(tmp_path), sources=[str(tmp_path)], data_sets=["hw_decode_load=1"], first_core=0,
+                           gpus=1, steps=10, trainer_sets=[], trainer_timeout=60, trainers=["mae_vit_b16_baseline"],
+                           cores=[16], trainer_decodes=["gpu"], gpu_workers=4, variants=[[], ["finish_ahead=0",
+                                                                                              "num_workers=8"]])
+    rows = []
+    bench_data._loader_rows(args, rows)
+    assert runs == [("gpu", ["hw_decode_load=1"]), ("cpu", ["hw_decode_load=1"]),
+                    ("gpu", ["hw_decode_load=1", "finish_ahead=0", "num_workers=8"]),
+                    ("cpu", ["hw_decode_load=1", "finish_ahead=0", "num_workers=8"])]
+    runs.clear()
+    bench_data._trainer_rows(args, rows)
+    assert len(runs) == 3 and runs[0] == ["data.name=synthetic", "data.num_classes=100"]
+    assert runs[1][-1] == "data.num_workers=4" and "data.hw_decode_load=1" in runs[1]
+    assert runs[2][-2:] == ["data.finish_ahead=0", "data.num_workers=8"]  # after the benchmark's own: they win
+    assert [r["variant"] for r in rows[-2:]] == [[], ["finish_ahead=0", "num_workers=8"]]
+    row = {"kind": "trainer", "name": "vit", "data": ["data.name=imagefolder", "data.decode=gpu", "data.num_workers=8"],
+           "cores": 16, "gpus": 1, "overrides": [], "images_per_s": 100.0, "variant": ["finish_ahead=0"]}
+    assert "| trainer vit (imagefolder; finish_ahead=0) | gpu | 1 | 16 | 8 | 100 |  |" in markdown([row], "h100")
 

@@ -182,6 +182,89 @@ def test_folder_loader_counts_a_lost_file_once_and_skips_fifos(tmp_path):
     assert "shard" not in lines[0] and "c1/004.JPEG: UnidentifiedImageError" in lines[0]
 
 
+def _shards(root, n_shards=3, per_shard=10, bad=()):
+    """Shards of small JPEGs (samples named in ``bad`` damaged) and their manifest's counts."""
+    import io
+    import json
+    import tarfile
+
+    counts = {}
+    for s in range(n_shards):
+        with tarfile.open(root / f"s-{s:03d}.tar", "w") as tf:
+            for i in range(per_shard):
+                key = f"k{s}-{i}"
+                for ext, data in ((".jpg", b"broken" if key in bad else _encode("jpeg", 30 + i, 24 + s, seed=i)),
+                                  (".cls", str((s + i) % 3).encode())):
+                    info = tarfile.TarInfo(key + ext)
+                    info.size = len(data)
+                    tf.addfile(info, io.BytesIO(data))
+        counts[f"s-{s:03d}.tar"] = {"samples": per_shard}
+    (root / "manifest.json").write_text(json.dumps({"shards": counts}))
+    return str(root / f"s-{{000..{n_shards - 1:03d}}}.tar")
+
+
+def _loader_config(source, path, ahead, **kw):
+    return DataConfig(name=source, path=path, img_size=8, num_classes=3, gpu_resident=False, decode="cpu",
+                      num_workers=2, max_corrupt_frac=0.5, shuffle_buffer=4, verify_manifest=False,
+                      finish_ahead=ahead, **kw)
+
+
+@pytest.mark.parametrize("source", ["imagefolder", "wds"])
+def test_batches_finished_ahead_are_those_finished_between_steps(tmp_path, source):
+    """The thread finishing batches ahead changes no batch, no position and no resume: only when the work
+    happens (a lost file among them, past two epochs)."""
+    path = _folder(tmp_path, bad=(4,)) if source == "imagefolder" else _shards(tmp_path, bad=("k1-3",))
+    runs = {}
+    for ahead in (0, 2):
+        loader = build_loader(_loader_config(source, path, ahead), "train", 8, seed=3)
+        runs[ahead] = [(loader.next(), loader.state_dict()) for _ in range(8)]
+        assert loader.counter.count == 1
+        loader.close()
+    for (a, state_a), (b, state_b) in zip(runs[0], runs[2]):
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"]) and state_a == state_b
+    resumed = build_loader(_loader_config(source, path, 2), "train", 8, seed=3)
+    resumed.load_state_dict(runs[2][4][1])
+    for (a, _), b in zip(runs[0][5:], _batches(resumed, 3)):
+        assert torch.equal(a["image"], b["image"])
+
+
+def test_an_error_met_ahead_is_raised_at_its_batch(tmp_path):
+    root = _folder(tmp_path, bad=(1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15))  # too many lost files
+    taken = {}
+    for ahead in (0, 2):
+        loader = build_loader(_loader_config("imagefolder", root, ahead), "train", 8, seed=3)
+        taken[ahead] = 0
+        with pytest.raises(DataError, match="too much unreadable data"):
+            while True:
+                loader.next()
+                taken[ahead] += 1
+        loader.close()
+    assert taken[0] == taken[2]
+
+
+def test_the_thread_finishing_batches_ahead_ends_with_its_loader(tmp_path):
+    import gc
+    import threading
+
+    def ahead_threads():
+        return [t for t in threading.enumerate() if t.name == "dres-batches-ahead"]
+
+    d = _loader_config("imagefolder", _folder(tmp_path), 2)
+    loader = build_loader(d, "train", 8)
+    loader.next()
+    assert len(ahead_threads()) == 1
+    loader.close()  # stopped, and started again by the next batch
+    assert not ahead_threads()
+    loader.next()
+    del loader  # dropped without close(): the thread holds the loader weakly
+    gc.collect()
+    for _ in range(50):
+        if not ahead_threads():
+            break
+        threading.Event().wait(0.1)
+    assert not ahead_threads()
+
+
 def test_decode_gpu_without_a_gpu_is_a_one_line_error(tmp_path):
     d = DataConfig(name="imagefolder", path=_folder(tmp_path), img_size=8, num_classes=3, gpu_resident=False,
                    decode="gpu")

@@ -55,6 +55,9 @@ class DataConfig:
     # decode=gpu with nvImageCodec: the share of each batch's JPEGs for the hardware JPEG decoders (the rest, and
     # what they cannot do, to nvJPEG on the CUDA cores at the same time)
     hw_decode_load: float = 0.65
+    # streaming loaders: batches a thread of the training process finishes (GPU decode, crop, normalisation,
+    # copies) ahead of the step (0: in the step's own thread, between steps)
+    finish_ahead: int = 2
     shuffle_buffer: int = 2000  # streamed shards: samples shuffled in memory
     limit: int = 0           # use only the first N training samples (0: all)
     val_limit: int = 0       # use only the first N held-out samples (0: all)
@@ -523,7 +526,8 @@ POSITIVE_KEYS = (
 NON_NEGATIVE_KEYS = {
     "seed": "", "steps": "use epochs", "epochs": "", "threads": "by the model's width",
     "data.num_classes": "", "data.num_workers": "", "data.shuffle_buffer": "", "data.limit": "all",
-    "data.val_limit": "all", "model.decoder_depth": "", "model.num_classes": "", "optim.blr": "",
+    "data.val_limit": "all", "data.finish_ahead": "in the step's thread", "model.decoder_depth": "",
+    "model.num_classes": "", "optim.blr": "",
     "optim.lr": "from optim.blr", "optim.min_lr": "", "optim.weight_decay": "", "optim.warmup_epochs": "",
     "optim.clip_grad": "off", "ckpt.every": "only at the end", "ckpt.keep": "keep all", "eval.probe_wd": "",
     "eval.max_train": "all", "eval.max_test": "all", "eval.every": "never", "eval.curve_fd_samples": "none"}

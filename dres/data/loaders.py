@@ -17,15 +17,20 @@ and N processes produce the same losses.
   by rank and worker, a seeded shuffle buffer, corrupt samples skipped and counted; resume skips
   the batches already consumed in the epoch without decoding them.
 
-Both file loaders make pixels the way :mod:`dres.data.decode` says (in the workers, or on the GPU).
+Both file loaders make pixels the way :mod:`dres.data.decode` says (in the workers, or on the GPU), and
+finish each batch (its GPU decode, crop kernel and normalisation) ``ahead`` batches early in a thread of the
+training process (:class:`_Ahead`), so the step's thread only queues steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import queue
 import random
+import threading
 import weakref
 
 import numpy as np
@@ -130,7 +135,7 @@ class _StreamingLoader(_Position):
     (:class:`dres.data.decode.BatchFinisher`) and the accounting of lost samples."""
 
     def __init__(self, global_batch, *, rank, world, accum, seed, device, prep: SamplePrep, finisher: BatchFinisher | None,
-                 num_workers, max_corrupt_frac, log, unit, where):
+                 num_workers, max_corrupt_frac, log, unit, where, ahead):
         self.local = check_split(global_batch, world, accum)
         self.global_batch, self.rank, self.world, self.seed, self.device = global_batch, rank, world, seed, device
         # without a finisher: CPU-decoded pixels, unnormalised
@@ -138,21 +143,34 @@ class _StreamingLoader(_Position):
         self.prep, self.num_workers = prep, num_workers
         self.max_corrupt_frac, self.where = max_corrupt_frac, where
         self.counter = CorruptCounter(log, unit=unit)
-        self._read, self._expected, self._it = 0, 0, None
-        # the DataLoader iterator whose workers run; they ignore SIGTERM, so they are stopped by message, at the
-        # latest when the loader is collected or the process exits (before multiprocessing's own exit handler)
+        self._read, self._expected, self.ahead = 0, 0, ahead
+        # the finished batches to come (an _Ahead, or the generator itself with ahead=0) and the DataLoader
+        # iterator whose workers run; the workers ignore SIGTERM, so they are stopped by message, at the latest
+        # when the loader is collected or the process exits (before multiprocessing's own exit handler)
         self._running: list = []
+        self._batches_to_come = None
         weakref.finalize(self, _stop_workers, self._running)
 
+    def next(self):
+        """This rank's next step batch on the device; the data position moves as batches are handed over."""
+        if self._batches_to_come is None:
+            # the batches hold the loader weakly: one dropped without close() still stops its thread and workers
+            batches = type(self)._finished(weakref.proxy(self), self.epoch, self.batch)
+            self._batches_to_come = _Ahead(batches, self.device, self.ahead, self._running) if self.ahead else batches
+        out, self.epoch, self.batch = next(self._batches_to_come)
+        return out
+
     def _open(self, dataset, **kw):
-        """A fresh DataLoader iterator over ``dataset``, the workers of the previous one stopped first."""
-        self.close()
+        """A fresh DataLoader iterator over ``dataset``, the workers of the previous one stopped first (this
+        runs in the thread finishing batches ahead, which stays)."""
+        _stop_workers(self._running, keep=_Ahead)
         self._running.append(iter(self._loader(dataset, **kw)))
         return self._running[-1]
 
     def close(self):
-        """Stop the workers (the next batch starts new ones)."""
+        """Stop the batches under way and the workers (the next batch starts new ones)."""
         _stop_workers(self._running)
+        self._batches_to_come = None
 
     def _loader(self, dataset, **kw):
         return torch.utils.data.DataLoader(
@@ -177,15 +195,92 @@ class _StreamingLoader(_Position):
     def load_state_dict(self, s):
         super().load_state_dict(s)
         self.close()
-        self._it = None
 
 
-def _stop_workers(running: list):
+def _stop_workers(running: list, keep=()):
+    """Stop what ``running`` holds but the instances of ``keep``: the thread finishing batches ahead first (it
+    reads from the workers), then the DataLoader iterators' workers."""
+    for it in running:
+        if isinstance(it, _Ahead) and not isinstance(it, keep):
+            it.stop()
     for it in running:
         shutdown = getattr(it, "_shutdown_workers", None)  # absent without workers
         if shutdown is not None:
             shutdown()
-    running.clear()
+    running[:] = [it for it in running if isinstance(it, keep)]
+
+
+class _Ahead:
+    """The batches of ``batches`` (an iterator of ``(batch, epoch, position)``) finished ``depth`` ahead by a
+    thread of the training process: the GPU decode (which waits on the decoders with the GIL released), the crop
+    kernel and the copies of the next batches run while the step's thread queues the step. The thread's GPU work
+    runs on a stream of its own; a batch handed over is ready on the taker's current stream, and an exception
+    the source raised is raised where its batch would have come."""
+
+    def __init__(self, batches, device, depth: int, running: list):
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.done = queue.Queue(depth)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(batches,), name="dres-batches-ahead", daemon=True)
+        running.append(self)  # stopped with the workers (_stop_workers)
+        self.thread.start()
+
+    def _run(self, batches):
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(self.device)  # the current device is the thread's own
+        stream = torch.cuda.Stream(self.device) if cuda else None
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
+            while not self.stopping.is_set():
+                try:
+                    item = next(batches)
+                except BaseException as e:  # handed over in order, StopIteration included
+                    self._put(("raise", e, None))
+                    return
+                ready = None
+                if cuda:
+                    ready = torch.cuda.Event()
+                    ready.record(stream)
+                if not self._put(("batch", item, ready)):
+                    return
+
+    def _put(self, entry) -> bool:
+        while not self.stopping.is_set():
+            try:
+                self.done.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def __next__(self):
+        while True:
+            try:
+                kind, item, ready = self.done.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self.thread.is_alive():
+                    raise RuntimeError("the thread finishing batches ahead has stopped") from None
+        if kind == "raise":
+            raise item
+        if ready is not None:
+            taker = torch.cuda.current_stream(self.device)
+            taker.wait_event(ready)
+            for t in item[0].values():
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    t.record_stream(taker)  # made on the thread's stream, read on the taker's
+        return item
+
+    def stop(self, timeout: float = 60.0):
+        """End the thread after the batch it is finishing (the workers must still run to let it finish)."""
+        self.stopping.set()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.done.get_nowait()
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
 
 
 class _FolderSamples(torch.utils.data.Dataset):
@@ -224,10 +319,11 @@ class FolderLoader(_StreamingLoader):
     over every epoch), each rank its slice of every global batch."""
 
     def __init__(self, root, global_batch, *, rank=0, world=1, accum=1, seed=0, device="cpu", prep: SamplePrep,
-                 finisher: BatchFinisher | None = None, num_workers=8, limit=0, num_classes=0, max_corrupt_frac=1.0, log=None):
+                 finisher: BatchFinisher | None = None, num_workers=8, limit=0, num_classes=0, max_corrupt_frac=1.0, log=None,
+                 ahead=2):
         super().__init__(global_batch, rank=rank, world=world, accum=accum, seed=seed, device=device, prep=prep,
                          finisher=finisher, num_workers=num_workers, max_corrupt_frac=max_corrupt_frac, log=log,
-                         unit="file", where=root)
+                         unit="file", where=root, ahead=ahead)
         paths, labels, self.classes = list_image_folder(root)
         if limit:
             paths, labels = paths[:limit], labels[:limit]
@@ -243,17 +339,16 @@ class FolderLoader(_StreamingLoader):
     def __len__(self):
         return self.steps_per_epoch
 
-    def next(self):
-        if self.batch >= self.steps_per_epoch:
-            self.epoch, self.batch = self.epoch + 1, 0
-        if self._it is None:
-            keys = folder_batches(len(self.ds), self.global_batch, self.rank, self.local, self.seed, self.epoch,
-                                  self.batch)
-            self._it = self._open(self.ds, batch_sampler=keys, collate_fn=collate_prepared)
-        prepared = next(self._it)
-        self.batch += 1
-        out = self._finish(prepared)
-        return out if out is not None else self.next()
+    def _finished(self, epoch, batch):
+        """The finished batches from position ``(epoch, batch)`` on, each with the position after it."""
+        keys = folder_batches(len(self.ds), self.global_batch, self.rank, self.local, self.seed, epoch, batch)
+        for prepared in self._open(self.ds, batch_sampler=keys, collate_fn=collate_prepared):
+            if batch >= self.steps_per_epoch:
+                epoch, batch = epoch + 1, 0
+            batch += 1
+            out = self._finish(prepared)
+            if out is not None:
+                yield out, epoch, batch
 
 
 class _ShardStream(torch.utils.data.IterableDataset):
@@ -326,11 +421,11 @@ class ShardLoader(_StreamingLoader):
 
     def __init__(self, pattern, global_batch, *, rank=0, world=1, accum=1, seed=0, device="cpu", prep: SamplePrep,
                  finisher: BatchFinisher | None = None, train=True, num_workers=4, buffer=2000, samples_per_epoch=None,
-                 num_classes=0, max_corrupt_frac=1.0, log=None):
+                 num_classes=0, max_corrupt_frac=1.0, log=None, ahead=2):
         self.shards = expand_shards(pattern)
         super().__init__(global_batch, rank=rank, world=world, accum=accum, seed=seed, device=device, prep=prep,
                          finisher=finisher, num_workers=num_workers, max_corrupt_frac=max_corrupt_frac, log=log,
-                         unit="shard", where=f"{len(self.shards)} shard(s)")
+                         unit="shard", where=f"{len(self.shards)} shard(s)", ahead=ahead)
         self.num_classes, self.train, self.buffer = num_classes, train, buffer
         self.counter.shards_total = len(self.shards)
         # the fraction's denominator: this rank's share of an epoch, or enough samples to judge it
@@ -341,9 +436,9 @@ class ShardLoader(_StreamingLoader):
     def __len__(self):
         return self.steps_per_epoch or 0
 
-    def _batches(self):
-        """This epoch's collated batches of ``local`` samples, those with no sample left accounted here."""
-        ds = _ShardStream(self.shards, self.rank, self.world, self.seed, self.epoch, self.prep, self.train,
+    def _batches(self, epoch):
+        """Epoch ``epoch``'s collated batches of ``local`` samples, those with no sample left accounted here."""
+        ds = _ShardStream(self.shards, self.rank, self.world, self.seed, epoch, self.prep, self.train,
                           self.buffer, self.local)
         for prepared in self._open(ds, batch_size=None):
             if len(prepared["labels"]) == self.local:
@@ -351,24 +446,28 @@ class ShardLoader(_StreamingLoader):
             else:
                 self._finish(prepared)
 
-    def next(self):
-        if self._it is None:
-            self._it = self._batches()
-            for _ in range(self.batch):  # resume: skip what this epoch already consumed, undecoded
-                next(self._it)
-        try:
-            prepared = next(self._it)
-        except StopIteration:
-            if self.batch == 0:
-                raise DataError(f"no samples for rank {self.rank} in {len(self.shards)} shard(s)")
-            self.epoch, self.batch, self._it = self.epoch + 1, 0, None
-            return self.next()
-        if self.steps_per_epoch and self.batch + 1 >= self.steps_per_epoch:
-            self.epoch, self.batch, self._it = self.epoch + 1, 0, None  # keep ranks in step
-        else:
-            self.batch += 1
-        out = self._finish(prepared)
-        return out if out is not None else self.next()
+    def _finished(self, epoch, batch):
+        """The finished batches from position ``(epoch, batch)`` on, each with the position after it; resume skips
+        what the epoch already consumed, undecoded."""
+        while True:
+            prepared_batches = self._batches(epoch)
+            skip = batch
+            for prepared in prepared_batches:
+                if skip:
+                    skip -= 1
+                    continue
+                last = bool(self.steps_per_epoch) and batch + 1 >= self.steps_per_epoch  # ranks stay in step
+                epoch, batch = (epoch + 1, 0) if last else (epoch, batch + 1)
+                out = self._finish(prepared)
+                if out is not None:
+                    yield out, epoch, batch
+                if last:
+                    break
+            else:
+                if batch == 0:
+                    raise DataError(f"no samples for rank {self.rank} in {len(self.shards)} shard(s)")
+                epoch, batch = epoch + 1, 0
+            prepared_batches.close()
 
     def eval_batches(self, batch_size):
         """Every sample once, in order, unaugmented, in batches of ``batch_size`` (in this process)."""
