@@ -238,7 +238,8 @@ def run_all(args) -> list[dict]:
 
 def _loader_rows(args, rows):
     for root, variant, cores in ((r, v, c) for r in args.sources for v in args.variants for c in args.cores):
-        for decode, workers in (("gpu", min(cores, args.gpu_workers)), ("cpu", cores)):
+        for decode in args.loader_decodes:
+            workers = min(cores, args.gpu_workers) if decode == "gpu" else cores
             rows.append({**_in_subprocess_loader(root, decode, workers, cores, args.first_core,
                                                  [*args.data_sets, *variant]),
                          "cores": cores})
@@ -347,6 +348,7 @@ def main(argv=None):
     ap.add_argument("--gpus", type=int, default=1, help="GPUs a trainer runs on (DDP where more than one)")
     ap.add_argument("--trainers", default="mae_vit_b16_baseline,mae_vit_b16_official,resnet50d_224")
     ap.add_argument("--trainer-decodes", default="gpu,cpu")
+    ap.add_argument("--loader-decodes", default="gpu,cpu", help="the decodes of the loader-alone rows")
     ap.add_argument("--gpu-workers", type=int, default=4,
                     help="DataLoader workers of the GPU-decode rows (at most the cores; CPU decode: every core)")
     ap.add_argument("--steps", type=int, default=100)
@@ -385,6 +387,7 @@ def main(argv=None):
                  f"this machine's cores 0-{os.cpu_count() - 1}")
     args.trainers = [t for t in args.trainers.split(",") if t]
     args.trainer_decodes = [d for d in args.trainer_decodes.split(",") if d]
+    args.loader_decodes = [d for d in args.loader_decodes.split(",") if d]
     args.hw_loads = [float(v) for v in args.hw_loads.split(",") if v]
     args.variants = [[]] + [[kv for kv in v.split(",") if kv] for v in args.variants or []]
     from benchmarks import measure

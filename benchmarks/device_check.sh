@@ -15,9 +15,11 @@
 # in SPREAD_PROCESSES (default 3) fresh processes: median and spread (a slow or noisy path shows here), and
 # the same of the step's CUDA-graph replay with each process's step / replay (a slow process slow in its
 # replay too is slow on the GPU side; one slow only in its step, on the host side).
-# csrc_tests: the whole suite again, CPU and GPU tests in one process, with the optional CUDA C++ extension built
-# (sm_90 only; the default backend then takes its kernels for eager calls) into a temporary folder removed
-# afterwards; CSRC_TESTS="tests/test_csrc.py ..." narrows it (TESTS and MARK are the tests stage's alone).
+# csrc_tests: the whole suite again, CPU and GPU tests, with the optional CUDA C++ extension built (sm_90 only; the
+# default backend then takes its kernels for eager calls) into a temporary folder removed afterwards: in one
+# process, or with TEST_PROCS=N in N processes of the same groups as the tests stage (junit_csrc-K.xml,
+# tests_csrc-K.log); CSRC_TESTS="tests/test_csrc.py ..." narrows it to one process (TESTS and MARK are the tests
+# stage's alone).
 # trainers: each preset's trainer (one GPU, steady-state img/s and trainer / replay), each run cut at
 # TRAINER_TIMEOUT_S (default 300: a fresh machine compiles cold); model.backend=torch runs leave the norms to Inductor's own fused code, the fused_mlp
 # rows take the MLP path the preset does not (auto: dres's fused MLP in captured steps; mae_cifar10 sets false);
@@ -55,19 +57,31 @@ if [ -f $wheels/nvidia/__init__.py ]; then
   export PYTHONPATH=$wheels${PYTHONPATH:+:$PYTHONPATH} LD_LIBRARY_PATH=$wheels/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
 
-if want tests && [ "${TEST_PROCS:-1}" -gt 1 ] && [ -z "${TESTS:-}" ]; then
-  # one pytest process per group of test files, groups of about equal time by the last suites' reports
+# NAME ARGS...: the suite as TEST_PROCS pytest processes at once, one per group of test files of about equal time by
+# the last suites' reports, each with its $OUT/junit_NAME-K.xml and tests_NAME-K.log (-v: a process stopped early
+# still names its failed tests); ARGS go to every process; TEST_GPUS="2,3" gives process K the K-th of those GPUs in
+# turn (default: every process sees the GPUs the caller sees); fails when any process failed
+split_suite() {
+  local name=$1 k pids=() groups gpus=() failed=0
+  shift
   mapfile -t groups < <(python3 tests/split_tests.py --procs "$TEST_PROCS")
-  pids=()
+  [ -n "${TEST_GPUS:-}" ] && IFS=, read -ra gpus <<<"$TEST_GPUS"
   for k in "${!groups[@]}"; do
-    python3 -m pytest -v -p no:cacheprovider ${groups[$k]} -m "${MARK:-gpu or not gpu}" \
-      --junitxml="$OUT/junit-$k.xml" >"$OUT/tests-$k.log" 2>&1 &
+    (
+      [ ${#gpus[@]} -gt 0 ] && export CUDA_VISIBLE_DEVICES=${gpus[$((k % ${#gpus[@]}))]}
+      exec python3 -m pytest -v -p no:cacheprovider ${groups[$k]} "$@" --junitxml="$OUT/junit$name-$k.xml"
+    ) >"$OUT/tests$name-$k.log" 2>&1 &
     pids+=($!)
   done
   for k in "${!pids[@]}"; do
-    wait "${pids[$k]}" || status=1
-    echo "tests, process $k (${groups[$k]}):"; tail -n 3 "$OUT/tests-$k.log"
+    wait "${pids[$k]}" || failed=1
+    echo "tests$name, process $k (${groups[$k]}):"; tail -n 3 "$OUT/tests$name-$k.log"
   done
+  return $failed
+}
+
+if want tests && [ "${TEST_PROCS:-1}" -gt 1 ] && [ -z "${TESTS:-}" ]; then
+  split_suite "" -m "${MARK:-gpu or not gpu}" || status=1
 elif want tests; then
   python3 -m pytest -v -p no:cacheprovider ${TESTS:-tests} -m "${MARK:-gpu or not gpu}" --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log" | tail -n 40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -178,9 +192,13 @@ if want csrc_tests; then
       && (cd / && PYTHONPATH="$csite" python3 -c 'from dres.ops import csrc_backend as c; assert c.available(), c.LOAD_ERROR') \
       >>"$OUT/install_csrc.log" 2>&1; then
     cp -r . "$csrun/tree" && rm -rf "$csrun/tree/dres"
-    (cd "$csrun/tree" && PYTHONPATH="$csite${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -v -p no:cacheprovider ${CSRC_TESTS:-tests} \
-      --junitxml="$OUT/junit_csrc.xml" 2>&1) | tee "$OUT/tests_csrc.log" | tail -n 20
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    if [ "${TEST_PROCS:-1}" -gt 1 ] && [ -z "${CSRC_TESTS:-}" ]; then
+      (cd "$csrun/tree" && export PYTHONPATH="$csite${PYTHONPATH:+:$PYTHONPATH}" && split_suite _csrc) || status=1
+    else
+      (cd "$csrun/tree" && PYTHONPATH="$csite${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -v -p no:cacheprovider \
+        ${CSRC_TESTS:-tests} --junitxml="$OUT/junit_csrc.xml" 2>&1) | tee "$OUT/tests_csrc.log" | tail -n 20
+      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    fi
   else
     echo "csrc build failed"; tail -n 20 "$OUT/install_csrc.log"; status=1
   fi

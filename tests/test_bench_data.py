@@ -136,8 +136,8 @@ def test_each_variant_is_a_set_of_rows_from_files_with_its_settings_last(monkeyp
                         lambda root, decode, workers, cores, first, sets: runs.append((decode, sets)) or {})
     args = SimpleNamespace(root=str(tmp_path), sources=[str(tmp_path)], data_sets=["hw_decode_load=1"], first_core=0,
                            gpus=1, steps=10, trainer_sets=[], trainer_timeout=60, trainers=["mae_vit_b16_baseline"],
-                           cores=[16], trainer_decodes=["gpu"], gpu_workers=4, variants=[[], ["finish_ahead=0",
-                                                                                              "num_workers=8"]])
+                           cores=[16], trainer_decodes=["gpu"], loader_decodes=["gpu", "cpu"], gpu_workers=4,
+                           variants=[[], ["finish_ahead=0", "num_workers=8"]])
     rows = []
     bench_data._loader_rows(args, rows)
     assert runs == [("gpu", ["hw_decode_load=1"]), ("cpu", ["hw_decode_load=1"]),

@@ -244,25 +244,19 @@ def test_an_error_met_ahead_is_raised_at_its_batch(tmp_path):
 
 def test_the_thread_finishing_batches_ahead_ends_with_its_loader(tmp_path):
     import gc
-    import threading
 
-    def ahead_threads():
-        return [t for t in threading.enumerate() if t.name == "dres-batches-ahead"]
-
-    d = _loader_config("imagefolder", _folder(tmp_path), 2)
-    loader = build_loader(d, "train", 8)
+    loader = build_loader(_loader_config("imagefolder", _folder(tmp_path), 2), "train", 8)
     loader.next()
-    assert len(ahead_threads()) == 1
+    first = loader._batches_to_come.thread
+    assert first.is_alive()
     loader.close()  # stopped, and started again by the next batch
-    assert not ahead_threads()
+    assert not first.is_alive()
     loader.next()
+    second = loader._batches_to_come.thread
     del loader  # dropped without close(): the thread holds the loader weakly
     gc.collect()
-    for _ in range(50):
-        if not ahead_threads():
-            break
-        threading.Event().wait(0.1)
-    assert not ahead_threads()
+    second.join(30)
+    assert not second.is_alive()
 
 
 def test_decode_gpu_without_a_gpu_is_a_one_line_error(tmp_path):

@@ -211,11 +211,11 @@ def _stop_workers(running: list, keep=()):
 
 
 class _Ahead:
-    """The batches of ``batches`` (an iterator of ``(batch, epoch, position)``) finished ``depth`` ahead by a
-    thread of the training process: the GPU decode (which waits on the decoders with the GIL released), the crop
-    kernel and the copies of the next batches run while the step's thread queues the step. The thread's GPU work
-    runs on a stream of its own; a batch handed over is ready on the taker's current stream, and an exception
-    the source raised is raised where its batch would have come."""
+    """The batches of ``batches`` (an iterator of ``(batch, epoch, batches into the epoch)``) finished ``depth``
+    ahead by a thread of the training process: the GPU decode (which waits on the decoders with the GIL released),
+    the crop kernel and the copies of the next batches run while the step's thread queues the step. The thread's
+    GPU work runs on a stream of its own; a batch handed over is ready on the taker's current stream, and an
+    exception the source raised is raised where its batch would have come."""
 
     def __init__(self, batches, device, depth: int, running: list):
         self.device = torch.device(device)
