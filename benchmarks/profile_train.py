@@ -26,6 +26,7 @@ run (``<out>/trace-<model>-<mode>-<wrapping>-<N>gpu.json.gz``, open in chrome://
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import sys
@@ -203,6 +204,15 @@ def write_record(r: dict, out: Path, card: str) -> None:
     (out / f"{card}-profile.md").write_text(markdown(merged, card))
 
 
+def trainer_trace_name(preset: str, overrides: list[str]) -> str:
+    """The trace file of a trainer profile: the preset and its overrides in letters, digits, '_' and '-' (a path
+    among them would name folders), shortened with a hash of them where long (a file name's 255 bytes)."""
+    tag = re.sub(r"[^A-Za-z0-9_-]+", "_", "-".join(overrides))
+    if len(tag) > 80:
+        tag = tag[:80] + "-" + hashlib.sha1(tag.encode()).hexdigest()[:8]
+    return f"trace-trainer-{preset}{'-' + tag if tag else ''}.json.gz"
+
+
 def main_trainer(args) -> int:
     if not torch.cuda.is_available():
         print("profile_train needs a CUDA GPU", file=sys.stderr)
@@ -211,8 +221,7 @@ def main_trainer(args) -> int:
     card = measure.card_name()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = "-".join(o.replace("=", "_").replace(".", "_") for o in args.overrides)
-    trace = out / f"trace-trainer-{args.trainer}{'-' + tag if tag else ''}.json.gz" if args.trace else None
+    trace = out / trainer_trace_name(args.trainer, args.overrides) if args.trace else None
     r = profile_trainer(args.trainer, args.overrides, args.batch, args.steps, args.warmup, trace)
     if r is not None:
         r.update(card=card, date=measure.today(), **measure.versions())

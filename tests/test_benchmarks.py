@@ -425,6 +425,16 @@ def test_profile_train_groups_kernels_by_name():
     assert "| mae timm | compile per block | none |" in profile_train.markdown([dict(rec, compile_scope="per_block")], "h200")
 
 
+def test_profile_train_trace_names_are_one_file_whatever_the_overrides():
+    from benchmarks.profile_train import trainer_trace_name
+
+    name = trainer_trace_name("mae_vit_b16_in1k", ["data.path=/tmp/x y", "data.decode=gpu"])
+    assert name == "trace-trainer-mae_vit_b16_in1k-data_path_tmp_x_y-data_decode_gpu.json.gz"
+    long = trainer_trace_name("p", [f"data.k{i}=/some/long/path/{i}" for i in range(20)])
+    assert "/" not in long and len(long) < 130 and long != trainer_trace_name("p", ["data.k0=/other"])
+    assert trainer_trace_name("p", []) == "trace-trainer-p.json.gz"
+
+
 def test_profile_union_of_kernel_intervals():
     # overlapping compute and NCCL count once; a gap counts zero; an interval inside another adds nothing
     assert measure.union_us([(0, 10), (5, 15), (20, 30), (21, 22)]) == 25

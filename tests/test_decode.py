@@ -266,6 +266,29 @@ def test_decode_gpu_without_a_gpu_is_a_one_line_error(tmp_path):
         build_loader(d, "train", 8, device="cpu")
 
 
+def test_the_gpu_decoder_is_chosen_by_data_gpu_decoder(tmp_path, monkeypatch):
+    import importlib.util
+
+    from dres.data import decode_backend
+
+    d = DataConfig(name="imagefolder", path=_folder(tmp_path), img_size=8, num_classes=3, gpu_resident=False,
+                   decode="auto", gpu_decoder="nvimgcodec")
+    assert not build_loader(d, "train", 8, device="cpu").prep.gpu  # decode=auto without a GPU: the workers decode
+    d.decode, d.gpu_decoder = "gpu", "torchvision"
+    with pytest.raises(DataError, match="data.gpu_decoder=torchvision is not installed, or the trainer runs on cpu"):
+        build_loader(d, "train", 8, device="cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what a GPU machine answers
+    assert decode_backend(d, "cuda") == "torchvision"
+    d.gpu_decoder = "nvimgcodec"
+    if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.nvimgcodec") is None:
+        with pytest.raises(DataError, match=r"data.gpu_decoder=nvimgcodec is not installed \(pip install "):
+            decode_backend(d, "cuda")
+    d.decode = "auto"  # asked for by name, missing: an error rather than a silent switch
+    if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.nvimgcodec") is None:
+        with pytest.raises(DataError, match="data.gpu_decoder=nvimgcodec"):
+            decode_backend(d, "cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("jitter", [0.0, 0.4])
 @pytest.mark.parametrize("backend", ["nvimgcodec", "torchvision"])
@@ -290,11 +313,13 @@ def test_gpu_decode_matches_the_cpu_decode_of_the_same_crops(tmp_path, backend, 
 
 
 @pytest.mark.gpu
-def test_gpu_decode_is_the_default_where_a_decoder_is_there(tmp_path):
+@pytest.mark.parametrize("gpu_decoder", ["auto", "torchvision"])
+def test_gpu_decode_is_the_default_where_a_decoder_is_there(tmp_path, gpu_decoder):
     d = DataConfig(name="imagefolder", path=_folder(tmp_path), img_size=16, num_classes=3, gpu_resident=False,
-                   num_workers=2)
+                   num_workers=2, gpu_decoder=gpu_decoder)
     loader = build_loader(d, "train", 8, device="cuda")
     assert loader.prep.gpu == (gpu_decode_backend("cuda") is not None)
+    assert loader.finisher.backend == gpu_decode_backend("cuda", gpu_decoder)
     batch = loader.next()
     assert batch["image"].is_cuda and batch["image"].shape == (8, 3, 16, 16)
 

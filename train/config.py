@@ -55,6 +55,9 @@ class DataConfig:
     # decode=gpu with nvImageCodec: the share of each batch's JPEGs for the hardware JPEG decoders (the rest, and
     # what they cannot do, to nvJPEG on the CUDA cores at the same time)
     hw_decode_load: float = 0.65
+    # decode=gpu: nvimgcodec (the hardware JPEG decoders and nvJPEG) | torchvision (its batched nvJPEG on the CUDA
+    # cores) | auto (nvimgcodec where installed)
+    gpu_decoder: str = "auto"
     # streaming loaders: batches a thread of the training process finishes (GPU decode, crop, normalisation,
     # copies) ahead of the step (0: in the step's own thread, between steps)
     finish_ahead: int = 2
@@ -246,6 +249,7 @@ CHOICES = {
     "fsdp_reshard": ("auto", "always", "except_last", "never"),
     "data.name": ("digits", "cifar10_wds", "wds", "imagefolder", "cifar_tv", "mnist_tv", "synthetic"),
     "data.aug": ("rrc_flip", "flip", "none"), "data.decode": ("auto", "cpu", "gpu"),
+    "data.gpu_decoder": ("auto", "nvimgcodec", "torchvision"),
     "model.droppath_mode": ("drop_path", "residual_droppath", "residual_droppath_literal", "none"),
     "model.arch": ("vit", "resnet18", "resnet50", "resnet50d"),
     "model.zero_init": ("auto", "true", "false"), "model.gelu_approximate": ("none", "tanh"),

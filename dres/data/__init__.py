@@ -108,14 +108,19 @@ def _shard_pattern(d, split):
 
 
 def decode_backend(d, device) -> str | None:
-    """The GPU decoder ``data.decode`` asks for on ``device`` (:func:`gpu_decode_backend`), None for CPU decode."""
+    """The GPU decoder ``data.decode`` and ``data.gpu_decoder`` ask for on ``device`` (:func:`gpu_decode_backend`),
+    None for CPU decode (``decode=auto`` without a CUDA device)."""
     if d.decode == "cpu":
         return None
-    backend = gpu_decode_backend(device)
-    if backend is None and d.decode == "gpu":
+    backend = gpu_decode_backend(device, d.gpu_decoder)
+    if backend is not None or (d.decode == "auto" and gpu_decode_backend(device) is None):
+        return backend
+    if d.gpu_decoder == "auto":
         raise DataError(f"data.decode=gpu needs a CUDA device and a GPU JPEG decoder (nvImageCodec or torchvision); "
                         f"the trainer runs on {device}: set data.decode=cpu or auto")
-    return backend
+    hint = " (pip install nvidia-nvimgcodec-cu13)" if d.gpu_decoder == "nvimgcodec" else ""
+    raise DataError(f"data.gpu_decoder={d.gpu_decoder} is not installed{hint}, or the trainer runs on {device} "
+                    f"without a CUDA device: set data.gpu_decoder=auto or data.decode=cpu")
 
 
 def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, seed=0, device="cpu", train=True,

@@ -27,6 +27,7 @@ saves and exits; its workers end with it.
 
 from __future__ import annotations
 
+import importlib
 import io
 import math
 import os
@@ -209,21 +210,21 @@ def collate_prepared(samples: list) -> dict:
     }
 
 
-def gpu_decode_backend(device) -> str | None:
-    """The GPU decoder available for ``device``: ``"nvimgcodec"`` (the hardware JPEG decoders where the
-    GPU has them), ``"torchvision"`` (nvJPEG on CUDA cores), or None (no CUDA device, no decoder)."""
+def gpu_decode_backend(device, choose: str = "auto") -> str | None:
+    """The GPU decoder for ``device``: ``"nvimgcodec"`` (the hardware JPEG decoders where the GPU has them),
+    ``"torchvision"`` (nvJPEG on CUDA cores), the first of them installed with ``choose="auto"``, or None (no
+    CUDA device, or the decoder chosen is not installed)."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return None
-    try:
-        from nvidia import nvimgcodec  # noqa: F401
-        return "nvimgcodec"
-    except ImportError:
-        pass
-    try:
-        import torchvision.io  # noqa: F401
-        return "torchvision"
-    except ImportError:
-        return None
+    for backend, module in (("nvimgcodec", "nvidia.nvimgcodec"), ("torchvision", "torchvision.io")):
+        if choose not in ("auto", backend):
+            continue
+        try:
+            importlib.import_module(module)
+            return backend
+        except ImportError:
+            pass
+    return None
 
 
 def nvimgcodec_decoder(device_index: int, hw_load: float):
