@@ -156,7 +156,8 @@ class _StreamingLoader(_Position):
         if self._batches_to_come is None:
             # the batches hold the loader weakly: one dropped without close() still stops its thread and workers
             batches = type(self)._finished(weakref.proxy(self), self.epoch, self.batch)
-            self._batches_to_come = _Ahead(batches, self.device, self.ahead, self._running) if self.ahead else batches
+            self._batches_to_come = (_Ahead(batches, self.finisher.device, self.ahead, self._running) if self.ahead
+                                     else batches)
         out, self.epoch, self.batch = next(self._batches_to_come)
         return out
 
@@ -217,10 +218,8 @@ class _Ahead:
     GPU work runs on a stream of its own; a batch handed over is ready on the taker's current stream, and an
     exception the source raised is raised where its batch would have come."""
 
-    def __init__(self, batches, device, depth: int, running: list):
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+    def __init__(self, batches, device: torch.device, depth: int, running: list):
+        self.device = device  # with its index (BatchFinisher.device)
         self.done = queue.Queue(depth)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(batches,), name="dres-batches-ahead", daemon=True)
@@ -279,7 +278,7 @@ class _Ahead:
         with contextlib.suppress(queue.Empty):
             while True:
                 self.done.get_nowait()
-        if self.thread is not threading.current_thread():
+        if self.thread is not threading.current_thread():  # the loader's finalizer may run in the thread itself
             self.thread.join(timeout)
 
 
