@@ -17,8 +17,8 @@
 # replay too is slow on the GPU side; one slow only in its step, on the host side).
 # csrc_tests: the whole suite again, CPU and GPU tests, with the optional CUDA C++ extension built (sm_90 only; the
 # default backend then takes its kernels for eager calls) into a temporary folder removed afterwards: in one
-# process, or with TEST_PROCS=N in N processes of the same groups as the tests stage (junit_csrc-K.xml,
-# tests_csrc-K.log); CSRC_TESTS="tests/test_csrc.py ..." narrows it to one process (TESTS and MARK are the tests
+# process, or with TEST_PROCS=N in N processes of the same groups as the tests stage, each headed by test_csrc.py
+# (junit_csrc-K.xml, tests_csrc-K.log); CSRC_TESTS="tests/test_csrc.py ..." narrows it to one process (TESTS and MARK are the tests
 # stage's alone).
 # trainers: each preset's trainer (one GPU, steady-state img/s and trainer / replay), each run cut at
 # TRAINER_TIMEOUT_S (default 300: a fresh machine compiles cold); model.backend=torch runs leave the norms to Inductor's own fused code, the fused_mlp
@@ -41,7 +41,12 @@ status=0
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "cuda", torch.version.cuda)'
 } 2>&1 | tee "$OUT/env.txt"
 
-python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { echo "install failed"; cat "$OUT/install.log"; exit 1; }
+# installed once: an editable install of this very tree is kept (reinstalling it would pull dres from under the
+# other jobs of the host that import it meanwhile)
+tree=$(pwd -P)
+if ! (cd / && python3 -c 'import sys, pathlib, dres.train as t; sys.exit(pathlib.Path(t.__file__).resolve().parents[1] != pathlib.Path(sys.argv[1]))' "$tree") 2>/dev/null; then
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { echo "install failed"; cat "$OUT/install.log"; exit 1; }
+fi
 
 # optional wheels carried in .whl/ (nvImageCodec and nvJPEG for the GPU decode: benchmarks/README.md): installed
 # apart, their `nvidia` folder made a namespace that also reaches the image's own nvidia packages; installed once
@@ -57,19 +62,21 @@ if [ -f $wheels/nvidia/__init__.py ]; then
   export PYTHONPATH=$wheels${PYTHONPATH:+:$PYTHONPATH} LD_LIBRARY_PATH=$wheels/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
 
-# NAME ARGS...: the suite as TEST_PROCS pytest processes at once, one per group of test files of about equal time by
-# the last suites' reports, each with its $OUT/junit_NAME-K.xml and tests_NAME-K.log (-v: a process stopped early
-# still names its failed tests); ARGS go to every process; TEST_GPUS="2,3" gives process K the K-th of those GPUs in
-# turn (default: every process sees the GPUs the caller sees); fails when any process failed
+# NAME FIRST ARGS...: the suite as TEST_PROCS pytest processes at once, one per group of test files of about equal
+# time by the last suites' reports, each with its $OUT/junit_NAME-K.xml and tests_NAME-K.log (-v: a process stopped
+# early still names its failed tests; a test running past 5 minutes dumps its stack there); FIRST (test files, or
+# "") run at the head of every process, ARGS go to every process; TEST_GPUS="2,3" gives process K the K-th of those
+# GPUs in turn (default: every process sees the GPUs the caller sees); fails when any process failed
 split_suite() {
-  local name=$1 k pids=() groups gpus=() failed=0
-  shift
+  local name=$1 first=$2 k pids=() groups gpus=() failed=0
+  shift 2
   mapfile -t groups < <(python3 tests/split_tests.py --procs "$TEST_PROCS")
   [ -n "${TEST_GPUS:-}" ] && IFS=, read -ra gpus <<<"$TEST_GPUS"
   for k in "${!groups[@]}"; do
     (
       [ ${#gpus[@]} -gt 0 ] && export CUDA_VISIBLE_DEVICES=${gpus[$((k % ${#gpus[@]}))]}
-      exec python3 -m pytest -v -p no:cacheprovider ${groups[$k]} "$@" --junitxml="$OUT/junit$name-$k.xml"
+      exec python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=300 $first ${groups[$k]} "$@" \
+        --junitxml="$OUT/junit$name-$k.xml"
     ) >"$OUT/tests$name-$k.log" 2>&1 &
     pids+=($!)
   done
@@ -81,7 +88,7 @@ split_suite() {
 }
 
 if want tests && [ "${TEST_PROCS:-1}" -gt 1 ] && [ -z "${TESTS:-}" ]; then
-  split_suite "" -m "${MARK:-gpu or not gpu}" || status=1
+  split_suite "" "" -m "${MARK:-gpu or not gpu}" || status=1
 elif want tests; then
   python3 -m pytest -v -p no:cacheprovider ${TESTS:-tests} -m "${MARK:-gpu or not gpu}" --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/tests.log" | tail -n 40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -193,7 +200,10 @@ if want csrc_tests; then
       >>"$OUT/install_csrc.log" 2>&1; then
     cp -r . "$csrun/tree" && rm -rf "$csrun/tree/dres"
     if [ "${TEST_PROCS:-1}" -gt 1 ] && [ -z "${CSRC_TESTS:-}" ]; then
-      (cd "$csrun/tree" && export PYTHONPATH="$csite${PYTHONPATH:+:$PYTHONPATH}" && split_suite _csrc) || status=1
+      # the csrc tests head every process: they force CUDA's dispatch key on CPU tensors, which once leaked into
+      # every later test of the process, so each group checks its files run clean after them
+      (cd "$csrun/tree" && export PYTHONPATH="$csite${PYTHONPATH:+:$PYTHONPATH}" &&
+        split_suite _csrc tests/test_csrc.py) || status=1
     else
       (cd "$csrun/tree" && PYTHONPATH="$csite${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -v -p no:cacheprovider \
         ${CSRC_TESTS:-tests} --junitxml="$OUT/junit_csrc.xml" 2>&1) | tee "$OUT/tests_csrc.log" | tail -n 20
