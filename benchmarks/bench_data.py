@@ -257,8 +257,10 @@ def _trainer_rows(args, rows):
         print(json.dumps(rows[-1]), flush=True)
         for files, variant, cores, decode in ((f, v, c, d) for f in sources for v in args.variants
                                               for c in args.cores for d in args.trainer_decodes):
-            workers = min(cores, args.gpu_workers) if decode == "gpu" else max(cores - 1, 1)
-            data = files + [f"data.decode={decode}", f"data.num_workers={workers}", *[f"data.{kv}" for kv in variant]]
+            # auto: the trainer's own choice of decode and workers for the cores it has
+            workers = {"gpu": min(cores, args.gpu_workers), "cpu": max(cores - 1, 1)}.get(decode)
+            data = files + [f"data.decode={decode}", *([f"data.num_workers={workers}"] if workers else []),
+                            *[f"data.{kv}" for kv in variant]]
             rows.append({**trainer_rate(name, data, cores, **run), "variant": variant})
             print(json.dumps(rows[-1]), flush=True)
 
@@ -324,7 +326,7 @@ def markdown(rows: list[dict], card: str) -> str:
             data = dict(kv.split("=", 1) for kv in r["data"])
             sets = "".join(f"; {kv}" for kv in r.get("overrides", [])) + variant
             cells = [f"trainer {r['name']} ({data.get('data.name')}{sets})", data.get("data.decode", ""),
-                     r.get("gpus", 1), r["cores"] or "all", data.get("data.num_workers", "")]
+                     r.get("gpus", 1), r["cores"] or "all", data.get("data.num_workers", "by the decode")]
         if "error" in r:
             cells += ["failed: " + error_line(r["error"]).replace("|", "\\|"), ""]
         else:
@@ -347,7 +349,8 @@ def main(argv=None):
     ap.add_argument("--first-core", type=int, default=0, help="the first core of every taskset range")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs a trainer runs on (DDP where more than one)")
     ap.add_argument("--trainers", default="mae_vit_b16_baseline,mae_vit_b16_official,resnet50d_224")
-    ap.add_argument("--trainer-decodes", default="gpu,cpu")
+    ap.add_argument("--trainer-decodes", default="gpu,cpu",
+                    help="decodes of the trainer rows from files: cpu, gpu, auto (the trainer's own choice)")
     ap.add_argument("--loader-decodes", default="gpu,cpu", help="the decodes of the loader-alone rows")
     ap.add_argument("--gpu-workers", type=int, default=4,
                     help="DataLoader workers of the GPU-decode rows (at most the cores; CPU decode: every core)")
@@ -387,6 +390,8 @@ def main(argv=None):
                  f"this machine's cores 0-{os.cpu_count() - 1}")
     args.trainers = [t for t in args.trainers.split(",") if t]
     args.trainer_decodes = [d for d in args.trainer_decodes.split(",") if d]
+    if set(args.trainer_decodes) - {"cpu", "gpu", "auto"}:
+        ap.error(f"--trainer-decodes {','.join(args.trainer_decodes)}: each of cpu, gpu, auto")
     args.loader_decodes = [d for d in args.loader_decodes.split(",") if d]
     args.hw_loads = [float(v) for v in args.hw_loads.split(",") if v]
     args.variants = [[]] + [[kv for kv in v.split(",") if kv] for v in args.variants or []]

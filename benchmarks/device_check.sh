@@ -199,6 +199,8 @@ if want csrc_tests; then
       && (cd / && PYTHONPATH="$csite" python3 -c 'from dres.ops import csrc_backend as c; assert c.available(), c.LOAD_ERROR') \
       >>"$OUT/install_csrc.log" 2>&1; then
     cp -r . "$csrun/tree" && rm -rf "$csrun/tree/dres"
+    # the installed copy looks for the CIFAR-10 shards beside or inside its own folder: the tree's shared/
+    [ -d shared ] && ln -s "$csrun/tree/shared" "$csite/shared"
     if [ "${TEST_PROCS:-1}" -gt 1 ] && [ -z "${CSRC_TESTS:-}" ]; then
       # the csrc tests head every process: they force CUDA's dispatch key on CPU tensors, which once leaked into
       # every later test of the process, so each group checks its files run clean after them

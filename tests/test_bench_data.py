@@ -60,6 +60,7 @@ CORES = f"this machine's cores 0-{os.cpu_count() - 1}"
     (["--first-core", "-1", "--cores", "1"], f"--first-core -1, --cores 1 a GPU x --gpus 1: not within {CORES}"),
     (["--gpus", "0"], "--gpus 0: at least 1"),
     (["--gpu-workers", "0"], "--gpu-workers 0: at least 1"),
+    (["--cores", "1", "--trainer-decodes", "gpu,nvjpeg"], "--trainer-decodes gpu,nvjpeg: each of cpu, gpu, auto"),
 ])
 def test_a_core_range_off_the_machine_or_no_gpus_is_an_argument_error(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as exit_:
@@ -117,11 +118,12 @@ def test_trainer_rows_from_files_take_the_gpu_workers_and_the_data_settings(monk
     monkeypatch.setattr(bench_data, "trainer_rate", lambda name, data, cores, **run: runs.append((data, cores)) or {})
     args = SimpleNamespace(root=str(tmp_path), sources=[str(tmp_path)], data_sets=["hw_decode_load=1"], first_core=0,
                            gpus=1, steps=10, trainer_sets=[], trainer_timeout=60, trainers=["mae_vit_b16_baseline"],
-                           cores=[16, 4], trainer_decodes=["gpu", "cpu"], gpu_workers=8, variants=[[]])
+                           cores=[16, 4], trainer_decodes=["gpu", "cpu", "auto"], gpu_workers=8, variants=[[]])
     bench_data._trainer_rows(args, [])
-    workers = [(cores, next(d for d in data if d.startswith("data.num_workers="))) for data, cores in runs[1:]]
-    assert workers == [(16, "data.num_workers=8"), (16, "data.num_workers=15"), (4, "data.num_workers=4"),
-                       (4, "data.num_workers=3")]
+    workers = [(cores, next((d for d in data if d.startswith("data.num_workers=")), "-")) for data, cores in runs[1:]]
+    assert workers == [(16, "data.num_workers=8"), (16, "data.num_workers=15"), (16, "-"), (4, "data.num_workers=4"),
+                       (4, "data.num_workers=3"), (4, "-")]  # auto: the trainer's own workers
+    assert "data.decode=auto" in runs[3][0]
     assert all("data.hw_decode_load=1" in data for data, _ in runs[1:]) and runs[0][1] == 16
 
 

@@ -38,6 +38,7 @@ pytestmark = pytest.mark.skipif(WHY_NOT_BUILDABLE is not None, reason=str(WHY_NO
 
 CHECK_LOADED = textwrap.dedent("""
     import sys, torch
+    sys.modules["dres._C"] = None  # an installed or in-tree build would register dres_cuda a second time (abort)
     torch.ops.load_library(sys.argv[1])
     import dres.ops.residual_norm  # registers the dres:: Triton ops
     for name in ("residual_layer_norm", "residual_add", "layer_norm", "residual_norm_backward"):

@@ -2,6 +2,7 @@
 formats that stay on the CPU), the folder loader (exact resume, ranks, workers, lost files, FIFOs) and, on a
 GPU, the batched GPU decode against the CPU decode."""
 
+import io
 import os
 import random
 
@@ -289,6 +290,72 @@ def test_the_gpu_decoder_is_chosen_by_data_gpu_decoder(tmp_path, monkeypatch):
             decode_backend(d, "cuda")
 
 
+def test_decode_auto_takes_the_cpu_where_the_process_has_the_cores_for_it(tmp_path, monkeypatch):
+    import dres.data as data
+
+    d = DataConfig(name="imagefolder", path=_folder(tmp_path), img_size=8, num_classes=3, gpu_resident=False)
+    assert d.decode == "auto" and d.num_workers == -1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what a GPU machine answers
+    for cores, want in ((4, "torchvision"), (data.CPU_DECODE_MIN_CORES - 1, "torchvision"),
+                        (data.CPU_DECODE_MIN_CORES, None), (64, None)):
+        monkeypatch.setattr(data, "cores_per_process", lambda: cores)
+        assert data.decode_backend(d, "cuda") == want, cores
+        d.decode = "gpu"  # asked for by name: the GPU whatever the cores
+        assert data.decode_backend(d, "cuda") == "torchvision"
+        d.decode = "cpu"
+        assert data.decode_backend(d, "cuda") is None
+        d.decode = "auto"
+    # the workers by the decode, and what was taken in words for the run's log
+    monkeypatch.setattr(data, "cores_per_process", lambda: 3)
+    monkeypatch.setattr("dres.data.loaders.cores_per_process", lambda: 3)
+    loader = build_loader(d, "train", 8, device="cpu")
+    assert loader.num_workers == 2 and not loader.prep.gpu
+    assert loader.describe() == "decoded on the CPU, 2 workers (3 cores a process)"
+    loader.close()
+    d.num_workers = 1
+    loader = build_loader(d, "train", 8, device="cpu")
+    assert loader.num_workers == 1
+    loader.close()
+
+
+def test_cores_per_process_is_the_affinity_within_the_cpu_limit_shared_by_the_nodes_ranks(monkeypatch):
+    from dres.data import decode
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(decode, "cgroup_cpu_limit", lambda: None)
+    assert decode.cores_per_process() == 32
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert decode.cores_per_process() == 4
+    monkeypatch.setattr(decode, "cgroup_cpu_limit", lambda: 6.5)  # a container limited to 6.5 CPUs
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert decode.cores_per_process() == 6
+    monkeypatch.setattr(decode, "cgroup_cpu_limit", lambda: 0.5)
+    assert decode.cores_per_process() == 1
+
+
+@pytest.mark.parametrize("v2, v1, want", [("max 100000\n", None, None), ("400000 100000\n", None, 4.0),
+                                          (None, ("-1", "100000"), None), (None, ("250000", "100000"), 2.5),
+                                          (None, None, None)])
+def test_the_cgroup_cpu_limit_is_read_from_v2_or_v1(monkeypatch, v2, v1, want):
+    from dres.data import decode
+
+    files = {"/sys/fs/cgroup/cpu.max": v2}
+    if v1:
+        files.update({"/sys/fs/cgroup/cpu/cpu.cfs_quota_us": v1[0], "/sys/fs/cgroup/cpu/cpu.cfs_period_us": v1[1]})
+    real_open = open
+
+    def fake_open(path, *args, **kwargs):
+        if str(path).startswith("/sys/fs/cgroup"):
+            if files.get(str(path)) is None:
+                raise FileNotFoundError(path)
+            return io.StringIO(files[str(path)])
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", fake_open)
+    assert decode.cgroup_cpu_limit() == want
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("jitter", [0.0, 0.4])
 @pytest.mark.parametrize("backend", ["nvimgcodec", "torchvision"])
@@ -314,7 +381,10 @@ def test_gpu_decode_matches_the_cpu_decode_of_the_same_crops(tmp_path, backend, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gpu_decoder", ["auto", "torchvision"])
-def test_gpu_decode_is_the_default_where_a_decoder_is_there(tmp_path, gpu_decoder):
+def test_gpu_decode_is_the_default_where_a_decoder_is_there_and_few_cores(tmp_path, gpu_decoder, monkeypatch):
+    import dres.data as data
+
+    monkeypatch.setattr(data, "cores_per_process", lambda: 4)
     d = DataConfig(name="imagefolder", path=_folder(tmp_path), img_size=16, num_classes=3, gpu_resident=False,
                    num_workers=2, gpu_decoder=gpu_decoder)
     loader = build_loader(d, "train", 8, device="cuda")
@@ -355,6 +425,7 @@ def test_a_run_reading_files_with_workers_ends_when_it_is_done(tmp_path):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, (out, err)
     assert "done: 4 steps" in out
+    assert "[dres] data: imagefolder, decoded on the CPU, 2 workers (" in out  # what the run reads, said once
 
 
 def test_sigterm_to_the_process_group_with_workers_saves_and_exits_75(tmp_path):

@@ -5,8 +5,12 @@ that do not import it back, directly or through others."""
 import ast
 from pathlib import Path
 
+import dres
+
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE_DIRS = {"dres": ROOT / "dres", "dres.kernels": ROOT / "kernels", "dres.train": ROOT / "train"}
+# the source tree; a tree without dres/ tests an installed copy, which holds kernels/ and train/ inside the package
+PACKAGE_DIRS = ({"dres": ROOT / "dres", "dres.kernels": ROOT / "kernels", "dres.train": ROOT / "train"}
+                if (ROOT / "dres").is_dir() else {"dres": Path(dres.__file__).resolve().parent})
 
 
 def package_modules() -> dict[str, Path]:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from dres.models import MAE, UVIT_CONFIGS, UViT, ViTClassifier, create_classifier, create_mae, create_uvit
 from dres.nn import PatchEmbed, decay_schedule, set_backend
+from helpers import fp32_on_cuda
 from test_nn import assert_grads_close, param_grads, perturb_, plain_attention, plain_ln, plain_mlp, plain_stack
 
 F64 = dict(rtol=1e-9, atol=1e-9)
@@ -60,7 +61,7 @@ def plain_mae(model, imgs, noise, mask_ratio=0.75):
     ids_shuffle = torch.argsort(noise, dim=1)
     ids_restore = torch.argsort(ids_shuffle, dim=1)
     x = torch.gather(x, dim=1, index=ids_shuffle[:, :len_keep].unsqueeze(-1).repeat(1, 1, D))
-    mask = torch.ones([N, L], dtype=imgs.dtype)
+    mask = torch.ones([N, L], dtype=imgs.dtype, device=imgs.device)
     mask[:, :len_keep] = 0
     mask = torch.gather(mask, dim=1, index=ids_restore)
     x = torch.cat([(enc.cls_token + enc.pos_embed[:, :1, :]).expand(N, -1, -1), x], dim=1)
@@ -142,11 +143,12 @@ def test_mae_triton_interpreter_matches_plain(variant, triton_device):
     model = perturb_(create_mae("mae_vit_test", variant=variant, backend="triton")).to(triton_device)
     imgs = torch.randn(2, 3, 8, 8, device=triton_device)
     noise = torch.rand(2, 4, device=triton_device)
-    loss, pred, _ = model(imgs, noise=noise)
-    loss_ref, pred_ref, _ = plain_mae(model, imgs, noise)
-    torch.testing.assert_close(pred, pred_ref, rtol=1e-4, atol=1e-4)
-    got = param_grads(model, lambda: model(imgs, noise=noise)[0])
-    want = param_grads(model, lambda: plain_mae(model, imgs, noise)[0])
+    with fp32_on_cuda():  # the reference's conv2d would take TF32 on a GPU
+        loss, pred, _ = model(imgs, noise=noise)
+        loss_ref, pred_ref, _ = plain_mae(model, imgs, noise)
+        torch.testing.assert_close(pred, pred_ref, rtol=1e-4, atol=1e-4)
+        got = param_grads(model, lambda: model(imgs, noise=noise)[0])
+        want = param_grads(model, lambda: plain_mae(model, imgs, noise)[0])
     assert_grads_close(got, want, **F32)
 
 
@@ -208,7 +210,7 @@ def plain_uvit(model, x, t, y=None):
     pe = model.patch_embed
     patches = plain_patch_embed(pe, x)
     half = model.embed_dim // 2
-    freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32) / half)
+    freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
     args = t[:, None].float() * freqs[None]  # float32, as U-ViT's timestep_embedding
     time_token = torch.cat([torch.cos(args), torch.sin(args)], dim=-1).unsqueeze(1).to(patches.dtype)
     h = torch.cat([time_token, patches], dim=1)
@@ -262,9 +264,10 @@ def test_uvit_decayed_and_triton_interpreter_match_plain(triton_device):
 
     model = set_backend(perturb_(create_uvit("uvit_test")).to(triton_device), "triton")
     x, t = torch.randn(2, 3, 8, 8, device=triton_device), torch.rand(2, device=triton_device) * 999
-    torch.testing.assert_close(model(x, t), plain_uvit(model, x, t), rtol=1e-4, atol=1e-4)
-    got = param_grads(model, lambda: model(x, t).square().sum())
-    want = param_grads(model, lambda: plain_uvit(model, x, t).square().sum())
+    with fp32_on_cuda():
+        torch.testing.assert_close(model(x, t), plain_uvit(model, x, t), rtol=1e-4, atol=1e-4)
+        got = param_grads(model, lambda: model(x, t).square().sum())
+        want = param_grads(model, lambda: plain_uvit(model, x, t).square().sum())
     assert_grads_close(got, want, **F32)
 
 

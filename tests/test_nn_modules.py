@@ -57,7 +57,7 @@ def test_fused_layer_norm_is_layer_norm(triton_device, backend, dtype, tol):
 def test_residual_layer_norm_is_add_then_layer_norm(triton_device, backend, dtype, tol):
     device = triton_device if backend == "triton" else "cpu"
     plain = randomized_(nn.LayerNorm(24, eps=1e-6), dtype, device)
-    fused = ResidualLayerNorm.from_layer_norm(plain, alpha=0.75, backend=backend)
+    fused = ResidualLayerNorm.from_layer_norm(plain, alpha=0.75, backend=backend).to(device)
     assert fused.weight is plain.weight and fused.bias is plain.bias and fused.eps == 1e-6
     x, h = leaves((4, 5, 24), (4, 5, 24), dtype=dtype, device=device)
     out, y = fused(x, h)
@@ -84,13 +84,13 @@ def test_residual_add_and_act(triton_device, backend, dtype, tol):
     device = triton_device if backend == "triton" else "cpu"
     x, h = leaves((2, 6, 4, 4), (2, 6, 4, 4), dtype=dtype, device=device)
     scale = torch.tensor([2.0, 0.0], dtype=dtype, device=device)  # drop path: m / keep
-    add = ResidualAdd(alpha=0.5, backend=backend)
-    act = ResidualAct("relu", alpha=0.5, backend=backend)
+    add = ResidualAdd(alpha=0.5, backend=backend).to(device)
+    act = ResidualAct("relu", alpha=0.5, backend=backend).to(device)
     got = [add(x.flatten(2), h.flatten(2), row_scale=scale), act(x, h)]
     want = [0.5 * x.flatten(2) + scale.view(-1, 1, 1) * h.flatten(2), F.relu(0.5 * x + h)]
     assert_all_close(got, want, tol)
     assert_all_close(grads_of(got, [x, h]), grads_of(want, [x, h]), tol)
-    identity = ResidualAct("identity", backend=backend)
+    identity = ResidualAct("identity", backend=backend).to(device)
     torch.testing.assert_close(identity(x, h), x + h, **tol)
 
 

@@ -7,9 +7,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.skipif(not (ROOT / "dres").is_dir(), reason="needs the package's sources (this tree tests an installed copy)")
 def test_wheel_carries_license_authors_and_presets(tmp_path):
     src = tmp_path / "src"
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.so")

@@ -189,7 +189,8 @@ def test_run_folder_records_what_made_it_and_what_was_printed(tmp_path, capsys):
     assert yaml.safe_load((out / "config.yaml").read_text())["out"] == str(out)
     (first,) = [json.loads(line) for line in (out / rundir.START_FILE).read_text().splitlines()]
     assert first["dres"] == dres.__version__ and first["torch"] == torch.__version__ and first["from_step"] == 0
-    assert first["out"] == str(out.resolve()) and first["device"].startswith("cpu") and first["world"] == 1
+    assert first["out"] == str(out.resolve()) and first["world"] == 1
+    assert first["device"].startswith("cuda" if torch.cuda.is_available() else "cpu")  # device=auto
     assert "git_commit" in first  # None when dres runs from no git checkout
     printed = capsys.readouterr().out
     log = (out / "log.txt").read_text()

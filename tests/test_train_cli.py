@@ -54,11 +54,12 @@ def test_overrides_coerce_types_and_reject_unknown_keys():
 
 
 def test_compile_scope_is_blocks_or_model_and_blocks_under_fsdp():
-    # auto: the whole model for one process (measured faster), per block under DDP, FSDP2 and checkpointing
+    # auto: the whole model on one GPU and under DDP (measured faster), per block under FSDP2 and with checkpointing
     assert build_config("mae", "quickstart").compile_scope == "model"
-    for dist in ("ddp", "fsdp"):
-        assert build_config("mae", "quickstart", [f"dist={dist}"]).compile_scope == "blocks"
-    assert build_config("mae", "quickstart", ["act_ckpt=full"]).compile_scope == "blocks"
+    assert build_config("mae", "quickstart", ["dist=ddp"]).compile_scope == "model"
+    assert build_config("mae", "quickstart", ["dist=fsdp"]).compile_scope == "blocks"
+    for dist in ("none", "ddp"):
+        assert build_config("mae", "quickstart", [f"dist={dist}", "act_ckpt=full"]).compile_scope == "blocks"
     assert build_config("mae", "quickstart", ["compile=true", "compile_scope=model"]).compile_scope == "model"
     with pytest.raises(ConfigError, match="config key 'compile_scope' must be one of auto, blocks, model"):
         build_config("mae", "quickstart", ["compile_scope=graph"])
@@ -149,7 +150,7 @@ def _bad_values():
         ("data.std", "[0.2, .inf, 0.2]", "'data.std' must be a finite number; got inf"),
         ("eval.probe_lr", "-1", "'eval.probe_lr' must be positive; got -1.0"),
         ("eval.knn_k", "0", "'eval.knn_k' must be a positive integer; got 0"),
-        ("data.num_workers", "-2", "'data.num_workers' must be >= 0; got -2"),
+        ("data.num_workers", "-2", "'data.num_workers' must be >= 0, or -1 (by the decode); got -2"),
         ("threads", "-1", "'threads' must be >= 0"),
         ("seed", "-1", "'seed' must be >= 0; got -1"),
         ("compile", "1", "'compile' expects true/false, got 1"),
@@ -387,7 +388,7 @@ def test_packaging_metadata_has_one_version_and_named_extras():
     assert {"timm", "tensorboard", "plots", "all", "extras", "dev"} <= set(extras)
     assert extras["all"] == ["dres[timm,tensorboard,plots]"] and "dres[all]" in extras["dev"]
     assert not any(r.startswith("hypothesis") for r in extras["dev"])  # the tests never import it
-    assert (root / "dres" / "py.typed").is_file()
+    assert (Path(dres.__file__).parent / "py.typed").is_file()
 
 
 def _help(main, args, capsys):

@@ -18,7 +18,7 @@ OVR = ["data.name=digits", "data.img_size=8", "data.in_chans=1", "data.mean=[0.3
        "model.img_size=8", "model.patch_size=4", "model.in_chans=1", "model.embed_dim=32", "model.depth=2",
        "model.num_heads=2", "model.num_classes=10", "batch_size=32", "steps=4", "optim.lr=1e-3",
        "optim.warmup_steps=1", "log.every=1", "log.progress=false", "log.tensorboard=false", "ckpt.every=0",
-       "fsdp_param_dtype=fp32", "eval.probe=false"]
+       "fsdp_param_dtype=fp32", "eval.probe=false", "device=cpu"]
 
 
 def _free_port():

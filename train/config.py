@@ -48,15 +48,17 @@ class DataConfig:
     normalize: bool = True   # per-channel mean/std normalisation (stats from `mean`/`std`)
     mean: list = field(default_factory=lambda: [0.485, 0.456, 0.406])  # a value per channel
     std: list = field(default_factory=lambda: [0.229, 0.224, 0.225])
-    num_workers: int = 4     # streaming loaders only: DataLoader workers reading (and with decode=cpu decoding) files
+    # streaming loaders only: DataLoader workers reading (and with CPU decode decoding) files; -1: by the decode (CPU:
+    # the cores the process has, less one; GPU: 4)
+    num_workers: int = -1
     # streaming loaders: cpu (workers decode, crop, resize) | gpu (workers read bytes; batched GPU decode and crop
-    # kernel) | auto (gpu where a CUDA device and a GPU JPEG decoder are there)
+    # kernel) | auto (cpu where the process has 12 cores or more, or no GPU decoder is there; else gpu)
     decode: str = "auto"
     # decode=gpu with nvImageCodec: the share of each batch's JPEGs for the hardware JPEG decoders (the rest, and
     # what they cannot do, to nvJPEG on the CUDA cores at the same time)
     hw_decode_load: float = 0.65
-    # decode=gpu: nvimgcodec (the hardware JPEG decoders and nvJPEG) | torchvision (its batched nvJPEG on the CUDA
-    # cores) | auto (nvimgcodec where installed)
+    # GPU decode: torchvision (its batched nvJPEG on the CUDA cores) | nvimgcodec (the hardware JPEG decoders and
+    # nvJPEG) | auto (torchvision, else nvimgcodec)
     gpu_decoder: str = "auto"
     # streaming loaders: batches a thread of the training process finishes (GPU decode, crop, normalisation,
     # copies) ahead of the step (0: in the step's own thread, between steps)
@@ -514,10 +516,10 @@ def build_config(task: str | None = None, preset: str | None = None, overrides=(
 
 
 def auto_compile_scope(cfg: Config) -> str:
-    """``compile_scope=auto``: the whole model where one process trains it without activation checkpointing (the
-    ViT-B/16 MAE trainer on synthetic data 4-5% faster than per block on one H100, docs/usage.md), per block otherwise (FSDP2 and
-    checkpointing work block by block; under DDP only per block has been measured)."""
-    return "model" if cfg.dist == "none" and cfg.act_ckpt == "none" else "blocks"
+    """``compile_scope=auto``: the whole model on one GPU and under DDP without activation checkpointing (the ViT-B/16
+    MAE trainer on synthetic data 4-5% faster than per block on one H100, 4.0% under DDP on two H200s: BENCHMARKS.md),
+    per block under FSDP2 or with checkpointing (they work block by block)."""
+    return "model" if cfg.dist != "fsdp" and cfg.act_ckpt == "none" else "blocks"
 
 
 POSITIVE_KEYS = (
@@ -529,7 +531,7 @@ POSITIVE_KEYS = (
 # key: what 0 means ('' when 0 is an ordinary value)
 NON_NEGATIVE_KEYS = {
     "seed": "", "steps": "use epochs", "epochs": "", "threads": "by the model's width",
-    "data.num_classes": "", "data.num_workers": "", "data.shuffle_buffer": "", "data.limit": "all",
+    "data.num_classes": "", "data.shuffle_buffer": "", "data.limit": "all",
     "data.val_limit": "all", "data.finish_ahead": "in the step's thread", "model.decoder_depth": "",
     "model.num_classes": "", "optim.blr": "",
     "optim.lr": "from optim.blr", "optim.min_lr": "", "optim.weight_decay": "", "optim.warmup_epochs": "",
@@ -575,6 +577,7 @@ def validate(cfg: Config) -> None:
     for key, zero_means in NON_NEGATIVE_KEYS.items():
         need(_get(cfg, key) >= 0, key, f"must be >= 0{f' (0: {zero_means})' if zero_means else ''}")
     need(o.warmup_steps >= -1, "optim.warmup_steps", "must be >= 0, or -1 (from optim.warmup_epochs)")
+    need(cfg.data.num_workers >= -1, "data.num_workers", "must be >= 0, or -1 (by the decode)")
     need(0 <= cfg.eval.probe_t <= 1, "eval.probe_t", "must be in [0, 1] (continuous diffusion time)")
     e = cfg.eval
     need(bool(e.probe_grid_blocks) == bool(e.probe_grid_ts), "eval.probe_grid_blocks",

@@ -223,6 +223,8 @@ class Trainer:
                                    accum=cfg.accum_steps, seed=cfg.seed, device=self.device, train=True,
                                    log=self.log, compile_augment=cfg.compile and self.device.type == "cuda") \
             if train else None
+        if train:
+            self.log(f"[dres] data: {cfg.data.name}, {self.loader.describe()}")
         epoch_steps = len(self.loader) if train else 0
         if train and cfg.data.side_stream and self.device.type == "cuda":
             self.data_stream = torch.cuda.Stream(self.device)

@@ -21,8 +21,9 @@ A loader is three parts, each chosen once here from the config:
   streamed (:class:`ShardLoader`: local files, ``pipe:`` commands, HTTP(S) URLs);
 * **how they become pixels** (:mod:`dres.data.decode`, ``data.decode``): ``cpu`` decodes, crops and
   resizes in the DataLoader workers; ``gpu`` has the workers only read the bytes and decodes each batch
-  on the GPU (nvImageCodec or nvJPEG) with its crop and resize in one kernel; ``auto`` is ``gpu`` where a
-  CUDA device and a GPU decoder are there;
+  on the GPU (nvJPEG or nvImageCodec) with its crop and resize in one kernel; ``auto`` decodes on the CPU
+  where the process has :data:`~dres.data.decode.CPU_DECODE_MIN_CORES` cores or more (or no GPU decoder),
+  else on the GPU; ``num_workers=-1`` gives each way its workers;
 * **the augmentation on the device** (:mod:`dres.data.augment`): for data in memory, the batched
   RandomResizedCrop, flip, jitter and normalisation; streamed data arrives cropped and is normalised there.
 
@@ -41,7 +42,8 @@ import os
 import torch
 
 from dres.data.augment import color_jitter, crop_theta, device_augment, jitter_params, normalize, rrc_params
-from dres.data.decode import BatchFinisher, SamplePrep, gpu_decode_backend
+from dres.data.decode import (CPU_DECODE_MIN_CORES, GPU_DECODE_WORKERS, BatchFinisher, SamplePrep, cores_per_process,
+                              gpu_decode_backend)
 from dres.data.loaders import FolderLoader, InMemoryLoader, ShardLoader, check_split
 from dres.data.sources import (CorruptCounter, DataError, check_labels, cifar10_pattern, default_cifar10_dir,
                                expand_shards, iter_shard, lost_data_line, manifest_samples, read_cifar_torchvision, read_digits,
@@ -109,11 +111,13 @@ def _shard_pattern(d, split):
 
 def decode_backend(d, device) -> str | None:
     """The GPU decoder ``data.decode`` and ``data.gpu_decoder`` ask for on ``device`` (:func:`gpu_decode_backend`),
-    None for CPU decode (``decode=auto`` without a CUDA device)."""
+    None for CPU decode (``decode=auto`` with enough cores for it, or without a CUDA device or GPU decoder)."""
     if d.decode == "cpu":
         return None
+    if d.decode == "auto" and (cores_per_process() >= CPU_DECODE_MIN_CORES or gpu_decode_backend(device) is None):
+        return None
     backend = gpu_decode_backend(device, d.gpu_decoder)
-    if backend is not None or (d.decode == "auto" and gpu_decode_backend(device) is None):
+    if backend is not None:
         return backend
     if d.gpu_decoder == "auto":
         raise DataError(f"data.decode=gpu needs a CUDA device and a GPU JPEG decoder (nvImageCodec or torchvision); "
@@ -141,11 +145,12 @@ def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, 
         loader.counter = counter
         return loader
     backend = decode_backend(d, device)
+    workers = d.num_workers if d.num_workers >= 0 else GPU_DECODE_WORKERS if backend else max(cores_per_process() - 1, 1)
     prep = SamplePrep(d.img_size, d.in_chans, aug, d.crop_min, gpu=backend is not None,
                       jitter=d.color_jitter if train else 0.0, crop_pct=d.eval_crop_pct)
     finisher = BatchFinisher(device, d.img_size, d.in_chans, mean, std, backend, d.hw_decode_load)
     common = dict(rank=rank, world=world, accum=accum, seed=seed, device=device, prep=prep, finisher=finisher,
-                  num_workers=d.num_workers, num_classes=d.num_classes, max_corrupt_frac=d.max_corrupt_frac, log=log,
+                  num_workers=workers, num_classes=d.num_classes, max_corrupt_frac=d.max_corrupt_frac, log=log,
                   ahead=d.finish_ahead)
     if d.name == "imagefolder":
         return FolderLoader(_pattern(d, split), global_batch, limit=d.limit, **common)

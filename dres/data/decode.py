@@ -13,7 +13,7 @@ A file-reading loader works in two halves:
   their Huffman stage on the CPU of the calling thread, the training process's. :func:`collate_prepared`
   packs a batch into a few tensors: one buffer of all encoded bytes, one stack of pixels.
 * **In the training process** (:class:`BatchFinisher`): the packed bytes are decoded on the GPU in one
-  batched call (nvImageCodec, which reaches the hardware JPEG decoders, else torchvision's nvJPEG), the
+  batched call (torchvision's nvJPEG, else nvImageCodec, which reaches the hardware JPEG decoders), the
   crop, resize, flip and normalisation of the whole batch is one kernel
   (:func:`dres.kernels.crop_resize.crop_resize_forward`, ``torchvision.ops.roi_align``'s arithmetic), the
   CPU-made pixels are normalised on the GPU, and the rows are put back in the batch's order; a batch
@@ -210,13 +210,44 @@ def collate_prepared(samples: list) -> dict:
     }
 
 
+# decode=auto decodes on the CPU where a process has this many cores: the ViT-B/16 MAE trainer on one H200 read a
+# JPEG folder at 1.00x its synthetic rate decoding on 16 cores, 0.70x on 8, and 0.75-0.76x decoding on the GPU
+# with 4 to 16 (BENCHMARKS.md, "Real images")
+CPU_DECODE_MIN_CORES = 12
+GPU_DECODE_WORKERS = 4  # workers that only read bytes: 8 read no faster (BENCHMARKS.md)
+
+
+def cgroup_cpu_limit() -> float | None:
+    """The CPUs a period the process's cgroup may use (a container's CPU limit), None where there is no limit."""
+    for quota_file, period_file in (("/sys/fs/cgroup/cpu.max", None),  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
+                                    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
+        try:
+            fields = open(quota_file).read().split()
+            quota, period = fields[0], fields[1] if period_file is None else open(period_file).read().strip()
+            return None if quota == "max" or int(quota) <= 0 else int(quota) / int(period)
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
+def cores_per_process() -> int:
+    """The CPU cores this process may use (its affinity, within its cgroup's CPU limit), shared by the processes
+    of its node (torchrun's ``LOCAL_WORLD_SIZE``). A rank pinned to cores of its own is undercounted."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cores = min(cores, max(int(limit), 1))
+    return max(cores // max(int(os.environ.get("LOCAL_WORLD_SIZE") or 1), 1), 1)
+
+
 def gpu_decode_backend(device, choose: str = "auto") -> str | None:
-    """The GPU decoder for ``device``: ``"nvimgcodec"`` (the hardware JPEG decoders where the GPU has them),
-    ``"torchvision"`` (nvJPEG on CUDA cores), the first of them installed with ``choose="auto"``, or None (no
-    CUDA device, or the decoder chosen is not installed)."""
+    """The GPU decoder for ``device``: ``"torchvision"`` (its batched nvJPEG on the CUDA cores), ``"nvimgcodec"``
+    (the hardware JPEG decoders where the GPU has them, and nvJPEG), the first of them installed with
+    ``choose="auto"`` (torchvision's fed the ViT-B/16 trainer faster: BENCHMARKS.md), or None (no CUDA device,
+    or the decoder chosen is not installed)."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return None
-    for backend, module in (("nvimgcodec", "nvidia.nvimgcodec"), ("torchvision", "torchvision.io")):
+    for backend, module in (("torchvision", "torchvision.io"), ("nvimgcodec", "nvidia.nvimgcodec")):
         if choose not in ("auto", backend):
             continue
         try:

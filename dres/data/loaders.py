@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from dres.data.augment import augment_params, channel_stats, gather_augment, normalize, to_device
-from dres.data.decode import (BatchFinisher, SamplePrep, collate_prepared, lost_sample, prepare, read_file,
-                              worker_init)
+from dres.data.decode import (BatchFinisher, SamplePrep, collate_prepared, cores_per_process, lost_sample, prepare,
+                              read_file, worker_init)
 from dres.data.sources import (CorruptCounter, DataError, check_labels, expand_shards, iter_shard,
                                list_image_folder)
 
@@ -123,6 +123,10 @@ class InMemoryLoader(_Position):
         self.batch += 1
         return {"image": x, "label": self.labels[idx]}
 
+    def describe(self) -> str:
+        """Where the batches come from, for the run's log."""
+        return f"{len(self.images)} images in memory on {self.images.device}"
+
     def eval_batches(self, batch_size):
         """Unaugmented pass over all samples (for features), in order."""
         for i in range(0, len(self.images), batch_size):
@@ -150,6 +154,12 @@ class _StreamingLoader(_Position):
         self._running: list = []
         self._batches_to_come = None
         weakref.finalize(self, _stop_workers, self._running)
+
+    def describe(self) -> str:
+        """How the pixels are made, for the run's log."""
+        backend = self.finisher.backend
+        return (f"decoded on the {f'GPU ({backend})' if backend else 'CPU'}, {self.num_workers} workers "
+                f"({cores_per_process()} cores a process)")
 
     def next(self):
         """This rank's next step batch on the device; the data position moves as batches are handed over."""

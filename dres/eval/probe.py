@@ -77,11 +77,12 @@ def authors_linear_probe(train_x, train_y, test_x, test_y, *, num_classes=None, 
     a caller shrinks them (tests)."""
     g = torch.Generator().manual_seed(seed)
     train_x, test_x = train_x.float(), test_x.float()
-    head = torch.nn.Linear(train_x.shape[1], _classes(train_y, test_y, num_classes)).to(device)
-    with torch.no_grad():  # nn.Linear's own initialisation, drawn from the probe's generator
+    head = torch.nn.Linear(train_x.shape[1], _classes(train_y, test_y, num_classes))
+    with torch.no_grad():  # nn.Linear's own initialisation, drawn on the CPU from the probe's generator
         torch.nn.init.kaiming_uniform_(head.weight, a=math.sqrt(5), generator=g)
         bound = 1 / math.sqrt(train_x.shape[1])
         torch.nn.init.uniform_(head.bias, -bound, bound, generator=g)
+    head = head.to(device)
     lr = AUTHORS_PROBE["lr"]
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=AUTHORS_PROBE["weight_decay"])
     batch_size = min(batch_size, len(train_x))  # fewer samples than a batch: one batch (eval_model would train none)

@@ -49,9 +49,12 @@ class FusedLayerNorm(nn.LayerNorm):
 
     @classmethod
     def from_layer_norm(cls, norm: nn.LayerNorm, **kwargs) -> "FusedLayerNorm":
-        """A module of this class sharing ``norm``'s parameters (the same Parameter objects) and eps."""
+        """A module of this class sharing ``norm``'s parameters (the same Parameter objects) and eps, on their
+        device (a residual norm's alpha with them)."""
         if not isinstance(norm, nn.LayerNorm) or len(norm.normalized_shape) != 1:
             raise TypeError(f"norm must be an nn.LayerNorm over the last dimension, got {norm!r}")
+        if norm.weight is not None:
+            kwargs.setdefault("device", norm.weight.device)
         new = cls(norm.normalized_shape[0], norm.eps, elementwise_affine=False, bias=False, **kwargs)
         new.weight, new.bias = norm.weight, norm.bias
         new.elementwise_affine = norm.elementwise_affine
