@@ -641,7 +641,7 @@ def test_trainer_steady_state_leaves_out_the_first_interval(tmp_path):
     assert trainer_runs.compile_scope(["compile=true", "dist=ddp", "act_ckpt=full"]) == "per_block"
     assert trainer_runs.compile_scope(["compile=true", "dist=none"]) == "model"  # compile_scope=auto, one process
     # runs that differ only in a model key or the scope are kept apart in the record file
-    blocks = trainer_runs.trainer_record({**compiled, "sets": ["compile=true", "model.variant=baseline", "dist=ddp"]}, tmp_path,
+    blocks = trainer_runs.trainer_record({**compiled, "sets": ["compile=true", "model.variant=baseline", "dist=fsdp"]}, tmp_path,
                                          {"torch": "2.x", "triton": "3.x"}, "h100-80gb-hbm3")
     train_report.write_outputs(tmp_path, "h100-80gb-hbm3", [rec, blocks])
     train_report.write_outputs(tmp_path, "h100-80gb-hbm3", [rec])
