@@ -57,8 +57,8 @@ class DataConfig:
     # decode=gpu with nvImageCodec: the share of each batch's JPEGs for the hardware JPEG decoders (the rest, and
     # what they cannot do, to nvJPEG on the CUDA cores at the same time)
     hw_decode_load: float = 0.65
-    # GPU decode: torchvision (its batched nvJPEG on the CUDA cores) | nvimgcodec (the hardware JPEG decoders and
-    # nvJPEG) | auto (torchvision, else nvimgcodec)
+    # GPU decode: torchvision (its batched nvJPEG) | nvimgcodec (the hardware JPEG decoders and nvJPEG on the CUDA
+    # cores, split by hw_decode_load) | auto (torchvision, else nvimgcodec)
     gpu_decoder: str = "auto"
     # streaming loaders: batches a thread of the training process finishes (GPU decode, crop, normalisation,
     # copies) ahead of the step (0: in the step's own thread, between steps)

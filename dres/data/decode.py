@@ -241,7 +241,8 @@ def cores_per_process() -> int:
 
 
 def gpu_decode_backend(device, choose: str = "auto") -> str | None:
-    """The GPU decoder for ``device``: ``"torchvision"`` (its batched nvJPEG on the CUDA cores), ``"nvimgcodec"``
+    """The GPU decoder for ``device``: ``"torchvision"`` (its batched nvJPEG, which takes the GPU's hardware JPEG
+    decoders for baseline JPEGs where it has them), ``"nvimgcodec"``
     (the hardware JPEG decoders where the GPU has them, and nvJPEG), the first of them installed with
     ``choose="auto"`` (torchvision's fed the ViT-B/16 trainer faster: BENCHMARKS.md), or None (no CUDA device,
     or the decoder chosen is not installed)."""
