@@ -127,6 +127,14 @@ def decode_backend(d, device) -> str | None:
                     f"without a CUDA device: set data.gpu_decoder=auto or data.decode=cpu")
 
 
+def loader_workers(d, backend: str | None) -> int:
+    """``data.num_workers``, or with -1 by the decode: workers that only read bytes for the GPU decoder (4), else
+    (CPU decode, or a share of it beside the GPU's) the process's cores less one."""
+    if d.num_workers >= 0:
+        return d.num_workers
+    return GPU_DECODE_WORKERS if backend and not d.cpu_decode_share else max(cores_per_process() - 1, 1)
+
+
 def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, seed=0, device="cpu", train=True,
                  log=None, compile_augment=False):
     """A resumable loader of this rank's share of each global batch; ``log`` gets lost-data lines;
@@ -145,12 +153,12 @@ def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, 
         loader.counter = counter
         return loader
     backend = decode_backend(d, device)
-    workers = d.num_workers if d.num_workers >= 0 else GPU_DECODE_WORKERS if backend else max(cores_per_process() - 1, 1)
-    prep = SamplePrep(d.img_size, d.in_chans, aug, d.crop_min, gpu=backend is not None,
+    cpu_share = d.cpu_decode_share if backend else 0.0
+    prep = SamplePrep(d.img_size, d.in_chans, aug, d.crop_min, gpu=backend is not None, cpu_share=cpu_share,
                       jitter=d.color_jitter if train else 0.0, crop_pct=d.eval_crop_pct)
     finisher = BatchFinisher(device, d.img_size, d.in_chans, mean, std, backend, d.hw_decode_load)
     common = dict(rank=rank, world=world, accum=accum, seed=seed, device=device, prep=prep, finisher=finisher,
-                  num_workers=workers, num_classes=d.num_classes, max_corrupt_frac=d.max_corrupt_frac, log=log,
+                  num_workers=loader_workers(d, backend), num_classes=d.num_classes, max_corrupt_frac=d.max_corrupt_frac, log=log,
                   ahead=d.finish_ahead)
     if d.name == "imagefolder":
         return FolderLoader(_pattern(d, split), global_batch, limit=d.limit, **common)

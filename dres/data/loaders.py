@@ -157,9 +157,9 @@ class _StreamingLoader(_Position):
 
     def describe(self) -> str:
         """How the pixels are made, for the run's log."""
-        backend = self.finisher.backend
-        return (f"decoded on the {f'GPU ({backend})' if backend else 'CPU'}, {self.num_workers} workers "
-                f"({cores_per_process()} cores a process)")
+        backend, share = self.finisher.backend, self.prep.cpu_share
+        where = f"GPU ({backend}){f', {share:.0%} of the JPEGs on the CPU' if share else ''}" if backend else "CPU"
+        return f"decoded on the {where}, {self.num_workers} workers ({cores_per_process()} cores a process)"
 
     def next(self):
         """This rank's next step batch on the device; the data position moves as batches are handed over."""
