@@ -62,6 +62,12 @@ if [ -f $wheels/nvidia/__init__.py ]; then
   export PYTHONPATH=$wheels${PYTHONPATH:+:$PYTHONPATH} LD_LIBRARY_PATH=$wheels/nvidia/cu13/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
 
+# SITE: dres installed apart there looks for the CIFAR-10 shards beside or inside its own folder: point it at the
+# shared/ this tree's dres finds
+link_shared() {
+  ln -s "$(python3 -c 'from dres.data.sources import default_cifar10_dir as d; print(d().parents[1])')" "$1/shared"
+}
+
 # NAME FIRST ARGS...: the suite as TEST_PROCS pytest processes at once, one per group of test files of about equal
 # time by the last suites' reports, each with its $OUT/junit_NAME-K.xml and tests_NAME-K.log (-v: a process stopped
 # early still names its failed tests; a test running past 5 minutes dumps its stack there); FIRST (test files, or
@@ -130,9 +136,7 @@ if want trainers; then
     if tar xzf "$BASELINE" -C "$base_tree" && python3 -m pip install -q --no-deps --no-build-isolation \
         --target "$base_site" "$base_tree" >"$OUT/install_baseline.log" 2>&1; then
       rm -rf "$base_tree/dres"
-      # the installed copy looks for the data beside or inside its own folder: point it at this tree's shared/
-      ln -s "$(python3 -c 'from dres.data.sources import default_cifar10_dir as d; print(d().parents[1])')" \
-        "$base_site/shared"
+      link_shared "$base_site"
     else
       echo "baseline $BASELINE: install failed"; tail -n 5 "$OUT/install_baseline.log"; status=1; base_tree=""
     fi
@@ -199,8 +203,7 @@ if want csrc_tests; then
       && (cd / && PYTHONPATH="$csite" python3 -c 'from dres.ops import csrc_backend as c; assert c.available(), c.LOAD_ERROR') \
       >>"$OUT/install_csrc.log" 2>&1; then
     cp -r . "$csrun/tree" && rm -rf "$csrun/tree/dres"
-    # the installed copy looks for the CIFAR-10 shards beside or inside its own folder: the tree's shared/
-    [ -d shared ] && ln -s "$csrun/tree/shared" "$csite/shared"
+    link_shared "$csite"
     if [ "${TEST_PROCS:-1}" -gt 1 ] && [ -z "${CSRC_TESTS:-}" ]; then
       # the csrc tests head every process: they force CUDA's dispatch key on CPU tensors, which once leaked into
       # every later test of the process, so each group checks its files run clean after them
