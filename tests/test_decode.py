@@ -2,7 +2,6 @@
 formats that stay on the CPU), the folder loader (exact resume, ranks, workers, lost files, FIFOs) and, on a
 GPU, the batched GPU decode against the CPU decode."""
 
-import dataclasses
 import io
 import os
 import random
@@ -120,34 +119,21 @@ def test_workers_keep_jpegs_for_the_gpu_and_decode_the_rest(kind):
     assert gpu[0] == ("jpeg" if kind in ("jpeg", "grey") else "pixels")  # progressive: see decode's module doc
 
 
-def test_a_cpu_share_of_the_gpu_decode_is_drawn_per_sample_and_keeps_the_crops():
-    data = _encode("jpeg")
-    plain = [SamplePrep(16, gpu=True)(data, seed=s) for s in range(200)]
-    for share, low, high in ((0.0, 0, 0), (0.5, 70, 130), (1.0, 200, 200)):
-        prep = SamplePrep(16, gpu=True, cpu_share=share)
-        got = [prep(data, seed=s) for s in range(200)]
-        assert low <= sum(g[0] == "pixels" for g in got) <= high, share
-        assert [g[2:] for g in got] == [p[2:] for p in plain]  # the same crops, flips and jitter
-        assert [g[0] for g in got] == [prep(data, seed=s)[0] for s in range(200)]  # by the seed: a resume agrees
-    assert SamplePrep(16, gpu=False, cpu_share=0.5)(data, seed=1)[0] == "pixels"
-
-
 def test_the_workers_follow_the_decode_unless_given(tmp_path, monkeypatch):
     import dres.data as data
 
     monkeypatch.setattr(data, "cores_per_process", lambda: 8)
     d = DataConfig(name="imagefolder", path=_folder(tmp_path), img_size=8, num_classes=3, gpu_resident=False)
     assert data.loader_workers(d, "torchvision") == data.GPU_DECODE_WORKERS and data.loader_workers(d, None) == 7
-    d.cpu_decode_share = 0.5  # the workers decode too
-    assert data.loader_workers(d, "torchvision") == 7
     d.num_workers = 3
     assert data.loader_workers(d, "torchvision") == data.loader_workers(d, None) == 3
     d.decode, d.num_workers = "cpu", -1
-    loader = build_loader(d, "train", 8, device="cpu")  # CPU decode: no share of it to draw
-    assert loader.prep.cpu_share == 0.0 and loader.num_workers == 7
-    loader.finisher.backend, loader.prep = "torchvision", dataclasses.replace(loader.prep, gpu=True, cpu_share=0.25)
+    loader = build_loader(d, "train", 8, device="cpu")
+    assert not loader.prep.gpu and loader.num_workers == 7
     monkeypatch.setattr("dres.data.loaders.cores_per_process", lambda: 8)
-    assert loader.describe() == "decoded on the GPU (torchvision), 25% of the JPEGs on the CPU, 7 workers (8 cores a process)"
+    assert loader.describe() == "decoded on the CPU, 7 workers (8 cores a process)"
+    loader.finisher.backend = "torchvision"
+    assert loader.describe() == "decoded on the GPU (torchvision), 7 workers (8 cores a process)"
     loader.close()
 
 

@@ -57,9 +57,6 @@ class DataConfig:
     # decode=gpu with nvImageCodec: the share of each batch's JPEGs for the hardware JPEG decoders (the rest, and
     # what they cannot do, to nvJPEG on the CUDA cores at the same time)
     hw_decode_load: float = 0.65
-    # GPU decode: the share of the JPEGs the workers decode on the CPU all the same, each sample's by its seed (with
-    # num_workers=-1 the workers are then the cores less one)
-    cpu_decode_share: float = 0.0
     # GPU decode: torchvision (its batched nvJPEG) | nvimgcodec (the hardware JPEG decoders and nvJPEG on the CUDA
     # cores, split by hw_decode_load) | auto (torchvision, else nvimgcodec)
     gpu_decoder: str = "auto"
@@ -599,7 +596,6 @@ def validate(cfg: Config) -> None:
     need(0 <= d.max_corrupt_frac <= 1, "data.max_corrupt_frac", "must be in [0, 1]")
     need(0 < d.crop_min <= 1, "data.crop_min", "must be in (0, 1]")
     need(0 <= d.hw_decode_load <= 1, "data.hw_decode_load", "must be in [0, 1]")
-    need(0 <= d.cpu_decode_share <= 1, "data.cpu_decode_share", "must be in [0, 1]")
     need(0 <= d.color_jitter, "data.color_jitter", "must be >= 0 (0: off)")
     need(0 < d.eval_crop_pct <= 1, "data.eval_crop_pct", "must be in (0, 1] (1: resize the whole image)")
     if d.normalize:

@@ -136,16 +136,14 @@ def crop_resize_cpu(image: torch.Tensor, box, flip: bool, size: int) -> torch.Te
 
 @dataclass(frozen=True)
 class SamplePrep:
-    """What a worker makes of one sample's bytes (module doc): ``gpu`` keeps JPEGs encoded, all but a ``cpu_share``
-    of them (drawn from each sample's seed) that the worker decodes all the same, taking that share of the decode's
-    cost off the training process."""
+    """What a worker makes of one sample's bytes (module doc): ``gpu`` keeps the JPEGs the GPU decoders take
+    encoded."""
 
     size: int
     in_chans: int = 3
     aug: str = "rrc_flip"
     crop_min: float = 0.2
     gpu: bool = False
-    cpu_share: float = 0.0
     jitter: float = 0.0  # timm's --color-jitter strength (brightness, contrast, saturation); 0: none
     crop_pct: float = 1.0  # the centred crop's share of the shorter side where aug does not crop at random
 
@@ -161,8 +159,7 @@ class SamplePrep:
         box, flip = crop_box(width, height, rng, self.aug, (self.crop_min, 1.0), crop_pct=self.crop_pct)
         jitter = self._jitter(seed) if self.jitter else None
         jpeg = fmt in ("JPEG", "MPO")
-        gpu = self.gpu and not (self.cpu_share and rng.random() < self.cpu_share)  # drawn after the crop: it stays
-        if gpu and jpeg and not progressive and mode in ("RGB", "L") and self.in_chans == 3:
+        if self.gpu and jpeg and not progressive and mode in ("RGB", "L") and self.in_chans == 3:
             return "jpeg", data, box, flip, jitter
         pixels = crop_resize_cpu(_decode_cpu(data, mode, jpeg, self.in_chans), box, flip, self.size)
         return "pixels", pixels, box, flip, jitter

@@ -157,8 +157,8 @@ class _StreamingLoader(_Position):
 
     def describe(self) -> str:
         """How the pixels are made, for the run's log."""
-        backend, share = self.finisher.backend, self.prep.cpu_share
-        where = f"GPU ({backend}){f', {share:.0%} of the JPEGs on the CPU' if share else ''}" if backend else "CPU"
+        backend = self.finisher.backend
+        where = f"GPU ({backend})" if backend else "CPU"
         return f"decoded on the {where}, {self.num_workers} workers ({cores_per_process()} cores a process)"
 
     def next(self):
