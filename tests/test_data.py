@@ -48,6 +48,29 @@ def test_cifar10_shards_split_by_rank_and_worker_disjoint_and_complete():
     assert len(set(seen)) == len(seen)
 
 
+@pytest.mark.parametrize("shards,slots", [(20, 15), (1281, 120), (3, 4), (1, 3), (8, 4), (7, 1), (5, 16)])
+def test_shards_are_split_over_slots_once_each_and_evenly(shards, slots):
+    """Every sample of every shard goes to exactly one slot; the slots' sample counts differ by half a shard at
+    most, and no slot reads more than one shard beyond its whole ones."""
+    from dres.data.loaders import slot_shards
+
+    per_shard = 60
+    names = [f"s{i}" for i in range(shards)]
+    owner, reads = {}, []
+    for slot in range(slots):
+        mine = slot_shards(names, slot, slots)
+        reads.append(len(mine))
+        for name, share in mine:
+            for i in range(per_shard):
+                if share is None or i % share[1] == share[0]:
+                    assert (name, i) not in owner
+                    owner[name, i] = slot
+    assert len(owner) == shards * per_shard
+    counts = [sum(o == slot for o in owner.values()) for slot in range(slots)]
+    assert max(counts) - min(counts) <= per_shard // 2  # dealing the leftover shards whole: a shard apart
+    assert max(reads) <= shards // slots + 1
+
+
 @needs_cifar
 def test_cifar10_wds_in_memory_loader_via_config():
     d = DataConfig(name="cifar10_wds", limit=512, img_size=32)

@@ -360,11 +360,27 @@ class FolderLoader(_StreamingLoader):
                 yield out, epoch, batch
 
 
+def slot_shards(shards: list, slot: int, nslots: int) -> list[tuple[str, tuple[int, int] | None]]:
+    """Slot ``slot``'s part of ``shards`` among ``nslots`` (ranks x workers), as ``(shard, share)`` pairs: whole
+    shards dealt one a slot per round while every slot gets one, then one of the r shards left over, read by the
+    slots that share it (slot mod r) and split between them by sample (``share=(keep, n)``: every n-th sample, of
+    :func:`~dres.data.sources.iter_shard`). So the slots get the same number of samples to within a shard's
+    n-th (20 shards over 15 workers: 1 and a third each, not 1 or 2), and a slot reads at most one shard
+    more than its share."""
+    whole = len(shards) - len(shards) % nslots
+    mine = [(s, None) for s in shards[slot:whole:nslots]]
+    left = shards[whole:]
+    if left:
+        r = len(left)
+        sharing = len(range(slot % r, nslots, r))  # the slots reading the same leftover shard
+        mine.append((left[slot % r], (slot // r, sharing)))
+    return mine
+
+
 class _ShardStream(torch.utils.data.IterableDataset):
-    """Shards split by rank, then by DataLoader worker; when there are fewer shards than
-    rank x worker slots, every slot reads all shards and keeps every n-th sample instead. A slot
-    yields collated batches of ``local`` samples (:func:`collate_prepared`), each with the loss events
-    met while reading it, and the rest at the end."""
+    """Shards split by rank, then by DataLoader worker (:func:`slot_shards`). A slot yields collated batches of
+    ``local`` samples (:func:`collate_prepared`), each with the loss events met while reading it, and the rest at
+    the end."""
 
     def __init__(self, shards, rank, world, seed, epoch, prep: SamplePrep, train, buffer, local):
         self.shards, self.rank, self.world, self.seed, self.epoch = shards, rank, world, seed, epoch
@@ -378,22 +394,12 @@ class _ShardStream(torch.utils.data.IterableDataset):
         rng = random.Random(_mix(self.seed, self.epoch, slot, 3))
         if self.train:
             random.Random(_mix(self.seed, self.epoch, 4)).shuffle(shards)
-        if len(shards) >= nslots:
-            mine, share = shards[slot::nslots], None
-        else:
-            mine, share = shards, (slot, nslots)
+        mine = slot_shards(shards, slot, nslots)
         counter = CorruptCounter(collect=True)  # its events travel with the batches to the training process
 
         def read():
-            index = 0
-            for s in mine:
-                samples = iter_shard(s, counter, share, index)
-                while True:
-                    try:
-                        sample = next(samples)
-                    except StopIteration as end:  # iter_shard returns the running index after the shard
-                        index = end.value
-                        break
+            for s, share in mine:
+                for sample in iter_shard(s, counter, share):
                     yield (s, *sample)
 
         def shuffled():

@@ -349,29 +349,27 @@ def open_shard(path: str):
     return tarfile.open(fileobj=body, mode="r|*"), finish
 
 
-def iter_shard(path: str, counter: CorruptCounter, slot: tuple[int, int] | None = None, first: int = 0):
+def iter_shard(path: str, counter: CorruptCounter, slot: tuple[int, int] | None = None):
     """Yield ``(key, encoded image bytes, label)`` from one shard (local, ``pipe:`` or a URL); members that
     lack an image or a label and damaged shards are counted, a damaged shard's unread samples by its
     manifest count (unknown without one).
 
-    With ``slot=(keep, n)`` only the samples whose running index (from ``first``, over every sample
-    read or lost) is ``keep`` mod ``n`` are yielded and counted when lost. Returns the index after
-    the shard."""
+    With ``slot=(keep, n)`` only the samples whose index in the shard (over every sample read or lost) is
+    ``keep`` mod ``n`` are yielded and counted when lost."""
     seen = 0  # samples of this shard met so far, readable or not
     name = os.path.basename(path)
 
     def mine(i):
-        return slot is None or (first + i) % slot[1] == slot[0]
+        return slot is None or i % slot[1] == slot[0]
 
     def lose_rest(why):
         total = manifest_samples([path])
         if total is None or total < seen:
             counter.add(f"{name}: {why}, the rest of it is lost", path, damaged=True, lost=None)
-            return first + seen
+            return
         lost = sum(mine(i) for i in range(seen, total))
         counter.add(f"{name}: {why}, its last {total - seen} of {total} samples (manifest.json) are lost", path,
                     damaged=True, lost=lost)
-        return first + total
 
     try:
         tf, finish = open_shard(path)
@@ -421,7 +419,6 @@ def iter_shard(path: str, counter: CorruptCounter, slot: tuple[int, int] | None 
     why = finish()
     if why:
         counter.add(f"{name}: {why}", path, damaged=True, lost=0)
-    return first + seen
 
 
 def zlib_error():
