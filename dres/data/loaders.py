@@ -364,9 +364,8 @@ def slot_shards(shards: list, slot: int, nslots: int) -> list[tuple[str, tuple[i
     """Slot ``slot``'s part of ``shards`` among ``nslots`` (ranks x workers), as ``(shard, share)`` pairs: whole
     shards dealt one a slot per round while every slot gets one, then one of the r shards left over, read by the
     slots that share it (slot mod r) and split between them by sample (``share=(keep, n)``: every n-th sample, of
-    :func:`~dres.data.sources.iter_shard`). So the slots get the same number of samples to within a shard's
-    n-th (20 shards over 15 workers: 1 and a third each, not 1 or 2), and a slot reads at most one shard
-    more than its share."""
+    :func:`~dres.data.sources.iter_shard`). So the slots' sample counts differ by half a shard at most (20 shards
+    over 15 workers: 1 and a third each, not 1 or 2), and a slot reads at most one shard beyond its whole ones."""
     whole = len(shards) - len(shards) % nslots
     mine = [(s, None) for s in shards[slot:whole:nslots]]
     left = shards[whole:]
