@@ -7,7 +7,7 @@ iterations, measured in the trainer's own steps.
 Trains the preset's model for ``--steps`` steps exactly as ``dres-train classify`` would (its data,
 augmentation, optimizer and schedule), eagerly and without a captured step, so that each parameter's gradient
 can be read as the backward leaves it (before clipping). Parameters are grouped by block (``layer<i>.<j>`` of a
-ResNet, ``blocks.<i>`` of a ViT; stem and head by their module) and each group's gradient norm is recorded at every
+ResNet, its projection shortcut apart; ``blocks.<i>`` of a ViT; stem and head by their module) and each group's gradient norm is recorded at every
 step, by the parity of the model's ResidualDroppath controller (a model without one counts every step even). The
 JSON holds, per group in model order, the mean norm over even and over odd steps and their ratio: with the paper's
 method, an odd iteration trains only the dropped samples' branches, so a block's odd/even ratio near its drop rate
@@ -25,11 +25,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-BLOCK = re.compile(r"^(.*?(?:layer\d+\.\d+|blocks\.\d+))\.")
+BLOCK = re.compile(r"^(.*?(?:layer\d+\.\d+(?:\.downsample)?|blocks\.\d+))\.")
 
 
 def group_of(param_name: str) -> str:
-    """The block a parameter belongs to (``net.layer2.3``, ``encoder.transformer.blocks.4``), else its module."""
+    """The block a parameter belongs to (``net.layer2.3``, ``encoder.transformer.blocks.4``; a ResNet block's
+    projection shortcut apart, ``net.layer2.0.downsample``: it is no branch), else its module."""
     m = BLOCK.match(param_name)
     return m.group(1) if m else param_name.rpartition(".")[0] or param_name
 

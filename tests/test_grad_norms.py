@@ -14,6 +14,8 @@ TINY = ["data.name=digits", "data.img_size=8", "data.in_chans=1", "data.aug=none
 
 def test_groups_are_blocks_else_modules():
     assert grad_norms.group_of("net.layer2.3.conv1.weight") == "net.layer2.3"
+    assert grad_norms.group_of("net.layer2.0.downsample.1.weight") == "net.layer2.0.downsample"
+    assert grad_norms.group_of("net.layer2.0.conv1.weight") == "net.layer2.0"
     assert grad_norms.group_of("encoder.transformer.blocks.4.attn.qkv.bias") == "encoder.transformer.blocks.4"
     assert grad_norms.group_of("net.fc.weight") == "net.fc" and grad_norms.group_of("cls_token") == "cls_token"
 
