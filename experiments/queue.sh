@@ -10,7 +10,8 @@
 #   bash experiments/queue.sh wait SECONDS                  wait until the queue and the jobs end (at most SECONDS),
 #                                                           then pack what they made into $OUT
 # CUDA_VISIBLE_DEVICES given to start or job keeps the queue and a job on their own GPUs; DEADLINE_MIN=N starts no
-# arm after N minutes of the queue. COMMIT is recorded in every record (the copy may hold no git history).
+# arm after N minutes of the queue; FORCE=1 trains again the arms that already have a record. COMMIT is recorded
+# in every record (the copy may hold no git history).
 # Limits: one queue a host (a second start is refused; a job name once); the copy is taken once, so later changes
 # of the checkout do not reach a running queue; run folders and their checkpoints live on this host only, and an arm
 # cut short resumes from its last checkpoint when a queue naming it starts again on the same host. What `wait`
@@ -53,7 +54,7 @@ start)
   queue_tree || exit 1
   cd "$QUEUE_DIR/tree" || exit 1
   setsid nohup python3 -m experiments.repro --run "$words" --gpus "$gpus" --root "$QUEUE_DIR/runs" \
-    --records "$QUEUE_DIR/records" --commit "$commit" ${DEADLINE_MIN:+--deadline-min "$DEADLINE_MIN"} \
+    --records "$QUEUE_DIR/records" --commit "$commit" ${DEADLINE_MIN:+--deadline-min "$DEADLINE_MIN"} ${FORCE:+--force} \
     >"$QUEUE_DIR/repro.log" 2>&1 </dev/null &
   echo $! >"$QUEUE_DIR/repro.pid"
   sleep 20

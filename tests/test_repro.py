@@ -505,14 +505,15 @@ def test_classify_summary_holds_the_final_epochs_training_accuracy_and_loss(tmp_
     assert expected["final_epoch_steps"] == 24
 
 
-def queue_script(tmp_path):
-    """queue.sh with its queue folder and output under tmp_path, and a python3 stand-in (the install)."""
+def queue_script(tmp_path, **env_vars):
+    """queue.sh with its queue folder and output under tmp_path, a python3 stand-in (the install, the runner: it
+    keeps the runner's arguments in QUEUE_DIR/args) and ``env_vars`` in its environment."""
     script = Path(__file__).resolve().parents[1] / "experiments" / "queue.sh"
     (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "python3").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / "bin" / "python3").write_text('#!/bin/sh\n[ "$2" = experiments.repro ] && echo "$@" >"$QUEUE_DIR/args"\nexit 0\n')
     (tmp_path / "bin" / "python3").chmod(0o755)
     env = {**os.environ, "QUEUE_DIR": str(tmp_path / "queue"), "OUT": str(tmp_path / "out"),
-           "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+           "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", **env_vars}
 
     def call(*args, cwd=None):
         r = subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=env, timeout=60, cwd=cwd)
@@ -549,6 +550,19 @@ def test_queue_job_runs_from_the_copy_and_comes_back_packed(tmp_path):
         assert tar.extractfile("jobs/copy/seen.txt").read() == b"the tree\n"
         assert tar.extractfile("jobs/copy/where.txt").read().decode().strip() == str(tmp_path / "queue" / "tree")
     assert not (tmp_path / "out" / "records.tgz").exists()  # no queue was started
+
+
+def test_queue_start_passes_the_deadline_and_force_to_the_runner(tmp_path):
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    call = queue_script(tmp_path, FORCE="1", DEADLINE_MIN="14")
+    assert call("start", "A.pairs", "4", "abc1234", cwd=tree)[0] == 0
+    args = (tmp_path / "queue" / "args").read_text().split()
+    assert args[args.index("--run") + 1] == "A.pairs" and args[args.index("--gpus") + 1] == "4"
+    assert args[args.index("--deadline-min") + 1] == "14" and args[args.index("--commit") + 1] == "abc1234"
+    assert "--force" in args
+    assert call("start", "A.pairs", cwd=tree)[::2] == (2, f"queue.sh: a queue was already started on this host "
+                                                         f"({tmp_path / 'queue'})")
 
 
 def test_probe_grid_tables_mark_the_best_cell():
