@@ -303,6 +303,7 @@ def test_the_gpu_decoder_is_chosen_by_data_gpu_decoder(tmp_path, monkeypatch):
         with pytest.raises(DataError, match=r"data.gpu_decoder=nvimgcodec is not installed \(pip install "):
             decode_backend(d, "cuda")
     d.decode = "auto"  # asked for by name, missing: an error rather than a silent switch
+    monkeypatch.setattr("dres.data.cores_per_process", lambda: 4)  # too few cores for the CPU decode: auto asks the GPU
     if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.nvimgcodec") is None:
         with pytest.raises(DataError, match="data.gpu_decoder=nvimgcodec"):
             decode_backend(d, "cuda")
