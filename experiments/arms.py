@@ -95,6 +95,7 @@ UVIT_EMA_DECAY = 0.9998       # 0.9998 ** 24,960 = 0.68% of the initial weights 
 EMA_INITIAL_WEIGHT_MAX = 0.01
 RDP_DECISIVE_EPOCHS = 300     # timm's train.py default
 RDP_PILOT_EPOCHS = 30         # the 224 px pilot: ~9 minutes an arm at the 5.0k img/s an H200 measured
+RDP_LONG_EPOCHS = 600         # twice timm's length: does ResidualDroppath's underfit close with more steps?
 RDP_SEEDS = (0, 1, 2)
 TIMM_PRESET = "classify_resnet50d_cifar10_timm"
 TIMM_PRESET_224 = "classify_resnet50d_cifar10_timm224"
@@ -128,14 +129,16 @@ def _uvit_decisive_arm(alpha, seed):
                paper=UVIT_PAPER[alpha], labels={"alpha_min": alpha}, stage="decisive", epochs=UVIT_DECISIVE_EPOCHS)
 
 
-def _classify_decisive_arm(arch, mode, seed, pilot=False, head_dropout=True):
+def _classify_decisive_arm(arch, mode, seed, pilot=False, head_dropout=True, long=False):
     """A C arm of timm's recipe; ``head_dropout=False``: without the preset's dropout 0.1 before the classifier
-    (timm's ``--drop`` default is 0)."""
-    prefix = "C224" if pilot else "C300" if head_dropout else "C300d0"
+    (timm's ``--drop`` default is 0); ``long``: twice timm's length."""
+    prefix = "C224" if pilot else "C600" if long else "C300" if head_dropout else "C300d0"
     group = f"{prefix}-{arch}-{mode}"
     paper = ((f"CIFAR-10 {arch} top-1", RDP_PAPER[(arch, mode)]),) if (arch, mode) in RDP_PAPER else ()
     if pilot:
         tags = ("C.pilot224", "decisive")
+    elif long:
+        tags = (f"C.long.s{seed}", "C.long", "decisive")
     elif not head_dropout:
         tags = (f"C.d0.s{seed}", "C.d0", "decisive")
     elif mode == "residual_droppath_literal":
@@ -147,7 +150,8 @@ def _classify_decisive_arm(arch, mode, seed, pilot=False, head_dropout=True):
     return Arm(f"{group}-s{seed}", "C", group, "classify", TIMM_PRESET_224 if pilot else TIMM_PRESET, overrides,
                seed, tags, paper=paper, labels={"arch": arch, "mode": mode, "px": 224 if pilot else 32,
                                                 "drop_rate": 0.1 if head_dropout else 0.0},
-               stage="decisive", epochs=RDP_PILOT_EPOCHS if pilot else RDP_DECISIVE_EPOCHS)
+               stage="decisive",
+               epochs=RDP_PILOT_EPOCHS if pilot else RDP_LONG_EPOCHS if long else RDP_DECISIVE_EPOCHS)
 
 
 def build_matrix() -> list[Arm]:
@@ -173,6 +177,8 @@ def build_matrix() -> list[Arm]:
     arms += [_uvit_decisive_arm(a, s) for s in (0, 1, 2) for a in (1.0, 0.7)]
     arms += [_classify_decisive_arm("resnet50d", m, s, head_dropout=False) for s in RDP_SEEDS for m in MODES]
     arms += [_classify_decisive_arm("resnet50d", "residual_droppath_literal", s) for s in RDP_SEEDS]
+    # the test of the underfit's reading: both the standard arm and ResidualDroppath at twice the length
+    arms += [_classify_decisive_arm("resnet50d", m, 0, long=True) for m in ("none", "residual_droppath")]
     arms += [_classify_decisive_arm("resnet50", m, 0) for m in MODES]
     return arms
 

@@ -185,7 +185,8 @@ C_COLUMNS = [("top1", 100, 2), ("final_epoch_train_acc", 100, 1), ("final_epoch_
 # (mode a, mode b) of a − b in top-1, both stages of C: the claim against drop path, then each against none
 C_COMPARISONS = [("residual_droppath", "drop_path"), ("residual_droppath", "none"), ("drop_path", "none")]
 # the decisive recipes' groups: (prefix, what) for the paired lines
-C_DECISIVE_PREFIXES = [("C300", "32 px"), ("C300d0", "32 px, no head dropout"), ("C224", "224 px")]
+C_DECISIVE_PREFIXES = [("C300", "32 px"), ("C300d0", "32 px, no head dropout"), ("C600", "32 px, 600 epochs"),
+                       ("C224", "224 px")]
 
 
 def fd_draw_lines(recs: dict, group_prefix: str) -> list[str]:

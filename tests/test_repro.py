@@ -657,6 +657,11 @@ def test_issue_arms_of_b_and_c_resolve_to_their_recipes():
         assert cfg.model.droppath_mode == "residual_droppath_literal" and cfg.model.drop_rate == 0.1
     names = [a.name for a in arms.select("C.d0,C.literal")]
     assert len(names) == 12 and all(arms.BY_NAME[n].epochs == 300 for n in names)
+    # twice the length, the standard arm beside ResidualDroppath, their recipe otherwise the 300-epoch arms'
+    long = arms.select("C.long")
+    assert [a.name for a in long] == ["C600-resnet50d-none-s0", "C600-resnet50d-residual_droppath-s0"]
+    for a in long:
+        assert a.epochs == 600 and a.overrides == arms.BY_NAME[a.name.replace("C600", "C300")].overrides
 
 
 def test_report_lists_fd_draws_the_real_floor_and_fd_along_training():
