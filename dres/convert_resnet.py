@@ -53,14 +53,40 @@ def _basic_branch(blk: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x if blk.se is None else blk.se(x)
 
 
+class _HeldBranch(nn.Module):
+    """A block's branch as a module of its own, for ``torch.func.functional_call`` with the block's weights held."""
+
+    def __init__(self, blk: nn.Module, branch: Callable):
+        super().__init__()
+        self.blk, self.branch = blk, branch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.branch(self.blk, x)
+
+
+def _held_branch_gradient(held_branch: _HeldBranch, x: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """Zero in value; in gradient, ``held`` (per sample) times the branch's input gradient with its weights held:
+    the branch runs again on detached parameters and on copies of its buffers (BatchNorm's running statistics
+    advance once, in the trained pass; the batch statistics are the same, so is the value)."""
+    state = {f"blk.{n}": p.detach() for n, p in held_branch.blk.named_parameters()}
+    state |= {f"blk.{n}": b.clone() for n, b in held_branch.blk.named_buffers()}
+    g = torch.func.functional_call(held_branch, state, (x,))
+    return (g - g.detach()) * held.view(-1, *(1,) * (g.dim() - 1))
+
+
 def _fused_block_forward(blk: nn.Module, branch: Callable, last_act: nn.Module, index: int,
-                         droppath: Optional[ResidualDroppath], x: torch.Tensor) -> torch.Tensor:
+                         droppath: Optional[ResidualDroppath], held_branch: _HeldBranch,
+                         x: torch.Tensor) -> torch.Tensor:
     # first, so that under per-block torch.compile the controller's graph break precedes all work
     row_scale, grad_scale = (None, None) if droppath is None else droppath.scales(x.shape[0], x.device)[index]
+    held = None if droppath is None else droppath.held_scales(x.shape[0], x.device)[index]
     h = branch(blk, x)
     if blk.drop_path is not None:  # timm's own DropPath (model created with drop_path_rate > 0)
         h = blk.drop_path(h)
     shortcut = x if blk.downsample is None else blk.downsample(x)
+    if held is not None:
+        # added to the shortcut, whose gradient is alpha times the sum's: the branch's own share is grad_scale's
+        shortcut = shortcut + _held_branch_gradient(held_branch, x, held) / blk.dres_alpha
     fused_relu = isinstance(last_act, nn.ReLU)
     out = ops.residual_act(shortcut, h, blk.dres_alpha, row_scale, grad_scale,
                            act="relu" if fused_relu else "identity", backend=blk.backend)
@@ -79,7 +105,8 @@ def convert_timm_resnet(model: nn.Module, alpha_min: float = 1.0, schedule: str 
 
     alpha_min / schedule: :func:`dres.nn.decay_schedule` over the blocks (one residual each).
     drop_path: the deepest block's drop rate (0: none, whatever the mode); droppath_mode: "drop_path"
-    (timm, scaled by 1/keep) or "residual_droppath" (Park). backend: of :func:`dres.ops.residual_act`
+    (timm, scaled by 1/keep), "residual_droppath" (Park), "residual_droppath_literal" or
+    "residual_droppath_frozen" (:mod:`dres.nn.droppath`; the last runs each branch twice). backend: of :func:`dres.ops.residual_act`
     (``dres.nn.set_backend`` changes it later). Weights are not touched.
     """
     timm_resnet = import_optional("timm.models.resnet", "timm", "convert_timm_resnet")
@@ -98,13 +125,18 @@ def convert_timm_resnet(model: nn.Module, alpha_min: float = 1.0, schedule: str 
     droppath = (ResidualDroppath(drop_path, len(blocks), mode=droppath_mode, residuals_per_block=1, seed=droppath_seed)
                 if drop_path > 0 else None)
     alphas = decay_schedule(len(blocks), alpha_min, schedule)
+    if droppath is not None and droppath.mode == "residual_droppath_frozen" and min(alphas) == 0:
+        raise ValueError("droppath_mode residual_droppath_frozen passes the held branches' gradient through the "
+                         "shortcut: it needs alpha_min > 0")
     for i, (blk, alpha) in enumerate(zip(blocks, alphas)):
         branch, last_act = branches[type(blk)]
         device = next(blk.parameters()).device
         blk.register_buffer("dres_alpha", torch.tensor(alpha, dtype=torch.float32, device=device), persistent=False)
         blk.backend = backend
         blk._dres_fused = True  # dres.nn.set_backend finds the block by this
-        blk.forward = functools.partial(_fused_block_forward, blk, branch, getattr(blk, last_act), i, droppath)
+        # the held branch lives in the partial, not in the block: no second path to the block's parameters
+        blk.forward = functools.partial(_fused_block_forward, blk, branch, getattr(blk, last_act), i, droppath,
+                                        _HeldBranch(blk, branch))
     if droppath is not None:
         model.droppath = droppath.to(next(model.parameters()).device)
     return model

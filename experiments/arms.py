@@ -50,6 +50,9 @@ RDP_PAPER = {("resnet50d", "none"): 89.55, ("resnet50d", "drop_path"): 89.84,
 CLASSIFY_PRESETS = {"resnet50d": "classify_resnet50d_cifar10", "resnet50": "classify_resnet50_cifar10",
                     "vit": "classify_cifar10"}
 MODES = ("none", "drop_path", "residual_droppath")
+# the other readings of Park's Algorithm 1, each with its queue word: as written (block 0 detached too), and the
+# abstract's (kept branches' weights frozen, their gradient passed on)
+READINGS = {"residual_droppath_literal": "C.literal", "residual_droppath_frozen": "C.frozen"}
 FD_CLASSIFIER_ARM = "C-vit-none-s0"
 
 
@@ -141,8 +144,8 @@ def _classify_decisive_arm(arch, mode, seed, pilot=False, head_dropout=True, lon
         tags = (f"C.long.s{seed}", "C.long", "decisive")
     elif not head_dropout:
         tags = (f"C.d0.s{seed}", "C.d0", "decisive")
-    elif mode == "residual_droppath_literal":
-        tags = (f"C.literal.s{seed}", "C.literal", "decisive")
+    elif mode in READINGS:
+        tags = (f"{READINGS[mode]}.s{seed}", READINGS[mode], "decisive")
     else:
         tags = (f"C.timm.{arch}.s{seed}", f"C.timm.{arch}", "C.timm", "decisive")
     overrides = ((f"model.droppath_mode={mode}",) + (() if arch == "resnet50d" else (f"model.arch={arch}",))
@@ -176,7 +179,7 @@ def build_matrix() -> list[Arm]:
     arms += [_classify_decisive_arm("resnet50d", m, 0, pilot=True) for m in MODES]
     arms += [_uvit_decisive_arm(a, s) for s in (0, 1, 2) for a in (1.0, 0.7)]
     arms += [_classify_decisive_arm("resnet50d", m, s, head_dropout=False) for s in RDP_SEEDS for m in MODES]
-    arms += [_classify_decisive_arm("resnet50d", "residual_droppath_literal", s) for s in RDP_SEEDS]
+    arms += [_classify_decisive_arm("resnet50d", reading, s) for reading in READINGS for s in RDP_SEEDS]
     # the test of the underfit's reading: both the standard arm and ResidualDroppath at twice the length
     arms += [_classify_decisive_arm("resnet50d", m, 0, long=True) for m in ("none", "residual_droppath")]
     arms += [_classify_decisive_arm("resnet50", m, 0) for m in MODES]

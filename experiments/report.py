@@ -9,8 +9,9 @@ import statistics
 from pathlib import Path
 
 from experiments.arms import (BY_NAME, CLASSIFY_PRESETS, FD_CLASSIFIER_ARM, MAE_DECISIVE_BATCH, MAE_DECISIVE_EPOCHS,
-                              MATRIX, PROBE_EPOCHS_PAPER, RDP_DECISIVE_EPOCHS, RDP_SEEDS, TIMM_PRESET, TIMM_PRESET_224,
-                              TRAIN_SIZES, UVIT_DECISIVE_EPOCHS, UVIT_EMA_DECAY, Arm, ema_initial_weight)
+                              MATRIX, PROBE_EPOCHS_PAPER, RDP_DECISIVE_EPOCHS, RDP_SEEDS, READINGS, TIMM_PRESET,
+                              TIMM_PRESET_224, TRAIN_SIZES, UVIT_DECISIVE_EPOCHS, UVIT_EMA_DECAY, Arm,
+                              ema_initial_weight)
 from experiments.runner import RECORDS_ROOT, REPO_ROOT, load_records
 
 FIGURES_DIR = REPO_ROOT / "experiments" / "figures"  # the report's curve figures
@@ -389,7 +390,9 @@ def claim_c(page: Page) -> list[str]:
                     "then centre crop, 32 px, and dropout 0.1 before the classifier in every arm (`model.drop_rate`; "
                     "timm's `--drop` defaults to 0, so the rows with head dropout 0 are timm's default); "
                     "`residual_droppath_literal` is Park's Algorithm 1 read literally (odd iterations detach the "
-                    f"never-dropped block 0 too). The pilot `{TIMM_PRESET_224}` at 224 px, one seed, a complete "
+                    "never-dropped block 0 too), `residual_droppath_frozen` the abstract's reading (odd iterations "
+                    "hold the kept branches' weights and pass their gradient on to the block's input). "
+                    f"The pilot `{TIMM_PRESET_224}` at 224 px, one seed, a complete "
                     "schedule of as many epochs as its row says (its warm-up included).",
                     ["model", "px", "head dropout", "mode", "epochs", "seeds", "top-1 %", "train acc % (last epoch)",
                      "train loss (last epoch)", "paper (CIFAR-10)"], c_rows("decisive", C_COLUMNS), ["top1"],
@@ -398,9 +401,8 @@ def claim_c(page: Page) -> list[str]:
                                  f"{arch} {what}: {x} − {y} (points)")
                      for prefix, what in C_DECISIVE_PREFIXES for arch in ("resnet50d", "resnet50")
                      for x, y in C_COMPARISONS]
-                    + [paired_line(recs, "C300-resnet50d-residual_droppath_literal", "C300-resnet50d-residual_droppath",
-                                   "top1", 100, "resnet50d 32 px: residual_droppath_literal − residual_droppath "
-                                   "(points)")])
+                    + [paired_line(recs, f"C300-resnet50d-{reading}", "C300-resnet50d-residual_droppath", "top1", 100,
+                                   f"resnet50d 32 px: {reading} − residual_droppath (points)") for reading in READINGS])
     L += page.block("C", "short", "Earlier short runs: 100 epochs (ResNet50d), 50 (ViT), one seed",
                     "Presets `classify_resnet50d_cifar10`, `classify_resnet50_cifar10` (batch 256, lr 0.1, crop "
                     "0.35-1, no colour jitter) and `classify_cifar10`.",

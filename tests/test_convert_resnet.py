@@ -172,6 +172,107 @@ def test_residual_droppath_routes_gradients(block, deep):
         h.remove()
 
 
+def _branch_params(blk):
+    return [p for n, p in blk.named_parameters() if not n.startswith("downsample.")]
+
+
+def test_residual_droppath_frozen_holds_the_kept_branches_weights_and_passes_their_gradient():
+    """The abstract's reading: an even iteration is residual_droppath's; an odd one has the plain network's value,
+    BatchNorm statistics advanced once, every gradient outside the branches (input, stem, projections, head) the
+    plain network's, and each branch's weight gradient from its dropped samples alone, ``J_w^T ((1 - m) g)`` with
+    ``g`` the plain network's gradient at the branch output (autograd on the plain network, float64)."""
+    torch.manual_seed(15)
+    base = randomize_norms_(tiny_resnet(Bottleneck, True)).double()
+    kw = dict(alpha_min=0.8, drop_path=0.6, backend="torch")
+    detached = dres.convert_timm_resnet(copy.deepcopy(base), droppath_mode="residual_droppath", **kw)
+    frozen = dres.convert_timm_resnet(copy.deepcopy(base), droppath_mode="residual_droppath_frozen", **kw)
+    B = 8
+
+    def step(model, x):
+        x = x.clone().requires_grad_()
+        out = model(x)
+        grads = torch.autograd.grad(out.square().sum(), [x, *model.parameters()])
+        return out, grads[0], grads[1:]
+
+    x = torch.randn(B, 3, 32, 32, dtype=torch.float64)
+    for a, b in zip(step(detached, x), step(frozen, x)):  # even: nothing is held, residual_droppath exactly
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    held = frozen.droppath.held_scales(B, "cpu")
+    assert held[0] is None and all(torch.equal(h, torch.zeros(B, dtype=torch.float32)) for h in held[1:])
+    for m in (detached, frozen):
+        m.droppath.next_iteration()
+
+    plain = copy.deepcopy(frozen)
+    plain.droppath.eval()  # no scales: the plain network in training mode
+    x2 = torch.randn(B, 3, 32, 32, dtype=torch.float64)
+    out, x_grad, grads = step(frozen, x2)
+    masks = frozen.droppath.masks
+    assert all(torch.equal(h, masks[i]) for i, h in enumerate(frozen.droppath.held_scales(B, "cpu")) if i)
+    assert 0 < masks[1:].sum() < masks[1:].numel()  # kept and dropped samples both
+    torch.testing.assert_close(out, detached(x2))
+    for (name, b1), b2 in zip(frozen.named_buffers(), detached.buffers()):  # the running statistics: one update
+        torch.testing.assert_close(b1, b2, rtol=1e-12, atol=1e-12, msg=name)
+
+    outputs = {}
+    blocks = residual_blocks(plain)
+    for i, blk in enumerate(blocks):
+        blk.bn3.register_forward_hook(lambda mod, inp, o, i=i: outputs.__setitem__(i, o))
+    xp = x2.clone().requires_grad_()
+    loss = plain(xp).square().sum()
+    want_x, *at_branches = torch.autograd.grad(loss, [xp, *(outputs[i] for i in range(len(blocks)))],
+                                               retain_graph=True)
+    want = dict(zip((n for n, _ in plain.named_parameters()),
+                    torch.autograd.grad(loss, list(plain.parameters()), retain_graph=True)))
+    for i, blk in enumerate(blocks):
+        if frozen.droppath.rates[i] > 0:  # the branch's own weights: its dropped samples' gradient
+            names = [f"layer{i + 1}.0.{n}" for n, _ in blk.named_parameters() if not n.startswith("downsample.")]
+            dropped = (1 - masks[i]).double().view(-1, 1, 1, 1) * at_branches[i]
+            want.update(zip(names, torch.autograd.grad(outputs[i], _branch_params(blk), dropped, retain_graph=True)))
+    torch.testing.assert_close(x_grad, want_x, rtol=1e-10, atol=1e-10)
+    for (name, _), got in zip(frozen.named_parameters(), grads):
+        torch.testing.assert_close(got, want[name], rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_residual_droppath_frozen_compiles_and_matches_eager_in_training():
+    """torch.compile around the second, held pass (``torch.func.functional_call``) of an even and an odd
+    iteration: outputs and every parameter gradient as eager."""
+    torch.manual_seed(16)
+    _, model = converted_pair(tiny_resnet(Bottleneck, True), torch.float32, alpha_min=0.7, drop_path=0.6,
+                              droppath_mode="residual_droppath_frozen", backend="torch")
+    model.train()
+    compiled_model = copy.deepcopy(model)
+    compiled_model.compile(backend="aot_eager", dynamic=False)
+    x = torch.randn(8, 3, 32, 32)
+    for _ in range(2):
+        want, got = model(x), compiled_model(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        want.square().mean().backward()
+        got.square().mean().backward()
+        model.droppath.next_iteration()
+        compiled_model.droppath.next_iteration()
+    for (name, p), q in zip(model.named_parameters(), compiled_model.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_residual_droppath_frozen_is_refused_where_no_branch_can_be_held():
+    from dres.models import create_classifier
+    from dres.train.config import ConfigError, build_config
+
+    frozen = ["model.droppath_mode=residual_droppath_frozen"]
+    cfg = build_config("classify", "classify_resnet50d_cifar10_timm", frozen)
+    assert cfg.model.droppath_mode == "residual_droppath_frozen"
+    for task, preset in (("classify", "classify_cifar10"), ("mae", "quickstart")):
+        with pytest.raises(ConfigError, match="'model.droppath_mode' residual_droppath_frozen runs each branch a "
+                                              "second time, which only the ResNet classifiers do"):
+            build_config(task, preset, frozen)
+
+    with pytest.raises(ValueError, match="only the ResNet converter"):
+        create_classifier("vit_tiny_cifar", drop_path=0.1, droppath_mode="residual_droppath_frozen")
+    with pytest.raises(ValueError, match="needs alpha_min > 0"):
+        dres.convert_timm_resnet(tiny_resnet(BasicBlock, False), alpha_min=0.0, drop_path=0.1,
+                                 droppath_mode="residual_droppath_frozen")
+
+
 def test_drop_path_scales_kept_samples():
     """timm drop path: the deepest block's branch is scaled by m / keep (rate 0.5 there)."""
     torch.manual_seed(6)
@@ -355,7 +456,7 @@ def test_resnet_presets_build_timm_models(preset, arch, millions):
     assert len(model.parallel_units()) == 16
 
 
-@pytest.mark.parametrize("mode", ["none", "drop_path", "residual_droppath"])
+@pytest.mark.parametrize("mode", ["none", "drop_path", "residual_droppath", "residual_droppath_frozen"])
 def test_classify_resnet_preset_trains_in_each_mode(tmp_path, mode):
     """The ResNet50d preset's three arms run end to end on the CPU (resnet18-sized, synthetic images)."""
     import json

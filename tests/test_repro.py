@@ -655,8 +655,11 @@ def test_issue_arms_of_b_and_c_resolve_to_their_recipes():
         literal = arms.BY_NAME[f"C300-resnet50d-residual_droppath_literal-s{seed}"]
         cfg = build_config("classify", literal.preset, list(literal.overrides))
         assert cfg.model.droppath_mode == "residual_droppath_literal" and cfg.model.drop_rate == 0.1
-    names = [a.name for a in arms.select("C.d0,C.literal")]
-    assert len(names) == 12 and all(arms.BY_NAME[n].epochs == 300 for n in names)
+        frozen = arms.BY_NAME[f"C300-resnet50d-residual_droppath_frozen-s{seed}"]
+        cfg = build_config("classify", frozen.preset, list(frozen.overrides))
+        assert cfg.model.droppath_mode == "residual_droppath_frozen" and cfg.model.drop_rate == 0.1
+    names = [a.name for a in arms.select("C.d0,C.literal,C.frozen")]
+    assert len(names) == 15 and all(arms.BY_NAME[n].epochs == 300 for n in names)
     # twice the length, the standard arm beside ResidualDroppath, their recipe otherwise the 300-epoch arms'
     long = arms.select("C.long")
     assert [a.name for a in long] == ["C600-resnet50d-none-s0", "C600-resnet50d-residual_droppath-s0"]

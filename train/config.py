@@ -98,7 +98,8 @@ class ModelConfig:
     drop_path: float = 0.0        # drop rate of the last block (linear in depth)
     drop_rate: float = 0.0        # classify, timm ResNets: dropout before the classifier (timm's --drop)
     # drop_path (timm) | residual_droppath (Park) | residual_droppath_literal (Park's Algorithm 1 as written: odd
-    # iterations detach rate-0 branches too), active when drop_path > 0 | none (classify: off)
+    # iterations detach rate-0 branches too) | residual_droppath_frozen (odd iterations hold the kept branches'
+    # weights and pass their gradient on; ResNets), active when drop_path > 0 | none (classify: off)
     droppath_mode: str = "drop_path"
     per_block: bool = False       # one alpha per block instead of per sub-layer
     num_classes: int = 0          # classifier classes; U-ViT: 0 unconditional, else class-conditional
@@ -252,7 +253,8 @@ CHOICES = {
     "data.name": ("digits", "cifar10_wds", "wds", "imagefolder", "cifar_tv", "mnist_tv", "synthetic"),
     "data.aug": ("rrc_flip", "flip", "none"), "data.decode": ("auto", "cpu", "gpu"),
     "data.gpu_decoder": ("auto", "nvimgcodec", "torchvision"),
-    "model.droppath_mode": ("drop_path", "residual_droppath", "residual_droppath_literal", "none"),
+    "model.droppath_mode": ("drop_path", "residual_droppath", "residual_droppath_literal", "residual_droppath_frozen",
+                            "none"),
     "model.arch": ("vit", "resnet18", "resnet50", "resnet50d"),
     "model.zero_init": ("auto", "true", "false"), "model.gelu_approximate": ("none", "tanh"),
     "model.variant": ("baseline", "official", "paper"), "model.schedule": ("linspace", "paper"), "optim.schedule": ("cosine", "constant"),
@@ -619,6 +621,9 @@ def validate(cfg: Config) -> None:
     need(cfg.compile_scope == "blocks" or cfg.dist != "fsdp", "compile_scope",
          "must be blocks under dist=fsdp (FSDP2 shards and compiles block by block)")
     need(0 < m.alpha_min <= 1, "model.alpha_min", "must be in (0, 1] (1: plain residuals)")
+    need(m.droppath_mode != "residual_droppath_frozen" or (cfg.task == "classify" and m.arch != "vit"),
+         "model.droppath_mode", "residual_droppath_frozen runs each branch a second time, which only the ResNet "
+         "classifiers do (task classify, model.arch resnet18 | resnet50 | resnet50d)")
     need(0 <= m.drop_path < 1, "model.drop_path", "must be in [0, 1)")
     need(0 <= m.drop_rate < 1, "model.drop_rate", "must be in [0, 1)")
     if cfg.task == "classify":

@@ -16,6 +16,10 @@ eval (``not self.training``) or p = 0    None            None
 ``m`` is a per-sample Bernoulli(keep) mask. Even iterations draw fresh masks; the odd iteration that
 follows reuses them, slot by slot, so the samples whose branch was dropped are the ones whose branch
 alone is trained (``X + f(X).detach() * m + f(X) * (1 - m)``: the value of a plain residual).
+``residual_droppath_literal`` detaches the rate-0 branches on odd iterations too. ``residual_droppath_frozen``
+(the paper's abstract: the undropped parts frozen) has residual_droppath's pairs and, on odd iterations, a
+second pass of each kept branch with its weights held whose gradient (``m``, :meth:`ResidualDroppath.held_scales`)
+reaches the block's input: ``X + f_w(X) * (1 - m) + f_sg(w)(X) * m`` in gradient, the plain residual in value.
 drop_path mode draws fresh masks every iteration (shared by the iteration's micro-batches), which
 has the same distribution as timm's per-forward draw.
 
@@ -60,8 +64,11 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 # residual_droppath_literal: Park's Algorithm 1 as written, where an odd iteration detaches every kept branch,
-# those of rate 0 (block 0 under the linear-in-depth rule) too; residual_droppath leaves rate-0 residuals alone
-MODES = ("residual_droppath", "drop_path", "residual_droppath_literal")
+# those of rate 0 (block 0 under the linear-in-depth rule) too; residual_droppath leaves rate-0 residuals alone.
+# residual_droppath_frozen: the abstract's "freezing the undropped parts": an odd iteration holds the kept branches'
+# weights but lets their gradient through to the block's input (:meth:`ResidualDroppath.held_scales`)
+MODES = ("residual_droppath", "drop_path", "residual_droppath_literal", "residual_droppath_frozen")
+HELD_MODE = "residual_droppath_frozen"
 
 Scales = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
 NO_SCALES: Scales = (None, None)
@@ -171,7 +178,7 @@ class ResidualDroppath(nn.Module):
         # keep iff bits < threshold: P(keep) = threshold / 2**24 exactly (integers: untouched by .double())
         self.register_buffer("keep_threshold", torch.tensor([round((1.0 - r) * 2 ** 24) for r in self.rates],
                                                              dtype=torch.int64), persistent=False)
-        self._scales: Optional[tuple[tuple[torch.device, int], list[Scales]]] = None
+        self._scales: Optional[tuple[tuple[torch.device, int], list[Scales], list[Optional[torch.Tensor]]]] = None
         self.advanced_by_hand = False  # whether next_iteration was called: the count is then the caller's
         self._drew_since_advance = False  # a training forward drew masks since the last advance
         self._advanced_by_step = False  # an optimizer step advanced it and no training forward followed yet
@@ -262,8 +269,10 @@ class ResidualDroppath(nn.Module):
                 "batches and micro-batches (drop_last=True)."
             )
 
-    def _compute_scales(self, batch_size: int, device: torch.device) -> list[Scales]:
+    def _compute_scales(self, batch_size: int, device: torch.device):
+        """The (row_scale, grad_scale) pairs and the held scales of every residual."""
         m = self.masks_on(batch_size, device)
+        held = [None] * self.num_residuals
         if self.mode == "drop_path":
             keep = self.keep_threshold.to(device, torch.float32) * 2.0 ** -24  # exact: thresholds are < 2**25
             pairs = [(s, s) for s in (m / keep.unsqueeze(1)).unbind(0)]
@@ -272,8 +281,16 @@ class ResidualDroppath(nn.Module):
             row = torch.where(odd, torch.ones_like(m), m)
             grad = torch.where(odd, 1.0 - m, m)
             pairs = list(zip(row.unbind(0), grad.unbind(0)))
+            if self.mode == HELD_MODE:
+                held = list(torch.where(odd, m, torch.zeros_like(m)).unbind(0))
         literal = self.mode == "residual_droppath_literal"
-        return [NO_SCALES if rate == 0.0 and not literal else pair for rate, pair in zip(self.rates, pairs)]
+        pairs = [NO_SCALES if rate == 0.0 and not literal else pair for rate, pair in zip(self.rates, pairs)]
+        return pairs, [None if rate == 0.0 else h for rate, h in zip(self.rates, held)]
+
+    def _cached_scales(self, batch_size: int, device: torch.device):
+        if self._scales is None or self._scales[0] != (device, batch_size):
+            self._scales = ((device, batch_size), *self._compute_scales(batch_size, device))
+        return self._scales
 
     @torch.compiler.disable
     def scales(self, batch_size: int, device) -> list[Scales]:
@@ -286,9 +303,18 @@ class ResidualDroppath(nn.Module):
         batch_size, device = int(batch_size), torch.device(device)
         self._check_batch(batch_size)
         self._note_training_forward()
-        if self._scales is None or self._scales[0] != (device, batch_size):
-            self._scales = ((device, batch_size), self._compute_scales(batch_size, device))
-        return self._scales[1]
+        return self._cached_scales(batch_size, device)[1]
+
+    @torch.compiler.disable
+    def held_scales(self, batch_size: int, device) -> list[Optional[torch.Tensor]]:
+        """residual_droppath_frozen: for every residual, the per-sample share of the gradient that passes through
+        the branch to the block's input with the branch's weights held (m, the kept samples, on odd iterations; 0
+        on even ones), None where no branch is held (other modes, rate 0, not training). Call it after
+        :meth:`scales` in the same forward; the residual op's own pair is residual_droppath's, so on odd
+        iterations the dropped samples train the branch and every sample's gradient reaches the input."""
+        if not self.active or self.mode != HELD_MODE:
+            return [None] * self.num_residuals
+        return self._cached_scales(int(batch_size), torch.device(device))[2]
 
     # state_dict: the counter and the seed travel with the model's checkpoint (each rank adds its own rank)
     def get_extra_state(self) -> dict:
@@ -316,6 +342,9 @@ class ResidualDroppath(nn.Module):
 def build_droppath(droppath: Optional[ResidualDroppath], drop_path: float, droppath_mode: str,
                    num_residuals: int, seed: int = 0) -> Optional[ResidualDroppath]:
     """The controller a model uses: the one given, else one built from ``drop_path`` (None if 0)."""
+    if HELD_MODE in (droppath_mode, getattr(droppath, "mode", None)):
+        raise ValueError(f"droppath mode {HELD_MODE} runs each branch a second time with its weights held, which "
+                         "only the ResNet converter does (dres.convert_timm_resnet)")
     if droppath is not None:
         if droppath.num_residuals != num_residuals:
             raise ValueError(f"droppath controls {droppath.num_residuals} residuals but the stack has {num_residuals}")
