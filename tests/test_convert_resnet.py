@@ -396,7 +396,7 @@ def test_inductor_default_compile_follows_the_batch_size(triton_device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["none", "residual_droppath"])
+@pytest.mark.parametrize("mode", ["none", "residual_droppath", "residual_droppath_frozen"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16_autocast"])
 def test_gpu_resnet50d_compiled_matches_eager(mode, precision):
     """torch.compile (Inductor) of a converted resnet50d, channels_last, two training steps (an even
@@ -412,7 +412,7 @@ def test_gpu_resnet50d_compiled_matches_eager(mode, precision):
     torch.manual_seed(8)
     model = timm.create_model("resnet50d", pretrained=False, num_classes=10)
     dres.convert_timm_resnet(model, alpha_min=0.8, drop_path=0.1 if mode != "none" else 0.0,
-                             droppath_mode="residual_droppath")
+                             droppath_mode="residual_droppath" if mode == "none" else mode)
     model = model.cuda().to(memory_format=torch.channels_last)
     reference = set_backend(copy.deepcopy(model).double(), "torch")  # the kernels take no float64
     compiled_model = copy.deepcopy(model)
