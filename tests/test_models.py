@@ -305,6 +305,9 @@ def test_uvit_features_are_the_block_stream():
                                                           model.skip_linears[0].bias)})
     torch.testing.assert_close(model.features(x, t, block=1), outs[1][:, 1:].mean(1), **F64)  # mid block
     torch.testing.assert_close(model.features(x, t, block=0, pool="time"), outs[0][:, 0], **F64)
+    one_pass = model.features_at(x, t, [2, 0, -2])  # several blocks from one pass: each block's own features
+    torch.testing.assert_close(one_pass, torch.stack([model.features(x, t, block=b) for b in (2, 0, 1)], 1),
+                               rtol=0, atol=0)
 
 
 def test_uvit_autocast_stream_dtypes_follow_the_plain_model():

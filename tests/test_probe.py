@@ -79,14 +79,17 @@ def test_uvit_probe_grid_reports_every_block_and_noise_level(tmp_path):
 
     settings = TINY_DIGITS_8 + ["data.mean=[0.5]", "data.std=[0.5]", "model.patch_size=2", "batch_size=32", "steps=1",
                                 "eval.steps=1", "eval.n_samples=4", "eval.probe_epochs=2", "eval.max_train=128",
-                                "eval.max_test=64", "ckpt.every=0", "eval.probe_grid_blocks=[0, 2]",
+                                "eval.max_test=64", "ckpt.every=0", "eval.probe_grid_blocks=[0, 1, 2]",
                                 "eval.probe_grid_ts=[0.1, 0.5]"]
     out = tmp_path / "run"
     args = ["uvit", "--preset", "uvit_cifar10", "--out", str(out)] + sum([["--set", s] for s in settings], [])
     assert cli.main(args) == 0
     res = json.loads((out / "summary.json").read_text())["eval"]
     grid = res["probe_grid"]
-    assert [(r["block"], r["t"]) for r in grid] == [(0, 0.1), (2, 0.1), (0, 0.5), (2, 0.5)]
+    assert [(r["block"], r["t"]) for r in grid] == [(b, t) for t in (0.1, 0.5) for b in (0, 1, 2)]
+    # one pass serves every block of a noise level: the mid block's cell is the single probe (block -1, t 0.1)
+    assert (grid[1]["linear_probe_acc"], grid[1]["knn_acc"]) == (res["probe_t0.1_linear_probe_acc"],
+                                                                 res["probe_t0.1_knn_acc"])
     assert all(0 <= r["linear_probe_acc"] <= 1 and 0 <= r["knn_acc"] <= 1 for r in grid)
     assert Path(res["probe_grid_png"]).is_file() and "probe_t0.1_linear_probe_acc" in res
     with pytest.raises(ConfigError, match="eval.probe_grid_blocks' and eval.probe_grid_ts are given together"):

@@ -41,17 +41,17 @@ class UViTTask:
 
         return noise_prediction_loss(model, batch["image"], self.sde, y=self._labels(cfg, batch)), {}
 
-    def _probe(self, trainer, model, probe_epochs, block=None, t=None) -> dict:
-        """Probe / kNN / effective rank of the features after ``block`` (default eval.probe_block; -1: the mid
-        block) at noise level ``t`` (default eval.probe_t); {} when a split is missing."""
+    def _probe(self, trainer, model, probe_epochs, blocks=None, t=None) -> list[dict]:
+        """Probe / kNN / effective rank of the features after each of ``blocks`` (default [eval.probe_block]; -1:
+        the mid block) at noise level ``t`` (default eval.probe_t), one pass over the splits for all of them;
+        [] when a split is missing."""
         from dres.eval import representation_metrics
 
         cfg, e = trainer.cfg, trainer.cfg.eval
         train, val = eval_loader(trainer, "train", 256), eval_loader(trainer, "val", 256)
         if not e.probe or train is None or val is None:
-            return {}
-        block = e.probe_block if block is None else block
-        block = block if block >= 0 else model.num_in_blocks
+            return []
+        blocks = [b if b >= 0 else model.num_in_blocks for b in (blocks or [e.probe_block])]
         t = e.probe_t if t is None else t
 
         def fn(img):
@@ -59,33 +59,36 @@ class UViTTask:
             gen = torch.Generator(device=img.device).manual_seed(cfg.seed + 17)
             noise = torch.randn(img.shape, generator=gen, device=img.device)
             ts = torch.full((img.shape[0],), t, device=img.device)
-            return model.features(self.sde.perturb(img, ts, noise), ts * 999, block)
+            return model.features_at(self.sde.perturb(img, ts, noise), ts * 999, blocks)
 
         xtr, ytr = features(trainer, fn, train, e.max_train)
         xte, yte = features(trainer, fn, val, e.max_test)
-        return representation_metrics(xtr, ytr, xte, yte, probe_epochs=probe_epochs, probe_lr=e.probe_lr,
-                                      probe_batch=e.probe_batch, probe_wd=e.probe_wd, knn_k=e.knn_k,
-                                      num_classes=cfg.data.num_classes, seed=cfg.seed, device=trainer.device,
-                                      progress=functools.partial(progress, enabled=trainer.main and cfg.log.progress))
+        return [representation_metrics(xtr[:, j], ytr, xte[:, j], yte, probe_epochs=probe_epochs,
+                                       probe_lr=e.probe_lr, probe_batch=e.probe_batch, probe_wd=e.probe_wd,
+                                       knn_k=e.knn_k, num_classes=cfg.data.num_classes, seed=cfg.seed,
+                                       device=trainer.device,
+                                       progress=functools.partial(progress, enabled=trainer.main and cfg.log.progress))
+                for j in range(len(blocks))]
 
     def _probe_at_default(self, trainer, model, probe_epochs) -> dict:
         """:meth:`_probe` at eval.probe_block / eval.probe_t, keys prefixed ``probe_t<t>_``."""
-        return {f"probe_t{trainer.cfg.eval.probe_t}_" + k: v for k, v in self._probe(trainer, model, probe_epochs).items()}
+        found = self._probe(trainer, model, probe_epochs)
+        return {f"probe_t{trainer.cfg.eval.probe_t}_" + k: v for k, v in (found[0] if found else {}).items()}
 
     def _probe_grid(self, trainer, model) -> dict:
-        """Linear-probe and kNN accuracy at every (eval.probe_grid_blocks x eval.probe_grid_ts) pair, and its
-        picture (probe_grid.png)."""
+        """Linear-probe and kNN accuracy at every (eval.probe_grid_blocks x eval.probe_grid_ts) pair (one pass over
+        the splits a noise level), and its picture (probe_grid.png)."""
         from dres.eval.viz import probe_grid_plot
 
         e = trainer.cfg.eval
+        blocks = [int(block) for block in e.probe_grid_blocks]
         rows = []
         for t in e.probe_grid_ts:
-            for block in e.probe_grid_blocks:
-                r = self._probe(trainer, model, e.probe_epochs, int(block), t)
-                if not r:
-                    return {}
-                rows.append({"block": int(block), "t": t, "linear_probe_acc": r["linear_probe_acc"],
-                             "knn_acc": r.get("knn_acc")})
+            found = self._probe(trainer, model, e.probe_epochs, blocks, t)
+            if not found:
+                return {}
+            rows += [{"block": block, "t": t, "linear_probe_acc": r["linear_probe_acc"], "knn_acc": r.get("knn_acc")}
+                     for block, r in zip(blocks, found)]
         best = max(rows, key=lambda r: r["linear_probe_acc"])
         title = (f"U-ViT probe grid, step {trainer.step}: linear-probe accuracy "
                  f"(best {best['linear_probe_acc']:.3f} at block {best['block']}, t {best['t']:g})")

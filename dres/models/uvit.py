@@ -137,17 +137,24 @@ class UViT(nn.Module):
                  pool: str = "mean") -> torch.Tensor:
         """Features of the residual stream after ``block`` (0 .. num_blocks-1; in-blocks, mid, out-blocks):
         the mean over patch tokens (``pool="mean"``) or the time token (``pool="time"``), (B, D), at least float32."""
-        if not -self.num_blocks <= block < self.num_blocks:
-            raise IndexError(f"block {block} out of range for {self.num_blocks} blocks")
-        block %= self.num_blocks
-        _, outputs = self.run_blocks(self.tokens(x, timesteps, y), collect=(block,))
-        h = outputs[block]
-        h = h.to(torch.promote_types(h.dtype, torch.float32))  # an out-block's stream is bf16 under autocast
-        if pool == "mean":
-            return h[:, self.extras:].mean(dim=1)
-        if pool == "time":
-            return h[:, self.extras - 1]
-        raise ValueError(f"pool must be 'mean' or 'time', got {pool!r}")
+        return self.features_at(x, timesteps, [block], y, pool)[:, 0]
+
+    def features_at(self, x: torch.Tensor, timesteps: torch.Tensor, blocks, y: Optional[torch.Tensor] = None,
+                    pool: str = "mean") -> torch.Tensor:
+        """:meth:`features` after each of ``blocks`` from one pass, (B, len(blocks), D)."""
+        if pool not in ("mean", "time"):
+            raise ValueError(f"pool must be 'mean' or 'time', got {pool!r}")
+        for block in blocks:
+            if not -self.num_blocks <= block < self.num_blocks:
+                raise IndexError(f"block {block} out of range for {self.num_blocks} blocks")
+        blocks = [block % self.num_blocks for block in blocks]
+        _, outputs = self.run_blocks(self.tokens(x, timesteps, y), collect=blocks)
+        pooled = []
+        for block in blocks:
+            h = outputs[block]
+            h = h.to(torch.promote_types(h.dtype, torch.float32))  # an out-block's stream is bf16 under autocast
+            pooled.append(h[:, self.extras:].mean(dim=1) if pool == "mean" else h[:, self.extras - 1])
+        return torch.stack(pooled, dim=1)
 
 
 UVIT_CONFIGS: dict[str, dict] = {
