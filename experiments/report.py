@@ -42,7 +42,8 @@ def group_cells(group: str, recs: dict, columns: list[tuple[str, float, int]]) -
     """Cells of one setting's row: epochs, seeds and each (metric, scale, digits) over its records."""
     rows = [r for r in recs.values() if r["group"] == group]
     if not rows:
-        return ["not run yet"] + ["—"] * (1 + len(columns)), []
+        planned = next((a.epochs for a in MATRIX if a.group == group and a.epochs), 0)  # the decisive arms' length
+        return [f"not run yet ({planned:g} epochs)" if planned else "not run yet"] + ["—"] * (1 + len(columns)), []
     epochs = sorted({r["epochs"] for r in rows})
     seeds = ",".join(str(r["seed"]) for r in sorted(rows, key=lambda r: r["seed"]))
     cells = ["/".join(f"{e:g}" for e in epochs), seeds]

@@ -243,6 +243,8 @@ def test_report_without_records_says_not_run_yet_everywhere(tmp_path):
     groups = {a.group for a in arms.MATRIX}
     table_rows = [l for l in text.splitlines() if l.startswith("| ") and "not run yet" in l]
     assert len(table_rows) == len(groups)
+    # a decisive setting names its planned length: the 600-epoch rows read apart from the 300-epoch ones
+    assert sum("| not run yet (600 epochs) |" in row for row in table_rows) == 2
     for value in ("83.6", "61.5", "62.5", "14.3", "89.55", "89.84", "90.84", "88.07"):  # the papers' numbers
         assert value in text
     assert "No arm has run yet." in text and text.count("Verdict: pending") == 3
