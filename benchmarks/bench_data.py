@@ -38,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dres.data.decode import GPU_DECODE_WORKERS
+
 # (preset, task, model sets): the trainers measured from files; batch and steps set per run
 TRAINERS = {
     "mae_vit_b16_baseline": ("mae_vit_b16_in1k", "mae", ["model.variant=baseline"]),
@@ -257,8 +259,9 @@ def _trainer_rows(args, rows):
         print(json.dumps(rows[-1]), flush=True)
         for files, variant, cores, decode in ((f, v, c, d) for f in sources for v in args.variants
                                               for c in args.cores for d in args.trainer_decodes):
-            # auto: the trainer's own choice of decode and workers for the cores it has
-            workers = {"gpu": min(cores, args.gpu_workers), "cpu": max(cores - 1, 1)}.get(decode)
+            # the workers the product gives a decode (dres.data.loader_workers: per rank, by the cores it has), but
+            # the GPU decode's --gpu-workers; auto: the trainer's own choice of decode too
+            workers = min(cores, args.gpu_workers) if decode == "gpu" else None
             data = files + [f"data.decode={decode}", *([f"data.num_workers={workers}"] if workers else []),
                             *[f"data.{kv}" for kv in variant]]
             rows.append({**trainer_rate(name, data, cores, **run), "variant": variant})
@@ -352,8 +355,9 @@ def main(argv=None):
     ap.add_argument("--trainer-decodes", default="gpu,cpu",
                     help="decodes of the trainer rows from files: cpu, gpu, auto (the trainer's own choice)")
     ap.add_argument("--loader-decodes", default="gpu,cpu", help="the decodes of the loader-alone rows")
-    ap.add_argument("--gpu-workers", type=int, default=4,
-                    help="DataLoader workers of the GPU-decode rows (at most the cores; CPU decode: every core)")
+    ap.add_argument("--gpu-workers", type=int, default=GPU_DECODE_WORKERS,
+                    help="DataLoader workers of the GPU-decode rows (at most the cores; the loader rows' CPU decode: "
+                         "every core; the trainer rows' CPU decode: the trainer's own count)")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--trainer-timeout", type=float, default=300, help="seconds a trainer run may take")
     ap.add_argument("--trainer-set", dest="trainer_sets", action="append", default=[],
