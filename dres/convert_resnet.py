@@ -106,8 +106,8 @@ def convert_timm_resnet(model: nn.Module, alpha_min: float = 1.0, schedule: str 
     alpha_min / schedule: :func:`dres.nn.decay_schedule` over the blocks (one residual each).
     drop_path: the deepest block's drop rate (0: none, whatever the mode); droppath_mode: "drop_path"
     (timm, scaled by 1/keep), "residual_droppath" (Park), "residual_droppath_literal" or
-    "residual_droppath_frozen" (:mod:`dres.nn.droppath`; the last runs each branch twice). backend: of :func:`dres.ops.residual_act`
-    (``dres.nn.set_backend`` changes it later). Weights are not touched.
+    "residual_droppath_frozen" (:mod:`dres.nn.droppath`; the last runs each branch twice). backend: of
+    :func:`dres.ops.residual_act` (``dres.nn.set_backend`` changes it later). Weights are not touched.
     """
     timm_resnet = import_optional("timm.models.resnet", "timm", "convert_timm_resnet")
     blocks = residual_blocks(model)

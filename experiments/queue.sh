@@ -54,8 +54,8 @@ start)
   queue_tree || exit 1
   cd "$QUEUE_DIR/tree" || exit 1
   setsid nohup python3 -m experiments.repro --run "$words" --gpus "$gpus" --root "$QUEUE_DIR/runs" \
-    --records "$QUEUE_DIR/records" --commit "$commit" ${DEADLINE_MIN:+--deadline-min "$DEADLINE_MIN"} ${FORCE:+--force} \
-    >"$QUEUE_DIR/repro.log" 2>&1 </dev/null &
+    --records "$QUEUE_DIR/records" --commit "$commit" ${DEADLINE_MIN:+--deadline-min "$DEADLINE_MIN"} \
+    ${FORCE:+--force} >"$QUEUE_DIR/repro.log" 2>&1 </dev/null &
   echo $! >"$QUEUE_DIR/repro.pid"
   sleep 20
   tail -n 5 "$QUEUE_DIR/repro.log"
