@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from dres import ops
-from dres.nn.droppath import ResidualDroppath, refuse_two_drop_paths
+from dres.nn.droppath import HELD_MODE, ResidualDroppath, refuse_two_drop_paths
 from dres.nn.schedule import decay_schedule
 from dres.optional import import_optional
 
@@ -79,7 +79,8 @@ def _fused_block_forward(blk: nn.Module, branch: Callable, last_act: nn.Module, 
                          x: torch.Tensor) -> torch.Tensor:
     # first, so that under per-block torch.compile the controller's graph break precedes all work
     row_scale, grad_scale = (None, None) if droppath is None else droppath.scales(x.shape[0], x.device)[index]
-    held = None if droppath is None else droppath.held_scales(x.shape[0], x.device)[index]
+    # only the frozen reading asks: another compiler-disabled call is another graph break
+    held = droppath.held_scales(x.shape[0], x.device)[index] if getattr(droppath, "mode", None) == HELD_MODE else None
     h = branch(blk, x)
     if blk.drop_path is not None:  # timm's own DropPath (model created with drop_path_rate > 0)
         h = blk.drop_path(h)
@@ -125,7 +126,7 @@ def convert_timm_resnet(model: nn.Module, alpha_min: float = 1.0, schedule: str 
     droppath = (ResidualDroppath(drop_path, len(blocks), mode=droppath_mode, residuals_per_block=1, seed=droppath_seed)
                 if drop_path > 0 else None)
     alphas = decay_schedule(len(blocks), alpha_min, schedule)
-    if droppath is not None and droppath.mode == "residual_droppath_frozen" and min(alphas) == 0:
+    if droppath is not None and droppath.mode == HELD_MODE and min(alphas) == 0:
         raise ValueError("droppath_mode residual_droppath_frozen passes the held branches' gradient through the "
                          "shortcut: it needs alpha_min > 0")
     for i, (blk, alpha) in enumerate(zip(blocks, alphas)):
