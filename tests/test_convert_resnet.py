@@ -254,6 +254,16 @@ def test_residual_droppath_frozen_compiles_and_matches_eager_in_training():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_resnet_classifiers_refuse_fsdp_in_one_line():
+    """FSDP2 cannot shard the channels_last convolution weights: a config error, not a trace from inside FSDP."""
+    from dres.train.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="'dist' fsdp shards the transformer models; model.arch=resnet50d keeps its "
+                                          "convolution weights channels_last, which FSDP2 cannot shard: use dist=ddp"):
+        build_config("classify", "classify_resnet50d_cifar10_timm", ["dist=fsdp"])
+    assert build_config("classify", "classify_cifar10", ["dist=fsdp"]).dist == "fsdp"  # the ViT classifier shards
+
+
 def test_residual_droppath_frozen_is_refused_where_no_branch_can_be_held():
     from dres.models import create_classifier
     from dres.train.config import ConfigError, build_config

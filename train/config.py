@@ -620,6 +620,9 @@ def validate(cfg: Config) -> None:
              "and leave one visible (0 masks none: the loss, over masked patches only, is 0 and nothing trains)")
     need(cfg.compile_scope == "blocks" or cfg.dist != "fsdp", "compile_scope",
          "must be blocks under dist=fsdp (FSDP2 shards and compiles block by block)")
+    need(cfg.dist != "fsdp" or cfg.task != "classify" or m.arch == "vit", "dist",
+         f"fsdp shards the transformer models; model.arch={m.arch} keeps its convolution weights channels_last, "
+         "which FSDP2 cannot shard: use dist=ddp")
     need(0 < m.alpha_min <= 1, "model.alpha_min", "must be in (0, 1] (1: plain residuals)")
     need(m.droppath_mode != "residual_droppath_frozen" or (cfg.task == "classify" and m.arch != "vit"),
          "model.droppath_mode", "residual_droppath_frozen runs each branch a second time, which only the ResNet "
