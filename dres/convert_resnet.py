@@ -75,12 +75,12 @@ def _held_branch_gradient(held_branch: _HeldBranch, x: torch.Tensor, held: torch
 
 
 def _fused_block_forward(blk: nn.Module, branch: Callable, last_act: nn.Module, index: int,
-                         droppath: Optional[ResidualDroppath], held_branch: _HeldBranch,
+                         droppath: Optional[ResidualDroppath], held_branch: Optional[_HeldBranch],
                          x: torch.Tensor) -> torch.Tensor:
     # first, so that under per-block torch.compile the controller's graph break precedes all work
     row_scale, grad_scale = (None, None) if droppath is None else droppath.scales(x.shape[0], x.device)[index]
-    # only the frozen reading asks: another compiler-disabled call is another graph break
-    held = droppath.held_scales(x.shape[0], x.device)[index] if getattr(droppath, "mode", None) == HELD_MODE else None
+    # only the frozen reading has a held branch to ask for: another compiler-disabled call is another graph break
+    held = None if held_branch is None else droppath.held_scales(x.shape[0], x.device)[index]
     h = branch(blk, x)
     if blk.drop_path is not None:  # timm's own DropPath (model created with drop_path_rate > 0)
         h = blk.drop_path(h)
@@ -136,8 +136,9 @@ def convert_timm_resnet(model: nn.Module, alpha_min: float = 1.0, schedule: str 
         blk.backend = backend
         blk._dres_fused = True  # dres.nn.set_backend finds the block by this
         # the held branch lives in the partial, not in the block: no second path to the block's parameters
+        held_branch = _HeldBranch(blk, branch) if droppath is not None and droppath.mode == HELD_MODE else None
         blk.forward = functools.partial(_fused_block_forward, blk, branch, getattr(blk, last_act), i, droppath,
-                                        _HeldBranch(blk, branch))
+                                        held_branch)
     if droppath is not None:
         model.droppath = droppath.to(next(model.parameters()).device)
     return model

@@ -7,8 +7,8 @@ iterations, measured in the trainer's own steps.
 Trains the preset's model for ``--steps`` steps exactly as ``dres-train classify`` would (its data,
 augmentation, optimizer and schedule), eagerly and without a captured step, so that each parameter's gradient
 can be read as the backward leaves it (before clipping). Parameters are grouped by block (``layer<i>.<j>`` of a
-ResNet, its projection shortcut apart; ``blocks.<i>`` of a ViT; stem and head by their module) and each group's gradient norm is recorded at every
-step, by the parity of the model's ResidualDroppath controller (a model without one counts every step even). The
+ResNet, its projection shortcut apart; ``blocks.<i>`` of a ViT; stem and head by their module) and each group's
+gradient norm is recorded at every step, by the parity of the model's ResidualDroppath controller (a model without one counts every step even). The
 JSON holds, per group in model order, the mean norm over even and over odd steps and their ratio: with the paper's
 method, an odd iteration trains only the dropped samples' branches, so a block's odd/even ratio near its drop rate
 says its branch weights got that share of the gradient, and the stem's and head's ratios say how the kept

@@ -403,7 +403,8 @@ def claim_c(page: Page) -> list[str]:
                      for prefix, what in C_DECISIVE_PREFIXES for arch in ("resnet50d", "resnet50")
                      for x, y in C_COMPARISONS]
                     + [paired_line(recs, f"C300-resnet50d-{reading}", "C300-resnet50d-residual_droppath", "top1", 100,
-                                   f"resnet50d 32 px: {reading} − residual_droppath (points)") for reading in READINGS])
+                                   f"resnet50d 32 px: {reading} − residual_droppath (points)")
+                       for reading in READINGS])
     L += page.block("C", "short", "Earlier short runs: 100 epochs (ResNet50d), 50 (ViT), one seed",
                     "Presets `classify_resnet50d_cifar10`, `classify_resnet50_cifar10` (batch 256, lr 0.1, crop "
                     "0.35-1, no colour jitter) and `classify_cifar10`.",

@@ -157,8 +157,8 @@ def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, 
                       jitter=d.color_jitter if train else 0.0, crop_pct=d.eval_crop_pct)
     finisher = BatchFinisher(device, d.img_size, d.in_chans, mean, std, backend, d.hw_decode_load)
     common = dict(rank=rank, world=world, accum=accum, seed=seed, device=device, prep=prep, finisher=finisher,
-                  num_workers=loader_workers(d, backend), num_classes=d.num_classes, max_corrupt_frac=d.max_corrupt_frac, log=log,
-                  ahead=d.finish_ahead)
+                  num_workers=loader_workers(d, backend), num_classes=d.num_classes,
+                  max_corrupt_frac=d.max_corrupt_frac, log=log, ahead=d.finish_ahead)
     if d.name == "imagefolder":
         return FolderLoader(_pattern(d, split), global_batch, limit=d.limit, **common)
     pattern = _shard_pattern(d, split)
