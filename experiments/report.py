@@ -85,10 +85,36 @@ def delta_line(recs: dict, a: str, b: str, name: str, scale: float, what: str) -
 def paired_line(recs: dict, a: str, b: str, name: str, scale: float, what: str) -> str | None:
     """``a − b`` paired by seed: the mean difference with its 95% t confidence interval over the pairs."""
     by_seed = {g: {r["seed"]: metric(r, name) for r in recs.values() if r["group"] == g} for g in (a, b)}
-    seeds = sorted(s for s in by_seed[a] if s in by_seed[b] and None not in (by_seed[a][s], by_seed[b][s]))
+    return paired_seed_line(by_seed[a], by_seed[b], scale, what)
+
+
+def grid_best_line(recs: dict, a: str, b: str, what: str, largest: bool = False) -> str | None:
+    """``a − b`` in each record's best probe-grid cell, paired by seed, the best taken over the cells that every
+    record compared probed: all records of the two groups, or (``largest``) those that probed the largest grid."""
+    grids = {n: {(g["block"], g["t"]): g["linear_probe_acc"] for g in r["metrics"].get("probe_grid") or []}
+             for n, r in recs.items() if r["group"] in (a, b)}
+    grids = {n: g for n, g in grids.items() if g}
+    if largest:
+        most = max(map(len, grids.values()), default=0)
+        grids = {n: g for n, g in grids.items() if len(g) == most}
+    cells = set.intersection(*(set(g) for g in grids.values())) if grids else set()
+    if not cells:
+        return None
+    best = {x: {recs[n]["seed"]: max(g[c] for c in cells) for n, g in grids.items() if recs[n]["group"] == x}
+            for x in (a, b)}
+    blocks = ", ".join(str(k) for k in sorted({k for k, _ in cells}))
+    ts = ", ".join(f"{t:g}" for t in sorted({t for _, t in cells}))
+    where = "of the largest grid" if largest else "every record probed"
+    return paired_seed_line(best[a], best[b], 100, f"{what} (the best of the {len(cells)} cells {where}: "
+                                                   f"blocks {blocks}; t {ts})")
+
+
+def paired_seed_line(by_seed_a: dict, by_seed_b: dict, scale: float, what: str) -> str | None:
+    """The line of :func:`paired_line` from each side's value by seed (None: not measured)."""
+    seeds = sorted(s for s in by_seed_a if s in by_seed_b and None not in (by_seed_a[s], by_seed_b[s]))
     if not seeds:
         return None
-    d = [(by_seed[a][s] - by_seed[b][s]) * scale for s in seeds]
+    d = [(by_seed_a[s] - by_seed_b[s]) * scale for s in seeds]
     seed_list = ",".join(str(s) for s in seeds)
     if len(d) == 1:
         return f"- {what}: {d[0]:+.2f} (seed {seed_list}; one pair, no interval)"
@@ -351,6 +377,9 @@ def claim_b(page: Page) -> list[str]:
                     "uvit_decisive_curves.png",
                     [paired_line(recs, "B64-uvit-a0.7", "B64-uvit-a1.0", "probe_t0.1_linear_probe_acc", 100,
                                  "mid-block probe, 0.7 − 1.0 (points)"),
+                     grid_best_line(recs, "B64-uvit-a0.7", "B64-uvit-a1.0", "best probe cell, 0.7 − 1.0, points"),
+                     grid_best_line(recs, "B64-uvit-a0.7", "B64-uvit-a1.0", "best probe cell, 0.7 − 1.0, points",
+                                    largest=True),
                      paired_line(recs, "B64-uvit-a0.7", "B64-uvit-a1.0", "fd_cifar_classifier", 1,
                                  "fd_cifar_classifier, 0.7 − 1.0")])
     draws, along = fd_draw_lines(recs, "B64-uvit"), fd_along_training_lines(recs, "B64-uvit")

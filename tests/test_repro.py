@@ -580,6 +580,28 @@ def test_probe_grid_tables_mark_the_best_cell():
     assert report.probe_grid_lines({}, "B64-uvit") == []
 
 
+def test_best_probe_cell_is_paired_over_the_cells_every_record_probed():
+    def rec(group, seed, cells):
+        return {"group": group, "seed": seed,
+                "metrics": {"probe_grid": [{"block": b, "t": t, "linear_probe_acc": acc} for b, t, acc in cells]}}
+    coarse = lambda top: [(3, 0.1, 0.40), (9, 0.1, top), (9, 0.3, 0.99)]  # seed 0 probed t 0.3, the others not
+    fine = lambda top, deep: [(3, 0.1, 0.41), (9, 0.1, top), (12, 0.02, deep), (12, 0.01, 0.3)]
+    recs = {"X-s0": rec("X", 0, coarse(0.50)), "Y-s0": rec("Y", 0, coarse(0.55)),
+            "X-s1": rec("X", 1, fine(0.52, 0.70)), "Y-s1": rec("Y", 1, fine(0.58, 0.60)),
+            "X-s2": rec("X", 2, fine(0.53, 0.71)), "Y-s2": rec("Y", 2, fine(0.57, 0.62)),
+            "Z-s0": rec("Z", 0, [(1, 0.5, 0.9)])}
+    # over the cells all six probed (blocks 3, 9 at t 0.1): -5, -6, -4 -> mean -5, sd 1, t(0.975, 2) = 4.303
+    line = report.grid_best_line(recs, "X", "Y", "best, X − Y")
+    assert line.startswith("- best, X − Y (the best of the 2 cells every record probed: blocks 3, 9; t 0.1): "
+                           "-5.00 ± 2.48 (95% CI over 3 seed pairs 0,1,2;")
+    # the largest grid (seeds 1 and 2): block 12 at t 0.02 wins for X, +10 and +9
+    largest = report.grid_best_line(recs, "X", "Y", "best, X − Y", largest=True)
+    assert "4 cells of the largest grid: blocks 3, 9, 12; t 0.01, 0.02, 0.1): +9.50 ±" in largest
+    assert "over 2 seed pairs 1,2; per seed +10.00, +9.00" in largest
+    assert report.grid_best_line(recs, "X", "Z", "d") is None  # no cell in common
+    assert report.grid_best_line({}, "X", "Y", "d") is None
+
+
 def test_record_keeps_the_probe_grid_and_the_numbers_of_the_evaluation(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
