@@ -373,13 +373,16 @@ def claim_b(page: Page) -> list[str]:
                     f"{ema_initial_weight(UVIT_EMA_DECAY, steps_b):.2%} of the evaluated model (the paper's 0.9999 "
                     f"would leave {ema_initial_weight(0.9999, steps_b):.1%}). `model.zero_init=true` in both arms "
                     "(matched). Seeds 1 and 2 average fd_cifar_classifier over three sample draws.",
-                    b_header, b_rows("decisive"), ["probe_t0.1_linear_probe_acc", "probe_t0.1_knn_acc"],
+                    b_header, b_rows("decisive"),
+                    ["probe_t0.1_linear_probe_acc", "probe_t0.1_knn_acc", "fd_cifar_classifier_curve"],
                     "uvit_decisive_curves.png",
                     [paired_line(recs, "B64-uvit-a0.7", "B64-uvit-a1.0", "probe_t0.1_linear_probe_acc", 100,
                                  "mid-block probe, 0.7 − 1.0 (points)"),
                      grid_best_line(recs, "B64-uvit-a0.7", "B64-uvit-a1.0", "best probe cell, 0.7 − 1.0, points"),
                      grid_best_line(recs, "B64-uvit-a0.7", "B64-uvit-a1.0", "best probe cell, 0.7 − 1.0, points",
                                     largest=True),
+                     paired_line(recs, "B64-uvit-a0.7", "B64-uvit-a1.0", "probe_t0.1_effective_rank_entropy", 1,
+                                 "H of the mid-block features, 0.7 − 1.0"),
                      paired_line(recs, "B64-uvit-a0.7", "B64-uvit-a1.0", "fd_cifar_classifier", 1,
                                  "fd_cifar_classifier, 0.7 − 1.0")])
     draws, along = fd_draw_lines(recs, "B64-uvit"), fd_along_training_lines(recs, "B64-uvit")

@@ -123,7 +123,9 @@ def dry_run(queue: list[tuple[Arm, float, bool]], *, gpus: int, root: Path, reco
             est = f", ~{estimate_s(arm, action.epochs, img_per_s, overhead_s) / 60:.0f} min at {rate:g} img/s"
         else:
             recorded = recorded_minutes(arm, action.epochs, committed)
-            est = f", ~{recorded[0]:.1f} min on one {recorded[1]} (its records' wall time)" if recorded else ""
+            est = (f", ~{recorded[0]:.1f} min on one {recorded[1]} (its records' wall time"
+                   f"{'' if recorded[2] else ', without the final evaluation where they did not measure it'})"
+                   if recorded else "")
         how = (f"resumes its run in {root / arm.name} from its newest checkpoint" if action.what == "resume"
                else f"starts in {root / arm.name}")
         kept = (f"; rebuilt for the arms that read its run folder, its record in {records} kept"
@@ -132,18 +134,20 @@ def dry_run(queue: list[tuple[Arm, float, bool]], *, gpus: int, root: Path, reco
         log(shlex.join(["python"] + cmd[1:]))
 
 
-def recorded_minutes(arm: Arm, epochs: float, recs: dict) -> tuple[float, str] | None:
-    """The arm's minutes from start to record as its committed records measured them: the median wall time of
-    the records of its group (else of its preset at its stage), scaled to ``epochs``, and their card; None
-    without such a record."""
+def recorded_minutes(arm: Arm, epochs: float, recs: dict) -> tuple[float, str, bool] | None:
+    """The arm's minutes from start to record as its committed records measured them: the median of the records
+    of its group (else of its preset at its stage) of their training's wall time scaled to ``epochs`` plus their
+    final evaluation's; their card; and whether every one of them measured its evaluation (records made before
+    ``eval_wall_s`` count training alone). None without such a record."""
     def alike(match):
         return [r for r in recs.values() if match(r) and r["train"].get("wall_s_last_process") and r["epochs"]]
     rows = (alike(lambda r: r["group"] == arm.group)
             or alike(lambda r: BY_NAME[r["arm"]].preset == arm.preset and BY_NAME[r["arm"]].stage == arm.stage))
     if not rows:
         return None
-    minutes = statistics.median(r["train"]["wall_s_last_process"] * epochs / r["epochs"] for r in rows) / 60
-    return minutes, statistics.mode(r["card"] for r in rows)
+    minutes = statistics.median(r["train"]["wall_s_last_process"] * epochs / r["epochs"]
+                                + (r["train"].get("eval_wall_s") or 0) for r in rows) / 60
+    return minutes, statistics.mode(r["card"] for r in rows), all(r["train"].get("eval_wall_s") for r in rows)
 
 
 def resolved_config(arm: Arm, presets: dict, extra: list[str]):
@@ -205,7 +209,8 @@ def make_record(arm: Arm, run_dir: Path, *, epochs: float, command: str, card: s
     rates = [h["img_per_s"] for h in history[1:] if h.get("img_per_s")]
     train = {"img_per_s": statistics.median(rates) if rates else None,
              "final_loss": history[-1].get("loss") if history else None,
-             "wall_s_last_process": summary.get("wall_s"), "peak_mem_gib": summary.get("peak_mem_gib"),
+             "wall_s_last_process": summary.get("wall_s"), "eval_wall_s": summary.get("eval_wall_s"),
+             "peak_mem_gib": summary.get("peak_mem_gib"),
              "arms_per_device": arms_per_device, **final_epoch_means(history)}
     return {"arm": arm.name, "claim": arm.claim, "group": arm.group, "task": arm.task, "seed": arm.seed,
             "epochs": epochs, "steps": history[-1]["step"] if history else None,

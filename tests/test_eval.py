@@ -111,6 +111,19 @@ def test_curve_points_keep_the_last_record_of_a_step_and_plot_several_runs(tmp_p
         plot_curves({"a": [{"step": 1, "epoch": 0.1}]}, tmp_path / "none.png")
 
 
+def test_a_series_keeps_its_colour_in_every_panel(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from dres.eval import plot_curves
+
+    drawn, plot = [], Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda ax, *a, **kw: drawn.append((kw["label"], kw["color"])) or plot(ax, *a, **kw))
+    series = {"first": [{"epoch": 1, "acc": 0.5}], "second": [{"epoch": 1, "acc": 0.6, "fd": 30.0}]}
+    plot_curves(series, tmp_path / "c.png", ["acc", "fd"])  # "first" has no fd: "second" keeps its colour there
+    assert drawn == [("first", "C0"), ("second", "C1"), ("second", "C1")]
+
+
 def test_knn_runs_on_the_features_device():
     x, y = _blobs()
     acc = knn_accuracy(x[:400].double(), y[:400], x[400:].double(), y[400:], k=5)

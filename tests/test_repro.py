@@ -439,8 +439,9 @@ def test_dry_run_says_what_the_run_does_with_each_arm(tmp_path, monkeypatch, cap
                                                       "B-uvit-a0.7-s0": "skip"}
     assert any(l.startswith("# C-vit-none-s0: 50 epochs") and "its record in" in l and l.endswith("kept")
                for l in lines)
-    # without --img-per-s the estimate is the committed records' wall time of the arm's group (92 s and 97 s)
-    assert any(l.startswith("# C-vit-none-s0: 50 epochs, ~1.6 min on one NVIDIA H") and "(its records' wall time)" in l
+    # without --img-per-s the estimate is the committed records' wall time of the arm's group, its final
+    # evaluation's included (the newest record of C-vit-none-s0: 121 s of training, 0.2 s of evaluation)
+    assert any(l.startswith("# C-vit-none-s0: 50 epochs, ~2.0 min on one NVIDIA H") and "(its records' wall time)" in l
                for l in lines)
 
     class FinishedArm:  # an arm that ends at once with its run folder's summary.json written
@@ -607,10 +608,27 @@ def test_record_keeps_the_probe_grid_and_the_numbers_of_the_evaluation(tmp_path)
     run.mkdir()
     grid = [{"block": 3, "t": 0.1, "linear_probe_acc": 0.4, "knn_acc": 0.3}]
     (run / "summary.json").write_text(json.dumps({"eval": {"probe_t0.1_knn_acc": 0.5, "probe_grid": grid,
-                                                           "samples_png": "/nowhere.png", "finite": True}}))
+                                                           "samples_png": "/nowhere.png", "finite": True},
+                                                  "wall_s": 600.0, "eval_wall_s": 120.0}))
     arm = next(a for a in arms.build_matrix() if a.name == "B64-uvit-a0.7-s0")
     rec = runner.make_record(arm, run, epochs=64, command="c", card="card", commit="abc", records=tmp_path / "rec")
     assert rec["metrics"] == {"probe_t0.1_knn_acc": 0.5, "probe_grid": grid}
+    assert (rec["train"]["wall_s_last_process"], rec["train"]["eval_wall_s"]) == (600.0, 120.0)
+
+
+def test_recorded_minutes_scale_training_to_the_length_and_add_the_final_evaluation():
+    arm = next(a for a in arms.build_matrix() if a.name == "B64-uvit-a0.7-s1")
+
+    def rec(seed, wall, ev, card="H200"):
+        return {"arm": f"B64-uvit-a0.7-s{seed}", "group": "B64-uvit-a0.7", "epochs": 64, "card": card,
+                "train": {"wall_s_last_process": wall, **({"eval_wall_s": ev} if ev is not None else {})}}
+    measured = {"a": rec(1, 960.0, 480.0), "b": rec(2, 1020.0, 480.0)}
+    # half the length: half of the training (480 / 510 s) plus the whole evaluation, median of the two
+    assert runner.recorded_minutes(arm, 32, measured) == (((480 + 480) + (510 + 480)) / 2 / 60, "H200", True)
+    older = {**measured, "c": rec(0, 900.0, None)}  # a record from before eval_wall_s: training alone
+    minutes, card, every_eval = runner.recorded_minutes(arm, 64, older)
+    assert (minutes, every_eval) == ((960 + 480) / 60, False)
+    assert runner.recorded_minutes(arm, 64, {}) is None
 
 
 def test_claim_a_pairs_hold_four_seeds_queued_before_the_sweep():

@@ -226,8 +226,8 @@ def test_quickstart_end_to_end(tmp_path):
     assert losses[-1] < losses[0]
     # --eval-only reloads the newest checkpoint and reproduces the probe, in eval.json (summary.json stays)
     assert cli.main(["mae", "--preset", "quickstart", "--out", str(out), "--eval-only", "--set", "eval.recon=false"]) == 0
-    again = json.loads((out / "eval.json").read_text())["eval"]["linear_probe_acc"]
-    assert abs(again - acc) < 1e-6
+    evaluated = json.loads((out / "eval.json").read_text())
+    assert abs(evaluated["eval"]["linear_probe_acc"] - acc) < 1e-6 and evaluated["eval_wall_s"] > 0
     assert json.loads((out / "summary.json").read_text()) == summary
 
 
@@ -245,6 +245,7 @@ def test_uvit_task_trains_with_ema_samples_and_probes(tmp_path, capsys):
     s = json.loads((tmp_path / "summary.json").read_text())
     assert (tmp_path / s["eval"]["samples_png"].split("/")[-1]).exists()
     assert 0.0 <= s["eval"]["probe_t0.1_linear_probe_acc"] <= 1.0
+    assert 0 < s["eval_wall_s"] and s["wall_s"] > 0  # the final evaluation's time apart from training's
     assert "FID skipped: no Inception weights given" in capsys.readouterr().out
 
 

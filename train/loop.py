@@ -141,6 +141,7 @@ class Trainer:
         self.step = 0
         self.history: list[dict] = []
         self.summary: dict = {}
+        self.eval_wall_s: float | None = None  # the last evaluate()'s wall time
         self.stop_signal: str | None = None  # set by StopOnSignal
         self.in_loop = False
         self.last_record: dict | None = None  # metrics.jsonl's last record kept on resume
@@ -545,7 +546,8 @@ class Trainer:
         self.model.eval()
         with torch.no_grad():
             res = self.task.evaluate(self)
-        self.log(f"[dres] evaluation done in {time.time() - t0:.1f}s")
+        self.eval_wall_s = time.time() - t0
+        self.log(f"[dres] evaluation done in {self.eval_wall_s:.1f}s")
         return res
 
     def curve_point(self) -> dict:
@@ -580,6 +582,8 @@ class Trainer:
                 lines.append(f"[dres] peak memory {self.summary['peak_mem_gib']:.2f} GiB")
             if lost_data_line(lost):
                 lines.append(lost_data_line(lost))
+        if eval_metrics:
+            s["eval_wall_s"] = self.eval_wall_s
         if self.main:
             rundir.write_atomic(self.out / name, json.dumps(s, indent=1, default=str))
             for k, v in (eval_metrics or {}).items():

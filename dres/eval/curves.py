@@ -110,11 +110,11 @@ def plot_curves(series: dict[str, list[dict]], path, keys=None, x="epoch", title
         raise ValueError("plot_curves: no numeric metric to draw in the given points")
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
     for ax, key in zip(axes[0], keys):
-        for label, points in series.items():
+        for i, (label, points) in enumerate(series.items()):
             pts = [(p[x], p[key]) for p in points if isinstance(p.get(key), (int, float))]
-            if pts:
+            if pts:  # a series keeps its colour in every panel, also where another lacks the metric
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o" if len(xs) <= 50 else None, markersize=3, label=label)
+                ax.plot(xs, ys, marker="o" if len(xs) <= 50 else None, markersize=3, label=label, color=f"C{i % 10}")
         ax.set_xlabel(x)
         ax.set_title(key, fontsize=9)
         ax.grid(alpha=0.3)
