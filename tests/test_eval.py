@@ -111,6 +111,35 @@ def test_curve_points_keep_the_last_record_of_a_step_and_plot_several_runs(tmp_p
         plot_curves({"a": [{"step": 1, "epoch": 0.1}]}, tmp_path / "none.png")
 
 
+def test_probes_trained_together_end_where_lone_probes_end(monkeypatch):
+    """linear_probes on (N, H, D): each head's final weights, bias and accuracies are those of linear_probe
+    on its slot alone (same first draw, same batches, its own loss and AdamW state), with weight decay."""
+    import dres.eval.probe as probe
+
+    trained = []
+
+    class RecordedHeads(probe.LinearHeads):
+        def __init__(self, *args):
+            super().__init__(*args)
+            trained.append(self)
+
+    monkeypatch.setattr(probe, "LinearHeads", RecordedHeads)
+    g = torch.Generator().manual_seed(3)
+    x, y = _blobs(n=300, d=12, c=4)
+    slots = torch.stack([x, torch.randn(300, 12, generator=g), 3 * x.flip(1) + 1], dim=1)  # (300, 3, 12)
+    kw = dict(epochs=4, batch_size=64, weight_decay=0.05, num_classes=4, seed=7)
+    together = probe.linear_probes(slots[:200], y[:200], slots[200:], y[200:], **kw)
+    joint = trained.pop()
+    assert joint.weight.shape == (3, 4, 12)
+    for h in range(3):
+        alone = probe.linear_probe(slots[:200, h], y[:200], slots[200:, h], y[200:], **kw)
+        lone = trained.pop()
+        assert together[h] == alone
+        torch.testing.assert_close(joint.weight[h], lone.weight[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(joint.bias[h], lone.bias[0], rtol=1e-5, atol=1e-6)
+    assert together[0]["linear_probe_acc"] > 0.9 and together[1]["linear_probe_acc"] < 0.6  # blobs vs noise
+
+
 def test_a_series_keeps_its_colour_in_every_panel(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from matplotlib.axes import Axes

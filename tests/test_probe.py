@@ -48,13 +48,13 @@ def test_uvit_evaluation_shows_the_probe_epochs(tmp_path, capsys, monkeypatch):
     from dres.train import cli
     from test_eval import TINY_DIGITS_8
 
-    representation_metrics, probe_wds = dres.eval.representation_metrics, []
+    representation_metrics, probe_wds = dres.eval.representation_metrics_per_head, []
 
     def recording_metrics(*args, probe_wd, **kwargs):
         probe_wds.append(probe_wd)
         return representation_metrics(*args, probe_wd=probe_wd, **kwargs)
 
-    monkeypatch.setattr(dres.eval, "representation_metrics", recording_metrics)
+    monkeypatch.setattr(dres.eval, "representation_metrics_per_head", recording_metrics)
     settings = TINY_DIGITS_8 + ["data.mean=[0.5]", "data.std=[0.5]", "model.patch_size=2", "batch_size=32", "steps=1",
                                 "eval.steps=1", "eval.n_samples=4", "eval.probe_epochs=3", "eval.probe_wd=0.01",
                                 "eval.max_train=128", "eval.max_test=64", "log.progress=true", "ckpt.every=0"]

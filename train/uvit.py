@@ -43,9 +43,9 @@ class UViTTask:
 
     def _probe(self, trainer, model, probe_epochs, blocks=None, t=None) -> list[dict]:
         """Probe / kNN / effective rank of the features after each of ``blocks`` (default [eval.probe_block]; -1:
-        the mid block) at noise level ``t`` (default eval.probe_t), one pass over the splits for all of them;
-        [] when a split is missing."""
-        from dres.eval import representation_metrics
+        the mid block) at noise level ``t`` (default eval.probe_t), one pass over the splits for all of them and
+        their linear probes trained together; [] when a split is missing."""
+        from dres.eval import representation_metrics_per_head
 
         cfg, e = trainer.cfg, trainer.cfg.eval
         train, val = eval_loader(trainer, "train", 256), eval_loader(trainer, "val", 256)
@@ -63,12 +63,11 @@ class UViTTask:
 
         xtr, ytr = features(trainer, fn, train, e.max_train)
         xte, yte = features(trainer, fn, val, e.max_test)
-        return [representation_metrics(xtr[:, j], ytr, xte[:, j], yte, probe_epochs=probe_epochs,
-                                       probe_lr=e.probe_lr, probe_batch=e.probe_batch, probe_wd=e.probe_wd,
-                                       knn_k=e.knn_k, num_classes=cfg.data.num_classes, seed=cfg.seed,
-                                       device=trainer.device,
-                                       progress=functools.partial(progress, enabled=trainer.main and cfg.log.progress))
-                for j in range(len(blocks))]
+        return representation_metrics_per_head(xtr, ytr, xte, yte, probe_epochs=probe_epochs, probe_lr=e.probe_lr,
+                                               probe_batch=e.probe_batch, probe_wd=e.probe_wd, knn_k=e.knn_k,
+                                               num_classes=cfg.data.num_classes, seed=cfg.seed, device=trainer.device,
+                                               progress=functools.partial(progress,
+                                                                          enabled=trainer.main and cfg.log.progress))
 
     def _probe_at_default(self, trainer, model, probe_epochs) -> dict:
         """:meth:`_probe` at eval.probe_block / eval.probe_t, keys prefixed ``probe_t<t>_``."""

@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from dres.eval.probe import authors_linear_probe, effective_rank, knn_accuracy, linear_probe
+from dres.eval.probe import authors_linear_probe, effective_rank, knn_accuracy, linear_probes
 
 CURVES_JSONL = "curves.jsonl"
 CURVES_PNG = "curves.png"
@@ -26,21 +26,37 @@ def representation_metrics(train_x, train_y, test_x, test_y, *, rank_features=No
     ``authors_probe`` the authors' probe too (``authors_probe_acc``, :func:`dres.eval.authors_linear_probe`),
     with ``knn_standardized`` kNN on standardised features (``knn_std_acc``). kNN and rank run on
     ``device``; ``progress``: the probes' epoch bars (:func:`dres.eval.linear_probe`)."""
-    res = {}
+    return representation_metrics_per_head(
+        train_x[:, None], train_y, test_x[:, None], test_y, rank_features=rank_features, probe=probe, knn=knn,
+        rank=rank, probe_epochs=probe_epochs, probe_lr=probe_lr, probe_batch=probe_batch, probe_wd=probe_wd,
+        knn_k=knn_k, authors_probe=authors_probe, knn_standardized=knn_standardized, num_classes=num_classes,
+        seed=seed, device=device, progress=progress)[0]
+
+
+def representation_metrics_per_head(train_x, train_y, test_x, test_y, *, rank_features=None, probe=True, knn=True,
+                                    rank=True, probe_epochs=20, probe_lr=1e-2, probe_batch=1024, probe_wd=0.0,
+                                    knn_k=20, authors_probe=False, knn_standardized=False, num_classes=None, seed=0,
+                                    device="cpu", progress=None) -> list[dict]:
+    """:func:`representation_metrics` of each slot h of (N, H, D) features (``train_x[:, h]``), a list of H
+    results; the H linear probes train together (:func:`dres.eval.linear_probes`), the rest runs per slot."""
+    res = [{} for _ in range(train_x.shape[1])]
     if probe:
-        res.update(linear_probe(train_x, train_y, test_x, test_y, epochs=probe_epochs, lr=probe_lr,
-                                batch_size=probe_batch, weight_decay=probe_wd, num_classes=num_classes, seed=seed,
-                                device=device, progress=progress))
-    if authors_probe:
-        res.update(authors_linear_probe(train_x, train_y, test_x, test_y, num_classes=num_classes, seed=seed,
-                                        device=device, progress=progress))
-    for on, key, standardized in ((knn, "knn_acc", False), (knn_standardized, "knn_std_acc", True)):
-        if on:
-            res[key] = knn_accuracy(train_x.to(device), train_y, test_x.to(device), test_y, k=knn_k,
-                                    num_classes=num_classes, standardize_first=standardized)
-    if rank:
-        er = effective_rank((train_x if rank_features is None else rank_features).to(device))
-        res["effective_rank"], res["effective_rank_entropy"] = er["effective_rank"], er["entropy"]
+        for r, found in zip(res, linear_probes(train_x, train_y, test_x, test_y, epochs=probe_epochs, lr=probe_lr,
+                                               batch_size=probe_batch, weight_decay=probe_wd,
+                                               num_classes=num_classes, seed=seed, device=device, progress=progress)):
+            r.update(found)
+    for h, r in enumerate(res):
+        x, x_test = train_x[:, h], test_x[:, h]
+        if authors_probe:
+            r.update(authors_linear_probe(x, train_y, x_test, test_y, num_classes=num_classes, seed=seed,
+                                          device=device, progress=progress))
+        for on, key, standardized in ((knn, "knn_acc", False), (knn_standardized, "knn_std_acc", True)):
+            if on:
+                r[key] = knn_accuracy(x.to(device), train_y, x_test.to(device), test_y, k=knn_k,
+                                      num_classes=num_classes, standardize_first=standardized)
+        if rank:
+            er = effective_rank((x if rank_features is None else rank_features).to(device))
+            r["effective_rank"], r["effective_rank_entropy"] = er["effective_rank"], er["entropy"]
     return res
 
 

@@ -4,7 +4,9 @@
   AdamW, lr 1e-2 with per-iteration cosine decay, batch 1024, 200 epochs, no augmentation. The
   features are standardised with the training set's mean/std first (what the MAE repo's affine-free
   BatchNorm in front of the head does at evaluation). ``progress`` counts its epochs on a bar (the
-  trainers pass ``dres.train.common.progress``).
+  trainers pass ``dres.train.common.progress``). :func:`linear_probes` trains one such probe per feature
+  slot of (N, H, D) features together, on the same batches: each head's loss, gradient and AdamW update are
+  its own, so each ends where a lone probe of its slot would (up to rounding), for one training's launches.
 * :func:`authors_linear_probe` — the decayed-shortcut authors' probe as their released code runs it
   (``MAE/util/misc.py::eval_model``): raw features (no standardisation, no BatchNorm), the default-initialised
   ``nn.Linear``, ``AdamW(lr=1e-2)`` with torch's default weight decay 0.01, a cosine learning rate set per
@@ -50,19 +52,38 @@ def linear_probe(train_x, train_y, test_x, test_y, *, epochs=200, lr=1e-2, batch
     ``progress(total=epochs, desc="linear probe", unit="epoch")`` and returning an object with
     ``update(n)`` and ``close()`` (a tqdm bar: ``dres.train.common.progress``).
     """
+    return linear_probes(train_x[:, None], train_y, test_x[:, None], test_y, epochs=epochs, lr=lr,
+                         batch_size=batch_size, weight_decay=weight_decay, num_classes=num_classes, seed=seed,
+                         device=device, progress=progress)[0]
+
+
+def linear_probes(train_x, train_y, test_x, test_y, *, epochs=200, lr=1e-2, batch_size=1024, weight_decay=0.0,
+                  num_classes=None, seed=0, device="cpu", progress=None) -> list[dict]:
+    """:func:`linear_probe` of each slot h of (N, H, D) features, ``train_x[:, h]``, trained together: a list of
+    H results. Every head starts from the draw a lone probe makes and sees the same batches."""
     g = torch.Generator().manual_seed(seed)
     train_x, test_x = standardize(train_x, test_x)
-    head = torch.nn.Linear(train_x.shape[1], _classes(train_y, test_y, num_classes)).to(device)
-    with torch.no_grad():
-        head.weight.copy_(torch.randn(head.weight.shape, generator=g) * 0.01)
-    torch.nn.init.zeros_(head.bias)
+    heads, d = train_x.shape[1:]
+    weight = torch.randn(_classes(train_y, test_y, num_classes), d, generator=g) * 0.01
+    head = LinearHeads(weight.expand(heads, -1, -1).clone(), torch.zeros(heads, weight.shape[0])).to(device)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=weight_decay)
     total = epochs * max(1, math.ceil(len(train_x) / batch_size))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
     acc, train_acc = _fit_head(head, opt, train_x, train_y, test_x, test_y, epochs=epochs, batch_size=batch_size,
                                g=g, device=device, bar_name="linear probe", progress=progress,
                                after_step=sched.step)
-    return {"linear_probe_acc": acc, "linear_probe_train_acc": train_acc}
+    return [{"linear_probe_acc": a, "linear_probe_train_acc": t} for a, t in zip(acc, train_acc)]
+
+
+class LinearHeads(torch.nn.Module):
+    """H linear classifiers, one per feature slot: (B, H, D) -> (B, H, C) with weight (H, C, D), bias (H, C)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
+        super().__init__()
+        self.weight, self.bias = torch.nn.Parameter(weight), torch.nn.Parameter(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bhd,hcd->bhc", x, self.weight) + self.bias
 
 
 # eval_model's probe: its AdamW is built as AdamW(params, 1e-2), so torch's default weight decay applies;
@@ -76,13 +97,13 @@ def authors_linear_probe(train_x, train_y, test_x, test_y, *, num_classes=None, 
     ``authors_probe_acc``, ``authors_probe_train_acc``. ``epochs`` and ``batch_size`` are the protocol's unless
     a caller shrinks them (tests)."""
     g = torch.Generator().manual_seed(seed)
-    train_x, test_x = train_x.float(), test_x.float()
-    head = torch.nn.Linear(train_x.shape[1], _classes(train_y, test_y, num_classes))
-    with torch.no_grad():  # nn.Linear's own initialisation, drawn on the CPU from the probe's generator
-        torch.nn.init.kaiming_uniform_(head.weight, a=math.sqrt(5), generator=g)
-        bound = 1 / math.sqrt(train_x.shape[1])
-        torch.nn.init.uniform_(head.bias, -bound, bound, generator=g)
-    head = head.to(device)
+    train_x, test_x = train_x.float()[:, None], test_x.float()[:, None]
+    d, classes = train_x.shape[-1], _classes(train_y, test_y, num_classes)
+    weight, bias = torch.empty(1, classes, d), torch.empty(1, classes)
+    # nn.Linear's own initialisation, drawn on the CPU from the probe's generator
+    torch.nn.init.kaiming_uniform_(weight[0], a=math.sqrt(5), generator=g)
+    torch.nn.init.uniform_(bias, -1 / math.sqrt(d), 1 / math.sqrt(d), generator=g)
+    head = LinearHeads(weight, bias).to(device)
     lr = AUTHORS_PROBE["lr"]
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=AUTHORS_PROBE["weight_decay"])
     batch_size = min(batch_size, len(train_x))  # fewer samples than a batch: one batch (eval_model would train none)
@@ -90,9 +111,9 @@ def authors_linear_probe(train_x, train_y, test_x, test_y, *, num_classes=None, 
     def after_epoch(ep):  # adjust_learning_rate(optimizer, ep) after epoch ep: the next one at cos(pi ep / epochs)
         for group in opt.param_groups:
             group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * ep / epochs))
-    acc, train_acc = _fit_head(head, opt, train_x, train_y, test_x, test_y, epochs=epochs, batch_size=batch_size,
-                               g=g, device=device, bar_name="authors' probe", progress=progress,
-                               after_epoch=after_epoch, drop_last=True)
+    (acc,), (train_acc,) = _fit_head(head, opt, train_x, train_y, test_x, test_y, epochs=epochs,
+                                     batch_size=batch_size, g=g, device=device, bar_name="authors' probe",
+                                     progress=progress, after_epoch=after_epoch, drop_last=True)
     return {"authors_probe_acc": acc, "authors_probe_train_acc": train_acc}
 
 
@@ -101,9 +122,10 @@ def _classes(train_y, test_y, num_classes):
 
 
 def _fit_head(head, opt, train_x, train_y, test_x, test_y, *, epochs, batch_size, g, device, bar_name, progress,
-              after_step=None, after_epoch=None, drop_last=False) -> tuple[float, float]:
-    """Train ``head`` on the features in shuffled batches (``g`` draws the order), then its (test, train)
-    top-1 accuracy; ``after_step`` / ``after_epoch(epoch)`` set the learning rate."""
+              after_step=None, after_epoch=None, drop_last=False) -> tuple[list[float], list[float]]:
+    """Train ``head`` (:class:`LinearHeads`) on the (N, H, D) features in shuffled batches (``g`` draws the order),
+    each head on the sum of its own mean loss, then each head's (test, train) top-1 accuracy;
+    ``after_step`` / ``after_epoch(epoch)`` set the learning rate."""
     train_x, test_x = train_x.to(device), test_x.to(device)
     train_y, test_y = train_y.long().to(device), test_y.long().to(device)
     n = len(train_x) // batch_size * batch_size if drop_last else len(train_x)
@@ -114,7 +136,9 @@ def _fit_head(head, opt, train_x, train_y, test_x, test_y, *, epochs, batch_size
                 perm = torch.randperm(len(train_x), generator=g)[:n].to(device)
                 for i in range(0, n, batch_size):
                     idx = perm[i:i + batch_size]
-                    loss = F.cross_entropy(head(train_x[idx]), train_y[idx])
+                    logits = head(train_x[idx])  # (B, H, C): a loss per sample and head, mean over samples
+                    loss = F.cross_entropy(logits.transpose(1, 2), train_y[idx, None].expand(-1, logits.shape[1]),
+                                           reduction="none").mean(0).sum()
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
                     opt.step()
@@ -128,8 +152,8 @@ def _fit_head(head, opt, train_x, train_y, test_x, test_y, *, epochs, batch_size
         if bar is not None:
             bar.close()
     with torch.no_grad():
-        acc = (head(test_x).argmax(1) == test_y).float().mean().item()
-        train_acc = (head(train_x).argmax(1) == train_y).float().mean().item()
+        acc = (head(test_x).argmax(-1) == test_y[:, None]).float().mean(0).tolist()
+        train_acc = (head(train_x).argmax(-1) == train_y[:, None]).float().mean(0).tolist()
     return acc, train_acc
 
 
