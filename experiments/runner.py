@@ -147,7 +147,7 @@ def recorded_minutes(arm: Arm, epochs: float, recs: dict) -> tuple[float, str, b
         return None
     minutes = statistics.median(r["train"]["wall_s_last_process"] * epochs / r["epochs"]
                                 + (r["train"].get("eval_wall_s") or 0) for r in rows) / 60
-    return minutes, statistics.mode(r["card"] for r in rows), all(r["train"].get("eval_wall_s") for r in rows)
+    return minutes, statistics.mode(r["card"] for r in rows), all(r["train"].get("eval_wall_s") is not None for r in rows)
 
 
 def resolved_config(arm: Arm, presets: dict, extra: list[str]):

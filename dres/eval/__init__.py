@@ -1,9 +1,9 @@
 """dres.eval: what the papers measure.
 
 * :mod:`dres.eval.probe` — linear probe (cached features, AdamW lr 1e-2 cosine; several feature slots'
-  probes trained together), the decayed-shortcut
-  authors' probe as their code runs it, kNN (k=20, cosine, optionally on standardised features),
-  effective rank of the class-token covariance (eq. 6: the entropy H, and exp(H)).
+  probes trained together), the decayed-shortcut authors' probe as their code runs it, kNN (k=20, cosine,
+  optionally on standardised features), effective rank of the class-token covariance (eq. 6: the entropy H,
+  and exp(H)).
 * :mod:`dres.eval.viz` — sample / MAE reconstruction grids (PNG) and t-SNE plots.
 * :mod:`dres.eval.diffusion` — VP-SDE, noise-prediction loss, Euler-Maruyama and DPM-Solver samplers.
 * :mod:`dres.eval.fid` — FID with the standard Inception weights when a path is given; the Frechet
