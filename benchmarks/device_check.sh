@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install, run the GPU test suite, run the benchmarks; everything
 # lands under $OUT (default ./device_out). Usage:
-#   bash benchmarks/device_check.sh [tests|data|kernels|attention|compiled|train|trainers|csrc_tests|all]   (default: all)
+#   bash benchmarks/device_check.sh [tests|data|kernels|probe|attention|compiled|train|trainers|csrc_tests|all]   (default: all)
 # data: an ImageNet-like JPEG folder, the file loaders alone (GPU and CPU decode, all cores and 4) and the trainers
 # from it against synthetic data (benchmarks.bench_data; DATA_ARGS narrows it).
 # Stages can be limited with STAGES="tests kernels" and pytest selection with TESTS="tests/test_ops.py".
@@ -9,6 +9,8 @@
 # about equal time by the last suites' reports (tests/split_tests.py): one GPU's suite in about a third of the
 # time with 3 (each process its own junit-K.xml and tests-K.log). The logs name each test as it ends (-v), so a
 # process stopped before its report still says which tests failed.
+# probe: the U-ViT probe grid's 13 linear probes of one noise level, one at a time against together
+# (benchmarks.bench_probe; PROBE_ARGS narrows it).
 # attention: SDPA's backends and dres.ops.short_attention at the presets' attention shapes (bench_attention),
 # then short_attention's launch configs at those shapes (tune_attention).
 # compiled: the compiled bare MAE ViT-B/16 step of dres against torch.compile of the plain model, each
@@ -110,6 +112,11 @@ fi
 
 if want kernels && [ -f benchmarks/bench_kernels.py ]; then
   python3 -m benchmarks.bench_kernels ${KERNEL_ARGS:---quick} --out "$OUT" 2>&1 | tee "$OUT/kernels.log" | tail -n 60
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if want probe; then
+  python3 -m benchmarks.bench_probe --json "$OUT/probe.json" ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe.log" | tail -n 3
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

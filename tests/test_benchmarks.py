@@ -756,6 +756,22 @@ def test_eager_launch_rounds_are_interleaved_and_recorded(tmp_path, capsys, trit
     assert "--rounds must be at least 1" in capsys.readouterr().err
 
 
+def test_probe_bench_times_both_ways_and_finds_the_same_accuracies(tmp_path, capsys):
+    """The grid's probes one at a time and together on the CPU: the same accuracies, both times and their ratio
+    recorded; a count below its minimum is refused with exit code 2."""
+    from benchmarks import bench_probe
+
+    out = tmp_path / "probe.json"
+    assert bench_probe.main(["--rows", "600", "--heads", "3", "--dim", "16", "--epochs", "3", "--batch", "128",
+                             "--device", "cpu", "--json", str(out)]) == 0
+    (rec,) = json.loads(out.read_text())["records"]
+    assert rec["max_acc_diff"] == 0.0 and len(rec["acc"]) == 3 and min(rec["acc"]) > 0.2  # chance is 0.1
+    assert rec["one_at_a_time_s"] > 0 and rec["together_s"] > 0 and rec["speedup"] > 0
+    assert "3 probes of 600 x 16 features, 3 epochs on cpu" in capsys.readouterr().out
+    assert bench_probe.main(["--classes", "1", "--device", "cpu"]) == 2
+    assert "--classes must be at least 2, got 1" in capsys.readouterr().err
+
+
 def _profile_trainer_rank(rank: int, port: int, out: str) -> None:
     """One rank of a 2-process gloo group on CPU running ``profile_trainer`` with DDP."""
     import os
