@@ -17,28 +17,22 @@ METRICS_JSONL = "metrics.jsonl"  # the trainer's log: one record (step, epoch, l
 AXES = ("step", "epoch")
 
 
-def representation_metrics(train_x, train_y, test_x, test_y, *, rank_features=None, probe=True, knn=True,
-                           rank=True, probe_epochs=20, probe_lr=1e-2, probe_batch=1024, probe_wd=0.0, knn_k=20,
-                           authors_probe=False, knn_standardized=False, num_classes=None, seed=0, device="cpu",
-                           progress=None) -> dict:
-    """Linear probe (``linear_probe_acc``, ``linear_probe_train_acc``), kNN (``knn_acc``) and the
-    effective rank (eq. 6) of ``rank_features`` (default ``train_x``) on frozen features; with
-    ``authors_probe`` the authors' probe too (``authors_probe_acc``, :func:`dres.eval.authors_linear_probe`),
-    with ``knn_standardized`` kNN on standardised features (``knn_std_acc``). kNN and rank run on
-    ``device``; ``progress``: the probes' epoch bars (:func:`dres.eval.linear_probe`)."""
-    return representation_metrics_per_head(
-        train_x[:, None], train_y, test_x[:, None], test_y, rank_features=rank_features, probe=probe, knn=knn,
-        rank=rank, probe_epochs=probe_epochs, probe_lr=probe_lr, probe_batch=probe_batch, probe_wd=probe_wd,
-        knn_k=knn_k, authors_probe=authors_probe, knn_standardized=knn_standardized, num_classes=num_classes,
-        seed=seed, device=device, progress=progress)[0]
+def representation_metrics(train_x, train_y, test_x, test_y, **options) -> dict:
+    """:func:`representation_metrics_per_head` of one slot: (N, D) features, one result."""
+    return representation_metrics_per_head(train_x[:, None], train_y, test_x[:, None], test_y, **options)[0]
 
 
 def representation_metrics_per_head(train_x, train_y, test_x, test_y, *, rank_features=None, probe=True, knn=True,
                                     rank=True, probe_epochs=20, probe_lr=1e-2, probe_batch=1024, probe_wd=0.0,
                                     knn_k=20, authors_probe=False, knn_standardized=False, num_classes=None, seed=0,
                                     device="cpu", progress=None) -> list[dict]:
-    """:func:`representation_metrics` of each slot h of (N, H, D) features (``train_x[:, h]``), a list of H
-    results; the H linear probes train together (:func:`dres.eval.linear_probes`), the rest runs per slot."""
+    """Linear probe (``linear_probe_acc``, ``linear_probe_train_acc``), kNN (``knn_acc``) and the
+    effective rank (eq. 6) of ``rank_features`` (default the slot's ``train_x``) on frozen features, for each slot
+    h of (N, H, D) features (``train_x[:, h]``): a list of H results, the H linear probes trained together
+    (:func:`dres.eval.linear_probes`), the rest per slot. With ``authors_probe`` the authors' probe too
+    (``authors_probe_acc``, :func:`dres.eval.authors_linear_probe`), with ``knn_standardized`` kNN on standardised
+    features (``knn_std_acc``). kNN and rank run on ``device``; ``progress``: the probes' epoch bars
+    (:func:`dres.eval.linear_probe`)."""
     res = [{} for _ in range(train_x.shape[1])]
     if probe:
         for r, found in zip(res, linear_probes(train_x, train_y, test_x, test_y, epochs=probe_epochs, lr=probe_lr,

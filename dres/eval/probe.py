@@ -44,23 +44,22 @@ def standardize(train_x, test_x):
     return (train_x - mu) / sd, (test_x - mu) / sd
 
 
-def linear_probe(train_x, train_y, test_x, test_y, *, epochs=200, lr=1e-2, batch_size=1024, weight_decay=0.0,
-                 num_classes=None, seed=0, device="cpu", progress=None):
-    """Top-1 test accuracy (and train accuracy) of a linear classifier on frozen features.
+def linear_probe(train_x, train_y, test_x, test_y, **options) -> dict:
+    """:func:`linear_probes` of one slot: top-1 test accuracy (and train accuracy) of a linear classifier on frozen
+    (N, D) features."""
+    return linear_probes(train_x[:, None], train_y, test_x[:, None], test_y, **options)[0]
+
+
+def linear_probes(train_x, train_y, test_x, test_y, *, epochs=200, lr=1e-2, batch_size=1024, weight_decay=0.0,
+                  num_classes=None, seed=0, device="cpu", progress=None) -> list[dict]:
+    """Top-1 test accuracy (and train accuracy) of a linear classifier on each slot h of frozen (N, H, D) features,
+    ``train_x[:, h]``, the H classifiers trained together: a list of H results. Every head starts from the draw a
+    lone probe makes and sees the same batches.
 
     ``progress``: None (silent), or what makes the bar the epochs are counted on, called as
     ``progress(total=epochs, desc="linear probe", unit="epoch")`` and returning an object with
     ``update(n)`` and ``close()`` (a tqdm bar: ``dres.train.common.progress``).
     """
-    return linear_probes(train_x[:, None], train_y, test_x[:, None], test_y, epochs=epochs, lr=lr,
-                         batch_size=batch_size, weight_decay=weight_decay, num_classes=num_classes, seed=seed,
-                         device=device, progress=progress)[0]
-
-
-def linear_probes(train_x, train_y, test_x, test_y, *, epochs=200, lr=1e-2, batch_size=1024, weight_decay=0.0,
-                  num_classes=None, seed=0, device="cpu", progress=None) -> list[dict]:
-    """:func:`linear_probe` of each slot h of (N, H, D) features, ``train_x[:, h]``, trained together: a list of
-    H results. Every head starts from the draw a lone probe makes and sees the same batches."""
     g = torch.Generator().manual_seed(seed)
     train_x, test_x = standardize(train_x, test_x)
     heads, d = train_x.shape[1:]
