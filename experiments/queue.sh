@@ -10,8 +10,11 @@
 #   bash experiments/queue.sh wait SECONDS                  wait until the queue and the jobs end (at most SECONDS),
 #                                                           then pack what they made into $OUT
 # CUDA_VISIBLE_DEVICES given to start or job keeps the queue and a job on their own GPUs; DEADLINE_MIN=N starts no
-# arm after N minutes of the queue; FORCE=1 trains again the arms that already have a record. COMMIT is recorded
-# in every record (the copy may hold no git history).
+# arm after N minutes of the queue; FORCE=1 trains again the arms that already have a record; JOBS=N runs N arms
+# at a time on each GPU; MPS=1 (with start) first starts NVIDIA's MPS daemon, through which every CUDA process on
+# the host then runs, so that arms sharing a GPU run their kernels side by side instead of taking turns (a small
+# graphed model leaves most of an H200's multiprocessors idle), and refuses to start the queue when no CUDA
+# context opens through it. COMMIT is recorded in every record (the copy may hold no git history).
 # Limits: one queue a host (a second start is refused; a job name once); the copy is taken once, so later changes
 # of the checkout do not reach a running queue; run folders and their checkpoints live on this host only, and an arm
 # cut short resumes from its last checkpoint when a queue naming it starts again on the same host. What `wait`
@@ -34,6 +37,18 @@ queue_tree() {
     || { echo "install failed"; tail -n 20 "$QUEUE_DIR/install.log"; return 1; }
 }
 
+# NVIDIA's MPS daemon, started once a host and checked by opening a CUDA context through it
+start_mps() {
+  local pipe=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}
+  [ -p "$pipe/control" ] && return 0
+  command -v nvidia-cuda-mps-control >/dev/null || { echo "queue.sh: MPS=1: nvidia-cuda-mps-control is not on PATH" >&2; return 1; }
+  nvidia-cuda-mps-control -d || { echo "queue.sh: MPS=1: nvidia-cuda-mps-control -d failed" >&2; return 1; }
+  python3 -c "import torch; torch.ones(1, device='cuda').sum().item()" >"$QUEUE_DIR/mps_check.log" 2>&1 && return 0
+  echo quit | nvidia-cuda-mps-control
+  echo "queue.sh: MPS=1: no CUDA context opened through the MPS daemon (stopped again): $(tail -n 1 "$QUEUE_DIR/mps_check.log")" >&2
+  return 1
+}
+
 running() {
   local pid_file
   [ -f "$QUEUE_DIR/repro.pid" ] && kill -0 "$(cat "$QUEUE_DIR/repro.pid")" 2>/dev/null && return 0
@@ -51,9 +66,11 @@ start)
   commit=${4:-unknown}
   [[ "$gpus" =~ ^[0-9]+$ ]] || { echo "queue.sh: GPUS must be a number, got '$gpus'" >&2; exit 2; }
   [ -f "$QUEUE_DIR/repro.pid" ] && { echo "queue.sh: a queue was already started on this host ($QUEUE_DIR)" >&2; exit 2; }
+  [[ "${JOBS:-1}" =~ ^[1-9][0-9]*$ ]] || { echo "queue.sh: JOBS must be a positive number, got '$JOBS'" >&2; exit 2; }
   queue_tree || exit 1
+  if [ -n "${MPS:-}" ]; then start_mps || exit 1; fi
   cd "$QUEUE_DIR/tree" || exit 1
-  setsid nohup python3 -m experiments.repro --run "$words" --gpus "$gpus" --root "$QUEUE_DIR/runs" \
+  setsid nohup python3 -m experiments.repro --run "$words" --gpus "$gpus" --jobs "${JOBS:-1}" --root "$QUEUE_DIR/runs" \
     --records "$QUEUE_DIR/records" --commit "$commit" ${DEADLINE_MIN:+--deadline-min "$DEADLINE_MIN"} \
     ${FORCE:+--force} >"$QUEUE_DIR/repro.log" 2>&1 </dev/null &
   echo $! >"$QUEUE_DIR/repro.pid"

@@ -166,6 +166,11 @@ def git_commit() -> str:
     return state["git_commit"] + ("+dirty" if state["git_dirty"] else "")
 
 
+def mps_running() -> bool:
+    """Whether an MPS daemon serves this host's CUDA processes (its control pipe, where clients look for it)."""
+    return Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control").is_fifo()
+
+
 def card_of(gpu: int | None) -> str:
     if gpu is None:
         import platform
@@ -177,9 +182,10 @@ def card_of(gpu: int | None) -> str:
 
 
 def make_record(arm: Arm, run_dir: Path, *, epochs: float, command: str, card: str, commit: str,
-                records: Path, arms_per_device: int = 1) -> dict:
+                records: Path, arms_per_device: int = 1, gpu_sharing: str | None = None) -> dict:
     """The arm's record from its finished run directory; its PNGs copied to ``records/figs``.
-    ``arms_per_device``: how many arms shared its device (its img/s is per arm)."""
+    ``arms_per_device``: how many arms shared its device (its img/s is per arm); ``gpu_sharing``: how they
+    shared a GPU ("mps" or "time-sliced"; None for one arm a device)."""
     from dres.eval.curves import CURVES_JSONL, METRICS_JSONL, final_epoch_means, read_points
     from dres.eval.features import FEATURES_FILE
 
@@ -211,7 +217,7 @@ def make_record(arm: Arm, run_dir: Path, *, epochs: float, command: str, card: s
              "final_loss": history[-1].get("loss") if history else None,
              "wall_s_last_process": summary.get("wall_s"), "eval_wall_s": summary.get("eval_wall_s"),
              "peak_mem_gib": summary.get("peak_mem_gib"),
-             "arms_per_device": arms_per_device, **final_epoch_means(history)}
+             "arms_per_device": arms_per_device, "gpu_sharing": gpu_sharing, **final_epoch_means(history)}
     return {"arm": arm.name, "claim": arm.claim, "group": arm.group, "task": arm.task, "seed": arm.seed,
             "epochs": epochs, "steps": history[-1]["step"] if history else None,
             "overrides": list(arm.overrides), "metrics": metrics, "curves": curves, "train": train,
@@ -288,11 +294,18 @@ def need_epochs(name: str, epochs: float, records: Path) -> float:
     return committed["epochs"]
 
 
+def gpu_slots(gpus: int, jobs: int) -> list[int | None]:
+    """The slots arms run in: ``jobs`` on each of ``gpus`` GPUs, the GPUs taken in turn, so that a queue shorter
+    than the slots spreads over every GPU; ``jobs`` slots of None on the CPU (``gpus`` 0)."""
+    return [g for _ in range(max(1, jobs)) for g in range(gpus)] if gpus > 0 else [None] * max(1, jobs)
+
+
 def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root: Path, records: Path,
              presets: dict, extra: list[str], every: int, commit: str, force: bool, deadline_min: float,
              log=print) -> dict:
     """Train the ``(arm, epochs, named)`` of ``queue`` (:func:`select_epochs`) in order (needs first),
-    ``jobs`` at a time on each of ``gpus`` GPUs (0: on the CPU), each starting on the first free slot;
+    ``jobs`` at a time on each of ``gpus`` GPUs (0: on the CPU), each starting on the first free slot
+    (:func:`gpu_slots`);
     ``force`` reruns the named arms that have a record. Returns
     ``{arm: "done" | "skipped" | "failed" | "blocked" | "not started"}``."""
     from dres.records import write_json_atomic
@@ -302,7 +315,8 @@ def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root
     actions = arm_actions(queue, root=root, records=records, force=force)
     (root / "logs").mkdir(parents=True, exist_ok=True)
     status = {a.name: "skipped" if actions[a.name].what == "skip" else "pending" for a in arms}
-    slots = [g for g in range(gpus) for _ in range(max(1, jobs))] if gpus > 0 else [None] * max(1, jobs)
+    slots = gpu_slots(gpus, jobs)
+    gpu_sharing = ("mps" if mps_running() else "time-sliced") if gpus > 0 and jobs > 1 else None
     # a slot is an index into this process's visible GPUs; its child sees that one device only
     visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     if visible and gpus > len(visible):
@@ -358,7 +372,7 @@ def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root
                     continue
                 rec = make_record(a, root / a.name, epochs=actions[a.name].epochs, command=command,
                                   card=card_of(slots[k]), commit=commit, records=records,
-                                  arms_per_device=max(1, jobs))
+                                  arms_per_device=max(1, jobs), gpu_sharing=gpu_sharing)
                 write_json_atomic(records / f"{a.name}.json", rec)
                 log(f"[repro] done {a.name}: {rec['metrics']}")
             else:

@@ -508,12 +508,16 @@ def test_classify_summary_holds_the_final_epochs_training_accuracy_and_loss(tmp_
     assert expected["final_epoch_steps"] == 24
 
 
-def queue_script(tmp_path, **env_vars):
+RUNNER_STAND_IN = '[ "$2" = experiments.repro ] && echo "$@" >"$QUEUE_DIR/args"\nexit 0\n'
+
+
+def queue_script(tmp_path, python3=RUNNER_STAND_IN, **env_vars):
     """queue.sh with its queue folder and output under tmp_path, a python3 stand-in (the install, the runner: it
-    keeps the runner's arguments in QUEUE_DIR/args) and ``env_vars`` in its environment."""
+    keeps the runner's arguments in QUEUE_DIR/args; ``python3``, its shell script) and ``env_vars`` in its
+    environment."""
     script = Path(__file__).resolve().parents[1] / "experiments" / "queue.sh"
-    (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "python3").write_text('#!/bin/sh\n[ "$2" = experiments.repro ] && echo "$@" >"$QUEUE_DIR/args"\nexit 0\n')
+    (tmp_path / "bin").mkdir(exist_ok=True)
+    (tmp_path / "bin" / "python3").write_text("#!/bin/sh\n" + python3)
     (tmp_path / "bin" / "python3").chmod(0o755)
     env = {**os.environ, "QUEUE_DIR": str(tmp_path / "queue"), "OUT": str(tmp_path / "out"),
            "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", **env_vars}
@@ -563,9 +567,51 @@ def test_queue_start_passes_the_deadline_and_force_to_the_runner(tmp_path):
     args = (tmp_path / "queue" / "args").read_text().split()
     assert args[args.index("--run") + 1] == "A.pairs" and args[args.index("--gpus") + 1] == "4"
     assert args[args.index("--deadline-min") + 1] == "14" and args[args.index("--commit") + 1] == "abc1234"
-    assert "--force" in args
+    assert "--force" in args and args[args.index("--jobs") + 1] == "1"
     assert call("start", "A.pairs", cwd=tree)[::2] == (2, f"queue.sh: a queue was already started on this host "
                                                          f"({tmp_path / 'queue'})")
+
+
+def mps_control_stand_in(tmp_path):
+    """A stand-in for nvidia-cuda-mps-control on tmp_path/bin that makes its control pipe under tmp_path/mps on
+    -d, removes it on 'quit' and logs its calls to tmp_path/mps.calls; returns the pipe's folder."""
+    pipe = tmp_path / "mps"
+    pipe.mkdir()
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvidia-cuda-mps-control").write_text(
+        f'#!/bin/sh\nif [ "$1" = -d ]; then echo -d >>"{tmp_path}/mps.calls"; mkfifo "{pipe}/control"\n'
+        f'else cat >>"{tmp_path}/mps.calls"; rm -f "{pipe}/control"; fi\n')
+    (tmp_path / "bin" / "nvidia-cuda-mps-control").chmod(0o755)
+    return pipe
+
+
+def test_queue_start_with_mps_starts_the_daemon_once_and_passes_the_arms_per_gpu(tmp_path):
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    pipe = mps_control_stand_in(tmp_path)
+    call = queue_script(tmp_path, MPS="1", JOBS="5", CUDA_MPS_PIPE_DIRECTORY=str(pipe))
+    assert call("start", "C.d0", "2", "abc1234", cwd=tree)[0] == 0
+    args = (tmp_path / "queue" / "args").read_text().split()
+    assert args[args.index("--jobs") + 1] == "5" and args[args.index("--gpus") + 1] == "2"
+    assert (pipe / "control").is_fifo() and (tmp_path / "mps.calls").read_text().split() == ["-d"]
+    assert call("job", "tests", "true", cwd=tree)[0] == 0  # a job joins the daemon already there
+    assert (tmp_path / "mps.calls").read_text().split() == ["-d"]
+    bad = queue_script(tmp_path, JOBS="0", QUEUE_DIR=str(tmp_path / "q2"))
+    assert bad("start", "C.d0", cwd=tree)[::2] == (2, "queue.sh: JOBS must be a positive number, got '0'")
+
+
+def test_queue_start_with_mps_refuses_when_no_context_opens_through_it(tmp_path):
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    pipe = mps_control_stand_in(tmp_path)
+    no_context = "[ \"$1\" = -c ] && { echo 'RuntimeError: CUDA error: all CUDA-capable devices are busy' >&2; exit 1; }\n"
+    call = queue_script(tmp_path, python3=no_context + RUNNER_STAND_IN, MPS="1", CUDA_MPS_PIPE_DIRECTORY=str(pipe))
+    code, _, err = call("start", "C.d0", "2", cwd=tree)
+    assert code == 1 and err == ("queue.sh: MPS=1: no CUDA context opened through the MPS daemon (stopped again): "
+                                 "RuntimeError: CUDA error: all CUDA-capable devices are busy")
+    assert not (pipe / "control").exists()  # the daemon it started is stopped again
+    assert (tmp_path / "mps.calls").read_text().split() == ["-d", "quit"]
+    assert not (tmp_path / "queue" / "repro.pid").exists()  # and no queue started
 
 
 def test_probe_grid_tables_mark_the_best_cell():
@@ -614,6 +660,27 @@ def test_record_keeps_the_probe_grid_and_the_numbers_of_the_evaluation(tmp_path)
     rec = runner.make_record(arm, run, epochs=64, command="c", card="card", commit="abc", records=tmp_path / "rec")
     assert rec["metrics"] == {"probe_t0.1_knn_acc": 0.5, "probe_grid": grid}
     assert (rec["train"]["wall_s_last_process"], rec["train"]["eval_wall_s"]) == (600.0, 120.0)
+    assert (rec["train"]["arms_per_device"], rec["train"]["gpu_sharing"]) == (1, None)
+    shared = runner.make_record(arm, run, epochs=64, command="c", card="card", commit="abc", records=tmp_path / "rec",
+                                arms_per_device=5, gpu_sharing="mps")
+    assert (shared["train"]["arms_per_device"], shared["train"]["gpu_sharing"]) == (5, "mps")
+
+
+def test_arm_slots_take_the_gpus_in_turn():
+    assert runner.gpu_slots(2, 3) == [0, 1, 0, 1, 0, 1]  # two arms go to two GPUs, not both to GPU 0
+    assert runner.gpu_slots(3, 1) == [0, 1, 2]
+    assert runner.gpu_slots(0, 2) == [None, None]
+    assert runner.gpu_slots(2, 0) == [0, 1]  # at least one arm a GPU
+
+
+def test_mps_is_seen_by_its_control_pipe(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    assert not runner.mps_running()
+    (tmp_path / "control").write_text("")  # a plain file is not the daemon's pipe
+    assert not runner.mps_running()
+    (tmp_path / "control").unlink()
+    os.mkfifo(tmp_path / "control")
+    assert runner.mps_running()
 
 
 def test_recorded_minutes_scale_training_to_the_length_and_add_the_final_evaluation():
