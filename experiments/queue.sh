@@ -40,7 +40,7 @@ queue_tree() {
 # NVIDIA's MPS daemon, started once a host and checked by opening a CUDA context through it
 start_mps() {
   local pipe=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}
-  [ -p "$pipe/control" ] && return 0
+  [ -S "$pipe/control" ] || [ -p "$pipe/control" ] && return 0
   command -v nvidia-cuda-mps-control >/dev/null || { echo "queue.sh: MPS=1: nvidia-cuda-mps-control is not on PATH" >&2; return 1; }
   nvidia-cuda-mps-control -d || { echo "queue.sh: MPS=1: nvidia-cuda-mps-control -d failed" >&2; return 1; }
   python3 -c "import torch; torch.ones(1, device='cuda').sum().item()" >"$QUEUE_DIR/mps_check.log" 2>&1 && return 0

@@ -158,19 +158,48 @@ def _notes(f: Path) -> dict[str, str]:
     return {k: v.strip() for k, v in out.items()}
 
 
+def seed_curves(runs: list[list[dict]], keys: list[str], x: str = "epoch") -> tuple[list[dict], dict]:
+    """The curve points of several seeds of one arm (``runs``: each seed's points) as one line per key, the mean
+    over the seeds that have that key at every ``x`` all of those reached, and its band, ``(xs, lows, highs)``
+    over the same seeds (none where one seed has the key)."""
+    if len(runs) == 1:
+        return runs[0], {}
+    points: dict[float, dict] = {}
+    bands = {}
+    for key in keys:
+        having = [{p[x]: p[key] for p in pts if isinstance(p.get(key), (int, float))} for pts in runs]
+        having = [h for h in having if h]
+        if not having:
+            continue
+        xs = sorted(set.intersection(*(set(h) for h in having)))
+        for v in xs:
+            points.setdefault(v, {x: v})[key] = statistics.fmean(h[v] for h in having)
+        if len(having) > 1:
+            bands[key] = (xs, [min(h[v] for h in having) for v in xs], [max(h[v] for h in having) for v in xs])
+    return [points[v] for v in sorted(points)], bands
+
+
 def claim_figure(claim: str, stage: str, recs: dict, figures: Path, keys: list[str], name: str,
                  draw: bool) -> Path | None:
-    """``figures/name``: the curves of every arm of ``claim`` at ``stage`` that has some (drawn when ``draw``)."""
+    """``figures/name``: the curves of every arm group of ``claim`` at ``stage`` that has some, one line a group
+    (the mean over its seeds, their range shaded: :func:`seed_curves`; drawn when ``draw``)."""
     from dres.eval.curves import plot_curves
 
-    series = {r["arm"]: r["curves"] for r in recs.values()
-              if r["claim"] == claim and BY_NAME[r["arm"]].stage == stage and r["curves"]}
-    keys = [k for k in keys if any(any(k in p for p in pts) for pts in series.values())]
-    if not series or not keys:
+    runs: dict[str, list[list[dict]]] = {}
+    for r in recs.values():
+        if r["claim"] == claim and BY_NAME[r["arm"]].stage == stage and r["curves"]:
+            runs.setdefault(r["group"], []).append(r["curves"])
+    keys = [k for k in keys if any(any(k in p for p in pts) for seeds in runs.values() for pts in seeds)]
+    if not runs or not keys:
         return None
     if draw:
+        series, bands = {}, {}
+        for group, seeds in runs.items():
+            label = group + (f" ({len(seeds)} seeds: mean, range shaded)" if len(seeds) > 1 else "")
+            series[label], bands[label] = seed_curves(seeds, keys)
         Path(figures).mkdir(parents=True, exist_ok=True)
-        plot_curves(series, Path(figures) / name, keys, title=f"claim {claim} ({stage} runs): metrics over training")
+        plot_curves(series, Path(figures) / name, keys, title=f"claim {claim} ({stage} runs): metrics over training",
+                    bands=bands)
     return Path(figures) / name
 
 
@@ -434,9 +463,9 @@ def claim_c(page: Page) -> list[str]:
                                  f"{arch} {what}: {x} − {y} (points)")
                      for prefix, what in C_DECISIVE_PREFIXES for arch in ("resnet50d", "resnet50")
                      for x, y in C_COMPARISONS]
-                    + [paired_line(recs, f"C300-resnet50d-{reading}", "C300-resnet50d-residual_droppath", "top1", 100,
-                                   f"resnet50d 32 px: {reading} − residual_droppath (points)")
-                       for reading in READINGS])
+                    + [paired_line(recs, f"C300-resnet50d-{reading}", f"C300-resnet50d-{mode}", "top1", 100,
+                                   f"resnet50d 32 px: {reading} − {mode} (points)")
+                       for reading in READINGS for mode in ("residual_droppath", "none", "drop_path")])
     L += page.block("C", "short", "Earlier short runs: 100 epochs (ResNet50d), 50 (ViT), one seed",
                     "Presets `classify_resnet50d_cifar10`, `classify_resnet50_cifar10` (batch 256, lr 0.1, crop "
                     "0.35-1, no colour jitter) and `classify_cifar10`.",
@@ -454,7 +483,8 @@ def runs(page: Page) -> list[str]:
     if recs:
         L += _table(["arm", "epochs", "steps", "card", "date", "commit", "img/s (arms sharing the GPU)", "command"],
                     [[r["arm"], f"{r['epochs']:g}", r["steps"], r["card"], r["date"], r["commit"][:12],
-                      (f"{r['train']['img_per_s']:.0f} ({r['train'].get('arms_per_device', 1)})"
+                      (f"{r['train']['img_per_s']:.0f} ({r['train'].get('arms_per_device', 1)}"
+                       f"{', ' + r['train']['gpu_sharing'] if r['train'].get('gpu_sharing') else ''})"
                        if r["train"].get("img_per_s") else "—"),
                       f"`{r['command']}`"] for r in recs.values()])
     else:

@@ -50,8 +50,9 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=float, default=0, help="training length of every arm (--plan; --run: of the "
                    "words without @EPOCHS)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs (0: the CPU)")
-    p.add_argument("--jobs", type=int, default=1, help="arms at a time on each GPU (or on the CPU); processes sharing a GPU are "
-                   "time-sliced, so more than 1 rarely adds throughput (experiments/README.md)")
+    p.add_argument("--jobs", type=int, default=1, help="arms at a time on each GPU (or on the CPU); processes sharing a GPU "
+                   "take turns unless NVIDIA's MPS daemon runs (queue.sh's MPS=1), through which small graphed arms "
+                   "overlap (experiments/README.md)")
     p.add_argument("--root", type=Path, default=Path("/tmp/dres-repro"), help="run directories (local disk)")
     p.add_argument("--records", type=Path, help="--run: the folder the JSON records go to (required); --report: "
                    "the folder read, with its subfolders (default records/experiments)")

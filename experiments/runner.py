@@ -167,8 +167,10 @@ def git_commit() -> str:
 
 
 def mps_running() -> bool:
-    """Whether an MPS daemon serves this host's CUDA processes (its control pipe, where clients look for it)."""
-    return Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control").is_fifo()
+    """Whether an MPS daemon serves this host's CUDA processes: its ``control`` endpoint (a socket, or a named
+    pipe) where clients look for it."""
+    control = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control")
+    return control.is_socket() or control.is_fifo()
 
 
 def card_of(gpu: int | None) -> str:

@@ -153,6 +153,23 @@ def test_a_series_keeps_its_colour_in_every_panel(tmp_path, monkeypatch):
     assert drawn == [("first", "C0"), ("second", "C1"), ("second", "C1")]
 
 
+def test_seed_bands_are_shaded_and_many_series_get_distinct_colours(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from dres.eval import plot_curves
+
+    shaded, fill = [], Axes.fill_between
+    monkeypatch.setattr(Axes, "fill_between", lambda ax, *a, **kw: shaded.append((a, kw["color"])) or fill(ax, *a, **kw))
+    series = {"a": [{"epoch": 1, "acc": 0.5}, {"epoch": 2, "acc": 0.6}], "b": [{"epoch": 1, "acc": 0.4}]}
+    plot_curves(series, tmp_path / "c.png", ["acc"], bands={"a": {"acc": ([1, 2], [0.4, 0.5], [0.6, 0.7])}})
+    assert shaded == [(([1, 2], [0.4, 0.5], [0.6, 0.7]), "C0")]  # under its own line, in its colour
+    drawn, plot = [], Axes.plot
+    monkeypatch.setattr(Axes, "plot", lambda ax, *a, **kw: drawn.append(kw["color"]) or plot(ax, *a, **kw))
+    plot_curves({f"s{i}": [{"epoch": 1, "acc": i}] for i in range(12)}, tmp_path / "many.png", ["acc"])
+    assert len(set(drawn)) == 12  # the default cycle would repeat after ten
+
+
 def test_knn_runs_on_the_features_device():
     x, y = _blobs()
     acc = knn_accuracy(x[:400].double(), y[:400], x[400:].double(), y[400:], k=5)

@@ -5,6 +5,7 @@ the arm matrix, selection), runner (runner.py: budget plan, records from real ti
 import json
 import math
 import os
+import socket
 import subprocess
 import tarfile
 from pathlib import Path
@@ -666,6 +667,18 @@ def test_record_keeps_the_probe_grid_and_the_numbers_of_the_evaluation(tmp_path)
     assert (shared["train"]["arms_per_device"], shared["train"]["gpu_sharing"]) == (5, "mps")
 
 
+def test_seed_curves_average_the_seeds_that_have_a_metric_and_shade_their_range():
+    s0 = [{"epoch": 10, "acc": 0.5}, {"epoch": 20, "acc": 0.6}]  # seed 0 drew no fd
+    s1 = [{"epoch": 10, "acc": 0.7, "fd": 50.0}, {"epoch": 20, "acc": 0.8, "fd": 30.0}, {"epoch": 30, "acc": 0.9}]
+    s2 = [{"epoch": 10, "acc": 0.6, "fd": 60.0}, {"epoch": 20, "acc": 0.7, "fd": 40.0}]
+    mean, bands = report.seed_curves([s0, s1, s2], ["acc", "fd"])
+    assert [p["epoch"] for p in mean] == [10, 20]  # epoch 30: one seed only
+    assert mean[0]["acc"] == pytest.approx(0.6) and mean[1]["acc"] == pytest.approx(0.7)
+    assert (mean[0]["fd"], mean[1]["fd"]) == (55.0, 35.0)  # over seeds 1 and 2, the two that have it
+    assert bands["acc"] == ([10, 20], [0.5, 0.6], [0.7, 0.8]) and bands["fd"] == ([10, 20], [50.0, 30.0], [60.0, 40.0])
+    assert report.seed_curves([s1], ["acc"]) == (s1, {})  # one seed: its own points, no band
+
+
 def test_arm_slots_take_the_gpus_in_turn():
     assert runner.gpu_slots(2, 3) == [0, 1, 0, 1, 0, 1]  # two arms go to two GPUs, not both to GPU 0
     assert runner.gpu_slots(3, 1) == [0, 1, 2]
@@ -681,6 +694,10 @@ def test_mps_is_seen_by_its_control_pipe(tmp_path, monkeypatch):
     (tmp_path / "control").unlink()
     os.mkfifo(tmp_path / "control")
     assert runner.mps_running()
+    (tmp_path / "control").unlink()
+    with socket.socket(socket.AF_UNIX) as endpoint:  # what the daemon makes on a current driver
+        endpoint.bind(str(tmp_path / "control"))
+        assert runner.mps_running()
 
 
 def test_recorded_minutes_scale_training_to_the_length_and_add_the_final_evaluation():

@@ -109,26 +109,39 @@ def numeric_keys(series: dict[str, list[dict]]) -> list[str]:
     return list(keys)
 
 
-def plot_curves(series: dict[str, list[dict]], path, keys=None, x="epoch", title=None) -> str:
+def plot_curves(series: dict[str, list[dict]], path, keys=None, x="epoch", title=None, bands=None) -> str:
     """One panel per metric in ``keys`` (default: every numeric one), one line per ``series`` label
-    against ``x``; written as PNG."""
+    against ``x``, and under a line its ``bands[label][key]`` = ``(xs, lows, highs)`` shaded where given (the
+    spread of seeds); written as PNG."""
     from dres.eval.viz import pyplot
 
     plt = pyplot()
     keys = list(keys) if keys is not None else numeric_keys(series)
     if not keys:
         raise ValueError("plot_curves: no numeric metric to draw in the given points")
+    bands = bands or {}
+    many = len(series) > 10  # past ten lines the default cycle repeats its colours
+    colours = [plt.get_cmap("tab20")(i % 20) if many else f"C{i}" for i in range(len(series))]
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
     for ax, key in zip(axes[0], keys):
-        for i, (label, points) in enumerate(series.items()):
+        for colour, (label, points) in zip(colours, series.items()):
             pts = [(p[x], p[key]) for p in points if isinstance(p.get(key), (int, float))]
             if pts:  # a series keeps its colour in every panel, also where another lacks the metric
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o" if len(xs) <= 50 else None, markersize=3, label=label, color=f"C{i % 10}")
+                ax.plot(xs, ys, marker="o" if len(xs) <= 50 else None, markersize=3, label=label, color=colour)
+            if key in bands.get(label, {}):
+                ax.fill_between(*bands[label][key], color=colour, alpha=0.2, linewidth=0)
         ax.set_xlabel(x)
         ax.set_title(key, fontsize=9)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    if len(series) > 6:  # a long legend goes beside the panels, not over the lines
+        handles = {}
+        for ax in axes[0]:
+            for handle, label in zip(*ax.get_legend_handles_labels()):
+                handles.setdefault(label, handle)
+        fig.legend(handles.values(), handles.keys(), fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    else:
+        axes[0][0].legend(fontsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
