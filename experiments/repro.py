@@ -101,7 +101,7 @@ def main(argv=None) -> int:
                       f"--gpus {a.gpus} --root /tmp/dres-repro --records records/experiments/CARD-DATE-WHAT")
             return 0
         if a.dry_run:
-            dry_run(select_epochs(a.run, a.epochs), gpus=a.gpus, root=a.root,
+            dry_run(select_epochs(a.run, a.epochs), gpus=a.gpus, jobs=a.jobs, root=a.root,
                     records=a.records or Path("records/experiments/CARD-DATE-WHAT"),
                     presets=parse_task_map(a.preset, "--preset"), extra=a.extra, every=a.curve_every, force=a.force,
                     img_per_s=parse_task_map(a.img_per_s, "--img-per-s", float), overhead_s=a.overhead_s)

@@ -103,12 +103,14 @@ def arm_actions(queue: list[tuple[Arm, float, bool]], *, root: Path, records: Pa
 
 
 def dry_run(queue: list[tuple[Arm, float, bool]], *, gpus: int, root: Path, records: Path, presets: dict,
-            extra: list[str], every: int, force: bool, img_per_s: dict, overhead_s: float, log=print) -> None:
+            extra: list[str], every: int, force: bool, img_per_s: dict, overhead_s: float, jobs: int = 1,
+            log=print) -> None:
     """What ``--run`` would do (:func:`arm_actions`), without running anything: each arm's exact command (each
     starts on the first free of ``gpus`` GPUs, under its CUDA_VISIBLE_DEVICES) and whether it starts or
     resumes, or why it is skipped, with an estimate of its minutes where ``img_per_s`` has a rate for its task."""
     root = root.resolve()
-    log(f"[repro] dry run: {len(queue)} arm(s), one at a time on each of {max(gpus, 1)} "
+    at_a_time = "one at a time" if jobs <= 1 else f"{jobs} at a time"
+    log(f"[repro] dry run: {len(queue)} arm(s), {at_a_time} on each of {max(gpus, 1)} "
         f"{'GPU' if gpus else 'CPU slot'}(s), run folders under {root}, records to {records}")
     actions = arm_actions(queue, root=root, records=records, force=force)
     committed = load_records(RECORDS_ROOT)
@@ -123,9 +125,13 @@ def dry_run(queue: list[tuple[Arm, float, bool]], *, gpus: int, root: Path, reco
             est = f", ~{estimate_s(arm, action.epochs, img_per_s, overhead_s) / 60:.0f} min at {rate:g} img/s"
         else:
             recorded = recorded_minutes(arm, action.epochs, committed)
-            est = (f", ~{recorded[0]:.1f} min on one {recorded[1]} (its records' wall time"
-                   f"{'' if recorded[2] else ', without the final evaluation where they did not measure it'})"
-                   if recorded else "")
+            if recorded:
+                minutes, card, every_eval, sharing = recorded
+                est = (f", ~{minutes:.1f} min on one {card}{f' shared by {sharing} arms' if sharing > 1 else ''} "
+                       f"(its records' wall time"
+                       f"{'' if every_eval else ', without the final evaluation where they did not measure it'})")
+            else:
+                est = ""
         how = (f"resumes its run in {root / arm.name} from its newest checkpoint" if action.what == "resume"
                else f"starts in {root / arm.name}")
         kept = (f"; rebuilt for the arms that read its run folder, its record in {records} kept"
@@ -134,20 +140,25 @@ def dry_run(queue: list[tuple[Arm, float, bool]], *, gpus: int, root: Path, reco
         log(shlex.join(["python"] + cmd[1:]))
 
 
-def recorded_minutes(arm: Arm, epochs: float, recs: dict) -> tuple[float, str, bool] | None:
+def recorded_minutes(arm: Arm, epochs: float, recs: dict) -> tuple[float, str, bool, int] | None:
     """The arm's minutes from start to record as its committed records measured them: the median of the records
     of its group (else of its preset at its stage) of their training's wall time scaled to ``epochs`` plus their
-    final evaluation's; their card; and whether every one of them measured its evaluation (records made before
-    ``eval_wall_s`` count training alone). None without such a record."""
+    final evaluation's; their card; whether every one of them measured its evaluation (records made before
+    ``eval_wall_s`` count training alone); and how many arms shared a GPU in them: records of arms alone on
+    their GPU where there are any (an arm sharing one takes longer), else the shared ones. None without such a
+    record."""
     def alike(match):
         return [r for r in recs.values() if match(r) and r["train"].get("wall_s_last_process") and r["epochs"]]
     rows = (alike(lambda r: r["group"] == arm.group)
             or alike(lambda r: BY_NAME[r["arm"]].preset == arm.preset and BY_NAME[r["arm"]].stage == arm.stage))
     if not rows:
         return None
+    rows = [r for r in rows if r["train"].get("arms_per_device", 1) == 1] or rows
     minutes = statistics.median(r["train"]["wall_s_last_process"] * epochs / r["epochs"]
                                 + (r["train"].get("eval_wall_s") or 0) for r in rows) / 60
-    return minutes, statistics.mode(r["card"] for r in rows), all(r["train"].get("eval_wall_s") is not None for r in rows)
+    return (minutes, statistics.mode(r["card"] for r in rows),
+            all(r["train"].get("eval_wall_s") is not None for r in rows),
+            max(r["train"].get("arms_per_device", 1) for r in rows))
 
 
 def resolved_config(arm: Arm, presets: dict, extra: list[str]):

@@ -238,6 +238,15 @@ def test_dry_run_prints_the_exact_commands_and_runs_nothing(tmp_path, capsys):
     assert "# C224-resnet50d-residual_droppath-s0: 2 epochs, ~3 min at 3000 img/s" in out
 
 
+def test_dry_run_names_arms_a_gpu_and_minutes_measured_sharing_one(tmp_path, capsys):
+    # the committed records of the frozen reading trained six arms to one H200
+    rc = repro.main(["--run", "C300-resnet50d-residual_droppath_frozen-s0", "--dry-run", "--gpus", "1", "--jobs", "6",
+                     "--root", str(tmp_path / "runs"), "--records", str(tmp_path / "records")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "1 arm(s), 6 at a time on each of 1 GPU(s)" in out
+    assert "300 epochs, ~24.5 min on one NVIDIA H200 shared by 6 arms (its records' wall time)" in out
+
+
 def test_report_without_records_says_not_run_yet_everywhere(tmp_path):
     text = report.report(tmp_path / "records", tmp_path / "RESULTS.md", figures=tmp_path / "figures",
                         notes=tmp_path / "notes.md")
@@ -703,16 +712,20 @@ def test_mps_is_seen_by_its_control_pipe(tmp_path, monkeypatch):
 def test_recorded_minutes_scale_training_to_the_length_and_add_the_final_evaluation():
     arm = next(a for a in arms.build_matrix() if a.name == "B64-uvit-a0.7-s1")
 
-    def rec(seed, wall, ev, card="H200"):
+    def rec(seed, wall, ev, card="H200", sharing=None):
         return {"arm": f"B64-uvit-a0.7-s{seed}", "group": "B64-uvit-a0.7", "epochs": 64, "card": card,
-                "train": {"wall_s_last_process": wall, **({"eval_wall_s": ev} if ev is not None else {})}}
+                "train": {"wall_s_last_process": wall, **({"eval_wall_s": ev} if ev is not None else {}),
+                          **({"arms_per_device": sharing} if sharing else {})}}
     measured = {"a": rec(1, 960.0, 480.0), "b": rec(2, 1020.0, 480.0)}
     # half the length: half of the training (480 / 510 s) plus the whole evaluation, median of the two
-    assert runner.recorded_minutes(arm, 32, measured) == (((480 + 480) + (510 + 480)) / 2 / 60, "H200", True)
+    assert runner.recorded_minutes(arm, 32, measured) == (((480 + 480) + (510 + 480)) / 2 / 60, "H200", True, 1)
     older = {**measured, "c": rec(0, 900.0, None)}  # a record from before eval_wall_s: training alone
-    minutes, card, every_eval = runner.recorded_minutes(arm, 64, older)
+    minutes, card, every_eval, _ = runner.recorded_minutes(arm, 64, older)
     assert (minutes, every_eval) == ((960 + 480) / 60, False)
     assert runner.recorded_minutes(arm, 64, {}) is None
+    shared = {"d": rec(3, 3000.0, 480.0, sharing=6)}  # six arms on one GPU: slower an arm
+    assert runner.recorded_minutes(arm, 64, {**measured, **shared})[::3] == ((960 + 480 + 1020 + 480) / 2 / 60, 1)
+    assert runner.recorded_minutes(arm, 64, shared) == ((3000 + 480) / 60, "H200", True, 6)  # only shared ones
 
 
 def test_claim_a_pairs_hold_four_seeds_queued_before_the_sweep():
