@@ -134,14 +134,14 @@ def plot_curves(series: dict[str, list[dict]], path, keys=None, x="epoch", title
         ax.set_xlabel(x)
         ax.set_title(key, fontsize=9)
         ax.grid(alpha=0.3)
+    handles = {}  # every series once, also one the first panel lacks
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
     if len(series) > 6:  # a long legend goes beside the panels, not over the lines
-        handles = {}
-        for ax in axes[0]:
-            for handle, label in zip(*ax.get_legend_handles_labels()):
-                handles.setdefault(label, handle)
         fig.legend(handles.values(), handles.keys(), fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     else:
-        axes[0][0].legend(fontsize=7)
+        axes[0][0].legend(handles.values(), handles.keys(), fontsize=7)
     if title:
         fig.suptitle(title, fontsize=10)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
