@@ -5,6 +5,7 @@ record is "not run yet", never a number) and the hand-written verdicts of experi
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -17,6 +18,9 @@ from experiments.runner import RECORDS_ROOT, REPO_ROOT, load_records
 FIGURES_DIR = REPO_ROOT / "experiments" / "figures"  # the report's curve figures
 NOTES_MD = REPO_ROOT / "experiments" / "notes.md"  # the hand-written verdict per claim ("## A", "## B", "## C")
 RESULTS_MD = REPO_ROOT / "RESULTS.md"
+CLAIM_TITLES = {"A": "Decayed identity shortcuts, MAE on CIFAR-10 (preset `mae_cifar10`, ViT-S/4)",
+                "B": "U-ViT, decayed through the whole network (preset `uvit_cifar10`, U-ViT-S/2, CIFAR-10)",
+                "C": "ResidualDroppath on CIFAR-10 (timm ResNet50d / ResNet50, dres ViT-Ti/4)"}
 
 
 def stat(values: list[float], scale=1.0, digits=1) -> str:
@@ -306,6 +310,11 @@ class Page:
         """A table row per setting of ``claim`` at ``stage``: ``row(its first arm, its cells, its records)``."""
         return [row(a, *group_cells(a.group, self.recs, columns)) for a in _groups(claim, stage)]
 
+    def headline(self, claim) -> str | None:
+        """The verdict's lead: its opening bold passage, on one line."""
+        lead = re.match(r"\*\*(.+?)\*\*", self.verdicts.get(claim, ""), re.DOTALL)
+        return " ".join(lead.group(1).split()) if lead else None
+
     def verdict(self, claim) -> list[str]:
         return [self.verdicts.get(claim) or f"Verdict: pending — write it under `## {claim}` in {self.rel(self.notes)} "
                 "and rebuild.", ""]
@@ -324,7 +333,17 @@ def render(records: Path, base: Path, figures: Path = FIGURES_DIR, notes: Path =
          "directions, not absolute values. Each claim has its decisive runs (the papers' recipes at full length, "
          "with seeds) and the earlier short runs (one seed, shorter, other settings), never mixed in one table.",
          ""]
-    return "\n".join(L + claim_a(page) + claim_b(page) + claim_c(page) + runs(page))
+    return "\n".join(L + at_a_glance(page) + claim_a(page) + claim_b(page) + claim_c(page) + runs(page))
+
+
+def at_a_glance(page: Page) -> list[str]:
+    """Each claim's verdict in its lead sentence, ahead of the tables."""
+    leads = [(c, t, page.headline(c)) for c, t in CLAIM_TITLES.items()]
+    if not any(lead for _, _, lead in leads):
+        return []
+    return (["## At a glance", "", "Each claim's verdict as its section below opens it (the tables, the intervals and "
+             "the records follow there).", ""]
+            + [f"- **{c}. {t}**: {lead or 'verdict pending.'}" for c, t, lead in leads] + [""])
 
 
 def claim_a(page: Page) -> list[str]:
@@ -334,7 +353,7 @@ def claim_a(page: Page) -> list[str]:
         return page.rows("A", stage, columns, lambda a, cells, _: [a.labels["variant"], f"{a.labels['alpha_min']:g}",
                                                                    a.labels["zero_init"]] + cells + [_paper(a)])
     labels = ["variant", "alpha_min", "zero_init", "epochs", "seeds"]
-    L = ["## A. Decayed identity shortcuts, MAE on CIFAR-10 (preset `mae_cifar10`, ViT-S/4)", "",
+    L = [f"## A. {CLAIM_TITLES['A']}", "",
          "Linear probe (on frozen cls features, eval.probe_epochs) and kNN (k=20, cosine) on the 10k test split; "
          "effective rank of the last-layer cls features as eq. 6 defines it, the entropy H of the normalised "
          "singular values of their covariance, and as exp(H). The IN-1K numbers are vanilla MAE's, on the "
@@ -387,7 +406,7 @@ def claim_b(page: Page) -> list[str]:
         return page.rows("B", stage, B_COLUMNS, b_row)
     b_header = ["alpha_min", "epochs", "seeds"] + B_HEADER + ["samples", "paper (CIFAR-100)"]
     steps_b = UVIT_DECISIVE_EPOCHS * (TRAIN_SIZES["cifar10_wds"] // 128)
-    L = ["## B. U-ViT, decayed through the whole network (preset `uvit_cifar10`, U-ViT-S/2, CIFAR-10)", "",
+    L = [f"## B. {CLAIM_TITLES['B']}", "",
          "The paper's numbers are on CIFAR-100, which cannot be had offline here: B runs on CIFAR-10. Probe of "
          "the mid-block features at t=0.1 (eval.probe_epochs), and `fd_cifar_classifier`: the Frechet "
          "distance between generated and test images in the penultimate features of a CIFAR-10 ViT classifier "
@@ -442,7 +461,7 @@ def claim_c(page: Page) -> list[str]:
             recipe = [str(a.labels["px"]), f"{a.labels['drop_rate']:g}"] if stage == "decisive" else []
             return [a.labels["arch"]] + recipe + [a.labels["mode"]] + cells + [_paper(a)]
         return page.rows("C", stage, columns, row)
-    L = ["## C. ResidualDroppath on CIFAR-10 (timm ResNet50d / ResNet50, dres ViT-Ti/4)", "",
+    L = [f"## C. {CLAIM_TITLES['C']}", "",
          "Top-1 on the 10k test split; the modes differ only in `model.droppath_mode` (drop path 0.1, "
          "linear in depth); train accuracy and loss are the final epoch's (from the training log).", ""]
     L += page.block("C", "decisive", f"Decisive runs: timm's train.py recipe, {RDP_DECISIVE_EPOCHS} epochs, "

@@ -259,6 +259,20 @@ def test_report_without_records_says_not_run_yet_everywhere(tmp_path):
         assert value in text
     assert "No arm has run yet." in text and text.count("Verdict: pending") == 3
     assert "fd_cifar_classifier" in text and "not FID" in text
+    assert "## At a glance" not in text  # no verdict written, nothing to lead with
+
+
+def test_report_leads_with_each_claims_opening_bold_passage(tmp_path):
+    notes = tmp_path / "notes.md"
+    notes.write_text("## A\n\n**Decisive runs: the probe rises\nby +1.8 ± 1.7.** Preset and records.\n\n"
+                     "## C\n\nNo bold lead here, **only later**.\n")
+    text = report.render(tmp_path / "records", tmp_path, figures=tmp_path / "figures", notes=notes, draw=False)
+    glance = text[text.index("## At a glance"):text.index("## A. ")]
+    lines = [l for l in glance.splitlines() if l.startswith("- ")]
+    assert lines == [f"- **A. {report.CLAIM_TITLES['A']}**: Decisive runs: the probe rises by +1.8 ± 1.7.",
+                     f"- **B. {report.CLAIM_TITLES['B']}**: verdict pending.",
+                     f"- **C. {report.CLAIM_TITLES['C']}**: verdict pending."]
+    assert "Preset and records." in text[text.index("## A. "):]  # the verdict in full stays in its section
 
 
 def test_committed_results_md_is_the_report_of_the_committed_records():
