@@ -4,8 +4,9 @@ the same architectures (benchmarks/baselines.py), their synthetic batch and thei
 A model is a name of ``MODELS`` plus two options that apply to the dres models: ``ops_backend``
 (``"cuda"``: every fused op on the csrc kernels, which need ``DRES_BUILD_CUDA=1 pip install -e .``;
 ``"torch"``: the ops' plain PyTorch code, which torch.compile fuses with its neighbours itself)
-and ``fused_branches`` (``True``/``False``: the fused MLP and MAE loss forced on or off; ``None``: the
-models' own choice, fused in eager mode only); and ``fp8``, which applies to every model: the
+``fused_branches`` (``True``/``False``: the fused MLP and MAE loss forced on or off; ``None``: the
+models' own choice, fused in eager mode only) and ``attention`` (``"sdpa"``: every attention on SDPA, the
+short-sequence kernel off, the other ops as they are); and ``fp8``, which applies to every model: the
 attention and MLP Linear layers of its transformer blocks as torchao ``Float8Linear`` (dynamic
 tensorwise scaling, as torchtitan converts its models; the same four layers per block in every model, so
 the comparison stays like for like; needs torchao and a GPU of compute capability >= 8.9).
@@ -34,6 +35,7 @@ BASELINE = {"mae": "timm", "uvit": "plain"}
 DEFAULT_BATCH = {"mae": 256, "uvit": 128}
 OPS_BACKENDS = ("triton", "cuda", "torch")
 FUSED_BRANCHES = {"auto": None, "on": True, "off": False}
+ATTENTION = ("auto", "sdpa")
 
 
 def is_dres_model(name: str) -> bool:
@@ -41,9 +43,10 @@ def is_dres_model(name: str) -> bool:
 
 
 def build_model(bench: str, name: str, ops_backend: str | None = None,
-                fused_branches: bool | None = None, fp8: bool = False) -> torch.nn.Module:
-    """``MODELS[bench][name]``, with the dres models' ops on ``ops_backend`` and their branch fusions
-    forced to ``fused_branches`` when given (the baselines have neither); ``fp8``: float8 block matmuls."""
+                fused_branches: bool | None = None, fp8: bool = False, attention: str | None = None) -> torch.nn.Module:
+    """``MODELS[bench][name]``, with the dres models' ops on ``ops_backend``, their branch fusions
+    forced to ``fused_branches`` and their attention on SDPA (``attention="sdpa"``) when given (the
+    baselines have none of these); ``fp8``: float8 block matmuls."""
     model = _build_plain(bench, name)
     if fp8:
         convert_to_float8(model)
@@ -62,6 +65,12 @@ def build_model(bench: str, name: str, ops_backend: str | None = None,
         set_fused_mlp(model, fused_branches)
         if hasattr(model, "fused_loss"):
             model.fused_loss = fused_branches
+    if attention == "sdpa":
+        from dres.nn.transformer import Attention
+
+        for m in model.modules():
+            if isinstance(m, Attention):
+                m.backend = "torch"  # the Attention's own backend: "torch" keeps every shape on SDPA
     return model
 
 
@@ -123,6 +132,8 @@ def model_label(record: dict) -> str:
         options.append(f"ops {record['ops_backend']}")
     if record.get("fused_branches") is not None:
         options.append(f"fused branches {'on' if record['fused_branches'] else 'off'}")
+    if record.get("attention"):
+        options.append(f"{record['attention']} attention")
     if record.get("fp8"):
         options.append("fp8")
     if isinstance(record.get("overrides"), list):  # a trainer run's model keys (its preset's variant changed)
@@ -166,10 +177,13 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "which torch.compile fuses itself)")
     parser.add_argument("--fused-branches", choices=list(FUSED_BRANCHES), default="auto",
                         help="the dres models' fused MLP and MAE loss: on, off, or auto (eager mode only)")
+    parser.add_argument("--attention", choices=ATTENTION, default="auto",
+                        help="the dres models' attention: auto (short-sequence kernel where it applies) or sdpa")
     parser.add_argument("--fp8", action="store_true",
                         help="every model's transformer-block Linear layers as torchao float8 matmuls (needs torchao)")
 
 
 def model_options(args) -> dict:
     """``build_model``'s keyword options from ``add_model_options``' arguments."""
-    return {"ops_backend": args.ops_backend, "fused_branches": FUSED_BRANCHES[args.fused_branches], "fp8": args.fp8}
+    return {"ops_backend": args.ops_backend, "fused_branches": FUSED_BRANCHES[args.fused_branches], "fp8": args.fp8,
+            "attention": None if args.attention == "auto" else args.attention}

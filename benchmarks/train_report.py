@@ -9,12 +9,12 @@ from benchmarks import measure
 from benchmarks.train_models import BASELINE, model_label
 
 
-TRAIN_KEY = ("card", "bench", "model", "ops_backend", "fused_branches", "fp8", "mode", "batch", "world_size", "checkpointing",
+TRAIN_KEY = ("card", "bench", "model", "ops_backend", "fused_branches", "attention", "fp8", "mode", "batch", "world_size", "checkpointing",
              "kind", "dist", "fsdp_variant", "ddp_variant", "compile_scope", "overrides")
 
 
 def model_options(record: dict) -> tuple:
-    return record.get("ops_backend"), record.get("fused_branches"), bool(record.get("fp8"))
+    return record.get("ops_backend"), record.get("fused_branches"), record.get("attention"), bool(record.get("fp8"))
 
 
 def add_ratios(records: list[dict]) -> None:
