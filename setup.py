@@ -1,5 +1,5 @@
 """What pyproject.toml cannot express: the top-level ``kernels/`` installs as ``dres.kernels`` and
-``train/`` as ``dres.train`` (the layout the project's owner asked for), and the optional CUDA
+``train/`` as ``dres.train`` (the project's layout: kernels and trainer apart from the package code), and the optional CUDA
 extension. The package's metadata, dependencies and extras are in pyproject.toml.
 
 The optional CUDA C++ extension ``dres._C`` (``csrc/``, the ``backend="cuda"`` ops) is built only

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: install, run the GPU test suite, run the benchmarks; everything
+# On a GPU host, in one command: install, run the GPU test suite, run the benchmarks; everything
 # lands under $OUT (default ./device_out). Usage:
 #   bash benchmarks/device_check.sh [tests|data|kernels|probe|attention|compiled|train|trainers|csrc_tests|all]   (default: all)
 # data: an ImageNet-like JPEG folder, the file loaders alone (GPU and CPU decode, all cores and 4) and the trainers

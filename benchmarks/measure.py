@@ -408,7 +408,7 @@ def add_speedups(records: list[dict], key: Sequence[str] = KERNEL_KEY, baseline:
 
 def merge_records(old: Iterable[dict], new: Iterable[dict], key: Sequence[str] = KERNEL_KEY) -> list[dict]:
     """New records replace old ones with the same key; the rest of the old file is kept, so a sweep
-    split over several device calls accumulates in one file."""
+    split over several commands accumulates in one file."""
     def record_key(r):  # lists (a trainer run's overrides) as tuples, to be hashed
         return tuple(tuple(v) if isinstance(v, list) else v for v in (r.get(k) for k in key))
 

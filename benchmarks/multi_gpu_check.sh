@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call on a machine of several GPUs: install, then in priority order
+# One command on a machine of several GPUs: install, then in priority order
 #   candidates  bench_train --scaling, eager, official MAE ViT-B/16 and the timm-style baseline on 1, 2, 4
 #               GPUs: each candidate wrapping (CANDIDATES) against DDP; plain "fsdp" is the trainer's
 #               default (reshard auto, 4 blocks a unit), fsdp:auto:1 its former one (a unit per block)

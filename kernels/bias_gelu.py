@@ -138,8 +138,8 @@ def forward_config(n: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of the forward for rows of ``n`` columns.
 
     Tiles of 4096 elements, up to 256 columns by 16 rows for wide hidden layers and more rows when N
-    is small, so that a tile is never mostly padding columns: within 4% of the best of a tile sweep
-    on every shape and dtype measured (BENCHMARKS.md, "Fusion in the branches").
+    is small, so that a tile is never mostly padding columns (``benchmarks.bench_branch_ops``' tile sweep,
+    record ``h200-2026-11-26-branch-ops``).
     """
     block_n = min(256, triton.next_power_of_2(max(n, 16)))
     return 4096 // block_n, block_n, 4

@@ -97,8 +97,9 @@ def _mae_loss_kernel(
 def mae_loss_config(patch_dim: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_P, num_warps) for patches of ``patch_dim`` values.
 
-    Small tiles won a tile sweep (BENCHMARKS.md, "Fusion in the branches"): about 2048 elements and
-    32 values per thread; the widest patches (p = 32) take one 4096-value row on 4 warps.
+    Small tiles won ``benchmarks.bench_branch_ops``' tile sweep (record ``h200-2026-11-26-branch-ops``):
+    about 2048 elements and 32 values per thread; the widest patches (p = 32) take one 4096-value row
+    on 4 warps.
     """
     block_p = triton.next_power_of_2(max(patch_dim, 16))
     block_m = max(1, min(64, 2048 // block_p))

@@ -193,8 +193,8 @@ def backward_config(dim: int) -> tuple[int, int, int, int, int | None]:
     :func:`residual_norm_backward` looks this function up at every launch: ``benchmarks.tune_backward``
     times other configs by replacing it for the duration of a sweep (``backward_config_replaced``).
 
-    For BLOCK_D 512-1024: 8-row tiles, 64 values of a tile per thread, 8 warps per SM in all, the
-    best or within 2% of it in the ``benchmarks.tune_backward`` sweep (BENCHMARKS.md, Target 1).
+    For BLOCK_D 512-1024: 8-row tiles, 64 values of a tile per thread, 8 warps per SM in all, as the
+    ``benchmarks.tune_backward`` sweep picked them.
     Other widths keep tiles of ~4096 elements, 32 values per thread, 8 programs per SM.
     """
     block_d = triton.next_power_of_2(max(dim, 16))

@@ -870,7 +870,7 @@ def test_cached_launch_under_the_interpreter_caches_nothing():
 
 def test_default_backend_follows_the_measurements():
     """backend=None: csrc in eager at small sizes when built, Triton when compiling, capturing a CUDA
-    graph, on large tensors or without csrc; the reference on CPU (BENCHMARKS.md, "Default backend")."""
+    graph, on large tensors or without csrc; the reference on CPU (csrc/README.md, "Default backend")."""
     from dres.ops.checks import CSRC_EAGER_MAX_ELEMENTS, choose_default_backend
 
     small, large = 12800 * 768, CSRC_EAGER_MAX_ELEMENTS + 1

@@ -107,7 +107,7 @@ def test_apply_compile_scopes_count_their_regions():
     (["mae", "--preset", "mae_vit_b16_in1k"], "no training data path"),
     (["mae", "--preset", "mae_cifar10", "--set", "data.path=/nonexistent/cifar"], "data path not found: /nonexistent/cifar"),
     (["mae", "--preset", "quickstart", "--set", "batch_size=100", "--set", "accum_steps=3"], "cannot be split"),
-    # issue 13 item 6: each of these was a traceback
+    # each of these was once a traceback
     (["mae"], "no --preset given: one of"),
     (["mae", "--preset", "quickstart", "--set", "steps=-5"], "config key 'steps' must be >= 0"),
     (["mae", "--preset", "quickstart", "--set", "batch_size=0"], "config key 'batch_size' must be a positive integer"),
@@ -261,7 +261,7 @@ def test_classify_task_learns_digits(tmp_path):
 
 
 def test_dres_eval_writes_eval_json_and_keeps_the_training_summary(tmp_path):
-    """Issue 13 item 8: dres-eval used to overwrite the training summary.json."""
+    """dres-eval once overwrote the training summary.json."""
     out = tmp_path / "run"
     tiny = ["data.img_size=8", "model.img_size=8", "model.patch_size=4", "model.embed_dim=32", "model.depth=1",
             "model.num_heads=2", "model.decoder_embed_dim=32", "model.decoder_depth=1", "model.decoder_num_heads=2",
@@ -350,8 +350,8 @@ def _closure(requirements) -> set:
 
 
 def test_install_requires_covers_what_training_and_evaluation_import(tmp_path):
-    """Issue 13 item 11: dres-train imported pyyaml, tqdm, pillow and scikit-learn, which only the [dev]
-    extra installed."""
+    """dres-train imports pyyaml, tqdm, pillow and scikit-learn, which the [dev] extra alone once
+    installed."""
     import importlib.metadata as md
 
     script = ("import sys\nfrom dres.train import cli\n"

@@ -110,7 +110,7 @@ def _droppath_worker(rank, world, port, out):
 
 
 def test_droppath_masks_differ_per_rank_under_torch_distributed(tmp_path):
-    """Issue 13 item 9: a model built the trainer's way (one seed for all ranks) draws other masks on
+    """A model built the trainer's way (one seed for all ranks) draws other masks on
     every rank, each the masks of an explicitly ranked controller of the same seed."""
     from dres.nn import ResidualDroppath
 

@@ -46,7 +46,7 @@ def decay_schedule(num_residuals: int, alpha_min: float, schedule: str = "linspa
 
 
 def describe_schedule(alphas: list[float], schedule: str, alpha_min: float, per_block: bool, where: str) -> str:
-    """One log line saying which schedule a model uses (the brief asks for it in logs)."""
+    """One log line saying which schedule a model uses (a run's log states its shortcuts)."""
     unit = "block" if per_block else "sub-layer"
     return (f"decayed shortcuts ({where}): schedule={schedule} alpha_min={alpha_min} per {unit}, "
             f"{len(alphas)} residuals, alpha {alphas[0]:.4f} -> {alphas[-1]:.4f}")

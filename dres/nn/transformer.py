@@ -119,7 +119,7 @@ class Mlp(nn.Module):
     The fused path adds fc1's bias inside the GELU kernel and recomputes GELU in the backward, so it
     keeps one (tokens x hidden) activation fewer for the backward. ``fused=None`` (auto) uses it
     outside torch.compile and leaves compiled graphs to Inductor, which fuses bias+GELU itself
-    (BENCHMARKS.md, "Fusion in the branches"). ``backend`` follows the stack's (set by
+    (record ``h200-2026-11-26-branch-ops``). ``backend`` follows the stack's (set by
     :func:`set_backend`); the fused MLP has no csrc kernel, so ``"cuda"`` runs it on Triton.
     """
 

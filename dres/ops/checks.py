@@ -15,7 +15,7 @@ REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
 BACKENDS = ("triton", "torch", "cuda")
 
 
-# backend=None on CUDA tensors takes whichever implementation measured faster (BENCHMARKS.md,
+# backend=None on CUDA tensors takes whichever implementation measured faster (csrc/README.md,
 # "Default backend"): csrc in eager mode up to this size, where launch cost dominates; Triton for
 # larger tensors and under torch.compile or CUDA-graph capture, where its kernels are faster.
 CSRC_EAGER_MAX_ELEMENTS = 1 << 24  # MAE ViT-B/16 encoder residuals at batch 256 (9.8M) stay below
