@@ -70,10 +70,8 @@ class Attention(nn.Module):
 
 
 # dres.ops.short_attention packs several sequences of a head into one tile, where SDPA's kernels pad one
-# sequence per tile; measured faster up to 128 tokens (BENCHMARKS.md, "Attention backends"). Up to 256 tokens it
-# runs one sequence a program: faster than the models' SDPA path (permute copies included) with the 32-wide heads
-# of the ViT-B/16 decoder's 197 tokens, not yet measured with wider heads, which keep SDPA above 128 tokens.
-# The head dims are the kernel's (dres.kernels.short_attention.HEAD_DIMS), written out so that building a model
+# sequence per tile; up to 256 tokens it runs one sequence a program, which beats SDPA with 32-wide heads only
+# (the limits where it measured faster: BENCHMARKS.md, "Attention backends"). The head dims are the kernel's (dres.kernels.short_attention.HEAD_DIMS), written out so that building a model
 # imports no Triton.
 SHORT_ATTENTION_MAX_TOKENS, SHORT_ATTENTION_HEAD_DIMS = 128, (16, 32, 64, 128)
 NARROW_HEADS_MAX_TOKENS, NARROW_HEAD_DIM = 256, 32
@@ -86,9 +84,8 @@ def takes_short_attention(qkv: torch.Tensor, tokens: int, head_dim: int, backend
     return backend == "triton" or (qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16))
 
 
-# The memory-efficient kernel beat torch's own choice (cuDNN on Hopper) 1.2-1.5x forward+backward at
-# 17, 50 and 65 tokens with 64-wide heads, and lost 2.1x at 257 tokens and with 32-wide heads
-# (BENCHMARKS.md, "Attention backends").
+# SDPA's memory-efficient kernel beats torch's own choice (cuDNN on Hopper) on short sequences of 64-wide heads
+# only (BENCHMARKS.md, "Attention backends").
 EFFICIENT_MAX_TOKENS, EFFICIENT_HEAD_DIM = 128, 64
 
 
