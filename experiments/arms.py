@@ -82,6 +82,10 @@ def _uvit_arm(alpha, seed):
 
 # The decisive runs: the papers' recipes at full length, with seeds.
 MAE_DECISIVE_EPOCHS = 400     # mae_cifar10's own length
+# claim A's pair at full schedules of other lengths (the papers train 800-1600): the preset's recipe at each, its
+# fixed 20 warm-up epochs included (MAE's rule: one warm-up length, 40 epochs, at 800 and at 1600)
+MAE_LENGTHS = (100, 200, 800)
+MAE_LENGTH_SEEDS = (0, 1, 2)
 MAE_DECISIVE_BATCH = 1024     # every A arm the same; lr = blr x 1024 / 256
 PROBE_EPOCHS_PAPER = 200      # the decayed-shortcut paper's linear probe: 200 epochs, lr 1e-2, batch 1024
 # 64 x 390 = 24,960 steps of 128: ~15 minutes of training at 3.6k img/s on an H100
@@ -109,17 +113,22 @@ def ema_initial_weight(decay: float, steps: int) -> float:
     return decay ** steps
 
 
-def _mae_decisive_arm(variant, alpha, seed, tag, zero_init):
-    group = f"A400-{variant}-a{alpha}" + ("-zi" if (variant, zero_init) == ("baseline", "true") else "")
-    # the seed pairs of official 0.6 vs 1.0 that decide the claim, every seed (A.pairs: retrain and rescore them all)
-    pair = ("A.pairs",) if variant == "official" and alpha in (0.6, 1.0) else ()
+def _mae_decisive_arm(variant, alpha, seed, tag, zero_init, epochs=MAE_DECISIVE_EPOCHS):
+    """A claim-A arm of the preset's recipe at batch 1024; ``epochs`` other than 400: the official pair at another
+    length (group ``A<epochs>-...``, queue words ``A.length.e<epochs>[.s<seed>]`` and ``A.length``)."""
+    group = f"A{epochs}-{variant}-a{alpha}" + ("-zi" if (variant, zero_init) == ("baseline", "true") else "")
+    if epochs == MAE_DECISIVE_EPOCHS:
+        # the seed pairs of official 0.6 vs 1.0 that decide the claim, every seed (A.pairs: retrain and rescore them)
+        pair = ("A.pairs",) if variant == "official" and alpha in (0.6, 1.0) else ()
+        tags = (tag, *pair, "A.decisive", "decisive")
+    else:
+        tags = (f"{tag}.s{seed}", tag, "A.length", "decisive")
     return Arm(f"{group}-s{seed}", "A", group, "mae", "mae_cifar10",
                (f"model.variant={variant}", f"model.alpha_min={alpha}", f"model.zero_init={zero_init}",
                 f"batch_size={MAE_DECISIVE_BATCH}", f"eval.probe_epochs={PROBE_EPOCHS_PAPER}"), seed,
-               (tag, *pair, "A.decisive", "decisive"),
-               paper=() if group.endswith("-zi") else MAE_PAPER.get((variant, alpha), ()),
+               tags, paper=() if group.endswith("-zi") else MAE_PAPER.get((variant, alpha), ()),
                labels={"variant": variant, "alpha_min": alpha, "zero_init": zero_init}, stage="decisive",
-               epochs=MAE_DECISIVE_EPOCHS)
+               epochs=epochs)
 
 
 def _uvit_decisive_arm(alpha, seed):
@@ -181,7 +190,11 @@ def build_matrix() -> list[Arm]:
     arms += [_classify_decisive_arm("resnet50d", m, s, head_dropout=False) for s in RDP_SEEDS for m in MODES]
     arms += [_classify_decisive_arm("resnet50d", reading, s) for reading in READINGS for s in RDP_SEEDS]
     # the test of the underfit's reading: both the standard arm and ResidualDroppath at twice the length
-    arms += [_classify_decisive_arm("resnet50d", m, 0, long=True) for m in ("none", "residual_droppath")]
+    arms += [_classify_decisive_arm("resnet50d", m, s, long=True)
+             for s in RDP_SEEDS for m in ("none", "residual_droppath")]
+    # claim A at other lengths, the cheapest first: does the gap grow, hold or reverse with the schedule?
+    arms += [_mae_decisive_arm("official", a, s, f"A.length.e{e}", "true", epochs=e)
+             for e in MAE_LENGTHS for s in MAE_LENGTH_SEEDS for a in (0.6, 1.0)]
     arms += [_classify_decisive_arm("resnet50", m, 0) for m in MODES]
     return arms
 

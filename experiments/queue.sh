@@ -4,7 +4,9 @@
 # job, with the run folders and records there too; the processes run under setsid and nohup, so the starting
 # shell can end, and the checkout it came from can change or go, while they run. In the repository root:
 #   bash experiments/queue.sh start WORDS [GPUS] [COMMIT]   start the queue: python -m experiments.repro --run WORDS
-#                                                           on GPUS GPUs (default every GPU) for commit COMMIT
+#                                                           on GPUS GPUs (default every GPU) for commit COMMIT;
+#                                                           GPUS a count (the first N GPUs) or a list of GPU
+#                                                           indices, 2,3 (then CUDA_VISIBLE_DEVICES=2,3)
 #   bash experiments/queue.sh job NAME COMMAND              start COMMAND (bash) beside it, in the copy, with
 #                                                           OUT=$QUEUE_DIR/jobs/NAME
 #   bash experiments/queue.sh wait SECONDS                  wait until the queue and the jobs end (at most SECONDS),
@@ -14,7 +16,9 @@
 # at a time on each GPU; MPS=1 (with start) first starts NVIDIA's MPS daemon, through which every CUDA process on
 # the host then runs, so that arms sharing a GPU run their kernels side by side instead of taking turns (a small
 # graphed model leaves most of an H200's multiprocessors idle), and refuses to start the queue when no CUDA
-# context opens through it. COMMIT is recorded in every record (the copy may hold no git history).
+# context opens through it. COMMIT is recorded in every record (the copy may hold no git history). DRY_RUN=1 (with
+# start) prints what the queue would run, each arm's command, minutes and the devices, from this tree, and starts
+# nothing.
 # Limits: one queue a host (a second start is refused; a job name once); the copy is taken once, so later changes
 # of the checkout do not reach a running queue; run folders and their checkpoints live on this host only, and an arm
 # cut short resumes from its last checkpoint when a queue naming it starts again on the same host. What `wait`
@@ -64,9 +68,19 @@ start)
   words=$2
   gpus=${3:-$(nvidia-smi -L 2>/dev/null | wc -l)}
   commit=${4:-unknown}
-  [[ "$gpus" =~ ^[0-9]+$ ]] || { echo "queue.sh: GPUS must be a number, got '$gpus'" >&2; exit 2; }
-  [ -f "$QUEUE_DIR/repro.pid" ] && { echo "queue.sh: a queue was already started on this host ($QUEUE_DIR)" >&2; exit 2; }
+  if [[ "$gpus" =~ ^[0-9]+(,[0-9]+)+$ ]]; then  # GPU indices: the runner's slots map through CUDA_VISIBLE_DEVICES
+    [ -z "${CUDA_VISIBLE_DEVICES:-}" ] \
+      || { echo "queue.sh: GPUS $gpus and CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES: give the GPUs one way" >&2; exit 2; }
+    export CUDA_VISIBLE_DEVICES=$gpus
+    gpus=$(tr ',' '\n' <<<"$gpus" | wc -l)
+  fi
+  [[ "$gpus" =~ ^[0-9]+$ ]] || { echo "queue.sh: GPUS must be a number or a list of GPU indices, got '$gpus'" >&2; exit 2; }
   [[ "${JOBS:-1}" =~ ^[1-9][0-9]*$ ]] || { echo "queue.sh: JOBS must be a positive number, got '$JOBS'" >&2; exit 2; }
+  if [ -n "${DRY_RUN:-}" ]; then
+    exec python3 -m experiments.repro --run "$words" --gpus "$gpus" --jobs "${JOBS:-1}" --root "$QUEUE_DIR/runs" \
+      --records "$QUEUE_DIR/records" --dry-run ${FORCE:+--force}
+  fi
+  [ -f "$QUEUE_DIR/repro.pid" ] && { echo "queue.sh: a queue was already started on this host ($QUEUE_DIR)" >&2; exit 2; }
   queue_tree || exit 1
   if [ -n "${MPS:-}" ]; then start_mps || exit 1; fi
   cd "$QUEUE_DIR/tree" || exit 1

@@ -110,8 +110,9 @@ def dry_run(queue: list[tuple[Arm, float, bool]], *, gpus: int, root: Path, reco
     resumes, or why it is skipped, with an estimate of its minutes where ``img_per_s`` has a rate for its task."""
     root = root.resolve()
     at_a_time = "one at a time" if jobs <= 1 else f"{jobs} at a time"
+    on = f" (devices {', '.join(dict.fromkeys(slot_devices(gpus, jobs)))})" if gpus else ""
     log(f"[repro] dry run: {len(queue)} arm(s), {at_a_time} on each of {max(gpus, 1)} "
-        f"{'GPU' if gpus else 'CPU slot'}(s), run folders under {root}, records to {records}")
+        f"{'GPU' if gpus else 'CPU slot'}(s){on}, run folders under {root}, records to {records}")
     actions = arm_actions(queue, root=root, records=records, force=force)
     committed = load_records(RECORDS_ROOT)
     for arm, _, named in queue:
@@ -313,6 +314,15 @@ def gpu_slots(gpus: int, jobs: int) -> list[int | None]:
     return [g for _ in range(max(1, jobs)) for g in range(gpus)] if gpus > 0 else [None] * max(1, jobs)
 
 
+def slot_devices(gpus: int, jobs: int) -> list[str | None]:
+    """The CUDA_VISIBLE_DEVICES of each slot (:func:`gpu_slots`): slot g is this process's g-th visible GPU, so
+    ``--gpus 2`` under CUDA_VISIBLE_DEVICES=2,3 runs on devices 2 and 3; None on the CPU."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if visible and gpus > len(visible):
+        raise ValueError(f"--gpus {gpus}: CUDA_VISIBLE_DEVICES={','.join(visible)} shows {len(visible)}")
+    return [None if g is None else visible[g] if visible else str(g) for g in gpu_slots(gpus, jobs)]
+
+
 def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root: Path, records: Path,
              presets: dict, extra: list[str], every: int, commit: str, force: bool, deadline_min: float,
              log=print) -> dict:
@@ -328,12 +338,8 @@ def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root
     actions = arm_actions(queue, root=root, records=records, force=force)
     (root / "logs").mkdir(parents=True, exist_ok=True)
     status = {a.name: "skipped" if actions[a.name].what == "skip" else "pending" for a in arms}
-    slots = gpu_slots(gpus, jobs)
+    slots, devices = gpu_slots(gpus, jobs), slot_devices(gpus, jobs)  # each child sees its slot's device only
     gpu_sharing = ("mps" if mps_running() else "time-sliced") if gpus > 0 and jobs > 1 else None
-    # a slot is an index into this process's visible GPUs; its child sees that one device only
-    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if visible and gpus > len(visible):
-        raise ValueError(f"--gpus {gpus}: CUDA_VISIBLE_DEVICES={','.join(visible)} shows {len(visible)}")
     free = list(range(len(slots)))
     running: dict[int, tuple] = {}
     t0 = time.time()
@@ -359,8 +365,8 @@ def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root
             # threads that spin between steps starved four graphed arms to 4% GPU use on a 64-core host)
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(slots))))
             prefix = ""
-            if slots[k] is not None:
-                env["CUDA_VISIBLE_DEVICES"] = visible[slots[k]] if visible else str(slots[k])
+            if devices[k] is not None:
+                env["CUDA_VISIBLE_DEVICES"] = devices[k]
                 prefix = f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} "
             logf = open(root / "logs" / f"{nxt.name}.log", "a")
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
@@ -368,7 +374,7 @@ def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root
             running[k] = (nxt, proc, logf, command)
             status[nxt.name] = "running"
             log(f"[repro] {actions[nxt.name].what} {nxt.name} on "
-                f"{'GPU ' + str(slots[k]) if slots[k] is not None else 'CPU'}: {command}")
+                f"{'GPU ' + devices[k] if devices[k] is not None else 'CPU'}: {command}")
         if not running:
             break
         time.sleep(1.0)

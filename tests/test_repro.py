@@ -5,6 +5,7 @@ the arm matrix, selection), runner (runner.py: budget plan, records from real ti
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import tarfile
@@ -190,7 +191,16 @@ def test_decisive_arms_are_the_issues_recipes():
     assert ov["A400-baseline-a1.0-s0"]["model.zero_init"] == "auto"  # vanilla MAE: no zero-init at alpha 1
     assert ov["A400-baseline-a1.0-zi-s0"]["model.zero_init"] == "true"
     a_arms = [a for a in decisive.values() if a.claim == "A"]
-    assert {a.epochs for a in a_arms} == {400} and {ov[a.name]["batch_size"] for a in a_arms} == {"1024"}
+    assert {a.epochs for a in a_arms if "A.length" not in a.tags} == {400}
+    assert {ov[a.name]["batch_size"] for a in a_arms} == {"1024"}
+    # A at other lengths: the official pair, three seeds, the 400-epoch arms' overrides and the preset's warm-up
+    for length in (100, 200, 800):
+        pairs = [a for a in a_arms if f"A.length.e{length}" in a.tags]
+        assert sorted((a.labels["alpha_min"], a.seed) for a in pairs) == [(al, s) for al in (0.6, 1.0) for s in range(3)]
+        for a in pairs:
+            assert a.epochs == length and a.overrides == arms.BY_NAME[f"A400-official-a{a.labels['alpha_min']}-s0"].overrides
+            assert f"A.length.e{length}.s{a.seed}" in a.tags and "A.pairs" not in a.tags
+            assert build_config("mae", a.preset, list(a.overrides)).optim.warmup_epochs == 20
     # B: the evaluated EMA holds < 1% of the initial weights after the arm's steps (batch 128, 390 steps an epoch)
     for seed in (0, 1):
         for alpha in (1.0, 0.7):
@@ -558,7 +568,8 @@ def test_queue_script_refuses_bad_calls_with_one_line(tmp_path):
     assert call()[::2] == (2, usage)
     assert call("wait", "soon")[0] == 2
     assert call("job", "a b", "true")[::2] == (2, usage)  # a job name becomes a file name
-    assert call("start", "C.timm.resnet50d", "four")[::2] == (2, "queue.sh: GPUS must be a number, got 'four'")
+    assert call("start", "C.timm.resnet50d", "four")[::2] == (
+        2, "queue.sh: GPUS must be a number or a list of GPU indices, got 'four'")
     code, _, err = call("wait", "0")
     assert code == 2 and err == f"queue.sh: no queue or job was started on this host ({tmp_path / 'queue'})"
     assert not (tmp_path / "queue").exists() and not (tmp_path / "out").exists()  # a refused call leaves nothing
@@ -594,6 +605,21 @@ def test_queue_start_passes_the_deadline_and_force_to_the_runner(tmp_path):
     assert "--force" in args and args[args.index("--jobs") + 1] == "1"
     assert call("start", "A.pairs", cwd=tree)[::2] == (2, f"queue.sh: a queue was already started on this host "
                                                          f"({tmp_path / 'queue'})")
+
+
+
+def test_queue_start_on_a_list_of_gpus_dry_runs_on_those_devices(tmp_path):
+    """GPUS 2,3 runs the queue's slots on devices 2 and 3 (CUDA_VISIBLE_DEVICES); DRY_RUN=1 prints the runner's
+    dry run from this tree and starts nothing."""
+    import sys
+
+    call = queue_script(tmp_path, python3=f'exec {sys.executable} "$@"\n', DRY_RUN="1")
+    code, out, _ = call("start", "C.long.s1,C.long.s2", "2,3", cwd=runner.REPO_ROOT)
+    assert code == 0 and "4 arm(s), one at a time on each of 2 GPU(s) (devices 2, 3)" in out
+    assert "# C600-resnet50d-residual_droppath-s2: 600 epochs" in out and not (tmp_path / "queue").exists()
+    both = queue_script(tmp_path, DRY_RUN="1", CUDA_VISIBLE_DEVICES="1")
+    assert both("start", "A.length.e100", "2,3")[::2] == (
+        2, "queue.sh: GPUS 2,3 and CUDA_VISIBLE_DEVICES=1: give the GPUs one way")
 
 
 def mps_control_stand_in(tmp_path):
@@ -815,7 +841,8 @@ def test_issue_arms_of_b_and_c_resolve_to_their_recipes():
     assert len(names) == 15 and all(arms.BY_NAME[n].epochs == 300 for n in names)
     # twice the length, the standard arm beside ResidualDroppath, their recipe otherwise the 300-epoch arms'
     long = arms.select("C.long")
-    assert [a.name for a in long] == ["C600-resnet50d-none-s0", "C600-resnet50d-residual_droppath-s0"]
+    assert [a.name for a in long] == [f"C600-resnet50d-{m}-s{s}" for s in (0, 1, 2) for m in ("none", "residual_droppath")]
+    assert [a.name for a in arms.select("C.long.s1,C.long.s2")] == [a.name for a in long[2:]]
     for a in long:
         assert a.epochs == 600 and a.overrides == arms.BY_NAME[a.name.replace("C600", "C300")].overrides
 
@@ -855,8 +882,10 @@ def test_report_pairs_claim_a_every_way_its_decisive_arms_score_it(tmp_path):
                 "date": "2026-01-01T00:00:00", "commit": "abc", "command": "x",
                 "metrics": {**metrics, "effective_rank_entropy": 3.0, "effective_rank": 20.0}}))
     text = report.render(tmp_path, tmp_path, figures=tmp_path / "figures", notes=tmp_path / "notes.md", draw=False)
-    line = next(l for l in text.splitlines() if l.startswith("- the authors' probe on the stream mean (their "))
-    assert "official 0.6 − official 1.0 (points): +2.00 ± 0.00 (95% CI over 2 seed pairs 2,3" in line
+    rows = {l.split(" | ")[0].lstrip("| "): l for l in text.splitlines() if l.startswith("| ")}
+    for _, what in report.A_SECONDARY:  # every readout at 400 epochs, the secondary ones Bonferroni-adjusted for 8
+        assert ("| — | — | +2.00 ± 0.00 (+2.00 to +2.00; n=2 pairs); Bonferroni x8: ± 0.00 | — |") in rows[what]
+    assert "| — | — | +2.00 ± 0.00 (+2.00 to +2.00; n=2 pairs) | — |" in rows["**primary**: the authors' probe on the class token"]
     assert "| official | 0.6 | true | 400 | 2,3 | 82.5 ± 0.7 (n=2) | 82.5 ± 0.7 (n=2) | 82.5 ± 0.7 (n=2) |" in text
 
 
@@ -881,3 +910,63 @@ def test_queue_wait_packs_the_records_with_their_kept_features(tmp_path):
     with tarfile.open(tmp_path / "out" / "runs.tgz") as tar:
         assert "runs/A400-official-a0.6-s2/metrics.jsonl" in tar.getnames()
         assert not any(n.endswith(("features.pt", "checkpoints")) for n in tar.getnames())
+
+
+def _a_record(folder, length, alpha, seed, gap_points, **metrics):
+    """A claim-A record of the official arm at ``length`` epochs whose every accuracy is 0.80 + gap_points / 100
+    (alpha 0.6) or 0.80 (alpha 1.0), unless ``metrics`` gives it."""
+    arm = arms.BY_NAME[f"A{length}-official-a{alpha}-s{seed}"]
+    acc = 0.80 + (gap_points / 100 if alpha == 0.6 else 0.0)
+    m = {k: acc for k in [report.A_PRIMARY[0]] + [k for k, _ in report.A_SECONDARY]} | metrics
+    (folder / f"{arm.name}.json").write_text(json.dumps({
+        "arm": arm.name, "claim": "A", "group": arm.group, "seed": seed, "epochs": length, "steps": 1,
+        "overrides": list(arm.overrides), "curves": [], "train": {}, "artifacts": {}, "card": "cpu",
+        "date": "2026-01-01T00:00:00", "commit": "abc", "command": "x", "metrics": m}))
+
+
+def test_claim_a_verdict_is_the_primary_readout_per_length_with_its_n_interval_and_trend(tmp_path):
+    """The verdict lines of claim A carry each length's n and 95% t interval of the primary readout, and the
+    least-squares slope of the gap on log2(epochs) with its own; the top of the report says how many readouts
+    were looked at; the gap against length is drawn."""
+    from scipy.stats import linregress, t
+
+    folder = tmp_path / "cpu-2026-01-01-lengths"
+    folder.mkdir()
+    gaps = {100: (-3.0, -2.0, -4.0), 400: (1.0, 2.0, 0.0)}
+    for length, per_seed in gaps.items():
+        for seed, gap in enumerate(per_seed):
+            for alpha in (0.6, 1.0):
+                _a_record(folder, length, alpha, seed, gap)
+    text = report.render(tmp_path, tmp_path, figures=tmp_path / "figures", notes=tmp_path / "notes.md", draw=True)
+    verdict = [l for l in text.splitlines() if l.startswith("- primary readout (the authors' probe on the class token)")]
+    half = t.ppf(0.975, 2) * 1.0 / math.sqrt(3)  # sd 1 over three pairs
+    assert verdict[0].endswith(f"100 epochs: -3.00 ± {half:.2f} ({-3 - half:+.2f} to {-3 + half:+.2f}; n=3 pairs), "
+                               "95% t interval; seed 0 -3.00, seed 1 -2.00, seed 2 -4.00")
+    assert verdict[1].endswith("200 epochs: not run yet") and "400 epochs: +1.00 ± " in verdict[2]
+    fit = linregress([math.log2(100)] * 3 + [math.log2(400)] * 3, [-3.0, -2.0, -4.0, 1.0, 2.0, 0.0])
+    trend = next(l for l in text.splitlines() if l.startswith("- trend of the primary readout"))
+    assert f"{fit.slope:+.2f} ± {t.ppf(0.975, 4) * fit.stderr:.2f} points per doubling" in trend
+    assert "n=6 pairs at 100, 400 epochs" in trend and abs(fit.slope - 2.0) < 1e-9  # 4 points over two doublings
+    glance = text[text.index("## At a glance"):text.index("## A. ")]
+    assert "one of 8 readouts looked at" in glance and "100 epochs -3.00 ± " in glance and "n=3 pairs" in glance
+    assert (tmp_path / "figures" / "mae_gap_by_length.png").stat().st_size > 0
+    # one pair at a length: its value, said to carry no interval
+    _a_record(folder, 800, 0.6, 0, 5.0), _a_record(folder, 800, 1.0, 0, 0.0)
+    text = report.render(tmp_path, tmp_path, figures=tmp_path / "figures", notes=tmp_path / "notes.md", draw=False)
+    assert "800 epochs: +5.00 (n=1 pair, no interval)" in text
+
+
+PLUS_MINUS = re.compile(r"[+-]?\d+(\.\d+)? ± \d+(\.\d+)?")
+
+
+def test_committed_verdicts_say_no_more_than_their_intervals():
+    """Every interval RESULTS.md's "At a glance" quotes names how many pairs it rests on, in its sentence; "excludes
+    0" comes with the readouts it was one of; no verdict there is "decided" or "recovers all"."""
+    text = (runner.REPO_ROOT / "RESULTS.md").read_text()
+    glance = text[text.index("## At a glance"):text.index("## A. ")]
+    for sentence in re.split(r"(?<=[.;])\s", glance):
+        if PLUS_MINUS.search(sentence):
+            assert re.search(r"n=\d+|\b(two|three|four|\d+) (seed )?pairs", sentence), sentence
+        if "excludes 0" in sentence:
+            assert "readouts" in sentence, sentence
+    assert not re.search(r"\bdecided\b|recovers all|\bties\b", glance)
