@@ -80,9 +80,9 @@ _SLOT_BITS = 20  # a residual's slots are hashed as residual * 2**20 + slot: bat
 _advancing: "weakref.WeakSet[ResidualDroppath]" = weakref.WeakSet()
 _optimizer_steps = 0  # torch.optim steps taken in this process since the first training forward of a controller
 _step_hook = None
+_draws_disabled = False  # whether ResidualDroppath.scales / held_scales are kept out of compiled graphs yet
 
 
-@torch.compiler.disable
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
     global _optimizer_steps
     _optimizer_steps += 1
@@ -94,7 +94,17 @@ def _watch_optimizer_steps() -> None:
     """Register the process-wide optimizer step post-hook (once)."""
     global _step_hook
     if _step_hook is None:
-        _step_hook = register_optimizer_step_post_hook(_after_optimizer_step)
+        _step_hook = register_optimizer_step_post_hook(torch.compiler.disable(_after_optimizer_step))
+
+
+def _keep_draws_out_of_graphs() -> None:
+    """torch.compiler.disable of the controller's draws, applied when the first controller is built: at import it
+    would import Dynamo, Inductor and Triton (seconds) into every import of a converter."""
+    global _draws_disabled
+    if not _draws_disabled:
+        for name in ("scales", "held_scales"):
+            setattr(ResidualDroppath, name, torch.compiler.disable(getattr(ResidualDroppath, name)))
+        _draws_disabled = True
 
 
 def depth_linear_rates(drop_prob: float, num_residuals: int, residuals_per_block: int = 2) -> list[float]:
@@ -159,6 +169,7 @@ class ResidualDroppath(nn.Module):
                  depth_linear: bool = True, residuals_per_block: int = 2, seed: int = 0,
                  rank: Optional[int] = None):
         super().__init__()
+        _keep_draws_out_of_graphs()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0.0 <= drop_prob < 1.0:
@@ -292,7 +303,6 @@ class ResidualDroppath(nn.Module):
             self._scales = ((device, batch_size), *self._compute_scales(batch_size, device))
         return self._scales
 
-    @torch.compiler.disable
     def scales(self, batch_size: int, device) -> list[Scales]:
         """``(row_scale, grad_scale)`` for every residual, for a batch of ``batch_size`` on ``device``.
 
@@ -305,7 +315,6 @@ class ResidualDroppath(nn.Module):
         self._note_training_forward()
         return self._cached_scales(batch_size, device)[1]
 
-    @torch.compiler.disable
     def held_scales(self, batch_size: int, device) -> list[Optional[torch.Tensor]]:
         """residual_droppath_frozen: for every residual, the per-sample share of the gradient that passes through
         the branch to the block's input with the branch's weights held (m, the kept samples, on odd iterations; 0
