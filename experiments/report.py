@@ -313,7 +313,7 @@ def interval(d: list[float], tests: int = 1) -> str:
     if len(d) == 1:
         return f"{d[0]:+.2f} (n=1 pair, no interval)"
     mean, half = statistics.fmean(d), t_half_width(d, tests)
-    return f"{mean:+.2f} ± {half:.2f} ({mean - half:+.2f} to {mean + half:+.2f}; n={len(d)} pairs)"
+    return f"{mean:+.2f} ± {half:.2f} ({mean - half:+.2f} to {mean + half:+.2f}, n={len(d)} pairs)"
 
 
 def length_trend(recs: dict, name: str) -> tuple[float, float, int, list[int]] | None:

@@ -884,8 +884,8 @@ def test_report_pairs_claim_a_every_way_its_decisive_arms_score_it(tmp_path):
     text = report.render(tmp_path, tmp_path, figures=tmp_path / "figures", notes=tmp_path / "notes.md", draw=False)
     rows = {l.split(" | ")[0].lstrip("| "): l for l in text.splitlines() if l.startswith("| ")}
     for _, what in report.A_SECONDARY:  # every readout at 400 epochs, the secondary ones Bonferroni-adjusted for 8
-        assert ("| — | — | +2.00 ± 0.00 (+2.00 to +2.00; n=2 pairs); Bonferroni x8: ± 0.00 | — |") in rows[what]
-    assert "| — | — | +2.00 ± 0.00 (+2.00 to +2.00; n=2 pairs) | — |" in rows["**primary**: the authors' probe on the class token"]
+        assert ("| — | — | +2.00 ± 0.00 (+2.00 to +2.00, n=2 pairs); Bonferroni x8: ± 0.00 | — |") in rows[what]
+    assert "| — | — | +2.00 ± 0.00 (+2.00 to +2.00, n=2 pairs) | — |" in rows["**primary**: the authors' probe on the class token"]
     assert "| official | 0.6 | true | 400 | 2,3 | 82.5 ± 0.7 (n=2) | 82.5 ± 0.7 (n=2) | 82.5 ± 0.7 (n=2) |" in text
 
 
@@ -940,7 +940,7 @@ def test_claim_a_verdict_is_the_primary_readout_per_length_with_its_n_interval_a
     text = report.render(tmp_path, tmp_path, figures=tmp_path / "figures", notes=tmp_path / "notes.md", draw=True)
     verdict = [l for l in text.splitlines() if l.startswith("- primary readout (the authors' probe on the class token)")]
     half = t.ppf(0.975, 2) * 1.0 / math.sqrt(3)  # sd 1 over three pairs
-    assert verdict[0].endswith(f"100 epochs: -3.00 ± {half:.2f} ({-3 - half:+.2f} to {-3 + half:+.2f}; n=3 pairs), "
+    assert verdict[0].endswith(f"100 epochs: -3.00 ± {half:.2f} ({-3 - half:+.2f} to {-3 + half:+.2f}, n=3 pairs), "
                                "95% t interval; seed 0 -3.00, seed 1 -2.00, seed 2 -4.00")
     assert verdict[1].endswith("200 epochs: not run yet") and "400 epochs: +1.00 ± " in verdict[2]
     fit = linregress([math.log2(100)] * 3 + [math.log2(400)] * 3, [-3.0, -2.0, -4.0, 1.0, 2.0, 0.0])
