@@ -3,7 +3,12 @@ dres.train) has no circle, counting the imports inside functions too: a module i
 that do not import it back, directly or through others."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import dres
 
@@ -90,3 +95,48 @@ def test_the_graph_sees_deferred_and_relative_imports():
 
 def test_the_package_imports_have_no_circle():
     assert circles(import_graph()) == []
+
+
+def _fresh_python(code: str, tmp_path, missing=()) -> str:
+    """``code``'s stdout in a fresh interpreter where each package of ``missing`` fails to import as if it were
+    not installed (a stub that raises, found before the real one)."""
+    for package in missing:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(f"raise ImportError('{package} is not installed')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_importing_a_converter_imports_neither_torch_compile_nor_triton(tmp_path):
+    out = _fresh_python(
+        "import sys\n"
+        "from dres import convert_timm_vit, convert_timm_resnet, convert_hf_vit, convert_hf_bert\n"
+        "import dres.nn, dres.models, dres.export\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton'"
+        " or m.startswith(('torch._dynamo', 'torch._inductor'))))\n", tmp_path)
+    assert out.strip() == "[]"
+
+
+def test_the_models_and_converters_need_none_of_the_train_extra(tmp_path):
+    """What ``pip install dres`` installs (torch, triton) runs the converters and the models; the trainers'
+    packages (the ``[train]`` extra) are imported by none of them."""
+    train_extra = ("yaml", "tqdm", "PIL", "sklearn", "scipy")
+    out = _fresh_python(
+        "import sys, torch\n"
+        "import dres.models, dres.export\n"
+        "from dres import convert_timm_vit\n"
+        "model = dres.models.create_classifier('vit_test', drop_path=0.1, num_classes=3)\n"
+        "print(tuple(model(torch.randn(2, 3, 8, 8)).shape))\n"
+        f"print(sorted(m for m in sys.modules if m.split('.')[0] in {train_extra!r}))\n", tmp_path, train_extra)
+    assert out.split("\n")[:2] == ["(2, 3)", "[]"]
+
+
+def test_dir_and_all_list_the_public_names_each_of_which_resolves():
+    public = {"convert_timm_vit", "convert_timm_resnet", "convert_hf_vit", "convert_hf_bert", "compile_step",
+              "export_model", "export_run"}
+    assert public <= set(dres.__all__) and public <= set(dir(dres))
+    assert all(callable(getattr(dres, name)) for name in public)
+    with pytest.raises(AttributeError, match=r"^module 'dres' has no attribute 'convert_nothing'$"):
+        dres.convert_nothing
