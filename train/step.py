@@ -33,11 +33,11 @@ their wall time, :mod:`dres.train.runlog`).
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 import torch.nn as nn
 
+from dres.captured_step import CaptureError, GraphedFunction, StaticInputs
 from dres.train import distributed
 from dres.train.config import ConfigError
 from dres.train.optim import capture_blocker
@@ -148,7 +148,7 @@ def schedule_table(scheduler, total_steps: int, device) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32, device=device)
 
 
-class GraphedStep:
+class GraphedStep(GraphedFunction):
     """``step(batch) -> (loss, metrics)`` like ``step`` (a :class:`TrainStep`), the step it wraps, captured as
     one CUDA graph after ``warmup_steps`` eager steps (every call is one real training step). The returned
     tensors are the graph's static outputs: read them before the next call (the loop accumulates them).
@@ -159,20 +159,16 @@ class GraphedStep:
     captures on (DDP must have been built on it; a new one when None) and ``log`` for the line that says the
     step was captured. Everything else (scaler, EMA, ResidualDroppath, the non-finite flag) is ``step``'s own
     state, captured with it. Every replay is timed by ``timer`` (a :class:`~dres.train.runlog.ReplayTimer`
-    keeping the last ``timed_replays`` of each log window)."""
+    keeping the last ``timed_replays`` of each log window). The warm-up, capture and replay are
+    :class:`~dres.captured_step.GraphedFunction`'s (``warmed``, ``graph``, ``outputs``, ``stream``,
+    :meth:`release`)."""
 
     def __init__(self, step, optimizer: torch.optim.Optimizer, scheduler, total_steps: int,
                  device: torch.device, *, warmup_steps: int = 3, timed_replays: int = 128, stream=None, log=print):
-        if warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be >= 1 (lazy initialisation cannot be captured), got {warmup_steps}")
-        self.step, self.optimizer, self.scheduler, self.device = step, optimizer, scheduler, device
-        self.warmup_steps, self.log = warmup_steps, log
+        super().__init__(self._step, device, warmup_steps=warmup_steps, stream=stream)
+        self.step, self.optimizer, self.scheduler, self.log = step, optimizer, scheduler, log
         self.timer = ReplayTimer(timed_replays)
-        self.warmed = 0
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.inputs: dict | None = None
-        self.outputs = None
-        self.stream = stream if stream is not None else torch.cuda.Stream(device)  # warm-up and capture
+        self.inputs: StaticInputs | None = None
         self.lr_table = schedule_table(scheduler, total_steps, device)
         self.position = torch.zeros(1, dtype=torch.int64, device=device)
         self._index = torch.zeros(1, dtype=torch.int64, device=device)
@@ -198,58 +194,32 @@ class GraphedStep:
         torch.index_select(self.lr_table, 1, self._index, out=self._lrs)
         self.position.add_(1)
         with self._device_lr():
-            return self.step(self.inputs)
+            return self.step(self.inputs.tensors)
 
     # ------------------------------------------------------------------ per call
     def _load(self, batch: dict):
         if self.inputs is None:
-            self.inputs = {k: torch.empty_like(v) for k, v in batch.items()}
+            self.inputs = StaticInputs(batch)
             self.position.fill_(self.scheduler.last_epoch)  # after any resume
-        for k, v in batch.items():
-            dst = self.inputs.get(k)
-            if dst is None or dst.shape != v.shape or dst.dtype != v.dtype:
-                have = {n: (tuple(t.shape), str(t.dtype)) for n, t in self.inputs.items()}
-                raise ValueError(f"cuda_graphs: batch '{k}' is {tuple(v.shape)} {v.dtype}, but the captured step "
-                                 f"takes {have}; use fixed-size batches or cuda_graphs=false")
-            dst.copy_(v)
-
-    def _warmup(self):
-        cur = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(cur)
-        with torch.cuda.stream(self.stream), warnings.catch_warnings():
-            # the optimizer is built capturable for the graph; these steps are its deliberate eager ones
-            warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
-            out = self._step()
-        cur.wait_stream(self.stream)
-        self.warmed += 1
-        return out
+        if (k := self.inputs.misfit(batch)) is not None:
+            v = batch[k]
+            raise ValueError(f"cuda_graphs: batch '{k}' is {tuple(v.shape)} {v.dtype}, but the captured step "
+                             f"takes {self.inputs.describe()}; use fixed-size batches or cuda_graphs=false")
+        self.inputs.load(batch)
 
     def _capture(self):
-        self.graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self.graph, stream=self.stream, capture_error_mode="thread_local"):
-                self.outputs = self._step()
-        except RuntimeError as e:  # something in the step synchronised or allocated on the host
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise RuntimeError(f"cuda_graphs: capturing the train step failed ({first}); "
-                               "run it eagerly with --set cuda_graphs=false") from e
+            self.capture()
+        except CaptureError as e:
+            raise RuntimeError(f"cuda_graphs: capturing the train step failed ({e}); "
+                               "run it eagerly with --set cuda_graphs=false") from e.__cause__
         self.log(f"[dres] cuda graphs: captured the train step after {self.warmed} warm-up steps")
 
     def __call__(self, batch: dict):
         self._load(batch)
-        if self.graph is None and self.warmed < self.warmup_steps:
-            return self._warmup()
+        if self.warming:
+            return self.warm_up()
         if self.graph is None:
             self._capture()
         with self.timer.timed():
-            self.graph.replay()
-        return self.outputs
-
-    def release(self) -> None:
-        """Free the captured graph once training is over. NCCL keeps a communicator alive while a graph
-        that captured its collectives exists, so destroying the process group first hangs
-        (pytorch/pytorch#115388): the trainer releases the graph before it tears the group down."""
-        if self.graph is not None:
-            torch.cuda.synchronize(self.device)
-            self.graph.reset()
-            self.graph = None
+            return self.replay()
