@@ -79,8 +79,94 @@ def test_a_log_window_is_read_back_as_its_record(tmp_path, monkeypatch):
     rec, asked = runlog.read_window(window)
     assert asked is True
     assert rec == {"step": 8, "loss": 0.75, "lr": 1e-3, "img_per_s": 128.0, "model_tflops": 0.128, "mfu": None,
-                   "epoch": 0.5, "acc": 0.5}
+                   "epoch": 0.5, "data_ms": 0.0, "acc": 0.5}  # no peak memory on a CPU
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == rec
+
+
+def test_a_window_records_the_mean_wait_for_data_of_its_steps_and_starts_the_next_at_zero(tmp_path):
+    runlog = _window_log(tmp_path)
+    for waited in (0.002, 0.004, 0.006, 0.008):
+        runlog.waited_for_data(waited)
+    close = dict(lr=1e-3, epoch=None, loss_sum=torch.tensor(1.0), n=1, metrics={}, stop_asked=False, bad=None)
+    rec, _ = runlog.read_window(runlog.close_window(step=4, steps=4, **close))
+    assert rec["data_ms"] == pytest.approx(5.0)
+    rec, _ = runlog.read_window(runlog.close_window(step=5, steps=1, **close))
+    assert rec["data_ms"] == 0.0
+
+
+def test_the_plain_line_rounds_and_shows_data_time_and_peak_memory_where_known(tmp_path):
+    runlog = _window_log(tmp_path)
+    line = runlog.plain_line({**REC, "loss": 0.123456789012, "img_per_s": 5069.4, "data_ms": 1.234,
+                              "peak_mem_gib": 14.43, "epoch": 0.4})
+    assert line.startswith("[dres] step 5/10 epoch 0.40 loss 0.1235 lr 1.00e-03 img/s 5,069 data 1.2 ms mfu 12.5% "
+                           "mem 14.4 GiB eta "), line
+
+
+class _WandbModule:
+    """A stand-in for the wandb package: what the run was given, no network."""
+
+    def __init__(self):
+        self.calls = []
+
+    def init(self, **kwargs):
+        self.calls.append(("init", kwargs))
+        return self
+
+    def log(self, values, step):
+        self.calls.append(("log", values, step))
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+def test_wandb_gets_the_log_steps_scalars_and_the_run_is_finished(tmp_path, monkeypatch):
+    from dres.train.runlog import open_wandb
+
+    wandb = _WandbModule()
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    run = open_wandb(tmp_path / "my_run", {"task": "mae"})
+    runlog = RunLog(tmp_path / "metrics.jsonl", main=True, tb=None, show_progress=False, total=10, initial=4,
+                    kept=lambda: "", batch_size=64, rate=lambda ips: {}, wandb=run)
+    runlog.step(REC)
+    runlog.close()
+    assert wandb.calls == [
+        ("init", {"project": "dres", "name": "my_run", "dir": str(tmp_path / "my_run"), "config": {"task": "mae"}}),
+        ("log", {"train/loss": 0.25, "train/lr": 1e-3, "train/img_per_s": 640.0, "train/model_tflops": 0.5,
+                 "train/mfu": 0.125}, 5),
+        ("finish",)]
+
+
+def test_a_run_with_log_wandb_and_no_wandb_installed_is_one_line(tmp_path, monkeypatch, capsys):
+    from test_optional import uninstall
+
+    from dres.train import cli
+
+    uninstall(monkeypatch, "wandb")
+    out = tmp_path / "run"
+    code = cli.main(["mae", "--preset", "quickstart", "--out", str(out), *[a for kv in TINY for a in ("--set", kv)],
+                     "--set", "log.wandb=true", "--set", "steps=1"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "dres-train: error: log.wandb=true needs wandb, which is not installed: pip install 'dres[wandb]'"]
+
+
+def test_piped_progress_is_whole_lines_at_most_every_interval_and_one_at_the_end(monkeypatch, capsys):
+    from dres.train.common import PlainProgress, progress
+
+    assert isinstance(progress(total=3), PlainProgress)  # stderr is no terminal under pytest's capture
+    silent = PlainProgress(total=2, enabled=False)
+    silent.update(2)
+    silent.close()
+    assert capsys.readouterr().err == ""
+    clock = iter([0.0, 10.0, 40.0, 50.0, 55.0])
+    monkeypatch.setattr("dres.train.common.time.monotonic", lambda: next(clock))
+    bar = PlainProgress(total=1000, desc="features", unit="img")  # starts at 0 s
+    bar.update(100)   # 10 s: not yet
+    bar.update(300)   # 40 s: a line
+    bar.update(600)   # 50 s: within 30 s of the last
+    bar.close()       # 55 s: the end
+    assert capsys.readouterr().err.splitlines() == ["[dres] features 400/1,000 img (40%), 40 s",
+                                                    "[dres] features 1,000/1,000 img (100%), 55 s"]
 
 
 def test_a_non_finite_window_writes_no_record(tmp_path):
@@ -126,7 +212,7 @@ def test_a_piped_run_prints_a_line_per_log_step(tmp_path):
     assert proc.returncode == 0, proc.stderr
     steps = [line for line in proc.stdout.splitlines() if line.startswith("[dres] step ")]
     assert [line.split()[2] for line in steps] == ["1/4", "2/4", "3/4", "4/4"], proc.stdout
-    assert all(" loss " in line and " img/s " in line and " eta " in line for line in steps)
+    assert all(" loss " in line and " img/s " in line and " data " in line and " eta " in line for line in steps)
     assert "\r" not in proc.stderr and "\r" not in proc.stdout
 
 

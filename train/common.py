@@ -8,6 +8,7 @@ import inspect
 import os
 import shutil
 import sys
+import time
 from typing import Optional
 
 import torch
@@ -109,22 +110,52 @@ def cap(batches, limit):
         yield b
 
 
+class PlainProgress:
+    """Progress where stderr is a file or a pipe (a batch job's log): whole lines such as ``[dres] features
+    2,048/10,000 img (20%), 31 s``, at most one every ``interval`` seconds and one at the end, never the
+    ``\\r``-redrawn fragments of a bar. The calls of a tqdm bar that the trainers make (``update``, ``close``)."""
+
+    def __init__(self, *, total=None, initial=0, desc=None, unit="it", enabled=True, interval=30.0):
+        self.total, self.n, self.desc, self.unit, self.enabled = total, initial, desc or "progress", unit, enabled
+        self.interval, self._start = interval, time.monotonic()
+        self._last, self._shown = self._start, initial
+
+    def update(self, n=1) -> None:
+        self.n += n
+        now = time.monotonic()
+        if self.enabled and now - self._last >= self.interval:
+            self._write(now)
+
+    def close(self) -> None:
+        if self.enabled and self.n != self._shown:
+            self._write(time.monotonic())
+        self.enabled = False
+
+    def _write(self, now: float) -> None:
+        self._last, self._shown = now, self.n
+        done = f"{self.n:,}/{self.total:,}" if self.total else f"{self.n:,}"
+        share = f" ({self.n / self.total:.0%})" if self.total else ""
+        sys.stderr.write(f"[dres] {self.desc} {done} {self.unit}{share}, {self._last - self._start:.0f} s\n")
+        sys.stderr.flush()
+
+
 def progress(*, total=None, initial=0, desc=None, unit="it", enabled=True):
-    """A tqdm bar on stderr: redrawn in place on a terminal; written at most every 30 s where stderr is a
-    file or a pipe (a batch job's log), which would otherwise get a line per update."""
+    """A tqdm bar on stderr redrawn in place where stderr is a terminal; elsewhere (a file, a pipe) a
+    :class:`PlainProgress` of whole lines, at most one every 30 s."""
+    if not sys.stderr.isatty():
+        return PlainProgress(total=total, initial=initial, desc=desc, unit=unit, enabled=enabled)
     from tqdm import tqdm
 
-    tty = sys.stderr.isatty()
     try:
-        size = os.get_terminal_size(sys.stderr.fileno()) if tty else None
+        size = os.get_terminal_size(sys.stderr.fileno())
     except (OSError, ValueError):
         size = None
     # a terminal that reports no size (a fresh pseudo-terminal, some consoles) would get a bar of no width, hidden
     # below a screen of no rows: $COLUMNS / $LINES or 100 x 24 instead
-    fixed = shutil.get_terminal_size((100, 24)) if tty and not (size and size.columns and size.lines) else None
+    fixed = shutil.get_terminal_size((100, 24)) if not (size and size.columns and size.lines) else None
     return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr, disable=not enabled,
-                dynamic_ncols=tty and fixed is None, ncols=fixed and fixed.columns, nrows=fixed and fixed.lines,
-                mininterval=0.1 if tty else 30.0)
+                dynamic_ncols=fixed is None, ncols=fixed and fixed.columns, nrows=fixed and fixed.lines,
+                mininterval=0.1)
 
 
 def features(trainer, fn, loader, limit=0, batch=256):

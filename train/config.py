@@ -138,6 +138,7 @@ class LogConfig:
     # where stderr is a terminal a progress bar, elsewhere (a pipe, a batch job's log) a plain line per log step
     progress: bool = True
     tensorboard: bool = True  # <out>/tb when tensorboard is installed (the [tensorboard] extra)
+    wandb: bool = False       # a Weights & Biases run of the log steps (project dres; the [wandb] extra)
 
 
 @dataclass

@@ -40,7 +40,7 @@ from dres.train import rundir
 from dres.train.common import dense_bf16_peak, flops_rate_text, model_flops_rate
 from dres.train.config import Config, ConfigError, cpu_threads, dotted_value, fingerprint, save_config, to_dict
 from dres.train.optim import build_optimizer, peak_lr
-from dres.train.runlog import LogFile, RunLog, open_tensorboard, steady_timing
+from dres.train.runlog import LogFile, RunLog, open_tensorboard, open_wandb, steady_timing
 from dres.train.step import GraphedStep, NonFiniteLoss, TrainStep, graph_plan, graph_warmup_steps
 
 
@@ -458,7 +458,8 @@ class Trainer:
         runlog = RunLog(self.out / "metrics.jsonl", main=self.main, tb=self.tb, show_progress=cfg.log.progress,
                         total=self.total_steps, initial=self.step, kept=self._checkpoint_kept,
                         batch_size=cfg.batch_size, rate=self._flops_rate,
-                        timer=self.graphed.timer if self.graphed is not None else None, write=self.log)
+                        timer=self.graphed.timer if self.graphed is not None else None, write=self.log,
+                        wandb=open_wandb(self.out, to_dict(cfg)) if self.main and cfg.log.wandb else None)
         plain_log, self._log = self._log, runlog.around_bar(self._log)  # messages clear the bar's line first
         acc_loss, acc_n, acc_metrics = torch.zeros((), device=self.device), 0, {}
         step_last, seen = self.step, 0
@@ -468,12 +469,15 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.log(f"[dres] training {self.total_steps} steps (from {self.step}), global batch {cfg.batch_size} "
-                 f"({cfg.accum_steps} micro-batches), lr {self.lr:.3g}, warmup {self.warmup}, out {self.out}")
+                 f"({cfg.accum_steps} micro-batch{'es' if cfg.accum_steps > 1 else ''}), lr {self.lr:.3g}, "
+                 f"warmup {self.warmup}, out {self.out}")
         self.model.train()
         self.in_loop = True
         try:
             while self.step < end:
+                waited = time.perf_counter()
                 batch = self._next_batch()
+                runlog.waited_for_data(time.perf_counter() - waited)
                 loss, metrics = self.train_step(batch)
                 self.step += 1
                 seen += cfg.batch_size
@@ -574,10 +578,11 @@ class Trainer:
             s, name = dict(self.summary), "summary.json"
             if eval_metrics:
                 s["eval"] = eval_metrics
-            lost = self.summary["lost_data"]
+            lost, final_loss = self.summary["lost_data"], self.summary["final_loss"]
             lines = [f"[dres] done: {self.summary['steps']} steps in {self.summary['wall_s']:.1f}s, "
-                     f"{self.summary['img_per_s']:.1f} img/s{flops_rate_text(self.summary)}, "
-                     f"final loss {self.summary['final_loss']}"]
+                     f"{self.summary['img_per_s']:.1f} img/s"
+                     f"{flops_rate_text(self.summary) if self.device.type == 'cuda' else ''}, "  # a CPU's is no GPU's
+                     f"final loss {'none' if final_loss is None else f'{final_loss:.4f}'}"]
             if self.summary["peak_mem_gib"] is not None:
                 lines.append(f"[dres] peak memory {self.summary['peak_mem_gib']:.2f} GiB")
             if lost_data_line(lost):

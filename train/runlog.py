@@ -1,6 +1,7 @@
 """Where the training loop reports a log step: :class:`RunLog`, one object for the log window's read-back and
-every output of it, :class:`ReplayTimer`, the captured step's GPU time per window, and :class:`TensorBoard`,
-the run's TensorBoard writer whose full disk is one line like every other log's."""
+every output of it, :class:`ReplayTimer`, the captured step's GPU time per window, :class:`TensorBoard`,
+the run's TensorBoard writer whose full disk is one line like every other log's, and :func:`open_wandb`, the
+optional Weights & Biases run (``log.wandb=true``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Callable
 
 import torch
 
+from dres.optional import import_optional
 from dres.train import distributed, rundir
 from dres.train.common import progress
 
@@ -25,18 +27,21 @@ class RunLog:
     step just issued without waiting for the GPU (:meth:`close_window`: the window's mean loss and metrics, the
     stop request and non-finite flag, reduced over the ranks and copied to the host behind the step) and read
     once the next step is issued (:meth:`read_window`), so the GPU never waits for the host's logging. Its record
-    (img/s from ``batch_size`` images a step over the window's wall time, ``rate(img_per_s)``'s FLOP fields, the
-    replays' GPU time from ``timer``) goes, on the main rank, to ``metrics_path`` (metrics.jsonl), to TensorBoard
-    as scalars ``train/<key>`` (``tb``, a :class:`TensorBoard` or None) and, with ``show_progress``, either to a
-    progress bar counting every step from ``initial`` to ``total`` where stderr is a terminal, or to one plain
-    line per log step through ``write`` (step, epoch, loss, lr, img/s, MFU, ETA: a pipe, a batch job's log);
-    other ranks write nothing. ``kept()`` says what the run still has (its last good checkpoint) in the message
+    (img/s from ``batch_size`` images a step over the window's wall time, ``rate(img_per_s)``'s FLOP fields,
+    ``data_ms``: the host's mean wait a step for the loader's batch, as :meth:`waited_for_data` counted it,
+    ``peak_mem_gib``: the device's peak allocated memory so far (CUDA only), the replays' GPU time from
+    ``timer``) goes, on the main rank, to ``metrics_path`` (metrics.jsonl), to TensorBoard as scalars
+    ``train/<key>`` (``tb``, a :class:`TensorBoard` or None), to ``wandb`` (a run of :func:`open_wandb`, or None)
+    and, with ``show_progress``, either to a progress bar counting every step from ``initial`` to ``total`` where
+    stderr is a terminal, or to one plain line per log step through ``write`` (step, epoch, loss, lr, img/s,
+    data time, MFU, peak memory, ETA: a pipe, a batch job's log); other ranks write nothing. ``kept()`` says what the run still has (its last good checkpoint) in the message
     of a full disk."""
 
     def __init__(self, metrics_path: Path, *, main: bool, tb, show_progress: bool, total: int, initial: int,
                  kept: Callable[[], str], batch_size: int, rate: Callable[[float], dict],
-                 timer: ReplayTimer | None = None, write: Callable[[str], None] = print):
+                 timer: ReplayTimer | None = None, write: Callable[[str], None] = print, wandb=None):
         self.metrics_path, self.main, self.tb, self.kept, self.total = metrics_path, main, tb, kept, total
+        self.wandb = wandb
         self.batch_size, self.rate, self.timer = batch_size, rate, timer
         shown = main and show_progress
         self.bar = progress(total=total, initial=initial, unit="step") if shown and sys.stderr.isatty() else None
@@ -44,6 +49,11 @@ class RunLog:
         self.write = write  # the plain lines, written where there is no bar
         self._since = (initial, time.monotonic())  # the step and time ETA counts from
         self._window_start = time.time()  # wall time at which the current log window began
+        self._data_s = 0.0  # the host's wait for batches in the current log window
+
+    def waited_for_data(self, seconds: float) -> None:
+        """Count ``seconds`` the host waited for the loader's next batch in the current log window."""
+        self._data_s += seconds
 
     def close_window(self, *, step: int, steps: int, lr: float, epoch: float | None, loss_sum: torch.Tensor,
                      n: int, metrics: dict, stop_asked: bool, bad: torch.Tensor | None) -> dict:
@@ -59,8 +69,11 @@ class RunLog:
             host.copy_(vals, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
+        data_s, self._data_s = self._data_s, 0.0
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None  # no sync
         return {"step": step, "steps": steps, "lr": lr, "epoch": epoch, "keys": list(metrics), "host": host,
-                "ready": ready, "replays": self.timer.end_window() if self.timer is not None else None}
+                "ready": ready, "replays": self.timer.end_window() if self.timer is not None else None,
+                "data_ms": data_s / steps * 1e3, "peak_mem_gib": peak}
 
     def read_window(self, window: dict) -> tuple[dict | None, bool]:
         """Wait for a window from :meth:`close_window` and write its record: ``(record, whether any rank asked to
@@ -74,7 +87,9 @@ class RunLog:
         wall, self._window_start = now - self._window_start, now
         ips = window["steps"] * self.batch_size / max(wall, 1e-9)
         rec = {"step": window["step"], "loss": vals[0], "lr": window["lr"], "img_per_s": ips, **self.rate(ips),
-               "epoch": window["epoch"], **dict(zip(window["keys"], vals[1:]))}
+               "epoch": window["epoch"], "data_ms": window["data_ms"], **dict(zip(window["keys"], vals[1:]))}
+        if window["peak_mem_gib"] is not None:
+            rec["peak_mem_gib"] = window["peak_mem_gib"]
         if window["replays"] is not None:  # the replays' GPU time against this window's wall time
             rec.update(self.timer.read_window(window["replays"], window["steps"], wall * 1e3))
         self.step(rec)
@@ -96,27 +111,33 @@ class RunLog:
             return
         rundir.append_line(self.metrics_path, json.dumps(rec),
                            f"{self.kept()}; {rundir.FREE_SPACE_AND_RESUME}")
+        scalars = {f"train/{k}": v for k, v in rec.items() if k != "step" and v is not None}
         if self.tb:
-            for k, v in rec.items():
-                if k != "step" and v is not None:
-                    self.tb.add_scalar(f"train/{k}", v, rec["step"])
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, rec["step"])
+        if self.wandb:
+            self.wandb.log(scalars, step=rec["step"])
         if self.bar:
-            mfu = {} if rec["mfu"] is None else {"mfu": f"{rec['mfu']:.1%}"}
+            mfu = {} if rec.get("mfu") is None else {"mfu": f"{rec['mfu']:.1%}"}
+            mem = {} if rec.get("peak_mem_gib") is None else {"mem": f"{rec['peak_mem_gib']:.1f}GiB"}
             self.bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", img_s=f"{rec['img_per_s']:.0f}",
-                                 **mfu, refresh=False)
+                                 **mfu, **mem, refresh=False)
         elif self.plain:
             self.write(self.plain_line(rec))
 
     def plain_line(self, rec: dict) -> str:
-        """``[dres] step 200/1000 epoch 0.40 loss 0.6123 lr 1.50e-04 img/s 5,069 mfu 31.4% eta 0:02:38``; the ETA
-        from the steps per second since the run's first logged step."""
+        """``[dres] step 200/1000 epoch 0.40 loss 0.6123 lr 1.50e-04 img/s 5,069 data 1.2 ms mfu 31.4% mem 14.4 GiB
+        eta 0:02:38`` (data time, MFU and memory where known); the ETA from the steps per second since the run's
+        first logged step."""
         first, t0 = self._since
         rate = (rec["step"] - first) / max(time.monotonic() - t0, 1e-9)
         eta = datetime.timedelta(seconds=round((self.total - rec["step"]) / rate)) if rate > 0 else "?"
         epoch = f" epoch {rec['epoch']:.2f}" if rec.get("epoch") is not None else ""
+        data = f" data {rec['data_ms']:.1f} ms" if rec.get("data_ms") is not None else ""
         mfu = f" mfu {rec['mfu']:.1%}" if rec.get("mfu") is not None else ""
+        mem = f" mem {rec['peak_mem_gib']:.1f} GiB" if rec.get("peak_mem_gib") is not None else ""
         return (f"[dres] step {rec['step']}/{self.total}{epoch} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
-                f"img/s {rec['img_per_s']:,.0f}{mfu} eta {eta}")
+                f"img/s {rec['img_per_s']:,.0f}{data}{mfu}{mem} eta {eta}")
 
     def advance(self) -> None:
         """One step done (the bar counts it)."""
@@ -124,9 +145,11 @@ class RunLog:
             self.bar.update(1)
 
     def close(self) -> None:
-        """End the bar (the TensorBoard writer stays open: evaluation writes to it after the loop)."""
+        """End the bar and the wandb run (the TensorBoard writer stays open: evaluation writes to it after the loop)."""
         if self.bar:
             self.bar.close()
+        if self.wandb:
+            self.wandb.finish()
 
 
 class ReplayTimer:
@@ -235,6 +258,14 @@ def open_tensorboard(folder: Path, kept: Callable[[], str], log: Callable[[str],
             "<out>/tb, or set log.tensorboard=false")
         return None
     return TensorBoard(folder, kept, **writer_options)
+
+
+def open_wandb(out: Path, config: dict):
+    """A Weights & Biases run of the run folder ``out`` (project ``dres``, named after the folder, its files under
+    ``out``, the resolved ``config``); :class:`~dres.optional.MissingExtra` naming the extra where wandb is not
+    installed. wandb's own settings apply (``WANDB_MODE=offline`` keeps the run on this machine)."""
+    wandb = import_optional("wandb", "wandb", "log.wandb=true")
+    return wandb.init(project="dres", name=out.name, dir=str(out), config=config)
 
 
 class TensorBoard:
