@@ -9,6 +9,13 @@ timm ``Block``, or Eva's ``nn.ModuleList`` of ``EvaBlock``) by :class:`FusedTimm
 attention and MLP add (with the block's LayerScale and DropPath applied to the branch) is fused with
 the next norm; the last add is a ``residual_add`` and the model's own ``norm`` follows.
 
+The branches run on the fused ops too (every path): a block's timm ``Attention`` (a qkv Linear,
+identity q/k norms) takes :func:`dres.ops.short_attention` straight from the qkv output where
+:func:`dres.nn.transformer.takes_short_attention` allows it (no mask, no active attention dropout),
+SDPA otherwise; a timm ``Mlp`` with an exact or tanh GELU and no active dropout between its Linears
+runs :func:`dres.ops.fused_mlp` (``fused_mlp=False`` keeps timm's), which recomputes GELU in the
+backward and so keeps one (tokens x hidden) activation fewer, eager and compiled alike.
+
 Paths that call blocks one at a time (gradient checkpointing's ``checkpoint_seq``, attention masks,
 ``forward_intermediates``, and every forward of Eva, whose loop hands each block its rotary
 embedding) get each block's decayed forward: its attention add fused with ``norm2``, its MLP add a
@@ -31,11 +38,13 @@ import functools
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from dres import ops
 from dres.nn.droppath import NO_SCALES, ResidualDroppath, build_droppath, droppath_scales, refuse_two_drop_paths
 from dres.nn.schedule import decay_schedule
-from dres.nn.transformer import ResidualStream, add_and_norm
+from dres.nn.transformer import ResidualStream, add_and_norm, sdpa_from_qkv, takes_short_attention
 from dres.optional import import_optional
 
 
@@ -114,6 +123,80 @@ class FusedTimmBlocks(ResidualStream, nn.Sequential):
         return self.run_stream(x, norm=None, scales=self.droppath_scales(x))[0]  # the model's own norm follows
 
 
+# ---------------------------------------------------------------------------------------------
+# The branches: attention from one qkv output, the fused MLP (shared with dres.convert_hf)
+
+
+def attention_from_qkv(qkv: torch.Tensor, num_heads: int, backend: Optional[str], mask: Optional[torch.Tensor] = None,
+                       dropout_p: float = 0.0) -> torch.Tensor:
+    """Self-attention of a qkv output (B, N, 3C) in timm's layout (q, k, v, each heads x head_dim) ->
+    (B, N, C): :func:`dres.ops.short_attention` where :func:`takes_short_attention` allows it (it has
+    no mask and no dropout), else SDPA (``mask``: SDPA's ``attn_mask``)."""
+    B, N, three_c = qkv.shape
+    if mask is None and dropout_p == 0.0:
+        if takes_short_attention(qkv, N, three_c // (3 * num_heads), backend):
+            return ops.short_attention(qkv, num_heads, backend="triton")
+        return sdpa_from_qkv(qkv, num_heads)
+    q, k, v = qkv.unflatten(-1, (3, num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p).transpose(1, 2).flatten(2)
+
+
+def gelu_approximate(act: nn.Module, gelu_types: dict) -> Optional[str]:
+    """The GELU ``act`` computes as ``F.gelu``'s ``approximate`` names it ("none", "tanh"): an ``nn.GELU``'s
+    own, else ``gelu_types[type(act)]``; None when ``act`` is no GELU the fused MLP computes."""
+    return act.approximate if isinstance(act, nn.GELU) else gelu_types.get(type(act))
+
+
+def fused_mlp_of(x: torch.Tensor, fc1: nn.Linear, fc2: nn.Linear, approximate: str, backend: Optional[str]):
+    """``fc2(gelu(fc1(x)))`` through :func:`dres.ops.fused_mlp`."""
+    return ops.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, backend=backend, approximate=approximate)
+
+
+@functools.cache
+def _timm_gelu_types() -> dict:
+    activations = import_optional("timm.layers.activations", "timm", "convert_timm_vit")
+    return {activations.GELU: "none", activations.GELUTanh: "tanh"}
+
+
+def _short_timm_attention(attn: nn.Module) -> bool:
+    """Whether a timm ``Attention`` computes plain softmax attention of its qkv output: no q/k norm, no
+    norm before proj, no gate (the attributes newer timm versions add)."""
+    identity = all(isinstance(getattr(attn, name, None) or nn.Identity(), nn.Identity)
+                   for name in ("q_norm", "k_norm", "norm"))
+    return identity and getattr(attn, "gate", None) is None and isinstance(attn.qkv, nn.Linear)
+
+
+def _timm_attention_forward(stream: "FusedTimmBlocks", attn: nn.Module, x: torch.Tensor,
+                            attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
+    """A timm Attention's function from its one qkv output; a mask, causality or active attention
+    dropout go to timm's own forward."""
+    if attn_mask is not None or is_causal or (attn.training and attn.attn_drop.p > 0):
+        extra = {} if attn_mask is None and not is_causal else {"attn_mask": attn_mask, "is_causal": is_causal}
+        return type(attn).forward(attn, x, **extra)
+    return attn.proj_drop(attn.proj(attention_from_qkv(attn.qkv(x), attn.num_heads, stream.backend)))
+
+
+def _timm_mlp_forward(stream: "FusedTimmBlocks", mlp: nn.Module, approximate: str, x: torch.Tensor) -> torch.Tensor:
+    """A timm Mlp through the fused MLP; active dropout between its Linears goes to timm's own forward."""
+    if mlp.training and mlp.drop1.p > 0:
+        return type(mlp).forward(mlp, x)
+    return mlp.drop2(fused_mlp_of(x, mlp.fc1, mlp.fc2, approximate, stream.backend))
+
+
+def _fuse_timm_branches(stream: "FusedTimmBlocks", fused_mlp: bool) -> None:
+    """Point each block's timm Attention and (``fused_mlp``) Mlp at the fused branch forwards above."""
+    vision_transformer = import_optional("timm.models.vision_transformer", "timm", "convert_timm_vit")
+    attention_type, mlp_type = vision_transformer.Attention, vision_transformer.Mlp
+    for blk in stream:
+        attn, mlp = blk.attn, blk.mlp
+        if type(attn) is attention_type and _short_timm_attention(attn):
+            attn.forward = functools.partial(_timm_attention_forward, stream, attn)
+        approximate = gelu_approximate(mlp.act, _timm_gelu_types()) if type(mlp) is mlp_type else None
+        if (fused_mlp and approximate is not None and isinstance(mlp.norm, nn.Identity)
+                and isinstance(mlp.fc1, nn.Linear) and isinstance(mlp.fc2, nn.Linear)):
+            mlp.forward = functools.partial(_timm_mlp_forward, stream, mlp, approximate)
+
+
 def float32_alphas(n: int, alpha_min: float, schedule: str, per_block: bool, per_layer: int = 2) -> list[float]:
     """:func:`dres.nn.decay_schedule` rounded to float32, as the kernels read it, so that fused and
     block-by-block paths agree exactly."""
@@ -155,7 +238,7 @@ def has_timm_drop_path(blk: nn.Module) -> bool:
 
 def convert_timm_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "linspace", per_block: bool = False,
                      drop_path: float = 0.0, droppath_mode: str = "drop_path", backend: Optional[str] = None,
-                     droppath_seed: int = 0) -> nn.Module:
+                     droppath_seed: int = 0, fused_mlp: bool = True) -> nn.Module:
     """Make ``model`` (a timm VisionTransformer or Eva) use decayed, fused residuals; returns the same object.
 
     alpha_min / schedule / per_block: as :func:`dres.nn.decay_schedule` over the ``2*depth`` residuals
@@ -163,7 +246,9 @@ def convert_timm_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "
     none, whatever the mode); droppath_mode: "drop_path" (timm, scaled by 1/keep) or
     "residual_droppath" (Park). backend: of :mod:`dres.ops` (``dres.nn.set_backend`` changes it later).
     Weights are not touched (no zero-initialisation: the model is presumably pretrained). Each
-    block's MLP runs as timm built it, its activation (erf or tanh GELU, ``act_layer``) included.
+    block's timm ``Mlp`` with an erf or tanh GELU (``act_layer``) runs :func:`dres.ops.fused_mlp`
+    (``fused_mlp=False``: as timm built it; other MLPs, SwiGLU's, always so), its ``Attention`` short
+    attention from the qkv output where the shape allows (module docstring).
     """
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, FusedTimmBlocks):
@@ -182,6 +267,7 @@ def convert_timm_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "
     stream = FusedTimmBlocks(list(blocks), alphas, backend, droppath)
     for i, blk in enumerate(stream):
         blk.forward = functools.partial(_decayed_block_forward, stream, i)
+    _fuse_timm_branches(stream, fused_mlp)
     model.blocks = stream
     if droppath is not None:
         model.droppath = droppath

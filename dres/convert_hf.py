@@ -25,10 +25,28 @@ fused op's ``y``; its ``out`` (the un-normalised sum) is needed only by the back
 every layer are fused and nothing is carried across layers: there is no pending add between layers
 of a post-LN encoder. (The embeddings' LayerNorm, after a sum of three embeddings, stays PyTorch's.)
 
+The branches run on the fused ops too. Every converted self-attention (the module holding the
+``query``/``key``/``value`` or ``q_proj``/``k_proj``/``v_proj`` Linears, which stay) computes q, k and v
+as one GEMM, ``F.linear(x, cat(weights), cat(biases))``, and attends from that qkv output:
+:func:`dres.ops.short_attention` where :func:`dres.nn.transformer.takes_short_attention` allows it
+(no mask, no active attention dropout), SDPA otherwise (with BERT's padding mask and the attention
+dropout in training). It takes the place of HF's SDPA implementation (``attn_implementation="sdpa"``,
+the default); other implementations (``"eager"``, which HF asks for to return attention
+probabilities, flash, flex), calls that want the probabilities (``output_attentions``), a
+``head_mask``, cross-attention, caches and causal (decoder) attention run HF's own forward. An MLP
+with an exact or tanh GELU (HF's ``"gelu"``, ``"gelu_new"``, ``"gelu_pytorch_tanh"``) runs
+:func:`dres.ops.fused_mlp`, which recomputes GELU in the backward: one (tokens x hidden) activation
+fewer (``fused_mlp=False`` keeps HF's). ViTMAEForPreTraining's loss is :func:`dres.ops.mae_loss`,
+read straight from the pixels.
+
+Under autocast the pre-LN stream stays in its dtype (float32) and each normalised value that feeds a
+branch comes out in the autocast dtype, so q/k/v and fc1 cast nothing; the encoder's final
+``layernorm`` returns what torch's LayerNorm does (float32 under autocast: it is the model's output),
+the decoder's ``decoder_norm``, which feeds only ``decoder_pred``, the autocast dtype.
+
 Both converters keep parameters, their names and the ``state_dict``; ``alpha_min=1`` (the default)
-keeps the function: outputs and gradients equal the unconverted model's. ``y`` takes the stream's
-dtype, as torch's LayerNorm does under autocast. ``backend`` is that of :mod:`dres.ops`
-(:func:`dres.nn.set_backend` changes it later). A model is converted once.
+keeps the function: outputs and gradients equal the unconverted model's. ``backend`` is that of
+:mod:`dres.ops` (:func:`dres.nn.set_backend` changes it later). A model is converted once.
 """
 
 from __future__ import annotations
@@ -41,7 +59,8 @@ import torch
 from torch import nn
 
 from dres import ops
-from dres.convert import check_norm, float32_alphas
+from dres.convert import attention_from_qkv, check_norm, float32_alphas, fused_mlp_of, gelu_approximate
+from dres.nn.transformer import add_and_norm, autocast_dtype
 
 __all__ = ["convert_hf_vit", "convert_hf_bert"]
 
@@ -51,39 +70,152 @@ def _refuse_second_conversion(modules, what: str) -> None:
         raise ValueError(f"{what} is already converted")
 
 
-def _fused_add_norm(x: torch.Tensor, h: torch.Tensor, norm: nn.LayerNorm, alpha: float, backend: Optional[str]):
-    """``(alpha*x + h, norm(alpha*x + h))`` in one op; the normalised value in the stream's dtype."""
-    return ops.residual_layer_norm(x, h, norm.weight, norm.bias, alpha=alpha, eps=norm.eps, out_dtype=x.dtype,
+def _fused_add_norm(x: torch.Tensor, h: torch.Tensor, norm: nn.LayerNorm, alpha: float, backend: Optional[str],
+                    out_dtype: Optional[torch.dtype] = None):
+    """``(alpha*x + h, norm(alpha*x + h))`` in one op; the normalised value in ``out_dtype`` (default the
+    branch's: the autocast dtype under autocast)."""
+    return ops.residual_layer_norm(x, h, norm.weight, norm.bias, alpha=alpha, eps=norm.eps, out_dtype=out_dtype,
                                    backend=backend)
+
+
+def _layer_norm_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype torch's LayerNorm returns for ``x``: float32 (or wider) under autocast, else x's."""
+    return x.dtype if autocast_dtype(x) is None else torch.promote_types(x.dtype, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The branches: q/k/v as one GEMM, the fused MLP
+
+_QKV_NAMES = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"))
+# arguments that ask HF's attention for more than self-attention of the hidden states
+_HF_ONLY_ARGUMENTS = ("head_mask", "encoder_hidden_states", "past_key_value", "past_key_values", "cache")
+
+
+def _qkv_linears(module: nn.Module) -> Optional[tuple[nn.Linear, nn.Linear, nn.Linear]]:
+    """The query, key and value Linears of an HF self-attention module (v4's ``query``..., v5's
+    ``q_proj``...), all with biases or none; None if it has no such three."""
+    for names in _QKV_NAMES:
+        linears = tuple(getattr(module, name, None) for name in names)
+        if all(isinstance(lin, nn.Linear) for lin in linears) and len({lin.bias is None for lin in linears}) == 1:
+            return linears
+    return None
+
+
+def _self_attention_module(attention: nn.Module) -> Optional[nn.Module]:
+    """The module holding q/k/v in a layer's ``attention``: itself (transformers 5's ViTs), its
+    ``attention`` (4.x ViTs) or ``self`` (BERT)."""
+    for module in (attention, getattr(attention, "attention", None), getattr(attention, "self", None)):
+        if isinstance(module, nn.Module) and _qkv_linears(module) is not None:
+            return module
+    return None
+
+
+def _attention_dropout(module: nn.Module) -> float:
+    """The attention-probability dropout HF's SDPA path applies in training (named per version)."""
+    for name in ("attention_dropout", "dropout_prob", "attention_probs_dropout_prob"):
+        if isinstance(getattr(module, name, None), float):
+            return getattr(module, name)
+    return module.dropout.p
+
+
+def _fused_attention_forward(module: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+    """HF's SDPA self-attention with q, k and v from one GEMM (short attention where it can); what
+    needs more (module docstring) runs HF's own forward. Returns what HF's SDPA path does:
+    (output, None), the output projected where the module holds the projection (``o_proj``)."""
+    named = dict(zip(module._dres_arg_names, args), **kwargs)
+    config = module._dres_config
+    if (config._attn_implementation != "sdpa" or named.get("output_attentions") or config.output_attentions
+            or getattr(module, "is_causal", False) or any(named.get(n) is not None for n in _HF_ONLY_ARGUMENTS)):
+        return type(module).forward(module, hidden_states, *args, **kwargs)
+    q, k, v = _qkv_linears(module)
+    bias = None if q.bias is None else torch.cat((q.bias, k.bias, v.bias))
+    qkv = nn.functional.linear(hidden_states, torch.cat((q.weight, k.weight, v.weight)), bias)
+    dropout_p = _attention_dropout(module) if module.training else 0.0
+    out = attention_from_qkv(qkv, module.num_attention_heads, module.backend, named.get("attention_mask"), dropout_p)
+    o_proj = getattr(module, "o_proj", None)
+    return (out if o_proj is None else o_proj(out)), None
+
+
+def _fuse_attention(attention: nn.Module, config, backend: Optional[str]) -> None:
+    """Give a layer's self-attention module the one-GEMM forward (it then goes with set_backend)."""
+    module = _self_attention_module(attention)
+    if module is None or getattr(module, "is_cross_attention", False):
+        return
+    module._dres_arg_names = tuple(inspect.signature(type(module).forward).parameters)[2:]
+    module._dres_config = getattr(module, "config", None) or config
+    module.backend = backend
+    module._dres_fused = True
+    module.forward = functools.partial(_fused_attention_forward, module)
+
+
+@functools.cache
+def _hf_gelu_types() -> dict:
+    """HF's GELU activations by class, read from its ACT2FN table (class names differ between versions)."""
+    from transformers.activations import ACT2FN
+
+    return {type(ACT2FN[name]): approximate
+            for name, approximate in (("gelu", "none"), ("gelu_new", "tanh"), ("gelu_pytorch_tanh", "tanh"))}
+
+
+def _mlp_parts(layer: nn.Module) -> Optional[tuple[nn.Linear, nn.Linear, str]]:
+    """(fc1, fc2, GELU approximate) of a layer's MLP: ``mlp`` with ``fc1``/``fc2`` and its activation
+    (``activation_fn`` or ``activation``), or 4.x ViT's and BERT's ``intermediate.dense`` with its
+    ``intermediate_act_fn`` and ``output.dense``; None when it is no Linear-GELU-Linear MLP (DINOv2's SwiGLU)."""
+    mlp = getattr(layer, "mlp", None)
+    if mlp is not None:
+        fc1, fc2 = getattr(mlp, "fc1", None), getattr(mlp, "fc2", None)
+        act = getattr(mlp, "activation_fn", None) or getattr(mlp, "activation", None)
+    else:
+        fc1, fc2 = getattr(layer.intermediate, "dense", None), getattr(layer.output, "dense", None)
+        act = getattr(layer.intermediate, "intermediate_act_fn", None)
+    approximate = gelu_approximate(act, _hf_gelu_types()) if isinstance(act, nn.Module) else None
+    if approximate is None or not (isinstance(fc1, nn.Linear) and isinstance(fc2, nn.Linear)):
+        return None
+    return fc1, fc2, approximate
+
+
+def _mlp(layer: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """The layer's MLP on y, up to its fc2 (no dropout after): fused where conversion found it fusable."""
+    if layer._dres_mlp is not None:
+        fc1, fc2, approximate = layer._dres_mlp
+        return fused_mlp_of(y, fc1, fc2, approximate, layer.backend)
+    if hasattr(layer, "mlp"):
+        return layer.mlp(y)
+    return layer.output.dense(layer.intermediate(y))
 
 
 # ---------------------------------------------------------------------------------------------
 # ViT (pre-LN): the carry across layers
 
 
-def _handed_norm_forward(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-    """A LayerNorm that returns the value the previous layer computed fused with its last add, when
-    called on that layer's output; otherwise (and when nothing was left) its ordinary forward."""
+def _take_pending(norm: nn.LayerNorm, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """The value the previous layer computed fused with its last add, when ``x`` is that layer's
+    output; taken once. None otherwise (and when nothing was left)."""
     pending = getattr(norm, "_dres_pending", None)
-    if pending is not None:
-        norm._dres_pending = None  # taken once (torch 2.11's Dynamo cannot trace a pop of the module's __dict__)
-        if pending[0] is x:
-            return pending[1]
-    return nn.LayerNorm.forward(norm, x)
+    if pending is None:
+        return None
+    norm._dres_pending = None  # taken once (torch 2.11's Dynamo cannot trace a pop of the module's __dict__)
+    return pending[1] if pending[0] is x else None
+
+
+def _handed_norm_forward(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    """A final LayerNorm (called by the model) that returns the value the last layer computed fused
+    with its last add, when called on that layer's output; otherwise its ordinary forward."""
+    y = _take_pending(norm, x)
+    return nn.LayerNorm.forward(norm, x) if y is None else y
 
 
 def _pre_ln_parts(layer: nn.Module):
-    """(norm before the attention, attention branch tail, norm after it, MLP branch) of a pre-LN layer.
-    ViT's names (DeiT, ViTMAE): transformers 5 has ``mlp`` and a layer ``dropout``, 4.x ``intermediate``
-    and ``output`` (whose forward also adds the residual); DINOv2's: ``norm1``/``norm2`` with
-    LayerScale and DropPath ending each branch."""
+    """(norm before the attention, attention branch tail, norm after it, MLP branch tail) of a pre-LN
+    layer; the MLP itself is :func:`_mlp`. ViT's names (DeiT, ViTMAE): transformers 5 has ``mlp`` and a
+    layer ``dropout``, 4.x ``intermediate`` and ``output`` (whose forward also adds the residual);
+    DINOv2's: ``norm1``/``norm2`` with LayerScale and DropPath ending each branch."""
     if hasattr(layer, "norm1"):
         return (layer.norm1, lambda h: layer.drop_path(layer.layer_scale1(h)), layer.norm2,
-                lambda y: layer.drop_path(layer.layer_scale2(layer.mlp(y))))
+                lambda h: layer.drop_path(layer.layer_scale2(h)))
     if hasattr(layer, "mlp"):
-        return layer.layernorm_before, layer.dropout, layer.layernorm_after, lambda y: layer.dropout(layer.mlp(y))
-    return (layer.layernorm_before, lambda h: h, layer.layernorm_after,
-            lambda y: layer.output.dropout(layer.output.dense(layer.intermediate(y))))
+        return layer.layernorm_before, layer.dropout, layer.layernorm_after, layer.dropout
+    return layer.layernorm_before, lambda h: h, layer.layernorm_after, layer.output.dropout
 
 
 _PRE_LN_LAYOUTS = (("layernorm_before", "attention", "layernorm_after", "mlp", "dropout"),
@@ -108,17 +240,21 @@ def _checkpointing(layer: nn.Module, owner: nn.Module) -> bool:
 
 def _fused_vit_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
     """The forward of a converted pre-LN layer (``args``/``kwargs``: the attention's, as the model passes them)."""
-    owner, next_norm = layer._dres_stream
+    owner, next_norm, next_is_output = layer._dres_stream
     a_attention, a_mlp = layer._dres_alphas
-    norm_before, attention_tail, norm_after, mlp_branch = _pre_ln_parts(layer)
-    attention = layer.attention(norm_before(hidden_states), *args, **kwargs)
+    norm_before, attention_tail, norm_after, mlp_tail = _pre_ln_parts(layer)
+    y = _take_pending(norm_before, hidden_states)
+    if y is None:  # the stack's first layer, or a layer the loop recomputes alone: y in the autocast dtype
+        y = add_and_norm(hidden_states, None, norm_before, 1.0, backend=layer.backend)[1]
+    attention = layer.attention(y, *args, **kwargs)
     attention_out = attention[0] if isinstance(attention, tuple) else attention
     mid, y = _fused_add_norm(hidden_states, attention_tail(attention_out), norm_after, a_attention, layer.backend)
-    h = mlp_branch(y)
+    h = mlp_tail(_mlp(layer, y))
     if next_norm is None or _checkpointing(layer, owner):
         out = ops.residual_add(mid, h, alpha=a_mlp, backend=layer.backend)
     else:
-        out, y_next = _fused_add_norm(mid, h, next_norm, a_mlp, layer.backend)
+        out_dtype = _layer_norm_dtype(mid) if next_is_output else None
+        out, y_next = _fused_add_norm(mid, h, next_norm, a_mlp, layer.backend, out_dtype)
         next_norm._dres_pending = (out, y_next)
     # transformers < 4.56 returns (hidden_states, attentions...) from a layer; later versions the tensor
     return (out,) + tuple(attention[1:]) if layer._dres_returns_tuple else out
@@ -142,7 +278,8 @@ def _base_model(model: nn.Module) -> nn.Module:
 
 def _pre_ln_stacks(model: nn.Module) -> list[tuple[nn.Module, nn.ModuleList, Optional[nn.LayerNorm]]]:
     """(the module holding the layer list, the layers, the norm after the last layer) of each stack:
-    the encoder's, and ViTMAEForPreTraining's decoder."""
+    the encoder's (its norm's output is the model's), and ViTMAEForPreTraining's decoder (its norm
+    feeds only ``decoder_pred``)."""
     base = _base_model(model)
     if isinstance(getattr(base, "layers", None), nn.ModuleList):  # transformers 5
         owner, layers = base, base.layers
@@ -160,15 +297,16 @@ def _pre_ln_stacks(model: nn.Module) -> list[tuple[nn.Module, nn.ModuleList, Opt
 
 
 def convert_hf_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "linspace", per_block: bool = False,
-                   backend: Optional[str] = None) -> nn.Module:
+                   backend: Optional[str] = None, fused_mlp: bool = True) -> nn.Module:
     """Make ``model`` (a transformers ViTModel, DeiTModel, ViTMAEModel, Dinov2Model or a model built
     on one: ViTForImageClassification, DeiTForImageClassification, ViTMAEForPreTraining, ...) run its
-    residual adds on the fused ops, carrying the stream across layers; returns the same object.
-    ViTMAEForPreTraining's decoder is converted too.
+    residual adds on the fused ops, carrying the stream across layers, q/k/v as one GEMM and the GELU
+    MLPs fused; returns the same object. ViTMAEForPreTraining's decoder is converted too, and its
+    loss runs :func:`dres.ops.mae_loss`.
 
     alpha_min / schedule / per_block: decayed shortcuts, :func:`dres.nn.decay_schedule` over the
     encoder's ``2 * num_layers`` residuals (attention, MLP, attention, ...); a decoder's residuals
-    keep alpha 1 (MAE decays its encoder). Weights are not touched.
+    keep alpha 1 (MAE decays its encoder). fused_mlp: False keeps HF's MLPs. Weights are not touched.
     """
     stacks = _pre_ln_stacks(model)
     for s, (_, layers, _) in enumerate(stacks):
@@ -180,14 +318,61 @@ def convert_hf_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "li
     for s, (owner, layers, final_norm) in enumerate(stacks):
         next_norms = [_pre_ln_parts(layer)[0] for layer in layers[1:]] + [final_norm]
         alphas = float32_alphas(2 * len(layers), alpha_min if s == 0 else 1.0, schedule, per_block, 2)
+        if final_norm is not None:
+            final_norm.forward = functools.partial(_handed_norm_forward, final_norm)
         for i, (layer, next_norm) in enumerate(zip(layers, next_norms)):
-            if next_norm is not None:
-                next_norm.forward = functools.partial(_handed_norm_forward, next_norm)
             layer._dres_alphas = (alphas[2 * i], alphas[2 * i + 1])
-            layer._dres_stream = (owner, next_norm)  # a tuple: not registered as submodules a second time
+            # tuples: not registered as submodules a second time
+            layer._dres_stream = (owner, next_norm, s == 0 and i == len(layers) - 1)
+            layer._dres_mlp = _mlp_parts(layer) if fused_mlp else None
             layer.backend = backend
             layer.__class__ = _fused_layer_class(type(layer))
+            _fuse_attention(layer.attention, getattr(owner, "config", None) or model.config, backend)
+    if hasattr(model, "decoder") and hasattr(model, "patchify"):
+        _fuse_mae_loss(model)
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# ViTMAEForPreTraining's loss
+
+
+def _mae_forward_loss(model: nn.Module, backend_of: nn.Module, pixel_values: torch.Tensor, pred: torch.Tensor,
+                      mask: torch.Tensor, interpolate_pos_encoding: bool = False) -> torch.Tensor:
+    """HF's ``forward_loss`` (same patch order, per-patch unbiased norm-pix with eps 1e-6, masked mean)
+    as one :func:`dres.ops.mae_loss` read from the pixels, in the backend of ``backend_of`` (an
+    encoder layer: set_backend reaches it). Images HF refuses get HF's error; images that need a
+    gradient (the op takes them as data) get the loss written out."""
+    patch_size, (channels, height, width) = model.config.patch_size, pixel_values.shape[1:]
+    if (channels != model.config.num_channels or height % patch_size or width % patch_size
+            or (not interpolate_pos_encoding and height != width)):
+        model.patchify(pixel_values, interpolate_pos_encoding=interpolate_pos_encoding)  # raises HF's error
+    if pixel_values.requires_grad and torch.is_grad_enabled():
+        return ops.reference.mae_loss(pred, pixel_values, mask, patch_size, model.config.norm_pix_loss)
+    return ops.mae_loss(pred, pixel_values, mask, patch_size, model.config.norm_pix_loss, backend=backend_of.backend)
+
+
+def _mae_forward(model: nn.Module, pixel_values: Optional[torch.Tensor] = None, noise: Optional[torch.Tensor] = None,
+                 interpolate_pos_encoding: Optional[bool] = None, **kwargs):
+    """ViTMAEForPreTraining's forward where HF writes the loss inside it (transformers 5): the same
+    calls, the loss from ``forward_loss``; ``return_dict`` as HF's ``can_return_tuple`` takes it."""
+    return_dict = kwargs.pop("return_dict", None)
+    outputs = model.vit(pixel_values, noise=noise, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs)
+    logits = model.decoder(outputs.last_hidden_state, outputs.ids_restore,
+                           interpolate_pos_encoding=interpolate_pos_encoding).logits
+    loss = model.forward_loss(pixel_values, logits, outputs.mask, interpolate_pos_encoding=bool(interpolate_pos_encoding))
+    result = inspect.getmodule(type(model)).ViTMAEForPreTrainingOutput(
+        loss=loss, logits=logits, mask=outputs.mask, ids_restore=outputs.ids_restore,
+        hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    return result if (model.config.return_dict if return_dict is None else return_dict) else result.to_tuple()
+
+
+def _fuse_mae_loss(model: nn.Module) -> None:
+    """Point ViTMAEForPreTraining's loss at :func:`_mae_forward_loss` (instance attributes: its class,
+    which transformers keys registries by, stays)."""
+    model.forward_loss = functools.partial(_mae_forward_loss, model, _pre_ln_stacks(model)[0][1][0])
+    if not hasattr(type(model), "forward_loss"):
+        model.forward = functools.partial(_mae_forward, model)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,8 +381,21 @@ def convert_hf_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "li
 
 def _fused_post_ln_forward(module: nn.Module, hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
     """``LayerNorm(input_tensor + dropout(dense(hidden_states)))`` (BertSelfOutput, BertOutput) in one op."""
-    h = module.dropout(module.dense(hidden_states))
-    return _fused_add_norm(input_tensor, h, module.LayerNorm, module._dres_alpha, module.backend)[1]
+    return _post_ln_add_norm(module, module.dense(hidden_states), input_tensor)
+
+
+def _post_ln_add_norm(module: nn.Module, h: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
+    """``LayerNorm(input_tensor + dropout(h))`` in one op. The normalised value is the stream itself
+    (the next sub-layer's input and the layer's output), so it keeps the stream's dtype."""
+    h = module.dropout(h)
+    return _fused_add_norm(input_tensor, h, module.LayerNorm, module._dres_alpha, module.backend, input_tensor.dtype)[1]
+
+
+def _fused_feed_forward(layer: nn.Module, fc1: nn.Linear, fc2: nn.Linear, approximate: str,
+                        attention_output: torch.Tensor) -> torch.Tensor:
+    """A BertLayer's ``feed_forward_chunk`` with ``intermediate`` and ``output.dense`` as one fused MLP."""
+    return _post_ln_add_norm(layer.output, fused_mlp_of(attention_output, fc1, fc2, approximate, layer.output.backend),
+                             attention_output)
 
 
 def _bert_residual_modules(layer: nn.Module) -> list[nn.Module]:
@@ -207,13 +405,14 @@ def _bert_residual_modules(layer: nn.Module) -> list[nn.Module]:
 
 
 def convert_hf_bert(model: nn.Module, alpha_min: float = 1.0, schedule: str = "linspace", per_block: bool = False,
-                    backend: Optional[str] = None) -> nn.Module:
+                    backend: Optional[str] = None, fused_mlp: bool = True) -> nn.Module:
     """Make ``model`` (a transformers BertModel, BertForMaskedLM, ...) compute every residual add and
-    the LayerNorm after it in one fused op; returns the same object.
+    the LayerNorm after it in one fused op, q/k/v as one GEMM and a GELU feed-forward as the fused
+    MLP; returns the same object.
 
     alpha_min / schedule / per_block: decayed shortcuts ``LN(alpha*x + f(x))``,
     :func:`dres.nn.decay_schedule` over the residuals in execution order (per_block: one alpha per
-    layer). Weights are not touched.
+    layer). fused_mlp: False keeps HF's feed-forward. Weights are not touched.
     """
     base = _base_model(model)
     layers = getattr(getattr(base, "encoder", None), "layer", None)
@@ -237,4 +436,9 @@ def convert_hf_bert(model: nn.Module, alpha_min: float = 1.0, schedule: str = "l
         module.backend = backend
         module._dres_fused = True  # dres.nn.set_backend finds the module by this
         module.forward = functools.partial(_fused_post_ln_forward, module)
+    for layer in layers:
+        _fuse_attention(layer.attention, model.config, backend)
+        mlp = _mlp_parts(layer) if fused_mlp else None
+        if mlp is not None:
+            layer.feed_forward_chunk = functools.partial(_fused_feed_forward, layer, *mlp)
     return model

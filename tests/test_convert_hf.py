@@ -83,24 +83,27 @@ def assert_same_function(original, converted, inputs, grad_input, tol: dict, gra
         torch.testing.assert_close(grads_b[name], grads_a[name], **grad_tol, msg=lambda m: f"{name}: {m}")
 
 
+COUNTED_OPS = ("residual_layer_norm", "residual_add", "layer_norm", "fused_mlp", "short_attention", "mae_loss")
+
+
 class CallCounts:
-    """How often the fused ops and torch's LayerNorm forward run inside the block."""
+    """How often each fused op (:data:`COUNTED_OPS`) and torch's LayerNorm forward (``"LayerNorm"``) run
+    inside the block; ``counts`` holds the ops that ran at least once."""
 
     def __enter__(self):
-        self.patches = [mock.patch.object(ops, name, wraps=getattr(ops, name))
-                        for name in ("residual_layer_norm", "residual_add")]
-        self.patches.append(mock.patch.object(nn.LayerNorm, "forward", autospec=True,
-                                              side_effect=nn.LayerNorm.forward))
-        self.mocks = [p.start() for p in self.patches]
+        self.patches = {name: mock.patch.object(ops, name, wraps=getattr(ops, name)) for name in COUNTED_OPS}
+        self.patches["LayerNorm"] = mock.patch.object(nn.LayerNorm, "forward", autospec=True,
+                                                      side_effect=nn.LayerNorm.forward)
+        self.mocks = {name: p.start() for name, p in self.patches.items()}
         return self
 
     def __exit__(self, *exc):
-        for p in self.patches:
+        for p in self.patches.values():
             p.stop()
 
     @property
-    def counts(self):
-        return tuple(m.call_count for m in self.mocks)  # (residual_layer_norm, residual_add, LayerNorm)
+    def counts(self) -> dict[str, int]:
+        return {name: m.call_count for name, m in self.mocks.items() if m.call_count}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,13 +127,14 @@ def test_vit_alpha1_keeps_function_and_weights(cls):
 
 
 def test_vit_every_add_is_fused_with_the_next_norm():
-    """Depth 3: six residual_layer_norm calls (the last with the final layernorm) and one LayerNorm of
-    torch's (the first layer's, whose input is no add); hidden states of every layer unchanged."""
+    """Depth 3: six residual_layer_norm calls (the last with the final layernorm), one layer_norm (the
+    first layer's, whose input is no add), no LayerNorm of torch's, a fused MLP per layer; hidden states
+    of every layer unchanged."""
     original, converted = tiny_vit().double(), dres.convert_hf_vit(tiny_vit().double(), backend="torch")
     inputs = vit_inputs()
     with CallCounts() as calls:
         out = converted(**inputs, output_hidden_states=True)
-    assert calls.counts == (6, 0, 1)
+    assert calls.counts == {"residual_layer_norm": 6, "layer_norm": 1, "fused_mlp": 3}
     want = original(**inputs, output_hidden_states=True)
     assert len(out.hidden_states) == 4
     for a, b in zip(out.hidden_states, want.hidden_states):
@@ -164,7 +168,7 @@ def test_vit_gradient_checkpointing_ends_layers_with_a_plain_add(use_reentrant):
         assert_same_function(original, converted, vit_inputs(), "pixel_values", F64)
     # per layer one fused add+norm in the forward and again in the recompute (so the layers are
     # checkpointed), and a plain residual_add (which the non-reentrant recompute stops before)
-    fused, plain, _ = calls.counts
+    fused, plain = calls.counts["residual_layer_norm"], calls.counts["residual_add"]
     assert fused == 2 * 3 and plain in (3, 2 * 3)
 
 
@@ -196,7 +200,9 @@ def test_vit_triton_interpreter(triton_device):
     with CallCounts() as calls:
         assert_same_function(original, converted, vit_inputs(torch.float32, triton_device), "pixel_values",
                              KERNEL_TOL, KERNEL_GRAD_TOL)
-    assert calls.counts[:2] == (4, 0)
+    # two forwards (original and converted): the converted one's fused ops, short attention included
+    assert calls.counts == {"residual_layer_norm": 4, "layer_norm": 1, "fused_mlp": 2, "short_attention": 2,
+                            "LayerNorm": 2 * 2 + 1}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +229,9 @@ def test_deit_alpha1_keeps_function(cls_name):
     converted = dres.convert_hf_vit(copy.deepcopy(original), backend="torch")
     with CallCounts() as calls:
         assert_same_function(original, converted, vit_inputs(), "pixel_values", F64)
-    assert calls.counts[:2] == (2 * 3, 0)  # every add of the converted model fused, none plain
+    # every add of the converted model fused, none plain; its first norm and MLPs fused too
+    assert {k: v for k, v in calls.counts.items() if k != "LayerNorm"} == {"residual_layer_norm": 2 * 3,
+                                                                          "layer_norm": 1, "fused_mlp": 3}
     converted.load_state_dict(original.state_dict(), strict=True)
 
 
@@ -239,7 +247,8 @@ def test_dinov2_alpha1_keeps_function(kw):
     inputs = vit_inputs()
     with CallCounts() as calls:
         got = fused(**inputs).last_hidden_state
-    assert calls.counts == (6, 0, 1)  # every add fused, the last with the final layernorm
+    # every add fused, the last with the final layernorm; SwiGLU keeps its own MLP
+    assert calls.counts == {"residual_layer_norm": 6, "layer_norm": 1, **({} if kw else {"fused_mlp": 3})}
     torch.testing.assert_close(got, model(**inputs).last_hidden_state, **F64)
 
 
@@ -274,7 +283,8 @@ def test_vit_mae_encoder_and_decoder_are_converted():
     inputs = {**vit_inputs(), "noise": torch.rand(2, 16, dtype=torch.float64)}  # the same patches masked
     with CallCounts() as calls:
         converted(**inputs)
-    assert calls.counts == (2 * 3 + 2 * 2, 0, 2)  # torch's LayerNorm: the first layer of each stack
+    # layer_norm: the first layer of each stack; the loss read from the pixels
+    assert calls.counts == {"residual_layer_norm": 2 * 3 + 2 * 2, "layer_norm": 2, "fused_mlp": 3 + 2, "mae_loss": 1}
     assert_same_function(original, converted, inputs, "pixel_values", F64)
     torch.testing.assert_close(converted(**inputs).loss, original(**inputs).loss, **F64)
     decayed = dres.convert_hf_vit(copy.deepcopy(original), alpha_min=0.5, backend="torch")
@@ -302,7 +312,9 @@ def test_bert_alpha1_keeps_function_and_weights():
     inputs = bert_inputs()
     with CallCounts() as calls:
         assert_same_function(original, converted, inputs, None, F64)  # token ids: every parameter
-    assert calls.counts[:2] == (2 * 2, 0)  # 2 layers x 2 adds, all fused (the original's norms are torch's)
+    # 2 layers x 2 adds, all fused, and the feed-forwards; a padding mask: SDPA, no short attention
+    assert {k: v for k, v in calls.counts.items() if k != "LayerNorm"} == {"residual_layer_norm": 2 * 2,
+                                                                          "fused_mlp": 2}
     embeds = {"inputs_embeds": original.bert.embeddings.word_embeddings(inputs["input_ids"]).detach(),
               "attention_mask": inputs["attention_mask"]}
     assert_same_function(original, converted, embeds, "inputs_embeds", F64)  # and the input
@@ -363,7 +375,8 @@ def test_set_backend_reaches_converted_layers():
     vit = set_backend(dres.convert_hf_vit(tiny_vit(), backend="torch"), "triton")
     bert = set_backend(dres.convert_hf_bert(tiny_bert(), backend="torch"), "triton")
     fused = [m for m in list(vit.modules()) + list(bert.modules()) if getattr(m, "_dres_fused", False)]
-    assert len(fused) == 3 + 2 * 2 and all(m.backend == "triton" for m in fused)
+    # the layers and their attentions; BERT's add-and-norm modules and attentions
+    assert len(fused) == 2 * 3 + 2 * 2 + 2 and all(m.backend == "triton" for m in fused)
 
 
 def test_converted_vit_compiles_as_one_graph():
