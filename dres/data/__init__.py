@@ -55,18 +55,30 @@ __all__ = ["build_loader", "decode_backend", "load_arrays", "BatchFinisher", "Sa
            "verify_manifest", "manifest_samples", "lost_data_line"]
 
 
+# what a user who brings the data runs: the command that makes shards, and the keys that read them
+_MAKE_SHARDS = ("make shards with `dres-prep <train folder of class folders> <out>/train` (and the same for the "
+                "validation images into <out>/val), then --set data.name=wds --set data.path=<out>/train "
+                "--set data.val_path=<out>/val")
+
+
 def _pattern(d, split):
-    """The path of ``split`` ('train' | 'val') for shard sources."""
+    """The path of ``split`` ('train' | 'val') for shard and folder sources. Data the user must bring and has not
+    named is one line saying how to make it."""
     if d.name == "cifar10_wds":
         root = (d.val_path if split == "val" and d.val_path else d.path) or str(default_cifar10_dir())
         if not os.path.isdir(root):
             if os.path.exists(root) or "{" in root or "*" in root:
                 return root
+            if not d.path:  # the preset's default: the shared shards beside a checkout, absent here
+                raise DataError(f"this preset reads CIFAR-10 that you bring (no data.path given, no shared shards "
+                                f"beside a checkout): {_MAKE_SHARDS}")
             raise DataError(f"data path not found: {root}")
         return cifar10_pattern(root, "test" if split == "val" else "train")
     p = d.val_path if split == "val" else d.path
     if not p:
-        raise DataError(f"no {'validation' if split == 'val' else 'training'} data path (set data.{'val_path' if split == 'val' else 'path'}=...)")
+        key = "val_path" if split == "val" else "path"
+        raise DataError(f"no {'validation' if split == 'val' else 'training'} data path: set data.{key}=<folder of "
+                        f"class folders> (data.name=imagefolder), or {_MAKE_SHARDS}")
     return p
 
 
