@@ -21,3 +21,18 @@ def import_optional(module: str, extra: str, needed_by: str) -> ModuleType:
             raise
         raise MissingExtra(f"{needed_by} needs {package}, which is not installed: pip install 'dres[{extra}]'",
                            name=package) from None
+
+
+def require_extra(modules: tuple[str, ...], extra: str, needed_by: str) -> None:
+    """:class:`MissingExtra` for the first of ``modules`` (top-level packages) that is not installed, found without
+    importing any of them (their import is left to the code that uses them)."""
+    import importlib.util
+
+    for module in modules:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise MissingExtra(f"{needed_by} needs {module}, which is not installed: pip install 'dres[{extra}]'",
+                               name=module)

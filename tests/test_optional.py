@@ -81,3 +81,14 @@ def test_a_resnet_preset_without_timm_is_one_line(monkeypatch, tmp_path, capsys)
     assert err == ["dres-train: error: the resnet50d classifier (a timm ResNet) needs timm, which is not installed: "
                    "pip install 'dres[timm]'"]
     assert not out.exists()  # a start refused before training leaves nothing behind
+
+
+def test_the_trainers_without_the_train_extra_name_it(monkeypatch):
+    import importlib
+
+    import dres.train
+
+    uninstall(monkeypatch, "sklearn")
+    with pytest.raises(MissingExtra, match=r"^the trainers \(dres.train\) needs sklearn, which is not installed: "
+                                           r"pip install 'dres\[train\]'$"):
+        importlib.reload(dres.train)
