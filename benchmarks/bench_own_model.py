@@ -569,7 +569,7 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
     not_run = [j.name for j in jobs if not arm_path(out, j).exists()]
     env = library_versions()
     cards = sorted({r["card"] for r in records if r.get("card")})
-    header = [f"Converted timm / Hugging Face models against their plain originals ({', '.join(cards) or 'no arm'}; "
+    header = [f"Converted timm / Hugging Face models against their plain originals ({', '.join(cards) or 'no arm finished'}; "
               f"torch {env['torch']}, triton {env['triton']}, timm {env['timm']}, transformers {env['transformers']}).",
               f"Each arm {args.steps} steps ({args.warmup} warm-up, untimed), bf16 autocast, fused AdamW; rates are "
               f"batch / median step time, the median over each arm's processes; "
@@ -620,6 +620,7 @@ def run_jobs(jobs: list[Job], args, out: Path) -> int:
                 env["CUDA_VISIBLE_DEVICES"] = visible[gpus[k]] if visible else str(gpus[k])
                 where = f"GPU {env['CUDA_VISIBLE_DEVICES']}"
             log = open(out / "logs" / f"{job.name}.log", "w")
+            arm_path(out, job).unlink(missing_ok=True)  # a rerun's record replaces the earlier one
             proc = subprocess.Popen(worker_command(job, args), cwd=REPO_ROOT, env=env, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True,
                                     preexec_fn=functools.partial(os.sched_setaffinity, 0, shares[k]))

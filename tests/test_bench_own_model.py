@@ -1,0 +1,246 @@
+"""The "your model" benchmark's harness on the CPU (benchmarks/bench_own_model.py): the plan, the arms'
+processes and records, the summary and its table from hand-made arm records, failed and unstarted arms,
+``--skip-existing``. One tiny end-to-end run (a timm and a Hugging Face model, eager arms, 3 steps); the
+figures themselves are the GPU's."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import pytest
+import torch
+
+from benchmarks import bench_own_model as bench
+
+pytest.importorskip("timm")
+pytest.importorskip("transformers")
+
+TINY_RUN = ["--device", "cpu", "--tiny", "--steps", "3", "--warmup", "1"]
+
+
+def arm_record(model: str, arm: str, rate: float | None, *, repeat: int = 0, peak: float | None = None,
+               losses: list | None = None, error: str | None = None, **extra) -> dict:
+    """An arm record as a worker writes it, with the figures the summary reads."""
+    rec = {**bench.arm_identity(model, arm, repeat, tiny=False), "samples_per_s": rate, "peak_mem_gib": peak,
+           "losses": losses or [2.0, 1.5, 1.0], "error": error, **extra}
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan and the command line
+
+
+def test_plan_runs_the_slowest_arms_first_and_alternates_plain_and_converted():
+    jobs = bench.plan_jobs(["vit_b16", "hf_bert"], ["plain_eager", "converted_eager", "plain_step"], repeats=2)
+    assert [j.name for j in jobs] == [
+        "vit_b16-plain_step-0", "hf_bert-plain_step-0", "vit_b16-converted_eager-0", "hf_bert-converted_eager-0",
+        "vit_b16-plain_eager-0", "hf_bert-plain_eager-0",
+        "vit_b16-plain_step-1", "hf_bert-plain_step-1", "vit_b16-plain_eager-1", "hf_bert-plain_eager-1",
+        "vit_b16-converted_eager-1", "hf_bert-converted_eager-1"]
+
+
+def test_dry_run_lists_every_arm_process(tmp_path, capsys):
+    out = tmp_path / "records"
+    assert bench.main(["--dry-run", "--models", "resnet50d_32", "--repeats", "2", "--gpus", "0,1", "--out",
+                       str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# 12 arm process(es), 2 at a time, 60 steps each (20 warm-up)")
+    arms = [line.split(":")[0] for line in lines[1:] if not line.startswith("  ")]
+    assert arms == [j.name for j in bench.plan_jobs(["resnet50d_32"], list(bench.ARMS), 2)]
+    commands = [line.strip() for line in lines if line.startswith("  ")]
+    assert len(commands) == 12 and "--worker resnet50d_32:converted_step:0" in commands[0]
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--models", "vit_b16,resnet"], "--models"),
+    (["--arms", "plain_eager,graphed"], "--arms"),
+    (["--gpus", "0,x"], "--gpus"),
+    (["--gpus", "0,0"], "--gpus"),
+    (["--steps", "5", "--warmup", "5"], "--steps"),
+    (["--warmup", "0"], "--warmup"),
+    (["--repeats", "0"], "--repeats"),
+    (["--device", "cpu", "--gpus", "0"], "--gpus"),
+])
+def test_bad_arguments_exit_2_naming_the_argument(argv, named, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--dry-run", *argv])
+    assert exc.value.code == 2
+    assert named in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_every_arm_starts_from_the_same_weights_and_batches():
+    """Plain and converted models are built from one seed (the drop path of the plain ViT is timm's, the
+    converted one's the controller's, neither a parameter); the batches are drawn from their seed, MAE's
+    masking noise the same in every batch."""
+    for name in ("vit_b16", "hf_vitmae"):
+        spec = bench.MODELS[name]
+        weights = []
+        for converted in (False, True):
+            torch.manual_seed(bench.MODEL_SEED)
+            model = spec.build(spec.tiny, converted)
+            weights.append({k: v for k, v in model.state_dict().items() if not k.startswith("droppath.")})
+        assert weights[0].keys() == weights[1].keys()
+        for key, value in weights[0].items():
+            torch.testing.assert_close(weights[1][key], value, rtol=0, atol=0)
+    first, again = (bench.make_batches(bench.MODELS["hf_vitmae"], bench.MODELS["hf_vitmae"].tiny, torch.device("cpu"))
+                    for _ in range(2))
+    assert len(first) == bench.NUM_BATCHES
+    assert not torch.equal(first[0][0], first[1][0])  # distinct images
+    assert all(torch.equal(b[1], first[0][1]) for b in first)  # one noise
+    assert all(torch.equal(a, b) for x, y in zip(first, again) for a, b in zip(x, y))
+
+
+# ---------------------------------------------------------------------------------------------
+# the summary and the table
+
+
+def hand_made_records() -> list[dict]:
+    vit = [
+        arm_record("vit_b16", "plain_eager", 1000.0, peak=10.0, losses=[2.0, 1.5, 1.0]),
+        arm_record("vit_b16", "converted_eager", 1500.0, peak=8.0, losses=[2.0, 1.52, 1.03]),
+        arm_record("vit_b16", "plain_compiled", 2000.0, peak=9.0, losses=[2.0, 1.49, 1.01]),
+        arm_record("vit_b16", "converted_compiled", 2400.0, peak=8.0, losses=[2.0, 1.5, 0.98]),
+        arm_record("vit_b16", "converted_compiled", 2600.0, repeat=1, peak=9.0, losses=[2.0, 1.5, 0.9]),
+        arm_record("vit_b16", "plain_step", 2200.0, peak=9.5, captured=True, why_eager=None),
+        arm_record("vit_b16", "converted_step", 3000.0, peak=9.5, captured=True, why_eager=None),
+    ]
+    bert = [
+        arm_record("hf_bert", "plain_eager", 500.0, peak=4.0),
+        arm_record("hf_bert", "converted_eager", None, error="OutOfMemoryError: CUDA out of memory."),
+        arm_record("hf_bert", "converted_step", 700.0, peak=3.0, captured=False,
+                   why_eager="dres.compile_step: the step runs eagerly: the device is cpu, not CUDA"),
+    ]
+    return bert + vit
+
+
+def test_summary_ratios_come_from_the_arms_figures():
+    rows = bench.summarize(hand_made_records())
+    assert [r["model"] for r in rows] == ["vit_b16", "hf_bert"]  # MODELS' order
+    vit, bert = rows
+    compiled = vit["arms"]["converted_compiled"]
+    assert compiled["samples_per_s"] == 2500.0 and compiled["processes"] == 2  # the median of the repeats
+    assert compiled["spread_pct"] == pytest.approx(100 * 200 / 2500)
+    assert vit["eager_ratio"] == pytest.approx(1.5)
+    assert vit["compiled_ratio"] == pytest.approx(1.25)
+    assert vit["step_vs_plain_compiled"] == pytest.approx(1.5)
+    assert vit["plain_step_vs_plain_compiled"] == pytest.approx(1.1)
+    assert vit["peak_mem_ratio"] == pytest.approx({"eager": 0.8, "compiled": 8.5 / 9.0, "step": 1.0})
+    assert vit["loss_diff"]["converted_eager"] == pytest.approx(0.03)
+    # repeat 1 has no plain eager repeat to be compared with: repeat 0's difference alone
+    assert vit["loss_diff"]["converted_compiled"] == pytest.approx(0.02)
+    assert vit["loss_noise"] == vit["loss_diff"]["plain_compiled"] == pytest.approx(0.01)
+    assert vit["loss_diff"]["converted_step"] == 0.0
+    assert bert["arms"]["converted_eager"] == {"processes": 0, "errors": ["OutOfMemoryError: CUDA out of memory."]}
+    assert bert["eager_ratio"] is None and bert["compiled_ratio"] is None and bert["step_vs_plain_compiled"] is None
+    assert bert["loss_diff"] == {"converted_eager": None, "converted_step": 0.0} and bert["loss_noise"] is None
+
+
+def test_table_quotes_each_model_with_its_ratios_failures_and_unstarted_arms():
+    records = hand_made_records()
+    failed = [r for r in records if r.get("error")]
+    table = bench.markdown(bench.summarize(records), header=["HEADER"], failed=failed, not_run=["hf_bert-plain_compiled-0"])
+    lines = table.splitlines()
+    assert lines[0] == "HEADER"
+    vit = next(line for line in lines if line.startswith("| timm vit_base_patch16_224"))
+    cells = [c.strip() for c in vit.strip("|").split(" | ")]
+    assert cells[1:] == ["img/s", "1,000 -> 1,500 (1.50x)", "2,000 -> 2,500 (1.25x)", "1.50x (plain step 1.10x)",
+                         "eager 0.80, compiled 0.94, step 1.00", "0.0300 (noise 0.0100)"]
+    bert = next(line for line in lines if line.startswith("| HF BertForMaskedLM"))
+    assert "500 -> failed (–)" in bert and "not run -> not run (–)" in bert
+    assert "| hf_bert | converted_step | 700 seq/s | 1 | – | 3.00 | 0.0000 | eager: dres.compile_step: the step runs " \
+           "eagerly: the device is cpu, not CUDA |" in lines
+    assert "| vit_b16 | converted_compiled | 2,500 img/s | 2 | 8.0% | 8.50 | 0.0200 |  |" in lines
+    assert "- hf_bert converted_eager (repeat 0): OutOfMemoryError: CUDA out of memory." in lines
+    assert lines[-1] == "Not run: hf_bert-plain_compiled-0"
+
+
+# ---------------------------------------------------------------------------------------------
+# runs: a tiny one on the CPU, arms that fail, time running out
+
+
+def test_tiny_cpu_run_writes_the_records_and_skip_existing_resumes(tmp_path, capsys):
+    out = tmp_path / "own"
+    argv = [*TINY_RUN, "--models", "vit_b16,hf_vitmae", "--arms", "plain_eager,converted_eager", "--out", str(out)]
+    assert bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("[own-models] started") == 4 and printed.count("[own-models] finished") == 4
+    records = {r["model"] + "-" + r["arm"]: r for r in bench.load_arm_records(out)}
+    assert sorted(records) == ["hf_vitmae-converted_eager", "hf_vitmae-plain_eager", "vit_b16-converted_eager",
+                               "vit_b16-plain_eager"]
+    for rec in records.values():
+        assert rec["error"] is None and rec["device"] == "cpu" and rec["steps"] == 3 and rec["warmup"] == 1
+        assert len(rec["losses"]) == 3 and all(loss > 0 for loss in rec["losses"])
+        assert rec["samples_per_s"] == pytest.approx(rec["batch"] / (rec["step_ms"] / 1e3))
+        for key in ("title", "unit", "converted", "mode", "batch", "card", "torch", "triton", "timm", "transformers",
+                    "date", "peak_mem_gib", "step_ms_min", "step_ms_max", "warmup_s", "wall_s"):
+            assert key in rec
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["failed"] == [] and summary["not_run"] == [] and summary["arms_at_a_time"] == 1
+    for row in summary["rows"]:
+        plain, converted = records[f"{row['model']}-plain_eager"], records[f"{row['model']}-converted_eager"]
+        assert row["eager_ratio"] == pytest.approx(converted["samples_per_s"] / plain["samples_per_s"])
+        assert row["loss_diff"]["converted_eager"] == pytest.approx(
+            max(abs(a - b) for a, b in zip(converted["losses"], plain["losses"])))
+    table = (out / "own-models.md").read_text()
+    assert "| timm vit_base_patch16_224, drop path 0.1 (tiny config), batch 4 | img/s |" in table
+    assert (out / "loss-tracks.png").stat().st_size > 0
+    assert sorted(p.name for p in (out / "logs").iterdir()) == sorted(f"{k}-0.log" for k in records)
+
+    # a failed arm runs again, the finished ones are kept
+    kept = (out / "arms" / "vit_b16-plain_eager-0.json").read_text()
+    failed = {**records["hf_vitmae-plain_eager"], "error": "OutOfMemoryError: out of memory"}
+    (out / "arms" / "hf_vitmae-plain_eager-0.json").write_text(json.dumps(failed))
+    assert bench.main([*argv, "--skip-existing"]) == 0
+    printed = capsys.readouterr().out
+    assert "--skip-existing: 3 arm(s) recorded already" in printed
+    assert [line.split()[2] for line in printed.splitlines() if "[own-models] started" in line] == \
+           ["hf_vitmae-plain_eager-0"]
+    assert (out / "arms" / "vit_b16-plain_eager-0.json").read_text() == kept
+    assert json.loads((out / "arms" / "hf_vitmae-plain_eager-0.json").read_text())["error"] is None
+
+
+def test_an_arm_that_raises_is_recorded_with_its_one_line_error(monkeypatch):
+    def no_model(size, converted):
+        raise ImportError("No module named 'timm'\nsecond line")
+
+    monkeypatch.setitem(bench.MODELS, "vit_b16", dataclasses.replace(bench.MODELS["vit_b16"], build=no_model))
+    rec = bench.run_arm("vit_b16", "converted_eager", 0, device=torch.device("cpu"), tiny=True, steps=3, warmup=1)
+    assert rec["error"] == "ImportError: No module named 'timm'"
+    assert rec["model"] == "vit_b16" and rec["arm"] == "converted_eager" and "samples_per_s" not in rec
+
+
+def fake_worker(code: str):
+    """worker_command's stand-in: each arm's process runs ``code`` instead of the benchmark."""
+    return lambda job, args: [sys.executable, "-c", code]
+
+
+def test_an_arm_process_that_dies_or_hangs_is_recorded_and_the_others_go_on(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "own"
+    monkeypatch.setattr(bench, "worker_command", fake_worker("print('Segmentation fault'); raise SystemExit(139)"))
+    argv = [*TINY_RUN, "--models", "hf_bert", "--arms", "converted_eager,plain_eager", "--out", str(out)]
+    assert bench.main(argv) == 1
+    assert json.loads((out / "arms" / "hf_bert-converted_eager-0.json").read_text())["error"] == \
+           "exit 139: Segmentation fault"
+    assert capsys.readouterr().out.count("[own-models] FAILED") == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(f["arm"], f["error"]) for f in summary["failed"]] == [("converted_eager", "exit 139: Segmentation fault"),
+                                                                   ("plain_eager", "exit 139: Segmentation fault")]
+
+    monkeypatch.setattr(bench, "worker_command", fake_worker("import time; time.sleep(60)"))
+    assert bench.main([*argv, "--arms", "plain_eager", "--arm-timeout-s", "1"]) == 1
+    assert json.loads((out / "arms" / "hf_bert-plain_eager-0.json").read_text())["error"] == "timed out after 1 s"
+
+
+def test_max_minutes_starts_no_arm_after_it_and_names_those_not_run(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "own"
+    monkeypatch.setattr(bench, "worker_command", fake_worker("import time; time.sleep(1)"))
+    assert bench.main([*TINY_RUN, "--models", "hf_bert", "--arms", "converted_eager,plain_eager", "--max-minutes",
+                       "0.001", "--out", str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert "not started: hf_bert-plain_eager-0" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["not_run"] == ["hf_bert-plain_eager-0"]
+    assert "Not run: hf_bert-plain_eager-0" in (out / "own-models.md").read_text()
