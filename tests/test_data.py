@@ -393,3 +393,94 @@ def test_colour_jitter_trains_only_and_eval_crop_pct_reach_the_in_memory_loader(
                                                                                       train=False)
     assert not torch.equal(train.next()["image"], plain.next()["image"])  # the same crops, jittered
     assert not torch.equal(next(val.eval_batches(8))["image"], next(plain_val.eval_batches(8))["image"])
+
+
+def _prepared(tmp_path, n=24, shard_size=12, bad=(5,)):
+    """``n`` small JPEGs (those in ``bad`` not images) in 3 class folders, prepared into shards of ``shard_size``."""
+    from dres.data.prep import prepare_shards
+
+    src = tmp_path / "src"
+    for i in range(n):
+        (src / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+        (src / f"c{i % 3}" / f"{i:03d}.jpg").write_bytes(b"no image" if i in bad else _jpeg(i * 7))
+    out = tmp_path / "shards"
+    manifest = prepare_shards(str(src), str(out), short_side=16, shard_size=shard_size, workers=1, log=lambda m: None)
+    return src, out, manifest
+
+
+def _cut(shard, where):
+    """``shard`` cut inside a member's data, or between two members (where a tar reader sees a complete archive)."""
+    with tarfile.open(shard) as tf:
+        members = tf.getmembers()
+    size = members[len(members) // 2].offset if where == "between members" else members[len(members) // 2].offset_data + 7
+    shard.write_bytes(shard.read_bytes()[:size])
+
+
+@pytest.mark.parametrize("resident", [True, False])
+@pytest.mark.parametrize("where", ["inside a member", "between members"])
+def test_every_sample_of_a_cut_prepared_shard_is_counted_and_named_by_its_source_file(tmp_path, resident, where):
+    src, out, manifest = _prepared(tmp_path)
+    _cut(out / "shard-000001.tar", where)
+    d = DataConfig(name="wds", path=str(out), img_size=8, num_classes=3, gpu_resident=resident, num_workers=0,
+                   shuffle_buffer=0, normalize=False, verify_manifest=False, max_corrupt_frac=1.0)
+    ld = build_loader(d, "train", 2, log=lambda m: None)
+    read = len(ld.images) if resident else sum(len(b["label"]) for b in ld.eval_batches(8))
+    lost = ld.counter.summary()
+    assert read + lost["corrupt_samples"] == 23 and lost["corrupt_samples"] >= 5  # every sample the manifest lists
+    sources = json.loads((out / "sources.json").read_text())["shards"]["shard-000001.tar"]
+    assert lost["lost_files"] == [str(src / p) for p in list(sources.values())[-lost["corrupt_samples"]:]]
+    assert lost["dropped_by_prep"] == manifest["lost"] == [f"{src / 'c2' / '005.jpg'}: UnidentifiedImageError: "
+                                                           "cannot identify image file"]
+
+
+def test_an_undecodable_sample_of_a_prepared_shard_is_named_by_its_source_file(tmp_path):
+    src, out, _ = _prepared(tmp_path, n=8, shard_size=8, bad=())
+    shard = out / "shard-000000.tar"
+    with tarfile.open(shard) as tf:
+        members = [(m, tf.extractfile(m).read()) for m in tf.getmembers()]
+    with tarfile.open(shard, "w") as tf:
+        for i, (m, data) in enumerate(members):
+            data = b"damaged" if i == 2 else data  # the second sample's JPEG
+            m.size = len(data)
+            tf.addfile(m, io.BytesIO(data))
+    key = members[2][0].name.split(".")[0]
+    source = str(src / json.loads((out / "sources.json").read_text())["shards"]["shard-000000.tar"][key])
+    d = DataConfig(name="wds", path=str(out), img_size=8, num_classes=3, gpu_resident=False, num_workers=0,
+                   shuffle_buffer=0, normalize=False, verify_manifest=False, max_corrupt_frac=1.0)
+    lines = []
+    ld = build_loader(d, "train", 2, log=lines.append)
+    assert sum(len(b["label"]) for b in ld.eval_batches(8)) == 7
+    assert ld.counter.summary()["lost_files"] == [source] and source in " ".join(lines)
+
+
+@pytest.mark.parametrize("name", ["../elsewhere.tar", "/etc/passwd", "sub/x.tar", ".."])
+def test_a_manifest_naming_a_shard_outside_its_folder_is_refused(tmp_path, name):
+    from dres.data import expand_shards
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"shards": {name: {"samples": 1}}}))
+    with pytest.raises(DataError, match=r"manifest.json names the shard .* which is not a file name in its folder"):
+        expand_shards(str(tmp_path))
+
+
+def test_the_training_summary_carries_lost_files_and_the_files_prep_left_out(tmp_path):
+    from dres.train.config import build_config
+    from dres.train.loop import Trainer
+    from dres.train.mae import TASK
+
+    src, out, manifest = _prepared(tmp_path)
+    _cut(out / "shard-000001.tar", "between members")
+    cfg = build_config("mae", None, [
+        "data.name=wds", f"data.path={out}", "data.img_size=8", "data.num_classes=3", "data.normalize=false",
+        "data.aug=none", "data.gpu_resident=false", "data.num_workers=0", "data.verify_manifest=false",
+        "data.max_corrupt_frac=1.0", "data.shuffle_buffer=0", "model.img_size=8", "model.patch_size=4",
+        "model.embed_dim=16", "model.depth=1", "model.num_heads=2", "model.decoder_embed_dim=16",
+        "model.decoder_depth=1", "model.decoder_num_heads=2", "batch_size=4", "steps=6", "log.progress=false",
+        "log.tensorboard=false", "eval.probe=false", "eval.knn=false", "eval.effective_rank=false", "eval.recon=false",
+        f"out={tmp_path / 'run'}"])
+    trainer = Trainer(cfg, TASK, log=lambda m: None).setup()
+    trainer.fit()
+    trainer.finish()
+    lost = json.loads((tmp_path / "run" / "summary.json").read_text())["lost_data"]
+    assert lost["dropped_by_prep"] == manifest["lost"] and len(manifest["lost"]) == 1
+    assert lost["corrupt_samples"] >= 5 and len(lost["lost_files"]) == lost["corrupt_samples"]
+    assert all(f.startswith(str(src)) for f in lost["lost_files"])

@@ -40,7 +40,7 @@ from dres.data.augment import augment_params, channel_stats, gather_augment, nor
 from dres.data.decode import (BatchFinisher, SamplePrep, collate_prepared, cores_per_process, lost_sample, prepare,
                               read_file, worker_init)
 from dres.data.sources import (CorruptCounter, DataError, check_labels, expand_shards, iter_shard,
-                               list_image_folder)
+                               list_image_folder, prep_dropped, sample_sources)
 
 
 def _mix(*xs) -> int:
@@ -197,11 +197,17 @@ class _StreamingLoader(_Position):
         out = self.finisher(prepared, lost) if len(prepared["labels"]) else None
         for name in lost:
             source = name.rsplit(": ", 1)[0]  # "<file or shard:key>: <error>"
-            self.counter.add(name, source, key=source)
+            file = self._source_file(source)
+            self.counter.add(name if file in (None, source) else f"{name} ({file})", source, key=source,
+                             files=[file] if file else [])
         self._read += 0 if out is None else len(out["label"])
         if lost or prepared.get("events"):
             self.counter.check(self._read, self.max_corrupt_frac, self.where, self._expected)
         return out
+
+    def _source_file(self, source: str) -> str | None:
+        """The source file of a lost sample named ``source`` (a folder's file)."""
+        return source
 
     def load_state_dict(self, s):
         super().load_state_dict(s)
@@ -442,6 +448,7 @@ class ShardLoader(_StreamingLoader):
                          unit="shard", where=f"{len(self.shards)} shard(s)", ahead=ahead)
         self.num_classes, self.train, self.buffer = num_classes, train, buffer
         self.counter.shards_total = len(self.shards)
+        self.counter.dropped_by_prep = prep_dropped(self.shards)
         # the fraction's denominator: this rank's share of an epoch, or enough samples to judge it
         self._expected = (samples_per_epoch // world if samples_per_epoch else
                           math.ceil(1 / max_corrupt_frac) if max_corrupt_frac > 0 else 0)
@@ -449,6 +456,12 @@ class ShardLoader(_StreamingLoader):
 
     def __len__(self):
         return self.steps_per_epoch or 0
+
+    def _source_file(self, source: str) -> str | None:
+        """The source file of the lost sample ``<shard>:<key>``, by dres-prep's sources.json (None: unknown)."""
+        shard, _, key = source.partition(":")
+        path = next((s for s in self.shards if os.path.basename(s) == shard), None)
+        return sample_sources(path).get(key) if path else None
 
     def _batches(self, epoch):
         """Epoch ``epoch``'s collated batches of ``local`` samples, those with no sample left accounted here."""

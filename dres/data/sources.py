@@ -58,13 +58,17 @@ class CorruptCounter:
         self.damaged: list = []  # shards that could not be read to their end
         self.uncounted: list = []  # damaged shards without a manifest count: how many samples they lost is unknown
         self.examples: list = []
+        self.files: list = []    # the source file of each lost sample where it is known (a folder's, or by sources.json)
+        self.dropped_by_prep: list = []  # "<file>: <reason>" of the images dres-prep left out of the shards read
         self.shards_total = 0    # shards (or files) read, for the damaged fraction
         self.log, self.collect, self.pending = log, collect, []
         self._logged, self._quiet, self._last = 0, 0, 0.0
 
-    def add(self, what: str, shard: str = "", damaged: bool = False, lost: int | None = 1, key: str | None = None):
+    def add(self, what: str, shard: str = "", damaged: bool = False, lost: int | None = 1, key: str | None = None,
+            files=()):
         """One lost sample or, with ``damaged``, the unread rest of ``shard``: ``lost`` samples by its
-        manifest, None when no manifest counts them. A sample ``key`` met again is not counted again."""
+        manifest, None when no manifest counts them; ``files``: the lost samples' source files, where known. A
+        sample ``key`` met again is not counted again."""
         if key is not None:
             if key in self.lost_keys:
                 return
@@ -75,10 +79,11 @@ class CorruptCounter:
             if lost is None and shard not in self.uncounted:
                 self.uncounted.append(shard)
         self.count += lost or 0
+        self.files.extend(files)
         if len(self.examples) < 20:
             self.examples.append(what)
         if self.collect:
-            self.pending.append((what, shard, damaged, lost, key))
+            self.pending.append((what, shard, damaged, lost, key, tuple(files)))
         self._report(what)
 
     def drain(self) -> list:
@@ -86,8 +91,8 @@ class CorruptCounter:
         return out
 
     def replay(self, events):
-        for what, shard, damaged, lost, key in events:
-            self.add(what, shard, damaged, lost, key)
+        for what, shard, damaged, lost, key, files in events:
+            self.add(what, shard, damaged, lost, key, files)
 
     def _report(self, what):
         if self.log is None:
@@ -106,9 +111,11 @@ class CorruptCounter:
 
     def summary(self) -> dict:
         """``corrupt_samples`` is None when a damaged shard's loss is unknown (no manifest count);
-        ``corrupt_samples_at_least`` then says how many were counted."""
+        ``corrupt_samples_at_least`` then says how many were counted. ``lost_files`` names the lost samples'
+        source files where they are known, ``dropped_by_prep`` the images dres-prep could not put in the shards."""
         s = {"corrupt_samples": None if self.uncounted else self.count, "damaged_shards": list(self.damaged),
-             "examples": self.examples[:10]}
+             "examples": self.examples[:10], "lost_files": list(self.files),
+             "dropped_by_prep": list(self.dropped_by_prep)}
         if self.uncounted:
             s.update(corrupt_samples_at_least=self.count, uncounted_shards=list(self.uncounted))
         return s
@@ -181,6 +188,16 @@ def manifest_entries(shards: list[str]) -> list[dict]:
 
 def _read_manifest(folder: str) -> dict:
     """The ``shards`` table of ``folder``'s manifest.json (a local folder or a URL), {} where it has none."""
+    return read_manifest(folder).get("shards", {})
+
+
+_MANIFESTS: dict = {}
+
+
+def read_manifest(folder: str) -> dict:
+    """``folder``'s manifest.json (a local folder, remembered by its size and modification time, or a URL), {}
+    where it has none; a manifest that is no shard table, or names a shard outside its folder, is a
+    :class:`DataError`."""
     where = f"{folder}/manifest.json"
     try:
         if is_remote(folder):
@@ -194,13 +211,61 @@ def _read_manifest(folder: str) -> dict:
             except OSError as e:
                 raise DataError(f"{where} cannot be read ({type(e).__name__}: {e})") from e
         elif os.path.exists(where):
+            st = os.stat(where)
+            cached = _MANIFESTS.get(where)
+            if cached is not None and cached[0] == (st.st_size, st.st_mtime_ns):
+                return cached[1]
             with open(where) as f:
                 text = f.read()
         else:
             return {}
-        return json.loads(text)["shards"]
+        manifest = json.loads(text)
+        shards = manifest["shards"]
+        outside = [n for n in shards if not isinstance(n, str) or os.path.basename(n) != n or n in ("", ".", "..")]
     except (ValueError, KeyError, TypeError) as e:
         raise DataError(f"{where} is not a shard manifest ({type(e).__name__}: {e})") from e
+    if outside:  # read as a path, such a name would leave the folder ("../x.tar", "/etc/x.tar")
+        raise DataError(f"{where} names the shard {outside[0]!r}, which is not a file name in its folder")
+    if not is_remote(folder):
+        _MANIFESTS[where] = ((st.st_size, st.st_mtime_ns), manifest)
+    return manifest
+
+
+_SOURCES: dict = {}
+SOURCES = "sources.json"  # beside dres-prep's manifest: each shard's samples' source files, by key, in shard order
+
+
+def sample_sources(shard: str) -> dict:
+    """``{key: source file}`` of a local shard's samples, in the shard's order, from the sources.json dres-prep
+    wrote beside it; {} where there is none or it cannot be read (it only names losses)."""
+    if is_remote(shard):
+        return {}
+    where = os.path.join(os.path.dirname(os.path.abspath(shard)), SOURCES)
+    try:
+        st = os.stat(where)
+        stamp = (st.st_size, st.st_mtime_ns)
+        if _SOURCES.get(where, (None,))[0] != stamp:
+            with open(where) as f:
+                table = json.load(f)
+            root = table["source"]
+            _SOURCES[where] = (stamp, {name: {k: os.path.join(root, p) for k, p in keys.items()}
+                                       for name, keys in table["shards"].items()})
+        return _SOURCES[where][1].get(os.path.basename(shard), {})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def prep_dropped(shards: list[str]) -> list[str]:
+    """The images dres-prep could not put into the folders of ``shards`` (``lost`` of each manifest.json)."""
+    folders = dict.fromkeys(os.path.dirname(os.path.abspath(s)) for s in shards if not is_remote(s))
+    dropped = []
+    for folder in folders:
+        try:
+            lost = read_manifest(folder).get("lost", [])
+        except DataError:
+            continue
+        dropped.extend(x for x in lost if isinstance(x, str))
+    return dropped
 
 
 def manifest_samples(shards: list[str]) -> int | None:
@@ -362,14 +427,17 @@ def iter_shard(path: str, counter: CorruptCounter, slot: tuple[int, int] | None 
     def mine(i):
         return slot is None or i % slot[1] == slot[0]
 
-    def lose_rest(why):
-        total = manifest_samples([path])
+    def lose_rest(why, total=None):
+        total = manifest_samples([path]) if total is None else total
         if total is None or total < seen:
             counter.add(f"{name}: {why}, the rest of it is lost", path, damaged=True, lost=None)
             return
-        lost = sum(mine(i) for i in range(seen, total))
-        counter.add(f"{name}: {why}, its last {total - seen} of {total} samples (manifest.json) are lost", path,
-                    damaged=True, lost=lost)
+        rest = [i for i in range(seen, total) if mine(i)]
+        keys = list(sample_sources(path).values())
+        files = [keys[i] for i in rest if i < len(keys)]
+        counter.add(f"{name}: {why}, its last {total - seen} of {total} samples (manifest.json) are lost"
+                    f"{f' ({files[0]}, ...)' if files else ''}", path, damaged=True, lost=len(rest), files=files,
+                    key=f"{path}:{slot}: from {seen}")  # met again in every epoch: counted once
 
     try:
         tf, finish = open_shard(path)
@@ -388,7 +456,9 @@ def iter_shard(path: str, counter: CorruptCounter, slot: tuple[int, int] | None 
                 raise ValueError("sample lacks an image or a .cls member")
             label = int(parts["cls"].decode().strip())
         except (ValueError, UnicodeDecodeError) as e:
-            counter.add(f"{name}:{key}: {type(e).__name__}", path, key=f"{path}:{key}")
+            source = sample_sources(path).get(key)
+            counter.add(f"{name}:{key}: {type(e).__name__}{f' ({source})' if source else ''}", path,
+                        key=f"{path}:{key}", files=[source] if source else [])
             return None
         return key, img_bytes, label
 
@@ -419,6 +489,10 @@ def iter_shard(path: str, counter: CorruptCounter, slot: tuple[int, int] | None 
     why = finish()
     if why:
         counter.add(f"{name}: {why}", path, damaged=True, lost=0)
+    # a shard cut between two members ends as if complete: its manifest's count tells
+    total = manifest_samples([path])
+    if total is not None and total > seen:
+        lose_rest(f"ends after {seen} samples", total)
 
 
 def zlib_error():
@@ -431,7 +505,9 @@ def read_shards(pattern: str, in_chans=3, limit=0, counter: CorruptCounter | Non
     """Decode every sample of the shards into memory: ``(uint8 (N,C,H,W), int64 (N,), counter)``."""
     counter = counter or CorruptCounter()
     imgs, labels = [], []
-    for shard in expand_shards(pattern):
+    shards = expand_shards(pattern)
+    counter.dropped_by_prep = prep_dropped(shards)
+    for shard in shards:
         counter.shards_total += 1
         for key, data, label in iter_shard(shard, counter):
             try:
@@ -439,7 +515,9 @@ def read_shards(pattern: str, in_chans=3, limit=0, counter: CorruptCounter | Non
             except Exception as e:
                 if not is_decode_error(e):
                     raise
-                counter.add(f"{os.path.basename(shard)}:{key}: {type(e).__name__}", shard)
+                source = sample_sources(shard).get(key)
+                counter.add(f"{os.path.basename(shard)}:{key}: {type(e).__name__}{f' ({source})' if source else ''}",
+                            shard, files=[source] if source else [])
                 continue
             labels.append(label)
             if limit and len(imgs) >= limit:
@@ -563,6 +641,8 @@ def list_image_folder(root: str):
     r = Path(root)
     if not r.exists():
         raise DataError(f"data path not found: {root}")
+    if not r.is_dir():
+        raise DataError(f"data path {root} is a file, not a folder (an image folder holds <class>/<image> files)")
     classes = sorted(p.name for p in r.iterdir() if p.is_dir())
     paths, labels = [], []
     for ci, c in enumerate(classes):
