@@ -67,6 +67,17 @@ class DispatchCounts(TorchDispatchMode):
             yield self
 
 
+def recording_backend(forward_ops: list):
+    """aot_eager that appends the ops of each compiled forward graph to ``forward_ops``."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def forward_compiler(gm, _inputs):
+        forward_ops.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm
+
+    return aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _inputs: gm)
+
+
 def mae_inputs(dtype=torch.float64, shape=(2, 3, 16, 16)):
     patches = (shape[2] // 4) * (shape[3] // 4)
     return {"pixel_values": torch.randn(*shape, dtype=dtype), "noise": torch.rand(2, patches, dtype=dtype)}
@@ -193,6 +204,28 @@ def test_vit_mae_counts_and_short_attention(triton_device):
     for (name, a), b in zip(original.named_parameters(), converted.parameters()):
         if a.grad is not None:
             torch.testing.assert_close(b.grad, a.grad, **KERNEL_GRAD_TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="reads the op in the graph: on CUDA it is traced to its launch")
+@pytest.mark.parametrize("which", ["vit_mae", "bert", "timm"])
+def test_converted_models_compile_as_one_graph(which):
+    """torch.compile(fullgraph=True) traces the one-GEMM attention, the fused MLP (kept under compile:
+    its bias + GELU op in the graph) and ViTMAE's loss without a graph break (Triton interpreter)."""
+    model, inputs = {
+        "vit_mae": lambda: (dres.convert_hf_vit(tiny_vit_mae(), backend="triton"), mae_inputs(torch.float32)),
+        "bert": lambda: (dres.convert_hf_bert(tiny_bert(), backend="triton"), bert_inputs()),
+        "timm": lambda: (dres.convert_timm_vit(timm_vit(), backend="triton"), {"x": torch.randn(2, 3, 16, 16)}),
+    }[which]()
+    forward_ops: list[str] = []
+    compiled = torch.compile(model, fullgraph=True, backend=recording_backend(forward_ops))
+    got = compiled(**inputs)
+    assert forward_ops.count("dres.bias_gelu.default") == (5 if which == "vit_mae" else 2)  # the fused MLPs
+    want = model(**inputs)
+    for key in ("loss", "logits") if which != "timm" else ():
+        if getattr(want, key, None) is not None:
+            torch.testing.assert_close(getattr(got, key), getattr(want, key))
+    if which == "timm":
+        torch.testing.assert_close(got, want)
 
 
 # ---------------------------------------------------------------------------------------------
