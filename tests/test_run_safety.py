@@ -10,7 +10,7 @@ import yaml
 
 from dres.train import checkpoint
 from dres.train import cli
-from dres.train.config import build_config
+from dres.train.config import build_config, to_dict
 from dres.train.loop import Trainer
 from dres.train.mae import TASK
 
@@ -329,3 +329,94 @@ def test_the_smallest_and_largest_mask_ratios_that_train(tmp_path):
                     decoder_depth=1, decoder_num_heads=2, mask_ratio=m.mask_ratio)
         loss, _, mask = model(torch.randn(2, 3, 8, 8))
         assert mask.sum(1).tolist() == [masked, masked] and loss.item() > 0
+
+
+# ------------------------------------------------------------------------ commands from data and bad inputs
+def _shard_of_8px_images(path, n=32):
+    """A WebDataset shard of ``n`` 8x8 JPEGs with labels."""
+    import io
+    import tarfile
+
+    import numpy as np
+    from PIL import Image
+
+    with tarfile.open(path, "w") as tar:
+        for i in range(n):
+            buf = io.BytesIO()
+            Image.fromarray(np.full((8, 8, 3), i * 7, np.uint8)).save(buf, "JPEG")
+            for ext, payload in (("jpg", buf.getvalue()), ("cls", str(i % 10).encode())):
+                info = tarfile.TarInfo(f"{i:04d}.{ext}")
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    return path
+
+
+def _piped(tmp_path):
+    """A ``pipe:`` source whose command leaves a marker file when it runs, and the marker."""
+    shard, marker = _shard_of_8px_images(tmp_path / "s.tar"), tmp_path / "the-command-ran"
+    return f"pipe:touch {marker} && cat {shard}", marker
+
+
+@pytest.mark.parametrize("where", ["preset file", "run config data.path", "run config data.val_path"])
+def test_a_pipe_source_from_a_file_does_not_run_without_allow_pipe(tmp_path, capsys, where):
+    command, marker = _piped(tmp_path)
+    key = "val_path" if where.endswith("val_path") else "path"
+    if where == "preset file":
+        preset = tmp_path / "preset.yaml"
+        preset.write_text(yaml.safe_dump({"task": "mae", "data": {"name": "wds", key: command}}))
+        out = tmp_path / "new" / "run"
+        rc = cli.main(["mae", "--preset", str(preset), "--out", str(out), "--set", "steps=1"])
+        assert not (tmp_path / "new").exists()
+    else:  # a run folder someone sent: its config.yaml names the command
+        run = tmp_path / "run"
+        run.mkdir()
+        saved = to_dict(build_config("mae", "quickstart", TINY))
+        saved["data"].update({"name": "wds", key: command})
+        (run / "config.yaml").write_text(yaml.safe_dump(saved))
+        rc = cli.eval_main([str(run), "--set", "data.gpu_resident=true"])
+    assert rc == 2
+    err = _one_line_error(capsys)
+    assert f"config key 'data.{key}' runs a shell command" in err and "--allow-pipe" in err, err
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("how", ["typed with --set", "--allow-pipe"])
+def test_a_pipe_source_typed_on_the_command_line_or_allowed_runs(tmp_path, how):
+    command, marker = _piped(tmp_path)
+    data = ["data.name=wds", "data.in_chans=3", "model.in_chans=3", "data.mean=[0.5, 0.5, 0.5]", "data.std=[0.2, 0.2, 0.2]"]
+    if how == "--allow-pipe":
+        preset = tmp_path / "preset.yaml"
+        preset.write_text(yaml.safe_dump({"task": "mae", "data": {"path": command}}))
+        args = ["mae", "--preset", str(preset), "--allow-pipe"]
+    else:
+        args = ["mae", "--preset", "quickstart", "--set", f"data.path={command}"]
+    args += ["--out", str(tmp_path / "run"), "--set", "steps=1"] + sum([["--set", o] for o in TINY + data], [])
+    assert cli.main(args) == 0
+    assert marker.exists()
+
+
+def _imagefolder_file(tmp_path):
+    (tmp_path / "file.jpg").write_bytes(b"a file")
+    return ["data.name=imagefolder", "data.gpu_resident=false", f"data.path={tmp_path / 'file.jpg'}"]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("data.path a file", "is a file, not a folder"),
+    ("data.val_path missing", "config key 'data.val_path' names"),
+    ("data.mean of 3 values with one channel", "config key 'data.mean' needs one value per channel (data.in_chans=1)"),
+    ("data.num_classes=0", "config key 'data.num_classes' must be a positive integer; got 0"),
+    ("device=cuda without a GPU", "config key 'device' asks for a CUDA GPU, but this process sees none"),
+])
+def test_bad_data_inputs_are_one_line_naming_the_key_and_leave_nothing(tmp_path, capsys, case, message):
+    if case.startswith("device") and torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    extra = {"data.path a file": _imagefolder_file(tmp_path),
+             "data.val_path missing": [f"data.val_path={tmp_path / 'no' / 'val'}"],
+             "data.mean of 3 values with one channel": ["data.mean=[0.3, 0.3, 0.3]"],
+             "data.num_classes=0": ["data.num_classes=0"],
+             "device=cuda without a GPU": ["device=cuda"]}[case]
+    out = tmp_path / "new" / "run"
+    assert _train(out, *sum([["--set", o] for o in extra], []), steps=2) == 2
+    err = _one_line_error(capsys)
+    assert err.startswith("dres-train: error: ") and message in err, err
+    assert not (tmp_path / "new").exists()

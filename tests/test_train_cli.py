@@ -117,7 +117,8 @@ def test_apply_compile_scopes_count_their_regions():
     (["mae", "--preset", "quickstart", "--set", "model.alpha_min=1.5"], "'model.alpha_min' must be in (0, 1]"),
     (["classify", "--preset", "classify_cifar10", "--set", "data.name=digits", "--set", "data.num_classes=5",
       "--set", "model.num_classes=5", "--set", "data.img_size=8", "--set", "model.img_size=8", "--set", "data.in_chans=1",
-      "--set", "model.in_chans=1"], "range over [0, 9] but data.num_classes=5"),
+      "--set", "model.in_chans=1", "--set", "data.mean=[0.5]", "--set", "data.std=[0.25]"],
+     "range over [0, 9] but data.num_classes=5"),
 ])
 def test_cli_bad_input_is_one_line_error(args, msg, capsys, tmp_path):
     assert cli.main(args + ["--out", str(tmp_path / "run")]) == 2

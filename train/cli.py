@@ -37,6 +37,7 @@ def _common_arguments(p):
     p.add_argument("--eval-only", action="store_true", help="evaluate the newest checkpoint (or --ckpt) and exit")
     p.add_argument("--ckpt", default=None, metavar="PATH", help="checkpoint file/directory for --eval-only")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    _allow_pipe_flag(p, "the preset file")
     _debug_flag(p)
 
 
@@ -135,6 +136,12 @@ def _task_doc(name: str) -> str:
         return (ast.get_docstring(ast.parse(f.read())) or name).strip()
 
 
+def _allow_pipe_flag(p, origin: str):
+    p.add_argument("--allow-pipe", action="store_true",
+                   help=f"run a pipe:CMD data source (data.path, data.val_path) read from {origin}; without it only "
+                        "one given with --set on this command line runs")
+
+
 def _debug_flag(p):
     p.add_argument("--debug", action="store_true", default=os.environ.get("DRES_DEBUG", "") not in ("", "0"),
                    help="show tracebacks of user errors (also DRES_DEBUG=1)")
@@ -154,7 +161,7 @@ def _user_errors():
 def _run(args, overrides=()):
     import yaml
 
-    from dres.train.config import ConfigError, build_config, list_presets, to_dict
+    from dres.train.config import ConfigError, build_config, check_commands, list_presets, to_dict, typed_values
     from dres.train.loop import run
     from dres.train.rundir import normal_path
 
@@ -168,6 +175,7 @@ def _run(args, overrides=()):
     if args.print_config:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return {}
+    check_commands(cfg, typed_values(args.overrides), args.allow_pipe, f"the preset {args.preset}")
     with _lost_rank_in_one_line(cfg, "continue with --resume auto once every rank can start"):
         return run(cfg, get_task(cfg.task), resume=args.resume, eval_only=args.eval_only, ckpt=args.ckpt,
                    overwrite=args.overwrite)
@@ -274,13 +282,14 @@ def eval_main(argv=None):
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="change a key of the run's config for this evaluation, e.g. --set eval.tsne=true "
                         "--set eval.layer=6 (keys below)")
+    _allow_pipe_flag(p, "the run's config.yaml")
     _debug_flag(p)
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     return _guarded("dres-eval", _evaluate, a)
 
 
 def _evaluate(a) -> None:
-    from dres.train.config import build_config, load_config, to_dict
+    from dres.train.config import build_config, check_commands, load_config, to_dict, typed_values
     from dres.train.loop import run
     from dres.train.rundir import normal_path
 
@@ -290,6 +299,7 @@ def _evaluate(a) -> None:
         raise FileNotFoundError(f"no config.yaml in {run_dir} (is it a dres run directory?)")
     base = to_dict(load_config(cfgf))
     cfg = build_config(None, None, a.overrides, base=base)
+    check_commands(cfg, typed_values(a.overrides), a.allow_pipe, str(cfgf))
     cfg.out = run_dir
     with _lost_rank_in_one_line(cfg, f"evaluate again with dres-eval {run_dir} once every rank can start"):
         run(cfg, get_task(cfg.task), eval_only=True, ckpt=a.ckpt)

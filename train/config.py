@@ -530,11 +530,11 @@ POSITIVE_KEYS = (
     "model.img_size", "model.patch_size", "model.in_chans", "model.embed_dim", "model.depth", "model.num_heads",
     "model.decoder_embed_dim", "model.decoder_num_heads", "model.mlp_ratio", "optim.eps", "log.every",
     "eval.probe_epochs", "eval.probe_lr", "eval.probe_batch", "eval.knn_k", "eval.steps", "eval.n_samples",
-    "eval.fid_samples", "eval.curve_probe_epochs", "eval.fd_draws", "dist_timeout_s")
+    "eval.fid_samples", "eval.curve_probe_epochs", "eval.fd_draws", "dist_timeout_s", "data.num_classes")
 # key: what 0 means ('' when 0 is an ordinary value)
 NON_NEGATIVE_KEYS = {
     "seed": "", "steps": "use epochs", "epochs": "", "threads": "by the model's width",
-    "data.num_classes": "", "data.shuffle_buffer": "", "data.limit": "all",
+    "data.shuffle_buffer": "", "data.limit": "all",
     "data.val_limit": "all", "data.finish_ahead": "in the step's thread", "model.decoder_depth": "",
     "model.num_classes": "", "optim.blr": "",
     "optim.lr": "from optim.blr", "optim.min_lr": "", "optim.weight_decay": "", "optim.warmup_epochs": "",
@@ -564,6 +564,42 @@ def _need_plots(cfg: Config) -> None:
         raise ConfigError(f"{' and '.join(w for w, _ in wanted)} need{'s' if len(wanted) == 1 else ''} matplotlib, "
                           f"which is not installed: pip install 'dres[plots]' (or set "
                           f"{' and '.join(off for _, off in wanted)})") from None
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _need_data_paths(cfg: Config) -> None:
+    """A held-out split's path that does not exist: refused before training, which would end without its evaluation."""
+    path = cfg.data.val_path
+    if not path or path.startswith(("pipe:", "http://", "https://")) or any(c in path for c in "{*?[:"):
+        return  # commands, URLs and patterns are expanded by the loader, which says what is missing
+    if not Path(path).expanduser().exists():
+        raise ConfigError(f"config key 'data.val_path' names {path}, which does not exist (the evaluation after "
+                          "training reads it); give the held-out split's path, or leave data.val_path empty")
+
+
+COMMAND_KEYS = ("data.path", "data.val_path")  # a pipe:CMD source runs CMD in a shell
+
+
+def check_commands(cfg: Config, typed: dict, allowed: bool, origin: str) -> None:
+    """A ``pipe:`` data source runs a shell command: only one typed in this invocation (``typed``: the
+    ``--set`` values) runs, or with ``allowed`` (``--allow-pipe``); one read from ``origin`` (a preset file, a
+    run's config.yaml) is one line saying how to allow it."""
+    for key in COMMAND_KEYS:
+        value = _get(cfg, key)
+        if allowed or str(typed.get(key)) == value or not any(p.startswith("pipe:") for p in value.split("::")):
+            continue
+        raise ConfigError(f"config key '{key}' runs a shell command ({value}) read from {origin}, not typed on this "
+                          f"command line; to run it, pass --allow-pipe (or give it with --set {key}=...)")
+
+
+def typed_values(overrides) -> dict:
+    """``{key: value}`` of ``--set key=value`` arguments (the last of a key wins)."""
+    return dict(parse_override(o) for o in overrides)
 
 
 def validate(cfg: Config) -> None:
@@ -602,9 +638,12 @@ def validate(cfg: Config) -> None:
     need(0 <= d.color_jitter, "data.color_jitter", "must be >= 0 (0: off)")
     need(0 < d.eval_crop_pct <= 1, "data.eval_crop_pct", "must be in (0, 1] (1: resize the whole image)")
     if d.normalize:
-        need(len(d.mean) >= d.in_chans and len(d.std) >= d.in_chans, "data.mean",
-             f"and data.std need a value per channel (data.in_chans={d.in_chans})")
+        for key in ("data.mean", "data.std"):
+            need(len(_get(cfg, key)) == d.in_chans, key, f"needs one value per channel (data.in_chans={d.in_chans})")
         need(all(s > 0 for s in d.std), "data.std", "must be positive")
+    _need_data_paths(cfg)
+    need(not cfg.device.startswith("cuda") or _cuda_available(), "device",
+         "asks for a CUDA GPU, but this process sees none: set device=cpu (or auto)")
     need(m.img_size == d.img_size, "model.img_size", f"must equal data.img_size ({d.img_size})")
     need(m.in_chans == d.in_chans, "model.in_chans", f"must equal data.in_chans ({d.in_chans})")
     need(m.patch_size > 0 and m.img_size % m.patch_size == 0, "model.patch_size",
