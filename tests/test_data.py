@@ -484,3 +484,16 @@ def test_the_training_summary_carries_lost_files_and_the_files_prep_left_out(tmp
     assert lost["dropped_by_prep"] == manifest["lost"] and len(manifest["lost"]) == 1
     assert lost["corrupt_samples"] >= 5 and len(lost["lost_files"]) == lost["corrupt_samples"]
     assert all(f.startswith(str(src)) for f in lost["lost_files"])
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_a_lost_image_of_a_folder_is_named_in_the_summary(tmp_path, resident):
+    for i in range(8):
+        (tmp_path / f"c{i % 2}").mkdir(exist_ok=True)
+        (tmp_path / f"c{i % 2}" / f"{i}.jpg").write_bytes(b"damaged" if i == 3 else _jpeg(i * 9))
+    d = DataConfig(name="imagefolder", path=str(tmp_path), img_size=8, num_classes=2, gpu_resident=resident,
+                   num_workers=0, normalize=False, aug="none", max_corrupt_frac=1.0)
+    ld = build_loader(d, "train", 8, log=lambda m: None)
+    if not resident:
+        assert len(ld.next()["label"]) == 7  # the epoch's one batch holds every file
+    assert ld.counter.summary()["lost_files"] == [str(tmp_path / "c1" / "3.jpg")]

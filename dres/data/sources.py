@@ -673,7 +673,7 @@ def read_image_folder(root: str, in_chans=3, img_size=None, limit=0, counter=Non
         except Exception as e:  # a stop request (a signal) is no damaged file: it passes
             if not is_decode_error(e):
                 raise
-            counter.add(f"{p}: {type(e).__name__}", p, key=p)
+            counter.add(f"{p}: {type(e).__name__}", p, key=p, files=[p])
             continue
         xs.append(a[None] if a.ndim == 2 else a.transpose(2, 0, 1))
         ys.append(y)
