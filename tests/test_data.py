@@ -493,7 +493,7 @@ def test_a_lost_image_of_a_folder_is_named_in_the_summary(tmp_path, resident):
         (tmp_path / f"c{i % 2}" / f"{i}.jpg").write_bytes(b"damaged" if i == 3 else _jpeg(i * 9))
     d = DataConfig(name="imagefolder", path=str(tmp_path), img_size=8, num_classes=2, gpu_resident=resident,
                    num_workers=0, normalize=False, aug="none", max_corrupt_frac=1.0)
-    ld = build_loader(d, "train", 8, log=lambda m: None)
+    ld = build_loader(d, "train", 4 if resident else 8, log=lambda m: None)
     if not resident:
         assert len(ld.next()["label"]) == 7  # the epoch's one batch holds every file
     assert ld.counter.summary()["lost_files"] == [str(tmp_path / "c1" / "3.jpg")]
