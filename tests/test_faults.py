@@ -594,8 +594,12 @@ def test_a_refused_start_leaves_nothing_behind(tmp_path, capsys, extra, message)
 
 
 def test_the_fault_matrix_names_only_tests_that_exist():
-    """docs/faults.md names the test of each row: each is defined, and each test of this file is named there."""
+    """docs/faults.md names the test of each row: every row names one, each is defined, and each test of this file is
+    named there."""
     matrix = (REPO / "docs" / "faults.md").read_text()
+    rows = [line for line in matrix.splitlines() if line.startswith("| ") and not line.startswith(("| Fault", "|---"))]
+    untested = [row.split(" | ")[0] for row in rows if not re.search(r"`[\w.:]*test_\w+", row.rsplit(" | ", 1)[-1])]
+    assert rows and not untested, untested
     named = set(re.findall(r"\b(test_[a-z0-9_]+)\b(?!\.py)", matrix))  # test functions, not test files
     defined = {m for f in (REPO / "tests").glob("test_*.py") for m in re.findall(r"^def (test_\w+)", f.read_text(), re.M)}
     assert named and named <= defined, sorted(named - defined)
