@@ -139,7 +139,7 @@ def _fused_attention_forward(module: nn.Module, hidden_states: torch.Tensor, *ar
 def _fuse_attention(attention: nn.Module, config, backend: Optional[str]) -> None:
     """Give a layer's self-attention module the one-GEMM forward (it then goes with set_backend)."""
     module = _self_attention_module(attention)
-    if module is None or getattr(module, "is_cross_attention", False):
+    if module is None or getattr(module, "is_decoder", False):  # causal, with caches: HF's own
         return
     module._dres_arg_names = tuple(inspect.signature(type(module).forward).parameters)[2:]
     module._dres_config = getattr(module, "config", None) or config

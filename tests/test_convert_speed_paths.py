@@ -248,6 +248,16 @@ def test_attention_probabilities_run_hf_attention():
     assert (32, 96) not in counts.gemms
 
 
+def test_causal_bert_keeps_hf_attention():
+    """A decoder BERT (causal self-attention, caches): HF's attention, no qkv GEMM; the adds still fused."""
+    original = tiny_bert(is_decoder=True)  # float32: transformers 4.x builds no float64 causal mask
+    converted = dres.convert_hf_bert(copy.deepcopy(original), backend="torch")
+    assert_same_function(original, converted, bert_inputs(), None, dict(rtol=1e-5, atol=1e-5))
+    with DispatchCounts().counting() as counts:
+        converted(**bert_inputs())
+    assert (32, 96) not in counts.gemms
+
+
 @pytest.mark.parametrize("make", [tiny_vit, tiny_bert])
 def test_attention_dropout_in_training_keeps_function(make):
     """Active attention dropout goes to SDPA with dropout_p, as HF's SDPA path: the same draws."""
