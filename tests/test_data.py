@@ -236,22 +236,26 @@ def test_labels_beyond_num_classes_are_a_data_error():
         build_loader(DataConfig(name="digits", img_size=8, in_chans=1, num_classes=5, mean=[0.3], std=[0.4]), "train", 8)
 
 
-def test_training_summary_records_lost_data(tmp_path):
+def _lost_data_of_a_run(tmp_path, settings):
+    """summary.json's ``lost_data`` after a tiny MAE trained on 8x8 shards with ``settings``."""
     from dres.train.config import build_config
     from dres.train.loop import Trainer
     from dres.train.mae import TASK
 
-    pattern = _damaged_shards(tmp_path)
     cfg = build_config("mae", None, [
-        "data.name=wds", f"data.path={pattern}", "data.img_size=8", "data.normalize=false", "data.aug=none",
-        "data.max_corrupt_frac=0.5", "model.img_size=8", "model.patch_size=4", "model.embed_dim=16",
-        "model.depth=1", "model.num_heads=2", "model.decoder_embed_dim=16", "model.decoder_depth=1",
-        "model.decoder_num_heads=2", "batch_size=8", "steps=1", "log.progress=false", "log.tensorboard=false",
-        f"out={tmp_path / 'run'}"])
+        "data.name=wds", "data.img_size=8", "data.normalize=false", "data.aug=none", "model.img_size=8",
+        "model.patch_size=4", "model.embed_dim=16", "model.depth=1", "model.num_heads=2", "model.decoder_embed_dim=16",
+        "model.decoder_depth=1", "model.decoder_num_heads=2", "log.progress=false", "log.tensorboard=false",
+        f"out={tmp_path / 'run'}", *settings])
     trainer = Trainer(cfg, TASK, log=lambda m: None).setup()
     trainer.fit()
     trainer.finish()
-    lost = json.loads((tmp_path / "run" / "summary.json").read_text())["lost_data"]
+    return json.loads((tmp_path / "run" / "summary.json").read_text())["lost_data"]
+
+
+def test_training_summary_records_lost_data(tmp_path):
+    pattern = _damaged_shards(tmp_path)
+    lost = _lost_data_of_a_run(tmp_path, [f"data.path={pattern}", "data.max_corrupt_frac=0.5", "batch_size=8", "steps=1"])
     assert lost["corrupt_samples"] is None and lost["corrupt_samples_at_least"] == 1  # no manifest: unknown, not 1
     assert lost["damaged_shards"] == [str(tmp_path / "s-002.tar.gz")]
 
@@ -463,24 +467,12 @@ def test_a_manifest_naming_a_shard_outside_its_folder_is_refused(tmp_path, name)
 
 
 def test_the_training_summary_carries_lost_files_and_the_files_prep_left_out(tmp_path):
-    from dres.train.config import build_config
-    from dres.train.loop import Trainer
-    from dres.train.mae import TASK
-
     src, out, manifest = _prepared(tmp_path)
     _cut(out / "shard-000001.tar", "between members")
-    cfg = build_config("mae", None, [
-        "data.name=wds", f"data.path={out}", "data.img_size=8", "data.num_classes=3", "data.normalize=false",
-        "data.aug=none", "data.gpu_resident=false", "data.num_workers=0", "data.verify_manifest=false",
-        "data.max_corrupt_frac=1.0", "data.shuffle_buffer=0", "model.img_size=8", "model.patch_size=4",
-        "model.embed_dim=16", "model.depth=1", "model.num_heads=2", "model.decoder_embed_dim=16",
-        "model.decoder_depth=1", "model.decoder_num_heads=2", "batch_size=4", "steps=6", "log.progress=false",
-        "log.tensorboard=false", "eval.probe=false", "eval.knn=false", "eval.effective_rank=false", "eval.recon=false",
-        f"out={tmp_path / 'run'}"])
-    trainer = Trainer(cfg, TASK, log=lambda m: None).setup()
-    trainer.fit()
-    trainer.finish()
-    lost = json.loads((tmp_path / "run" / "summary.json").read_text())["lost_data"]
+    lost = _lost_data_of_a_run(tmp_path, [
+        f"data.path={out}", "data.num_classes=3", "data.gpu_resident=false", "data.num_workers=0",
+        "data.verify_manifest=false", "data.max_corrupt_frac=1.0", "data.shuffle_buffer=0", "batch_size=4", "steps=6",
+        "eval.probe=false", "eval.knn=false", "eval.effective_rank=false", "eval.recon=false"])
     assert lost["dropped_by_prep"] == manifest["lost"] and len(manifest["lost"]) == 1
     assert lost["corrupt_samples"] >= 5 and len(lost["lost_files"]) == lost["corrupt_samples"]
     assert all(f.startswith(str(src)) for f in lost["lost_files"])
