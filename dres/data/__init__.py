@@ -29,8 +29,9 @@ A loader is three parts, each chosen once here from the config:
 
 Data accounting: every unreadable sample or shard is logged as it happens (one line each,
 rate-limited) and counted in the loader's ``counter`` (:class:`CorruptCounter`, which the trainer
-writes to ``summary.json``); when more than ``data.max_corrupt_frac`` of the samples or shards is
-lost, loading stops with a :class:`DataError`. Shards listed in their folder's ``manifest.json`` are
+writes to ``summary.json``), a shard that ends before its manifest's count included, each lost sample named by
+its source file where known (``dres-prep``'s ``sources.json``); when more than ``data.max_corrupt_frac`` of the
+samples or shards is lost, loading stops with a :class:`DataError`. Shards listed in their folder's ``manifest.json`` are
 checked against its sha256 before use (``data.verify_manifest``). Labels must be below
 ``data.num_classes``.
 """
