@@ -69,6 +69,22 @@ def test_defaults_compute_the_original_function(arch):
             torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
 
 
+def test_one_residual_act_call_per_block_and_state_dict_values_kept():
+    """resnet18's 8 blocks: 8 residual_act calls a forward (every add with its ReLU fused); the
+    state_dict's values are the original's."""
+    from unittest import mock
+
+    from dres import ops
+
+    original, converted = converted_pair(timm.create_model("resnet18", pretrained=False, num_classes=10),
+                                         backend="torch")
+    before, after = original.state_dict(), converted.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    with mock.patch.object(ops, "residual_act", wraps=ops.residual_act) as residual_act:
+        converted(torch.randn(2, 3, 32, 32, dtype=torch.float64))
+    assert residual_act.call_count == len(residual_blocks(converted)) == 8
+
+
 @pytest.mark.parametrize("block,deep", [(BasicBlock, False), (Bottleneck, True)])
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 def test_triton_kernels_in_a_resnet(triton_device, block, deep, layout):

@@ -375,6 +375,32 @@ def test_timm_vit_mlp_and_attention_paths(kw, fused):
     assert counts.gemms.count((32, 96)) == 2  # timm's qkv Linear: already one GEMM
 
 
+@pytest.mark.parametrize("which", ["dinov2", "eva"])
+def test_timm_dinov2_and_eva_paths(which):
+    """DINOv2 (LayerScale, register tokens): both branches fused; Eva: its GELU Mlp fused, its rotary
+    EvaAttention (and a SwiGLU MLP) its own. Same function, same state_dict."""
+    from timm.models.eva import Eva
+    from timm.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    args = dict(img_size=16, patch_size=8, embed_dim=32, depth=2, num_heads=2, num_classes=5, init_values=0.1)
+    original = perturb_(VisionTransformer(**args, reg_tokens=4, no_embed_class=True) if which == "dinov2" else
+                        Eva(**args, use_rot_pos_emb=True, ref_feat_shape=(2, 2))).double().eval()
+    converted = dres.convert_timm_vit(copy.deepcopy(original), backend="torch")
+    before, after = original.state_dict(), converted.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    with CallCounts() as calls:
+        assert_timm_same(original, converted, torch.randn(2, 3, 16, 16, dtype=torch.float64), F64, F64)
+    assert calls.counts["fused_mlp"] == 2
+    with DispatchCounts().counting() as counts:
+        converted(torch.randn(2, 3, 16, 16, dtype=torch.float64))
+    assert counts.gemms.count((32, 96)) == 2  # the qkv Linear, whichever attention runs
+    swiglu = dres.convert_timm_vit(Eva(**args, swiglu_mlp=True).double(), backend="torch")
+    with CallCounts() as calls:
+        swiglu(torch.randn(2, 3, 16, 16, dtype=torch.float64))
+    assert "fused_mlp" not in calls.counts
+
+
 def test_timm_vit_short_attention_on_the_interpreter(triton_device):
     original = timm_vit().to(triton_device)
     converted = dres.convert_timm_vit(copy.deepcopy(original), backend="triton")
