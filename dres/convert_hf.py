@@ -13,9 +13,11 @@ follows it (ViT's names below; DINOv2's are ``norm1``/``norm2``)::
 last layer, the decoder's ``decoder_norm`` after the decoder's), so the residual stream is carried across layers with one op per add, as in
 :class:`dres.nn.TransformerStack`. The model's own loop stays in charge (it differs between
 transformers versions and records hidden states and attentions): layer k returns ``out`` and leaves
-``y_next`` with ``next_norm``, whose forward returns it when called on that very ``out`` tensor and
-is an ordinary LayerNorm on any other input. Under gradient checkpointing in training (which
-recomputes layers one at a time) layers end with a plain :func:`dres.ops.residual_add` instead.
+``y_next`` with ``next_norm``; layer k+1 takes it when called on that very ``out`` tensor (else, and
+in a stack's first layer, it normalises its input with :func:`dres.ops.layer_norm`), and the final
+norm's forward returns it likewise, an ordinary LayerNorm on any other input. Under gradient
+checkpointing in training (which recomputes layers one at a time) layers end with a plain
+:func:`dres.ops.residual_add` instead.
 
 ``convert_hf_bert(model)`` (BertModel and its heads; RoBERTa-style encoders with the same modules
 too: post-LN). A BERT layer computes ``a = LN1(x + attn(x))`` and ``out = LN2(a + ffn(a))``: each add
