@@ -110,8 +110,8 @@ def test_a_truncated_jpeg_is_decoded_in_full_and_left_out_with_its_reason(tmp_pa
     src = _tree(tmp_path / "src", n=6, cut=(4,))
     manifest = prepare_shards(str(src), str(tmp_path / "out"), short_side=320, shard_size=8, workers=1,
                               log=lambda m: None)
-    assert manifest["lost"] == [f"{src / 'class1' / '004.JPEG'}: OSError: image file is truncated"] or \
-        manifest["lost"][0].startswith(f"{src / 'class1' / '004.JPEG'}: OSError: image file is truncated")
+    assert len(manifest["lost"]) == 1  # an RGB JPEG small enough to keep its bytes: only a full decode finds the cut
+    assert manifest["lost"][0].startswith(f"{src / 'class1' / '004.JPEG'}: OSError: image file is truncated")
     assert sum(e["samples"] for e in manifest["shards"].values()) == 5
 
 
