@@ -133,7 +133,7 @@ def test_prep_refuses_shards_of_another_source_or_settings_and_replace_writes_ne
         assert "--replace" in err and _prep_files(out) == before
     (src / "class0" / "999.JPEG").write_bytes(_image("jpeg", 40, 30))  # the source gained a file
     assert prep_main([str(src), str(out), "--short-side", "24", "--shard-size", "8", "--workers", "1"]) == 2
-    assert "images 30 there, 31 now" in capsys.readouterr().err
+    assert "images 30 there, 31 now, the source's files differ)" in capsys.readouterr().err
     argv = [str(other), str(out), "--short-side", "24", "--shard-size", "4", "--workers", "1", "--replace"]
     assert prep_main(argv) == 0
     manifest = json.loads((out / "manifest.json").read_text())

@@ -167,7 +167,8 @@ def _check_output(src: str, out: Path, settings: dict, replace: bool, log) -> No
     if before is None:
         differ = "no prep.json records what made them"
     else:
-        differ = ", ".join(f"{k} {before.get(k)!r} there, {v!r} now" for k, v in settings.items() if before.get(k) != v)
+        differ = ", ".join("the source's files differ" if k == "files_sha256" else f"{k} {before.get(k)!r} there, {v!r} now"
+                           for k, v in settings.items() if before.get(k) != v)
     if not replace:
         raise DataError(f"{out} holds shards of another source or settings ({differ}): pass --replace to remove them "
                         "and write new ones, or choose another folder")
