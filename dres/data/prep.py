@@ -152,6 +152,8 @@ def _check_output(src: str, out: Path, settings: dict, replace: bool, log) -> No
         before = json.loads(record.read_text()) if record.exists() else None
     except (OSError, ValueError):
         before = {}
+    if before is not None and not isinstance(before, dict):  # not a record of dres-prep's: differs from any settings
+        before = {}
     shard_name = (before or {}).get("name", settings["name"])
     names = sorted(p.name for p in out.iterdir())
     foreign = [n for n in names if not _is_prep_file(n, shard_name)]
