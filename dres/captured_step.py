@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+
 class CaptureError(RuntimeError):
     """Capturing a function in a CUDA graph failed; the message is the first line of torch's error."""
 
@@ -53,6 +54,13 @@ def first_line(error: BaseException) -> str:
     """The first line of an error's message, or its type's name when it has none."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def _first_cause(error: RuntimeError) -> RuntimeError:
+    """The error a failed capture began with: ending the capture raises again, in the handling of the first."""
+    while isinstance(error.__context__, RuntimeError):
+        error = error.__context__
+    return error
 
 
 def check_warmup_steps(warmup_steps: int) -> None:
@@ -129,8 +137,17 @@ class GraphedFunction:
             with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
                 outputs = self.fn()
         except RuntimeError as e:  # something in the call synchronised or allocated on the host
-            raise CaptureError(first_line(e)) from e
+            self._end_generator_capture()
+            raise CaptureError(first_line(_first_cause(e))) from e
         self.graph, self.outputs = graph, outputs
+
+    def _end_generator_capture(self) -> None:
+        """A failed capture leaves the CUDA generator in its capture mode (torch 2.11: every later eager draw
+        then raises); an empty capture's end takes it out again."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=self.stream):
+                pass
 
     def replay(self):
         self.graph.replay()

@@ -285,6 +285,11 @@ def test_static_inputs_name_the_first_tensor_they_cannot_take():
 ADAMW = {"fused_adamw": dict(fused=True), "foreach_adamw": dict(foreach=True)}
 GPU_MODELS = {"timm": (tiny_timm_vit, cross_entropy, False), "hf": (tiny_hf_vit, hf_loss, True)}
 STEPS = 8
+# against the hand-written loop: its lr is a float (the step's a float32 tensor) and a foreach AdamW steps without
+# capturable's arithmetic; bf16 activations turn those roundings into up to ~2e-3 of a loss (seen on an H200).
+# Parameters are compared as a whole: AdamW scales a gradient of rounding noise (an attention key's bias) to a
+# full step, so single weights may differ by a few steps' size
+BF16_LOSS_TOL, PARAMS_REL_TOL = dict(rtol=5e-3, atol=1e-5), 2e-3
 
 
 def _train(build, loss_fn, keywords, data, *, step_args=None, optimizer_args=None, compile_loop=False):
@@ -301,11 +306,23 @@ def _train(build, loss_fn, keywords, data, *, step_args=None, optimizer_args=Non
     return step_loop(step, data, keywords=keywords, scheduler=scheduler), model, step
 
 
-def _assert_trained_alike(got, want, rtol, atol):
+def params_rel_err(model, want_model) -> float:
+    """||params - want's|| / ||want's||, over all parameters."""
+    pairs = list(zip(model.parameters(), want_model.parameters()))
+    return (sum((a - b).double().square().sum() for a, b in pairs).sqrt() /
+            sum(b.double().square().sum() for _, b in pairs).sqrt()).item()
+
+
+def _assert_trained_alike(got, want):
     (losses, model), (want_losses, want_model) = got, want
-    torch.testing.assert_close(losses, want_losses, rtol=rtol, atol=atol)
-    for (name, a), b in zip(model.named_parameters(), want_model.parameters()):
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(losses, want_losses, **BF16_LOSS_TOL)
+    assert params_rel_err(model, want_model) < PARAMS_REL_TOL
+
+
+def _trained_equal(a, b) -> bool:
+    (losses_a, model_a), (losses_b, model_b) = a, b
+    return torch.equal(losses_a, losses_b) and all(torch.equal(p, q) for p, q in
+                                                   zip(model_a.parameters(), model_b.parameters()))
 
 
 @pytest.mark.gpu
@@ -313,7 +330,8 @@ def _assert_trained_alike(got, want, rtol, atol):
 @pytest.mark.parametrize("model", list(GPU_MODELS))
 def test_captured_steps_train_as_the_eager_loop(model, optimizer):
     """bf16 autocast inside loss_fn, an lr falling by a LambdaLR stepped on the host: 3 eager warm-up steps, the
-    capture, replays; the losses and parameters of the hand-written loop's steps."""
+    capture, replays; the losses and parameters of the hand-written loop's steps, and bit for bit those of the
+    same step run eagerly throughout where two such runs agree bit for bit (deterministic kernels)."""
     build, loss_fn, keywords = GPU_MODELS[model]
     loss_fn, data = under_bf16(loss_fn), batches(STEPS, CUDA)
     lines = []
@@ -321,7 +339,11 @@ def test_captured_steps_train_as_the_eager_loop(model, optimizer):
                                    step_args=dict(compile=False, log=lines.append))
     assert step.captured and step.why_eager is None and lines == []
     want = _train(build, loss_fn, keywords, data, optimizer_args=ADAMW[optimizer])
-    _assert_trained_alike((losses, trained), want[:2], rtol=1e-3, atol=1e-5)
+    _assert_trained_alike((losses, trained), want[:2])
+    uncaptured = [_train(build, loss_fn, keywords, data, optimizer_args=ADAMW[optimizer],
+                         step_args=dict(compile=False, warmup_steps=STEPS + 1, log=pytest.fail))[:2] for _ in range(2)]
+    if _trained_equal(*uncaptured):
+        assert _trained_equal((losses, trained), uncaptured[0])
 
 
 @pytest.mark.gpu
@@ -332,7 +354,7 @@ def test_a_compiled_captured_step_trains_as_the_compiled_eager_loop():
                                    step_args=dict(log=pytest.fail))
     assert step.captured and isinstance(step.forward_model, torch._dynamo.eval_frame.OptimizedModule)
     want = _train(build, loss_fn, keywords, data, optimizer_args=dict(fused=True), compile_loop=True)
-    _assert_trained_alike((losses, trained), want[:2], rtol=1e-3, atol=1e-5)
+    _assert_trained_alike((losses, trained), want[:2])
 
 
 @pytest.mark.gpu
@@ -374,7 +396,7 @@ def test_drop_path_masks_advance_per_replay_as_in_the_eager_loop():
     for k, (images, labels) in enumerate(data, 1):
         loss = step(images, labels)
         want = hand_loop(eager, eager_optimizer, loss_fn, [(images, labels)])[0]
-        torch.testing.assert_close(loss, want, rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(loss, want, **BF16_LOSS_TOL)
         assert models[0].droppath.iteration == eager.droppath.iteration == k
         assert torch.equal(models[0].droppath.masks, eager.droppath.masks)
     assert step.captured
@@ -393,7 +415,7 @@ def test_a_short_batch_runs_eagerly_and_says_so_once():
     assert lines == ["dres.compile_step: pixel_values is (4, 3, 32, 32) torch.float32, not (8, 3, 32, 32) "
                      "torch.float32 as in the captured step: such steps run eagerly"]
     want = _train(build, loss_fn, keywords, data, optimizer_args=dict(fused=True))
-    _assert_trained_alike((losses, trained), want[:2], rtol=1e-3, atol=1e-5)
+    _assert_trained_alike((losses, trained), want[:2])
 
 
 @pytest.mark.gpu
