@@ -26,8 +26,10 @@ Per arm, in a process of its own (no compile cache or allocator state passes bet
 optimizer steps, the loss of each recorded (the loss track, from step 0); the first ``--warmup`` are
 untimed (compilation and capture happen there), the rest timed with CUDA events around each step, no
 synchronisation in between: samples/s = batch / median step time. Peak memory:
-``torch.cuda.max_memory_allocated`` over the timed steps, reset after the warm-up (memory that stays
-allocated, a captured graph's pool included, counts). ``--gpus`` runs one arm per GPU at a time, each
+``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` over the timed steps, reset after the
+warm-up; the one-line steps compare the reserved peak (:data:`PEAK_KEY`), the others the allocated one. Where
+the arms draw random masks (the ViT's drop path, BERT's dropout), plain and converted draw different ones, and
+their loss difference holds that too. ``--gpus`` runs one arm per GPU at a time, each
 child pinned to its share of the host's cores (``OMP_NUM_THREADS`` capped to it), slowest arms first;
 ``--repeats N`` runs every arm N times, the compared arms in alternating order, and reports the median and
 spread over the N processes.
@@ -226,6 +228,9 @@ ARMS = {
     "converted_eager": Arm(True, "eager", "converted, eager"),
     "plain_eager": Arm(False, "eager", "plain, eager"),
 }
+# the peak memory a mode's arms compare: a replayed graph's memory is its pool's, reserved at the capture and
+# never allocated again, so a captured step's allocated peak holds its parameters and optimizer state alone
+PEAK_KEY = {"eager": "peak_mem_gib", "compiled": "peak_mem_gib", "step": "peak_reserved_gib"}
 REFERENCE_ARM = "plain_eager"  # the loss tracks' reference
 NOISE_ARM = "plain_compiled"  # its own difference to the reference is the noise to read the others against
 
@@ -328,6 +333,7 @@ def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: b
         "samples_per_s": size.batch / (ms / 1e3), "step_ms": ms, "step_ms_min": min(times),
         "step_ms_max": max(times), "warmup_s": warmup_s, "losses": losses.tolist(),
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None,
         "captured": getattr(step, "captured", None), "why_eager": getattr(step, "why_eager", None),
     }
 
@@ -347,7 +353,7 @@ def run_arm(model_name: str, arm_name: str, repeat: int, *, device: torch.device
     rec = {
         **arm_identity(model_name, arm_name, repeat, tiny), "image": (spec.tiny if tiny else spec.full).image,
         "steps": steps, "warmup": warmup, "num_batches": NUM_BATCHES, "autocast": "bf16", "optimizer": "AdamW fused",
-        "lr": LR, "peak_mem": "max_memory_allocated over the timed steps, reset after the warm-up",
+        "lr": LR, "peak_mem": "max_memory_allocated (reserved) over the timed steps, reset after the warm-up",
         "device": device.type, "card": measure.card_name() if device.type == "cuda" else "cpu",
         "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "cores": len(os.sched_getaffinity(0)), **library_versions(),
     }
@@ -377,16 +383,20 @@ def max_loss_diff(track: Optional[list], reference: Optional[list]) -> Optional[
 
 def arm_figures(records: list[dict]) -> dict:
     """One arm's repeats: the median samples/s and its spread ((max - min) / median, percent) over the
-    processes that finished, their median peak memory; the errors of those that failed."""
+    processes that finished, their median peak memories; the errors of those that failed."""
     ok = [r for r in records if not r.get("error")]
     figures = {"processes": len(ok), "errors": [r["error"] for r in records if r.get("error")]}
     if not ok:
         return figures
     rates = [r["samples_per_s"] for r in ok]
     median = statistics.median(rates)
-    peaks = [r["peak_mem_gib"] for r in ok if r.get("peak_mem_gib") is not None]
+
+    def median_of(key):
+        values = [r[key] for r in ok if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
     figures.update(samples_per_s=median, spread_pct=100 * (max(rates) - min(rates)) / median,
-                   peak_mem_gib=statistics.median(peaks) if peaks else None,
+                   peak_mem_gib=median_of("peak_mem_gib"), peak_reserved_gib=median_of("peak_reserved_gib"),
                    captured=ok[0].get("captured"), why_eager=ok[0].get("why_eager"))
     return figures
 
@@ -416,7 +426,8 @@ def summarize(records: list[dict]) -> list[dict]:
             return arms.get(arm, {}).get(key)
 
         def peak_ratio(mode):
-            return ratio(figure(f"converted_{mode}", "peak_mem_gib"), figure(f"plain_{mode}", "peak_mem_gib"))
+            key = PEAK_KEY[mode]
+            return ratio(figure(f"converted_{mode}", key), figure(f"plain_{mode}", key))
 
         diffs = loss_diffs(mine)
         rows.append({
@@ -469,16 +480,16 @@ def markdown(rows: list[dict], *, header: list[str], failed: list[dict], not_run
         step = f"{_times(row['step_vs_plain_compiled'])} (plain step {_times(row['plain_step_vs_plain_compiled'])})"
         lines.append(f"| {row['title']}, batch {row['batch']} | {row['unit']} | {_pair(row, 'eager', 'eager_ratio')} | "
                      f"{_pair(row, 'compiled', 'compiled_ratio')} | {step} | {peak} | {loss} |")
-    lines += ["", "| model | arm | rate (median) | processes | spread | peak GiB | "
-                  "max \\|loss diff\\| to plain eager | captured / why eager |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| model | arm | rate (median) | processes | spread | peak GiB allocated | reserved | "
+                  "max \\|loss diff\\| to plain eager | captured / why eager |", "|---" * 9 + "|"]
     for row in rows:
         for arm, figures in row["arms"].items():
             how = "" if ARMS[arm].mode != "step" else (
                 "captured" if figures.get("captured") else f"eager: {figures.get('why_eager')}")
             spread = _number(figures.get("spread_pct"), ".1f") + "%" if figures["processes"] > 1 else "–"
+            peaks = f"{_number(figures.get('peak_mem_gib'))} | {_number(figures.get('peak_reserved_gib'))}"
             lines.append(f"| {row['model']} | {arm} | {_rate(row, arm, unit=True)} | {figures['processes']} | "
-                         f"{spread} | {_number(figures.get('peak_mem_gib'))} | "
-                         f"{_number(row['loss_diff'].get(arm), '.4f')} | {how} |")
+                         f"{spread} | {peaks} | {_number(row['loss_diff'].get(arm), '.4f')} | {how} |")
     if failed:
         lines += ["", "Failed:"] + [f"- {r['model']} {r['arm']} (repeat {r['repeat']}): {r['error']}" for r in failed]
     if not_run:
@@ -569,14 +580,17 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
     not_run = [j.name for j in jobs if not arm_path(out, j).exists()]
     env = library_versions()
     cards = sorted({r["card"] for r in records if r.get("card")})
-    header = [f"Converted timm / Hugging Face models against their plain originals ({', '.join(cards) or 'no arm finished'}; "
-              f"torch {env['torch']}, triton {env['triton']}, timm {env['timm']}, transformers {env['transformers']}).",
+    header = [f"Converted timm / Hugging Face models against their plain originals "
+              f"({', '.join(cards) or 'no arm finished'}; torch {env['torch']}, triton {env['triton']}, "
+              f"timm {env['timm']}, transformers {env['transformers']}).",
               f"Each arm {args.steps} steps ({args.warmup} warm-up, untimed), bf16 autocast, fused AdamW; rates are "
               f"batch / median step time, the median over each arm's processes; "
               + (f"{slots} arms at a time, one per GPU, each on its share of the cores" if slots > 1
                  else "one arm at a time")
-              + "; peak memory over the timed steps; loss diff: max over the steps against plain eager, the largest "
-              "over the converted arms (noise: plain torch.compile against plain eager)."]
+              + "; peak memory over the timed steps (converted/plain: allocated, reserved for the one-line steps, "
+              "whose captured graph's memory is reserved, not allocated); loss diff: max over the steps against plain "
+              "eager, the largest over the converted arms (noise: plain torch.compile against plain eager; drop path "
+              "and dropout masks differ between arms)."]
     summary = {"date": measure.today(), "machine": measure.machine_name(), "cards": cards, **env,
                "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "tiny": args.tiny,
                "arms_at_a_time": slots, "rows": rows,
@@ -592,7 +606,8 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
 def progress(job: Job, rec: dict, seconds: float) -> str:
     if rec.get("error"):
         return f"[own-models] FAILED {job.name}: {rec['error']} [{seconds:.0f} s]"
-    peak = f", peak {rec['peak_mem_gib']:.1f} GiB" if rec.get("peak_mem_gib") is not None else ""
+    peak = (f", peak {rec['peak_mem_gib']:.1f} GiB (reserved {rec['peak_reserved_gib']:.1f})"
+            if rec.get("peak_mem_gib") is not None else "")
     step = ("" if rec["mode"] != "step" else
             ", captured" if rec.get("captured") else f", eager: {rec.get('why_eager')}")
     return (f"[own-models] finished {job.name}: {rec['samples_per_s']:,.0f} {rec['unit']}{peak}{step} "
