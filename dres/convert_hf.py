@@ -362,7 +362,7 @@ def _mae_forward(model: nn.Module, pixel_values: Optional[torch.Tensor] = None, 
     outputs = model.vit(pixel_values, noise=noise, interpolate_pos_encoding=interpolate_pos_encoding, **kwargs)
     logits = model.decoder(outputs.last_hidden_state, outputs.ids_restore,
                            interpolate_pos_encoding=interpolate_pos_encoding).logits
-    loss = model.forward_loss(pixel_values, logits, outputs.mask, interpolate_pos_encoding=bool(interpolate_pos_encoding))
+    loss = model.forward_loss(pixel_values, logits, outputs.mask, bool(interpolate_pos_encoding))
     result = inspect.getmodule(type(model)).ViTMAEForPreTrainingOutput(
         loss=loss, logits=logits, mask=outputs.mask, ids_restore=outputs.ids_restore,
         hidden_states=outputs.hidden_states, attentions=outputs.attentions)

@@ -42,7 +42,8 @@ class DispatchCounts(TorchDispatchMode):
             return out
         if func is torch.ops.aten._to_copy.default:
             src = args[0]
-            if src.dtype == torch.float32 and out.dtype == torch.bfloat16 and src.dim() == 3 and src.shape[-1] in self.widths:
+            to_bf16 = src.dtype == torch.float32 and out.dtype == torch.bfloat16
+            if to_bf16 and src.dim() == 3 and src.shape[-1] in self.widths:
                 self.casts.append(tuple(src.shape))
         elif func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
             self.gemms.append((args[-2].shape[-1], out.shape[-1]))
