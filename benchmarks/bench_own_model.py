@@ -231,6 +231,7 @@ ARMS = {
 # the peak memory a mode's arms compare: a replayed graph's memory is its pool's, reserved at the capture and
 # never allocated again, so a captured step's allocated peak holds its parameters and optimizer state alone
 PEAK_KEY = {"eager": "peak_mem_gib", "compiled": "peak_mem_gib", "step": "peak_reserved_gib"}
+STEP_WARMUP = 3  # dres.compile_step's eager steps before its capture (its default warmup_steps)
 REFERENCE_ARM = "plain_eager"  # the loss tracks' reference
 NOISE_ARM = "plain_compiled"  # its own difference to the reference is the noise to read the others against
 
@@ -247,7 +248,7 @@ def training_step(mode: str, model: torch.nn.Module, optimizer: torch.optim.Opti
     if mode == "step":
         import dres
 
-        return dres.compile_step(model, optimizer, loss_fn)
+        return dres.compile_step(model, optimizer, loss_fn, warmup_steps=STEP_WARMUP)
     forward = torch.compile(model) if mode == "compiled" else model
 
     def step(*batch):
@@ -550,8 +551,9 @@ def plan_jobs(models: list[str], arms: list[str], repeats: int) -> list[Job]:
 
 
 def worker_command(job: Job, args) -> list[str]:
-    cmd = [sys.executable, "-m", "benchmarks.bench_own_model", "--worker", f"{job.model}:{job.arm}:{job.repeat}",
-           "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(args.out)]
+    cmd = [sys.executable, "-m", "benchmarks.bench_own_model", "--models", job.model, "--arms", job.arm,
+           "--worker", str(job.repeat), "--device", args.device, "--steps", str(args.steps), "--warmup",
+           str(args.warmup), "--out", str(args.out)]
     return cmd + (["--tiny"] if args.tiny else [])
 
 
@@ -712,13 +714,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the harness alone, no figures")
     p.add_argument("--tiny", action="store_true", help="a tiny config of each model's family")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
-    p.add_argument("--worker", help=argparse.SUPPRESS)  # MODEL:ARM:REPEAT, what a run starts per arm
+    p.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # a repeat of the one --models / --arms arm
     return p
 
 
 def check_args(p: argparse.ArgumentParser, args) -> None:
     if args.warmup < 1:
         p.error(f"--warmup must be at least 1, got {args.warmup}")
+    if args.warmup <= STEP_WARMUP and any(ARMS[a].mode == "step" for a in args.arms):
+        p.error(f"--warmup must exceed {STEP_WARMUP} with the one-line step arms (their eager steps and the capture "
+                f"come first), got {args.warmup}")
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): the steps after it are timed")
     if args.repeats < 1:
@@ -746,11 +751,12 @@ def finished_jobs(jobs: list[Job], out: Path) -> list[Job]:
 
 
 def run_worker(args) -> int:
-    model, arm, repeat = args.worker.split(":")
+    """One arm's process: the arm of ``--models`` and ``--arms`` (one each), repeat ``--worker``."""
+    job = Job(args.models[0], args.arms[0], args.worker)
     measure.configure_caches()
-    rec = run_arm(model, arm, int(repeat), device=torch.device(args.device), tiny=args.tiny, steps=args.steps,
+    rec = run_arm(job.model, job.arm, job.repeat, device=torch.device(args.device), tiny=args.tiny, steps=args.steps,
                   warmup=args.warmup)
-    measure.write_json_atomic(arm_path(Path(args.out), Job(model, arm, int(repeat))), rec)
+    measure.write_json_atomic(arm_path(Path(args.out), job), rec)
     print(json.dumps({k: v for k, v in rec.items() if k != "losses"}), flush=True)
     return 1 if rec["error"] else 0
 
@@ -759,7 +765,7 @@ def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     check_args(p, args)
-    if args.worker:
+    if args.worker is not None:
         return run_worker(args)
     args.out = Path(args.out or measure.default_out("own-models"))
     jobs = plan_jobs(args.models, args.arms, args.repeats)

@@ -49,7 +49,7 @@ def test_dry_run_lists_every_arm_process(tmp_path, capsys):
     arms = [line.split(":")[0] for line in lines[1:] if not line.startswith("  ")]
     assert arms == [j.name for j in bench.plan_jobs(["resnet50d_32"], list(bench.ARMS), 2)]
     commands = [line.strip() for line in lines if line.startswith("  ")]
-    assert len(commands) == 12 and "--worker resnet50d_32:converted_step:0" in commands[0]
+    assert len(commands) == 12 and "--models resnet50d_32 --arms converted_step --worker 0" in commands[0]
     assert not out.exists()
 
 
@@ -60,6 +60,7 @@ def test_dry_run_lists_every_arm_process(tmp_path, capsys):
     (["--gpus", "0,0"], "--gpus"),
     (["--steps", "5", "--warmup", "5"], "--steps"),
     (["--warmup", "0"], "--warmup"),
+    (["--arms", "plain_eager,converted_step", "--warmup", "3"], "--warmup"),
     (["--repeats", "0"], "--repeats"),
     (["--device", "cpu", "--gpus", "0"], "--gpus"),
 ])
@@ -141,7 +142,8 @@ def test_summary_ratios_come_from_the_arms_figures():
 def test_table_quotes_each_model_with_its_ratios_failures_and_unstarted_arms():
     records = hand_made_records()
     failed = [r for r in records if r.get("error")]
-    table = bench.markdown(bench.summarize(records), header=["HEADER"], failed=failed, not_run=["hf_bert-plain_compiled-0"])
+    table = bench.markdown(bench.summarize(records), header=["HEADER"], failed=failed,
+                           not_run=["hf_bert-plain_compiled-0"])
     lines = table.splitlines()
     assert lines[0] == "HEADER"
     vit = next(line for line in lines if line.startswith("| timm vit_base_patch16_224"))
@@ -150,8 +152,8 @@ def test_table_quotes_each_model_with_its_ratios_failures_and_unstarted_arms():
                          "eager 0.80, compiled 0.94, step 0.90", "0.0300 (noise 0.0100)"]
     bert = next(line for line in lines if line.startswith("| HF BertForMaskedLM"))
     assert "500 -> failed (–)" in bert and "not run -> not run (–)" in bert
-    assert "| hf_bert | converted_step | 700 seq/s | 1 | – | 3.00 | – | 0.0000 | eager: dres.compile_step: the step " \
-           "runs eagerly: the device is cpu, not CUDA |" in lines
+    assert "| hf_bert | converted_step | 700 seq/s | 1 | – | 3.00 | – | 0.0000 | eager: dres.compile_step: the " \
+           "step runs eagerly: the device is cpu, not CUDA |" in lines
     assert "| vit_b16 | converted_compiled | 2,500 img/s | 2 | 8.0% | 8.50 | – | 0.0200 |  |" in lines
     assert "| vit_b16 | converted_step | 3,000 img/s | 1 | – | 1.50 | 9.00 | 0.0000 | captured |" in lines
     assert "- hf_bert converted_eager (repeat 0): OutOfMemoryError: CUDA out of memory." in lines
