@@ -247,3 +247,18 @@ def test_max_minutes_starts_no_arm_after_it_and_names_those_not_run(tmp_path, mo
     summary = json.loads((out / "summary.json").read_text())
     assert summary["not_run"] == ["hf_bert-plain_eager-0"]
     assert "Not run: hf_bert-plain_eager-0" in (out / "own-models.md").read_text()
+
+
+@pytest.mark.gpu
+def test_tiny_gpu_run_captures_the_one_line_step_and_reads_its_memory(tmp_path):
+    """On a GPU: the converted one-line step runs as a replayed graph, its loss track is the eager one's
+    (a tiny ResNet, no random masks; bf16), and both peak memories are read, reserved at least allocated."""
+    out = tmp_path / "own"
+    assert bench.main(["--tiny", "--steps", "6", "--warmup", "4", "--models", "resnet50d_32", "--arms",
+                       "converted_step,plain_eager", "--out", str(out)]) == 0
+    records = {r["arm"]: r for r in bench.load_arm_records(out)}
+    step, eager = records["converted_step"], records["plain_eager"]
+    assert step["captured"] is True and step["why_eager"] is None and step["card"] != "cpu"
+    for rec in (step, eager):
+        assert 0 < rec["peak_mem_gib"] <= rec["peak_reserved_gib"]
+    torch.testing.assert_close(torch.tensor(step["losses"]), torch.tensor(eager["losses"]), rtol=0, atol=0.1)
