@@ -169,7 +169,8 @@ def optimizer_blocker(optimizer: torch.optim.Optimizer) -> Optional[str]:
     if isinstance(optimizer, torch.optim.SGD):
         if all(group.get("fused") for group in optimizer.param_groups):
             return None
-        return "SGD reads a device learning rate only in its fused kernel (foreach SGD calls .item() on it): pass fused=True"
+        return ("SGD reads a device learning rate only in its fused kernel (foreach SGD calls .item() on it): "
+                "pass fused=True")
     if "capturable" not in optimizer.defaults:
         return f"{type(optimizer).__name__} has no capturable mode (its step reads its state on the host)"
     return None
@@ -400,8 +401,8 @@ class CapturedStep:
             self._graphed.capture()
         except CaptureError as e:
             if self.capture is True:
-                raise RuntimeError(f"compile_step: capturing the step failed ({e}); capture='auto' runs it eagerly") \
-                    from e
+                message = f"compile_step: capturing the step failed ({e}); capture='auto' runs it eagerly"
+                raise RuntimeError(message) from e
             self._run_eagerly(f"capturing the step failed ({e})")
             return self._eager_step(args, kwargs)  # the capture ran nothing: this batch's step is still to take
         self.captured = True
@@ -445,7 +446,8 @@ def _check_arguments(model, optimizer, loss_fn, compile, capture, warmup_steps, 
         raise TypeError(f"log must be callable with one line, got {type(log).__name__}")
     own = {id(p) for p in model.parameters()}
     if not all(id(p) in own for group in optimizer.param_groups for p in group["params"]):
-        raise ValueError("optimizer holds parameters that are not model's (was it built for another copy of the model?)")
+        raise ValueError("optimizer holds parameters that are not model's (was it built for another copy of the "
+                         "model?)")
 
 
 def compile_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, *, compile: bool = True,

@@ -484,8 +484,11 @@ def test_capture_true_raises_the_reason_a_capture_failed():
 def test_a_captured_step_refuses_other_arguments_and_a_replaced_optimizer_state():
     model = tiny_mlp(CUDA)
     optimizer = torch.optim.AdamW(model.parameters(), fused=True)
-    step = compile_step(model, optimizer, lambda m, x, y, smoothing: F.cross_entropy(m(x), y, label_smoothing=smoothing),
-                        compile=False, warmup_steps=1, log=pytest.fail)
+
+    def smoothed(m, x, y, smoothing):
+        return F.cross_entropy(m(x), y, label_smoothing=smoothing)
+
+    step = compile_step(model, optimizer, smoothed, compile=False, warmup_steps=1, log=pytest.fail)
     x, y = torch.randn(8, 12, device=CUDA), torch.arange(8, device=CUDA)
     step(x, y, 0.1)
     with pytest.raises(ValueError) as e:
