@@ -550,11 +550,12 @@ def plan_jobs(models: list[str], arms: list[str], repeats: int) -> list[Job]:
     return jobs
 
 
-def worker_command(job: Job, args) -> list[str]:
+def worker_command(job: Job, args, cores: Optional[list[int]] = None) -> list[str]:
+    """The command of ``job``'s process, held to ``cores`` where given."""
     cmd = [sys.executable, "-m", "benchmarks.bench_own_model", "--models", job.model, "--arms", job.arm,
            "--worker", str(job.repeat), "--device", args.device, "--steps", str(args.steps), "--warmup",
            str(args.warmup), "--out", str(args.out)]
-    return cmd + (["--tiny"] if args.tiny else [])
+    return cmd + (["--tiny"] if args.tiny else []) + (["--cores", ",".join(map(str, cores))] if cores else [])
 
 
 def core_shares(slots: int) -> list[list[int]]:
@@ -638,9 +639,8 @@ def run_jobs(jobs: list[Job], args, out: Path) -> int:
                 where = f"GPU {env['CUDA_VISIBLE_DEVICES']}"
             log = open(out / "logs" / f"{job.name}.log", "w")
             arm_path(out, job).unlink(missing_ok=True)  # a rerun's record replaces the earlier one
-            proc = subprocess.Popen(worker_command(job, args), cwd=REPO_ROOT, env=env, stdout=log,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=functools.partial(os.sched_setaffinity, 0, shares[k]))
+            proc = subprocess.Popen(worker_command(job, args, shares[k]), cwd=REPO_ROOT, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
             running[k] = (job, proc, log, time.time())
             print(f"[own-models] started {job.name} on {where}, cores {shares[k][0]}-{shares[k][-1]}", flush=True)
         if late and pending:
@@ -687,6 +687,13 @@ def names_of(choices) -> Callable[[str], list[str]]:
     return parse
 
 
+def core_list(text: str) -> list[int]:
+    try:
+        return [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects core indices like 0,1,2; got {text!r}") from None
+
+
 def gpu_list(text: str) -> list[int]:
     try:
         gpus = [int(g) for g in text.split(",")]
@@ -715,6 +722,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="a tiny config of each model's family")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # a repeat of the one --models / --arms arm
+    p.add_argument("--cores", type=core_list, help=argparse.SUPPRESS)  # the cores an arm's process keeps to
     return p
 
 
@@ -753,6 +761,8 @@ def finished_jobs(jobs: list[Job], out: Path) -> list[Job]:
 def run_worker(args) -> int:
     """One arm's process: the arm of ``--models`` and ``--arms`` (one each), repeat ``--worker``."""
     job = Job(args.models[0], args.arms[0], args.worker)
+    if args.cores:
+        os.sched_setaffinity(0, args.cores)  # before the first parallel region starts torch's thread pool
     measure.configure_caches()
     rec = run_arm(job.model, job.arm, job.repeat, device=torch.device(args.device), tiny=args.tiny, steps=args.steps,
                   warmup=args.warmup)

@@ -53,6 +53,16 @@ def test_dry_run_lists_every_arm_process(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_parallel_arms_get_their_own_share_of_the_cores(monkeypatch):
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: set(range(64, 128)))
+    shares = bench.core_shares(4)
+    assert shares == [list(range(64 + 16 * k, 80 + 16 * k)) for k in range(4)]
+    args = bench.build_parser().parse_args(["--out", "x"])
+    command = bench.worker_command(bench.Job("hf_vit", "plain_eager", 1), args, shares[1])
+    assert command[-2:] == ["--cores", ",".join(map(str, range(80, 96)))]
+    assert bench.build_parser().parse_args(command[3:]).cores == list(range(80, 96))
+
+
 @pytest.mark.parametrize("argv,named", [
     (["--models", "vit_b16,resnet"], "--models"),
     (["--arms", "plain_eager,graphed"], "--arms"),
@@ -217,7 +227,7 @@ def test_an_arm_that_raises_is_recorded_with_its_one_line_error(monkeypatch):
 
 def fake_worker(code: str):
     """worker_command's stand-in: each arm's process runs ``code`` instead of the benchmark."""
-    return lambda job, args: [sys.executable, "-c", code]
+    return lambda job, args, cores=None: [sys.executable, "-c", code]
 
 
 def test_an_arm_process_that_dies_or_hangs_is_recorded_and_the_others_go_on(tmp_path, monkeypatch, capsys):
