@@ -581,7 +581,8 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
     rows = summarize(records)
     failed = [r for r in records if r.get("error")]
     not_run = [j.name for j in jobs if not arm_path(out, j).exists()]
-    env = library_versions()
+    # the versions the arms ran with (this process's where no arm says)
+    env = {k: ", ".join(sorted({str(r[k]) for r in records if r.get(k)})) or v for k, v in library_versions().items()}
     cards = sorted({r["card"] for r in records if r.get("card")})
     header = [f"Converted timm / Hugging Face models against their plain originals "
               f"({', '.join(cards) or 'no arm finished'}; torch {env['torch']}, triton {env['triton']}, "

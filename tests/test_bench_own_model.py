@@ -192,6 +192,7 @@ def test_tiny_cpu_run_writes_the_records_and_skip_existing_resumes(tmp_path, cap
             assert key in rec
     summary = json.loads((out / "summary.json").read_text())
     assert summary["failed"] == [] and summary["not_run"] == [] and summary["arms_at_a_time"] == 1
+    assert summary["torch"] == records["vit_b16-plain_eager"]["torch"] and summary["cards"] == ["cpu"]
     for row in summary["rows"]:
         plain, converted = records[f"{row['model']}-plain_eager"], records[f"{row['model']}-converted_eager"]
         assert row["eager_ratio"] == pytest.approx(converted["samples_per_s"] / plain["samples_per_s"])
