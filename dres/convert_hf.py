@@ -1,16 +1,20 @@
 """Convert Hugging Face transformers encoders in place to the fused residual ops, keeping their weights.
 
 ``convert_hf_vit(model)`` (the pre-LN ViTs: ViTModel, DeiTModel, ViTMAEModel, Dinov2Model and the
-models built on them, ViTMAEForPreTraining's decoder included). Every layer (``ViTLayer``,
-``DeiTLayer``, ``ViTMAELayer``, ``Dinov2Layer`` with its LayerScale and DropPath) computes its two
-residual adds as :func:`dres.ops.residual_layer_norm` calls, each fused with the LayerNorm that
-follows it (ViT's names below; DINOv2's are ``norm1``/``norm2``)::
+models built on them, ViTMAEForPreTraining's decoder included; the pre-LN towers CLIPVisionModel,
+CLIPTextModel and SiglipVisionModel). Every layer (``ViTLayer``, ``DeiTLayer``, ``ViTMAELayer``,
+``Dinov2Layer`` with its LayerScale and DropPath, ``CLIPEncoderLayer``, ``SiglipEncoderLayer``)
+computes its two residual adds as :func:`dres.ops.residual_layer_norm` calls, each fused with the
+LayerNorm that follows it (ViT's names below; DINOv2's are ``norm1``/``norm2``, CLIP's
+``layer_norm1``/``layer_norm2``)::
 
     mid, y      = residual_layer_norm(x,   attention(layernorm_before(x)), layernorm_after, a_2k)
     out, y_next = residual_layer_norm(mid, mlp(y),                        next_norm,       a_2k+1)
 
 ``next_norm`` is the next layer's ``layernorm_before`` (the model's final ``layernorm`` after the
-last layer, the decoder's ``decoder_norm`` after the decoder's), so the residual stream is carried across layers with one op per add, as in
+last layer, the decoder's ``decoder_norm`` after the decoder's; none after a CLIP or SigLIP tower's
+last layer, whose ``post_layernorm`` CLIP applies to the pooled token alone, so that add is a
+:func:`dres.ops.residual_add`), so the residual stream is carried across layers with one op per add, as in
 :class:`dres.nn.TransformerStack`. The model's own loop stays in charge (it differs between
 transformers versions and records hidden states and attentions): layer k returns ``out`` and leaves
 ``y_next`` with ``next_norm``; layer k+1 takes it when called on that very ``out`` tensor (else, and
@@ -35,8 +39,9 @@ as one GEMM, ``F.linear(x, cat(weights), cat(biases))``, and attends from that q
 dropout in training). It takes the place of HF's SDPA implementation (``attn_implementation="sdpa"``,
 the default); other implementations (``"eager"``, which HF asks for to return attention
 probabilities, flash, flex), calls that want the probabilities (``output_attentions``), a
-``head_mask``, cross-attention, caches and causal (decoder) attention run HF's own forward. An MLP
-with an exact or tanh GELU (HF's ``"gelu"``, ``"gelu_new"``, ``"gelu_pytorch_tanh"``) runs
+``head_mask``, cross-attention, caches and causal attention (decoders, CLIP's text tower) run HF's
+own forward. An MLP with an exact or tanh GELU (HF's ``"gelu"``, ``"gelu_new"``, ``"gelu_pytorch_tanh"``;
+CLIP's ``quick_gelu`` is none) runs
 :func:`dres.ops.fused_mlp`, which recomputes GELU in the backward: one (tokens x hidden) activation
 fewer (``fused_mlp=False`` keeps HF's). ViTMAEForPreTraining's loss is :func:`dres.ops.mae_loss`,
 read straight from the pixels.
@@ -90,7 +95,8 @@ def _layer_norm_dtype(x: torch.Tensor) -> torch.dtype:
 
 _QKV_NAMES = (("query", "key", "value"), ("q_proj", "k_proj", "v_proj"))
 # arguments that ask HF's attention for more than self-attention of the hidden states
-_HF_ONLY_ARGUMENTS = ("head_mask", "encoder_hidden_states", "past_key_value", "past_key_values", "cache")
+_HF_ONLY_ARGUMENTS = ("head_mask", "encoder_hidden_states", "past_key_value", "past_key_values", "cache",
+                      "causal_attention_mask")
 
 
 def _qkv_linears(module: nn.Module) -> Optional[tuple[nn.Linear, nn.Linear, nn.Linear]]:
@@ -114,7 +120,7 @@ def _self_attention_module(attention: nn.Module) -> Optional[nn.Module]:
 
 def _attention_dropout(module: nn.Module) -> float:
     """The attention-probability dropout HF's SDPA path applies in training (named per version)."""
-    for name in ("attention_dropout", "dropout_prob", "attention_probs_dropout_prob"):
+    for name in ("attention_dropout", "dropout_prob", "attention_probs_dropout_prob", "dropout"):
         if isinstance(getattr(module, name, None), float):
             return getattr(module, name)
     return module.dropout.p
@@ -123,19 +129,22 @@ def _attention_dropout(module: nn.Module) -> float:
 def _fused_attention_forward(module: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
     """HF's SDPA self-attention with q, k and v from one GEMM (short attention where it can); what
     needs more (module docstring) runs HF's own forward. Returns what HF's SDPA path does:
-    (output, None), the output projected where the module holds the projection (``o_proj``)."""
+    (output, None), the output projected where the module holds the projection (``o_proj``,
+    ``out_proj``)."""
     named = dict(zip(module._dres_arg_names, args), **kwargs)
     config = module._dres_config
     if (config._attn_implementation != "sdpa" or named.get("output_attentions") or config.output_attentions
-            or getattr(module, "is_causal", False) or any(named.get(n) is not None for n in _HF_ONLY_ARGUMENTS)):
+            or getattr(module, "is_causal", False) or named.get("is_causal")
+            or any(named.get(n) is not None for n in _HF_ONLY_ARGUMENTS)):
         return type(module).forward(module, hidden_states, *args, **kwargs)
     q, k, v = _qkv_linears(module)
     bias = None if q.bias is None else torch.cat((q.bias, k.bias, v.bias))
     qkv = nn.functional.linear(hidden_states, torch.cat((q.weight, k.weight, v.weight)), bias)
     dropout_p = _attention_dropout(module) if module.training else 0.0
-    out = attention_from_qkv(qkv, module.num_attention_heads, module.backend, named.get("attention_mask"), dropout_p)
-    o_proj = getattr(module, "o_proj", None)
-    return (out if o_proj is None else o_proj(out)), None
+    num_heads = getattr(module, "num_attention_heads", None) or module.num_heads  # CLIP's, SigLIP's name
+    out = attention_from_qkv(qkv, num_heads, module.backend, named.get("attention_mask"), dropout_p)
+    projection = getattr(module, "o_proj", None) or getattr(module, "out_proj", None)
+    return (out if projection is None else projection(out)), None
 
 
 def _fuse_attention(attention: nn.Module, config, backend: Optional[str]) -> None:
@@ -207,29 +216,42 @@ def _handed_norm_forward(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     return nn.LayerNorm.forward(norm, x) if y is None else y
 
 
+def _unchanged(h: torch.Tensor) -> torch.Tensor:
+    return h
+
+
 def _pre_ln_parts(layer: nn.Module):
-    """(norm before the attention, attention branch tail, norm after it, MLP branch tail) of a pre-LN
-    layer; the MLP itself is :func:`_mlp`. ViT's names (DeiT, ViTMAE): transformers 5 has ``mlp`` and a
-    layer ``dropout``, 4.x ``intermediate`` and ``output`` (whose forward also adds the residual);
-    DINOv2's: ``norm1``/``norm2`` with LayerScale and DropPath ending each branch."""
+    """(norm before the attention, the attention module, its branch tail, norm after it, MLP branch
+    tail) of a pre-LN layer; the MLP itself is :func:`_mlp`. ViT's names (DeiT, ViTMAE): transformers
+    5 has ``mlp`` and a layer ``dropout``, 4.x ``intermediate`` and ``output`` (whose forward also adds
+    the residual); DINOv2's: ``norm1``/``norm2`` with LayerScale and DropPath ending each branch;
+    CLIP's and SigLIP's: ``layer_norm1``, ``self_attn``, ``layer_norm2``, ``mlp``, bare branches."""
     if hasattr(layer, "norm1"):
-        return (layer.norm1, lambda h: layer.drop_path(layer.layer_scale1(h)), layer.norm2,
+        return (layer.norm1, layer.attention, lambda h: layer.drop_path(layer.layer_scale1(h)), layer.norm2,
                 lambda h: layer.drop_path(layer.layer_scale2(h)))
+    if hasattr(layer, "layer_norm1"):
+        return layer.layer_norm1, layer.self_attn, _unchanged, layer.layer_norm2, _unchanged
     if hasattr(layer, "mlp"):
-        return layer.layernorm_before, layer.dropout, layer.layernorm_after, layer.dropout
-    return layer.layernorm_before, lambda h: h, layer.layernorm_after, layer.output.dropout
+        return layer.layernorm_before, layer.attention, layer.dropout, layer.layernorm_after, layer.dropout
+    return layer.layernorm_before, layer.attention, _unchanged, layer.layernorm_after, layer.output.dropout
 
 
-_PRE_LN_LAYOUTS = (("layernorm_before", "attention", "layernorm_after", "mlp", "dropout"),
-                   ("layernorm_before", "attention", "layernorm_after", "intermediate", "output"),
-                   ("norm1", "attention", "layer_scale1", "drop_path", "norm2", "mlp", "layer_scale2"))
+# each layout: its modules, the names of its two norms
+_PRE_LN_LAYOUTS = ((("layernorm_before", "attention", "layernorm_after", "mlp", "dropout"),
+                    ("layernorm_before", "layernorm_after")),
+                   (("layernorm_before", "attention", "layernorm_after", "intermediate", "output"),
+                    ("layernorm_before", "layernorm_after")),
+                   (("norm1", "attention", "layer_scale1", "drop_path", "norm2", "mlp", "layer_scale2"),
+                    ("norm1", "norm2")),
+                   (("layer_norm1", "self_attn", "layer_norm2", "mlp"), ("layer_norm1", "layer_norm2")))
 
 
 def _check_pre_ln_layer(where: str, layer: nn.Module) -> None:
-    if not any(all(hasattr(layer, part) for part in layout) for layout in _PRE_LN_LAYOUTS):
-        raise TypeError(f"{where} ({type(layer).__name__}) is not a pre-LN ViT or DINOv2 layer: it lacks "
-                        f"{[p for p in _PRE_LN_LAYOUTS[0] if not hasattr(layer, p)]}")
-    for name in ("norm1", "norm2") if hasattr(layer, "norm1") else ("layernorm_before", "layernorm_after"):
+    norms = next((names for parts, names in _PRE_LN_LAYOUTS if all(hasattr(layer, p) for p in parts)), None)
+    if norms is None:
+        raise TypeError(f"{where} ({type(layer).__name__}) is not a pre-LN ViT, DINOv2, CLIP or SigLIP layer: it "
+                        f"lacks {[p for p in _PRE_LN_LAYOUTS[0][0] if not hasattr(layer, p)]}")
+    for name in norms:
         check_norm(f"{where}.{name}", getattr(layer, name))
 
 
@@ -244,11 +266,11 @@ def _fused_vit_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *arg
     """The forward of a converted pre-LN layer (``args``/``kwargs``: the attention's, as the model passes them)."""
     owner, next_norm, next_is_output = layer._dres_stream
     a_attention, a_mlp = layer._dres_alphas
-    norm_before, attention_tail, norm_after, mlp_tail = _pre_ln_parts(layer)
+    norm_before, attention_module, attention_tail, norm_after, mlp_tail = _pre_ln_parts(layer)
     y = _take_pending(norm_before, hidden_states)
     if y is None:  # the stack's first layer, or a layer the loop recomputes alone: y in the autocast dtype
         y = add_and_norm(hidden_states, None, norm_before, 1.0, backend=layer.backend)[1]
-    attention = layer.attention(y, *args, **kwargs)
+    attention = attention_module(y, *args, **kwargs)
     attention_out = attention[0] if isinstance(attention, tuple) else attention
     mid, y = _fused_add_norm(hidden_states, attention_tail(attention_out), norm_after, a_attention, layer.backend)
     h = mlp_tail(_mlp(layer, y))
@@ -283,13 +305,20 @@ def _pre_ln_stacks(model: nn.Module) -> list[tuple[nn.Module, nn.ModuleList, Opt
     the encoder's (its norm's output is the model's), and ViTMAEForPreTraining's decoder (its norm
     feeds only ``decoder_pred``)."""
     base = _base_model(model)
+    # CLIP's and SigLIP's towers in transformers 4.x
+    tower = getattr(base, "vision_model", None) or getattr(base, "text_model", None) or base
     if isinstance(getattr(base, "layers", None), nn.ModuleList):  # transformers 5
         owner, layers = base, base.layers
     elif isinstance(getattr(getattr(base, "encoder", None), "layer", None), nn.ModuleList):
         owner, layers = base.encoder, base.encoder.layer
+    elif isinstance(getattr(getattr(tower, "encoder", None), "layers", None), nn.ModuleList):
+        # CLIP's post_layernorm sees only the pooled token, so the last add cannot fuse with it (nor,
+        # to keep one rule, SigLIP's)
+        return [(tower.encoder, tower.encoder.layers, None)]
     else:
-        raise TypeError("expected a Hugging Face ViTModel, DeiTModel, ViTMAEModel or Dinov2Model (or a model with one "
-                        f"as its base model), got {type(model).__name__}")
+        raise TypeError("expected a Hugging Face ViTModel, DeiTModel, ViTMAEModel, Dinov2Model, CLIPVisionModel, "
+                        "CLIPTextModel or SiglipVisionModel (or a model with one as its base model), got "
+                        f"{type(model).__name__}")
     final_norm = getattr(base, "layernorm", None)
     stacks = [(owner, layers, final_norm if isinstance(final_norm, nn.LayerNorm) else None)]
     decoder = getattr(model, "decoder", None)
@@ -301,7 +330,8 @@ def _pre_ln_stacks(model: nn.Module) -> list[tuple[nn.Module, nn.ModuleList, Opt
 def convert_hf_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "linspace", per_block: bool = False,
                    backend: Optional[str] = None, fused_mlp: bool = True) -> nn.Module:
     """Make ``model`` (a transformers ViTModel, DeiTModel, ViTMAEModel, Dinov2Model or a model built
-    on one: ViTForImageClassification, DeiTForImageClassification, ViTMAEForPreTraining, ...) run its
+    on one: ViTForImageClassification, DeiTForImageClassification, ViTMAEForPreTraining, ...; or a
+    CLIPVisionModel, CLIPTextModel, SiglipVisionModel) run its
     residual adds on the fused ops, carrying the stream across layers, q/k/v as one GEMM and the GELU
     MLPs fused; returns the same object. ViTMAEForPreTraining's decoder is converted too, and its
     loss runs :func:`dres.ops.mae_loss`.
@@ -329,7 +359,7 @@ def convert_hf_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "li
             layer._dres_mlp = _mlp_parts(layer) if fused_mlp else None
             layer.backend = backend
             layer.__class__ = _fused_layer_class(type(layer))
-            _fuse_attention(layer.attention, getattr(owner, "config", None) or model.config, backend)
+            _fuse_attention(_pre_ln_parts(layer)[1], getattr(owner, "config", None) or model.config, backend)
     if hasattr(model, "decoder") and hasattr(model, "patchify"):
         _fuse_mae_loss(model)
     return model

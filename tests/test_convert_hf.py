@@ -293,7 +293,7 @@ def test_vit_mae_encoder_and_decoder_are_converted():
 
 
 def test_vit_converter_refuses_other_layers_in_one_line():
-    with pytest.raises(TypeError, match=r"^layer 0 \(BertLayer\) is not a pre-LN ViT or DINOv2 layer"):
+    with pytest.raises(TypeError, match=r"^layer 0 \(BertLayer\) is not a pre-LN ViT, DINOv2, CLIP or SigLIP layer"):
         dres.convert_hf_vit(tiny_bert())
     model = tiny_dinov2()
     model.dinov2.encoder.layer[2].norm2 = nn.RMSNorm(32)

@@ -294,6 +294,67 @@ def test_fused_mlp_false_keeps_the_models_mlps():
 
 
 # ---------------------------------------------------------------------------------------------
+# CLIP and SigLIP towers
+
+
+def clip_like(which: str):
+    torch.manual_seed(0)
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    image = dict(image_size=16, patch_size=8)
+    model = {"clip_vision": lambda: transformers.CLIPVisionModel(transformers.CLIPVisionConfig(**small, **image)),
+             "clip_vision_gelu": lambda: transformers.CLIPVisionModel(
+                 transformers.CLIPVisionConfig(**small, **image, hidden_act="gelu")),
+             "siglip_vision": lambda: transformers.SiglipVisionModel(transformers.SiglipVisionConfig(**small, **image)),
+             "clip_text": lambda: transformers.CLIPTextModel(
+                 transformers.CLIPTextConfig(**small, vocab_size=40, max_position_embeddings=16))}[which]()
+    if which == "clip_text":  # float32: transformers 4.x builds no float64 causal mask
+        return perturb_(model).eval(), {"input_ids": torch.randint(0, 40, (2, 7))}, dict(rtol=1e-5, atol=1e-5)
+    return perturb_(model).double().eval(), {"pixel_values": torch.randn(2, 3, 16, 16, dtype=torch.float64)}, F64
+
+
+@pytest.mark.parametrize("which, fused_mlps, qkv_gemms", [
+    ("clip_vision", 0, 2),  # quick_gelu: CLIP's own MLP
+    ("clip_vision_gelu", 2, 2), ("siglip_vision", 2, 2),
+    ("clip_text", 0, 0),  # causal: HF's attention
+])
+def test_clip_and_siglip_towers(which, fused_mlps, qkv_gemms):
+    """Pre-LN towers: every add fused but the last (CLIP's post_layernorm sees the pooled token only:
+    a residual_add), the first norm a layer_norm; the same outputs, gradients and state_dict."""
+    original, inputs, tol = clip_like(which)
+    converted = dres.convert_hf_vit(copy.deepcopy(original), backend="torch")
+    before, after = original.state_dict(), converted.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    results = []
+    for model in (original, converted):
+        model.zero_grad(set_to_none=True)
+        with CallCounts() as calls, DispatchCounts().counting() as counts:
+            out = model(**inputs)
+        (out.last_hidden_state.square().sum() + out.pooler_output.square().sum()).backward()
+        results.append((out.last_hidden_state, out.pooler_output,
+                        {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    assert {k: v for k, v in calls.counts.items() if k != "LayerNorm"} == {
+        "residual_layer_norm": 3, "residual_add": 1, "layer_norm": 1, **({"fused_mlp": fused_mlps} if fused_mlps else {})}
+    assert counts.gemms.count((32, 96)) == qkv_gemms
+    for a, b in zip(results[0][:2], results[1][:2]):
+        torch.testing.assert_close(b, a, **tol)
+    assert results[0][2].keys() == results[1][2].keys()
+    for name, grad in results[0][2].items():
+        torch.testing.assert_close(results[1][2][name], grad, **tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_siglip_short_attention_on_the_interpreter(triton_device):
+    original = clip_like("siglip_vision")[0].float().to(triton_device)
+    converted = dres.convert_hf_vit(copy.deepcopy(original), backend="triton")
+    images = torch.randn(2, 3, 16, 16, device=triton_device)
+    with CallCounts() as calls:
+        got = converted(pixel_values=images)
+    assert calls.counts["short_attention"] == 2 and calls.counts["fused_mlp"] == 2
+    want = original(pixel_values=images)
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, **KERNEL_TOL)
+    torch.testing.assert_close(got.pooler_output, want.pooler_output, **KERNEL_TOL)
+
+
+# ---------------------------------------------------------------------------------------------
 # ViTMAE's loss
 
 
