@@ -17,7 +17,6 @@ _PUBLIC = {
     "convert_hf_bert": "dres.convert_hf",
     "compile_step": "dres.captured_step",
     "export_model": "dres.export",
-    "export_run": "dres.export",
 }
 
 __all__ = ["__version__", *_PUBLIC]

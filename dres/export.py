@@ -1,9 +1,8 @@
 """A trained dres ViT classifier or MAE out to timm, Hugging Face transformers or safetensors.
 
-    dres-export RUN --to timm|hf|safetensors [--out DIR] [--ckpt PATH]
-
-``export_model(model, to, out)`` writes a model, ``export_run(run, to)`` the newest readable checkpoint of a
-``dres-train`` run folder (or ``ckpt``); each writes one folder (default ``<run>/export/<to>``):
+``export_model(model, to, out)`` writes a model into one folder; a ``dres-train`` run folder's model goes out
+with ``dres-export RUN --to timm|hf|safetensors`` or :func:`dres.train.export.export_run` (the trainer's side,
+which reads the run):
 
 * ``timm``: timm's folder layout, ``config.json`` (``architecture`` and the ``model_args`` of the
   ``VisionTransformer`` that :func:`dres.convert.timm_vit_kwargs` gives) and ``pytorch_model.bin`` (the
@@ -22,9 +21,7 @@ is refused for those two formats, since neither config can express it (safetenso
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -225,56 +222,3 @@ def export_model(model: nn.Module, to: str, out) -> Path:
     with torch.no_grad():
         _WRITERS[to](model.cpu(), out)
     return out
-
-
-def load_run(run, ckpt=None) -> tuple[nn.Module, Path]:
-    """The model of a ``dres-train`` run folder at its newest readable checkpoint (or ``ckpt``), on the CPU in
-    eval mode, and the run folder."""
-    from dres.train import checkpoint
-    from dres.train.cli import get_task
-    from dres.train.config import fingerprint, load_config
-
-    run = Path(run)
-    if not (run / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run} is not a dres run folder (no config.yaml)")
-    cfg = load_config(run / "config.yaml")
-    with torch.random.fork_rng(devices=[]):  # building the model leaves the caller's random state as it was
-        model = get_task(cfg.task).build_model(cfg)
-    extra = checkpoint.load(ckpt or run / "checkpoints", model, restore_rng=False, fingerprint=fingerprint(cfg))
-    if extra is None:
-        raise FileNotFoundError(f"no checkpoint in {run / 'checkpoints'}")
-    return model.eval(), run
-
-
-def export_run(run, to: str, out=None, ckpt=None) -> Path:
-    """:func:`export_model` of :func:`load_run`'s model into ``out`` (default ``<run>/export/<to>``)."""
-    model, run = load_run(run, ckpt)
-    return export_model(model, to, Path(out) if out else run / "export" / to)
-
-
-def main(argv=None) -> int:
-    """``dres-export RUN --to timm|hf|safetensors``: one line naming the folder written; a user error is one line
-    on stderr and exit status 2."""
-    from dres.train.cli import _debug_flag, _user_errors
-
-    p = argparse.ArgumentParser(prog="dres-export", description=__doc__.split("\n\n")[0])
-    p.add_argument("run", metavar="RUN", help="a dres-train run folder (it holds config.yaml and checkpoints/)")
-    p.add_argument("--to", required=True, choices=FORMATS, help="timm: config.json + pytorch_model.bin for "
-                   "timm.create_model('local-dir:DIR'); hf: a save_pretrained folder; safetensors: model.safetensors")
-    p.add_argument("--out", default=None, metavar="DIR", help="the folder to write (default RUN/export/<to>)")
-    p.add_argument("--ckpt", default=None, metavar="PATH", help="export this checkpoint instead of the newest")
-    _debug_flag(p)
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        out = export_run(args.run, args.to, args.out, args.ckpt)
-    except (ExportError,) + _user_errors() as e:
-        if args.debug:
-            raise
-        sys.stderr.write(f"dres-export: error: {' '.join(str(e).split())}\n")
-        return 2
-    print(f"dres-export: wrote {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -242,7 +242,7 @@ def test_classifier_frechet_distance_of_a_trained_dres_classifier(tmp_path):
     f1, f2 = batched_features(net, other), batched_features(net, real)
     assert fd == pytest.approx(frechet_distance(*stats(f1), *stats(f2))) and fd > 0
     assert np.isfinite(fd)
-    with pytest.raises(FileNotFoundError, match="neither a classify run directory nor a checkpoint"):
+    with pytest.raises(FileNotFoundError, match="neither a dres run folder nor a checkpoint"):
         load_trained(tmp_path)
 
 

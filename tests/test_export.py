@@ -4,7 +4,8 @@ each library, computes what the dres model computes; what a format cannot expres
 import pytest
 import torch
 
-from dres.export import ExportError, export_model, main
+from dres.export import ExportError, export_model
+from dres.train.export import main
 from dres.models import create_classifier, create_mae
 
 timm = pytest.importorskip("timm")
@@ -99,9 +100,9 @@ def test_command_exports_a_run_and_refuses_in_one_line(tmp_path, capsys):
     assert main([str(run), "--to", "timm"]) == 0
     assert capsys.readouterr().out.strip() == f"dres-export: wrote {run / 'export' / 'timm'}"
     vit = timm.create_model(f"local-dir:{run / 'export' / 'timm'}", pretrained=True).eval()
-    from dres.export import load_run
+    from dres.train.export import load_run
 
-    model, _ = load_run(run)
+    model, _, _ = load_run(run)
     torch.testing.assert_close(vit(IMGS), model(IMGS), rtol=1e-5, atol=1e-5)
 
     assert main([str(run), "--to", "timm"]) == 2  # the folder now holds the first export
@@ -109,4 +110,4 @@ def test_command_exports_a_run_and_refuses_in_one_line(tmp_path, capsys):
         f"dres-export: error: out: {run / 'export' / 'timm'} already exists and is not an empty folder"]
     assert main([str(tmp_path), "--to", "hf"]) == 2
     assert capsys.readouterr().err.splitlines() == [
-        f"dres-export: error: {tmp_path} is not a dres run folder (no config.yaml)"]
+        f"dres-export: error: {tmp_path} is neither a dres run folder nor a checkpoint inside one (no config.yaml)"]

@@ -135,7 +135,7 @@ def test_the_models_and_converters_need_none_of_the_train_extra(tmp_path):
 
 def test_dir_and_all_list_the_public_names_each_of_which_resolves():
     public = {"convert_timm_vit", "convert_timm_resnet", "convert_hf_vit", "convert_hf_bert", "compile_step",
-              "export_model", "export_run"}
+              "export_model"}
     assert public <= set(dres.__all__) and public <= set(dir(dres))
     assert all(callable(getattr(dres, name)) for name in public)
     with pytest.raises(AttributeError, match=r"^module 'dres' has no attribute 'convert_nothing'$"):

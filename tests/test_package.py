@@ -42,4 +42,4 @@ def test_wheel_carries_license_authors_and_presets(tmp_path):
     assert any(r.startswith("dres[all]") and 'extra == "dev"' in r for r in required)
     assert any(r.startswith("dres[") and "train" in r.split("]")[0] and 'extra == "all"' in r for r in required)
     assert "Classifier: Intended Audience :: Science/Research" in metadata
-    assert "dres-export = dres.export:main" in entry_points
+    assert "dres-export = dres.train.export:main" in entry_points

@@ -73,26 +73,10 @@ def load_trained(path, device="cpu"):
     """A trained classifier from a classify run directory (its newest readable checkpoint) or one
     checkpoint of it, in eval mode on ``device``, with the run's config (for its input normalisation).
     Building it leaves the caller's random state as it was."""
-    from pathlib import Path
+    from dres.train.export import load_run
 
-    from dres.train import checkpoint
-    from dres.train.config import ConfigError, fingerprint, load_config
-
-    p = Path(path)
-    run_dir = p if (p / "config.yaml").exists() else p.parent.parent
-    if not (run_dir / "config.yaml").exists():
-        raise FileNotFoundError(f"{path} is neither a classify run directory nor a checkpoint inside one "
-                                "(no config.yaml)")
-    cfg = load_config(run_dir / "config.yaml")
-    if cfg.task != "classify":
-        raise ConfigError(f"{run_dir} holds a '{cfg.task}' run, not a classifier")
-    with torch.random.fork_rng(devices=[]):
-        model = TASK.build_model(cfg)
-    extra = checkpoint.load(run_dir / "checkpoints" if p == run_dir else p, model, device=torch.device(device),
-                   restore_rng=False, fingerprint=fingerprint(cfg))
-    if extra is None:
-        raise FileNotFoundError(f"no checkpoint in {run_dir / 'checkpoints'}")
-    return model.to(device).eval(), cfg
+    model, cfg, _ = load_run(path, device=device, task="classify")
+    return model, cfg
 
 
 def main(argv=None):
