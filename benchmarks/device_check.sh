@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU host, in one command: install, run the GPU test suite, run the benchmarks; everything
 # lands under $OUT (default ./device_out). Usage:
-#   bash benchmarks/device_check.sh [tests|data|kernels|probe|attention|compiled|train|trainers|csrc_tests|all]   (default: all)
+#   bash benchmarks/device_check.sh [tests|data|kernels|probe|attention|compiled|train|trainers|own_models|csrc_tests|all]   (default: all)
 # data: an ImageNet-like JPEG folder, the file loaders alone (GPU and CPU decode, all cores and 4) and the trainers
 # from it against synthetic data (benchmarks.bench_data; DATA_ARGS narrows it).
 # Stages can be limited with STAGES="tests kernels" and pytest selection with TESTS="tests/test_ops.py".
@@ -22,6 +22,11 @@
 # process, or with TEST_PROCS=N in N processes of the same groups as the tests stage, each headed by test_csrc.py
 # (junit_csrc-K.xml, tests_csrc-K.log); CSRC_TESTS="tests/test_csrc.py ..." narrows it to one process (TESTS and MARK are the tests
 # stage's alone).
+# own_models: timm and Hugging Face models converted in one line against their plain originals, eager, compiled and
+# through dres.compile_step (benchmarks.bench_own_model, one arm per GPU at a time over every GPU, OWN_MINUTES
+# (default 8) before it starts no more arms; OWN_ARGS narrows it), then where the ViT-B/16 MAE's lead over the compiled
+# timm-style MAE comes from: its bare compiled step with the pieces of that lead off in turn (all dres kernels, the
+# short-sequence attention, the fused MLP and loss), one process each.
 # trainers: each preset's trainer (one GPU, steady-state img/s and trainer / replay), each run cut at
 # TRAINER_TIMEOUT_S (default 300: a fresh machine compiles cold); model.backend=torch runs leave the norms to Inductor's own fused code, the fused_mlp
 # rows take the MLP path the preset does not (auto: dres's fused MLP in captured steps; mae_cifar10 sets false);
@@ -194,6 +199,24 @@ BARE
   [ -n "$base_tree" ] && { echo "baseline ($BASELINE):"; grep -E "^trainer|img/s, step" "$OUT/trainers-baseline.log"; }
   grep -E "^trainer|img/s, step" "$OUT/trainers.log"
   [ -n "$base_tree" ] && rm -rf "$base_tree" "$base_site"
+fi
+
+if want own_models; then
+  gpus=$(python3 -c 'import torch; print(",".join(map(str, range(torch.cuda.device_count()))))')
+  python3 -m benchmarks.bench_own_model --gpus "$gpus" --max-minutes "${OWN_MINUTES:-8}" ${OWN_ARGS:-} \
+    --out "$OUT/own-models" 2>&1 | tee "$OUT/own_models.log" | grep -v "^\[own-models\]"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  while read -r models extra; do
+    timeout 600 python3 -m benchmarks.bench_train --only mae --batch 256 --modes compile --no-flops --models "$models" \
+      $extra --out "$OUT/ablation" >>"$OUT/ablation.log" 2>&1 || status=1
+  done <<'ABLATION'
+timm
+dres_baseline --ops-backend torch --fused-branches off
+dres_baseline --attention sdpa --fused-branches off
+dres_baseline --fused-branches off
+dres_baseline --fused-branches on
+ABLATION
+  grep -E "img/s, step" "$OUT/ablation.log"
 fi
 
 if want train && [ -f benchmarks/bench_train.py ]; then
