@@ -218,3 +218,20 @@ def test_a_file_that_is_not_a_features_file_is_one_line(tmp_path):
     for name in ("notes.pt", "partial.pt"):
         with pytest.raises(ValueError, match=f"{name}: not a features file"):
             load_features(tmp_path / name)
+
+
+def test_linear_probe_on_raw_features_reads_them_as_given():
+    """standardized=False probes the features as given: on features standardised beforehand it is the default
+    probe (standardised by the train split) of the raw ones; on features of a tiny scale, which the standardisation
+    removes, the raw probe's bias decides and it falls to chance."""
+    from dres.eval.probe import standardize
+
+    x, y = _blobs(n=300, d=8, c=3)
+    options = {"epochs": 3, "batch_size": 32}
+    train, test = standardize(x[:200], x[200:])
+    assert (linear_probe(train, y[:200], test, y[200:], standardized=False, **options)
+            == linear_probe(x[:200], y[:200], x[200:], y[200:], **options))
+    tiny = x * 1e-4
+    raw = linear_probe(tiny[:200], y[:200], tiny[200:], y[200:], standardized=False, **options)["linear_probe_acc"]
+    standardised = linear_probe(tiny[:200], y[:200], tiny[200:], y[200:], **options)["linear_probe_acc"]
+    assert raw < 0.6 < 0.95 < standardised, (raw, standardised)

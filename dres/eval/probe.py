@@ -3,10 +3,11 @@
 * :func:`linear_probe` — the paper's ImageNet-100 protocol: a linear classifier on frozen features,
   AdamW, lr 1e-2 with per-iteration cosine decay, batch 1024, 200 epochs, no augmentation. The
   features are standardised with the training set's mean/std first (what the MAE repo's affine-free
-  BatchNorm in front of the head does at evaluation). ``progress`` counts its epochs on a bar (the
-  trainers pass ``dres.train.common.progress``). :func:`linear_probes` trains one such probe per feature
-  slot of (N, H, D) features together, on the same batches: each head's loss, gradient and AdamW update are
-  its own, so each ends where a lone probe of its slot would (up to rounding), for one training's launches.
+  BatchNorm in front of the head does at evaluation; ``standardized=False`` probes the raw features).
+  ``progress`` counts its epochs on a bar (the trainers pass ``dres.train.common.progress``).
+  :func:`linear_probes` trains one such probe per feature slot of (N, H, D) features together, on the same
+  batches: each head's loss, gradient and AdamW update are its own, so each ends where a lone probe of its slot
+  would (up to rounding), for one training's launches.
 * :func:`authors_linear_probe` — the decayed-shortcut authors' probe as their released code runs it
   (``MAE/util/misc.py::eval_model``): raw features (no standardisation, no BatchNorm), the default-initialised
   ``nn.Linear``, ``AdamW(lr=1e-2)`` with torch's default weight decay 0.01, a cosine learning rate set per
@@ -51,17 +52,18 @@ def linear_probe(train_x, train_y, test_x, test_y, **options) -> dict:
 
 
 def linear_probes(train_x, train_y, test_x, test_y, *, epochs=200, lr=1e-2, batch_size=1024, weight_decay=0.0,
-                  num_classes=None, seed=0, device="cpu", progress=None) -> list[dict]:
+                  standardized=True, num_classes=None, seed=0, device="cpu", progress=None) -> list[dict]:
     """Top-1 test accuracy (and train accuracy) of a linear classifier on each slot h of frozen (N, H, D) features,
     ``train_x[:, h]``, the H classifiers trained together: a list of H results. Every head starts from the draw a
-    lone probe makes and sees the same batches.
+    lone probe makes and sees the same batches. ``standardized``: on features standardised by the train split's
+    mean and std (:func:`standardize`), else on the raw features.
 
     ``progress``: None (silent), or what makes the bar the epochs are counted on, called as
     ``progress(total=epochs, desc="linear probe", unit="epoch")`` and returning an object with
     ``update(n)`` and ``close()`` (a tqdm bar: ``dres.train.common.progress``).
     """
     g = torch.Generator().manual_seed(seed)
-    train_x, test_x = standardize(train_x, test_x)
+    train_x, test_x = standardize(train_x, test_x) if standardized else (train_x.float(), test_x.float())
     heads, d = train_x.shape[1:]
     weight = torch.randn(_classes(train_y, test_y, num_classes), d, generator=g) * 0.01
     head = LinearHeads(weight.expand(heads, -1, -1).clone(), torch.zeros(heads, weight.shape[0])).to(device)
