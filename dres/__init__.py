@@ -15,6 +15,7 @@ _PUBLIC = {
     "convert_timm_resnet": "dres.convert_resnet",
     "convert_hf_vit": "dres.convert_hf",
     "convert_hf_bert": "dres.convert_hf",
+    "convert_hf_gpt2": "dres.convert_hf",
     "compile_step": "dres.captured_step",
     "export_model": "dres.export",
 }

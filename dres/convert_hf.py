@@ -69,7 +69,7 @@ from dres import ops
 from dres.convert import attention_from_qkv, check_norm, float32_alphas, fused_mlp_of, gelu_approximate
 from dres.nn.transformer import add_and_norm, autocast_dtype
 
-__all__ = ["convert_hf_vit", "convert_hf_bert"]
+__all__ = ["convert_hf_vit", "convert_hf_bert", "convert_hf_gpt2"]
 
 
 def _refuse_second_conversion(modules, what: str) -> None:
@@ -262,36 +262,47 @@ def _checkpointing(layer: nn.Module, owner: nn.Module) -> bool:
                                or getattr(owner, "gradient_checkpointing", False))
 
 
+def _normalised_input(layer: nn.Module, norm_before: nn.LayerNorm, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``norm_before(hidden_states)``: the value the previous layer handed over, else (the stack's first
+    layer, or a layer the loop recomputes alone) a layer_norm in the autocast dtype."""
+    y = _take_pending(norm_before, hidden_states)
+    return add_and_norm(hidden_states, None, norm_before, 1.0, backend=layer.backend)[1] if y is None else y
+
+
+def _end_layer(layer: nn.Module, mid: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """The layer's last add, ``alpha * mid + h``, fused with the next norm, which keeps the normalised
+    value for the next layer (or the final norm); a plain residual_add where nothing follows or the
+    loop recomputes the layer alone."""
+    owner, next_norm, next_is_output = layer._dres_stream
+    a_mlp = layer._dres_alphas[1]
+    if next_norm is None or _checkpointing(layer, owner):
+        return ops.residual_add(mid, h, alpha=a_mlp, backend=layer.backend)
+    out_dtype = _layer_norm_dtype(mid) if next_is_output else None
+    out, y_next = _fused_add_norm(mid, h, next_norm, a_mlp, layer.backend, out_dtype)
+    next_norm._dres_pending = (out, y_next)
+    return out
+
+
 def _fused_vit_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
     """The forward of a converted pre-LN layer (``args``/``kwargs``: the attention's, as the model passes them)."""
-    owner, next_norm, next_is_output = layer._dres_stream
-    a_attention, a_mlp = layer._dres_alphas
     norm_before, attention_module, attention_tail, norm_after, mlp_tail = _pre_ln_parts(layer)
-    y = _take_pending(norm_before, hidden_states)
-    if y is None:  # the stack's first layer, or a layer the loop recomputes alone: y in the autocast dtype
-        y = add_and_norm(hidden_states, None, norm_before, 1.0, backend=layer.backend)[1]
-    attention = attention_module(y, *args, **kwargs)
+    attention = attention_module(_normalised_input(layer, norm_before, hidden_states), *args, **kwargs)
     attention_out = attention[0] if isinstance(attention, tuple) else attention
-    mid, y = _fused_add_norm(hidden_states, attention_tail(attention_out), norm_after, a_attention, layer.backend)
-    h = mlp_tail(_mlp(layer, y))
-    if next_norm is None or _checkpointing(layer, owner):
-        out = ops.residual_add(mid, h, alpha=a_mlp, backend=layer.backend)
-    else:
-        out_dtype = _layer_norm_dtype(mid) if next_is_output else None
-        out, y_next = _fused_add_norm(mid, h, next_norm, a_mlp, layer.backend, out_dtype)
-        next_norm._dres_pending = (out, y_next)
+    mid, y = _fused_add_norm(hidden_states, attention_tail(attention_out), norm_after, layer._dres_alphas[0],
+                             layer.backend)
+    out = _end_layer(layer, mid, mlp_tail(_mlp(layer, y)))
     # transformers < 4.56 returns (hidden_states, attentions...) from a layer; later versions the tensor
     return (out,) + tuple(attention[1:]) if layer._dres_returns_tuple else out
 
 
 @functools.cache
-def _fused_layer_class(cls: type) -> type:
-    """A subclass of the layer's class with the fused forward. A subclass, not a forward set on the
+def _fused_layer_class(cls: type, forward=_fused_vit_layer_forward) -> type:
+    """A subclass of the layer's class with the fused ``forward``. A subclass, not a forward set on the
     instance: transformers 5 checkpoints a layer by wrapping its class's forward (as it does for
     FSDP2's subclasses), 4.x in ``__call__``; both then checkpoint the fused forward. The layers of
     the versions that take ``output_attentions`` return a tuple."""
     returns_tuple = "output_attentions" in inspect.signature(cls.forward).parameters
-    return type(f"Fused{cls.__name__}", (cls,), {"forward": _fused_vit_layer_forward, "_dres_fused": True,
+    return type(f"Fused{cls.__name__}", (cls,), {"forward": forward, "_dres_fused": True,
                                                  "_dres_returns_tuple": returns_tuple})
 
 
@@ -473,4 +484,101 @@ def convert_hf_bert(model: nn.Module, alpha_min: float = 1.0, schedule: str = "l
         mlp = _mlp_parts(layer) if fused_mlp else None
         if mlp is not None:
             layer.feed_forward_chunk = functools.partial(_fused_feed_forward, layer, *mlp)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-2 (pre-LN, causal): the carry across blocks around HF's own attention
+
+_GPT2_BLOCK_PARTS = ("ln_1", "attn", "ln_2", "mlp")
+_GPT2_MLP_PARTS = ("c_fc", "act", "c_proj", "dropout")
+
+
+def _gpt2_stack(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.LayerNorm]:
+    """(GPT2Model, its blocks ``h``, its final norm ``ln_f``) of a GPT2Model or a model built on one."""
+    base = _base_model(model)
+    blocks, final_norm = getattr(base, "h", None), getattr(base, "ln_f", None)
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0 or final_norm is None:
+        raise TypeError(f"expected a Hugging Face GPT2Model (or a model with one as `transformer`), got "
+                        f"{type(model).__name__}")
+    return base, blocks, final_norm
+
+
+def _check_gpt2_block(i: int, block: nn.Module) -> None:
+    mlp = getattr(block, "mlp", None)
+    missing = ([p for p in _GPT2_BLOCK_PARTS if not hasattr(block, p)]
+               + [f"mlp.{p}" for p in _GPT2_MLP_PARTS if not hasattr(mlp, p)])
+    if missing:
+        raise TypeError(f"block {i} ({type(block).__name__}) is not a GPT2Block: it lacks {missing}")
+    if hasattr(block, "crossattention"):
+        raise TypeError(f"block {i} has cross-attention (add_cross_attention=True), which convert_hf_gpt2 does "
+                        f"not convert")
+    for name in ("ln_1", "ln_2"):
+        check_norm(f"block {i}.{name}", getattr(block, name))
+
+
+def _gpt2_mlp_approximate(mlp: nn.Module) -> Optional[str]:
+    """The GELU (``F.gelu``'s ``approximate``) of a GPT2MLP whose c_fc and c_proj are HF's Conv1D; None
+    when the fused MLP cannot compute it (another activation)."""
+    from transformers.pytorch_utils import Conv1D
+
+    if not (isinstance(mlp.c_fc, Conv1D) and isinstance(mlp.c_proj, Conv1D) and isinstance(mlp.act, nn.Module)):
+        return None
+    return gelu_approximate(mlp.act, _hf_gelu_types())
+
+
+def _gpt2_mlp(block: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """The block's GPT2MLP on y: c_fc, GELU and c_proj as one fused MLP where conversion found it
+    fusable (a Conv1D weight is (in, out): its transpose is the op's (out, in)), then its dropout."""
+    mlp = block.mlp
+    if block._dres_mlp is None:
+        return mlp(y)
+    h = ops.fused_mlp(y, mlp.c_fc.weight.t(), mlp.c_fc.bias, mlp.c_proj.weight.t(), mlp.c_proj.bias,
+                      backend=block.backend, approximate=block._dres_mlp)
+    return mlp.dropout(h)
+
+
+def _fused_gpt2_block_forward(block: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+    """The forward of a converted GPT2Block (``args``/``kwargs``: the block's, named per transformers
+    version): HF's attention on the handed-over ``ln_1`` value with every argument but the encoder's
+    (cache, mask, ``output_attentions``), its add fused with ``ln_2``, the MLP's add with the next norm.
+    A call with encoder states runs HF's block, which refuses it (no cross-attention: conversion refused those)."""
+    named = dict(zip(block._dres_arg_names, args), **kwargs)
+    if named.pop("encoder_hidden_states", None) is not None:
+        return super(type(block), block).forward(hidden_states, *args, **kwargs)
+    named.pop("encoder_attention_mask", None)
+    attention_out, weights = block.attn(_normalised_input(block, block.ln_1, hidden_states), **named)
+    mid, y = _fused_add_norm(hidden_states, attention_out, block.ln_2, block._dres_alphas[0], block.backend)
+    out = _end_layer(block, mid, _gpt2_mlp(block, y))
+    if not block._dres_returns_tuple:
+        return out
+    return (out, weights) if named.get("output_attentions") else (out,)
+
+
+def convert_hf_gpt2(model: nn.Module, alpha_min: float = 1.0, schedule: str = "linspace", per_block: bool = False,
+                    backend: Optional[str] = None, fused_mlp: bool = True) -> nn.Module:
+    """Make ``model`` (a transformers GPT2Model, GPT2LMHeadModel or another model built on one) run its
+    residual adds on the fused ops, carrying the stream across blocks (the last add fused with
+    ``ln_f``), and its GELU MLPs as :func:`dres.ops.fused_mlp`; returns the same object. Attention
+    stays HF's (module docstring); models with cross-attention are refused.
+
+    alpha_min / schedule / per_block: decayed shortcuts, :func:`dres.nn.decay_schedule` over the
+    ``2 * n_layer`` residuals (attention, MLP, attention, ...). fused_mlp: False keeps HF's MLPs.
+    Weights are not touched.
+    """
+    base, blocks, final_norm = _gpt2_stack(model)
+    for i, block in enumerate(blocks):
+        _check_gpt2_block(i, block)
+    check_norm("ln_f", final_norm)
+    _refuse_second_conversion(blocks, "this model")
+    alphas = float32_alphas(2 * len(blocks), alpha_min, schedule, per_block, 2)
+    final_norm.forward = functools.partial(_handed_norm_forward, final_norm)
+    next_norms = [block.ln_1 for block in blocks[1:]] + [final_norm]
+    for i, (block, next_norm) in enumerate(zip(blocks, next_norms)):
+        block._dres_alphas = (alphas[2 * i], alphas[2 * i + 1])
+        block._dres_stream = (base, next_norm, i == len(blocks) - 1)  # a tuple: no second registration
+        block._dres_mlp = _gpt2_mlp_approximate(block.mlp) if fused_mlp else None
+        block._dres_arg_names = tuple(inspect.signature(type(block).forward).parameters)[2:]
+        block.backend = backend
+        block.__class__ = _fused_layer_class(type(block), _fused_gpt2_block_forward)
     return model

@@ -1,8 +1,9 @@
-"""dres.convert_hf_vit and dres.convert_hf_bert on tiny transformers models built from configs (no
-weights downloaded): at alpha_min = 1 the converted model computes the unconverted one's outputs and
-gradients (input and every parameter; float64 reference backend to 1e-12, Triton interpreter in
-float32), every residual add runs fused (for ViT across layers), alpha_min < 1 gives the decayed
-function written out by hand, and the keys of the state_dict stay."""
+"""dres.convert_hf_vit, dres.convert_hf_bert and dres.convert_hf_gpt2 on tiny transformers models built
+from configs (no weights downloaded): at alpha_min = 1 the converted model computes the unconverted
+one's outputs and gradients (input and every parameter; float64 reference backend to 1e-12, Triton
+interpreter in float32), every residual add runs fused (for ViT and GPT-2 across layers), alpha_min < 1
+gives the decayed function written out by hand, the keys of the state_dict stay, and a converted GPT-2
+generates the tokens the original does."""
 
 from __future__ import annotations
 
@@ -385,3 +386,157 @@ def test_converted_vit_compiles_as_one_graph():
     inputs = vit_inputs(torch.float32)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(**inputs).logits, model(**inputs).logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-2: pre-LN and causal, the stream carried across blocks around HF's attention
+
+
+def tiny_gpt2(cls_name="GPT2LMHeadModel", **kw) -> nn.Module:
+    torch.manual_seed(0)
+    args = dict(vocab_size=40, n_positions=24, n_embd=32, n_layer=3, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+                attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0, num_labels=3)
+    return perturb_(getattr(transformers, cls_name)(transformers.GPT2Config(**{**args, **kw}))).eval()
+
+
+def gpt2_inputs(model: nn.Module, padded: bool = False, device="cpu") -> dict:
+    """inputs_embeds (so the input gets a gradient) of 2 sequences of 7 tokens; ``padded``: the second
+    left-padded by 3 (the attention mask reaches the converted blocks)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 40, (2, 7), generator=g).to(device)
+    inputs = {"inputs_embeds": model.get_input_embeddings()(ids).detach()}
+    if padded:
+        mask = torch.ones(2, 7, dtype=torch.long, device=device)
+        mask[1, :3] = 0
+        inputs["attention_mask"] = mask
+    return inputs
+
+
+@pytest.mark.parametrize("cls_name", ["GPT2LMHeadModel", "GPT2ForSequenceClassification"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpt2_alpha1_keeps_function_and_weights(cls_name, padded):
+    original = tiny_gpt2(cls_name).double()
+    converted = copy.deepcopy(original)
+    assert dres.convert_hf_gpt2(converted, backend="torch") is converted
+    before, after = original.state_dict(), converted.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    inputs = gpt2_inputs(original, padded)
+    # the token embedding gets a gradient only through the language model head it is tied to
+    unused = frozenset() if hasattr(original, "lm_head") else frozenset({"transformer.wte.weight"})
+    assert_same_function(original, converted, inputs, "inputs_embeds", F64, unused=unused)
+    # every add fused, the last with ln_f; the first block's ln_1 a layer_norm; no LayerNorm of torch's
+    with CallCounts() as calls:
+        converted(**inputs)
+    assert calls.counts == {"residual_layer_norm": 2 * 3, "layer_norm": 1, "fused_mlp": 3}
+
+
+def test_gpt2_hidden_states_and_attention_probabilities():
+    """output_hidden_states: every block's output the original's; output_attentions (the eager
+    implementation, which returns them): HF's attention returns the same probabilities."""
+    original = tiny_gpt2(attn_implementation="eager").double()
+    converted = dres.convert_hf_gpt2(copy.deepcopy(original), backend="torch")
+    inputs = gpt2_inputs(original, padded=True)
+    a = original(**inputs, output_hidden_states=True, output_attentions=True)
+    b = converted(**inputs, output_hidden_states=True, output_attentions=True)
+    torch.testing.assert_close(b.logits, a.logits, **F64)
+    assert len(b.hidden_states) == len(a.hidden_states) == 4 and len(b.attentions) == len(a.attentions) == 3
+    for x, y in zip(a.hidden_states + a.attentions, b.hidden_states + b.attentions):
+        torch.testing.assert_close(y, x, **F64)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpt2_generates_the_same_tokens(padded):
+    """Greedy generation with the key/value cache: the same tokens; every step (the prompt, then one
+    token at a time against the cache) runs the converted blocks."""
+    original = tiny_gpt2()
+    converted = dres.convert_hf_gpt2(copy.deepcopy(original), backend="torch")
+    g = torch.Generator().manual_seed(2)
+    prompt = {"input_ids": torch.randint(1, 40, (2, 5), generator=g), "attention_mask": torch.ones(2, 5, dtype=torch.long)}
+    if padded:  # left padding, as generation pads
+        prompt["input_ids"][1, :2] = 0
+        prompt["attention_mask"][1, :2] = 0
+    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, use_cache=True)
+    want = original.generate(**prompt, **settings)
+    with CallCounts() as calls:
+        got = converted.generate(**prompt, **settings)
+    assert want.shape == (2, 11)
+    assert torch.equal(got, want)
+    assert calls.counts["residual_layer_norm"] == 6 * 2 * 3 and calls.counts["layer_norm"] == 6
+
+
+def test_gpt2_dropout_in_training_keeps_function():
+    """Dropout of the embeddings, the attention probabilities and both branches: the same draws in the
+    same order (the MLP's dropout after the fused MLP), so the same outputs and gradients."""
+    original = tiny_gpt2(resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2).double().train()
+    converted = dres.convert_hf_gpt2(copy.deepcopy(original), backend="torch")
+    results = []
+    for model in (original, converted):
+        torch.manual_seed(3)
+        results.append(outputs_and_grads(model, gpt2_inputs(original), "inputs_embeds"))
+    (out_a, din_a, grads_a), (out_b, din_b, grads_b) = results
+    torch.testing.assert_close(out_b, out_a, **F64)
+    torch.testing.assert_close(din_b, din_a, **F64)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], **F64, msg=lambda m: f"{name}: {m}")
+
+
+def test_gpt2_gradient_checkpointing_ends_blocks_with_a_plain_add():
+    original = tiny_gpt2().double().train()
+    converted = dres.convert_hf_gpt2(copy.deepcopy(original), backend="torch")
+    for model in (original, converted):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with CallCounts() as calls:
+        assert_same_function(original, converted, gpt2_inputs(original), "inputs_embeds", F64)
+    # per block the attention add fused with ln_2 (forward and recompute), the MLP add a residual_add
+    assert calls.counts["residual_layer_norm"] == 2 * 3 and calls.counts["residual_add"] in (3, 2 * 3)
+
+
+def test_gpt2_decayed_is_the_decayed_function():
+    model = tiny_gpt2().double()
+    inputs = gpt2_inputs(model)
+    original = model(**inputs).logits
+    dres.convert_hf_gpt2(model, alpha_min=0.6, backend="torch")
+    alphas = torch.tensor(dres.nn.decay_schedule(6, 0.6), dtype=torch.float32).tolist()
+    out = model(**inputs).logits
+    assert (out - original).abs().max() > 1e-3
+
+    gpt2 = model.transformer  # the decayed GPT-2 written out with the model's own modules (HF's causal attention)
+    x = inputs["inputs_embeds"] + gpt2.wpe(torch.arange(7))
+    for k, block in enumerate(gpt2.h):
+        x = alphas[2 * k] * x + block.attn(nn.LayerNorm.forward(block.ln_1, x))[0]
+        x = alphas[2 * k + 1] * x + block.mlp(nn.LayerNorm.forward(block.ln_2, x))
+    torch.testing.assert_close(out, model.lm_head(nn.LayerNorm.forward(gpt2.ln_f, x)), **F64)
+
+
+def test_gpt2_triton_interpreter(triton_device):
+    original = tiny_gpt2(n_layer=2).to(triton_device)
+    converted = dres.convert_hf_gpt2(copy.deepcopy(original), backend="triton")
+    inputs = gpt2_inputs(original, padded=True, device=triton_device)
+    with CallCounts() as calls:
+        converted(**inputs)
+    assert calls.counts == {"residual_layer_norm": 4, "layer_norm": 1, "fused_mlp": 2}
+    assert_same_function(original, converted, inputs, "inputs_embeds", KERNEL_TOL, KERNEL_GRAD_TOL)
+
+
+def test_gpt2_converter_refuses_in_one_line():
+    with pytest.raises(TypeError, match=r"^expected a Hugging Face GPT2Model .*, got ViTForImageClassification$"):
+        dres.convert_hf_gpt2(tiny_vit())
+    with pytest.raises(TypeError, match=r"^block 0 has cross-attention \(add_cross_attention=True\)"):
+        dres.convert_hf_gpt2(tiny_gpt2(add_cross_attention=True))
+    model = tiny_gpt2()
+    model.transformer.h[1].ln_2 = nn.RMSNorm(32)
+    with pytest.raises(TypeError, match="block 1.ln_2 is RMSNorm"):
+        dres.convert_hf_gpt2(model)
+    model = tiny_gpt2()
+    del model.transformer.h[2].mlp.c_fc
+    with pytest.raises(TypeError, match=r"^block 2 \(GPT2Block\) is not a GPT2Block: it lacks \['mlp.c_fc'\]"):
+        dres.convert_hf_gpt2(model)
+    model = dres.convert_hf_gpt2(tiny_gpt2())
+    with pytest.raises(ValueError, match="already converted"):
+        dres.convert_hf_gpt2(model)
+    with pytest.raises(ValueError, match="alpha_min"):
+        dres.convert_hf_gpt2(tiny_gpt2(), alpha_min=2.0)
+    # a call with encoder states gets HF's own refusal (the model has no cross-attention)
+    with pytest.raises(ValueError, match="cross-attention"):
+        model(input_ids=torch.ones(1, 3, dtype=torch.long), encoder_hidden_states=torch.randn(1, 2, 32))
