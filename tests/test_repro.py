@@ -970,3 +970,128 @@ def test_committed_verdicts_say_no_more_than_their_intervals():
         if "excludes 0" in sentence:
             assert "readouts" in sentence, sentence
     assert not re.search(r"\bdecided\b|recovers all|\bties\b", glance)
+
+
+# ------------------------------------------------------------------------------------------------
+# Claim A's probe sweep (experiments/probe_sweep.py)
+
+
+def _noisy_features(n_train=300, n_test=100, classes=4, dim=8, noise=2.0, seed=0):
+    """Blobs of ``classes`` centres with Gaussian noise, separable but not perfectly; the stream mean's channels
+    of unequal scale (what the raw and the standardised probe read differently)."""
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(classes, dim, generator=g) * 3
+    y = torch.randint(0, classes, (n_train + n_test,), generator=g)
+    cls = centers[y] + noise * torch.randn(len(y), dim, generator=g)
+    stream_mean = (centers[y] + noise * torch.randn(len(y), dim, generator=g)) * torch.logspace(-2, 2, dim)
+    return {"cls": cls, "stream_mean": stream_mean}, y
+
+
+def _sweep_run(run, seed=0, finished=True):
+    """A run folder of a claim-A arm: its kept features and, where ``finished``, its summary's fixed-recipe probes."""
+    from dres.eval.features import features_state
+
+    x, y = _noisy_features(seed=seed)
+    run.mkdir(parents=True)
+    torch.save(features_state({k: v[:300] for k, v in x.items()}, y[:300], {k: v[300:] for k, v in x.items()},
+                              y[300:], primary="cls"), run / "features.pt")
+    if finished:
+        (run / "summary.json").write_text(json.dumps({"eval": {"linear_probe_acc": 0.5 + seed / 100,
+                                                               "authors_probe_acc": 0.4, "knn_acc": 0.3}}))
+
+
+def test_headwise_adamw_is_torchs_adamw_with_each_heads_lr_and_weight_decay():
+    """Each head moves as torch's AdamW with that head's learning rate and weight decay, the schedule's scale
+    included; a head at scale 0 holds."""
+    from experiments.probe_sweep import HeadwiseAdamW
+
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(3, 4, 5, generator=g), torch.randn(3, 4, generator=g)
+    lrs, wds, scale = [1e-3, 1e-2, 1e-1], [0.0, 0.01, 0.5], [1.0, 0.5, 0.0]
+    w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    opt = HeadwiseAdamW([w, b], lr=torch.tensor(lrs), weight_decay=torch.tensor(wds))
+    lone = [(weight[h].clone().requires_grad_(), bias[h].clone().requires_grad_()) for h in range(3)]
+    lone_opts = [torch.optim.AdamW(p, lr=lrs[h], weight_decay=wds[h]) for h, p in enumerate(lone)]
+    for step in range(6):
+        if step == 3:
+            opt.lr_scale = torch.tensor(scale)
+            for h, o in enumerate(lone_opts):
+                o.param_groups[0]["lr"] = lrs[h] * scale[h]
+            held = w[2].detach().clone()
+        grad_w, grad_b = torch.randn(weight.shape, generator=g), torch.randn(bias.shape, generator=g)
+        w.grad, b.grad = grad_w.clone(), grad_b.clone()
+        opt.step()
+        for h, (lw, lb) in enumerate(lone):
+            lw.grad, lb.grad = grad_w[h].clone(), grad_b[h].clone()
+            lone_opts[h].step()
+    for h, (lw, lb) in enumerate(lone):
+        torch.testing.assert_close(w[h], lw, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b[h], lb, rtol=1e-5, atol=1e-6)
+    assert torch.equal(w[2], held)
+
+
+def test_every_head_of_the_sweep_is_the_lone_probe_of_its_setting():
+    """The grid's probes trained together score as each setting's dres.eval.linear_probe alone: the same draw,
+    batches, schedule over its own epochs, raw or standardised features."""
+    from dres.eval import linear_probe
+    from experiments.probe_sweep import grid_settings, sweep_accuracies
+
+    x, y = _noisy_features()
+    x = x["stream_mean"]
+    settings = grid_settings((1e-3, 1e-1), (0.0, 0.3), (1, 3))
+    assert [s.standardized for s in settings] == [False] * 8 + [True] * 8
+    together = sweep_accuracies(x[:300], y[:300], x[300:], y[300:], settings, batch_size=64)
+    alone = [linear_probe(x[:300], y[:300], x[300:], y[300:], epochs=s.epochs, lr=s.lr, weight_decay=s.weight_decay,
+                          standardized=s.standardized, batch_size=64)["linear_probe_acc"] for s in settings]
+    assert together == alone
+    assert len(set(alone)) > 3  # the settings differ: the comparison is not of a few saturated scores
+
+
+def test_probe_sweep_chooses_on_held_out_train_images_and_scores_the_choice_on_test(tmp_path, capsys):
+    """A run root's finished claim-A arms swept into one JSON each: every setting's held-out accuracy on 10% of the
+    train split, the best one trained on the whole train split and scored on test, the run's fixed-recipe probes
+    kept; an unfinished arm passed over, an existing JSON kept, bad input one line (exit 2)."""
+    from dres.eval import linear_probe
+    from experiments import probe_sweep
+
+    root, out = tmp_path / "runs", tmp_path / "sweep"
+    _sweep_run(root / "A100-official-a0.6-s0")
+    _sweep_run(root / "A100-official-a1.0-s0", finished=False)
+    _sweep_run(root / "C300-resnet50d-none-s0")  # not a claim-A arm
+    grid = ["--lrs", "0.001,0.1", "--wds", "0,0.1", "--epochs", "1,3"]
+    assert probe_sweep.main([str(root), "--out", str(out)] + grid) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["A100-official-a0.6-s0.json"]
+    assert "A100-official-a1.0-s0: its run has not finished" in capsys.readouterr().out
+    res = json.loads((out / "A100-official-a0.6-s0.json").read_text())
+    assert res["run_eval"] == {"linear_probe_acc": 0.5, "authors_probe_acc": 0.4}
+    assert (res["n_train"], res["n_test"], res["primary"]) == (300, 100, "cls")
+    assert res["grid"] == {"lr": [0.001, 0.1], "weight_decay": [0.0, 0.1], "epochs": [1, 3]}
+    x, y = _noisy_features()
+    for kind, metric in (("cls", "swept_probe_acc"), ("stream_mean", "stream_mean_swept_probe_acc")):
+        k = res["kinds"][kind]
+        assert (k["n_fit"], k["n_held_out"]) == (270, 30) and len(k["held_out"]) == 16
+        accs = [h["acc"] for h in k["held_out"]]
+        assert k["held_out_acc"] == max(accs) and k["chosen"] == {
+            key: v for key, v in k["held_out"][accs.index(max(accs))].items() if key != "acc"}
+        c = k["chosen"]
+        final = linear_probe(x[kind][:300], y[:300], x[kind][300:], y[300:], epochs=c["epochs"], lr=c["lr"],
+                             weight_decay=c["weight_decay"], standardized=c["standardized"], batch_size=1024)
+        assert res["metrics"][metric] == k["test_acc"] == final["linear_probe_acc"] > 0.6
+    # the channels of unequal scale: the raw probe below the standardised one at the same setting on held-out images
+    held = {(h["lr"], h["weight_decay"], h["epochs"], h["standardized"]): h["acc"]
+            for h in res["kinds"]["stream_mean"]["held_out"]}
+    assert held[0.001, 0.0, 3, False] < held[0.001, 0.0, 3, True]
+    assert probe_sweep.main([str(root), "--out", str(out)] + grid) == 0
+    assert "exists; kept" in capsys.readouterr().out
+    # a run folder or a features file named alone; --arms picks a run root's arms
+    assert probe_sweep.main([str(root / "C300-resnet50d-none-s0"), "--out", str(out)] + grid) == 0
+    assert (out / "C300-resnet50d-none-s0.json").is_file()
+    for args, message in (([str(tmp_path / "none")], "RUN_OR_FEATURES: "), ([str(root), "--arms", "A.nothing"],
+                                                                             "--arms: no arm, group, tag or claim"),
+                          ([str(root), "--lrs", "0,0.1"], "--lrs: '0,0.1' must be positive"),
+                          ([str(root), "--epochs", "2.5"], "--epochs: '2.5' is not a comma list"),
+                          ([str(root), "--held-out", "1"], "--held-out: 1 must be between 0 and 1"),
+                          ([str(root), "--arms", "A.length.e200"], "no run root with a claim-A arm")):
+        assert probe_sweep.main(args + ["--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
