@@ -160,7 +160,8 @@ def sweep_features(state: dict, settings: list[Setting], *, held_out_frac=HELD_O
         kinds[kind] = sweep_kind(state["train"][kind].to(device), state["train_labels"].to(device),
                                  state["test"][kind].to(device), state["test_labels"].to(device), settings,
                                  held_out_frac=held_out_frac, seed=seed, device=device)
-    metrics = {(SWEPT_METRIC if kind == primary else f"{kind}_{SWEPT_METRIC}"): k["test_acc"] for kind, k in kinds.items()}
+    metrics = {(SWEPT_METRIC if kind == primary else f"{kind}_{SWEPT_METRIC}"): k["test_acc"]
+               for kind, k in kinds.items()}
     return {"primary": primary, "metrics": metrics, "kinds": kinds}
 
 

@@ -1095,3 +1095,42 @@ def test_probe_sweep_chooses_on_held_out_train_images_and_scores_the_choice_on_t
         assert probe_sweep.main(args + ["--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_report_shows_the_sweep_beside_the_fixed_recipe_as_a_secondary_readout(tmp_path):
+    """Sweeps of the records' runs: a row per arm and feature kind with the record's fixed-recipe probes, official
+    0.6 − official 1.0 of the swept probe with its n and interval, adjusted for the ten readouts now counted (the
+    top of the report too); a sweep of another run than the record's is not counted."""
+    from experiments import probe_sweep
+
+    folder, runs = tmp_path / "cpu-2026-01-01-lengths", tmp_path / "runs"
+    folder.mkdir()
+    data_seed = {(0.6, 0): 0, (1.0, 0): 1, (0.6, 1): 2, (1.0, 1): 3, (0.6, 2): 4}
+    for (alpha, seed), data in data_seed.items():
+        _sweep_run(runs / f"A400-official-a{alpha}-s{seed}", seed=data)
+        recorded = 0.99 if seed == 2 else 0.5 + data / 100  # seed 2's record is of another run
+        _a_record(folder, 400, alpha, seed, 1.0, linear_probe_acc=recorded, authors_probe_acc=0.4)
+    assert probe_sweep.main([str(runs), "--out", str(folder / "probe_sweep"), "--lrs", "0.1", "--wds", "0",
+                             "--epochs", "2"]) == 0
+    sweeps = probe_sweep.load_sweeps(tmp_path)
+    assert sorted(sweeps) == sorted(f"A400-official-a{a}-s{s}" for a, s in data_seed)
+    text = report.render(tmp_path, tmp_path, figures=tmp_path / "figures", notes=tmp_path / "notes.md", draw=False)
+    section = text[text.index("### Claim A: the probe sweep, a secondary readout"):]
+    assert "counts 10 readouts" in section and "learning rate 0.1 x weight decay 0 x 2 epochs" in section
+    swept = sweeps["A400-official-a0.6-s0"]["kinds"]["stream_mean"]
+    chosen = f"lr 0.1, wd 0, 2 epochs, {'standardised' if swept['chosen']['standardized'] else 'raw'}"
+    assert (f"| `A400-official-a0.6-s0` | stream_mean | 300 (30 held out) / 100 | 81.0 | 81.0 | "
+            f"**{100 * swept['test_acc']:.1f}** | {chosen} | {100 * swept['held_out_acc']:.1f} |") in section
+    assert "| `A400-official-a0.6-s0` | cls | 300 (30 held out) / 100 | 50.0 | 40.0 |" in section
+    for metric, what in report.A_SWEPT:
+        d = [100 * (sweeps[f"A400-official-a0.6-s{s}"]["metrics"][metric]
+                    - sweeps[f"A400-official-a1.0-s{s}"]["metrics"][metric]) for s in (0, 1)]
+        assert (f"- {what}, official 0.6 − official 1.0, 400 epochs: {report.interval(d)}, 95% t interval; "
+                f"Bonferroni x10: ± {report.t_half_width(d, 10):.2f}") in section
+        assert "n=2 pairs" in report.interval(d)
+    assert "Not counted (a sweep of another run than the arm's record, or of an arm without one): " \
+           "`A400-official-a0.6-s2`." in section
+    glance = text[text.index("## At a glance"):text.index("## A. ")]
+    assert "one of 10 readouts looked at" in glance
+    rows = {l.split(" | ")[0].lstrip("| "): l for l in text.splitlines() if l.startswith("| ")}
+    assert all("Bonferroni x10" in rows[w] for w in ("the swept probe on the class token", "kNN on the class token"))
