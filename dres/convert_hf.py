@@ -31,6 +31,16 @@ fused op's ``y``; its ``out`` (the un-normalised sum) is needed only by the back
 every layer are fused and nothing is carried across layers: there is no pending add between layers
 of a post-LN encoder. (The embeddings' LayerNorm, after a sum of three embeddings, stays PyTorch's.)
 
+``convert_hf_gpt2(model)`` (GPT2Model and the models built on it: GPT2LMHeadModel, ...). A GPT2Block
+is pre-LN, ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``, and the model ends with ``ln_f``: both adds
+are fused with the norm that follows and carried across blocks as in the ViTs (the last block's with
+``ln_f``, whose output is the model's). Attention stays HF's own: its q/k/v is already one GEMM (the
+``c_attn`` Conv1D), SDPA applies the causal mask itself, and the block hands it every argument as
+HF's block does, so the key/value cache (generation), padding masks and attention probabilities
+work unchanged. The MLP (``c_fc``, ``gelu_new``, ``c_proj``, all Conv1D, whose (in, out) weights go to
+:func:`dres.ops.fused_mlp` transposed) is one fused MLP with its dropout after it, as in HF.
+Cross-attention blocks (``add_cross_attention``) are refused.
+
 The branches run on the fused ops too. Every converted self-attention (the module holding the
 ``query``/``key``/``value`` or ``q_proj``/``k_proj``/``v_proj`` Linears, which stay) computes q, k and v
 as one GEMM, ``F.linear(x, cat(weights), cat(biases))``, and attends from that qkv output:
@@ -51,7 +61,7 @@ branch comes out in the autocast dtype, so q/k/v and fc1 cast nothing; the encod
 ``layernorm`` returns what torch's LayerNorm does (float32 under autocast: it is the model's output),
 the decoder's ``decoder_norm``, which feeds only ``decoder_pred``, the autocast dtype.
 
-Both converters keep parameters, their names and the ``state_dict``; ``alpha_min=1`` (the default)
+The converters keep parameters, their names and the ``state_dict``; ``alpha_min=1`` (the default)
 keeps the function: outputs and gradients equal the unconverted model's. ``backend`` is that of
 :mod:`dres.ops` (:func:`dres.nn.set_backend` changes it later). A model is converted once.
 """

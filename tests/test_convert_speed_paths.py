@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dres
 from dres import ops
 from test_convert_hf import (COUNTED_OPS, F64, KERNEL_GRAD_TOL, KERNEL_TOL, CallCounts, assert_same_function,
-                             bert_inputs, tiny_bert, tiny_deit, tiny_dinov2, tiny_vit, tiny_vit_mae, vit_inputs)
+                             bert_inputs, gpt2_inputs, tiny_bert, tiny_deit, tiny_dinov2, tiny_gpt2, tiny_vit,
+                             tiny_vit_mae, vit_inputs)
 from test_nn import perturb_
 
 transformers = pytest.importorskip("transformers")
@@ -355,6 +356,69 @@ def test_siglip_short_attention_on_the_interpreter(triton_device):
 
 
 # ---------------------------------------------------------------------------------------------
+# GPT-2
+
+
+def branch_input_dtypes(model: nn.Module, inputs: dict) -> list[torch.dtype]:
+    """The dtypes of what each block's attention (its c_attn Conv1D) and MLP (c_fc, or the fused MLP
+    that replaces it) receive in a forward."""
+    dtypes = []
+    hooks = [module.register_forward_pre_hook(lambda _m, args: dtypes.append(args[0].dtype))
+             for block in model.transformer.h for module in (block.attn.c_attn, block.mlp.c_fc)]
+    try:
+        with mock.patch.object(ops, "fused_mlp", wraps=ops.fused_mlp) as fused_mlp:
+            model(**inputs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return dtypes + [call.args[0].dtype for call in fused_mlp.call_args_list]
+
+
+def test_gpt2_autocast_feeds_the_branches_bf16():
+    """Under bf16 autocast the normalised values reach c_attn and the MLP in bf16 (HF's LayerNorm gives
+    float32, cast by each Conv1D's addmm); the logits come out in the plain model's dtype."""
+    plain = tiny_gpt2()
+    converted = dres.convert_hf_gpt2(copy.deepcopy(plain))
+    inputs = gpt2_inputs(plain)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert branch_input_dtypes(plain, inputs) == [torch.float32] * 2 * 3
+        assert branch_input_dtypes(converted, inputs) == [torch.bfloat16] * 2 * 3
+        assert converted(**inputs).logits.dtype == plain(**inputs).logits.dtype
+
+
+@pytest.mark.parametrize("activation_function, fused", [("gelu_new", 1), ("gelu", 1), ("gelu_pytorch_tanh", 1),
+                                                        ("relu", 0)])
+def test_gpt2_mlp_activations(activation_function, fused):
+    """GELUs (exact and tanh) run the fused MLP with their formula, other activations HF's GPT2MLP;
+    fused_mlp=False keeps HF's always."""
+    original = tiny_gpt2(activation_function=activation_function).double()
+    for fused_mlp, calls_per_block in ((True, fused), (False, 0)):
+        converted = dres.convert_hf_gpt2(copy.deepcopy(original), backend="torch", fused_mlp=fused_mlp)
+        with CallCounts() as calls:
+            assert_same_function(original, converted, gpt2_inputs(original), "inputs_embeds", F64)
+        assert calls.counts.get("fused_mlp", 0) == 3 * calls_per_block
+
+
+def test_gpt2_set_backend_reaches_the_blocks():
+    model = dres.nn.set_backend(dres.convert_hf_gpt2(tiny_gpt2(), backend="torch"), "triton")
+    fused = [m for m in model.modules() if getattr(m, "_dres_fused", False)]
+    assert fused == list(model.transformer.h) and all(m.backend == "triton" for m in fused)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="reads the op in the graph: on CUDA it is traced to its launch")
+def test_converted_gpt2_compiles_as_one_graph():
+    """torch.compile(fullgraph=True) traces the carry around HF's attention and the Conv1D weights'
+    fused MLP (its bias + GELU op in the graph) without a graph break (Triton interpreter)."""
+    model = dres.convert_hf_gpt2(tiny_gpt2(n_layer=2), backend="triton")
+    inputs = gpt2_inputs(model)
+    forward_ops: list[str] = []
+    compiled = torch.compile(model, fullgraph=True, backend=recording_backend(forward_ops))
+    got = compiled(**inputs).logits
+    assert forward_ops.count("dres.bias_gelu.default") == 2
+    torch.testing.assert_close(got, model(**inputs).logits)
+
+
+# ---------------------------------------------------------------------------------------------
 # ViTMAE's loss
 
 
@@ -539,3 +603,23 @@ def test_gpu_bf16_timm_vit():
     with CallCounts() as calls:
         assert_bf16_close(original, converted, inputs, lambda out: out.float().square().mean())
     assert calls.counts["short_attention"] == 2 and calls.counts["fused_mlp"] == 2
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_hf_gpt2():
+    """GPT2LMHeadModel's language-model loss in training (dropout off: the draws differ between the
+    paths' kernels); greedy generation in float32 with the kernels and the cache: each step's logits
+    those of the plain model run on the generated sequence at once."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=128, n_layer=2, n_head=2, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    original = transformers.GPT2LMHeadModel(config).cuda().train()
+    converted = dres.convert_hf_gpt2(copy.deepcopy(original))
+    ids = torch.randint(1, 256, (4, 48), device="cuda")
+    with CallCounts() as calls:
+        assert_bf16_close(original, converted, {"input_ids": ids, "labels": ids}, lambda out: out.loss)
+    assert calls.counts["fused_mlp"] == 2 and calls.counts["residual_layer_norm"] == 2 * 2
+    generated = converted.eval().generate(ids[:, :6], max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                                          output_logits=True, return_dict_in_generate=True)
+    want = original.eval()(generated.sequences).logits[:, 5:-1]  # the logits that chose tokens 6..13
+    torch.testing.assert_close(torch.stack(generated.logits, 1), want, **KERNEL_GRAD_TOL)
