@@ -451,7 +451,8 @@ def test_gpt2_generates_the_same_tokens(padded):
     original = tiny_gpt2()
     converted = dres.convert_hf_gpt2(copy.deepcopy(original), backend="torch")
     g = torch.Generator().manual_seed(2)
-    prompt = {"input_ids": torch.randint(1, 40, (2, 5), generator=g), "attention_mask": torch.ones(2, 5, dtype=torch.long)}
+    prompt = {"input_ids": torch.randint(1, 40, (2, 5), generator=g),
+              "attention_mask": torch.ones(2, 5, dtype=torch.long)}
     if padded:  # left padding, as generation pads
         prompt["input_ids"][1, :2] = 0
         prompt["attention_mask"][1, :2] = 0

@@ -25,4 +25,4 @@ def test_the_page_runs_and_every_recipe_checks(capsys):
     for i, block in enumerate(blocks):
         exec(compile(block, f"{PAGE.name}, python block {i + 1}", "exec"), namespace)
     checks = capsys.readouterr().out.count("same outputs and gradients")
-    assert checks == 10  # plain pre-LN and post-LN; timm ViT, ResNet, DINOv2 and Eva; HF ViT, BERT, DeiT and DINOv2
+    assert checks == 11  # plain pre-LN and post-LN; timm ViT, ResNet, DINOv2 and Eva; HF ViT, BERT, DeiT, DINOv2, GPT-2
