@@ -309,8 +309,9 @@ def _pyproject() -> dict:
 
 
 def _install_requires() -> list:
-    """pyproject.toml's [project] dependencies: what a plain ``pip install .`` installs."""
-    return _pyproject()["project"]["dependencies"]
+    """pyproject.toml's [project] dependencies and its [train] extra: what ``pip install '.[train]'`` installs."""
+    project = _pyproject()["project"]
+    return project["dependencies"] + project["optional-dependencies"]["train"]
 
 
 def _imported_by_the_package() -> set:
@@ -331,7 +332,7 @@ def _imported_by_the_package() -> set:
 
 
 def _closure(requirements) -> set:
-    """The distributions a plain ``pip install .`` brings: the requirements and theirs, recursively."""
+    """The distributions that requirements bring: the requirements and theirs, recursively."""
     import importlib.metadata as md
 
     from packaging.requirements import Requirement
@@ -365,7 +366,7 @@ def test_install_requires_covers_what_training_and_evaluation_import(tmp_path):
     dists = md.packages_distributions()
     used = {d.lower().replace("_", "-") for m in modules for d in dists.get(m, [])}
     missing = used - _closure(_install_requires())
-    assert not missing, f"imported at run time but not installed by `pip install .`: {sorted(missing)}"
+    assert not missing, f"imported at run time but not installed by `pip install .[train]`: {sorted(missing)}"
 
 
 def test_packaging_metadata_has_one_version_and_named_extras():
@@ -385,10 +386,11 @@ def test_packaging_metadata_has_one_version_and_named_extras():
     assert md.version("dres") == dres.__version__
     assert project["requires-python"] and project["description"]
     assert project["scripts"] == {"dres-train": "dres.train.cli:main", "dres-eval": "dres.train.cli:eval_main",
-                                  "dres-launch": "dres.train.launch:main", "dres-prep": "dres.data.prep:main"}
+                                  "dres-launch": "dres.train.launch:main", "dres-prep": "dres.data.prep:main",
+                                  "dres-export": "dres.train.export:main"}
     extras = project["optional-dependencies"]
-    assert {"timm", "tensorboard", "plots", "all", "extras", "dev"} <= set(extras)
-    assert extras["all"] == ["dres[timm,tensorboard,plots]"] and "dres[all]" in extras["dev"]
+    assert {"train", "timm", "hf", "tensorboard", "plots", "all", "extras", "dev"} <= set(extras)
+    assert extras["all"] == ["dres[train,timm,hf,tensorboard,plots]"] and "dres[all]" in extras["dev"]
     assert not any(r.startswith("hypothesis") for r in extras["dev"])  # the tests never import it
     assert (Path(dres.__file__).parent / "py.typed").is_file()
 

@@ -325,3 +325,26 @@ def set_aside_after(ckpt_dir, step: int) -> Path | None:
             os.replace(c, aside / c.name)
     distributed.barrier()
     return aside
+
+
+def read_run(path, build_model, ckpt=None, *, device="cpu", task: str | None = None):
+    """``(model, cfg, run folder)``: the model ``build_model(cfg)`` of a run folder at its newest readable checkpoint
+    (or ``ckpt``), in eval mode on ``device``. ``path`` may also be a checkpoint inside a run's ``checkpoints/``;
+    ``task``, when given, is the task the run must have trained. Building the model leaves the caller's random
+    state as it was."""
+    from dres.train.config import ConfigError, fingerprint, load_config
+
+    p = Path(path)
+    run = p if (p / "config.yaml").exists() else p.parent.parent
+    if not (run / "config.yaml").exists():
+        raise FileNotFoundError(f"{path} is neither a dres run folder nor a checkpoint inside one (no config.yaml)")
+    cfg = load_config(run / "config.yaml")
+    if task is not None and cfg.task != task:
+        raise ConfigError(f"{run} holds a '{cfg.task}' run, not a {task} run")
+    with torch.random.fork_rng(devices=[]):
+        model = build_model(cfg)
+    source = Path(ckpt) if ckpt else (run / "checkpoints" if p == run else p)
+    extra = load(source, model, device=torch.device(device), restore_rng=False, fingerprint=fingerprint(cfg))
+    if extra is None:
+        raise FileNotFoundError(f"no checkpoint in {source}")
+    return model.to(device).eval(), cfg, run

@@ -7,16 +7,24 @@ ResidualDroppath), e.g. the CIFAR-10 comparison of standard / drop path / Residu
 
 from __future__ import annotations
 
-import sys
 
 import torch
 import torch.nn.functional as F
 
-from dres.train.common import eval_loader, model_kwargs
+from dres.train.common import eval_loader, model_kwargs, run_as_command
 
 
 class ClassifyTask:
     name = "classify"
+    eval_keys = ("every",)
+
+    model_choice_keys = ("arch",)  # model.* keys that pick one of model_classes
+
+    @staticmethod
+    def model_classes() -> list:
+        from dres.models import ResNetClassifier, ViTClassifier
+
+        return [ViTClassifier, ResNetClassifier]
 
     def build_model(self, cfg):
         from dres.models import ResNetClassifier, ViTClassifier
@@ -73,17 +81,11 @@ def load_trained(path, device="cpu"):
     """A trained classifier from a classify run directory (its newest readable checkpoint) or one
     checkpoint of it, in eval mode on ``device``, with the run's config (for its input normalisation).
     Building it leaves the caller's random state as it was."""
-    from dres.train.export import load_run
+    from dres.train.checkpoint import read_run
 
-    model, cfg, _ = load_run(path, device=device, task="classify")
+    model, cfg, _ = read_run(path, TASK.build_model, device=device, task=TASK.name)
     return model, cfg
 
 
-def main(argv=None):
-    from dres.train.cli import main as cli_main
-
-    return cli_main(["classify"] + list(sys.argv[1:] if argv is None else argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_command(TASK.name)

@@ -16,13 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-TASK_MODULES = {"mae": "dres.train.mae", "uvit": "dres.train.uvit", "classify": "dres.train.classify"}
-
-
-def get_task(name):
-    import importlib
-
-    return importlib.import_module(TASK_MODULES[name]).TASK
+from dres.train.tasks import get_task
 
 
 def _common_arguments(p):
@@ -83,25 +77,15 @@ def _keys_text(keys: list, docs: dict) -> str:
     return _table((f"{key}={_yaml_value(docs[key][0])}", docs[key][1]) for key in keys)
 
 
-def _task_model_keys(task: str) -> set:
-    """The model.* keys the task's model class(es) take (the rest of ModelConfig serves other tasks)."""
-    import inspect
-
-    from dres import models
-
-    classes = {"mae": [models.MAE], "uvit": [models.UViT], "classify": [models.ViTClassifier, models.ResNetClassifier]}
-    keys = {name for cls in classes[task] for name in inspect.signature(cls.__init__).parameters}
-    return keys | ({"arch"} if task == "classify" else set())
-
-
 def _task_epilog(task: str) -> str:
-    from dres.train.config import EVAL_KEYS, key_docs, preset_summaries
+    from dres.train.config import key_docs, preset_summaries
+    from dres.train.tasks import model_keys
 
-    docs = key_docs()
-    model_keys = _task_model_keys(task)
+    docs, spec = key_docs(), get_task(task)
+    models = model_keys(spec) | set(spec.model_choice_keys)
     keys = [k for k in docs if k not in ("task", "preset", "out")
-            and not (k.startswith("model.") and k[6:] not in model_keys)
-            and not (k.startswith("eval.") and k[5:] not in EVAL_KEYS[task])]
+            and not (k.startswith("model.") and k[6:] not in models)
+            and not (k.startswith("eval.") and k[5:] not in spec.eval_keys)]
     presets = _table(preset_summaries(task).items())
     return (f"presets of {task} (--preset NAME; `--print-config` shows one resolved):\n{presets}\n\n"
             f"config keys of {task} (--set KEY=VALUE; shown with their defaults, which a preset may change):\n"
@@ -109,7 +93,7 @@ def _task_epilog(task: str) -> str:
 
 
 def _parser(prog="dres-train"):
-    from dres.train.config import list_presets
+    from dres.train.config import TASKS, list_presets
 
     p = argparse.ArgumentParser(
         prog=prog, description="Train MAE / U-ViT / ViT classifiers with decayed shortcuts and ResidualDroppath.",
@@ -117,7 +101,7 @@ def _parser(prog="dres-train"):
                "`dres-eval --help` describes evaluation.")
     _version_flag(p)
     tasks = p.add_subparsers(dest="task", metavar="TASK", required=True)
-    for name in sorted(TASK_MODULES):
+    for name in sorted(TASKS):
         doc = _task_doc(name)
         sp = tasks.add_parser(name, help=doc.split("\n\n")[0].replace("\n", " "), description=doc, add_help=False,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -131,7 +115,7 @@ def _task_doc(name: str) -> str:
     import ast
     import importlib.util
 
-    origin = importlib.util.find_spec(TASK_MODULES[name]).origin
+    origin = importlib.util.find_spec(f"dres.train.{name}").origin  # a task's module is named after it
     with open(origin) as f:
         return (ast.get_docstring(ast.parse(f.read())) or name).strip()
 
@@ -212,7 +196,7 @@ def _guarded(prog: str, fn, args) -> int:
     status 75 (recorded for dres-launch), and the process group (if any) is torn down either way."""
     from dres.train.distributed import LostRank
     from dres.train.launch import record_stop
-    from dres.train.loop import EXIT_INTERRUPTED, Interrupted
+    from dres.train.stop import EXIT_INTERRUPTED, Interrupted
 
     try:
         fn(args)
@@ -246,15 +230,16 @@ TRAINING_EVAL_KEYS = ("eval.every", "eval.curve_probe_epochs", "eval.curve_fd_sa
 
 
 def _eval_epilog() -> str:
-    from dres.train.config import EVAL_KEYS, key_docs
-
     import textwrap
+
+    from dres.train.config import key_docs
+    from dres.train.tasks import all_tasks
 
     docs = key_docs()
     keys = [k for k in docs if k.startswith("eval.") and k not in TRAINING_EVAL_KEYS]
     for key in keys:
         default, hint = docs[key]
-        tasks = [t for t, task_keys in EVAL_KEYS.items() if key[5:] in task_keys]
+        tasks = [name for name, task in all_tasks().items() if key[5:] in task.eval_keys]
         docs[key] = (default, f"[{', '.join(tasks)}] {hint}".strip())
     head = ("evaluation keys (--set KEY=VALUE; [the tasks that read it]; the run's config.yaml holds its values, "
             "the defaults are shown):")

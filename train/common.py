@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import runpy
 import shutil
 import sys
 import time
@@ -177,3 +178,10 @@ def features(trainer, fn, loader, limit=0, batch=256):
             return extract_features(fn, counted(cap(loader.eval_batches(batch), limit)))
     finally:
         bar.close()
+
+
+def run_as_command(task: str) -> None:
+    """``python -m dres.train.<task> ARGS`` as ``dres-train <task> ARGS``: the command line run as a script, so that
+    a task module imports nothing of the command line, which reads the tasks."""
+    sys.argv.insert(1, task)
+    runpy.run_module("dres.train", run_name="__main__", alter_sys=True)

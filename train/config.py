@@ -264,19 +264,6 @@ CHOICES = {
 }
 
 
-# the eval.* keys each task reads (the other sections apply to every task; model keys by the model class)
-EVAL_KEYS = {
-    "mae": ("probe", "probe_epochs", "probe_lr", "probe_batch", "probe_wd", "knn", "knn_k", "feature", "layer",
-            "effective_rank", "tsne", "recon", "max_train", "max_test", "every", "curve_probe_epochs",
-            "also_features", "authors_probe", "knn_standardized", "save_features"),
-    "uvit": ("probe", "probe_epochs", "probe_lr", "probe_batch", "probe_wd", "knn_k", "max_train", "max_test",
-             "sampler", "steps", "n_samples", "probe_block", "probe_t", "probe_grid_blocks", "probe_grid_ts",
-             "fid_inception", "fid_samples",
-             "fd_classifier", "fd_draws", "fd_real_floor", "curve_fd_samples", "every", "curve_probe_epochs"),
-    "classify": ("every",),
-}
-
-
 def key_docs() -> dict:
     """``{dotted key: (default, help)}`` for every config key; the help is the comment beside the
     field (and the comment lines just above it) in this file's dataclasses, plus its choices."""

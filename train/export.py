@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import torch
-
 from dres.export import FORMATS, ExportError, export_model
 
 
@@ -20,25 +18,10 @@ def load_run(path, ckpt=None, *, device="cpu", task: Optional[str] = None):
     in eval mode on ``device``. ``path`` may also be a checkpoint inside a run's ``checkpoints/``; ``task``,
     when given, is the task the run must have trained. Building the model leaves the caller's random state
     as it was."""
-    from dres.train import checkpoint
-    from dres.train.cli import get_task
-    from dres.train.config import ConfigError, fingerprint, load_config
+    from dres.train.checkpoint import read_run
+    from dres.train.tasks import get_task
 
-    p = Path(path)
-    run = p if (p / "config.yaml").exists() else p.parent.parent
-    if not (run / "config.yaml").exists():
-        raise FileNotFoundError(f"{path} is neither a dres run folder nor a checkpoint inside one (no config.yaml)")
-    cfg = load_config(run / "config.yaml")
-    if task is not None and cfg.task != task:
-        raise ConfigError(f"{run} holds a '{cfg.task}' run, not a {task} run")
-    with torch.random.fork_rng(devices=[]):
-        model = get_task(cfg.task).build_model(cfg)
-    source = Path(ckpt) if ckpt else (run / "checkpoints" if p == run else p)
-    extra = checkpoint.load(source, model, device=torch.device(device), restore_rng=False,
-                            fingerprint=fingerprint(cfg))
-    if extra is None:
-        raise FileNotFoundError(f"no checkpoint in {source}")
-    return model.to(device).eval(), cfg, run
+    return read_run(path, lambda cfg: get_task(cfg.task).build_model(cfg), ckpt, device=device, task=task)
 
 
 def export_run(run, to: str, out=None, ckpt=None) -> Path:

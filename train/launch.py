@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    from dres.train.loop import EXIT_INTERRUPTED
+    from dres.train.stop import EXIT_INTERRUPTED
 
     with tempfile.TemporaryDirectory(prefix="dres-launch-") as folder:
         os.environ[STATUS_DIR_ENV] = folder

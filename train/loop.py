@@ -1,15 +1,9 @@
 """The one training loop shared by every task.
 
-A *task* (``mae.py``, ``uvit.py``, ``classify.py``) supplies only what differs:
-
-    task.build_model(cfg) -> nn.Module
-    task.loss(model, batch, cfg) -> (loss, {name: tensor})      # one micro-batch, under autocast
-    task.evaluate(trainer) -> {name: value}                      # probes, samples, ...
-    task.curve(trainer) -> {name: value}                         # the cheap one, every eval.every steps
-
-and the :class:`Trainer` composes the rest: data (:mod:`dres.data`), parallelism
-(:mod:`dres.train.distributed`), precision, optimizer and schedule, EMA, ResidualDroppath
-iteration parity, checkpoints (:mod:`dres.train.checkpoint`) and observability.
+A *task* (``mae.py``, ``uvit.py``, ``classify.py``, registered in :mod:`dres.train.tasks`) supplies only
+what differs: its model builder, loss, evaluation and curve point; the :class:`Trainer` composes the rest:
+data (:mod:`dres.data`), parallelism (:mod:`dres.train.distributed`), precision, optimizer and schedule,
+EMA, ResidualDroppath iteration parity, checkpoints (:mod:`dres.train.checkpoint`) and observability.
 
 Step semantics: one *step* is one optimizer update on ``batch_size`` samples (all ranks, all
 micro-batches). The ResidualDroppath controller advances once per step, so the micro-batches of
@@ -42,15 +36,7 @@ from dres.train.config import Config, ConfigError, cpu_threads, dotted_value, fi
 from dres.train.optim import build_optimizer, peak_lr
 from dres.train.runlog import LogFile, RunLog, open_tensorboard, open_wandb, steady_timing
 from dres.train.step import GraphedStep, NonFiniteLoss, TrainStep, graph_plan, graph_warmup_steps
-
-
-# sysexits' EX_TEMPFAIL ("try again later"): the run stopped on a signal after saving, --resume auto continues it
-EXIT_INTERRUPTED = 75
-
-
-class Interrupted(RuntimeError):
-    """The run stopped on SIGTERM / SIGINT; the message says what was saved (exit status
-    :data:`EXIT_INTERRUPTED`)."""
+from dres.train.stop import EXIT_INTERRUPTED, Interrupted
 
 
 # keys a resume may change: applied to the optimizer's groups and the LR schedule after its state is loaded

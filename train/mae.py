@@ -8,18 +8,28 @@ evaluation: linear probe, kNN, effective rank, t-SNE, reconstruction grid.
 from __future__ import annotations
 
 import functools
-import sys
 
 import torch
 
 from dres.eval import mae_reconstruction_grid, tsne_plot
 from dres.eval.features import FEATURES_FILE, features_state, score_feature_kinds
-from dres.train.common import eval_loader, features, model_kwargs, progress
+from dres.train.common import eval_loader, features, model_kwargs, progress, run_as_command
 from dres.train.rundir import publish
 
 
 class MAETask:
     name = "mae"
+    eval_keys = ("probe", "probe_epochs", "probe_lr", "probe_batch", "probe_wd", "knn", "knn_k", "feature", "layer",
+                 "effective_rank", "tsne", "recon", "max_train", "max_test", "every", "curve_probe_epochs",
+                 "also_features", "authors_probe", "knn_standardized", "save_features")
+
+    model_choice_keys = ()  # model.* keys that pick one of model_classes
+
+    @staticmethod
+    def model_classes() -> list:
+        from dres.models import MAE
+
+        return [MAE]
 
     def build_model(self, cfg):
         from dres.models import MAE
@@ -104,11 +114,5 @@ class MAETask:
 TASK = MAETask()
 
 
-def main(argv=None):
-    from dres.train.cli import main as cli_main
-
-    return cli_main(["mae"] + list(sys.argv[1:] if argv is None else argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_command(TASK.name)

@@ -12,16 +12,27 @@ from __future__ import annotations
 
 import functools
 import statistics
-import sys
 
 import torch
 
 from dres.eval import classifier_frechet_distance
-from dres.train.common import cap, eval_loader, features, model_kwargs, progress
+from dres.train.common import cap, eval_loader, features, model_kwargs, progress, run_as_command
 
 
 class UViTTask:
     name = "uvit"
+    eval_keys = ("probe", "probe_epochs", "probe_lr", "probe_batch", "probe_wd", "knn_k", "max_train", "max_test",
+                 "sampler", "steps", "n_samples", "probe_block", "probe_t", "probe_grid_blocks", "probe_grid_ts",
+                 "fid_inception", "fid_samples", "fd_classifier", "fd_draws", "fd_real_floor", "curve_fd_samples",
+                 "every", "curve_probe_epochs")
+
+    model_choice_keys = ()  # model.* keys that pick one of model_classes
+
+    @staticmethod
+    def model_classes() -> list:
+        from dres.models import UViT
+
+        return [UViT]
 
     def __init__(self):
         from dres.eval import VPSDE
@@ -212,11 +223,5 @@ class UViTTask:
 TASK = UViTTask()
 
 
-def main(argv=None):
-    from dres.train.cli import main as cli_main
-
-    return cli_main(["uvit"] + list(sys.argv[1:] if argv is None else argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_command(TASK.name)
