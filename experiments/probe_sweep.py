@@ -210,18 +210,14 @@ def sweep(source: Path, out: Path, settings: list[Setting], *, arms: str | None 
     is kept unless ``force``). Returns ``{name: "swept" | "kept"}``."""
     from dres.eval.features import load_features
     from dres.records import write_json_atomic
-    from experiments.runner import git_commit
+    from experiments.runner import git_commit, not_written
 
     found, passed = find_features(source, arms)
     for line in passed:
         log(f"[probe_sweep] {line}")
     status = {}
-    for name, path in found.items():
-        dest = Path(out) / f"{name}.json"
-        if dest.exists() and not force:
-            log(f"[probe_sweep] {name}: {dest} exists; kept (--force sweeps again)")
-            status[name] = "kept"
-            continue
+    for name, path, dest in not_written(found, out, force=force, status=status, log=log, who="probe_sweep",
+                                        again="sweeps again"):
         t0 = time.time()
         state = load_features(path)
         result = sweep_features(state, settings, held_out_frac=held_out_frac, device=device)

@@ -253,6 +253,18 @@ def keep_features(run_features: Path, dest: Path, per_class: int = RECORD_FEATUR
     return dest
 
 
+def not_written(found: dict, out: Path, *, force: bool, status: dict, log, who: str, again: str):
+    """``(name, path, out/<name>.json)`` of each ``found`` file whose JSON is not written yet (every one with
+    ``force``); the others are logged as kept and marked so in ``status``."""
+    for name, path in found.items():
+        dest = Path(out) / f"{name}.json"
+        if dest.exists() and not force:
+            log(f"[{who}] {name}: {dest} exists; kept (--force {again})")
+            status[name] = "kept"
+            continue
+        yield name, path, dest
+
+
 def rescore(folder: Path, out: Path, *, force: bool, log=print) -> dict[str, str]:
     """Score every features file kept in ``folder`` (a records folder's ``features/<arm>.pt``, or a run root's
     ``<arm>/features.pt``) with both feature kinds, the project's probe and the authors', kNN raw and
@@ -269,12 +281,8 @@ def rescore(folder: Path, out: Path, *, force: bool, log=print) -> dict[str, str
         raise ValueError(f"--rescore: no features file of an arm in {folder} (features/<arm>.pt or <arm>/{FEATURES_FILE})")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     status = {}
-    for name, path in found.items():
-        dest = Path(out) / f"{name}.json"
-        if dest.exists() and not force:
-            log(f"[repro] {name}: {dest} exists; kept (--force rescores)")
-            status[name] = "kept"
-            continue
+    for name, path, dest in not_written(found, out, force=force, status=status, log=log, who="repro",
+                                        again="rescores"):
         arm, state = BY_NAME[name], load_features(path)
         e = resolved_config(arm, {}, []).eval
         protocol = {"probe_epochs": e.probe_epochs, "probe_lr": e.probe_lr, "probe_batch": e.probe_batch,
