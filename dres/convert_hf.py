@@ -557,12 +557,14 @@ def _fused_gpt2_block_forward(block: nn.Module, hidden_states: torch.Tensor, *ar
     if named.pop("encoder_hidden_states", None) is not None:
         return super(type(block), block).forward(hidden_states, *args, **kwargs)
     named.pop("encoder_attention_mask", None)
-    attention_out, weights = block.attn(_normalised_input(block, block.ln_1, hidden_states), **named)
-    mid, y = _fused_add_norm(hidden_states, attention_out, block.ln_2, block._dres_alphas[0], block.backend)
+    attention = block.attn(_normalised_input(block, block.ln_1, hidden_states), **named)
+    mid, y = _fused_add_norm(hidden_states, attention[0], block.ln_2, block._dres_alphas[0], block.backend)
     out = _end_layer(block, mid, _gpt2_mlp(block, y))
-    if not block._dres_returns_tuple:
+    if not block._dres_returns_tuple:  # transformers 5
         return out
-    return (out, weights) if named.get("output_attentions") else (out,)
+    if "layer_past" in block._dres_arg_names:  # 4.46: (output, present, probabilities...), present with use_cache
+        return (out,) + attention[1 if named.get("use_cache") else 2:]
+    return (out, attention[1]) if named.get("output_attentions") else (out,)
 
 
 def convert_hf_gpt2(model: nn.Module, alpha_min: float = 1.0, schedule: str = "linspace", per_block: bool = False,

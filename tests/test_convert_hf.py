@@ -415,7 +415,8 @@ def gpt2_inputs(model: nn.Module, padded: bool = False, device="cpu") -> dict:
 @pytest.mark.parametrize("cls_name", ["GPT2LMHeadModel", "GPT2ForSequenceClassification"])
 @pytest.mark.parametrize("padded", [False, True])
 def test_gpt2_alpha1_keeps_function_and_weights(cls_name, padded):
-    original = tiny_gpt2(cls_name).double()
+    # padded: float32 (transformers 4.46 builds no float64 causal mask for SDPA)
+    original, tol = (tiny_gpt2(cls_name), dict(rtol=1e-5, atol=1e-5)) if padded else (tiny_gpt2(cls_name).double(), F64)
     converted = copy.deepcopy(original)
     assert dres.convert_hf_gpt2(converted, backend="torch") is converted
     before, after = original.state_dict(), converted.state_dict()
@@ -423,7 +424,7 @@ def test_gpt2_alpha1_keeps_function_and_weights(cls_name, padded):
     inputs = gpt2_inputs(original, padded)
     # the token embedding gets a gradient only through the language model head it is tied to
     unused = frozenset() if hasattr(original, "lm_head") else frozenset({"transformer.wte.weight"})
-    assert_same_function(original, converted, inputs, "inputs_embeds", F64, unused=unused)
+    assert_same_function(original, converted, inputs, "inputs_embeds", tol, unused=unused)
     # every add fused, the last with ln_f; the first block's ln_1 a layer_norm; no LayerNorm of torch's
     with CallCounts() as calls:
         converted(**inputs)
