@@ -5,7 +5,9 @@ of one optimizer step (the trainer splits it into micro-batches for gradient acc
 order of samples is a pure function of ``(seed, epoch, position)``, so the data position saved in a
 checkpoint (``epoch``, ``batch``) resumes exactly, and the global batch of a step is the same set
 of samples whatever the world size (each rank takes its slice) — which is what lets one process
-and N processes produce the same losses.
+and N processes produce the same losses. The file loaders' state also holds what they counted of lost data
+by then (counted as batches are handed over, not as they are finished ahead), and their DataLoaders draw
+nothing from the global generator, whose stream (the step's masks and noise) the checkpoint resumes too.
 
 * :class:`InMemoryLoader`: the whole data set as a uint8 tensor on the device (CIFAR, digits):
   decoded once, augmented on the device (:mod:`dres.data.augment`), so the loader never limits throughput;
@@ -168,7 +170,8 @@ class _StreamingLoader(_Position):
             batches = type(self)._finished(weakref.proxy(self), self.epoch, self.batch)
             self._batches_to_come = (_Ahead(batches, self.finisher.device, self.ahead, self._running) if self.ahead
                                      else batches)
-        out, self.epoch, self.batch = next(self._batches_to_come)
+        out, losses, self.epoch, self.batch = next(self._batches_to_come)
+        self._count(losses)
         return out
 
     def _open(self, dataset, **kw):
@@ -184,33 +187,49 @@ class _StreamingLoader(_Position):
         self._batches_to_come = None
 
     def _loader(self, dataset, **kw):
+        # a DataLoader draws its workers' base seed from the global generator unless given its own: drawn from the
+        # step's randomness (masks, noise), it would shift that stream wherever a loader opens (a resume, an epoch)
         return torch.utils.data.DataLoader(
             dataset, num_workers=self.num_workers, pin_memory=torch.device(self.device).type == "cuda",
             worker_init_fn=worker_init if self.num_workers else None,
-            prefetch_factor=4 if self.num_workers else None, **kw)
+            prefetch_factor=4 if self.num_workers else None,
+            generator=torch.Generator().manual_seed(_mix(self.seed, self.rank, 5)), **kw)
 
-    def _finish(self, prepared: dict) -> dict | None:
-        """A collated batch -> the batch on the device, its losses counted (None: nothing of it survived)."""
+    def _finish(self, prepared: dict) -> tuple[dict | None, tuple]:
+        """A collated batch -> the batch on the device (None: nothing of it survived) and its losses, ``(loss
+        events, lost samples' names, samples read)``, which :meth:`_count` counts when the batch is handed over."""
         lost = list(prepared["lost"])
-        self.counter.replay(prepared.get("events", ()))
         check_labels(prepared["labels"], self.num_classes, self.where)  # on the host: no wait for the GPU
         out = self.finisher(prepared, lost) if len(prepared["labels"]) else None
-        for name in lost:
-            source = name.rsplit(": ", 1)[0]  # "<file or shard:key>: <error>"
-            file = self._source_file(source)
-            self.counter.add(name if file in (None, source) else f"{name} ({file})", source, key=source,
-                             files=[file] if file else [])
-        self._read += 0 if out is None else len(out["label"])
-        if lost or prepared.get("events"):
-            self.counter.check(self._read, self.max_corrupt_frac, self.where, self._expected)
-        return out
+        return out, (tuple(prepared.get("events", ())), tuple(lost), 0 if out is None else len(out["label"]))
+
+    def _count(self, losses: list):
+        """Count the losses of :meth:`_finish` as their batches are handed over, not as they are finished ahead:
+        the count saved with the position is then that of the batches taken, and a resume goes on from it."""
+        for events, lost, read in losses:
+            self.counter.replay(events)
+            for name in lost:
+                source = name.rsplit(": ", 1)[0]  # "<file or shard:key>: <error>"
+                file = self._source_file(source)
+                self.counter.add(name if file in (None, source) else f"{name} ({file})", source, key=source,
+                                 files=[file] if file else [])
+            self._read += read
+            if lost or events:
+                self.counter.check(self._read, self.max_corrupt_frac, self.where, self._expected)
 
     def _source_file(self, source: str) -> str | None:
         """The source file of a lost sample named ``source`` (a folder's file)."""
         return source
 
+    def state_dict(self):
+        """The position and what this rank counted of the batches taken before it (samples read and lost)."""
+        return {**super().state_dict(), "rank": self.rank, "read": self._read, "lost": self.counter.state_dict()}
+
     def load_state_dict(self, s):
         super().load_state_dict(s)
+        if s.get("rank") == self.rank and "lost" in s:  # another rank's count is not this rank's: it counts afresh
+            self._read = int(s["read"])
+            self.counter.load_state_dict(s["lost"])
         self.close()
 
 
@@ -228,7 +247,7 @@ def _stop_workers(running: list, keep=()):
 
 
 class _Ahead:
-    """The batches of ``batches`` (an iterator of ``(batch, epoch, batches into the epoch)``) finished ``depth``
+    """The batches of ``batches`` (an iterator of ``(batch, ...)``: the loaders' ``_finished``) finished ``depth``
     ahead by a thread of the training process: the GPU decode (which waits on the decoders with the GIL released),
     the crop kernel and the copies of the next batches run while the step's thread queues the step. The thread's
     GPU work runs on a stream of its own; a batch handed over is ready on the taker's current stream, and an
@@ -355,15 +374,19 @@ class FolderLoader(_StreamingLoader):
         return self.steps_per_epoch
 
     def _finished(self, epoch, batch):
-        """The finished batches from position ``(epoch, batch)`` on, each with the position after it."""
+        """The finished batches from position ``(epoch, batch)`` on, each with the losses to count and the position
+        after it."""
         keys = folder_batches(len(self.ds), self.global_batch, self.rank, self.local, self.seed, epoch, batch)
+        losses = []  # of the batches since the last one handed over
         for prepared in self._open(self.ds, batch_sampler=keys, collate_fn=collate_prepared):
             if batch >= self.steps_per_epoch:
                 epoch, batch = epoch + 1, 0
             batch += 1
-            out = self._finish(prepared)
+            out, lost = self._finish(prepared)
+            losses.append(lost)
             if out is not None:
-                yield out, epoch, batch
+                yield out, losses, epoch, batch
+                losses = []
 
 
 def slot_shards(shards: list, slot: int, nslots: int) -> list[tuple[str, tuple[int, int] | None]]:
@@ -463,43 +486,41 @@ class ShardLoader(_StreamingLoader):
         path = next((s for s in self.shards if os.path.basename(s) == shard), None)
         return sample_sources(path).get(key) if path else None
 
-    def _batches(self, epoch):
-        """Epoch ``epoch``'s collated batches of ``local`` samples, those with no sample left accounted here."""
-        ds = _ShardStream(self.shards, self.rank, self.world, self.seed, epoch, self.prep, self.train,
-                          self.buffer, self.local)
-        for prepared in self._open(ds, batch_size=None):
-            if len(prepared["labels"]) == self.local:
-                yield prepared
-            else:
-                self._finish(prepared)
-
     def _finished(self, epoch, batch):
-        """The finished batches from position ``(epoch, batch)`` on, each with the position after it; resume skips
-        what the epoch already consumed, undecoded."""
+        """The finished batches from position ``(epoch, batch)`` on, each with the losses to count and the position
+        after it. A batch of fewer than ``local`` samples (a slot's rest at its end) only has losses to count.
+        Resume skips what the epoch already consumed, undecoded: the batches before the position and the rests
+        met before its last one, whose losses the count saved with the position holds."""
+        losses = []  # of the batches since the last one handed over
         while True:
-            prepared_batches = self._batches(epoch)
+            ds = _ShardStream(self.shards, self.rank, self.world, self.seed, epoch, self.prep, self.train,
+                              self.buffer, self.local)
             skip = batch
-            for prepared in prepared_batches:
+            for prepared in self._open(ds, batch_size=None):
+                full = len(prepared["labels"]) == self.local
                 if skip:
-                    skip -= 1
+                    skip -= full
+                    continue
+                out, lost = self._finish(prepared)
+                losses.append(lost)
+                if not full:
                     continue
                 last = bool(self.steps_per_epoch) and batch + 1 >= self.steps_per_epoch  # ranks stay in step
                 epoch, batch = (epoch + 1, 0) if last else (epoch, batch + 1)
-                out = self._finish(prepared)
-                if out is not None:
-                    yield out, epoch, batch
+                yield out, losses, epoch, batch
+                losses = []
                 if last:
                     break
             else:
                 if batch == 0:
                     raise DataError(f"no samples for rank {self.rank} in {len(self.shards)} shard(s)")
                 epoch, batch = epoch + 1, 0
-            prepared_batches.close()
 
     def eval_batches(self, batch_size):
         """Every sample once, in order, unaugmented, in batches of ``batch_size`` (in this process)."""
         prep = dataclasses.replace(self.prep, aug="none", crop_min=0.0, jitter=0.0)
         for prepared in _ShardStream(self.shards, self.rank, self.world, self.seed, 0, prep, False, 0, batch_size):
-            out = self._finish(prepared)
+            out, lost = self._finish(prepared)
+            self._count([lost])
             if out is not None:
                 yield out

@@ -86,6 +86,16 @@ class CorruptCounter:
             self.pending.append((what, shard, damaged, lost, key, tuple(files)))
         self._report(what)
 
+    def state_dict(self) -> dict:
+        """What was counted, in plain lists and numbers (a checkpoint's), for a resumed run to count on from."""
+        return {"count": self.count, "keys": sorted(self.lost_keys), "damaged": list(self.damaged),
+                "uncounted": list(self.uncounted), "examples": list(self.examples), "files": list(self.files)}
+
+    def load_state_dict(self, s: dict):
+        self.count, self.lost_keys = int(s["count"]), set(s["keys"])
+        self.damaged, self.uncounted = list(s["damaged"]), list(s["uncounted"])
+        self.examples, self.files = list(s["examples"]), list(s["files"])
+
     def drain(self) -> list:
         out, self.pending = self.pending, []
         return out
