@@ -37,8 +37,8 @@ are fused with the norm that follows and carried across blocks as in the ViTs (t
 ``ln_f``, whose output is the model's). Attention stays HF's own: its q/k/v is already one GEMM (the
 ``c_attn`` Conv1D), SDPA applies the causal mask itself, and the block hands it every argument as
 HF's block does, so the key/value cache (generation), padding masks and attention probabilities
-work unchanged. The MLP (``c_fc``, ``gelu_new``, ``c_proj``, all Conv1D, whose (in, out) weights go to
-:func:`dres.ops.fused_mlp` transposed) is one fused MLP with its dropout after it, as in HF.
+work unchanged. A GELU MLP (``c_fc``, ``gelu_new`` or another GELU, ``c_proj``; Conv1D, whose (in, out)
+weights go to :func:`dres.ops.fused_mlp` transposed) is one fused MLP with its dropout after it, as in HF.
 Cross-attention blocks (``add_cross_attention``) are refused.
 
 The branches run on the fused ops too. Every converted self-attention (the module holding the
@@ -551,11 +551,10 @@ def _gpt2_mlp(block: nn.Module, y: torch.Tensor) -> torch.Tensor:
 def _fused_gpt2_block_forward(block: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
     """The forward of a converted GPT2Block (``args``/``kwargs``: the block's, named per transformers
     version): HF's attention on the handed-over ``ln_1`` value with every argument but the encoder's
-    (cache, mask, ``output_attentions``), its add fused with ``ln_2``, the MLP's add with the next norm.
-    A call with encoder states runs HF's block, which refuses it (no cross-attention: conversion refused those)."""
+    (cache, mask, ``output_attentions``), its add fused with ``ln_2``, the MLP's add with the next norm."""
     named = dict(zip(block._dres_arg_names, args), **kwargs)
-    if named.pop("encoder_hidden_states", None) is not None:
-        return super(type(block), block).forward(hidden_states, *args, **kwargs)
+    if named.pop("encoder_hidden_states", None) is not None:  # HF's block refuses them too
+        raise ValueError("encoder_hidden_states given, but this GPT-2 has no cross-attention layers")
     named.pop("encoder_attention_mask", None)
     attention = block.attn(_normalised_input(block, block.ln_1, hidden_states), **named)
     mid, y = _fused_add_norm(hidden_states, attention[0], block.ln_2, block._dres_alphas[0], block.backend)
