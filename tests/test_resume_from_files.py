@@ -15,7 +15,7 @@ import torch
 
 from dres.data import build_loader
 from dres.data.prep import prepare_shards
-from test_decode import TINY_FOLDER_RUN, _folder, _loader_config, _shards
+from test_decode import _folder, _folder_run, _loader_config, _shards
 
 STEPS = 12
 
@@ -31,13 +31,9 @@ def data(tmp_path_factory):
 
 
 def _run(tmp_path, source, path, workers, out, flags=()):
-    sets = [s for s in TINY_FOLDER_RUN if not s.startswith(("data.name=", "data.num_workers="))]
-    sets += [f"data.name={source}", f"data.path={path}", f"data.num_workers={workers}", f"steps={STEPS}",
-             "ckpt.every=2", "ckpt.keep=1"] + (["data.finish_ahead=0"] if workers == 0 else [])  # else 2 ahead
-    cmd = [sys.executable, "-m", "dres.train.mae", "--preset", "quickstart", "--out", str(out), *flags]
-    cmd += [a for kv in sets for a in ("--set", kv)]
-    return subprocess.Popen(cmd, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return _folder_run(tmp_path, out, STEPS, flags=flags, extra=[
+        f"data.name={source}", f"data.path={path}", f"data.num_workers={workers}", "ckpt.every=2", "ckpt.keep=1",
+        *(["data.finish_ahead=0"] if workers == 0 else [])])  # else batches finished 2 ahead
 
 
 def _records(out):
@@ -70,7 +66,8 @@ def test_a_run_killed_at_a_random_step_resumes_as_if_never_killed(tmp_path, data
     assert "[dres] resumed from" in said, said
     _ended(full, "uninterrupted")
     context = f"killed after step {kill_after} ({logged} logged)"
-    assert [(r["step"], r["loss"]) for r in _records(cut)] == [(r["step"], r["loss"]) for r in _records(tmp_path / "full")], context
+    losses = [[(r["step"], r["loss"]) for r in _records(out)] for out in (cut, tmp_path / "full")]
+    assert losses[0] == losses[1], context
     lost = [json.loads((out / "summary.json").read_text())["lost_data"] for out in (cut, tmp_path / "full")]
     assert lost[0] == lost[1], context
     assert lost[0]["corrupt_samples"] == (1 if source == "imagefolder" else 0)
@@ -140,3 +137,20 @@ def test_a_loader_decoding_on_the_gpu_resumes_exactly(tmp_path, source):
         assert torch.equal(again["image"], batch["image"]) and torch.equal(again["label"], batch["label"])
         assert resumed.state_dict() == state
     resumed.close()
+
+
+def test_a_loader_with_workers_imports_the_cpu_decoder_before_they_fork(tmp_path):
+    """Forked workers inherit the decoder's module instead of importing it each (seconds) at every epoch's start."""
+    script = "\n".join([
+        "import dataclasses, pathlib, sys",
+        "from dres.data import build_loader",
+        "from test_decode import _folder, _loader_config",
+        f"config = _loader_config('imagefolder', _folder(pathlib.Path({str(tmp_path)!r})), 0)",
+        "build_loader(dataclasses.replace(config, num_workers=0), 'train', 8)",
+        "print('torchvision.io' in sys.modules)",
+        "build_loader(config, 'train', 8)",
+        "print('torchvision.io' in sys.modules)"])
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests, os.path.dirname(tests)]))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stderr

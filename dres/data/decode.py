@@ -37,7 +37,7 @@ import stat
 import struct
 import warnings
 import zlib
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,6 +105,13 @@ def crop_box(width: int, height: int, rng: random.Random, aug: str, scale=(0.2, 
     side = max(1, round(min(width, height) * crop_pct))
     box = ((width - side) // 2, (height - side) // 2, side, side)
     return box, aug != "none" and rng.random() < 0.5
+
+
+def import_cpu_decoder() -> None:
+    """Import the CPU decoder (``torchvision.io``) here: DataLoader workers forked from this process then have it,
+    instead of each importing it (seconds) as it starts, at every epoch of streamed shards."""
+    with suppress(ImportError):
+        importlib.import_module("torchvision.io")
 
 
 def _decode_cpu(data: bytes, mode: str, jpeg: bool, in_chans: int) -> torch.Tensor:

@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from dres.data.augment import augment_params, channel_stats, gather_augment, normalize, to_device
-from dres.data.decode import (BatchFinisher, SamplePrep, collate_prepared, cores_per_process, lost_sample, prepare,
-                              read_file, worker_init)
+from dres.data.decode import (BatchFinisher, SamplePrep, collate_prepared, cores_per_process, import_cpu_decoder,
+                              lost_sample, prepare, read_file, worker_init)
 from dres.data.sources import (CorruptCounter, DataError, check_labels, expand_shards, iter_shard,
                                list_image_folder, prep_dropped, sample_sources)
 
@@ -147,6 +147,8 @@ class _StreamingLoader(_Position):
         # without a finisher: CPU-decoded pixels, unnormalised
         self.finisher = finisher or BatchFinisher(device, prep.size, prep.in_chans)
         self.prep, self.num_workers = prep, num_workers
+        if num_workers:
+            import_cpu_decoder()
         self.max_corrupt_frac, self.where = max_corrupt_frac, where
         self.counter = CorruptCounter(log, unit=unit)
         self._read, self._expected, self.ahead = 0, 0, ahead
