@@ -16,8 +16,9 @@ nothing from the global generator, whose stream (the step's masks and noise) the
 * :class:`FolderLoader`: ImageFolder trees (ImageNet) read file by file in DataLoader workers that live for the
   run, each sample's crop seeded by (seed, epoch, index); same global-batch slicing.
 * :class:`ShardLoader`: WebDataset shards streamed (for data too large for memory): shards split
-  by rank and worker, a seeded shuffle buffer, corrupt samples skipped and counted; resume skips
-  the batches already consumed in the epoch without decoding them.
+  by rank and worker, a seeded shuffle buffer, corrupt samples skipped and counted; resume reads the epoch
+  again up to its position (the shuffle buffers are refilled in the same order) and drops those batches
+  unfinished.
 
 Both file loaders make pixels the way :mod:`dres.data.decode` says (in the workers, or on the GPU), and
 finish each batch (its GPU decode, crop kernel and normalisation) ``ahead`` batches early in a thread of the
@@ -491,8 +492,8 @@ class ShardLoader(_StreamingLoader):
     def _finished(self, epoch, batch):
         """The finished batches from position ``(epoch, batch)`` on, each with the losses to count and the position
         after it. A batch of fewer than ``local`` samples (a slot's rest at its end) only has losses to count.
-        Resume skips what the epoch already consumed, undecoded: the batches before the position and the rests
-        met before its last one, whose losses the count saved with the position holds."""
+        Resume drops what the epoch already consumed, unfinished and uncounted: the batches up to the position and
+        the rests met before its last one, whose losses the count saved with the position holds."""
         losses = []  # of the batches since the last one handed over
         while True:
             ds = _ShardStream(self.shards, self.rank, self.world, self.seed, epoch, self.prep, self.train,
