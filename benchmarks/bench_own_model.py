@@ -13,7 +13,9 @@ every arm starts from the same weights: timm ``vit_base_patch16_224`` (drop path
 plain arms, the converter's controller in the converted ones, which create the model without it), timm
 DINOv2 ViT-S/14 at 224 px, HF ``ViTMAEForPreTraining`` (base; one fixed ``noise``, so every step masks
 alike in every arm), HF ``ViTForImageClassification`` (base, 1000 labels), HF ``BertForMaskedLM`` (base,
-sequence 128, 15% of the tokens labelled), timm ``resnet50d`` at 224 and at 32 px (channels_last).
+sequence 128, 15% of the tokens labelled), HF ``GPT2LMHeadModel`` (small, sequence 1024), HF
+``CLIPVisionModel`` (base, patch 16, 224 px; the loss: its pooled output's mean square), timm ``resnet50d`` at
+224 and at 32 px (channels_last).
 ``--tiny`` puts a small config of the same constructor in place of each (the CPU test, a GPU smoke run).
 
 Arms (:data:`ARMS`): plain and converted model, each eager, ``torch.compile(model)`` (default mode, as a
@@ -155,6 +157,15 @@ def mlm_batch(size: Size, gen: torch.Generator) -> tuple[torch.Tensor, torch.Ten
     return ids, torch.where(labelled, ids, torch.full_like(ids, -100))
 
 
+def image_only_batch(size: Size, gen: torch.Generator) -> tuple[torch.Tensor]:
+    return (images(size, gen),)
+
+
+def lm_batch(size: Size, gen: torch.Generator) -> tuple[torch.Tensor]:
+    """Token ids of ``size.image`` positions (a causal LM's inputs and its labels)."""
+    return (torch.randint(0, size.classes, (size.batch, size.image), generator=gen),)
+
+
 def classification_loss(model, images, labels) -> torch.Tensor:
     out = model(images)
     return F.cross_entropy(getattr(out, "logits", out), labels)  # transformers models return an output object
@@ -166,6 +177,15 @@ def mae_loss(model, images, noise) -> torch.Tensor:
 
 def mlm_loss(model, ids, labels) -> torch.Tensor:
     return model(input_ids=ids, labels=labels).loss
+
+
+def lm_loss(model, ids) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+def pooled_feature_loss(model, images) -> torch.Tensor:
+    """A vision tower without a head (CLIP's): the mean square of its pooled output."""
+    return model(pixel_values=images).pooler_output.float().square().mean()
 
 
 SMALL_VIT = dict(embed_dim=64, depth=2, num_heads=2)
@@ -199,6 +219,17 @@ MODELS = {
                           lambda size: {"vocab_size": size.classes, "max_position_embeddings": max(512, size.image)}),
         mlm_batch, mlm_loss, Size(128, 128, 30522),
         Size(TINY_BATCH, 16, 100, {k: v for k, v in SMALL_HF.items() if k != "patch_size"})),
+    "hf_gpt2": ModelSpec(
+        "HF GPT2LMHeadModel, small, sequence 1024", "seq/s",
+        functools.partial(hf_model, "GPT2LMHeadModel", "GPT2Config", "convert_hf_gpt2",
+                          lambda size: {"vocab_size": size.classes, "n_positions": max(1024, size.image)}),
+        lm_batch, lm_loss, Size(16, 1024, 50257), Size(TINY_BATCH, 16, 100, dict(n_embd=32, n_layer=2, n_head=2))),
+    "hf_clip_vision": ModelSpec(
+        "HF CLIPVisionModel, base patch 16, 224 px", "img/s",
+        functools.partial(hf_model, "CLIPVisionModel", "CLIPVisionConfig", "convert_hf_vit",
+                          lambda size: {"image_size": size.image}),
+        image_only_batch, pooled_feature_loss, Size(128, 224, 1),
+        Size(TINY_BATCH, 32, 1, SMALL_HF)),
     "resnet50d_224": ModelSpec(
         "timm resnet50d, 224 px, channels_last", "img/s", timm_resnet, image_batch, classification_loss,
         Size(256, 224, 1000), Size(TINY_BATCH, 32, 10, SMALL_RESNET), channels_last=True),
