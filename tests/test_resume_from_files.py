@@ -40,6 +40,12 @@ def _records(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _logged(out) -> int:
+    """Steps in metrics.jsonl while the run writes it (whole lines only)."""
+    metrics = out / "metrics.jsonl"
+    return metrics.read_text().count("\n") if metrics.exists() else 0
+
+
 def _ended(proc, what):
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, (what, stdout, stderr)
@@ -55,12 +61,12 @@ def test_a_run_killed_at_a_random_step_resumes_as_if_never_killed(tmp_path, data
     full = _run(tmp_path, source, data[source], workers, tmp_path / "full")
     cut = tmp_path / "cut"
     killed = _run(tmp_path, source, data[source], workers, cut)
-    while killed.poll() is None and not ((cut / "metrics.jsonl").exists() and len(_records(cut)) >= kill_after):
+    while killed.poll() is None and _logged(cut) < kill_after:
         time.sleep(0.01)
     os.killpg(killed.pid, signal.SIGKILL)
     stdout, stderr = killed.communicate(timeout=60)
     assert killed.returncode == -signal.SIGKILL, (kill_after, stdout, stderr)
-    logged = len(_records(cut))
+    logged = _logged(cut)
     assert logged < STEPS, f"the run ended before the kill after step {kill_after}"
     said = _ended(_run(tmp_path, source, data[source], workers, cut, ["--resume", "auto"]), "resumed")
     assert "[dres] resumed from" in said, said
