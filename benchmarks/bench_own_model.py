@@ -507,8 +507,8 @@ def markdown(rows: list[dict], *, header: list[str], failed: list[dict], not_run
     for row in rows:
         peak = ", ".join(f"{mode} {_number(r)}" for mode, r in row["peak_mem_ratio"].items() if r is not None) or "–"
         converted_diffs = [d for a, d in row["loss_diff"].items() if ARMS[a].converted and d is not None]
-        loss = (f"{_number(max(converted_diffs) if converted_diffs else None, '.4f')} "
-                f"(noise {_number(row['loss_noise'], '.4f')})")
+        loss = (f"{_number(max(converted_diffs) if converted_diffs else None, '.2g')} "
+                f"(noise {_number(row['loss_noise'], '.2g')})")
         step = f"{_times(row['step_vs_plain_compiled'])} (plain step {_times(row['plain_step_vs_plain_compiled'])})"
         lines.append(f"| {row['title']}, batch {row['batch']} | {row['unit']} | {_pair(row, 'eager', 'eager_ratio')} | "
                      f"{_pair(row, 'compiled', 'compiled_ratio')} | {step} | {peak} | {loss} |")
@@ -521,7 +521,7 @@ def markdown(rows: list[dict], *, header: list[str], failed: list[dict], not_run
             spread = _number(figures.get("spread_pct"), ".1f") + "%" if figures["processes"] > 1 else "–"
             peaks = f"{_number(figures.get('peak_mem_gib'))} | {_number(figures.get('peak_reserved_gib'))}"
             lines.append(f"| {row['model']} | {arm} | {_rate(row, arm, unit=True)} | {figures['processes']} | "
-                         f"{spread} | {peaks} | {_number(row['loss_diff'].get(arm), '.4f')} | {how} |")
+                         f"{spread} | {peaks} | {_number(row['loss_diff'].get(arm), '.2g')} | {how} |")
     if failed:
         lines += ["", "Failed:"] + [f"- {r['model']} {r['arm']} (repeat {r['repeat']}): {r['error']}" for r in failed]
     if not_run:

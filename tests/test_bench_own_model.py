@@ -159,13 +159,13 @@ def test_table_quotes_each_model_with_its_ratios_failures_and_unstarted_arms():
     vit = next(line for line in lines if line.startswith("| timm vit_base_patch16_224"))
     cells = [c.strip() for c in vit.strip("|").split(" | ")]
     assert cells[1:] == ["img/s", "1,000 -> 1,500 (1.50x)", "2,000 -> 2,500 (1.25x)", "1.50x (plain step 1.10x)",
-                         "eager 0.80, compiled 0.94, step 0.90", "0.0300 (noise 0.0100)"]
+                         "eager 0.80, compiled 0.94, step 0.90", "0.03 (noise 0.01)"]
     bert = next(line for line in lines if line.startswith("| HF BertForMaskedLM"))
     assert "500 -> failed (–)" in bert and "not run -> not run (–)" in bert
-    assert "| hf_bert | converted_step | 700 seq/s | 1 | – | 3.00 | – | 0.0000 | eager: dres.compile_step: the " \
+    assert "| hf_bert | converted_step | 700 seq/s | 1 | – | 3.00 | – | 0 | eager: dres.compile_step: the " \
            "step runs eagerly: the device is cpu, not CUDA |" in lines
-    assert "| vit_b16 | converted_compiled | 2,500 img/s | 2 | 8.0% | 8.50 | – | 0.0200 |  |" in lines
-    assert "| vit_b16 | converted_step | 3,000 img/s | 1 | – | 1.50 | 9.00 | 0.0000 | captured |" in lines
+    assert "| vit_b16 | converted_compiled | 2,500 img/s | 2 | 8.0% | 8.50 | – | 0.02 |  |" in lines
+    assert "| vit_b16 | converted_step | 3,000 img/s | 1 | – | 1.50 | 9.00 | 0 | captured |" in lines
     assert "- hf_bert converted_eager (repeat 0): OutOfMemoryError: CUDA out of memory." in lines
     assert lines[-1] == "Not run: hf_bert-plain_compiled-0"
 
