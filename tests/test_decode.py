@@ -454,7 +454,7 @@ def test_sigterm_to_the_process_group_with_workers_saves_and_exits_75(tmp_path):
     import time
 
     from dres.train import checkpoint
-    from dres.train.loop import EXIT_INTERRUPTED
+    from dres.train.stop import EXIT_INTERRUPTED
 
     out = tmp_path / "run"
     proc = _folder_run(tmp_path, out, steps=100000, extra=["ckpt.every=0"])

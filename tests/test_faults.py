@@ -25,7 +25,9 @@ import pytest
 from dres.train import checkpoint
 from dres.train import cli, rundir
 from dres.train.config import build_config
-from dres.train.loop import EXIT_INTERRUPTED, RESUME_APPLIED, Trainer
+from dres.train.loop import Trainer
+from dres.train.resume import RESUME_APPLIED
+from dres.train.stop import EXIT_INTERRUPTED
 from dres.train.mae import TASK
 
 REPO = Path(__file__).resolve().parent.parent
@@ -242,19 +244,55 @@ def test_signal_during_the_final_evaluation_stops_at_once(tmp_path, capsys, monk
 def test_forked_loader_workers_keep_their_own_signal_behaviour():
     """A data-loader worker forked while the handlers are installed dies of SIGTERM as it would without
     them (its parent stops it); only the trainer's process turns the signal into a stop request."""
-    from types import SimpleNamespace
+    from dres.train.stop import StopOnSignal
 
-    from dres.train.loop import StopOnSignal
-
-    trainer = SimpleNamespace(stop_signal=None, in_loop=True)
-    with StopOnSignal(trainer):
+    asked = []
+    with StopOnSignal(asked.append):
         pid = os.fork()
         if pid == 0:
             os.kill(os.getpid(), signal.SIGTERM)
             os._exit(0)  # reached only if the signal was swallowed
         _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
-    assert trainer.stop_signal is None
+    assert asked == []
+
+
+# the command line as its console script runs it, so that a delay counts from the process's start
+CONSOLE_SCRIPT = "import sys; from dres.train.cli import main; sys.exit(main())"
+
+
+def test_a_signal_at_any_moment_of_start_up_is_one_line_and_its_own_status(tmp_path):
+    """SIGTERM / SIGINT to the process group at delays that fall from the command line's first imports through
+    the trainer's setup and its first steps: each run ends with one line and status 75, or finishes (status 0),
+    never with a traceback; a run stopped before it saved a step leaves no folder, so the same command starts it
+    again, and one stopped after a step leaves its checkpoint for --resume auto."""
+    delays = [0.7, 1.5, 3.0, 5.0, 8.0]  # started together, so that the sweep takes the longest delay's time
+    procs = []
+    for i, delay in enumerate(delays):
+        args = _args(tmp_path / f"run{i}", "--set", "log.tensorboard=true", steps=30)
+        procs.append(subprocess.Popen([sys.executable, "-c", CONSOLE_SCRIPT, *args], cwd=str(tmp_path),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1")))
+    started = time.monotonic()
+    for i, (proc, delay) in enumerate(zip(procs, delays)):
+        time.sleep(max(0.0, started + delay - time.monotonic()))
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT if i % 2 else signal.SIGTERM)
+    for i, proc in enumerate(procs):
+        stdout, stderr = proc.communicate(timeout=300)
+        out = tmp_path / f"run{i}"
+        assert proc.returncode in (EXIT_INTERRUPTED, 0), (delays[i], proc.returncode, stderr)
+        assert "Traceback" not in stderr, (delays[i], stderr)
+        if proc.returncode == 0:
+            assert (out / "summary.json").exists()
+            continue
+        line = stderr.strip()
+        assert len(line.splitlines()) == 1 and line.startswith("dres-train: stopped by SIG"), (delays[i], stderr)
+        if "before training started" in line:
+            assert not out.exists(), (delays[i], sorted(p.name for p in out.rglob("*")))
+        else:
+            assert " after step " in line and checkpoint.list_checkpoints(out / "checkpoints"), (delays[i], line)
+            assert not (out / "run.lock").exists()
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import pytest
 
 from dres.train import checkpoint
 from dres.train.launch import STATUS_DIR_ENV, every_rank_stopped, record_stop
-from dres.train.loop import EXIT_INTERRUPTED
+from dres.train.stop import EXIT_INTERRUPTED
 
 # a tiny DDP classifier run of the real CLI, long enough to be signalled while it trains
 CLASSIFY = ["device=cpu", "data.name=synthetic", "data.synthetic_size=64", "data.img_size=8", "data.in_chans=1", "data.mean=[0.5]",

@@ -15,7 +15,8 @@ from dres.train import cli, rundir
 from dres.train.classify import TASK as CLASSIFY
 from dres.train.config import ConfigError, build_config, fingerprint, fingerprint_diff, to_dict
 from dres.train.step import graph_plan
-from dres.train.loop import Trainer, param_groups
+from dres.train.loop import Trainer
+from dres.train.optim import param_groups
 from dres.train.optim import build_optimizer, peak_lr
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)

@@ -16,9 +16,11 @@ import torch
 from dres.nn import Mlp
 from dres.ops import csrc_backend
 from dres.train.config import ConfigError, build_config
-from dres.train.loop import Trainer, fused_mlp_choice, lr_lambda
+from dres.train.loop import Trainer
+from dres.train.optim import lr_lambda
 from dres.train.runlog import RunLog, steady_timing, window_timing
-from dres.train.step import DDP_WARMUP_STEPS, GraphedStep, TrainStep, graph_plan, graph_warmup_steps, schedule_table
+from dres.train.step import (DDP_WARMUP_STEPS, GraphedStep, TrainStep, fused_mlp_choice, graph_plan, graph_warmup_steps,
+                             schedule_table)
 
 CUDA = torch.device("cuda", 0)
 
@@ -193,7 +195,7 @@ def test_cpu_run_reports_no_replay_timing(tmp_path):
     with open(tmp_path / "metrics.jsonl") as f:
         recs = [json.loads(line) for line in f]
     assert [r["step"] for r in recs] == [1, 2, 3]
-    assert all(set(r) == {"step", "loss", "lr", "img_per_s", "model_tflops", "mfu", "epoch"} for r in recs)
+    assert all(set(r) == {"step", "loss", "lr", "img_per_s", "model_tflops", "mfu", "epoch", "data_ms"} for r in recs)
     with open(tmp_path / "summary.json") as f:
         summary = json.load(f)
     assert summary["steps"] == 3 and not {"graph_gpu_ms_per_step", "trainer_vs_replay"} & set(summary)
@@ -471,7 +473,7 @@ def test_graphed_run_reports_its_replay_floor(tmp_path):
 def test_run_releases_the_captured_graph_before_the_process_group_goes(tmp_path, monkeypatch):
     """run() frees the captured graph when training ends (a graph holding NCCL collectives keeps the
     communicator alive, and destroying the process group then hangs); release() is idempotent."""
-    from dres.train.loop import run
+    from dres.train.driver import run
 
     seen = []
     release = GraphedStep.release

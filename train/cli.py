@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from dres.train import stop
 from dres.train.tasks import get_task
 
 
@@ -146,7 +147,7 @@ def _run(args, overrides=()):
     import yaml
 
     from dres.train.config import ConfigError, build_config, check_commands, list_presets, to_dict, typed_values
-    from dres.train.loop import run
+    from dres.train.driver import run
     from dres.train.rundir import normal_path
 
     if not args.preset:
@@ -195,15 +196,11 @@ def _guarded(prog: str, fn, args) -> int:
     with ``args.debug``), a lost rank one line and status 1, a stop on SIGTERM/SIGINT one line and
     status 75 (recorded for dres-launch), and the process group (if any) is torn down either way."""
     from dres.train.distributed import LostRank
-    from dres.train.launch import record_stop
-    from dres.train.stop import EXIT_INTERRUPTED, Interrupted
 
     try:
         fn(args)
-    except Interrupted as e:  # stopped on a signal, its checkpoint saved: a status of its own, for requeueing
-        _say(f"{prog}: {e}")
-        record_stop()
-        return EXIT_INTERRUPTED
+    except stop.Interrupted as e:  # stopped on a signal, its checkpoint saved: a status of its own, for requeueing
+        return _stopped(prog, e)
     except LostRank as e:  # not the user's error, and no checkpoint of this moment: neither 2 nor 75
         if args.debug:
             raise
@@ -221,9 +218,24 @@ def _guarded(prog: str, fn, args) -> int:
     return 0
 
 
+def _stopped(prog: str, e: stop.Interrupted) -> int:
+    """A stop on SIGTERM/SIGINT: its one line, recorded for dres-launch, and its exit status."""
+    from dres.train.launch import record_stop
+
+    _say(f"{prog}: {e}")
+    record_stop()
+    return stop.EXIT_INTERRUPTED
+
+
 def main(argv=None):
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    return _guarded("dres-train", _run, args)
+    # from the command line's first line to the process's end a signal is a stop in one line (or the run's end)
+    stop.ignore_at_exit()
+    with stop.on_signal(stop.stop_at_once):
+        try:
+            args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+            return _guarded("dres-train", _run, args)
+        except stop.Interrupted as e:  # while the flags were read, or while the process group was torn down
+            return _stopped("dres-train", e)
 
 
 TRAINING_EVAL_KEYS = ("eval.every", "eval.curve_probe_epochs", "eval.curve_fd_samples")  # act during training, not in dres-eval
@@ -275,7 +287,7 @@ def eval_main(argv=None):
 
 def _evaluate(a) -> None:
     from dres.train.config import build_config, check_commands, load_config, to_dict, typed_values
-    from dres.train.loop import run
+    from dres.train.driver import run
     from dres.train.rundir import normal_path
 
     run_dir = normal_path(a.run_dir)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import random
 import runpy
 import shutil
 import sys
 import time
 from typing import Optional
 
+import numpy as np
 import torch
 
 from dres.data import DataError, build_loader
@@ -44,6 +46,20 @@ def model_kwargs(cls, cfg) -> dict:
 DENSE_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.5), ("H100", 989.4), ("H200 NVL", 835.5),
                      ("H200", 989.4), ("A100", 312.0), ("A10", 125.0), ("L40S", 362.05), ("L40", 181.05),
                      ("L4", 121.0))
+
+
+def seed_all(seed: int):
+    """The Python, NumPy and torch generators seeded alike (identical initial weights on every rank)."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def resolve_precision(p: str, device: torch.device) -> str:
+    """The ``precision`` setting with ``auto`` resolved: bf16 on CUDA, fp32 elsewhere."""
+    if p == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    return p
 
 
 def dense_bf16_peak(device: torch.device) -> tuple[str, Optional[float]]:

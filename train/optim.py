@@ -14,9 +14,11 @@ the whole-step CUDA graph (:mod:`dres.train.step`) needs.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
+import torch.nn as nn
 
 
 def peak_lr(cfg) -> float:
@@ -61,3 +63,45 @@ def build_optimizer(cfg, param_groups, device: torch.device, precision: str, cap
         return torch.optim.SGD(param_groups, lr=peak_lr(cfg), momentum=o.momentum, nesterov=True,
                                **({"fused": True} if fused else {}))
     raise ValueError(f"optim.name must be one of adamw, sgd; got {o.name!r}")
+
+
+def param_groups(model: nn.Module, weight_decay: float):
+    """AdamW groups: no weight decay on biases, norms (all 1-D tensors), tokens and position
+    embeddings (MAE / timm convention)."""
+    decay, no_decay, names = [], [], []
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        leaf = n.split(".")[-1]
+        if p.ndim < 2 or "token" in leaf or "pos_embed" in leaf or leaf in ("cls", "pos", "alpha"):
+            no_decay.append(p)
+            names.append(n)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], names
+
+
+def lr_lambda(total: int, warmup: int, schedule: str, min_ratio: float):
+    """Per-iteration factor of the peak lr: linear warmup, then half-cycle cosine to ``min_ratio``
+    (MAE) or constant (U-ViT)."""
+
+    def f(step):
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        t = (step - warmup) / max(1, total - warmup)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * min(t, 1.0)))
+
+    return f
+
+
+def build_schedule(cfg, optimizer: torch.optim.Optimizer, total_steps: int, epoch_steps: int):
+    """The LR schedule of a run of ``total_steps`` (``epoch_steps`` a data epoch, for ``optim.warmup_epochs``) and
+    its warm-up steps: :func:`lr_lambda` of :func:`peak_lr` (``optim.min_lr`` its floor)."""
+    o, lr = cfg.optim, peak_lr(cfg)
+    warmup = o.warmup_steps if o.warmup_steps >= 0 else int(round(o.warmup_epochs * epoch_steps))
+    warmup = min(warmup, total_steps)
+    schedule = lr_lambda(total_steps, warmup, o.schedule, o.min_lr / lr if lr else 0)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule), warmup
+

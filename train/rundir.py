@@ -427,6 +427,16 @@ def remove_created(out: Path, top: Path | None) -> None:
         p = p.parent
 
 
+def empty(out: Path) -> None:
+    """Remove what ``out`` holds besides the run lock: a start stopped before it saved or logged a step, in a
+    folder that was empty when it claimed it (so all of it is that start's own record)."""
+    for p in contents(out):
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
 def superseded_name(name: str) -> str:
     """Where the records cut from log ``name`` on a resume go: ``metrics.jsonl`` -> ``metrics.superseded.jsonl``."""
     stem, _, ext = name.rpartition(".")

@@ -135,6 +135,15 @@ def graph_plan(cfg, device: torch.device, precision: str, world: int) -> tuple[b
     return True, "on (the whole step is captured after warm-up steps and replayed)"
 
 
+def fused_mlp_choice(setting: str, captured: bool) -> bool | None:
+    """The :class:`dres.nn.Mlp` path for the ``fused_mlp`` setting: True / False, or None (the module's own
+    rule: fused outside torch.compile). ``auto`` fuses a captured step even when it is compiled: the replay
+    has no host cost for the opaque op to add, and the op saves a (tokens x hidden) activation."""
+    if setting == "auto":
+        return True if captured else None
+    return setting == "true"
+
+
 def graph_warmup_steps(cfg, world: int) -> int:
     """Eager steps before the capture: lazy initialisation, compilation and autotuning happen in them."""
     return DDP_WARMUP_STEPS if cfg.dist == "ddp" and world > 1 else 3

@@ -1,10 +1,140 @@
-"""What a run stopped on SIGTERM / SIGINT reports: :class:`Interrupted` and its exit status, which the trainer,
-the command line and ``dres-launch`` share (this module imports nothing of the trainer)."""
+"""Stopping on SIGTERM / SIGINT: :class:`Interrupted` and its exit status, which the trainer, the command line and
+``dres-launch`` share, and :func:`on_signal`, which turns the signals into a stop from the command line's first
+line to its last (this module imports nothing of the trainer).
+
+What a signal does depends on what the process is doing, so whoever runs routes it (:func:`on_signal`): before a
+trainer exists it raises :class:`Interrupted` at once (:func:`stop_at_once`, nothing to save); the trainer finishes
+its step and saves, or stops at once where no step is under way; once the run has ended the process ends as it
+would have (:func:`let_it_end`)."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Callable
 
 # sysexits' EX_TEMPFAIL ("try again later"): the run stopped on a signal after saving, --resume auto continues it
 EXIT_INTERRUPTED = 75
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class Interrupted(RuntimeError):
     """The run stopped on SIGTERM / SIGINT; the message says what was saved (exit status
     :data:`EXIT_INTERRUPTED`)."""
+
+
+def stop_at_once(name: str) -> None:
+    """Before training: nothing to finish or save."""
+    raise Interrupted(f"stopped by {name} before training started (exit status {EXIT_INTERRUPTED})")
+
+
+def let_it_end(name: str) -> None:
+    """After the run: its results are written, and the process ends as it would have."""
+
+
+class StopOnSignal:
+    """While installed, SIGTERM and SIGINT (what schedulers send before they kill, and Ctrl-C) call ``route(name)``
+    (the signal's name), which raises :class:`Interrupted` to stop at once or returns to let the run stop at a
+    point of its own. After the first signal both signals take their default action again, so a second one ends
+    the process at once (the checkpoint being written, if any, stays a temporary the next resume ignores). Only
+    the main thread can take signals; elsewhere this does nothing."""
+
+    def __init__(self, route: Callable[[str], None]):
+        self.route = route
+        self.previous: dict = {}
+        self.pid = os.getpid()
+        self.deferred = False  # a signal waits for an import to end (_deliver_after_import)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.getsignal(s) for s in SIGNALS}
+            for s in SIGNALS:
+                signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if os.getpid() != self.pid:  # a forked data-loader worker: it reacts as it would without this handler
+            previous = self.previous.get(signum, signal.SIG_DFL)
+            if callable(previous):
+                return previous(signum, frame)
+            if previous == signal.SIG_DFL:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
+        if _importing(frame):  # an exception raised inside an import can come out as another, or be swallowed
+            self._deliver_after_import(signum)
+            return
+        for s in SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+        self.route(signal.Signals(signum).name)
+
+    def _deliver_after_import(self, signum):
+        """Send ``signum`` to the main thread again once no import is under way there (the signals that arrive
+        meanwhile are this one)."""
+        if self.deferred:
+            return
+        self.deferred, main = True, threading.main_thread().ident
+
+        def deliver():
+            while _importing(sys._current_frames().get(main)):
+                time.sleep(0.01)
+            self.deferred = False
+            signal.pthread_kill(main, signum)
+
+        threading.Thread(target=deliver, name="dres-stop-after-import", daemon=True).start()
+
+    def __exit__(self, *exc):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        return False
+
+
+def _importing(frame) -> bool:
+    """Whether ``frame`` or one of its callers is Python's import machinery."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+_installed: list[StopOnSignal] = []  # the handler of this process, while one is installed
+
+
+@contextlib.contextmanager
+def on_signal(route: Callable[[str], None]):
+    """Within the block the signals go to ``route``: through the handler already installed (the command line
+    installs one at its start, routed to :func:`stop_at_once`), which takes :func:`let_it_end` after the block,
+    or through one installed for the block."""
+    if _installed:
+        handler = _installed[-1]
+        handler.route = route
+        try:
+            yield handler
+        finally:
+            handler.route = let_it_end
+        return
+    with StopOnSignal(route) as handler:
+        _installed.append(handler)
+        try:
+            yield handler
+        finally:
+            _installed.remove(handler)
+
+
+def _ignore_signals() -> None:
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
+def ignore_at_exit() -> None:
+    """SIGTERM and SIGINT ignored from the interpreter's exit on (its modules' teardown takes about a second after
+    the command returned): the run has ended, and the process ends with the status it returned."""
+    atexit.unregister(_ignore_signals)
+    atexit.register(_ignore_signals)
