@@ -259,8 +259,8 @@ def _trainer_rows(args, rows):
         print(json.dumps(rows[-1]), flush=True)
         for files, variant, cores, decode in ((f, v, c, d) for f in sources for v in args.variants
                                               for c in args.cores for d in args.trainer_decodes):
-            # the workers the product gives a decode (dres.data.loader_workers: per rank, by the cores it has), but
-            # the GPU decode's --gpu-workers; auto: the trainer's own choice of decode too
+            # the workers the product gives a decode (dres.data.factory.loader_workers: per rank, by the cores it
+            # has), but the GPU decode's --gpu-workers; auto: the trainer's own choice of decode too
             workers = min(cores, args.gpu_workers) if decode == "gpu" else None
             data = files + [f"data.decode={decode}", *([f"data.num_workers={workers}"] if workers else []),
                             *[f"data.{kv}" for kv in variant]]

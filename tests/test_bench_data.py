@@ -121,7 +121,7 @@ def test_trainer_rows_from_files_take_the_gpu_workers_and_the_data_settings(monk
                            cores=[16, 4], trainer_decodes=["gpu", "cpu", "auto"], gpu_workers=8, variants=[[]])
     bench_data._trainer_rows(args, [])
     workers = [(cores, next((d for d in data if d.startswith("data.num_workers=")), "-")) for data, cores in runs[1:]]
-    # the CPU decode and auto: the trainer's own workers (dres.data.loader_workers, per rank)
+    # the CPU decode and auto: the trainer's own workers (dres.data.factory.loader_workers, per rank)
     assert workers == [(16, "data.num_workers=8"), (16, "-"), (16, "-"), (4, "data.num_workers=4"), (4, "-"), (4, "-")]
     assert "data.decode=auto" in runs[3][0]
     assert all("data.hw_decode_load=1" in data for data, _ in runs[1:]) and runs[0][1] == 16

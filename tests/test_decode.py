@@ -120,7 +120,7 @@ def test_workers_keep_jpegs_for_the_gpu_and_decode_the_rest(kind):
 
 
 def test_the_workers_follow_the_decode_unless_given(tmp_path, monkeypatch):
-    import dres.data as data
+    from dres.data import factory as data
 
     monkeypatch.setattr(data, "cores_per_process", lambda: 8)
     d = DataConfig(name="imagefolder", path=_folder(tmp_path), img_size=8, num_classes=3, gpu_resident=False)
@@ -303,14 +303,14 @@ def test_the_gpu_decoder_is_chosen_by_data_gpu_decoder(tmp_path, monkeypatch):
         with pytest.raises(DataError, match=r"data.gpu_decoder=nvimgcodec is not installed \(pip install "):
             decode_backend(d, "cuda")
     d.decode = "auto"  # asked for by name, missing: an error rather than a silent switch
-    monkeypatch.setattr("dres.data.cores_per_process", lambda: 4)  # too few cores for the CPU decode: auto asks the GPU
+    monkeypatch.setattr("dres.data.factory.cores_per_process", lambda: 4)  # too few cores for the CPU decode: auto asks the GPU
     if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.nvimgcodec") is None:
         with pytest.raises(DataError, match="data.gpu_decoder=nvimgcodec"):
             decode_backend(d, "cuda")
 
 
 def test_decode_auto_takes_the_cpu_where_the_process_has_the_cores_for_it(tmp_path, monkeypatch):
-    import dres.data as data
+    from dres.data import factory as data
 
     d = DataConfig(name="imagefolder", path=_folder(tmp_path), img_size=8, num_classes=3, gpu_resident=False)
     assert d.decode == "auto" and d.num_workers == -1
@@ -401,7 +401,7 @@ def test_gpu_decode_matches_the_cpu_decode_of_the_same_crops(tmp_path, backend, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gpu_decoder", ["auto", "torchvision"])
 def test_gpu_decode_is_the_default_where_a_decoder_is_there_and_few_cores(tmp_path, gpu_decoder, monkeypatch):
-    import dres.data as data
+    from dres.data import factory as data
 
     monkeypatch.setattr(data, "cores_per_process", lambda: 4)
     d = DataConfig(name="imagefolder", path=_folder(tmp_path), img_size=16, num_classes=3, gpu_resident=False,

@@ -3,14 +3,14 @@ read it, the same from an installed wheel (whose default shared folder does not 
 
 import pytest
 
-import dres.data
+import dres.data.factory
 from dres.data import DataError, load_arrays
 from dres.train.config import build_config, list_presets
 
 
 def _without_shared_shards(monkeypatch, tmp_path):
     # an installed wheel: the default beside the package is a folder that does not exist
-    monkeypatch.setattr(dres.data, "default_cifar10_dir", lambda: tmp_path / "site-packages" / "shared" / "cifar10")
+    monkeypatch.setattr(dres.data.factory, "default_cifar10_dir", lambda: tmp_path / "site-packages" / "shared" / "cifar10")
 
 
 @pytest.mark.parametrize("task, preset", [("mae", "mae_cifar10"), ("uvit", "uvit_cifar10"),

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dres.records import remove_partial
 from dres.train import distributed
 from dres.train import rundir
 from dres.train.config import fingerprint_diff
@@ -167,7 +168,7 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
             if not rundir.is_disk_full(e):
                 raise
             if main:
-                rundir.remove_partial(tmp)
+                remove_partial(tmp)
             raise rundir.disk_full(final, _state_bytes(state) * world, _kept_on_full_disk(ckpt_dir, final)) from e
         distributed.on_main(lambda: rundir.publish(final, lambda t: _torch_save(extra, t / "extra.pt"),
                                                    lambda: _state_bytes(state) * world,

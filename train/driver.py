@@ -32,7 +32,8 @@ def run(cfg: Config, task, *, resume=None, eval_only=False, ckpt=None, overwrite
             lock, claimed_empty = distributed.on_main(lambda: _claim(trainer, resume, overwrite), trainer.main) \
                 or (None, False)
             trainer.setup()
-            if resume and trainer.resume(resume) and trainer.step == trainer.total_steps and (trainer.out / "summary.json").exists():
+            if resume and trainer.resume(resume) and trainer.step == trainer.total_steps \
+                    and (trainer.out / "summary.json").exists():
                 return results.finished(trainer)
             started = True
             trainer.fit()
@@ -40,7 +41,8 @@ def run(cfg: Config, task, *, resume=None, eval_only=False, ckpt=None, overwrite
             return trainer.finish(ev)
     except Exception as e:
         if trainer.log_file.path is not None:  # the one line the command line prints, in the run's log too
-            trainer.log_file.write(f"[dres] {'' if isinstance(e, Interrupted) else 'error: '}{' '.join(str(e).split())}")
+            kind = "" if isinstance(e, Interrupted) else "error: "
+            trainer.log_file.write(f"[dres] {kind}{' '.join(str(e).split())}")
         if isinstance(e, Interrupted) and claimed_empty and trainer.last_good is None and not trainer.history:
             started = False  # nothing of the run is kept: the same command starts it again
             rundir.empty(trainer.out)

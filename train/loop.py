@@ -346,5 +346,5 @@ class Trainer:
         return results.curve_point(self)
 
     def finish(self, eval_metrics: dict | None = None, *, eval_only=False):
-        """:func:`dres.train.results.finish`: ``summary.json`` after training, ``eval.json`` after an evaluation alone."""
+        """:func:`dres.train.results.finish`: summary.json after training, eval.json after an evaluation alone."""
         return results.finish(self, eval_metrics, eval_only=eval_only)

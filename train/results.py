@@ -38,7 +38,8 @@ def open_run_log(trainer) -> RunLog:
                                 purge_step=trainer.step + 1 if trainer.step else None)
                if trainer.main and cfg.log.tensorboard else None)
     return RunLog(trainer.out / "metrics.jsonl", main=trainer.main, tb=trainer.tb, show_progress=cfg.log.progress,
-                  total=trainer.total_steps, initial=trainer.step, kept=trainer.checkpoint_kept, batch_size=cfg.batch_size,
+                  total=trainer.total_steps, initial=trainer.step, kept=trainer.checkpoint_kept,
+                  batch_size=cfg.batch_size,
                   rate=lambda ips: flops_rate(trainer, ips),
                   timer=trainer.graphed.timer if trainer.graphed is not None else None, write=trainer.log,
                   wandb=open_wandb(trainer.out, to_dict(cfg)) if trainer.main and cfg.log.wandb else None)
@@ -117,7 +118,8 @@ def finish(trainer, eval_metrics: dict | None = None, *, eval_only=False) -> dic
     """Write the results: after training ``summary.json`` (evaluation under "eval"); after an evaluation alone
     ``eval.json``, so the training summary stays as training wrote it."""
     if eval_only:
-        s, name, lines = {"step": trainer.step, "checkpoint": trainer.loaded_from, "eval": eval_metrics or {}}, "eval.json", []
+        s = {"step": trainer.step, "checkpoint": trainer.loaded_from, "eval": eval_metrics or {}}
+        name, lines = "eval.json", []
     else:
         s, name = dict(trainer.summary), "summary.json"
         if eval_metrics:

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import yaml
 
+from dres.records import replace_atomic
 from dres.train.config import TASKS, fingerprint, fingerprint_diff
 
 FINGERPRINT_FILE = "fingerprint.json"
@@ -92,13 +93,6 @@ def disk_full(path: Path, needed: int, kept: str) -> DiskFull:
     return DiskFull(f"no space left on the device of {path}: it needs about {byte_size(needed)} ({free}); {kept}")
 
 
-def remove_partial(tmp: Path) -> None:
-    if tmp.is_dir():
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        tmp.unlink(missing_ok=True)
-
-
 # what a run stopped by a full disk does next (its folder holds config.yaml, so a fresh start would be refused)
 FREE_SPACE_AND_RESUME = "free space, then continue with --resume auto"
 
@@ -109,24 +103,23 @@ def temporary(path: Path) -> Path:
 
 
 def publish(path, write, needed: int | Callable[[], int] | None = None, kept: str | None = None) -> None:
-    """Replace ``path`` as a whole by what ``write(tmp)`` writes to :func:`temporary` (a file, synced, or a
-    directory), then renamed, so a reader (or a crash) sees the old one or the new one, never a part. A full
-    disk is :class:`DiskFull`, with the temporary removed: ``needed`` is the bytes it takes where known (a
-    function is called only then), ``kept`` what the message says is left (default: the previous file)."""
+    """Replace ``path`` as a whole by what ``write(tmp)`` writes to :func:`temporary`
+    (:func:`dres.records.replace_atomic`). A full disk is :class:`DiskFull`, with the temporary removed: ``needed``
+    is the bytes it takes where known (a function is called only then), ``kept`` what the message says is left
+    (default: the previous file)."""
     path = Path(path)
-    tmp = temporary(path)
+    written = []  # the temporary's size once write returned or failed, for the message
+
+    def write_measured(tmp):
+        try:
+            write(tmp)
+        finally:
+            written.append(tmp.stat().st_size if tmp.exists() else 0)
+
     try:
-        write(tmp)
-        if tmp.is_dir():
-            if path.exists():  # os.replace cannot replace a directory that holds files
-                shutil.rmtree(path)
-        else:
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        replace_atomic(path, write_measured, temporary(path))
     except Exception as e:  # torch.save reports a failed write as a RuntimeError
-        size = tmp.stat().st_size if tmp.exists() else 0
-        remove_partial(tmp)
+        size = written[0] if written else 0
         if not is_disk_full(e):
             raise
         if kept is None:

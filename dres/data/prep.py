@@ -38,7 +38,7 @@ from pathlib import Path
 
 from dres.data.decode import is_decode_error, read_file
 from dres.data.sources import SOURCES, DataError, file_sha256, list_image_folder
-from dres.records import write_json_atomic
+from dres.records import replace_atomic, write_json_atomic
 
 EXIT_STOPPED = 75  # stopped on a signal; run again to continue (the trainers' status for the same)
 
@@ -81,20 +81,22 @@ def _sample(src: str, short_side: int, quality: int) -> tuple[bytes | None, str]
 def _write_shard(job) -> dict:
     """One shard: its samples resized and written to a temporary file, renamed when complete."""
     path, items, short_side, quality = job
-    tmp = path + ".tmp"
     lost, keys = [], []
-    with tarfile.open(tmp, "w") as tar:
-        for key, src, label in items:
-            jpeg, why = _sample(src, short_side, quality)
-            if jpeg is None:
-                lost.append(f"{src}: {why}")
-                continue
-            for ext, payload in (("jpg", jpeg), ("cls", str(label).encode())):
-                info = tarfile.TarInfo(f"{key}.{ext}")
-                info.size, info.mtime = len(payload), 0
-                tar.addfile(info, io.BytesIO(payload))
-            keys.append(key)
-    os.replace(tmp, path)
+
+    def write(tmp):
+        with tarfile.open(tmp, "w") as tar:
+            for key, src, label in items:
+                jpeg, why = _sample(src, short_side, quality)
+                if jpeg is None:
+                    lost.append(f"{src}: {why}")
+                    continue
+                for ext, payload in (("jpg", jpeg), ("cls", str(label).encode())):
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size, info.mtime = len(payload), 0
+                    tar.addfile(info, io.BytesIO(payload))
+                keys.append(key)
+
+    replace_atomic(path, write, path + ".tmp")
     return {"shard": os.path.basename(path), "keys": keys, "sha256": file_sha256(path), "lost": lost}
 
 

@@ -20,7 +20,7 @@ from typing import Optional
 
 from torch import nn
 
-from dres.convert_resnet import ResNetClassifier
+from dres.models.resnet import ResNetClassifier
 from dres.models.classifier import ViTClassifier
 from dres.models.mae import MAE, SkipLayer
 from dres.models.uvit import UViT
