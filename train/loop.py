@@ -50,10 +50,7 @@ class Trainer:
         self.precision = resolve_precision(cfg.precision, self.device)
         if self.precision == "fp16" and self.device.type == "cpu":
             raise ConfigError("precision fp16 needs a CUDA device (use bf16 or fp32 on CPU)")
-        if cfg.dist == "fsdp" and cfg.ckpt.format == "file":
-            self.dcp = False
-        else:
-            self.dcp = cfg.ckpt.format == "dcp" or (cfg.ckpt.format == "auto" and cfg.dist == "fsdp")
+        self.dcp = cfg.ckpt.format == "dcp" or (cfg.ckpt.format == "auto" and cfg.dist == "fsdp")
         self.step = 0
         self.history: list[dict] = []
         self.summary: dict = {}
@@ -144,7 +141,7 @@ class Trainer:
             epoch_steps = len(self.loader)
             if cfg.data.side_stream and self.device.type == "cuda":
                 self.data_stream = torch.cuda.Stream(self.device)
-            results.count_flops(self)
+            self.flops_per_image, self.peak_tflops = results.count_flops(self)
         self.total_steps = cfg.steps if cfg.steps > 0 else int(round(cfg.epochs * epoch_steps))
         if train and self.total_steps <= 0:
             raise ConfigError("training length is zero: set steps=N or epochs=E (with a data set of known size)")
@@ -187,12 +184,15 @@ class Trainer:
         return self.last_good
 
     def resume(self, what="auto") -> bool:
-        """:func:`dres.train.resume.resume`: this run's state from a checkpoint (``auto``: the newest)."""
-        return resume.resume(self, what)
+        """:func:`dres.train.resume.resume`: this run's state from a checkpoint (``auto``: the newest), if any."""
+        resumed = resume.resume(self, what)
+        if resumed is not None:
+            self.step, self.last_good, self.last_record = resumed
+        return resumed is not None
 
     def load_weights(self, path):
         """:func:`dres.train.resume.load_weights`: the model alone, for an evaluation."""
-        resume.load_weights(self, path)
+        self.step, self.loaded_from = resume.load_weights(self, path)
 
     def full_state_copy(self):
         """:func:`dres.train.resume.full_state_copy`: a plain model to evaluate on one rank (EMA weights if kept)."""
@@ -273,7 +273,7 @@ class Trainer:
             raise ValueError(f"until must be in 1..{self.total_steps} (the run's steps), got {until}")
         end = self.total_steps if until is None else until
         start_step, t0, seen = self.step, time.time(), 0
-        runlog = results.open_run_log(self)
+        self.tb, runlog = results.open_run_log(self)
         plain_log, self._log = self._log, runlog.around_bar(self._log)  # messages clear the bar's line first
         acc_loss, acc_n, acc_metrics, step_last = torch.zeros((), device=self.device), 0, {}, self.step
         pending = None  # the last log step's record on its way to the host

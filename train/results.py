@@ -28,21 +28,20 @@ def write_record(trainer) -> None:
         trainer.start_log()
 
 
-def open_run_log(trainer) -> RunLog:
-    """The run's record written (:func:`write_record`), TensorBoard and wandb opened, and the :class:`RunLog` of a
-    :meth:`~dres.train.loop.Trainer.fit`."""
-    cfg = trainer.cfg
+def open_run_log(trainer) -> tuple:
+    """The run's record written (:func:`write_record`); the TensorBoard writer (or None) and the :class:`RunLog` of
+    a :meth:`~dres.train.loop.Trainer.fit`, wandb opened for it where asked for."""
+    cfg, main = trainer.cfg, trainer.main
     write_record(trainer)
     # a resumed run hides the events its predecessor logged after the checkpoint, as metrics.jsonl cuts them
-    trainer.tb = (open_tensorboard(trainer.out / "tb", trainer.checkpoint_kept, trainer.log,
-                                purge_step=trainer.step + 1 if trainer.step else None)
-               if trainer.main and cfg.log.tensorboard else None)
-    return RunLog(trainer.out / "metrics.jsonl", main=trainer.main, tb=trainer.tb, show_progress=cfg.log.progress,
-                  total=trainer.total_steps, initial=trainer.step, kept=trainer.checkpoint_kept,
-                  batch_size=cfg.batch_size,
-                  rate=lambda ips: flops_rate(trainer, ips),
-                  timer=trainer.graphed.timer if trainer.graphed is not None else None, write=trainer.log,
-                  wandb=open_wandb(trainer.out, to_dict(cfg)) if trainer.main and cfg.log.wandb else None)
+    tb = (open_tensorboard(trainer.out / "tb", trainer.checkpoint_kept, trainer.log,
+                           purge_step=trainer.step + 1 if trainer.step else None)
+          if main and cfg.log.tensorboard else None)
+    return tb, RunLog(trainer.out / "metrics.jsonl", main=main, tb=tb, show_progress=cfg.log.progress,
+                      total=trainer.total_steps, initial=trainer.step, kept=trainer.checkpoint_kept,
+                      batch_size=cfg.batch_size, rate=lambda ips: flops_rate(trainer, ips),
+                      timer=trainer.graphed.timer if trainer.graphed is not None else None, write=trainer.log,
+                      wandb=open_wandb(trainer.out, to_dict(cfg)) if main and cfg.log.wandb else None)
 
 
 def flops_rate(trainer, img_per_s: float) -> dict:
@@ -67,23 +66,25 @@ def training_summary(trainer, start_step: int, wall: float, seen: int) -> dict:
     return summary
 
 
-def count_flops(trainer) -> None:
+def count_flops(trainer) -> tuple[float | None, float | None]:
     """The model FLOPs of one training image (forward + backward, :mod:`dres.models.flops`) and the card's dense
-    bf16 peak, set on the trainer for ``model_tflops`` and ``mfu`` in metrics.jsonl, summary.json and the log."""
+    bf16 peak (TFLOP/s), either None where unknown, for ``model_tflops`` and ``mfu`` in metrics.jsonl, summary.json
+    and the log, which says which is known."""
     cfg = trainer.cfg
     micro = cfg.batch_size // (trainer.info.world * cfg.accum_steps)  # the loader has checked it divides
     flops = training_flops(trainer.raw_model, micro, cfg.model.img_size)
-    trainer.flops_per_image = flops / micro if flops is not None else None
-    name, trainer.peak_tflops = dense_bf16_peak(trainer.device)
-    if trainer.flops_per_image is None:
+    per_image = flops / micro if flops is not None else None
+    name, peak = dense_bf16_peak(trainer.device)
+    if per_image is None:
         trainer.log(f"[dres] note: no FLOP count for a {type(trainer.raw_model).__name__}; model_tflops and mfu "
                     "are not reported")
-        return
-    counted = f"[dres] model FLOPs: {trainer.flops_per_image / 1e9:.4g} GFLOP per training image (forward + backward)"
-    if trainer.peak_tflops is None:
-        trainer.log(f"{counted}; note: mfu is not reported, no dense bf16 peak is known for {name}")
+    elif peak is None:
+        trainer.log(f"[dres] model FLOPs: {per_image / 1e9:.4g} GFLOP per training image (forward + backward); "
+                    f"note: mfu is not reported, no dense bf16 peak is known for {name}")
     else:
-        trainer.log(f"{counted}; mfu against the dense bf16 peak of {name}, {trainer.peak_tflops:g} TFLOP/s")
+        trainer.log(f"[dres] model FLOPs: {per_image / 1e9:.4g} GFLOP per training image (forward + backward); "
+                    f"mfu against the dense bf16 peak of {name}, {peak:g} TFLOP/s")
+    return per_image, peak
 
 
 def curve_point(trainer) -> dict:

@@ -16,9 +16,11 @@ RESUME_APPLIED = ("steps", "epochs", "accum_steps", "optim.lr", "optim.blr", "op
 RESUME_FIXED = ("seed",)
 
 
-def resume(trainer, what="auto") -> bool:
-    """``auto``: the newest readable checkpoint of the trainer's run directory (none at all: start fresh, False);
-    or a path. Unreadable or incompatible checkpoints are :class:`~dres.train.checkpoint.CheckpointError`.
+def resume(trainer, what="auto") -> tuple[int, Path, dict | None] | None:
+    """The trainer's state from a checkpoint; returns its step, its path and the last record of metrics.jsonl kept
+    (for the trainer to set), or None where there is none. ``what``: ``auto``, the newest readable checkpoint of the
+    trainer's run directory (none at all: start fresh); or a path. Unreadable or incompatible checkpoints are
+    :class:`~dres.train.checkpoint.CheckpointError`.
 
     The settings of :data:`RESUME_APPLIED` may differ from the checkpoint's: its optimizer state is loaded, then
     the current config's weight decay, betas, eps and momentum are set on the parameter groups and the LR schedule
@@ -34,7 +36,7 @@ def resume(trainer, what="auto") -> bool:
                             log=t.log)
     if extra is None:
         t.log(f"[dres] no checkpoint in {target}; starting from scratch")
-        return False
+        return None
     step, path = int(extra["step"]), Path(extra["path"])
     changed = changed_settings(extra.get("config") or {}, to_dict(t.cfg), path)
     if step > t.total_steps:
@@ -45,7 +47,6 @@ def resume(trainer, what="auto") -> bool:
     if t.loader is not None and extra.get("data"):
         t.loader.load_state_dict(extra["data"])
     apply_settings(t.optimizer, t.scheduler, built)
-    t.step, t.last_good = step, path
     t.log(f"[dres] resumed from {path} at step {step}")
     if changed:
         t.log(f"[dres] settings changed since the checkpoint, applied from step {step} (the lr schedule "
@@ -53,14 +54,15 @@ def resume(trainer, what="auto") -> bool:
     aside = checkpoint.set_aside_after(t.ckpt_dir, step)
     if aside is not None:
         t.log(f"[dres] checkpoints after step {step} (skipped or from an abandoned branch) moved to {aside}")
+    last_record = None
     if t.main:
         for name in ("metrics.jsonl", "curves.jsonl"):
             kept, cut = rundir.cut_records(t.out / name, step)
             if cut:
                 t.log(f"[dres] {cut} records of {name} after step {step} moved to {rundir.superseded_name(name)}")
             if name == "metrics.jsonl" and kept:
-                t.last_record = kept[-1]
-    return True
+                last_record = kept[-1]
+    return step, path, last_record
 
 
 def changed_settings(saved: dict, now: dict, path) -> str:
@@ -86,15 +88,16 @@ def apply_settings(optimizer, scheduler, built: list[dict]) -> None:
     scheduler.step()
 
 
-def load_weights(trainer, path) -> None:
-    """The model (and EMA) of the checkpoint ``path`` (a file or a run's checkpoint folder), for an evaluation."""
+def load_weights(trainer, path) -> tuple[int, str]:
+    """The model (and EMA) of the checkpoint ``path`` (a file or a run's checkpoint folder), for an evaluation;
+    returns the checkpoint's step and path."""
     t = trainer
     extra = checkpoint.load(path, t.model, None, ema=t.ema, device=t.device, restore_rng=False,
                             fingerprint=fingerprint(t.cfg), log=t.log)
     if extra is None:
         raise FileNotFoundError(f"no checkpoint in {path}")
-    t.step, t.loaded_from = int(extra["step"]), extra["path"]
-    t.log(f"[dres] loaded weights of step {t.step} from {extra['path']}")
+    t.log(f"[dres] loaded weights of step {extra['step']} from {extra['path']}")
+    return int(extra["step"]), extra["path"]
 
 
 def full_state_copy(trainer):

@@ -5,7 +5,7 @@ line to its last (this module imports nothing of the trainer).
 What a signal does depends on what the process is doing, so whoever runs routes it (:func:`on_signal`): before a
 trainer exists it raises :class:`Interrupted` at once (:func:`stop_at_once`, nothing to save); the trainer finishes
 its step and saves, or stops at once where no step is under way; once the run has ended the process ends as it
-would have (:func:`let_it_end`)."""
+would have (:func:`let_it_end`, and :func:`ignore_at_exit` while the interpreter exits)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def stop_at_once(name: str) -> None:
 
 
 def let_it_end(name: str) -> None:
-    """After the run: its results are written, and the process ends as it would have."""
+    """After the run, or the error that ended it: what it wrote stays, and the process ends with its own status."""
 
 
 class StopOnSignal:
