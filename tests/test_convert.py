@@ -13,6 +13,7 @@ import dres
 from dres.convert import FusedTimmBlocks
 from dres.nn import ResidualDroppath, TransformerStack, decay_schedule
 from test_nn import assert_grads_close, param_grads, perturb_
+from tiny_models import tiny_classifier, tiny_mae
 
 
 def small_vit(**kw):
@@ -209,10 +210,9 @@ def test_controller_state_travels_with_the_state_dict():
 @pytest.mark.parametrize("global_pool", ["cls", "avg"])
 def test_export_classifier_loads_into_timm_and_computes_the_same(global_pool):
     from dres.convert import export_timm_state_dict, timm_vit_kwargs
-    from dres.models import create_classifier
 
     torch.manual_seed(0)
-    model = perturb_(create_classifier("vit_test", global_pool=global_pool)).double().eval()
+    model = perturb_(tiny_classifier(global_pool=global_pool)).double().eval()
     vit = VisionTransformer(**timm_vit_kwargs(model)).double().eval()
     vit.load_state_dict(export_timm_state_dict(model), strict=True)
     imgs = torch.randn(2, 3, 8, 8, dtype=torch.float64)
@@ -222,10 +222,9 @@ def test_export_classifier_loads_into_timm_and_computes_the_same(global_pool):
 @pytest.mark.parametrize("variant", ["paper", "official"])
 def test_export_mae_encoder_with_and_without_final_norm(variant):
     from dres.convert import export_timm_state_dict, timm_vit_kwargs
-    from dres.models import create_mae
 
     torch.manual_seed(0)
-    encoder = perturb_(create_mae("mae_vit_test", variant=variant).encoder).double().eval()
+    encoder = perturb_(tiny_mae(variant=variant).encoder).double().eval()
     kwargs = timm_vit_kwargs(encoder)
     assert kwargs["num_classes"] == 0 and kwargs.get("final_norm", True) == (encoder.transformer.norm is not None)
     vit = VisionTransformer(**kwargs).double().eval()
@@ -238,10 +237,9 @@ def test_export_decayed_classifier_then_convert_with_its_alphas():
     """A classifier with decayed shortcuts and a drop-path controller: timm's model computes it once
     converted and given the same alphas (the controller's state is not exported)."""
     from dres.convert import export_timm_state_dict, timm_vit_kwargs
-    from dres.models import create_classifier
 
     torch.manual_seed(0)
-    model = perturb_(create_classifier("vit_test", alpha_min=0.6, drop_path=0.1)).double().eval()
+    model = perturb_(tiny_classifier(alpha_min=0.6, drop_path=0.1)).double().eval()
     state = export_timm_state_dict(model)
     assert not any("droppath" in k for k in state)
     vit = VisionTransformer(**timm_vit_kwargs(model)).double().eval()
@@ -254,11 +252,10 @@ def test_export_decayed_classifier_then_convert_with_its_alphas():
 
 def test_export_refuses_other_models_and_unknown_keys():
     from dres.convert import export_timm_state_dict
-    from dres.models import create_classifier
 
     with pytest.raises(TypeError, match="ViTClassifier or ViTEncoder"):
         export_timm_state_dict(small_vit())
-    model = create_classifier("vit_test")
+    model = tiny_classifier()
     model.probe = torch.nn.Linear(32, 2)
     with pytest.raises(ValueError, match="'probe.weight' has no timm VisionTransformer counterpart"):
         export_timm_state_dict(model)

@@ -6,7 +6,7 @@ import torch
 
 from dres.export import ExportError, export_model
 from dres.train.export import main
-from dres.models import create_classifier, create_mae
+from tiny_models import tiny_classifier, tiny_mae
 
 timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")
@@ -27,7 +27,7 @@ def _perturbed(model):
 
 @pytest.mark.parametrize("gelu", ["none", "tanh"])
 def test_classifier_to_timm_and_hf(tmp_path, gelu):
-    model = _perturbed(create_classifier("vit_test", num_classes=5, gelu_approximate=gelu))
+    model = _perturbed(tiny_classifier(num_classes=5, gelu_approximate=gelu))
     expected = model(IMGS)
     export_model(model, "timm", tmp_path / "timm")
     vit = timm.create_model(f"local-dir:{tmp_path / 'timm'}", pretrained=True).eval()
@@ -41,7 +41,7 @@ def test_classifier_to_timm_and_hf(tmp_path, gelu):
 
 
 def test_mae_to_hf_pretraining_and_its_encoder_to_timm(tmp_path):
-    model = _perturbed(create_mae("mae_vit_test", norm_pix_loss=True))
+    model = _perturbed(tiny_mae(norm_pix_loss=True))
     noise = torch.rand(3, 4, generator=torch.Generator().manual_seed(2))
     loss, pred, mask = model(IMGS, noise=noise)
     export_model(model, "hf", tmp_path / "hf")
@@ -56,11 +56,11 @@ def test_mae_to_hf_pretraining_and_its_encoder_to_timm(tmp_path):
 
 
 def test_safetensors_keeps_every_variant_and_its_alphas(tmp_path):
-    model = _perturbed(create_mae("mae_vit_test", variant="official", alpha_min=0.6))
+    model = _perturbed(tiny_mae(variant="official", alpha_min=0.6))
     noise = torch.rand(3, 4, generator=torch.Generator().manual_seed(3))
     export_model(model, "safetensors", tmp_path / "st")
     path = tmp_path / "st" / "model.safetensors"
-    fresh = create_mae("mae_vit_test", variant="official", alpha_min=0.6).eval()
+    fresh = tiny_mae(variant="official", alpha_min=0.6).eval()
     fresh.load_state_dict(safetensors_torch.load_file(path), strict=True)
     for got, want in zip(fresh(IMGS, noise=noise), model(IMGS, noise=noise)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -72,13 +72,13 @@ def test_safetensors_keeps_every_variant_and_its_alphas(tmp_path):
 
 
 @pytest.mark.parametrize("model, to, message", [
-    (lambda: create_mae("mae_vit_test", variant="official"), "hf", r"variant 'official' has skip layers"),
-    (lambda: create_mae("mae_vit_test", variant="paper"), "hf", r"variant 'paper' has skip layers"),
-    (lambda: create_classifier("vit_test", global_pool="avg"), "hf", r"global_pool='avg'"),
-    (lambda: create_classifier("vit_test", alpha_min=0.6), "hf", r"decayed shortcuts \(alphas down to 0\.6\)"),
-    (lambda: create_classifier("vit_test", alpha_min=0.6), "timm", r"timm's config cannot express"),
+    (lambda: tiny_mae(variant="official"), "hf", r"variant 'official' has skip layers"),
+    (lambda: tiny_mae(variant="paper"), "hf", r"variant 'paper' has skip layers"),
+    (lambda: tiny_classifier(global_pool="avg"), "hf", r"global_pool='avg'"),
+    (lambda: tiny_classifier(alpha_min=0.6), "hf", r"decayed shortcuts \(alphas down to 0\.6\)"),
+    (lambda: tiny_classifier(alpha_min=0.6), "timm", r"timm's config cannot express"),
     (lambda: torch.nn.Linear(2, 2), "safetensors", r"^model: expected a dres ViTClassifier or MAE, got Linear$"),
-    (lambda: create_classifier("vit_test"), "onnx", r"^to: expected one of timm, hf, safetensors, got 'onnx'$"),
+    (lambda: tiny_classifier(), "onnx", r"^to: expected one of timm, hf, safetensors, got 'onnx'$"),
 ])
 def test_what_a_format_cannot_express_is_refused_in_one_line(tmp_path, model, to, message):
     with pytest.raises(ExportError, match=message) as caught:

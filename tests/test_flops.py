@@ -15,12 +15,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from dres.eval import VPSDE, noise_prediction_loss
-from dres.models import ResNetClassifier, create_classifier, create_mae, create_uvit
+from dres.models import ResNetClassifier
 from dres.models.flops import conv_out_size, training_flops
 from dres.train import common
 from dres.train.config import build_config
 from dres.train.loop import Trainer
 from dres.train.mae import TASK as MAE_TASK
+from tiny_models import tiny_classifier, tiny_mae, tiny_uvit
 
 BATCH = 3
 
@@ -38,7 +39,7 @@ def counted(loss_fn) -> int:
 @pytest.mark.parametrize("mask_ratio", [0.75, 0.6])
 def test_mae_flops_match_the_counter(variant, mask_ratio):
     # 16 patches: 4 visible at 0.75, int(6.4) = 6 at 0.6; 3 decoder blocks take the skips of encoder blocks 3 and 1
-    model = create_mae("mae_vit_test", variant=variant, img_size=16, depth=4, decoder_depth=3,
+    model = tiny_mae(variant=variant, img_size=16, depth=4, decoder_depth=3,
                        decoder_embed_dim=48, mask_ratio=mask_ratio)
     imgs = torch.randn(BATCH, 3, 16, 16)
     assert training_flops(model, BATCH) == counted(lambda: model(imgs)[0])
@@ -46,7 +47,7 @@ def test_mae_flops_match_the_counter(variant, mask_ratio):
 
 @pytest.mark.parametrize("overrides", [{}, {"mlp_time_embed": True, "num_classes": 5}, {"conv": False}])
 def test_uvit_flops_match_the_counter(overrides):
-    model = create_uvit("uvit_test", **overrides)
+    model = tiny_uvit(**overrides)
     x = torch.randn(BATCH, 3, 8, 8)
     y = torch.randint(0, 5, (BATCH,)) if overrides.get("num_classes") else None
     assert training_flops(model, BATCH) == counted(lambda: noise_prediction_loss(model, x, VPSDE(), y=y))
@@ -54,7 +55,7 @@ def test_uvit_flops_match_the_counter(overrides):
 
 @pytest.mark.parametrize("global_pool", ["cls", "avg"])
 def test_vit_classifier_flops_match_the_counter(global_pool):
-    model = create_classifier("vit_test", global_pool=global_pool)
+    model = tiny_classifier(global_pool=global_pool)
     x, labels = torch.randn(BATCH, 3, 8, 8), torch.randint(0, 10, (BATCH,))
     assert training_flops(model, BATCH) == counted(lambda: F.cross_entropy(model(x), labels))
 

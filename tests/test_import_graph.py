@@ -127,7 +127,8 @@ def test_the_models_and_converters_need_none_of_the_train_extra(tmp_path):
         "import sys, torch\n"
         "import dres.models, dres.export\n"
         "from dres import convert_timm_vit\n"
-        "model = dres.models.create_classifier('vit_test', drop_path=0.1, num_classes=3)\n"
+        "model = dres.models.ViTClassifier(img_size=8, patch_size=4, embed_dim=32, depth=2, num_heads=2, drop_path=0.1, "
+        "num_classes=3)\n"
         "print(tuple(model(torch.randn(2, 3, 8, 8)).shape))\n"
         f"print(sorted(m for m in sys.modules if m.split('.')[0] in {train_extra!r}))\n", tmp_path, train_extra)
     assert out.split("\n")[:2] == ["(2, 3)", "[]"]

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import dres.ops as ops
-from dres.models import create_mae
 from dres.ops import reference
 from dres.ops.mae_loss import mae_loss_op
 from dres.ops.utils import patchify, unpatchify
 from helpers import (BF16, F16, F32, TOLERANCE, assert_close, assert_graph_runs, inductor_caches_off, recording_backend,
                      rel_err)
+from tiny_models import tiny_mae
 
 # (patch_size, channels, grid_h, grid_w): CIFAR-like patches of 2 on an odd 3x5 grid, one channel,
 # and a p=16 ImageNet patch (P = 768, not a power of two).
@@ -287,7 +287,7 @@ def test_mae_forward_loss_fused_and_unfused(triton_device, norm_pix):
     random_masking): the model's loss through the fused kernel and through the unfused formula
     agree, value and gradient into pred; fused_loss=None picks the kernel on CUDA (eager)."""
     torch.manual_seed(13)
-    model = create_mae("mae_vit_test", norm_pix_loss=norm_pix).to(triton_device)
+    model = tiny_mae(norm_pix_loss=norm_pix).to(triton_device)
     imgs = torch.randn(3, 3, 8, 8, device=triton_device)
     model.fused_loss = False
     loss, pred, mask = model(imgs, mask_ratio=0.5)

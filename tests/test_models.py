@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dres.models import MAE, UVIT_CONFIGS, UViT, ViTClassifier, create_classifier, create_mae, create_uvit
+from dres.models import MAE, UVIT_CONFIGS, UViT, ViTClassifier, create_mae, create_uvit
 from dres.nn import PatchEmbed, decay_schedule, set_backend
 from helpers import fp32_on_cuda
 from test_nn import assert_grads_close, param_grads, perturb_, plain_attention, plain_ln, plain_mlp, plain_stack
+from tiny_models import tiny_classifier, tiny_mae, tiny_uvit
 
 F64 = dict(rtol=1e-9, atol=1e-9)
 F32 = dict(rtol=1e-3, atol=1e-4)
@@ -122,7 +123,7 @@ def test_mae_matches_plain_float64(variant):
 def test_mae_gradients_have_their_parameters_strides(variant):
     """DDP copies a gradient whose strides differ from its parameter's into its bucket and warns on every
     run ("Grad strides do not match bucket view strides"): every parameter's gradient is laid out like it."""
-    model = create_mae("mae_vit_test", variant=variant, alpha_min=0.6, backend="torch")
+    model = tiny_mae(variant=variant, alpha_min=0.6, backend="torch")
     model(torch.randn(2, 3, 8, 8))[0].backward()
     odd = {n: (p.grad.stride(), p.stride()) for n, p in model.named_parameters() if p.grad.stride() != p.stride()}
     assert not odd, odd
@@ -130,7 +131,7 @@ def test_mae_gradients_have_their_parameters_strides(variant):
 
 def test_mae_decayed_matches_plain_float64():
     torch.manual_seed(1)
-    model = perturb_(create_mae("mae_vit_test", variant="official", alpha_min=0.6, backend="torch")).double()
+    model = perturb_(tiny_mae(variant="official", alpha_min=0.6, backend="torch")).double()
     assert model.encoder.transformer.alphas.tolist() == pytest.approx(decay_schedule(4, 0.6))
     assert model.decoder.alphas.tolist() == [1.0] * 4  # decay in the encoder only
     imgs, noise = torch.randn(2, 3, 8, 8, dtype=torch.float64), torch.rand(2, 4, dtype=torch.float64)
@@ -140,7 +141,7 @@ def test_mae_decayed_matches_plain_float64():
 @pytest.mark.parametrize("variant", ["baseline", "official"])
 def test_mae_triton_interpreter_matches_plain(variant, triton_device):
     torch.manual_seed(2)
-    model = perturb_(create_mae("mae_vit_test", variant=variant, backend="triton")).to(triton_device)
+    model = perturb_(tiny_mae(variant=variant, backend="triton")).to(triton_device)
     imgs = torch.randn(2, 3, 8, 8, device=triton_device)
     noise = torch.rand(2, 4, device=triton_device)
     with fp32_on_cuda():  # the reference's conv2d would take TF32 on a GPU
@@ -187,7 +188,7 @@ def test_mae_configs_and_features():
     large = create_mae("mae_vit_large_patch16", variant="official", img_size=32, embed_dim=32, num_heads=2,
                        decoder_embed_dim=16, decoder_num_heads=2)
     assert large.skip_blocks == [23, 21, 19, 17, 15, 13, 11, 9]  # 12 skips, 8 decoder blocks: the deepest 8
-    model = perturb_(create_mae("mae_vit_test", backend="torch")).eval()
+    model = perturb_(tiny_mae(backend="torch")).eval()
     imgs = torch.randn(3, 3, 8, 8)
     f0, flast = model.forward_features(imgs, layer=0), model.forward_features(imgs, layer=-1)
     assert f0["cls"].shape == (3, 32) and f0["mean"].shape == (3, 32)
@@ -257,12 +258,12 @@ def test_uvit_matches_plain_float64(num_classes):
 
 def test_uvit_decayed_and_triton_interpreter_match_plain(triton_device):
     torch.manual_seed(4)
-    model = perturb_(create_uvit("uvit_test", alpha_min=0.7, backend="torch")).double()
+    model = perturb_(tiny_uvit(alpha_min=0.7, backend="torch")).double()
     assert model.transformer.alphas.tolist() == pytest.approx(decay_schedule(6, 0.7))  # through the whole net
     x, t = torch.randn(2, 3, 8, 8, dtype=torch.float64), torch.rand(2, dtype=torch.float64)
     torch.testing.assert_close(model(x, t), plain_uvit(model, x, t), **F64)
 
-    model = set_backend(perturb_(create_uvit("uvit_test")).to(triton_device), "triton")
+    model = set_backend(perturb_(tiny_uvit()).to(triton_device), "triton")
     x, t = torch.randn(2, 3, 8, 8, device=triton_device), torch.rand(2, device=triton_device) * 999
     with fp32_on_cuda():
         torch.testing.assert_close(model(x, t), plain_uvit(model, x, t), rtol=1e-4, atol=1e-4)
@@ -279,7 +280,7 @@ def test_uvit_skips_and_token_layout():
     assert all(l.in_features == 128 and l.out_features == 64 for l in model.skip_linears)
     assert len(model.transformer.alphas) == 26 and model.transformer.alphas[-1].item() == pytest.approx(0.7)
 
-    cond = perturb_(create_uvit("uvit_test", num_classes=10))
+    cond = perturb_(tiny_uvit(num_classes=10))
     x, t, y = torch.randn(2, 3, 8, 8), torch.tensor([3.0, 500.0]), torch.tensor([7, 2])
     tokens = cond.tokens(x, t, y) - cond.pos_embed
     assert cond.extras == 2 and tokens.shape == (2, 2 + 16, 32)
@@ -288,7 +289,7 @@ def test_uvit_skips_and_token_layout():
     args = t[:, None] * torch.exp(-math.log(10000) * half)[None]
     torch.testing.assert_close(tokens[:, 1], torch.cat([args.cos(), args.sin()], dim=-1))
     torch.testing.assert_close(tokens[:, 2:], plain_patch_embed(cond.patch_embed, x))
-    assert create_uvit("uvit_test").extras == 1
+    assert tiny_uvit().extras == 1
     with pytest.raises(ValueError, match="class-conditional"):
         cond(x, t)
 
@@ -297,7 +298,7 @@ def test_uvit_skips_and_token_layout():
 
 def test_uvit_features_are_the_block_stream():
     torch.manual_seed(5)
-    model = perturb_(create_uvit("uvit_test", backend="torch")).double()
+    model = perturb_(tiny_uvit(backend="torch")).double()
     x, t = torch.randn(2, 3, 8, 8, dtype=torch.float64), torch.rand(2, dtype=torch.float64)
     tokens = model.tokens(x, t)
     _, outs = plain_stack(model.transformer, tokens, collect=(0, 1),
@@ -314,7 +315,7 @@ def test_uvit_autocast_stream_dtypes_follow_the_plain_model():
     """Under bf16 autocast the in-blocks carry a float32 stream and each out-block the skip Linear's bf16
     output, as the authors' code does; the output matches the plain U-ViT under the same autocast."""
     torch.manual_seed(8)
-    model = perturb_(create_uvit("uvit_test", alpha_min=0.8, backend="torch"))
+    model = perturb_(tiny_uvit(alpha_min=0.8, backend="torch"))
     x, t = torch.randn(2, 3, 8, 8), torch.rand(2) * 999
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, outs = model.run_blocks(model.tokens(x, t), collect=(0, 1, 2))
@@ -348,19 +349,19 @@ def plain_classifier(model, imgs):
 
 def test_classifier_matches_plain_and_droppath(triton_device):
     torch.manual_seed(6)
-    model = perturb_(create_classifier("vit_test", backend="torch")).double()
+    model = perturb_(tiny_classifier(backend="torch")).double()
     imgs = torch.randn(4, 3, 8, 8, dtype=torch.float64)
     torch.testing.assert_close(model(imgs), plain_classifier(model, imgs), **F64)
     got = param_grads(model, lambda: model(imgs).square().sum())
     want = param_grads(model, lambda: plain_classifier(model, imgs).square().sum())
     assert_grads_close(got, want, **F64)
 
-    tri = set_backend(perturb_(create_classifier("vit_test")).to(triton_device), "triton")
+    tri = set_backend(perturb_(tiny_classifier()).to(triton_device), "triton")
     imgs = torch.randn(2, 3, 8, 8, device=triton_device)
     torch.testing.assert_close(tri(imgs), plain_classifier(tri, imgs), rtol=1e-4, atol=1e-4)
 
     # drop path: the controller is exposed and used in training only; eval gives the plain function
-    rdp = create_classifier("vit_test", drop_path=0.5, droppath_mode="residual_droppath", backend="torch")
+    rdp = tiny_classifier(drop_path=0.5, droppath_mode="residual_droppath", backend="torch")
     assert rdp.droppath is not None and rdp.droppath.num_residuals == 4 and rdp.droppath.mode == "residual_droppath"
     assert "encoder.droppath._extra_state" in rdp.state_dict()
     imgs = torch.randn(4, 3, 8, 8)
@@ -369,7 +370,7 @@ def test_classifier_matches_plain_and_droppath(triton_device):
     assert rdp.droppath.slots == 4 and rdp.droppath.iteration == 0  # masks drawn for this batch, counter untouched
     rdp.eval()
     torch.testing.assert_close(rdp(imgs), plain_classifier(rdp, imgs), rtol=1e-5, atol=1e-5)
-    assert create_classifier("vit_test").droppath is None
+    assert tiny_classifier().droppath is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,8 +388,8 @@ def _uvit_out(model):
     return model(torch.randn(2, 3, 8, 8, generator=g, dtype=torch.float64), torch.rand(2, generator=g) * 999)
 
 
-@pytest.mark.parametrize("create,run", [(lambda **kw: create_mae("mae_vit_test", variant="official", **kw), _mae_pred),
-                                        (lambda **kw: create_uvit("uvit_test", **kw), _uvit_out)],
+@pytest.mark.parametrize("create,run", [(lambda **kw: tiny_mae(variant="official", **kw), _mae_pred),
+                                        (lambda **kw: tiny_uvit(**kw), _uvit_out)],
                          ids=["mae", "uvit"])
 def test_tanh_gelu_reaches_every_mlp(create, run, monkeypatch):
     """gelu_approximate="tanh" runs every MLP, encoder and decoder, through the fused op's tanh GELU, and

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dres.nn import ResidualDroppath, TransformerStack, decay_schedule, depth_linear_rates
+from tiny_models import tiny_classifier
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,7 +239,6 @@ def test_timm_tanh_gelu_survives_conversion_and_export():
 
     import dres
     from dres.convert import export_timm_state_dict, timm_vit_kwargs
-    from dres.models import create_classifier
 
     torch.manual_seed(6)
     imgs = torch.randn(2, 3, 16, 16, dtype=torch.float64)
@@ -251,7 +251,7 @@ def test_timm_tanh_gelu_survives_conversion_and_export():
     dres.convert_timm_vit(tanh_vit, backend="torch")
     torch.testing.assert_close(tanh_vit(imgs), want, rtol=1e-9, atol=1e-9)
 
-    model = perturb_(create_classifier("vit_test")).double().eval()
+    model = perturb_(tiny_classifier()).double().eval()
     for blk in model.encoder.transformer.blocks:
         blk.mlp.act = torch.nn.GELU(approximate="tanh")
     kwargs = timm_vit_kwargs(model)
@@ -260,7 +260,7 @@ def test_timm_tanh_gelu_survives_conversion_and_export():
     exported.load_state_dict(export_timm_state_dict(model), strict=True)
     imgs = torch.randn(2, 3, 8, 8, dtype=torch.float64)
     torch.testing.assert_close(exported(imgs), model(imgs), rtol=1e-12, atol=1e-12)
-    assert "act_layer" not in timm_vit_kwargs(perturb_(create_classifier("vit_test")))  # timm's default: erf
+    assert "act_layer" not in timm_vit_kwargs(perturb_(tiny_classifier()))  # timm's default: erf
 
 
 def test_stack_keeps_fp32_stream_under_autocast():

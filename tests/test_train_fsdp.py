@@ -13,6 +13,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from tiny_models import tiny_classifier, tiny_mae, tiny_uvit
 
 OVR = ["data.name=digits", "data.img_size=8", "data.in_chans=1", "data.mean=[0.3]", "data.std=[0.4]",
        "model.img_size=8", "model.patch_size=4", "model.in_chans=1", "model.embed_dim=32", "model.depth=2",
@@ -99,10 +100,9 @@ def _droppath_worker(rank, world, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import torch.distributed as dist
 
-    from dres.models import create_classifier
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    model = create_classifier("vit_test", drop_path=0.5, droppath_mode="residual_droppath", droppath_seed=3)
+    model = tiny_classifier(drop_path=0.5, droppath_mode="residual_droppath", droppath_seed=3)
     model.train()(torch.randn(64, 3, 8, 8))
     torch.save({"masks": model.droppath.masks, "rank": model.droppath.rank}, f"{out}/masks{rank}.pt")
     dist.destroy_process_group()
@@ -127,15 +127,14 @@ def test_droppath_masks_differ_per_rank_under_torch_distributed(tmp_path):
 def test_units_are_whole_dres_blocks():
     """A dres Block's forward touches only its own parameters, so each block is one FSDP2 unit (and
     one torch.compile region): MAE tiny = encoder + decoder blocks, no attention/MLP sub-units."""
-    from dres.models import create_classifier, create_mae, create_uvit
     from dres.nn import Block
     from dres.train.distributed import parallel_units
 
-    model = create_mae("mae_vit_test", variant="official", alpha_min=0.6)
+    model = tiny_mae(variant="official", alpha_min=0.6)
     units = parallel_units(model)
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     assert units == blocks and len(units) == len(model.encoder.transformer.blocks) + len(model.decoder.blocks)
-    classifier, uvit = create_classifier("vit_test"), create_uvit("uvit_test")
+    classifier, uvit = tiny_classifier(), tiny_uvit()
     assert parallel_units(classifier) == list(classifier.encoder.transformer.blocks)
     assert parallel_units(uvit) == list(uvit.transformer.blocks)  # in-, mid and out-blocks; skip Linears in the root
     with pytest.raises(TypeError, match="Linear does not list its blocks"):
@@ -148,11 +147,10 @@ def test_per_block_compile_matches_eager():
     skip layers): loss and gradients match eager."""
     import copy
 
-    from dres.models import create_mae
     from dres.train.distributed import apply_compile
 
     torch.manual_seed(0)
-    model = create_mae("mae_vit_test", variant="official", alpha_min=0.6)
+    model = tiny_mae(variant="official", alpha_min=0.6)
     with torch.no_grad():  # move every zero-initialised branch end off zero
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -182,10 +180,9 @@ WRAPPINGS = {
 
 
 def _mae(variant="official"):
-    from dres.models import create_mae
 
     torch.manual_seed(0)
-    model = create_mae("mae_vit_test", variant=variant, alpha_min=0.6)
+    model = tiny_mae(variant=variant, alpha_min=0.6)
     with torch.no_grad():  # move every zero-initialised branch end off zero
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -282,7 +279,6 @@ def _input_dtypes_worker(rank, world, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    from dres.models import create_uvit
     from dres.train import distributed
 
     info = distributed.init("cpu", "fsdp")
@@ -298,7 +294,7 @@ def _input_dtypes_worker(rank, world, port, out):
             seen.setdefault(name, set()).update(str(a.dtype) for a in floats)
         return hook
 
-    mae, uvit = _mae(), create_uvit("uvit_test")
+    mae, uvit = _mae(), tiny_uvit()
     for tag, model in (("mae", mae), ("uvit", uvit)):
         distributed.apply_fsdp(model, info, "bf16")
         # registered after fully_shard: runs after FSDP2's own pre-forward hook, on what the module gets
@@ -328,5 +324,5 @@ def test_fsdp_bf16_parameters_leave_inputs_in_fp32(tmp_path):
         seen = json.load(f)
     assert {"mae root", "uvit root", "mae unit 3", "uvit unit 2"} <= set(seen)
     want = {name: ["torch.float32"] for name in seen}
-    want["uvit unit 2"] = ["torch.bfloat16"]  # uvit_test: in-block, mid block, out-block
+    want["uvit unit 2"] = ["torch.bfloat16"]  # the tiny U-ViT: in-block, mid block, out-block
     assert seen == want

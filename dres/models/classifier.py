@@ -59,7 +59,6 @@ class ViTClassifier(nn.Module):
 CLASSIFIER_CONFIGS: dict[str, dict] = {
     "vit_tiny_cifar": dict(img_size=32, patch_size=4, embed_dim=192, depth=12, num_heads=3),
     "vit_small_cifar": dict(img_size=32, patch_size=4, embed_dim=384, depth=12, num_heads=6),
-    "vit_test": dict(img_size=8, patch_size=4, embed_dim=32, depth=2, num_heads=2),
 }
 
 

@@ -259,9 +259,6 @@ MAE_CONFIGS: dict[str, dict] = {
                                decoder_embed_dim=128, decoder_depth=8, decoder_num_heads=4),
     "mae_vit_small_cifar": dict(img_size=32, patch_size=4, embed_dim=384, depth=12, num_heads=6,
                                 decoder_embed_dim=256, decoder_depth=8, decoder_num_heads=8),
-    # for tests and smoke runs
-    "mae_vit_test": dict(img_size=8, patch_size=4, embed_dim=32, depth=2, num_heads=2,
-                         decoder_embed_dim=32, decoder_depth=2, decoder_num_heads=2),
 }
 
 

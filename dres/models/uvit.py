@@ -162,8 +162,6 @@ UVIT_CONFIGS: dict[str, dict] = {
     "uvit_small_2": dict(img_size=32, patch_size=2, embed_dim=512, depth=12, num_heads=8, qkv_bias=False),
     # 64x64 images or 64x64 latents (U-ViT-M/4: configs/imagenet64_uvit_mid.py; pass num_classes to condition)
     "uvit_mid": dict(img_size=64, patch_size=4, embed_dim=768, depth=16, num_heads=12, qkv_bias=False),
-    # for tests and smoke runs
-    "uvit_test": dict(img_size=8, patch_size=2, embed_dim=32, depth=2, num_heads=2, qkv_bias=False),
 }
 
 
