@@ -449,3 +449,17 @@ def test_cpu_threads_one_for_narrow_models_else_torch_default(monkeypatch):
     assert config.cpu_threads(build_config("mae", "quickstart", ["threads=3"])) == 3
     wide = build_config("mae", "quickstart", ["model.embed_dim=256", "model.num_heads=4"])
     assert config.cpu_threads(wide) == 8
+
+
+@pytest.mark.parametrize("dist, act_ckpt, scope", [("none", "none", "model"), ("ddp", "none", "model"),
+                                                   ("fsdp", "none", "blocks"), ("none", "full", "blocks"),
+                                                   ("ddp", "selective", "blocks")])
+def test_compile_scope_auto_does_what_its_help_says(dist, act_ckpt, scope):
+    """``--help``'s text for compile_scope (the field's comment) and ``auto_compile_scope`` agree."""
+    from dres.train.config import Config, auto_compile_scope, key_docs
+
+    cfg = Config()
+    cfg.dist, cfg.act_ckpt = dist, act_ckpt
+    assert auto_compile_scope(cfg) == scope
+    auto = key_docs()["compile_scope"][1].split("auto:")[1]
+    assert "model on one GPU and under DDP" in auto and "blocks under FSDP2 and activation checkpointing" in auto

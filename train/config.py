@@ -212,7 +212,7 @@ class Config:
     compile: bool = False     # torch.compile the model (per block, or whole: compile_scope) and, on CUDA, the in-memory augmentation
     # blocks: each transformer block one region (FSDP2's units; the glue between them runs eager) |
     # model: the model's forward as one graph (Inductor fuses the embedding, masking and loss glue too) |
-    # auto: model with dist=none (measured faster on one GPU), blocks under DDP, FSDP2 and activation checkpointing
+    # auto: model on one GPU and under DDP (measured faster there), blocks under FSDP2 and activation checkpointing
     compile_scope: str = "auto"
     # capture the whole train step as one CUDA graph: auto (where supported) | true (capture or fail) | false
     cuda_graphs: str = "auto"
@@ -507,8 +507,8 @@ def build_config(task: str | None = None, preset: str | None = None, overrides=(
 
 def auto_compile_scope(cfg: Config) -> str:
     """``compile_scope=auto``: the whole model on one GPU and under DDP without activation checkpointing (the ViT-B/16
-    MAE trainer on synthetic data 4-5% faster than per block on one H100, 4.0% under DDP on two H200s: BENCHMARKS.md),
-    per block under FSDP2 or with checkpointing (they work block by block)."""
+    MAE trainer faster so: BENCHMARKS.md, "Several GPUs"), per block under FSDP2 or with checkpointing (they work block
+    by block). The field's comment, which ``--help`` shows, says the same (tested)."""
     return "model" if cfg.dist != "fsdp" and cfg.act_ckpt == "none" else "blocks"
 
 
