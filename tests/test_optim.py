@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from dres.train import cli, rundir
 from dres.train.classify import TASK as CLASSIFY
-from dres.train.config import ConfigError, build_config, fingerprint, fingerprint_diff, to_dict
+from dres.train.config import ConfigError, build_config, to_dict
+from dres.train.rundir import fingerprint, fingerprint_diff
 from dres.train.step import graph_plan
 from dres.train.loop import Trainer
 from dres.train.optim import param_groups

@@ -71,7 +71,7 @@ def test_model_gelu_approximate_reaches_every_mlp_and_is_checked():
     """model.gelu_approximate picks the GELU of every MLP of each task's ViT; a bad value is one line
     naming the key; a run recorded before the key existed used the exact GELU."""
     from dres.nn import Mlp
-    from dres.train.config import fingerprint, fingerprint_diff
+    from dres.train.rundir import fingerprint, fingerprint_diff
 
     tiny = ["model.embed_dim=32", "model.depth=2", "model.num_heads=2", "model.gelu_approximate=tanh"]
     for task, preset in (("mae", "quickstart"), ("uvit", "uvit_cifar10"), ("classify", "classify_cifar10")):

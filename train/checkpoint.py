@@ -21,7 +21,7 @@ plain state (the numpy RNG state is stored as a tensor for that reason). A DCP d
 
 Errors: a file that cannot be read is *unreadable* (:class:`UnreadableCheckpoint`: corrupt,
 truncated, or not plain state); one that reads but was saved for another configuration (its
-fingerprint, :func:`dres.train.config.fingerprint`, differs, or its tensors do not fit the model) is
+fingerprint, :func:`dres.train.rundir.fingerprint`, differs, or its tensors do not fit the model) is
 *incompatible* (:class:`IncompatibleCheckpoint`). Both are one-line messages.
 
 Rotation keeps the newest ``keep`` checkpoints up to the step just written; it never deletes the
@@ -47,7 +47,7 @@ import torch.distributed as dist
 from dres.records import remove_partial
 from dres.train import distributed
 from dres.train import rundir
-from dres.train.config import fingerprint_diff
+from dres.train.rundir import fingerprint_diff
 
 _NAME = re.compile(r"^step_(\d{8})(\.pt)?$")
 
@@ -230,7 +230,7 @@ def _check_fingerprint(path, extra: dict, fingerprint):
         return
     saved = extra.get("fingerprint")
     if saved is None and isinstance(extra.get("config"), dict):
-        from dres.train.config import fingerprint as fingerprint_of
+        from dres.train.rundir import fingerprint as fingerprint_of
 
         saved = fingerprint_of(extra["config"])
     diff = fingerprint_diff(saved, fingerprint) if saved is not None else ""
@@ -333,7 +333,8 @@ def read_run(path, build_model, ckpt=None, *, device="cpu", task: str | None = N
     (or ``ckpt``), in eval mode on ``device``. ``path`` may also be a checkpoint inside a run's ``checkpoints/``;
     ``task``, when given, is the task the run must have trained. Building the model leaves the caller's random
     state as it was."""
-    from dres.train.config import ConfigError, fingerprint, load_config
+    from dres.train.config import ConfigError, load_config
+    from dres.train.rundir import fingerprint
 
     p = Path(path)
     run = p if (p / "config.yaml").exists() else p.parent.parent

@@ -27,51 +27,54 @@ class ConfigError(ValueError):
     """A one-line, user-facing configuration problem (unknown key/preset, bad value)."""
 
 
+def setting(default=dataclasses.MISSING, help: str = "", *, factory=dataclasses.MISSING):
+    """A config field and its ``--help`` text (the field's metadata, which :func:`key_docs` reads)."""
+    return field(default=default, default_factory=factory, metadata={"help": help})
+
+
 @dataclass
 class DataConfig:
-    # digits | cifar10_wds | wds | imagefolder | cifar_tv | mnist_tv | synthetic
-    name: str = "digits"
-    path: str = ""           # train data: shard pattern (brace notation), folder, or torchvision root
-    val_path: str = ""       # held-out split (probe test set / classification eval)
-    img_size: int = 32       # images are resized / cropped to this side
-    in_chans: int = 3        # 1 (greyscale) | 3
-    num_classes: int = 10    # labels lie in [0, num_classes)
-    # decode once into (GPU) memory and augment there; for small data sets (CIFAR, digits)
-    gpu_resident: bool = True
-    aug: str = "rrc_flip"    # rrc_flip | flip | none  (RandomResizedCrop + horizontal flip for MAE)
-    crop_min: float = 0.2    # smallest RandomResizedCrop area (fraction of the image)
-    # torchvision ColorJitter(s, s, s) after the crop, as timm's --color-jitter s (0: off; on the GPU for every loader)
-    color_jitter: float = 0.0
-    # evaluation: 1 resizes the image to img_size; < 1 is timm's transform (shorter side to
-    # img_size / eval_crop_pct, then the centre crop; timm's default 0.875; bicubic in memory, bilinear from files)
-    eval_crop_pct: float = 1.0
-    normalize: bool = True   # per-channel mean/std normalisation (stats from `mean`/`std`)
-    mean: list = field(default_factory=lambda: [0.485, 0.456, 0.406])  # a value per channel
-    std: list = field(default_factory=lambda: [0.229, 0.224, 0.225])
-    # streaming loaders only: DataLoader workers reading (and with CPU decode decoding) files; -1: by the decode (CPU:
-    # the cores the process has, less one; GPU: 4)
-    num_workers: int = -1
-    # streaming loaders: cpu (workers decode, crop, resize) | gpu (workers read bytes; batched GPU decode and crop
-    # kernel) | auto (cpu where the process has 12 cores or more, or no GPU decoder is there; else gpu)
-    decode: str = "auto"
-    # decode=gpu with nvImageCodec: the share of each batch's JPEGs for the hardware JPEG decoders (the rest, and
-    # what they cannot do, to nvJPEG on the CUDA cores at the same time)
-    hw_decode_load: float = 0.65
-    # GPU decode: torchvision (its batched nvJPEG) | nvimgcodec (the hardware JPEG decoders and nvJPEG on the CUDA
-    # cores, split by hw_decode_load) | auto (torchvision, else nvimgcodec)
-    gpu_decoder: str = "auto"
-    # streaming loaders: batches a thread of the training process finishes (GPU decode, crop, normalisation,
-    # copies) ahead of the step (0: in the step's own thread, between steps)
-    finish_ahead: int = 2
-    shuffle_buffer: int = 2000  # streamed shards: samples shuffled in memory
-    limit: int = 0           # use only the first N training samples (0: all)
-    val_limit: int = 0       # use only the first N held-out samples (0: all)
-    synthetic_size: int = 4096  # data.name=synthetic: training images (a quarter as many held out)
-    # stop when more than this fraction of samples (or of shards) is unreadable
-    max_corrupt_frac: float = 0.001
-    verify_manifest: bool = True  # check shards against their folder's manifest.json sha256 before use
-    # make each batch (gather, augmentation, copy to the GPU) on a CUDA stream of its own, beside the running step
-    side_stream: bool = False
+    name: str = setting("digits", "digits | cifar10_wds | wds | imagefolder | cifar_tv | mnist_tv | synthetic")
+    path: str = setting("", "train data: shard pattern (brace notation), folder, or torchvision root")
+    val_path: str = setting("", "held-out split (probe test set / classification eval)")
+    img_size: int = setting(32, "images are resized / cropped to this side")
+    in_chans: int = setting(3, "1 (greyscale) | 3")
+    num_classes: int = setting(10, "labels lie in [0, num_classes)")
+    gpu_resident: bool = setting(True, "decode once into (GPU) memory and augment there; for small data sets (CIFAR, "
+                                       "digits)")
+    aug: str = setting("rrc_flip", "rrc_flip | flip | none  (RandomResizedCrop + horizontal flip for MAE)")
+    crop_min: float = setting(0.2, "smallest RandomResizedCrop area (fraction of the image)")
+    color_jitter: float = setting(0.0, "torchvision ColorJitter(s, s, s) after the crop, as timm's --color-jitter s "
+                                       "(0: off; on the GPU for every loader)")
+    eval_crop_pct: float = setting(1.0, "evaluation: 1 resizes the image to img_size; < 1 is timm's transform (shorter"
+                                        " side to img_size / eval_crop_pct, then the centre crop; timm's default "
+                                        "0.875; bicubic in memory, bilinear from files)")
+    normalize: bool = setting(True, "per-channel mean/std normalisation (stats from `mean`/`std`)")
+    mean: list = setting(factory=lambda: [0.485, 0.456, 0.406], help="a value per channel")
+    std: list = setting(factory=lambda: [0.229, 0.224, 0.225])
+    num_workers: int = setting(-1, "streaming loaders only: DataLoader workers reading (and with CPU decode decoding) "
+                                   "files; -1: by the decode (CPU: the cores the process has, less one; GPU: 4)")
+    decode: str = setting("auto", "streaming loaders: cpu (workers decode, crop, resize) | gpu (workers read bytes; "
+                                  "batched GPU decode and crop kernel) | auto (cpu where the process has 12 cores or "
+                                  "more, or no GPU decoder is there; else gpu)")
+    hw_decode_load: float = setting(0.65, "decode=gpu with nvImageCodec: the share of each batch's JPEGs for the "
+                                          "hardware JPEG decoders (the rest, and what they cannot do, to nvJPEG on the"
+                                          " CUDA cores at the same time)")
+    gpu_decoder: str = setting("auto", "GPU decode: torchvision (its batched nvJPEG) | nvimgcodec (the hardware JPEG "
+                                       "decoders and nvJPEG on the CUDA cores, split by hw_decode_load) | auto "
+                                       "(torchvision, else nvimgcodec)")
+    finish_ahead: int = setting(2, "streaming loaders: batches a thread of the training process finishes (GPU decode, "
+                                   "crop, normalisation, copies) ahead of the step (0: in the step's own thread, "
+                                   "between steps)")
+    shuffle_buffer: int = setting(2000, "streamed shards: samples shuffled in memory")
+    limit: int = setting(0, "use only the first N training samples (0: all)")
+    val_limit: int = setting(0, "use only the first N held-out samples (0: all)")
+    synthetic_size: int = setting(4096, "data.name=synthetic: training images (a quarter as many held out)")
+    max_corrupt_frac: float = setting(0.001, "stop when more than this fraction of samples (or of shards) is "
+                                             "unreadable")
+    verify_manifest: bool = setting(True, "check shards against their folder's manifest.json sha256 before use")
+    side_stream: bool = setting(False, "make each batch (gather, augmentation, copy to the GPU) on a CUDA stream of "
+                                       "its own, beside the running step")
 
 
 @dataclass
@@ -79,120 +82,129 @@ class ModelConfig:
     """Keyword arguments of the model class (dres.models.MAE / UViT / ViTClassifier); one dataclass
     serves every task, so a key a model does not accept is dropped (with a note when it was set)."""
 
-    variant: str = "official"
-    arch: str = "vit"             # classify: vit (dres ViT) | resnet18 | resnet50 | resnet50d (timm, convert_timm_resnet)
-    img_size: int = 32            # must equal data.img_size
-    patch_size: int = 4
-    in_chans: int = 3             # must equal data.in_chans
-    embed_dim: int = 192          # transformer width
-    depth: int = 12               # transformer blocks (the encoder's, for MAE)
-    num_heads: int = 3
-    decoder_embed_dim: int = 128  # MAE decoder width
-    decoder_depth: int = 6
-    decoder_num_heads: int = 4
-    mlp_ratio: float = 4.0        # MLP hidden width / embed_dim
-    norm_pix_loss: bool = True    # MAE: loss on per-patch normalised pixels
-    mask_ratio: float = 0.75      # MAE: fraction of patches hidden from the encoder
-    alpha_min: float = 1.0        # decayed shortcuts: the last alpha (1: plain residuals)
-    schedule: str = "linspace"    # how alpha falls with depth: linspace | paper
-    drop_path: float = 0.0        # drop rate of the last block (linear in depth)
-    drop_rate: float = 0.0        # classify, timm ResNets: dropout before the classifier (timm's --drop)
-    # drop_path (timm) | residual_droppath (Park) | residual_droppath_literal (Park's Algorithm 1 as written: odd
-    # iterations detach rate-0 branches too) | residual_droppath_frozen (odd iterations hold the kept branches'
-    # weights and pass their gradient on; ResNets), active when drop_path > 0 | none (classify: off)
-    droppath_mode: str = "drop_path"
-    per_block: bool = False       # one alpha per block instead of per sub-layer
-    num_classes: int = 0          # classifier classes; U-ViT: 0 unconditional, else class-conditional
-    global_pool: str = "cls"      # classifier head input: cls | avg
-    # the GELU of every ViT MLP, as nn.GELU's approximate names it: none (exact, erf) | tanh (timm's gelu_tanh)
-    gelu_approximate: str = "none"
-    # zero the last Linear of every branch (ViT: attention proj, MLP fc2; timm ResNet: the last BN):
-    # auto (ViTs: when alpha_min < 1; ResNets: timm's default, on) | true (the decayed-shortcut authors'
-    # code, also at alpha_min 1) | false. The official MAE's SkipLayer ends start at zero whatever this says.
-    zero_init: str = "auto"
-    backend: typing.Optional[str] = None  # dres.ops backend: None (Triton on CUDA, reference on CPU) | torch | triton
+    variant: str = setting("official")
+    arch: str = setting("vit", "classify: vit (dres ViT) | resnet18 | resnet50 | resnet50d (timm, convert_timm_resnet)")
+    img_size: int = setting(32, "must equal data.img_size")
+    patch_size: int = setting(4)
+    in_chans: int = setting(3, "must equal data.in_chans")
+    embed_dim: int = setting(192, "transformer width")
+    depth: int = setting(12, "transformer blocks (the encoder's, for MAE)")
+    num_heads: int = setting(3)
+    decoder_embed_dim: int = setting(128, "MAE decoder width")
+    decoder_depth: int = setting(6)
+    decoder_num_heads: int = setting(4)
+    mlp_ratio: float = setting(4.0, "MLP hidden width / embed_dim")
+    norm_pix_loss: bool = setting(True, "MAE: loss on per-patch normalised pixels")
+    mask_ratio: float = setting(0.75, "MAE: fraction of patches hidden from the encoder")
+    alpha_min: float = setting(1.0, "decayed shortcuts: the last alpha (1: plain residuals)")
+    schedule: str = setting("linspace", "how alpha falls with depth: linspace | paper")
+    drop_path: float = setting(0.0, "drop rate of the last block (linear in depth)")
+    drop_rate: float = setting(0.0, "classify, timm ResNets: dropout before the classifier (timm's --drop)")
+    droppath_mode: str = setting("drop_path", "drop_path (timm) | residual_droppath (Park) | residual_droppath_literal"
+                                              " (Park's Algorithm 1 as written: odd iterations detach rate-0 branches "
+                                              "too) | residual_droppath_frozen (odd iterations hold the kept branches'"
+                                              " weights and pass their gradient on; ResNets), active when drop_path > "
+                                              "0 | none (classify: off)")
+    per_block: bool = setting(False, "one alpha per block instead of per sub-layer")
+    num_classes: int = setting(0, "classifier classes; U-ViT: 0 unconditional, else class-conditional")
+    global_pool: str = setting("cls", "classifier head input: cls | avg")
+    gelu_approximate: str = setting("none", "the GELU of every ViT MLP, as nn.GELU's approximate names it: none "
+                                            "(exact, erf) | tanh (timm's gelu_tanh)")
+    zero_init: str = setting("auto", "zero the last Linear of every branch (ViT: attention proj, MLP fc2; timm ResNet:"
+                                     " the last BN): auto (ViTs: when alpha_min < 1; ResNets: timm's default, on) | "
+                                     "true (the decayed-shortcut authors' code, also at alpha_min 1) | false. The "
+                                     "official MAE's SkipLayer ends start at zero whatever this says.")
+    backend: typing.Optional[str] = setting(None, "dres.ops backend: None (Triton on CUDA, reference on CPU) | torch |"
+                                                  " triton")
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"       # adamw | sgd (timm's 'sgd': SGD with Nesterov momentum; dres.train.optim)
-    blr: float = 1.5e-4       # lr = blr * global_batch / 256 (MAE convention) unless lr > 0
-    lr: float = 0.0           # peak learning rate (0: from blr)
-    min_lr: float = 0.0       # cosine schedule's floor
-    weight_decay: float = 0.05  # not on 1-D tensors (norms, biases) and position embeddings
-    betas: list = field(default_factory=lambda: [0.9, 0.95])  # AdamW
-    eps: float = 1e-8         # AdamW
-    momentum: float = 0.9     # sgd only (AdamW's are the betas)
-    label_smoothing: float = 0.0  # classify only: cross-entropy against (1 - s) one-hot + s / classes
-    schedule: str = "cosine"  # cosine (MAE, classify) | constant (U-ViT); both after linear warmup
-    warmup_steps: int = -1    # -1: derived from warmup_epochs
-    warmup_epochs: float = 40.0  # linear warmup length when warmup_steps is -1
-    clip_grad: float = 0.0    # 0: off
-    ema_decay: float = 0.0    # 0: no EMA (U-ViT uses 0.9999)
-    fused: bool = True        # fused AdamW / SGD on CUDA
+    name: str = setting("adamw", "adamw | sgd (timm's 'sgd': SGD with Nesterov momentum; dres.train.optim)")
+    blr: float = setting(1.5e-4, "lr = blr * global_batch / 256 (MAE convention) unless lr > 0")
+    lr: float = setting(0.0, "peak learning rate (0: from blr)")
+    min_lr: float = setting(0.0, "cosine schedule's floor")
+    weight_decay: float = setting(0.05, "not on 1-D tensors (norms, biases) and position embeddings")
+    betas: list = setting(factory=lambda: [0.9, 0.95], help="AdamW")
+    eps: float = setting(1e-8, "AdamW")
+    momentum: float = setting(0.9, "sgd only (AdamW's are the betas)")
+    label_smoothing: float = setting(0.0, "classify only: cross-entropy against (1 - s) one-hot + s / classes")
+    schedule: str = setting("cosine", "cosine (MAE, classify) | constant (U-ViT); both after linear warmup")
+    warmup_steps: int = setting(-1, "-1: derived from warmup_epochs")
+    warmup_epochs: float = setting(40.0, "linear warmup length when warmup_steps is -1")
+    clip_grad: float = setting(0.0, "0: off")
+    ema_decay: float = setting(0.0, "0: no EMA (U-ViT uses 0.9999)")
+    fused: bool = setting(True, "fused AdamW / SGD on CUDA")
 
 
 @dataclass
 class LogConfig:
-    every: int = 20           # steps between metrics.jsonl records and log lines
-    # where stderr is a terminal a progress bar, elsewhere (a pipe, a batch job's log) a plain line per log step
-    progress: bool = True
-    tensorboard: bool = True  # <out>/tb when tensorboard is installed (the [tensorboard] extra)
-    wandb: bool = False       # a Weights & Biases run of the log steps (project dres; the [wandb] extra)
+    every: int = setting(20, "steps between metrics.jsonl records and log lines")
+    progress: bool = setting(True, "where stderr is a terminal a progress bar, elsewhere (a pipe, a batch job's log) a"
+                                   " plain line per log step")
+    tensorboard: bool = setting(True, "<out>/tb when tensorboard is installed (the [tensorboard] extra)")
+    wandb: bool = setting(False, "a Weights & Biases run of the log steps (project dres; the [wandb] extra)")
 
 
 @dataclass
 class CkptConfig:
-    every: int = 1000         # steps; 0: only at the end
-    keep: int = 2             # newest checkpoints kept (0: keep all)
-    format: str = "auto"      # auto (DCP under FSDP, single file otherwise) | file | dcp
+    every: int = setting(1000, "steps; 0: only at the end")
+    keep: int = setting(2, "newest checkpoints kept (0: keep all)")
+    format: str = setting("auto", "auto (DCP under FSDP, single file otherwise) | file | dcp")
 
 
 @dataclass
 class EvalConfig:
-    probe: bool = True        # linear probe on frozen features (train split -> val split)
-    probe_epochs: int = 200
-    probe_lr: float = 1e-2
-    probe_batch: int = 1024
-    probe_wd: float = 0.0
-    knn: bool = True          # k-nearest-neighbour accuracy on the same features
-    knn_k: int = 20
-    # MAE encoder features: cls (class token) | mean (patch tokens, after the final norm where there is one) |
-    # stream_mean (all tokens of the raw stream, the decayed-shortcut authors' evaluation)
-    feature: str = "cls"
-    # more feature kinds, comma-separated, scored in the same evaluation pass (the same forward), metrics
-    # prefixed <kind>_ (e.g. stream_mean: stream_mean_linear_probe_acc)
-    also_features: str = ""
-    authors_probe: bool = False  # also the authors' probe (raw features, their eval_model's settings): authors_probe_acc
-    knn_standardized: bool = False  # also kNN on features standardised by the train split's mean/std: knn_std_acc
-    save_features: bool = False  # the final evaluation's features (float16, every kind, both splits) to <out>/features.pt
-    layer: int = -1           # encoder block whose output is probed
-    effective_rank: bool = True  # of the features' covariance (the decayed-shortcut paper's eq. 6)
-    tsne: bool = False        # t-SNE plot of the val features (the [plots] extra)
-    recon: bool = True        # MAE reconstruction grid
-    max_train: int = 0        # cap on probe train features (0: all)
-    max_test: int = 0         # cap on probe test features (0: all)
-    sampler: str = "dpm"      # U-ViT samples: dpm (DPM-Solver-2, `steps` NFE) | em (Euler-Maruyama)
-    steps: int = 50           # sampler steps
-    n_samples: int = 64       # samples drawn into the sample grid
-    probe_block: int = -1     # U-ViT feature probe: block index (-1: mid block)
-    probe_t: float = 0.1      # U-ViT feature probe: noise level (continuous time in [0, 1])
-    # U-ViT: the final evaluation also probes every (block, noise level) of these two lists (the paper picks
-    # the best layer and t); a grid of linear-probe and kNN accuracy in the results and probe_grid.png
-    probe_grid_blocks: list = field(default_factory=list)
-    probe_grid_ts: list = field(default_factory=list)
-    fid_inception: str = ""   # path to TorchScript Inception (inception-2015-12-05.pt)
-    fid_samples: int = 10000  # generated (and real) images for FID and fd_cifar_classifier
-    # Frechet distance in the penultimate features of a classifier trained by dres (a classify run
-    # directory or checkpoint): reported as fd_cifar_classifier, not comparable to published FID
-    fd_classifier: str = ""
-    fd_draws: int = 1         # independent sample draws for fd_cifar_classifier (their mean; each, and the sd, when > 1)
-    fd_real_floor: bool = False  # also fd_real_cifar_classifier: train images against the test images (the floor)
-    curve_fd_samples: int = 0  # U-ViT eval.every points: fd_cifar_classifier_curve of this many samples (0: none)
-    # every N steps during training (0: never) a cheap evaluation (MAE: kNN, a curve_probe_epochs
-    # probe, effective rank) appended to <out>/curves.jsonl and plotted to <out>/curves.png
-    every: int = 0
-    curve_probe_epochs: int = 20  # the eval.every probe's epochs
+    probe: bool = setting(True, "linear probe on frozen features (train split -> val split)")
+    probe_epochs: int = setting(200)
+    probe_lr: float = setting(1e-2)
+    probe_batch: int = setting(1024)
+    probe_wd: float = setting(0.0)
+    knn: bool = setting(True, "k-nearest-neighbour accuracy on the same features")
+    knn_k: int = setting(20)
+    feature: str = setting("cls", "MAE encoder features: cls (class token) | mean (patch tokens, after the final norm "
+                                  "where there is one) | stream_mean (all tokens of the raw stream, the "
+                                  "decayed-shortcut authors' evaluation)")
+    also_features: str = setting("", "more feature kinds, comma-separated, scored in the same evaluation pass (the "
+                                     "same forward), metrics prefixed <kind>_ (e.g. stream_mean: "
+                                     "stream_mean_linear_probe_acc)")
+    authors_probe: bool = setting(False, "also the authors' probe (raw features, their eval_model's settings): "
+                                         "authors_probe_acc")
+    knn_standardized: bool = setting(False, "also kNN on features standardised by the train split's mean/std: "
+                                            "knn_std_acc")
+    save_features: bool = setting(False, "the final evaluation's features (float16, every kind, both splits) to "
+                                         "<out>/features.pt")
+    layer: int = setting(-1, "encoder block whose output is probed")
+    effective_rank: bool = setting(True, "of the features' covariance (the decayed-shortcut paper's eq. 6)")
+    tsne: bool = setting(False, "t-SNE plot of the val features (the [plots] extra)")
+    recon: bool = setting(True, "MAE reconstruction grid")
+    max_train: int = setting(0, "cap on probe train features (0: all)")
+    max_test: int = setting(0, "cap on probe test features (0: all)")
+    sampler: str = setting("dpm", "U-ViT samples: dpm (DPM-Solver-2, `steps` NFE) | em (Euler-Maruyama)")
+    steps: int = setting(50, "sampler steps")
+    n_samples: int = setting(64, "samples drawn into the sample grid")
+    probe_block: int = setting(-1, "U-ViT feature probe: block index (-1: mid block)")
+    probe_t: float = setting(0.1, "U-ViT feature probe: noise level (continuous time in [0, 1])")
+    probe_grid_blocks: list = setting(factory=list, help="U-ViT: the final evaluation also probes every (block, noise "
+                                                         "level) of these two lists (the paper picks the best layer "
+                                                         "and t); a grid of linear-probe and kNN accuracy in the "
+                                                         "results and probe_grid.png")
+    probe_grid_ts: list = setting(factory=list)
+    fid_inception: str = setting("", "path to TorchScript Inception (inception-2015-12-05.pt)")
+    fid_samples: int = setting(10000, "generated (and real) images for FID and fd_cifar_classifier")
+    fd_classifier: str = setting("", "Frechet distance in the penultimate features of a classifier trained by dres (a "
+                                     "classify run directory or checkpoint): reported as fd_cifar_classifier, not "
+                                     "comparable to published FID")
+    fd_draws: int = setting(1, "independent sample draws for fd_cifar_classifier (their mean; each, and the sd, when >"
+                               " 1)")
+    fd_real_floor: bool = setting(False, "also fd_real_cifar_classifier: train images against the test images (the "
+                                         "floor)")
+    curve_fd_samples: int = setting(0, "U-ViT eval.every points: fd_cifar_classifier_curve of this many samples (0: "
+                                       "none)")
+    every: int = setting(0, "every N steps during training (0: never) a cheap evaluation (MAE: kNN, a "
+                            "curve_probe_epochs probe, effective rank) appended to <out>/curves.jsonl and plotted to "
+                            "<out>/curves.png")
+    curve_probe_epochs: int = setting(20, "the eval.every probe's epochs")
 
     def extra_feature_kinds(self) -> list[str]:
         return [k.strip() for k in self.also_features.split(",") if k.strip()]
@@ -200,42 +212,44 @@ class EvalConfig:
 
 @dataclass
 class Config:
-    task: str = "mae"
-    preset: str = ""
-    seed: int = 0             # model init, data order, augmentation and masking
-    out: str = ""             # run directory (default runs/<task>_<preset>)
-    batch_size: int = 256     # global batch (all ranks, all micro-batches)
-    accum_steps: int = 1      # micro-batches a step (gradient accumulation)
-    epochs: float = 0.0       # training length in epochs of the train set ...
-    steps: int = 0            # ... or in optimizer steps (steps wins when > 0)
-    precision: str = "auto"   # auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32
-    compile: bool = False     # torch.compile the model (per block, or whole: compile_scope) and, on CUDA, the in-memory augmentation
-    # blocks: each transformer block one region (FSDP2's units; the glue between them runs eager) |
-    # model: the model's forward as one graph (Inductor fuses the embedding, masking and loss glue too) |
-    # auto: model on one GPU and under DDP (measured faster there), blocks under FSDP2 and activation checkpointing
-    compile_scope: str = "auto"
-    # capture the whole train step as one CUDA graph: auto (where supported) | true (capture or fail) | false
-    cuda_graphs: str = "auto"
-    # the ViT MLPs through dres.ops.fused_mlp (GELU recomputed in the backward: one tokens x hidden activation
-    # fewer): auto (eager steps and captured ones; a compiled step that is not captured leaves the MLP to
-    # Inductor, since the opaque op costs host time there) | true | false
-    fused_mlp: str = "auto"
-    act_ckpt: str = "none"    # none | full | selective
-    dist: str = "none"        # none | ddp | fsdp
-    # seconds a collective waits for a rank that has stopped answering (a hung process, a host gone without
-    # closing its connections) before this rank fails: the process group's timeout
-    dist_timeout_s: float = 1800.0
-    fsdp_param_dtype: str = "bf16"  # bf16 | fp32 (mixed-precision policy of FSDP2)
-    fsdp_prefetch: bool = False  # units keep parameters gathered to the backward + forward prefetch
-    # which units free their gathered parameters after the forward: auto (never on 1 GPU, else all but the last)
-    fsdp_reshard: str = "auto"
-    # consecutive blocks per FSDP2 unit: its hooks cost CPU time per unit, and 4 a unit measures fastest
-    fsdp_blocks_per_unit: int = 4
-    device: str = "auto"      # auto (cuda when available, else cpu) | cpu | cuda
-    # CPU intra-op threads; 0: one for models narrower than 256 (model.embed_dim: their matrices are too
-    # small to gain from more, and threads spinning beside other work on a busy machine cost several
-    # times the step), else torch's default (a thread per core, or OMP_NUM_THREADS)
-    threads: int = 0
+    task: str = setting("mae")
+    preset: str = setting("")
+    seed: int = setting(0, "model init, data order, augmentation and masking")
+    out: str = setting("", "run directory (default runs/<task>_<preset>)")
+    batch_size: int = setting(256, "global batch (all ranks, all micro-batches)")
+    accum_steps: int = setting(1, "micro-batches a step (gradient accumulation)")
+    epochs: float = setting(0.0, "training length in epochs of the train set ...")
+    steps: int = setting(0, "... or in optimizer steps (steps wins when > 0)")
+    precision: str = setting("auto", "auto (bf16 on CUDA, fp32 on CPU) | bf16 | fp16 | fp32")
+    compile: bool = setting(False, "torch.compile the model (per block, or whole: compile_scope) and, on CUDA, the "
+                                   "in-memory augmentation")
+    compile_scope: str = setting("auto", "blocks: each transformer block one region (FSDP2's units; the glue between "
+                                         "them runs eager) | model: the model's forward as one graph (Inductor fuses "
+                                         "the embedding, masking and loss glue too) | auto: model on one GPU and under"
+                                         " DDP (measured faster there), blocks under FSDP2 and activation "
+                                         "checkpointing")
+    cuda_graphs: str = setting("auto", "capture the whole train step as one CUDA graph: auto (where supported) | true "
+                                       "(capture or fail) | false")
+    fused_mlp: str = setting("auto", "the ViT MLPs through dres.ops.fused_mlp (GELU recomputed in the backward: one "
+                                     "tokens x hidden activation fewer): auto (eager steps and captured ones; a "
+                                     "compiled step that is not captured leaves the MLP to Inductor, since the opaque "
+                                     "op costs host time there) | true | false")
+    act_ckpt: str = setting("none", "none | full | selective")
+    dist: str = setting("none", "none | ddp | fsdp")
+    dist_timeout_s: float = setting(1800.0, "seconds a collective waits for a rank that has stopped answering (a hung "
+                                            "process, a host gone without closing its connections) before this rank "
+                                            "fails: the process group's timeout")
+    fsdp_param_dtype: str = setting("bf16", "bf16 | fp32 (mixed-precision policy of FSDP2)")
+    fsdp_prefetch: bool = setting(False, "units keep parameters gathered to the backward + forward prefetch")
+    fsdp_reshard: str = setting("auto", "which units free their gathered parameters after the forward: auto (never on "
+                                        "1 GPU, else all but the last)")
+    fsdp_blocks_per_unit: int = setting(4, "consecutive blocks per FSDP2 unit: its hooks cost CPU time per unit, and 4"
+                                           " a unit measures fastest")
+    device: str = setting("auto", "auto (cuda when available, else cpu) | cpu | cuda")
+    threads: int = setting(0, "CPU intra-op threads; 0: one for models narrower than 256 (model.embed_dim: their "
+                              "matrices are too small to gain from more, and threads spinning beside other work on a "
+                              "busy machine cost several times the step), else torch's default (a thread per core, or "
+                              "OMP_NUM_THREADS)")
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -265,23 +279,11 @@ CHOICES = {
 
 
 def key_docs() -> dict:
-    """``{dotted key: (default, help)}`` for every config key; the help is the comment beside the
-    field (and the comment lines just above it) in this file's dataclasses, plus its choices."""
-    import inspect
-
+    """``{dotted key: (default, help)}`` for every config key: the help its field carries (:func:`setting`),
+    plus its choices."""
     docs = {}
 
     def walk(cls, prefix):
-        comments, above = {}, []
-        for line in inspect.getsource(cls).splitlines()[1:]:
-            text = line.strip()
-            if text.startswith("#"):
-                above.append(text.lstrip("# "))
-                continue
-            name, sep, rest = text.partition(":")
-            if sep and name.isidentifier():
-                comments[name] = " ".join(above + [rest.partition("#")[2].strip()]).strip()
-            above = []
         for f in dataclasses.fields(cls):
             key = prefix + f.name
             default = f.default if f.default is not dataclasses.MISSING else (
@@ -289,7 +291,7 @@ def key_docs() -> dict:
             if dataclasses.is_dataclass(default):
                 walk(type(default), key + ".")
                 continue
-            hint = comments.get(f.name, "")
+            hint = f.metadata.get("help", "")
             if key in CHOICES and not any(c in hint for c in ("|", "one of")):
                 hint = (hint + "; " if hint else "") + "one of " + " | ".join(CHOICES[key])
             docs[key] = (default, hint)
@@ -670,37 +672,11 @@ def validate(cfg: Config) -> None:
          f"applies to task classify only (this is {cfg.task}); leave it at 0")
 
 
-# Keys that decide the shapes of the model, optimizer state and data position: a checkpoint saved
-# under other values cannot continue this run. lr, steps, seed and eval settings may change.
-FINGERPRINT_KEYS = ("task", "batch_size", "data.img_size", "data.in_chans", "data.num_classes", "optim.name",
-                    "optim.ema_decay")
-# keys added to the fingerprint later: a record without one was made under this value
-_FINGERPRINT_BEFORE = {"optim.name": "adamw", "model.drop_rate": 0.0, "model.gelu_approximate": "none"}
-_MODEL_KEYS_NOT_IN_FINGERPRINT = ("backend",)  # an implementation choice, same parameters
-
-
 def dotted_value(d: dict, key: str):
     """``d["a"]["b"]`` for ``key`` "a.b" of a config dict; None where a part is missing."""
     for part in key.split("."):
         d = d.get(part) if isinstance(d, dict) else None
     return d
-
-
-def fingerprint(cfg) -> dict:
-    """The flat ``{dotted key: value}`` of :data:`FINGERPRINT_KEYS` and the model's keys, from a
-    :class:`Config` or its dict (a saved ``config.yaml``)."""
-    d = to_dict(cfg) if dataclasses.is_dataclass(cfg) else _without_retired_keys(cfg)
-    fp = {k: dotted_value(d, k) for k in FINGERPRINT_KEYS}
-    fp.update({f"model.{k}": v for k, v in sorted((d.get("model") or {}).items())
-               if k not in _MODEL_KEYS_NOT_IN_FINGERPRINT})
-    return fp
-
-
-def fingerprint_diff(saved: dict, now: dict) -> str:
-    """'' when equal, else one line naming each differing key with both values."""
-    saved = {**saved, **{k: v for k, v in _FINGERPRINT_BEFORE.items() if saved.get(k) is None}}
-    keys = sorted(set(saved) | set(now))
-    return ", ".join(f"{k} {saved.get(k)!r} (saved) vs {now.get(k)!r} (now)" for k in keys if saved.get(k) != now.get(k))
 
 
 def to_dict(cfg) -> dict:
@@ -712,7 +688,7 @@ def save_config(cfg: Config, path):
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
 
 
-def _without_retired_keys(d: dict) -> dict:
+def without_retired_keys(d: dict) -> dict:
     """A saved config's dict without the keys that no longer exist but held what is now the only behaviour."""
     if d.get("fp8") is False:  # configs saved while float8 matmuls were a switch (off: bf16, the only path now)
         d = {k: v for k, v in d.items() if k != "fp8"}
@@ -727,4 +703,4 @@ def load_config(path) -> Config:
     d = _read_yaml(path)
     if not isinstance(d, dict):
         raise ConfigError(f"{path} must be a YAML mapping")
-    return update_from_dict(Config(), _without_retired_keys(d))
+    return update_from_dict(Config(), without_retired_keys(d))

@@ -22,7 +22,8 @@ from dres.data import build_loader
 from dres.nn import set_backend, set_fused_mlp
 from dres.train import checkpoint, distributed, resume, results
 from dres.train.common import resolve_precision, seed_all
-from dres.train.config import Config, ConfigError, cpu_threads, fingerprint, to_dict
+from dres.train.config import Config, ConfigError, cpu_threads, to_dict
+from dres.train.rundir import fingerprint
 from dres.train.optim import build_optimizer, build_schedule, param_groups, peak_lr
 from dres.train.runlog import LogFile, RunLog
 from dres.train.step import GraphedStep, NonFiniteLoss, TrainStep, fused_mlp_choice, graph_plan, graph_warmup_steps

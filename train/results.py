@@ -13,7 +13,8 @@ from dres.data import lost_data_line
 from dres.train import rundir
 from dres.models.flops import training_flops
 from dres.train.common import dense_bf16_peak, flops_rate_text, model_flops_rate
-from dres.train.config import fingerprint, save_config, to_dict
+from dres.train.config import save_config, to_dict
+from dres.train.rundir import fingerprint
 from dres.train.runlog import RunLog, open_tensorboard, open_wandb, steady_timing
 from dres.train.stop import EXIT_INTERRUPTED
 

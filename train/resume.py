@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from dres.train import checkpoint, rundir
-from dres.train.config import ConfigError, dotted_value, fingerprint, to_dict
+from dres.train.config import ConfigError, dotted_value, to_dict
+from dres.train.rundir import fingerprint
 
 # keys a resume may change: applied to the optimizer's groups and the LR schedule after its state is loaded
 RESUME_APPLIED = ("steps", "epochs", "accum_steps", "optim.lr", "optim.blr", "optim.min_lr", "optim.weight_decay",

@@ -37,6 +37,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import dataclasses
 import shutil
 import socket
 import subprocess
@@ -48,10 +49,35 @@ from pathlib import Path
 import yaml
 
 from dres.records import replace_atomic
-from dres.train.config import TASKS, fingerprint, fingerprint_diff
+from dres.train.config import TASKS, dotted_value, to_dict, without_retired_keys
 
 FINGERPRINT_FILE = "fingerprint.json"
 LOCK_FILE = "run.lock"
+
+# Keys that decide the shapes of the model, optimizer state and data position: a checkpoint saved
+# under other values cannot continue this run. lr, steps, seed and eval settings may change.
+FINGERPRINT_KEYS = ("task", "batch_size", "data.img_size", "data.in_chans", "data.num_classes", "optim.name",
+                    "optim.ema_decay")
+# keys added to the fingerprint later: a record without one was made under this value
+_FINGERPRINT_BEFORE = {"optim.name": "adamw", "model.drop_rate": 0.0, "model.gelu_approximate": "none"}
+_MODEL_KEYS_NOT_IN_FINGERPRINT = ("backend",)  # an implementation choice, same parameters
+
+
+def fingerprint(cfg) -> dict:
+    """The flat ``{dotted key: value}`` of :data:`FINGERPRINT_KEYS` and the model's keys, from a
+    :class:`Config` or its dict (a saved ``config.yaml``)."""
+    d = to_dict(cfg) if dataclasses.is_dataclass(cfg) else without_retired_keys(cfg)
+    fp = {k: dotted_value(d, k) for k in FINGERPRINT_KEYS}
+    fp.update({f"model.{k}": v for k, v in sorted((d.get("model") or {}).items())
+               if k not in _MODEL_KEYS_NOT_IN_FINGERPRINT})
+    return fp
+
+
+def fingerprint_diff(saved: dict, now: dict) -> str:
+    """'' when equal, else one line naming each differing key with both values."""
+    saved = {**saved, **{k: v for k, v in _FINGERPRINT_BEFORE.items() if saved.get(k) is None}}
+    keys = sorted(set(saved) | set(now))
+    return ", ".join(f"{k} {saved.get(k)!r} (saved) vs {now.get(k)!r} (now)" for k in keys if saved.get(k) != now.get(k))
 
 
 class RunDirError(RuntimeError):
