@@ -44,7 +44,7 @@ from torch import nn
 from dres import ops
 from dres.nn.droppath import NO_SCALES, ResidualDroppath, build_droppath, droppath_scales, refuse_two_drop_paths
 from dres.nn.schedule import decay_schedule
-from dres.nn.transformer import ResidualStream, add_and_norm, sdpa_from_qkv, takes_short_attention
+from dres.nn.transformer import ResidualStream, add_and_norm, heads_of_qkv, sdpa_from_qkv, takes_short_attention
 from dres.optional import import_optional
 
 
@@ -137,7 +137,7 @@ def attention_from_qkv(qkv: torch.Tensor, num_heads: int, backend: Optional[str]
         if takes_short_attention(qkv, N, three_c // (3 * num_heads), backend):
             return ops.short_attention(qkv, num_heads, backend="triton")
         return sdpa_from_qkv(qkv, num_heads)
-    q, k, v = qkv.unflatten(-1, (3, num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+    q, k, v = heads_of_qkv(qkv, num_heads)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p).transpose(1, 2).flatten(2)
 
 

@@ -71,8 +71,8 @@ class Attention(nn.Module):
 
 # dres.ops.short_attention packs several sequences of a head into one tile, where SDPA's kernels pad one
 # sequence per tile; up to 256 tokens it runs one sequence a program, which beats SDPA with 32-wide heads only
-# (the limits where it measured faster: BENCHMARKS.md, "Attention backends"). The head dims are the kernel's (dres.kernels.short_attention.HEAD_DIMS), written out so that building a model
-# imports no Triton.
+# (the limits where it measured faster: BENCHMARKS.md, "Attention backends"). The head dims are the kernel's
+# (dres.kernels.short_attention.HEAD_DIMS), written out so that building a model imports no Triton.
 SHORT_ATTENTION_MAX_TOKENS, SHORT_ATTENTION_HEAD_DIMS = 128, (16, 32, 64, 128)
 NARROW_HEADS_MAX_TOKENS, NARROW_HEAD_DIM = 256, 32
 
@@ -89,13 +89,15 @@ def takes_short_attention(qkv: torch.Tensor, tokens: int, head_dim: int, backend
 EFFICIENT_MAX_TOKENS, EFFICIENT_HEAD_DIM = 128, 64
 
 
+def heads_of_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k and v of a qkv Linear's output (B, N, 3C), each permuted to (B, H, N, d) as SDPA takes them."""
+    return qkv.unflatten(-1, (3, num_heads, -1)).permute(2, 0, 3, 1, 4).unbind(0)
+
+
 def sdpa_from_qkv(qkv: torch.Tensor, num_heads: int) -> torch.Tensor:
     """The qkv Linear's output (B, N, 3C) -> (B, N, C) through :func:`sdpa`: q, k and v permuted out of it to
     (B, H, N, d), the result transposed back (the copies SDPA costs a model beside its kernel)."""
-    B, N, three_c = qkv.shape
-    C = three_c // 3
-    q, k, v = qkv.reshape(B, N, 3, num_heads, C // num_heads).permute(2, 0, 3, 1, 4).unbind(0)
-    return sdpa(q, k, v).transpose(1, 2).reshape(B, N, C)
+    return sdpa(*heads_of_qkv(qkv, num_heads)).transpose(1, 2).flatten(2)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
