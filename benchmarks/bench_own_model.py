@@ -38,7 +38,8 @@ spread over the N processes.
 
 The record folder (default ``records/benchmarks/<machine>-<today>-own-models``): ``arms/<model>-<arm>-<repeat>.json``
 (one a process, a failed arm with its one-line error), ``logs/`` (each process's output), ``summary.json``,
-``own-models.md`` (the table) and ``loss-tracks.png``.
+``own-models.md`` (the table), ``loss-tracks.png`` and, with ``--profile-steps``, ``profiles.md`` (each arm's
+step by kernel category and its top kernels).
 """
 
 from __future__ import annotations
@@ -333,9 +334,9 @@ def one_line(e: BaseException) -> str:
 
 
 def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: bool, steps: int,
-                warmup: int) -> dict:
-    """Train ``model_name`` in arm ``arm_name`` for ``steps`` steps (the first ``warmup`` untimed): the
-    figures of the record (:func:`run_arm`)."""
+                warmup: int, profile_steps: int = 0) -> dict:
+    """Train ``model_name`` in arm ``arm_name`` for ``steps`` steps (the first ``warmup`` untimed), then
+    ``profile_steps`` more under ``torch.profiler`` (on a GPU): the figures of the record (:func:`run_arm`)."""
     spec, arm = MODELS[model_name], ARMS[arm_name]
     size = spec.tiny if tiny else spec.full
     t0 = time.time()
@@ -346,8 +347,8 @@ def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: b
     batches = make_batches(spec, size, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     step = training_step(arm.mode, model, optimizer, functools.partial(autocast_loss, spec.loss, device.type))
-    losses = torch.zeros(steps, device=device)
-    done = iter(range(steps))
+    losses = torch.zeros(steps + profile_steps, device=device)  # the profiled steps' losses are not kept
+    done = iter(range(steps + profile_steps))
 
     def run_step():
         i = next(done)
@@ -355,17 +356,24 @@ def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: b
 
     for _ in range(warmup):
         run_step()
-    if device.type == "cuda":
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     warmup_s = time.time() - t0
-    times = time_steps(run_step, steps - warmup) if device.type == "cuda" else cpu_step_ms(run_step, steps - warmup)
+    times = time_steps(run_step, steps - warmup) if cuda else cpu_step_ms(run_step, steps - warmup)
     ms = statistics.median(times)
+    peaks = {"peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+             "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else None}
+    profile = None
+    if profile_steps and cuda:
+        from benchmarks.profile_train import profile_steps as profiled
+
+        profile = profiled(run_step, profile_steps, None)
     return {
         "samples_per_s": size.batch / (ms / 1e3), "step_ms": ms, "step_ms_min": min(times),
-        "step_ms_max": max(times), "warmup_s": warmup_s, "losses": losses.tolist(),
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
-        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None,
+        "step_ms_max": max(times), "warmup_s": warmup_s, "losses": losses[:steps].tolist(), "profile": profile,
+        **peaks,
         "captured": getattr(step, "captured", None), "why_eager": getattr(step, "why_eager", None),
     }
 
@@ -379,7 +387,7 @@ def arm_identity(model_name: str, arm_name: str, repeat: int, tiny: bool) -> dic
 
 
 def run_arm(model_name: str, arm_name: str, repeat: int, *, device: torch.device, tiny: bool, steps: int,
-            warmup: int) -> dict:
+            warmup: int, profile_steps: int = 0) -> dict:
     """The record of one arm: what ran, where, with which versions, and its figures or its one-line error."""
     spec = MODELS[model_name]
     rec = {
@@ -391,7 +399,8 @@ def run_arm(model_name: str, arm_name: str, repeat: int, *, device: torch.device
     }
     t0 = time.time()
     try:
-        rec.update(measure_arm(model_name, arm_name, device=device, tiny=tiny, steps=steps, warmup=warmup), error=None)
+        rec.update(measure_arm(model_name, arm_name, device=device, tiny=tiny, steps=steps, warmup=warmup,
+                               profile_steps=profile_steps), error=None)
     except Exception as e:  # an import error, out of memory, a failed compile: recorded, the other arms go on
         rec["error"] = one_line(e)
     rec["wall_s"] = time.time() - t0
@@ -529,6 +538,25 @@ def markdown(rows: list[dict], *, header: list[str], failed: list[dict], not_run
     return "\n".join(lines) + "\n"
 
 
+def profile_markdown(records: list[dict]) -> str:
+    """Each profiled arm's step: wall and GPU-busy time, GPU time by kernel category, and its top kernels."""
+    from benchmarks.profile_train import CATEGORIES, OTHER
+
+    profiled = [r for r in records if r.get("profile")]
+    cats = [c for c, _ in CATEGORIES if c != "communication"] + [OTHER]
+    lines = ["# Where each arm's step goes (torch.profiler, ms per step)", "",
+             "| model | arm | wall | GPU busy | kernels | " + " | ".join(cats) + " |", "|---" * (5 + len(cats)) + "|"]
+    for r in profiled:
+        p = r["profile"]
+        lines.append(f"| {r['model']} | {r['arm']} | {p['wall_us_per_step'] / 1e3:.1f} | {p['gpu_busy_pct']:.0f}% | "
+                     f"{p['gpu_kernels_per_step']:.0f} | "
+                     + " | ".join(f"{p['categories_us'].get(c, 0.0) / 1e3:.1f}" for c in cats) + " |")
+    for r in profiled:
+        lines += ["", f"## {r['model']} {r['arm']}: top GPU kernels (us a step, calls a step)", ""]
+        lines += [f"    {k['us']:9.1f} {k['calls']:6.1f}  {k['name']}" for k in r["profile"]["top_kernels"]]
+    return "\n".join(lines) + "\n"
+
+
 def plot_loss_tracks(records: list[dict], path: Path) -> Optional[str]:
     """One panel per model, a line per arm (its first finished repeat); None without matplotlib."""
     from dres.eval.curves import plot_curves
@@ -585,7 +613,7 @@ def worker_command(job: Job, args, cores: Optional[list[int]] = None) -> list[st
     """The command of ``job``'s process, held to ``cores`` where given."""
     cmd = [sys.executable, "-m", "benchmarks.bench_own_model", "--models", job.model, "--arms", job.arm,
            "--worker", str(job.repeat), "--device", args.device, "--steps", str(args.steps), "--warmup",
-           str(args.warmup), "--out", str(args.out)]
+           str(args.warmup), "--profile-steps", str(args.profile_steps), "--out", str(args.out)]
     return cmd + (["--tiny"] if args.tiny else []) + (["--cores", ",".join(map(str, cores))] if cores else [])
 
 
@@ -633,6 +661,8 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
     measure.write_json_atomic(out / "summary.json", summary)
     table = markdown(rows, header=header, failed=failed, not_run=not_run)
     (out / "own-models.md").write_text(table)
+    if any(r.get("profile") for r in records):
+        (out / "profiles.md").write_text(profile_markdown(records))
     if plot:
         plot_loss_tracks(records, out / "loss-tracks.png")
     return table
@@ -744,6 +774,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "(default: one at a time on the visible GPU)")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per arm, the loss of each recorded")
     p.add_argument("--warmup", type=int, default=20, help="the first steps, untimed (compilation, capture)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="then profile this many more steps per arm (torch.profiler, GPU only): the step's GPU time by "
+                        "kernel category and its top kernels, in the arm's record and the table")
     p.add_argument("--repeats", type=int, default=1, help="processes per arm (median and spread)")
     p.add_argument("--max-minutes", type=float, help="start no arm after this many minutes")
     p.add_argument("--arm-timeout-s", type=float, default=540, help="an arm still running after this is killed")
@@ -766,6 +799,8 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
                 f"come first), got {args.warmup}")
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): the steps after it are timed")
+    if args.profile_steps < 0:
+        p.error(f"--profile-steps must be 0 or more, got {args.profile_steps}")
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.gpus and args.device == "cpu":
@@ -797,7 +832,7 @@ def run_worker(args) -> int:
         os.sched_setaffinity(0, args.cores)  # before the first parallel region starts torch's thread pool
     measure.configure_caches()
     rec = run_arm(job.model, job.arm, job.repeat, device=torch.device(args.device), tiny=args.tiny, steps=args.steps,
-                  warmup=args.warmup)
+                  warmup=args.warmup, profile_steps=args.profile_steps)
     measure.write_json_atomic(arm_path(Path(args.out), job), rec)
     print(json.dumps({k: v for k, v in rec.items() if k != "losses"}), flush=True)
     return 1 if rec["error"] else 0

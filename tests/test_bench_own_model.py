@@ -72,6 +72,7 @@ def test_parallel_arms_get_their_own_share_of_the_cores(monkeypatch):
     (["--warmup", "0"], "--warmup"),
     (["--arms", "plain_eager,converted_step", "--warmup", "3"], "--warmup"),
     (["--repeats", "0"], "--repeats"),
+    (["--profile-steps", "-1"], "--profile-steps"),
     (["--device", "cpu", "--gpus", "0"], "--gpus"),
 ])
 def test_bad_arguments_exit_2_naming_the_argument(argv, named, capsys):
@@ -263,10 +264,15 @@ def test_max_minutes_starts_no_arm_after_it_and_names_those_not_run(tmp_path, mo
 @pytest.mark.gpu
 def test_tiny_gpu_run_captures_the_one_line_step_and_reads_its_memory(tmp_path):
     """On a GPU: the converted one-line step runs as a replayed graph, its loss track is the eager one's
-    (a tiny ResNet, no random masks; bf16), and both peak memories are read, reserved at least allocated."""
+    (a tiny ResNet, no random masks; bf16), both peak memories are read, reserved at least allocated, and
+    the profiled steps say where each arm's step goes."""
     out = tmp_path / "own"
-    assert bench.main(["--tiny", "--steps", "6", "--warmup", "4", "--models", "resnet50d_32", "--arms",
-                       "converted_step,plain_eager", "--out", str(out)]) == 0
+    assert bench.main(["--tiny", "--steps", "6", "--warmup", "4", "--profile-steps", "2", "--models", "resnet50d_32",
+                       "--arms", "converted_step,plain_eager", "--out", str(out)]) == 0
+    profiles = (out / "profiles.md").read_text()
+    for rec in bench.load_arm_records(out):
+        assert rec["profile"]["gpu_kernels_per_step"] > 0 and len(rec["losses"]) == 6
+        assert f"## resnet50d_32 {rec['arm']}: top GPU kernels" in profiles
     records = {r["arm"]: r for r in bench.load_arm_records(out)}
     step, eager = records["converted_step"], records["plain_eager"]
     assert step["captured"] is True and step["why_eager"] is None and step["card"] != "cpu"
