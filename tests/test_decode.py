@@ -197,8 +197,12 @@ def test_folder_loader_counts_a_lost_file_once_and_skips_fifos(tmp_path):
     loader = build_loader(d, "train", 8, log=lines.append)
     assert len(loader.ds) == 24  # the FIFO is not listed
     _batches(loader, 9)  # three epochs
-    assert loader.counter.count == 1 and len(lines) == 1, lines
-    assert "shard" not in lines[0] and "c1/004.JPEG: UnidentifiedImageError" in lines[0]
+    lost = [line for line in lines if line.startswith("[dres] lost data")]
+    assert loader.counter.count == 1 and len(lost) == 1, lines
+    assert "shard" not in lost[0] and "c1/004.JPEG: UnidentifiedImageError" in lost[0]
+    # each epoch's end says where its images were decoded: the lost one in none
+    assert [line for line in lines if line not in lost] == [
+        f"[dres] data: epoch {e}, 23 images decoded: 23 on the CPU by the workers" for e in (1, 2, 3)]
 
 
 def _shards(root, n_shards=3, per_shard=10, bad=()):
@@ -276,6 +280,89 @@ def test_the_thread_finishing_batches_ahead_ends_with_its_loader(tmp_path):
     gc.collect()
     second.join(30)
     assert not second.is_alive()
+
+
+def _numbers(n, fail_at=None):
+    """An iterator of ``(i,)`` for i < n, raising ``ValueError`` at ``fail_at``, each item after a short random
+    pause (the order of the thread's work and the taker's varies)."""
+    import time
+
+    rng = random.Random(n)
+    for i in range(n):
+        time.sleep(rng.uniform(0, 0.003))
+        if i == fail_at:
+            raise ValueError(f"at {i}")
+        yield ({"i": torch.tensor(i)},)
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_batches_ahead_come_in_order_then_the_sources_end(depth):
+    from dres.data.loaders import _Ahead
+
+    ahead = _Ahead(_numbers(40), torch.device("cpu"), depth, [])
+    assert [int(next(ahead)[0]["i"]) for _ in range(40)] == list(range(40))
+    with pytest.raises(StopIteration):
+        next(ahead)
+    ahead.thread.join(10)
+    assert not ahead.thread.is_alive() and ahead.done.maxsize == depth
+    failing = _Ahead(_numbers(10, fail_at=6), torch.device("cpu"), depth, [])
+    assert [int(next(failing)[0]["i"]) for _ in range(6)] == list(range(6))
+    with pytest.raises(ValueError, match="at 6"):
+        next(failing)
+
+
+def test_stopping_the_batches_ahead_mid_epoch_ends_the_thread_waiting_on_a_full_ring():
+    import time
+
+    from dres.data.loaders import _Ahead, _stop_workers
+
+    running = []
+    ahead = _Ahead(_numbers(10**6), torch.device("cpu"), 2, running)
+    next(ahead)
+    deadline = time.time() + 10
+    while not ahead.done.full() and time.time() < deadline:  # the thread now waits for room in the ring
+        time.sleep(0.01)
+    assert ahead.done.full() and ahead.thread.is_alive()
+    _stop_workers(running)
+    assert not ahead.thread.is_alive() and running == []
+
+
+def test_nvimgcodec_gives_its_share_to_the_hardware_and_the_rest_and_its_refusals_to_the_cuda_cores(monkeypatch):
+    """The split of a batch between nvImageCodec's two decoders and the path counted for each image, with stand-ins
+    for the decoders (an image here is its first byte; the hardware refuses odd ones, the CUDA cores 255)."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from dres.data import decode
+
+    calls = []
+
+    class Decoder:
+        def __init__(self, name, refuses):
+            self.name, self.refuses = name, refuses
+
+        def decode(self, streams, cuda_stream):
+            calls.append((self.name, [int(s[0]) for s in streams]))
+            return [None if self.refuses(int(s[0])) else np.full((2, 3, 3), s[0], dtype=np.uint8) for s in streams]
+
+    fake = ModuleType("nvidia.nvimgcodec")
+    fake.CodeStream = lambda a: a
+    monkeypatch.setitem(sys.modules, "nvidia", ModuleType("nvidia"))
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", fake)
+    monkeypatch.setattr(decode, "nvimgcodec_decoders", lambda index, hw_load: (
+        Decoder("hardware", lambda v: v % 2) if hw_load > 0 else None, Decoder("cuda", lambda v: v == 255)))
+    values = [2, 3, 4, 5, 6, 255, 8, 10]
+    for hw_load, want_calls, want_paths in (
+            (0.5, [("hardware", [2, 3, 4, 5]), ("cuda", [6, 255, 8, 10]), ("cuda", [3, 5])],
+             ["hardware", "cuda", "hardware", "cuda", "cuda", None, "cuda", "cuda"]),
+            (0.0, [("cuda", values)], ["cuda"] * 5 + [None, "cuda", "cuda"])):
+        finisher = BatchFinisher("cpu", 4, 3, backend=None, hw_load=hw_load)
+        finisher.stream = SimpleNamespace(cuda_stream=0)
+        calls.clear()
+        images, taken = finisher._decode_nvimgcodec([torch.tensor([v, 0], dtype=torch.uint8) for v in values])
+        assert sorted(calls) == sorted(want_calls) and taken == want_paths
+        assert [None if im is None else (int(im[0, 0, 0]), tuple(im.shape)) for im in images] == [
+            None if v == 255 else (v, (3, 2, 3)) for v in values]  # HWC from the decoder, (C, H, W) here
 
 
 def test_decode_gpu_without_a_gpu_is_a_one_line_error(tmp_path):
@@ -413,6 +500,53 @@ def test_gpu_decode_is_the_default_where_a_decoder_is_there_and_few_cores(tmp_pa
     assert batch["image"].is_cuda and batch["image"].shape == (8, 3, 16, 16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("high", [True, False])
+def test_the_streams_finishing_batches_run_at_the_gpus_highest_priority(tmp_path, high):
+    if gpu_decode_backend("cuda") is None:
+        pytest.skip("no GPU JPEG decoder")
+    d = DataConfig(name="imagefolder", path=_folder(tmp_path), img_size=16, num_classes=3, gpu_resident=False,
+                   decode="gpu", num_workers=2, finish_high_priority=high)
+    loader = build_loader(d, "train", 8, device="cuda")
+    loader.next()
+    want = min(torch.cuda.Stream.priority_range()) if high else 0
+    assert loader.finisher.stream.priority == want and loader._batches_to_come.stream.priority == want
+    assert want < 0 or not high  # a GPU has more than the one default priority
+    loader.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode", ["gpu", "cpu"])
+def test_batches_ahead_on_a_gpu_equal_those_made_between_steps_and_are_taken_without_a_host_sync(tmp_path, decode):
+    """On the GPU: the same batches in the same order with the ring as without, and (with the CPU decode, whose
+    finishing thread does not sync either) the taker waits on an event, never on the host."""
+    if decode == "gpu" and gpu_decode_backend("cuda") is None:
+        pytest.skip("no GPU JPEG decoder")
+    path = _folder(tmp_path, bad=(4,))
+    runs = {}
+    for ahead in (0, 2):
+        d = _loader_config("imagefolder", path, ahead)
+        d.decode = decode
+        loader = build_loader(d, "train", 8, device="cuda", seed=3)
+        runs[ahead] = [(loader.next(), loader.state_dict()) for _ in range(7)]
+        if ahead and decode == "cpu":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                taken = [loader.next() for _ in range(4)]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert all(b["image"].is_cuda for b in taken)
+        loader.close()
+    for (a, state_a), (b, state_b) in zip(runs[0], runs[2]):
+        assert torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"]) and state_a == state_b
+    # the folder's files are baseline JPEGs: all on the GPU with its decode, all in the workers with the CPU's
+    if decode == "cpu":
+        assert set(loader.decoded) == {"workers"}
+    else:
+        assert "workers" not in loader.decoded and {"nvjpeg", "hardware", "cuda"} & set(loader.decoded)
+
+
 # ------------------------------------------------------------------ the trainer reading files, as a process
 TINY_FOLDER_RUN = ["device=cpu", "data.name=imagefolder", "data.gpu_resident=false", "data.decode=cpu", "data.num_workers=2",
                    "data.img_size=8", "data.num_classes=3", "data.max_corrupt_frac=0.5", "model.img_size=8",
@@ -450,6 +584,19 @@ def test_a_run_reading_files_with_workers_ends_when_it_is_done(tmp_path):
 def test_sigterm_to_the_process_group_with_workers_saves_and_exits_75(tmp_path):
     """What Slurm, Kubernetes and timeout do: SIGTERM to every process of the group, the DataLoader workers
     included; the trainer finishes its step, saves and exits 75, and the run resumes from there."""
+    _sigterm_saves_exits_75_and_resumes(tmp_path, [])
+
+
+@pytest.mark.gpu
+def test_sigterm_during_gpu_decode_saves_and_exits_75(tmp_path):
+    """The same with the GPU decode finishing batches ahead on its own streams."""
+    if gpu_decode_backend("cuda") is None:
+        pytest.skip("no GPU JPEG decoder")
+    _sigterm_saves_exits_75_and_resumes(tmp_path, ["device=cuda", "data.decode=gpu", "compile=false",
+                                                   "cuda_graphs=false"])
+
+
+def _sigterm_saves_exits_75_and_resumes(tmp_path, extra):
     import signal
     import time
 
@@ -457,7 +604,8 @@ def test_sigterm_to_the_process_group_with_workers_saves_and_exits_75(tmp_path):
     from dres.train.stop import EXIT_INTERRUPTED
 
     out = tmp_path / "run"
-    proc = _folder_run(tmp_path, out, steps=100000, extra=["ckpt.every=0"])
+    extra = ["ckpt.every=0", *extra]
+    proc = _folder_run(tmp_path, out, steps=100000, extra=extra)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         metrics = out / "metrics.jsonl"
@@ -471,7 +619,7 @@ def test_sigterm_to_the_process_group_with_workers_saves_and_exits_75(tmp_path):
     saved = checkpoint.list_checkpoints(out / "checkpoints")
     assert len(saved) == 1
     step = int(saved[0].stem.split("_")[1])
-    resumed = _folder_run(tmp_path, out, steps=step + 2, extra=["ckpt.every=0"], flags=["--resume", "auto"])
+    resumed = _folder_run(tmp_path, out, steps=step + 2, extra=extra, flags=["--resume", "auto"])
     stdout, stderr = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, (stdout, stderr)
     import json

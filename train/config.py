@@ -55,8 +55,9 @@ class DataConfig:
     num_workers: int = setting(-1, "streaming loaders only: DataLoader workers reading (and with CPU decode decoding) "
                                    "files; -1: by the decode (CPU: the cores the process has, less one; GPU: 4)")
     decode: str = setting("auto", "streaming loaders: cpu (workers decode, crop, resize) | gpu (workers read bytes; "
-                                  "batched GPU decode and crop kernel) | auto (cpu where the process has 12 cores or "
-                                  "more, or no GPU decoder is there; else gpu)")
+                                  "batched GPU decode and crop kernel) | auto (cpu where the process has "
+                                  "dres.data.factory.CPU_DECODE_MIN_CORES (12) cores or more, or no GPU decoder is "
+                                  "there; else gpu)")
     hw_decode_load: float = setting(0.65, "decode=gpu with nvImageCodec: the share of each batch's JPEGs for the "
                                           "hardware JPEG decoders (the rest, and what they cannot do, to nvJPEG on the"
                                           " CUDA cores at the same time)")
@@ -66,6 +67,9 @@ class DataConfig:
     finish_ahead: int = setting(2, "streaming loaders: batches a thread of the training process finishes (GPU decode, "
                                    "crop, normalisation, copies) ahead of the step (0: in the step's own thread, "
                                    "between steps)")
+    finish_high_priority: bool = setting(True, "streaming loaders on a GPU: the streams finishing batches (decode, crop"
+                                               ", copies) at the GPU's highest priority, ahead of the step's kernels "
+                                               "(false: the default priority)")
     shuffle_buffer: int = setting(2000, "streamed shards: samples shuffled in memory")
     limit: int = setting(0, "use only the first N training samples (0: all)")
     val_limit: int = setting(0, "use only the first N held-out samples (0: all)")

@@ -11,7 +11,7 @@ A loader is three parts, each chosen once in the factory from the config:
 * **how they become pixels** (:mod:`dres.data.decode`, ``data.decode``): ``cpu`` decodes, crops and
   resizes in the DataLoader workers; ``gpu`` has the workers only read the bytes and decodes each batch
   on the GPU (nvJPEG or nvImageCodec) with its crop and resize in one kernel; ``auto`` decodes on the CPU
-  where the process has :data:`~dres.data.decode.CPU_DECODE_MIN_CORES` cores or more (or no GPU decoder),
+  where the process has :data:`~dres.data.factory.CPU_DECODE_MIN_CORES` cores or more (or no GPU decoder),
   else on the GPU; ``num_workers=-1`` gives each way its workers;
 * **the augmentation on the device** (:mod:`dres.data.augment`): for data in memory, the batched
   RandomResizedCrop, flip, jitter and normalisation; streamed data arrives cropped and is normalised there.

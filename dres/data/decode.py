@@ -18,7 +18,9 @@ A file-reading loader works in two halves:
   (:func:`dres.kernels.crop_resize.crop_resize_forward`, ``torchvision.ops.roi_align``'s arithmetic), the
   CPU-made pixels are normalised on the GPU, and the rows are put back in the batch's order; a batch
   drawn with colour jitter is jittered there, on pixels in [0, 1], before its normalisation. An image
-  the GPU cannot decode is decoded on the CPU there; one nobody can decode is a lost sample.
+  the GPU cannot decode is decoded on the CPU there; one nobody can decode is a lost sample. The finisher's
+  streams run at the GPU's highest priority (:func:`stream_priority`), so its kernels and copies go before
+  the running step's, and it counts the path each image took (:data:`DECODE_PATHS`).
 
 Workers ignore SIGTERM and SIGINT (:func:`worker_init`): a signal to the whole process group (what
 Slurm, Kubernetes and ``timeout`` send) is the training process's to act on, which finishes its step,
@@ -218,13 +220,6 @@ def collate_prepared(samples: list) -> dict:
     }
 
 
-# decode=auto decodes on the CPU where a process has this many cores: the ViT-B/16 MAE trainer on one H200 read a
-# JPEG folder at 1.00x its synthetic rate decoding on 16 cores, 0.70x on 8, and 0.75-0.76x decoding on the GPU
-# with 4 to 16 (BENCHMARKS.md, "Real images")
-CPU_DECODE_MIN_CORES = 12
-GPU_DECODE_WORKERS = 4  # workers that only read bytes: 8 read no faster (BENCHMARKS.md)
-
-
 def cgroup_cpu_limit() -> float | None:
     """The CPUs a period the process's cgroup may use (a container's CPU limit), None where there is no limit."""
     for quota_file, period_file in (("/sys/fs/cgroup/cpu.max", None),  # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
@@ -267,29 +262,59 @@ def gpu_decode_backend(device, choose: str = "auto") -> str | None:
     return None
 
 
-def nvimgcodec_decoder(device_index: int, hw_load: float):
-    """An nvImageCodec decoder that gives ``hw_load`` of each batch's JPEGs to the GPU's hardware JPEG decoders
-    (where it has them) and the rest, with whatever they cannot do (progressive files), to nvJPEG on the CUDA
-    cores, then to nvJPEG's CPU-assisted path: the two GPU paths run at once (DALI's ``hw_decoder_load``)."""
+def nvimgcodec_decoders(device_index: int, hw_load: float):
+    """Two nvImageCodec decoders, ``(hardware, cuda)``: the GPU's hardware JPEG decoders alone (None with
+    ``hw_load`` 0), and nvJPEG on the CUDA cores, then its CPU-assisted path (progressive files). Two rather than
+    one of both backends, so that the path each image took is known (:data:`DECODE_PATHS`)."""
     from nvidia import nvimgcodec
 
-    kinds = [nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY, load_hint=hw_load)] if hw_load > 0 else []
-    kinds += [nvimgcodec.Backend(nvimgcodec.BackendKind.GPU_ONLY, load_hint=1.0),
-              nvimgcodec.Backend(nvimgcodec.BackendKind.HYBRID_CPU_GPU, load_hint=1.0)]
-    return nvimgcodec.Decoder(device_id=device_index, backends=kinds)
+    kind = nvimgcodec.BackendKind
+    hardware = (nvimgcodec.Decoder(device_id=device_index, backends=[nvimgcodec.Backend(kind.HW_GPU_ONLY)])
+                if hw_load > 0 else None)
+    cuda = nvimgcodec.Decoder(device_id=device_index, backends=[nvimgcodec.Backend(kind.GPU_ONLY),
+                                                                nvimgcodec.Backend(kind.HYBRID_CPU_GPU)])
+    return hardware, cuda
+
+
+def stream_priority(high: bool) -> int:
+    """The priority of the streams that finish batches on the current CUDA device: its highest with ``high`` (the
+    lowest number of ``torch.cuda.Stream.priority_range()``), so their kernels and copies are scheduled before the
+    running step's; else the default, 0."""
+    return min(torch.cuda.Stream.priority_range()) if high else 0
+
+
+# where an image of a batch was decoded, as the finisher counts it (``paths``) and the loaders' epoch line words it
+DECODE_PATHS = {
+    "hardware": "by the GPU's hardware JPEG decoders",
+    "cuda": "by nvJPEG on the CUDA cores",
+    "nvjpeg": "by torchvision's batched nvJPEG (the hardware decoders for baseline JPEGs where the GPU has them)",
+    "cpu_fallback": "on the CPU of the training process (refused by the GPU decoder)",
+    "workers": "on the CPU by the workers",
+}
+
+
+def decode_paths_line(epoch: int, counts: dict) -> str:
+    """The run log's line of where an epoch's images were decoded (``counts``: :data:`DECODE_PATHS` keys)."""
+    parts = [f"{counts[k]:,} {words}" for k, words in DECODE_PATHS.items() if counts.get(k)]
+    return f"[dres] data: epoch {epoch}, {sum(counts.values()):,} images decoded: " + "; ".join(parts)
 
 
 class BatchFinisher:
     """The training process's half (module doc): a collated batch -> ``{"image": float (B, C, size, size)
     normalised on the device, "label": (B,)}``. ``backend`` is the GPU decoder (:func:`gpu_decode_backend`)
     for batches holding JPEG bytes, None when every sample comes as pixels. GPU work runs on a stream of
-    its own; the tensors returned are ready on the caller's current stream."""
+    its own, at the GPU's highest priority with ``high_priority`` (:attr:`priority`, which the thread finishing
+    batches ahead takes for its stream too); the tensors returned are ready on the caller's current stream."""
 
     def __init__(self, device, size: int, channels: int, mean=None, std=None, backend: str | None = None,
-                 hw_load: float = 0.65):
+                 hw_load: float = 0.65, high_priority: bool = True):
         self.device, self.size, self.channels, self.backend = torch.device(device), size, channels, backend
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.priority = 0
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            with torch.cuda.device(self.device):
+                self.priority = stream_priority(high_priority)
         self.hw_load = hw_load
         mean = torch.tensor((mean or [0.0] * channels)[:channels], dtype=torch.float32)
         std = torch.tensor((std or [1.0] * channels)[:channels], dtype=torch.float32)
@@ -299,20 +324,22 @@ class BatchFinisher:
         self.unit_scale = torch.full((channels,), 1.0 / 255.0, device=self.device)
         self.no_shift = torch.zeros(channels, device=self.device)
         self.mean, self.std = mean.to(self.device), std.to(self.device)
-        self.stream = torch.cuda.Stream(self.device) if backend else None
-        self._decoder = None
-        self.gpu_fallbacks = 0  # JPEGs the GPU decoder refused, decoded on the CPU here instead
+        self.stream = torch.cuda.Stream(self.device, priority=self.priority) if backend else None
+        self._decoders = None  # nvImageCodec's (nvimgcodec_decoders) and the thread running the CUDA one beside
 
-    def __call__(self, batch: dict, lost: list) -> dict | None:
-        """``lost`` gets the names of images nobody could decode; None when the whole batch is lost."""
+    def __call__(self, batch: dict, lost: list, paths: dict | None = None) -> dict | None:
+        """``lost`` gets the names of images nobody could decode, ``paths`` (where given) the count of images
+        each path decoded (:data:`DECODE_PATHS`); None when the whole batch is lost."""
+        paths = {} if paths is None else paths
         jitter = batch.get("jitter")
         scale, shift = (self.unit_scale, self.no_shift) if jitter is not None else (self.scale, self.shift)
         rows = [batch["pixel_rows"]]
         parts = []
         if batch["pixels"] is not None:
             parts.append(self._normalised(batch["pixels"], scale, shift))
+            paths["workers"] = paths.get("workers", 0) + len(batch["pixels"])
         if len(batch["jpeg_rows"]):
-            decoded_rows, decoded, cpu_rows, cpu_pixels = self._decode_jpegs(batch, lost, scale, shift)
+            decoded_rows, decoded, cpu_rows, cpu_pixels = self._decode_jpegs(batch, lost, scale, shift, paths)
             rows += [decoded_rows, cpu_rows]
             parts += [decoded, cpu_pixels]
         order = torch.cat(rows)
@@ -327,14 +354,17 @@ class BatchFinisher:
             images = (images - self.mean.view(1, -1, 1, 1)) / self.std.view(1, -1, 1, 1)
         return {"image": images, "label": to_device(batch["labels"][order[keep]], self.device)}
 
-    def _decode_jpegs(self, batch, lost, scale, shift):
+    def _decode_jpegs(self, batch, lost, scale, shift, paths):
         data, lengths = batch["jpeg_bytes"], batch["jpeg_lengths"].tolist()
         starts = np.cumsum([0] + lengths[:-1]).tolist()
         encoded = [data[s:s + n] for s, n in zip(starts, lengths)]
         caller = torch.cuda.current_stream(self.device)
         # the inputs are host tensors: the decode waits for nothing queued on the caller's stream (the running step)
         with torch.cuda.stream(self.stream):
-            images = self._decode(encoded)
+            images, taken = self._decode(encoded)
+            for path in taken:
+                if path is not None:
+                    paths[path] = paths.get(path, 0) + 1
             ok = [i for i, im in enumerate(images) if im is not None]
             decoded = None
             if ok:
@@ -356,7 +386,7 @@ class BatchFinisher:
                     raise
                 lost.append(f"a JPEG of the batch: {type(e).__name__}")
                 continue
-            self.gpu_fallbacks += 1
+            paths["cpu_fallback"] = paths.get("cpu_fallback", 0) + 1
             cpu_rows.append(int(jpeg_rows[i]))
             cpu_pixels.append(pixels)
         fallback = self._normalised(torch.stack(cpu_pixels), scale, shift) if cpu_pixels else None
@@ -386,21 +416,16 @@ class BatchFinisher:
         return crop_resize_forward(src, to_device(torch.tensor(meta, dtype=torch.int64), self.device),
                                    to_device(boxes, self.device), scale, shift, self.size, self.channels)
 
-    def _decode(self, encoded: list) -> list:
-        """Each JPEG as a uint8 CUDA tensor (C, H, W) (any strides), None where the decoder refused it."""
+    def _decode(self, encoded: list) -> tuple[list, list]:
+        """Each JPEG as a uint8 CUDA tensor (C, H, W) (any strides), None where the decoder refused it, and the
+        path that decoded it (:data:`DECODE_PATHS`; None where refused)."""
         if self.backend == "nvimgcodec":
-            from nvidia import nvimgcodec
-
-            if self._decoder is None:
-                self._decoder = nvimgcodec_decoder(self.device.index, self.hw_load)
-            streams = [nvimgcodec.CodeStream(t.numpy()) for t in encoded]
-            out = self._decoder.decode(streams, cuda_stream=self.stream.cuda_stream)
-            return [None if im is None else torch.from_dlpack(im).permute(2, 0, 1) for im in out]
+            return self._decode_nvimgcodec(encoded)
         from torchvision.io import ImageReadMode, decode_jpeg
 
         with _quiet_torchvision():
             try:
-                return decode_jpeg(encoded, device=self.device, mode=ImageReadMode.RGB)
+                out = decode_jpeg(encoded, device=self.device, mode=ImageReadMode.RGB)
             except RuntimeError:  # one bad image fails the batch: find it
                 out = []
                 for t in encoded:
@@ -408,4 +433,37 @@ class BatchFinisher:
                         out.append(decode_jpeg(t, device=self.device, mode=ImageReadMode.RGB))
                     except RuntimeError:
                         out.append(None)
-                return out
+        return out, [None if im is None else "nvjpeg" for im in out]
+
+    def _decode_nvimgcodec(self, encoded: list) -> tuple[list, list]:
+        """The first ``hw_load`` of the batch by the hardware decoders while, in a thread beside, the rest goes to
+        nvJPEG on the CUDA cores (DALI's ``hw_decoder_load``); what the hardware refused then goes there too."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from nvidia import nvimgcodec
+
+        if self._decoders is None:
+            self._decoders = (*nvimgcodec_decoders(self.device.index, self.hw_load),
+                              ThreadPoolExecutor(1, thread_name_prefix="dres-nvjpeg-cuda"))
+        hardware, cuda, beside = self._decoders
+        streams = [nvimgcodec.CodeStream(t.numpy()) for t in encoded]
+        n_hw = round(self.hw_load * len(streams)) if hardware is not None else 0
+        out, taken = [None] * len(streams), [None] * len(streams)
+
+        def decode(decoder, rows):
+            return rows, (decoder.decode([streams[i] for i in rows], cuda_stream=self.stream.cuda_stream)
+                          if rows else [])
+
+        def keep(decoded, path):  # in this thread, whose current stream (this one) the tensors are handed to
+            for i, im in zip(*decoded):
+                if im is not None:
+                    out[i], taken[i] = torch.from_dlpack(im).permute(2, 0, 1), path
+
+        rest = beside.submit(decode, cuda, list(range(n_hw, len(streams))))
+        if n_hw:
+            keep(decode(hardware, list(range(n_hw))), "hardware")
+        keep(rest.result(), "cuda")
+        refused = [i for i in range(n_hw) if out[i] is None]
+        if refused:
+            keep(decode(cuda, refused), "cuda")
+        return out, taken

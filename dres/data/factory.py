@@ -23,8 +23,7 @@ import os
 
 import torch
 
-from dres.data.decode import (CPU_DECODE_MIN_CORES, GPU_DECODE_WORKERS, BatchFinisher, SamplePrep, cores_per_process,
-                              gpu_decode_backend)
+from dres.data.decode import BatchFinisher, SamplePrep, cores_per_process, gpu_decode_backend
 from dres.data.loaders import FolderLoader, InMemoryLoader, ShardLoader
 from dres.data.sources import (CorruptCounter, DataError, check_labels, cifar10_pattern, default_cifar10_dir,
                                expand_shards, manifest_samples, read_cifar_torchvision, read_digits, read_image_folder,
@@ -94,6 +93,13 @@ def _synthetic(d, split, limit, counter):
     x = torch.randint(0, 256, (n, d.in_chans, d.img_size, d.img_size), dtype=torch.uint8, generator=g)
     return x, torch.randint(0, max(d.num_classes, 1), (n,), generator=g), counter
 
+
+# decode=auto decodes on the CPU where a process has this many cores, on the GPU below (docs/data.md, "Which path"):
+# the ViT-B/16 MAE trainer on one H200 read a JPEG folder at 1.00x its synthetic rate decoding on 16 cores, 0.70x
+# on 8, and 0.75-0.76x decoding on the GPU with 4 to 16 (BENCHMARKS.md, "Real images"; bench_data.py matrix
+# measures both at 4, 8 and 16 cores)
+CPU_DECODE_MIN_CORES = 12
+GPU_DECODE_WORKERS = 4  # workers that only read bytes: 8 read no faster (BENCHMARKS.md)
 
 # data.name -> its reader of a whole split into memory:
 # (d, split, limit, counter) -> (uint8 (N,C,H,W), int64 (N,), counter)
@@ -165,7 +171,8 @@ def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, 
     backend = decode_backend(d, device)
     prep = SamplePrep(d.img_size, d.in_chans, aug, d.crop_min, gpu=backend is not None,
                       jitter=d.color_jitter if train else 0.0, crop_pct=d.eval_crop_pct)
-    finisher = BatchFinisher(device, d.img_size, d.in_chans, mean, std, backend, d.hw_decode_load)
+    finisher = BatchFinisher(device, d.img_size, d.in_chans, mean, std, backend, d.hw_decode_load,
+                             d.finish_high_priority)
     common = dict(rank=rank, world=world, accum=accum, seed=seed, device=device, prep=prep, finisher=finisher,
                   num_workers=loader_workers(d, backend), num_classes=d.num_classes,
                   max_corrupt_frac=d.max_corrupt_frac, log=log, ahead=d.finish_ahead)

@@ -22,7 +22,8 @@ nothing from the global generator, whose stream (the step's masks and noise) the
 
 Both file loaders make pixels the way :mod:`dres.data.decode` says (in the workers, or on the GPU), and
 finish each batch (its GPU decode, crop kernel and normalisation) ``ahead`` batches early in a thread of the
-training process (:class:`_Ahead`), so the step's thread only queues steps.
+training process (:class:`_Ahead`), so the step's thread only queues steps; at the end of each epoch of known
+length they log where its images were decoded (:func:`~dres.data.decode.decode_paths_line`).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ import numpy as np
 import torch
 
 from dres.data.augment import augment_params, channel_stats, gather_augment, normalize, to_device
-from dres.data.decode import (BatchFinisher, SamplePrep, collate_prepared, cores_per_process, import_cpu_decoder,
-                              lost_sample, prepare, read_file, worker_init)
+from dres.data.decode import (BatchFinisher, SamplePrep, collate_prepared, cores_per_process, decode_paths_line,
+                              import_cpu_decoder, lost_sample, prepare, read_file, worker_init)
 from dres.data.sources import (CorruptCounter, DataError, check_labels, expand_shards, iter_shard,
                                list_image_folder, prep_dropped, sample_sources)
 
@@ -150,8 +151,12 @@ class _StreamingLoader(_Position):
         self.prep, self.num_workers = prep, num_workers
         if num_workers:
             import_cpu_decoder()
-        self.max_corrupt_frac, self.where = max_corrupt_frac, where
+        self.max_corrupt_frac, self.where, self.log = max_corrupt_frac, where, log
         self.counter = CorruptCounter(log, unit=unit)
+        # images each path decoded (dres.data.decode.DECODE_PATHS) in the batches handed over, over the process's
+        # life, and the same at the last epoch's end (its line says the difference)
+        self.decoded: dict = {}
+        self._decoded_before: dict = {}
         self._read, self._expected, self.ahead = 0, 0, ahead
         # the finished batches to come (an _Ahead, or the generator itself with ahead=0) and the DataLoader
         # iterator whose workers run; the workers ignore SIGTERM, so they are stopped by message, at the latest
@@ -171,11 +176,20 @@ class _StreamingLoader(_Position):
         if self._batches_to_come is None:
             # the batches hold the loader weakly: one dropped without close() still stops its thread and workers
             batches = type(self)._finished(weakref.proxy(self), self.epoch, self.batch)
-            self._batches_to_come = (_Ahead(batches, self.finisher.device, self.ahead, self._running) if self.ahead
-                                     else batches)
+            self._batches_to_come = (_Ahead(batches, self.finisher.device, self.ahead, self._running,
+                                            self.finisher.priority) if self.ahead else batches)
         out, losses, self.epoch, self.batch = next(self._batches_to_come)
         self._count(losses)
+        if self.batch == 0 or self.batch == len(self):  # the epoch's last batch (ShardLoader: the next's position)
+            self._epoch_line(self.epoch + (self.batch != 0))  # counted from 1
         return out
+
+    def _epoch_line(self, epoch: int):
+        """Log where the images of the batches handed over since the last epoch's end were decoded."""
+        since = {k: n - self._decoded_before.get(k, 0) for k, n in self.decoded.items()}
+        self._decoded_before = dict(self.decoded)
+        if self.log is not None and any(since.values()):
+            self.log(decode_paths_line(epoch, since))
 
     def _open(self, dataset, **kw):
         """A fresh DataLoader iterator over ``dataset``, the workers of the previous one stopped first (this
@@ -200,16 +214,19 @@ class _StreamingLoader(_Position):
 
     def _finish(self, prepared: dict) -> tuple[dict | None, tuple]:
         """A collated batch -> the batch on the device (None: nothing of it survived) and its losses, ``(loss
-        events, lost samples' names, samples read)``, which :meth:`_count` counts when the batch is handed over."""
-        lost = list(prepared["lost"])
+        events, lost samples' names, samples read, images each decode path made)``, which :meth:`_count` counts
+        when the batch is handed over."""
+        lost, paths = list(prepared["lost"]), {}
         check_labels(prepared["labels"], self.num_classes, self.where)  # on the host: no wait for the GPU
-        out = self.finisher(prepared, lost) if len(prepared["labels"]) else None
-        return out, (tuple(prepared.get("events", ())), tuple(lost), 0 if out is None else len(out["label"]))
+        out = self.finisher(prepared, lost, paths) if len(prepared["labels"]) else None
+        return out, (tuple(prepared.get("events", ())), tuple(lost), 0 if out is None else len(out["label"]), paths)
 
     def _count(self, losses: list):
         """Count the losses of :meth:`_finish` as their batches are handed over, not as they are finished ahead:
         the count saved with the position is then that of the batches taken, and a resume goes on from it."""
-        for events, lost, read in losses:
+        for events, lost, read, paths in losses:
+            for path, n in paths.items():
+                self.decoded[path] = self.decoded.get(path, 0) + n
             self.counter.replay(events)
             for name in lost:
                 source = name.rsplit(": ", 1)[0]  # "<file or shard:key>: <error>"
@@ -253,11 +270,15 @@ class _Ahead:
     """The batches of ``batches`` (an iterator of ``(batch, ...)``: the loaders' ``_finished``) finished ``depth``
     ahead by a thread of the training process: the GPU decode (which waits on the decoders with the GIL released),
     the crop kernel and the copies of the next batches run while the step's thread queues the step. The thread's
-    GPU work runs on a stream of its own; a batch handed over is ready on the taker's current stream, and an
-    exception the source raised is raised where its batch would have come."""
+    GPU work runs on a stream of its own, of ``priority`` (:attr:`BatchFinisher.priority`); a batch handed over
+    is ready on the taker's current stream through an event (the taker's stream waits for it, the host does not),
+    its memory kept from reuse until the taker's stream has read it, and an exception the source raised is
+    raised where its batch would have come. At most ``depth`` finished batches wait (the queue), plus the one
+    being finished."""
 
-    def __init__(self, batches, device: torch.device, depth: int, running: list):
-        self.device = device  # with its index (BatchFinisher.device)
+    def __init__(self, batches, device: torch.device, depth: int, running: list, priority: int = 0):
+        self.device, self.priority = device, priority  # the device with its index (BatchFinisher.device)
+        self.stream = None  # the thread's own, once it runs on a GPU
         self.done = queue.Queue(depth)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(batches,), name="dres-batches-ahead", daemon=True)
@@ -268,7 +289,7 @@ class _Ahead:
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.set_device(self.device)  # the current device is the thread's own
-        stream = torch.cuda.Stream(self.device) if cuda else None
+        self.stream = stream = torch.cuda.Stream(self.device, priority=self.priority) if cuda else None
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             while not self.stopping.is_set():
                 try:
