@@ -108,7 +108,8 @@ def test_the_loss_count_saved_with_the_position_is_that_of_the_batches_taken(tmp
 
 
 def test_another_ranks_count_is_not_taken_over(tmp_path):
-    """The trainer saves rank 0's loader state: rank 1 takes its position and counts its own losses afresh."""
+    """A checkpoint of fewer ranks gives the ranks it lacks rank 0's loader state (checkpoint.of_rank): they take
+    its position and count their own losses afresh."""
     config = dataclasses.replace(_loader_config("imagefolder", _folder(tmp_path, bad=(4,)), 0), num_workers=0)
     ranks = [build_loader(config, "train", 8, seed=3, rank=r, world=2) for r in range(2)]
     for _ in range(3):  # an epoch: every file met once
@@ -122,6 +123,53 @@ def test_another_ranks_count_is_not_taken_over(tmp_path):
     assert torch.equal(resumed.next()["image"], ranks[1].next()["image"])
     for loader in (*ranks, resumed):
         loader.close()
+
+
+def _ranks_worker(rank, world, port, root, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import torch.distributed as dist
+
+    from dres.train import checkpoint
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    config = dataclasses.replace(_loader_config("imagefolder", root, 0), num_workers=0)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = build_loader(config, "train", 8, seed=3, rank=rank, world=world)
+    for _ in range(3):  # an epoch: every file met once, by one rank
+        loader.next()
+    saved = loader.state_dict()
+    checkpoint.save(f"{out}/checkpoints", 3, model, optimizer, {"data": saved}, dcp_format=False)
+    resumed = build_loader(config, "train", 8, seed=3, rank=rank, world=world)
+    resumed.load_state_dict(checkpoint.load(f"{out}/checkpoints", model, optimizer)["data"])
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump({"saved": saved, "resumed": resumed.state_dict()}, f)
+    for each in (loader, resumed):
+        each.close()
+    dist.destroy_process_group()
+    os._exit(0)  # skip gloo's static destructors (test_train_fsdp.py's _worker says why)
+
+
+def test_every_ranks_lost_data_count_survives_a_resume(tmp_path):
+    """Two gloo processes save one checkpoint: it holds each rank's loader state, and each rank resumes its own
+    position and the lost data it counted (each met damaged files the other never saw)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    (tmp_path / "images").mkdir()
+    root = _folder(tmp_path / "images", bad=(2, 4, 13, 16))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ranks_worker, args=(2, port, root, str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r, got in enumerate(ranks):
+        assert got["resumed"] == got["saved"] and got["saved"]["rank"] == r
+    counts = [got["saved"]["lost"]["count"] for got in ranks]
+    assert counts == [2, 2], counts  # the four damaged files, two met by each rank
+    assert not set(ranks[0]["saved"]["lost"]["keys"]) & set(ranks[1]["saved"]["lost"]["keys"])
 
 
 @pytest.mark.gpu

@@ -3,7 +3,7 @@
 A checkpoint holds everything a run needs to continue as if never stopped: model (incl. the
 ResidualDroppath controller's parity, masks and generator, which live in its state dict), optimizer,
 LR scheduler, GradScaler, EMA weights, every rank's RNG states (python, numpy, torch CPU and CUDA),
-the data position and the step.
+every rank's data state (the position and what the rank counted of lost data) and the step.
 
 Atomicity: a checkpoint is first written under a temporary name (``.step_00000100.pt.tmp`` or the
 directory ``.step_00000100.tmp``) and only then renamed to its final name with ``os.replace``
@@ -96,6 +96,14 @@ def _gather(obj):
     return [obj]
 
 
+def of_rank(entries, rank: int):
+    """This rank's entry of a per-rank list a checkpoint holds (``rng``, ``data``): rank 0's where the checkpoint
+    was saved by fewer ranks, and the entry itself where a checkpoint of older releases holds one for all ranks."""
+    if not isinstance(entries, list):
+        return entries
+    return entries[rank] if rank < len(entries) else entries[0]
+
+
 def step_of(path) -> int:
     return int(_NAME.match(Path(path).name).group(1))
 
@@ -139,7 +147,8 @@ def _torch_save(obj, path: Path) -> None:
 def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool, keep: int = 2,
          device=torch.device("cpu"), ema=None) -> Path:
     """Write checkpoint ``step`` atomically; every rank must call it. ``extra`` holds plain trainer
-    state (scheduler, scaler, data position, config, fingerprint); RNG states are added here. A full
+    state (scheduler, scaler, this rank's data state, config, fingerprint); the data states of all ranks are
+    gathered and RNG states added here, one per rank (:func:`of_rank` reads them back). A full
     disk is :class:`~dres.train.rundir.DiskFull` on every rank, with the partial write removed and the
     previous checkpoints untouched."""
     ckpt_dir = Path(ckpt_dir)
@@ -147,7 +156,7 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
     if main:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     distributed.barrier()
-    extra = dict(extra, step=step, rng=_gather(rng_state(device)))
+    extra = dict(extra, step=step, rng=_gather(rng_state(device)), data=_gather(extra.get("data")))
     msd, osd = _model_optim_state(model, optimizer, dcp_format)
     if dcp_format:
         import torch.distributed.checkpoint as dcp
@@ -284,7 +293,7 @@ def _load_one(path: Path, model, optimizer, ema, fingerprint):
 def load(path_or_dir, model, optimizer=None, *, ema=None, device=torch.device("cpu"), restore_rng=True,
          fingerprint=None, log=print):
     """Load a checkpoint file/dir, or the newest loadable one in a directory. Returns the extra
-    state (step, data position, scheduler, ...), or None when the directory holds no checkpoint.
+    state (step, this rank's data state, scheduler, ...), or None when the directory holds no checkpoint.
 
     ``fingerprint`` (of the current config) is compared with the saved one first. In a directory an
     unreadable checkpoint is skipped, saying so through ``log``, in favour of the one before it; when none is
@@ -305,8 +314,8 @@ def load(path_or_dir, model, optimizer=None, *, ema=None, device=torch.device("c
             continue
         rank = dist.get_rank() if distributed.is_dist() else 0
         if restore_rng:
-            rng = extra["rng"]
-            set_rng_state(rng[rank] if rank < len(rng) else rng[0], device)
+            set_rng_state(of_rank(extra["rng"], rank), device)
+        extra["data"] = of_rank(extra.get("data"), rank)
         extra["path"] = str(c)
         return extra
     if failures:
