@@ -295,6 +295,33 @@ def test_a_signal_at_any_moment_of_start_up_is_one_line_and_its_own_status(tmp_p
             assert not (out / "run.lock").exists()
 
 
+def test_a_signal_at_any_moment_of_dres_evals_start_is_one_line_and_its_own_status(tmp_path):
+    """dres-eval installs the handler as it starts, as dres-train does: SIGTERM / SIGINT to its process group while
+    it imports, reads the run's config or builds the model ends it with one line and status 75, or it finishes
+    (status 0), never with a traceback."""
+    out = tmp_path / "run"
+    assert _train(out, steps=2) == 0
+    script = "import sys; from dres.train.cli import eval_main; sys.exit(eval_main())"
+    delays = [0.3, 1.0, 2.0, 3.5]
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(out)], cwd=str(tmp_path), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1")) for _ in delays]
+    started = time.monotonic()
+    for i, (proc, delay) in enumerate(zip(procs, delays)):
+        time.sleep(max(0.0, started + delay - time.monotonic()))
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT if i % 2 else signal.SIGTERM)
+    stopped = 0
+    for delay, proc in zip(delays, procs):
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode in (EXIT_INTERRUPTED, 0) and "Traceback" not in stderr, (delay, proc.returncode, stderr)
+        if proc.returncode == EXIT_INTERRUPTED:
+            stopped += 1
+            line = stderr.strip()
+            assert len(line.splitlines()) == 1 and line.startswith("dres-eval: stopped by SIG"), (delay, stderr)
+    assert stopped, "every evaluation ended before its signal"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dist", ["ddp", "fsdp"])
 def test_two_processes_agree_to_stop_when_one_rank_is_signalled(tmp_path, dist):

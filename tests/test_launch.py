@@ -145,6 +145,39 @@ def test_a_signalled_launch_whose_ranks_did_not_save_keeps_torchruns_exit_status
     assert code == 1 and "SignalException" in err and "dres-launch:" not in err, err[-3000:]
 
 
+def test_a_signal_while_the_launcher_starts_is_one_line_and_exit_75(tmp_path):
+    """dres-launch installs the stop handler as it starts: SIGTERM / SIGINT to its process group while it imports
+    torchrun (about a second) ends it with one line and status 75, before any rank started; or, past that, the
+    launch ends as it would (its one rank exits at once, status 0). Never a traceback."""
+    started = tmp_path / "started"
+    started.mkdir()
+    script = _script(tmp_path, f"""
+        import os, pathlib
+        pathlib.Path({str(started)!r}, str(os.getpid())).touch()
+    """)
+    delays = [0.3, 0.6]
+    launches = []
+    for _ in delays:
+        cmd = [sys.executable, "-c", "import sys; from dres.train.launch import main; sys.exit(main())",
+               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), script]
+        env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", STATUS_DIR_ENV)}
+        launches.append(subprocess.Popen(cmd, cwd=str(tmp_path), env=dict(env, OMP_NUM_THREADS="1"), text=True,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
+    t0 = time.monotonic()
+    for i, (p, delay) in enumerate(zip(launches, delays)):
+        time.sleep(max(0.0, t0 + delay - time.monotonic()))
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGINT if i % 2 else signal.SIGTERM)
+    results = [_finish(p) for p in launches]
+    for delay, (code, _, err) in zip(delays, results):
+        assert code in (EXIT_INTERRUPTED, 0) and "Traceback" not in err, (delay, code, err[-3000:])
+        if code == EXIT_INTERRUPTED:
+            assert err.strip() in (f"dres-launch: stopped by {name} before the ranks started (exit status "
+                                   f"{EXIT_INTERRUPTED})" for name in ("SIGTERM", "SIGINT")), (delay, err)
+    stopped = sum(code == EXIT_INTERRUPTED for code, _, _ in results)
+    assert stopped and len(list(started.iterdir())) == len(delays) - stopped, results
+
+
 def test_every_rank_stopped_reads_the_latest_start_of_this_nodes_ranks(tmp_path, monkeypatch):
     def stop(restart, local_rank, world):
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))

@@ -229,13 +229,12 @@ def _stopped(prog: str, e: stop.Interrupted) -> int:
 
 def main(argv=None):
     # from the command line's first line to the process's end a signal is a stop in one line (or the run's end)
-    stop.ignore_at_exit()
-    with stop.on_signal(stop.stop_at_once):
-        try:
-            args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-            return _guarded("dres-train", _run, args)
-        except stop.Interrupted as e:  # while the flags were read, or while the process group was torn down
-            return _stopped("dres-train", e)
+    return stop.run_command(lambda: _guarded("dres-train", _run, _parser().parse_args(_argv(argv))),
+                            lambda e: _stopped("dres-train", e), "training started")
+
+
+def _argv(argv) -> list:
+    return sys.argv[1:] if argv is None else argv
 
 
 TRAINING_EVAL_KEYS = ("eval.every", "eval.curve_probe_epochs", "eval.curve_fd_samples")  # act during training, not in dres-eval
@@ -262,7 +261,12 @@ def _eval_epilog() -> str:
 
 def eval_main(argv=None):
     """``dres-eval RUN_DIR [--ckpt PATH] [--set eval.tsne=true ...]``: evaluate a finished run with
-    its saved config; the results go to ``RUN_DIR/eval.json`` (the training summary.json is kept)."""
+    its saved config; the results go to ``RUN_DIR/eval.json`` (the training summary.json is kept). A signal from
+    its first line on is a stop in one line, as in dres-train."""
+    return stop.run_command(lambda: _eval_command(argv), lambda e: _stopped("dres-eval", e), "the evaluation started")
+
+
+def _eval_command(argv) -> int:
     import textwrap
 
     p = argparse.ArgumentParser(
@@ -281,8 +285,7 @@ def eval_main(argv=None):
                         "--set eval.layer=6 (keys below)")
     _allow_pipe_flag(p, "the run's config.yaml")
     _debug_flag(p)
-    a = p.parse_args(sys.argv[1:] if argv is None else argv)
-    return _guarded("dres-eval", _evaluate, a)
+    return _guarded("dres-eval", _evaluate, p.parse_args(_argv(argv)))
 
 
 def _evaluate(a) -> None:

@@ -29,6 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dres.train.stop import EXIT_INTERRUPTED, hand_over, run_command
+
 STATUS_DIR_ENV = "DRES_LAUNCH_STATUS_DIR"
 
 
@@ -54,16 +56,25 @@ def every_rank_stopped(folder) -> bool:
 
 
 def main(argv=None) -> int:
+    """A signal before torchrun takes the signals over (its imports take seconds) is a stop in one line, exit 75."""
+    return run_command(lambda: _launch(sys.argv[1:] if argv is None else argv), _stopped, "the ranks started")
+
+
+def _stopped(e) -> int:
+    print(f"dres-launch: {e}", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+def _launch(argv) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    from dres.train.stop import EXIT_INTERRUPTED
-
+    hand_over()  # torchrun installs handlers of its own
     with tempfile.TemporaryDirectory(prefix="dres-launch-") as folder:
         os.environ[STATUS_DIR_ENV] = folder
         try:
-            torchrun(sys.argv[1:] if argv is None else argv)
+            torchrun(argv)
             return 0
         except ChildFailedError as e:
             codes = [f.exitcode for f in e.failures.values()]

@@ -29,9 +29,9 @@ class Interrupted(RuntimeError):
     :data:`EXIT_INTERRUPTED`)."""
 
 
-def stop_at_once(name: str) -> None:
-    """Before training: nothing to finish or save."""
-    raise Interrupted(f"stopped by {name} before training started (exit status {EXIT_INTERRUPTED})")
+def stop_at_once(name: str, before: str = "training started") -> None:
+    """Before the work (``before``: what had not begun): nothing to finish or save."""
+    raise Interrupted(f"stopped by {name} before {before} (exit status {EXIT_INTERRUPTED})")
 
 
 def let_it_end(name: str) -> None:
@@ -49,7 +49,7 @@ class StopOnSignal:
         self.route = route
         self.previous: dict = {}
         self.pid = os.getpid()
-        self.deferred = False  # a signal waits for an import to end (_deliver_after_import)
+        self.deferred = None  # the thread that delivers a signal once an import ends (_deliver_after_import)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -77,17 +77,25 @@ class StopOnSignal:
     def _deliver_after_import(self, signum):
         """Send ``signum`` to the main thread again once no import is under way there (the signals that arrive
         meanwhile are this one)."""
-        if self.deferred:
+        if self.deferred is not None:
             return
-        self.deferred, main = True, threading.main_thread().ident
+        main = threading.main_thread().ident
 
         def deliver():
             while _importing(sys._current_frames().get(main)):
                 time.sleep(0.01)
-            self.deferred = False
+            self.deferred = None
             signal.pthread_kill(main, signum)
 
-        threading.Thread(target=deliver, name="dres-stop-after-import", daemon=True).start()
+        self.deferred = threading.Thread(target=deliver, name="dres-stop-after-import", daemon=True)
+        self.deferred.start()
+
+    def take_deferred(self):
+        """Take a signal deferred during an import now (called outside any import): it reaches this handler, not
+        the one that takes the signals over next."""
+        delivery = self.deferred
+        if delivery is not None:
+            delivery.join()  # the signal interrupts the wait, and the handler runs
 
     def __exit__(self, *exc):
         for s, handler in self.previous.items():
@@ -126,6 +134,26 @@ def on_signal(route: Callable[[str], None]):
             yield handler
         finally:
             _installed.remove(handler)
+
+
+def hand_over() -> None:
+    """Before other code takes SIGTERM / SIGINT over with handlers of its own (torchrun): a signal that arrived during
+    an import, deferred to its end, is taken now by the handler installed."""
+    for handler in _installed:
+        handler.take_deferred()
+
+
+def run_command(body: Callable[[], int], stopped: Callable[[Interrupted], int], before: str) -> int:
+    """A command line's ``body`` with SIGTERM / SIGINT a stop from its first line to the process's end: until
+    ``body`` routes them elsewhere (:func:`on_signal`) a signal stops it at once (:func:`stop_at_once`, ``before``
+    saying what had not begun), which ``stopped`` reports (its one line, its exit status); once the interpreter
+    exits they are ignored. Returns the command's exit status."""
+    ignore_at_exit()
+    with on_signal(lambda name: stop_at_once(name, before)):
+        try:
+            return body()
+        except Interrupted as e:
+            return stopped(e)
 
 
 def _ignore_signals() -> None:
