@@ -7,6 +7,9 @@ held to fewer cores (``taskset``, which its DataLoader workers inherit).
     python -m benchmarks.bench_data all --root DIR [--cores 16,4] [--shards] [--out OUT]
         [--gpus 2] [--first-core 32] [--trainer-set compile_scope=model] [--no-decoders]
         [--variant finish_ahead=0 --variant hw_decode_load=1,num_workers=8]
+    python -m benchmarks.bench_data matrix --root DIR [--devices 0,1,2,3] [--cores 4,8,16] [--steps 80]
+        [--trainers mae_vit_b16_baseline,resnet50d_224] [--variant decode=gpu,gpu_decoder=nvimgcodec ...]
+        [--all-variants-for mae_vit_b16_baseline] [--ddp mae_vit_b16_baseline:8] [--budget-s 450] [--out OUT]
 
 ``--gpus N`` runs every trainer as DDP on N GPUs (``dres.train.launch``), 256 images a GPU, and ``--cores``
 then counts cores a GPU (the workers' count is a rank's). Every ``taskset`` range starts at ``--first-core``:
@@ -20,6 +23,18 @@ decoder's own rate (the training process's half alone, on batches read once), ea
 trainer's steady-state images/s from files over its rate on synthetic data (with the largest ``--cores``, the
 same GPUs and ``--trainer-set`` overrides). Each ``--variant`` (data settings, comma-separated) adds the loader
 and trainer rows from files once more with those settings: the levers side by side in one run.
+
+``matrix`` runs trainers only, several at once, each on its own GPU of ``--devices`` (``CUDA_VISIBLE_DEVICES``)
+and held to its own cores (``taskset``: the cores from ``--first-core`` on are split into one block a GPU, and a
+run takes ``--cores`` of each of its GPUs' blocks): each trainer on synthetic data (the most cores), then from
+the folder at each core count with each ``--variant`` (default :data:`MATRIX_VARIANTS`: the CPU decode, the GPU
+decode, the GPU decode with its streams at the default priority, nvImageCodec where installed; the trainers not
+in ``--all-variants-for`` take the first two), and ``--ddp TRAINER:CORES`` from the folder on two GPUs with
+CORES each (the product's default decode), which the table puts over twice one GPU's synthetic rate. It prints
+its plan's time first; a run that would start past ``--budget-s`` is left out (a row that says so). Each row is
+written as it ends to ``OUT/data_matrix/ROW.json`` (with the run's ``[dres] data:`` lines: the decode it took
+and where each epoch's images were decoded), all of them to ``data_matrix.json`` and the table to
+``data_matrix.md``.
 """
 
 from __future__ import annotations
@@ -32,13 +47,15 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import Pool
 from pathlib import Path
 
 import numpy as np
 
-from dres.data.decode import GPU_DECODE_WORKERS
+from dres.data.factory import GPU_DECODE_WORKERS
 
 # (preset, task, model sets): the trainers measured from files; batch and steps set per run
 TRAINERS = {
@@ -46,6 +63,14 @@ TRAINERS = {
     "mae_vit_b16_official": ("mae_vit_b16_in1k", "mae", ["model.variant=official"]),
     "resnet50d_224": ("classify_resnet50d_cifar10_timm224", "classify", ["model.num_classes=100"]),
 }
+
+
+# matrix's rows from files a trainer takes (data.* settings), beside its synthetic row: the CPU decode, the GPU
+# decode, the GPU decode's streams at the default priority, nvImageCodec (left out where not installed)
+MATRIX_VARIANTS = ("decode=cpu", "decode=gpu", "decode=gpu,finish_high_priority=false",
+                   "decode=gpu,gpu_decoder=nvimgcodec")
+# seconds a matrix run is planned at: start, a cold compile (about a minute) and 80 steps; the plan's estimate only
+RUN_PLAN_S = 75
 
 
 def encode(pixels: np.ndarray, kind: str) -> bytes:
@@ -127,7 +152,7 @@ def loader_rate(root: str, decode: str, workers: int, batch: int = 256, warmup: 
     seconds = time.perf_counter() - t0
     return {"kind": "loader", "source": cfg.name, "decode": decode, "backend": decode_backend(cfg, "cuda"),
             "workers": cfg.num_workers, "batch": batch, "images_per_s": n / seconds,
-            "gpu_fallbacks": loader.finisher.gpu_fallbacks, "variant": list(sets)}
+            "decoded": loader.decoded, "variant": list(sets)}
 
 
 def decoder_rate(root: str, backend: str, batch: int = 256, batches: int = 20, hw_load: float = 0.65) -> dict:
@@ -174,16 +199,16 @@ def core_range(first_core: int, cores: int) -> str:
 
 
 def trainer_command(name: str, data: list[str], cores: int, first_core: int, gpus: int, steps: int, batch: int,
-                    out: str, overrides: list[str]) -> list[str]:
+                    out: str, overrides: list[str], cpus: str | None = None) -> list[str]:
     """The trainer run of :data:`TRAINERS` ``name`` on ``gpus`` GPUs (one process, or DDP through
-    ``dres.train.launch``), ``batch`` images a GPU, held to ``cores`` cores a GPU from ``first_core`` on;
-    ``overrides`` come last and so win."""
+    ``dres.train.launch``), ``batch`` images a GPU, held to ``cores`` cores a GPU from ``first_core`` on (or to
+    ``cpus``, a ``taskset -c`` list); ``overrides`` come last and so win."""
     from benchmarks.trainer_runs import TRAINER_EVAL_OFF
 
     preset, task, model_sets = TRAINERS[name]
     launcher = ["-m", "dres.train.launch", "--standalone", "--nproc_per_node", str(gpus)] if gpus > 1 else []
-    cmd = ["taskset", "-c", core_range(first_core, cores * gpus), sys.executable, *launcher, "-m", f"dres.train.{task}",
-           "--preset", preset, "--out", out]
+    cmd = ["taskset", "-c", cpus or core_range(first_core, cores * gpus), sys.executable, *launcher, "-m",
+           f"dres.train.{task}", "--preset", preset, "--out", out]
     for kv in [*model_sets, *data, f"dist={'ddp' if gpus > 1 else 'none'}", f"batch_size={batch * gpus}",
                f"steps={steps}", "log.every=10", "log.progress=false", "log.tensorboard=false", "ckpt.every=0",
                *TRAINER_EVAL_OFF, *overrides]:
@@ -192,19 +217,21 @@ def trainer_command(name: str, data: list[str], cores: int, first_core: int, gpu
 
 
 def trainer_rate(name: str, data: list[str], cores: int, first_core: int, gpus: int, steps: int, batch: int,
-                 overrides: list[str], timeout_s: float = 300) -> dict:
-    """Steady-state images/s of a trainer run (:func:`trainer_command`); ``batch`` is a GPU's."""
+                 overrides: list[str], timeout_s: float = 300, cpus: str | None = None,
+                 devices: str | None = None) -> dict:
+    """Steady-state images/s of a trainer run (:func:`trainer_command`); ``batch`` is a GPU's; ``devices``: its
+    ``CUDA_VISIBLE_DEVICES``. The row keeps the run's ``[dres] data:`` lines."""
     from benchmarks.train_distributed import NCCL_ENV
     from benchmarks.trainer_runs import steady_state_rate
 
     row = {"kind": "trainer", "name": name, "data": data, "cores": cores, "gpus": gpus, "overrides": overrides}
+    env = dict(os.environ, **NCCL_ENV, **({"CUDA_VISIBLE_DEVICES": devices} if devices is not None else {}))
     with tempfile.TemporaryDirectory(prefix="dres-data-") as out:
-        cmd = trainer_command(name, data, cores, first_core, gpus, steps, batch, out, overrides)
+        cmd = trainer_command(name, data, cores, first_core, gpus, steps, batch, out, overrides, cpus)
         t0 = time.time()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                env=dict(os.environ, **NCCL_ENV))
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         try:
-            _, stderr = proc.communicate(timeout=timeout_s)
+            stdout, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             # SIGTERM, which torchrun passes on to the ranks and waits for: a SIGKILL would leave them on the GPUs
             proc.terminate()
@@ -219,7 +246,8 @@ def trainer_rate(name: str, data: list[str], cores: int, first_core: int, gpus: 
         with open(Path(out) / "metrics.jsonl") as f:
             metrics = [json.loads(line) for line in f if line.strip()]
         ips, timed = steady_state_rate(metrics, batch * gpus)
-    return {**row, "batch": batch, "images_per_s": ips, "steps_timed": timed, "wall_s": time.time() - t0}
+    return {**row, "batch": batch, "images_per_s": ips, "steps_timed": timed, "wall_s": time.time() - t0,
+            "data_lines": [line for line in stdout.splitlines() if line.startswith("[dres] data:")]}
 
 
 def run_all(args) -> list[dict]:
@@ -266,6 +294,91 @@ def _trainer_rows(args, rows):
                             *[f"data.{kv}" for kv in variant]]
             rows.append({**trainer_rate(name, data, cores, **run), "variant": variant})
             print(json.dumps(rows[-1]), flush=True)
+
+
+def matrix_jobs(args) -> list[dict]:
+    """matrix's runs (module doc), each ``{"name", "data", "cores", "gpus", "variant"}``: the DDP runs first (they
+    need two GPUs free at once), then the trainers' runs in turn, each trainer's synthetic run first and its runs
+    from the folder by falling cores (a trainer's first runs compile it cold: with the most cores)."""
+    from itertools import chain, zip_longest
+
+    files = [f"data.path={args.root}", "data.name=imagefolder", "data.num_classes=100", "data.gpu_resident=false"]
+    jobs = [{"name": name, "data": [*files, "data.decode=auto"], "cores": cores, "gpus": 2, "variant": [],
+             "against_one_gpu": True} for name, cores in args.ddp]
+    each = []
+    for name in args.trainers:
+        variants = args.variants if name in args.all_variants_for else args.variants[:2]
+        each.append([{"name": name, "data": ["data.name=synthetic", "data.num_classes=100"],
+                      "cores": max(args.cores), "gpus": 1, "variant": []}] +
+                    [{"name": name, "data": [*files, *[f"data.{kv}" for kv in variant]], "cores": cores, "gpus": 1,
+                      "variant": variant} for cores in sorted(args.cores, reverse=True) for variant in variants])
+    return jobs + [job for job in chain.from_iterable(zip_longest(*each)) if job is not None]
+
+
+def matrix_plan_s(jobs: list[dict], gpus: int) -> float:
+    """The seconds the matrix is planned to take: every run's :data:`RUN_PLAN_S` on each of its GPUs, spread over
+    ``gpus``."""
+    return sum(RUN_PLAN_S * job["gpus"] for job in jobs) / gpus
+
+
+class _Devices:
+    """The GPUs of a matrix, handed to its runs: a run waits until as many as it needs are free and takes the lowest,
+    each with its block of cores."""
+
+    def __init__(self, devices: list[int], first_core: int, block: int):
+        self.free, self.first_core, self.block = list(range(len(devices))), first_core, block
+        self.devices = devices
+        self.ready = threading.Condition()
+
+    def take(self, n: int) -> list[int]:
+        with self.ready:
+            self.ready.wait_for(lambda: len(self.free) >= n)
+            taken, self.free = self.free[:n], self.free[n:]
+            return taken
+
+    def give_back(self, slots: list[int]):
+        with self.ready:
+            self.free = sorted(self.free + slots)
+            self.ready.notify_all()
+
+    def cpus(self, slots: list[int], cores: int) -> str:
+        """The ``taskset -c`` list of ``cores`` cores of each slot's block."""
+        return ",".join(core_range(self.first_core + k * self.block, cores) for k in slots)
+
+
+def run_matrix(args, jobs: list[dict], on_row) -> list[dict]:
+    """The matrix's runs, as many at once as GPUs are free, in ``jobs``' order; ``on_row(row)`` as each ends."""
+    pool = _Devices(args.devices, args.first_core, args.block)
+    start = time.time()
+
+    def run(job):
+        slots = pool.take(job["gpus"])
+        try:
+            elapsed = time.time() - start
+            extra = {"variant": job["variant"], "against_one_gpu": job.get("against_one_gpu", False)}
+            if elapsed + RUN_PLAN_S > args.budget_s:
+                row = {"kind": "trainer", "name": job["name"], "data": job["data"], "cores": job["cores"],
+                       "gpus": job["gpus"], "overrides": args.trainer_sets, **extra,
+                       "error": f"not started: past --budget-s {args.budget_s:g} at {elapsed:.0f} s"}
+            else:
+                row = {**trainer_rate(job["name"], job["data"], job["cores"], 0, job["gpus"], args.steps, 256,
+                                      args.trainer_sets, min(args.trainer_timeout, args.budget_s - elapsed),
+                                      cpus=pool.cpus(slots, job["cores"]),
+                                      devices=",".join(args.devices[k] for k in slots)), **extra}
+        finally:
+            pool.give_back(slots)
+        on_row(row)
+        return row
+
+    with ThreadPoolExecutor(len(args.devices)) as runs:
+        return list(runs.map(run, jobs))
+
+
+def _slug(row: dict) -> str:
+    """A row's file name: trainer, GPUs, cores and what it read."""
+    data = dict(kv.split("=", 1) for kv in row["data"])
+    what = [data.get("data.name", "")] + [kv.replace("=", "-") for kv in row.get("variant", [])]
+    return re.sub(r"[^\w.-]+", "_", "-".join([row["name"], f"{row['gpus']}gpu", f"{row['cores']}cores", *what]))
 
 
 def _importable(backend: str) -> bool:
@@ -332,6 +445,10 @@ def markdown(rows: list[dict], card: str) -> str:
                      r.get("gpus", 1), r["cores"] or "all", data.get("data.num_workers", "by the decode")]
         if "error" in r:
             cells += ["failed: " + error_line(r["error"]).replace("|", "\\|"), ""]
+        elif r.get("against_one_gpu"):  # over the GPUs' count times the same trainer's rate on one GPU
+            one = synthetic.get((r["name"], 1, tuple(r.get("overrides", []))))
+            cells += [f"{r['images_per_s']:,.0f}",
+                      f"{r['images_per_s'] / (one * r['gpus']):.2f}x of {r['gpus']} x one GPU's" if one else ""]
         else:
             baseline = synthetic.get(_trainer_key(r)) if r["kind"] == "trainer" else None
             cells += [f"{r['images_per_s']:,.0f}", f"{r['images_per_s'] / baseline:.2f}x" if baseline else ""]
@@ -341,7 +458,7 @@ def markdown(rows: list[dict], card: str) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("make", "loader", "all"))
+    ap.add_argument("what", choices=("make", "loader", "all", "matrix"))
     ap.add_argument("--root", required=True)
     ap.add_argument("--images", type=int, default=20000)
     ap.add_argument("--classes", type=int, default=100)
@@ -351,14 +468,23 @@ def main(argv=None):
                     "--first-core on shared by the GPUs, and 4")
     ap.add_argument("--first-core", type=int, default=0, help="the first core of every taskset range")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs a trainer runs on (DDP where more than one)")
-    ap.add_argument("--trainers", default="mae_vit_b16_baseline,mae_vit_b16_official,resnet50d_224")
+    ap.add_argument("--trainers", help="comma-separated (default: all: mae_vit_b16_baseline,mae_vit_b16_official,"
+                    "resnet50d_224; matrix: mae_vit_b16_baseline,resnet50d_224)")
     ap.add_argument("--trainer-decodes", default="gpu,cpu",
                     help="decodes of the trainer rows from files: cpu, gpu, auto (the trainer's own choice)")
     ap.add_argument("--loader-decodes", default="gpu,cpu", help="the decodes of the loader-alone rows")
     ap.add_argument("--gpu-workers", type=int, default=GPU_DECODE_WORKERS,
                     help="DataLoader workers of the GPU-decode rows (at most the cores; the loader rows' CPU decode: "
                          "every core; the trainer rows' CPU decode: the trainer's own count)")
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--steps", type=int, help="a trainer run's steps (default: all 100, matrix 80)")
+    ap.add_argument("--devices", help="matrix: the GPUs its runs share, one run a GPU at a time, as "
+                    "CUDA_VISIBLE_DEVICES names them (default: every GPU this process sees)")
+    ap.add_argument("--all-variants-for", default="mae_vit_b16_baseline",
+                    help="matrix: the trainers run with every --variant (the others: the first two)")
+    ap.add_argument("--ddp", default="mae_vit_b16_baseline:8",
+                    help="matrix: TRAINER:CORES,... runs on two GPUs with CORES cores each ('' for none)")
+    ap.add_argument("--budget-s", type=float, default=450,
+                    help="matrix: seconds after which no run starts, and by which every run is cut")
     ap.add_argument("--trainer-timeout", type=float, default=300, help="seconds a trainer run may take")
     ap.add_argument("--trainer-set", dest="trainer_sets", action="append", default=[],
                     help="KEY=VALUE for every trainer run, after the benchmark's own (e.g. compile_scope=model)")
@@ -382,6 +508,8 @@ def main(argv=None):
     if args.what == "loader":
         print(json.dumps(loader_rate(args.root, args.decode, args.workers, sets=args.data_sets)), flush=True)
         return 0
+    if args.what == "matrix":
+        return matrix_main(ap, args)
     if args.gpus < 1:
         ap.error(f"--gpus {args.gpus}: at least 1")
     if args.gpu_workers < 1:
@@ -392,7 +520,8 @@ def main(argv=None):
     if args.first_core < 0 or min(args.cores) < 1 or args.first_core + max(args.cores) * args.gpus > os.cpu_count():
         ap.error(f"--first-core {args.first_core}, --cores {max(args.cores)} a GPU x --gpus {args.gpus}: not within "
                  f"this machine's cores 0-{os.cpu_count() - 1}")
-    args.trainers = [t for t in args.trainers.split(",") if t]
+    args.trainers = _names(ap, "--trainers", args.trainers or "mae_vit_b16_baseline,mae_vit_b16_official,resnet50d_224")
+    args.steps = args.steps or 100
     args.trainer_decodes = [d for d in args.trainer_decodes.split(",") if d]
     if set(args.trainer_decodes) - {"cpu", "gpu", "auto"}:
         ap.error(f"--trainer-decodes {','.join(args.trainer_decodes)}: each of cpu, gpu, auto")
@@ -423,6 +552,79 @@ def main(argv=None):
                                                   "rows": rows})
     table = markdown(rows, card)
     (out / "data.md").write_text(table)
+    print(table)
+    return 0
+
+
+def _names(ap, flag: str, value: str) -> list[str]:
+    """Comma-separated trainer names, each of :data:`TRAINERS` (else an argument error)."""
+    names = [t for t in value.split(",") if t]
+    unknown = [t for t in names if t not in TRAINERS]
+    if unknown:
+        ap.error(f"{flag} {value}: {', '.join(unknown)} not among {', '.join(TRAINERS)}")
+    return names
+
+
+def _visible_gpus() -> str:
+    """The GPUs this process sees, as its children's ``CUDA_VISIBLE_DEVICES`` names them."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        return os.environ["CUDA_VISIBLE_DEVICES"]
+    import torch
+
+    return ",".join(str(i) for i in range(torch.cuda.device_count()))
+
+
+def _ints(ap, flag: str, value: str) -> list[int]:
+    """Comma-separated integers (else an argument error)."""
+    try:
+        return [int(v) for v in value.split(",") if v]
+    except ValueError:
+        ap.error(f"{flag} {value}: comma-separated integers")
+
+
+def matrix_main(ap, args) -> int:
+    """``matrix`` (module doc): its arguments checked, its plan printed, its runs, then its files."""
+    from benchmarks import measure
+
+    args.devices = [d for d in (args.devices or _visible_gpus()).split(",") if d]
+    args.cores = _ints(ap, "--cores", args.cores or "4,8,16")
+    ddp = [kv.partition(":") for kv in args.ddp.split(",") if kv]
+    if not all(cores.isdigit() for _, _, cores in ddp):
+        ap.error(f"--ddp {args.ddp}: TRAINER:CORES, comma-separated")
+    args.ddp = [(name, int(cores)) for name, _, cores in ddp]
+    args.trainers = _names(ap, "--trainers", args.trainers or "mae_vit_b16_baseline,resnet50d_224")
+    args.all_variants_for = _names(ap, "--all-variants-for", args.all_variants_for)
+    _names(ap, "--ddp", ",".join(name for name, _ in args.ddp))
+    args.steps = args.steps or 80
+    if not args.devices or len(set(args.devices)) < len(args.devices):
+        ap.error(f"--devices {','.join(args.devices)}: distinct GPUs, at least one")
+    if args.ddp and len(args.devices) < 2:
+        ap.error(f"--ddp needs two of --devices {','.join(args.devices)}")
+    args.block = (os.cpu_count() - args.first_core) // len(args.devices)
+    most = max([*args.cores, *(cores for _, cores in args.ddp)])
+    if args.first_core < 0 or min(args.cores) < 1 or most > args.block:
+        ap.error(f"--cores {most} a GPU: more than the {args.block} cores of each of {len(args.devices)} GPUs' blocks "
+                 f"from --first-core {args.first_core} on this machine's {os.cpu_count()}")
+    variants = [[kv for kv in v.split(",") if kv] for v in (args.variants or MATRIX_VARIANTS)]
+    args.variants = [v for v in variants if "gpu_decoder=nvimgcodec" not in v or _importable("nvimgcodec")]
+    jobs = matrix_jobs(args)
+    print(f"matrix: {len(jobs)} trainer runs on GPUs {','.join(args.devices)}, {args.block} cores a GPU, "
+          f"about {matrix_plan_s(jobs, len(args.devices)) / 60:.1f} min ({RUN_PLAN_S} s a run; none starts past "
+          f"{args.budget_s:g} s)" + ("" if len(args.variants) == len(variants) else "; nvImageCodec not installed:"
+                                    " its rows left out"), flush=True)
+    out = Path(args.out)
+    (out / "data_matrix").mkdir(parents=True, exist_ok=True)
+
+    def on_row(row):
+        measure.write_json_atomic(out / "data_matrix" / f"{_slug(row)}.json", row)
+        print(json.dumps(row), flush=True)
+
+    rows = run_matrix(args, jobs, on_row)
+    card = measure.card_name()
+    measure.write_json_atomic(out / "data_matrix.json", {"card": card, "date": measure.today(), **measure.versions(),
+                                                         "rows": rows})
+    table = markdown(rows, card)
+    (out / "data_matrix.md").write_text(table)
     print(table)
     return 0
 

@@ -2,8 +2,10 @@
 # On a GPU host, in one command: install, run the GPU test suite, run the benchmarks; everything
 # lands under $OUT (default ./device_out). Usage:
 #   bash benchmarks/device_check.sh [tests|data|kernels|probe|attention|compiled|train|trainers|own_models|csrc_tests|all]   (default: all)
-# data: an ImageNet-like JPEG folder, the file loaders alone (GPU and CPU decode, all cores and 4) and the trainers
-# from it against synthetic data (benchmarks.bench_data; DATA_ARGS narrows it).
+# data: an ImageNet-like JPEG folder, then the ViT-B/16 MAE and ResNet50d trainers from it at 4, 8 and 16 cores a
+# GPU, several at once (a GPU and its own cores each), against the same trainers on synthetic data, with the decode
+# variants, and DDP on 2 GPUs with 8 cores each (benchmarks.bench_data matrix: data_matrix.md, data_matrix.json,
+# data_matrix/*.json; DATA_ARGS narrows it; DATA_MODE=all runs the older sweep with the loaders alone instead).
 # Stages can be limited with STAGES="tests kernels" and pytest selection with TESTS="tests/test_ops.py".
 # TEST_PROCS=N (without TESTS) runs the suite as N pytest processes at once, the test files split into groups of
 # about equal time by the last suites' reports (tests/split_tests.py): one GPU's suite in about a third of the
@@ -111,7 +113,8 @@ if want data; then
   # real images: an ImageNet-like JPEG folder made here (DATA_ROOT, DATA_IMAGES), the loaders and trainers from it
   root=${DATA_ROOT:-/tmp/dres-imagenet-like}
   [ -d "$root" ] || python3 -m benchmarks.bench_data make --root "$root" --images "${DATA_IMAGES:-20000}" 2>&1 | tail -n 2
-  python3 -m benchmarks.bench_data all --root "$root" --out "$OUT" ${DATA_ARGS:-} 2>&1 | tee "$OUT/data.log" | tail -n 30
+  python3 -m benchmarks.bench_data "${DATA_MODE:-matrix}" --root "$root" --out "$OUT" ${DATA_ARGS:-} 2>&1 |
+    tee "$OUT/data.log" | tail -n 40
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

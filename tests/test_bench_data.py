@@ -155,3 +155,101 @@ def test_each_variant_is_a_set_of_rows_from_files_with_its_settings_last(monkeyp
            "cores": 16, "gpus": 1, "overrides": [], "images_per_s": 100.0, "variant": ["finish_ahead=0"]}
     assert "| trainer vit (imagefolder; finish_ahead=0) | gpu | 1 | 16 | 8 | 100 |  |" in markdown([row], "h100")
 
+
+
+def _matrix_args(tmp_path, **kw):
+    from types import SimpleNamespace
+
+    from benchmarks.bench_data import MATRIX_VARIANTS
+
+    args = dict(root=str(tmp_path), cores=[4, 8, 16], trainers=["mae_vit_b16_baseline", "resnet50d_224"],
+                all_variants_for=["mae_vit_b16_baseline"], ddp=[("mae_vit_b16_baseline", 8)],
+                variants=[v.split(",") for v in MATRIX_VARIANTS], devices=["4", "5", "6", "7"], first_core=0, block=16,
+                steps=80, trainer_sets=[], trainer_timeout=300, budget_s=450)
+    return SimpleNamespace(**{**args, **kw})
+
+
+def test_the_matrix_runs_ddp_first_then_each_trainer_on_synthetic_data_and_its_variants(tmp_path):
+    from benchmarks.bench_data import RUN_PLAN_S, matrix_jobs, matrix_plan_s
+
+    jobs = matrix_jobs(_matrix_args(tmp_path))
+    assert (jobs[0]["name"], jobs[0]["gpus"], jobs[0]["cores"]) == ("mae_vit_b16_baseline", 2, 8)
+    assert "data.decode=auto" in jobs[0]["data"] and jobs[0]["against_one_gpu"]
+    mae = [j for j in jobs[1:] if j["name"] == "mae_vit_b16_baseline"]
+    resnet = [j for j in jobs[1:] if j["name"] == "resnet50d_224"]
+    assert mae[0]["data"] == ["data.name=synthetic", "data.num_classes=100"] and mae[0]["cores"] == 16
+    # every variant at every core count for the lever trainer, the first two (CPU and GPU decode) for the other
+    assert len(mae) == 1 + 3 * 4 and len(resnet) == 1 + 3 * 2
+    assert {tuple(j["variant"]) for j in resnet[1:]} == {("decode=cpu",), ("decode=gpu",)}
+    low = next(j for j in mae if j["cores"] == 4 and "finish_high_priority=false" in j["variant"])
+    assert low["data"][-2:] == ["data.decode=gpu", "data.finish_high_priority=false"]
+    assert f"data.path={tmp_path}" in low["data"] and "data.gpu_resident=false" in low["data"]
+    assert matrix_plan_s(jobs, 4) == RUN_PLAN_S * (len(jobs) + 1) / 4  # the DDP run holds two GPUs
+
+
+def test_matrix_runs_share_the_gpus_one_run_a_gpu_each_on_its_own_cores(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    import benchmarks.bench_data as bench_data
+
+    busy, seen, lock = set(), [], threading.Lock()
+
+    def fake_rate(name, data, cores, first_core, gpus, steps, batch, overrides, timeout_s, cpus, devices):
+        mine = devices.split(",")
+        with lock:
+            assert not busy & set(mine), (busy, mine)  # no GPU runs two at once
+            busy.update(mine)
+        time.sleep(0.02)
+        with lock:
+            busy.difference_update(mine)
+            seen.append((gpus, cores, cpus, devices))
+        return {"kind": "trainer", "name": name, "data": data, "cores": cores, "gpus": gpus, "overrides": overrides,
+                "images_per_s": 100.0 * gpus}
+
+    monkeypatch.setattr(bench_data, "trainer_rate", fake_rate)
+    args = _matrix_args(tmp_path)
+    rows, ended = [], []
+    rows = bench_data.run_matrix(args, bench_data.matrix_jobs(args), ended.append)
+    assert len(rows) == len(ended) == len(seen) == 21 and all("error" not in r for r in rows)
+    assert seen[0] == (2, 8, "0-7,16-23", "4,5")  # the DDP run first: two GPUs, 8 of each one's 16 cores
+    for gpus, cores, cpus, devices in seen:
+        slots = [args.devices.index(d) for d in devices.split(",")]
+        assert cpus == ",".join(f"{16 * k}-{16 * k + cores - 1}" for k in slots)
+    assert [r["variant"] for r in rows] == [j["variant"] for j in bench_data.matrix_jobs(args)]  # in the plan's order
+    table = bench_data.markdown(rows, "h200")
+    assert "| trainer mae_vit_b16_baseline (imagefolder) | auto | 2 | 8 | by the decode | 200 | 1.00x of 2 x one GPU's |" \
+        in table.splitlines()
+
+
+def test_matrix_runs_past_the_budget_are_rows_that_say_so(tmp_path, monkeypatch):
+    import benchmarks.bench_data as bench_data
+
+    monkeypatch.setattr(bench_data, "trainer_rate", lambda *a, **k: pytest.fail("no run starts past the budget"))
+    args = _matrix_args(tmp_path, budget_s=bench_data.RUN_PLAN_S - 1, trainers=["resnet50d_224"], ddp=[], cores=[4])
+    rows = bench_data.run_matrix(args, bench_data.matrix_jobs(args), lambda row: None)
+    assert len(rows) == 3 and all(r["error"].startswith("not started: past --budget-s 74 at ") for r in rows)
+    assert "failed: not started: past --budget-s 74" in bench_data.markdown(rows, "h200")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--devices", "0,0"], "--devices 0,0: distinct GPUs, at least one"),
+    (["--devices", "0", "--ddp", "resnet50d_224:4"], "--ddp needs two of --devices 0"),
+    (["--devices", "0,1", "--ddp", "vit:4"], "--ddp vit: vit not among mae_vit_b16_baseline, mae_vit_b16_official, "
+                                               "resnet50d_224"),
+    (["--devices", "0,1", "--cores", "4,x"], "--cores 4,x: comma-separated integers"),
+    (["--devices", "0,1", "--ddp", "resnet50d_224"], "--ddp resnet50d_224: TRAINER:CORES, comma-separated"),
+    (["--devices", ",".join(map(str, range(os.cpu_count() + 1))), "--ddp", ""],
+     f"more than the 0 cores of each of {os.cpu_count() + 1} GPUs' blocks"),
+])
+def test_matrix_argument_errors_name_the_argument(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["matrix", "--root", str(tmp_path), "--out", str(tmp_path / "out"), *extra])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_trainer_run_is_held_to_its_core_list_on_its_gpus():
+    cmd = trainer_command("mae_vit_b16_baseline", FILES, 8, 0, 2, 60, 256, "/tmp/run", [], cpus="0-7,16-23")
+    assert cmd[:3] == ["taskset", "-c", "0-7,16-23"] and "--nproc_per_node" in cmd
