@@ -30,10 +30,10 @@ def data(tmp_path_factory):
     return {"imagefolder": images, "wds": str(root / "shards")}
 
 
-def _run(tmp_path, source, path, workers, out, flags=()):
+def _run(tmp_path, source, path, workers, out, flags=(), extra=()):
     return _folder_run(tmp_path, out, STEPS, flags=flags, extra=[
         f"data.name={source}", f"data.path={path}", f"data.num_workers={workers}", "ckpt.every=2", "ckpt.keep=1",
-        *(["data.finish_ahead=0"] if workers == 0 else [])])  # else batches finished 2 ahead
+        *(["data.finish_ahead=0"] if workers == 0 else []), *extra])  # else batches finished 2 ahead
 
 
 def _records(out):
@@ -52,15 +52,14 @@ def _ended(proc, what):
     return stdout + stderr
 
 
-@pytest.mark.parametrize("source,workers", [("imagefolder", 0), ("imagefolder", 2), ("wds", 0), ("wds", 2)])
-def test_a_run_killed_at_a_random_step_resumes_as_if_never_killed(tmp_path, data, source, workers):
-    """SIGKILL (no handler runs, no checkpoint of that moment) after a random step past the first checkpoint; the
-    run resumed with --resume auto goes on from its last checkpoint to the end. Its metrics.jsonl (the steps
-    past the checkpoint, logged again) and summary.json's lost data are the uninterrupted run's."""
+def _kill_and_resume(tmp_path, source, path, workers, extra=()) -> tuple[str, str, str]:
+    """An uninterrupted run into ``full`` beside one into ``cut`` killed with SIGKILL after a random step past the
+    first checkpoint (no handler runs, no checkpoint of that moment) and resumed with --resume auto from its last
+    checkpoint to the end; returns what the uninterrupted run said, what the resumed one said and the kill's step."""
     kill_after = random.randint(3, STEPS - 4)
-    full = _run(tmp_path, source, data[source], workers, tmp_path / "full")
+    full = _run(tmp_path, source, path, workers, tmp_path / "full", extra=extra)
     cut = tmp_path / "cut"
-    killed = _run(tmp_path, source, data[source], workers, cut)
+    killed = _run(tmp_path, source, path, workers, cut, extra=extra)
     while killed.poll() is None and _logged(cut) < kill_after:
         time.sleep(0.01)
     os.killpg(killed.pid, signal.SIGKILL)
@@ -68,16 +67,47 @@ def test_a_run_killed_at_a_random_step_resumes_as_if_never_killed(tmp_path, data
     assert killed.returncode == -signal.SIGKILL, (kill_after, stdout, stderr)
     logged = _logged(cut)
     assert logged < STEPS, f"the run ended before the kill after step {kill_after}"
-    said = _ended(_run(tmp_path, source, data[source], workers, cut, ["--resume", "auto"]), "resumed")
+    said = _ended(_run(tmp_path, source, path, workers, cut, ["--resume", "auto"], extra), "resumed")
     assert "[dres] resumed from" in said, said
-    _ended(full, "uninterrupted")
-    context = f"killed after step {kill_after} ({logged} logged)"
-    losses = [[(r["step"], r["loss"]) for r in _records(out)] for out in (cut, tmp_path / "full")]
-    assert losses[0] == losses[1], context
-    lost = [json.loads((out / "summary.json").read_text())["lost_data"] for out in (cut, tmp_path / "full")]
-    assert lost[0] == lost[1], context
-    assert lost[0]["corrupt_samples"] == (1 if source == "imagefolder" else 0)
-    assert len(lost[0]["dropped_by_prep"]) == (1 if source == "wds" else 0)
+    return _ended(full, "uninterrupted"), said, f"killed after step {kill_after} ({logged} logged)"
+
+
+def _losses_and_lost_data(tmp_path) -> list:
+    """Per run (``cut``, ``full``): metrics.jsonl's (step, loss) and summary.json's lost data."""
+    return [([(r["step"], r["loss"]) for r in _records(out)], json.loads((out / "summary.json").read_text())["lost_data"])
+            for out in (tmp_path / "cut", tmp_path / "full")]
+
+
+@pytest.mark.parametrize("source,workers", [("imagefolder", 0), ("imagefolder", 2), ("wds", 0), ("wds", 2)])
+def test_a_run_killed_at_a_random_step_resumes_as_if_never_killed(tmp_path, data, source, workers):
+    """Killed at a random step and resumed (:func:`_kill_and_resume`), a run's metrics.jsonl (the steps past the
+    checkpoint, logged again) and summary.json's lost data are the uninterrupted run's."""
+    _, _, context = _kill_and_resume(tmp_path, source, data[source], workers)
+    (losses, lost), (want_losses, want_lost) = _losses_and_lost_data(tmp_path)
+    assert losses == want_losses and lost == want_lost, context
+    assert lost["corrupt_samples"] == (1 if source == "imagefolder" else 0)
+    assert len(lost["dropped_by_prep"]) == (1 if source == "wds" else 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("source", ["imagefolder", "wds"])
+def test_a_run_decoding_on_the_gpu_killed_at_a_random_step_resumes_as_if_never_killed(tmp_path, data, source):
+    """The same on a GPU with data.decode=gpu (the workers pass the JPEG bytes, the training process decodes the
+    batch with nvJPEG and crops it with its kernel, finished 2 batches ahead): the resumed run logs the
+    uninterrupted run's losses and lost data. Bit for bit where two uninterrupted runs agree bit for bit (the
+    GPU's kernels deterministic); else to float32 rounding, and the step count and lost data exactly."""
+    gpu = ["device=cuda", "data.decode=gpu"]
+    said, _, context = _kill_and_resume(tmp_path, source, data[source], 2, gpu)
+    assert f"[dres] data: {source}, decoded on the GPU (" in said, said
+    (losses, lost), (want_losses, want_lost) = _losses_and_lost_data(tmp_path)
+    assert lost == want_lost and [s for s, _ in losses] == [s for s, _ in want_losses] == list(range(1, STEPS + 1))
+    _ended(_run(tmp_path, source, data[source], 2, tmp_path / "again", extra=gpu), "a second uninterrupted run")
+    again = [(r["step"], r["loss"]) for r in _records(tmp_path / "again")]
+    if again == want_losses:
+        assert losses == want_losses, context
+    else:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{context}: {m}")
 
 
 @pytest.mark.parametrize("source", ["imagefolder", "wds"])
