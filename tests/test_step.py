@@ -4,11 +4,13 @@ clipping, EMA, ResidualDroppath, fp16 overflow skips, classification metrics, DD
 resume of a graphed run, steps with no host synchronisation, and the replay time each run reports as
 its floor."""
 
+import contextlib
 import json
 import os
 import socket
 import statistics
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -245,10 +247,12 @@ def _task(name="mae"):
 
 def _fit(out, overrides, steps, task="mae", warmup=None, scaler_init=None, log=None):
     """A trainer after ``steps`` steps; ``warmup``: its graph's eager steps (more than the run has: the same
-    body, never captured); ``scaler_init``: the fp16 loss scale it starts from."""
+    body, never captured; None: step.graph_warmup_steps's); ``scaler_init``: the fp16 loss scale it starts from."""
     base = _CLASSIFY if task == "classify" else _TINY
     cfg = build_config(task, None, base + list(overrides) + [f"steps={steps}", f"out={out}"])
-    trainer = Trainer(cfg, _task(task), log=log or (lambda m: None), graph_warmup_steps=warmup).setup()
+    eager_steps = mock.patch("dres.train.loop.graph_warmup_steps", lambda cfg, world: warmup)
+    with eager_steps if warmup is not None else contextlib.nullcontext():
+        trainer = Trainer(cfg, _task(task), log=log or (lambda m: None)).setup()
     if scaler_init is not None:  # as a resume sets the scaler's state
         trainer.scaler.load_state_dict({**trainer.scaler.state_dict(), "scale": scaler_init})
     trainer.fit()

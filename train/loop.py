@@ -32,13 +32,10 @@ from dres.train.stop import Interrupted
 
 class Trainer:
     """One run of ``task`` under ``cfg``: :meth:`setup`, then :meth:`fit`, :meth:`evaluate` and :meth:`finish`
-    (or :meth:`resume` / :meth:`load_weights` first). ``log`` prints a line; ``graph_warmup_steps``: the
-    eager steps before a captured step's capture (None: :func:`~dres.train.step.graph_warmup_steps`,
-    what lazy initialisation and DDP need; more than the run's steps: the same body, never captured)."""
+    (or :meth:`resume` / :meth:`load_weights` first). ``log`` prints a line."""
 
-    def __init__(self, cfg: Config, task, *, log=print, graph_warmup_steps: int | None = None):
+    def __init__(self, cfg: Config, task, *, log=print):
         self.cfg, self.task = cfg, task
-        self.graph_warmup_steps = graph_warmup_steps
         self.info = distributed.init(cfg.device, cfg.dist, cfg.dist_timeout_s)
         self.device = self.info.device
         if self.device.type == "cpu":
@@ -156,10 +153,9 @@ class Trainer:
         self.step_body = TrainStep(self.task, cfg, self.model, self.raw_model, self.optimizer, self.scaler,
                                    self.autocast, self.device, ema=self.ema, droppath=self.droppath)
         if graphs and train:
-            eager_steps = (self.graph_warmup_steps if self.graph_warmup_steps is not None
-                           else graph_warmup_steps(cfg, self.info.world))
             self.graphed = GraphedStep(self.step_body, self.optimizer, self.scheduler, self.total_steps, self.device,
-                                       warmup_steps=eager_steps, stream=capture_stream, log=self.log)
+                                       warmup_steps=graph_warmup_steps(cfg, self.info.world), stream=capture_stream,
+                                       log=self.log)
         self.step_fn = self.graphed if self.graphed is not None else self.step_body
         if train:
             self.log(f"[dres] cuda graphs: {why}")
