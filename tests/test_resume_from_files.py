@@ -74,8 +74,8 @@ def _kill_and_resume(tmp_path, source, path, workers, extra=()) -> tuple[str, st
 
 def _losses_and_lost_data(tmp_path) -> list:
     """Per run (``cut``, ``full``): metrics.jsonl's (step, loss) and summary.json's lost data."""
-    return [([(r["step"], r["loss"]) for r in _records(out)], json.loads((out / "summary.json").read_text())["lost_data"])
-            for out in (tmp_path / "cut", tmp_path / "full")]
+    return [([(r["step"], r["loss"]) for r in _records(out)],
+             json.loads((out / "summary.json").read_text())["lost_data"]) for out in (tmp_path / "cut", tmp_path / "full")]
 
 
 @pytest.mark.parametrize("source,workers", [("imagefolder", 0), ("imagefolder", 2), ("wds", 0), ("wds", 2)])
