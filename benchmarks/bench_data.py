@@ -353,18 +353,20 @@ def run_matrix(args, jobs: list[dict], on_row) -> list[dict]:
 
     def run(job):
         slots = pool.take(job["gpus"])
+        elapsed = time.time() - start
+        row = {"kind": "trainer", "name": job["name"], "data": job["data"], "cores": job["cores"], "gpus": job["gpus"],
+               "overrides": args.trainer_sets, "variant": job["variant"],
+               "against_one_gpu": job.get("against_one_gpu", False)}
         try:
-            elapsed = time.time() - start
-            extra = {"variant": job["variant"], "against_one_gpu": job.get("against_one_gpu", False)}
             if elapsed + RUN_PLAN_S > args.budget_s:
-                row = {"kind": "trainer", "name": job["name"], "data": job["data"], "cores": job["cores"],
-                       "gpus": job["gpus"], "overrides": args.trainer_sets, **extra,
-                       "error": f"not started: past --budget-s {args.budget_s:g} at {elapsed:.0f} s"}
+                row["error"] = f"not started: past --budget-s {args.budget_s:g} at {elapsed:.0f} s"
             else:
-                row = {**trainer_rate(job["name"], job["data"], job["cores"], 0, job["gpus"], args.steps, 256,
-                                      args.trainer_sets, min(args.trainer_timeout, args.budget_s - elapsed),
-                                      cpus=pool.cpus(slots, job["cores"]),
-                                      devices=",".join(args.devices[k] for k in slots)), **extra}
+                row.update(trainer_rate(job["name"], job["data"], job["cores"], 0, job["gpus"], args.steps, 256,
+                                        args.trainer_sets, min(args.trainer_timeout, args.budget_s - elapsed),
+                                        cpus=pool.cpus(slots, job["cores"]),
+                                        devices=",".join(args.devices[k] for k in slots)))
+        except Exception as e:  # a run that left no rate (no metrics, too few steps) is a row that says why
+            row["error"] = f"{type(e).__name__}: {e}"
         finally:
             pool.give_back(slots)
         on_row(row)

@@ -253,3 +253,16 @@ def test_matrix_argument_errors_name_the_argument(tmp_path, capsys, extra, messa
 def test_a_trainer_run_is_held_to_its_core_list_on_its_gpus():
     cmd = trainer_command("mae_vit_b16_baseline", FILES, 8, 0, 2, 60, 256, "/tmp/run", [], cpus="0-7,16-23")
     assert cmd[:3] == ["taskset", "-c", "0-7,16-23"] and "--nproc_per_node" in cmd
+
+
+def test_a_matrix_run_that_leaves_no_rate_is_a_row_that_says_why(tmp_path, monkeypatch):
+    import benchmarks.bench_data as bench_data
+
+    def no_metrics(*args, **kwargs):
+        raise FileNotFoundError("metrics.jsonl")
+
+    monkeypatch.setattr(bench_data, "trainer_rate", no_metrics)
+    args = _matrix_args(tmp_path, trainers=["resnet50d_224"], ddp=[], cores=[4], variants=[["decode=gpu"]])
+    rows = bench_data.run_matrix(args, bench_data.matrix_jobs(args), lambda row: None)
+    assert [r["error"] for r in rows] == ["FileNotFoundError: metrics.jsonl"] * 2
+    assert rows[1]["variant"] == ["decode=gpu"] and rows[1]["cores"] == 4

@@ -475,9 +475,13 @@ def test_gpu_decode_matches_the_cpu_decode_of_the_same_crops(tmp_path, backend, 
         prep = SamplePrep(32, gpu=gpu, jitter=jitter)  # the same seeds: the same crops and jitter either way
         batch = collate_prepared([prepare(prep, b, i, i, f"f{i}") for i, b in enumerate(blobs)])
         finisher = BatchFinisher("cuda", 32, 3, MEAN, STD, backend if gpu else None)
-        lost = []
-        batches[gpu] = finisher(batch, lost)
+        lost, paths = [], {}
+        batches[gpu] = finisher(batch, lost, paths)
         assert batch["lost"] == ["f6: UnidentifiedImageError"] and lost == []
+        # the baseline RGB and grey JPEGs by the GPU, the progressive, CMYK and PNG files by the workers
+        gpu_paths = {"hardware", "cuda"} if backend == "nvimgcodec" else {"nvjpeg"}
+        assert sum(paths.values()) == 6 and paths["workers"] == (3 if gpu else 6)
+        assert set(paths) - {"workers"} <= (gpu_paths | {"cpu_fallback"} if gpu else set())
     gpu, cpu = batches[True], batches[False]
     assert gpu["label"].tolist() == cpu["label"].tolist() == list(range(6))
     # decoders and resize filters differ (nvJPEG vs libjpeg-turbo, roi_align vs antialiased bilinear): close, not equal
