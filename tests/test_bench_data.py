@@ -266,3 +266,20 @@ def test_a_matrix_run_that_leaves_no_rate_is_a_row_that_says_why(tmp_path, monke
     rows = bench_data.run_matrix(args, bench_data.matrix_jobs(args), lambda row: None)
     assert [r["error"] for r in rows] == ["FileNotFoundError: metrics.jsonl"] * 2
     assert rows[1]["variant"] == ["decode=gpu"] and rows[1]["cores"] == 4
+
+
+def test_the_fastest_decode_by_cores_stands_beside_what_auto_takes():
+    from benchmarks.bench_data import fastest_decodes
+    from dres.data.factory import CPU_DECODE_MIN_CORES
+
+    def row(cores, variant, rate, **kw):
+        return {"kind": "trainer", "name": "vit", "data": ["data.name=imagefolder"], "cores": cores, "gpus": 1,
+                "variant": variant, "images_per_s": rate, **kw}
+
+    rows = [{**row(16, [], 9000.0), "data": ["data.name=synthetic"]}, row(4, ["decode=cpu"], 100.0),
+            row(4, ["decode=gpu"], 300.0), row(4, ["decode=gpu", "finish_high_priority=false"], 200.0),
+            row(16, ["decode=cpu"], 500.0), row(16, ["decode=gpu"], 400.0), row(8, ["decode=gpu"], 900.0, gpus=2),
+            {k: v for k, v in row(8, ["decode=cpu"], 0.0).items() if k != "images_per_s"} | {"error": "over 300 s"}]
+    assert fastest_decodes(rows).splitlines()[2:] == [
+        "| vit | 4 | decode=gpu | 300 | decode=gpu |",
+        f"| vit | 16 | decode=cpu | 500 | decode={'cpu' if 16 >= CPU_DECODE_MIN_CORES else 'gpu'} |"]
