@@ -283,3 +283,29 @@ def test_the_fastest_decode_by_cores_stands_beside_what_auto_takes():
     assert fastest_decodes(rows).splitlines()[2:] == [
         "| vit | 4 | decode=gpu | 300 | decode=gpu |",
         f"| vit | 16 | decode=cpu | 500 | decode={'cpu' if 16 >= CPU_DECODE_MIN_CORES else 'gpu'} |"]
+
+
+def test_matrix_prints_its_plan_and_writes_a_json_a_row_and_the_tables(tmp_path, monkeypatch, capsys):
+    import json
+
+    import benchmarks.bench_data as bench_data
+
+    def rate(name, data, cores, first_core, gpus, steps, batch, overrides, timeout_s, cpus, devices):
+        return {"kind": "trainer", "name": name, "data": data, "cores": cores, "gpus": gpus, "overrides": overrides,
+                "images_per_s": 1000.0 * gpus if "data.name=synthetic" in data else 900.0 * gpus}
+
+    monkeypatch.setattr(bench_data, "trainer_rate", rate)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)  # a block of 4 cores a GPU
+    out = tmp_path / "out"
+    assert main(["matrix", "--root", str(tmp_path), "--out", str(out), "--devices", "0,1", "--cores", "2,1",
+                 "--trainers", "resnet50d_224", "--ddp", "resnet50d_224:1", "--variant", "decode=gpu"]) == 0
+    plan = capsys.readouterr().out.splitlines()[0]
+    assert plan.startswith("matrix: 4 trainer runs on GPUs 0,1, 4 cores a GPU, about ")
+    assert plan.endswith(" min (75 s a run; none starts past 450 s)")
+    rows = json.loads((out / "data_matrix.json").read_text())["rows"]
+    assert len(rows) == 4 == len(list((out / "data_matrix").glob("*.json")))
+    assert json.loads((out / "data_matrix" / "resnet50d_224-1gpu-1cores-imagefolder-decode-gpu.json").read_text()) == \
+        rows[-1]
+    table = (out / "data_matrix.md").read_text()
+    assert "| trainer resnet50d_224 (imagefolder) | auto | 2 | 1 | by the decode | 1,800 | 0.90x of 2 x one GPU's |" \
+        in table and "| resnet50d_224 | 1 | decode=gpu | 900 | decode=gpu |" in table
