@@ -570,13 +570,16 @@ def bf16_step(model, inputs: dict, loss_of):
 
 def assert_bf16_close(original, converted, inputs, loss_of):
     """Loss and gradients of the converted model (bf16 autocast, the Triton kernels) within bf16's
-    rounding of the plain model's: each gradient's error relative to its largest element."""
+    rounding of the plain model's: each gradient's error relative to its largest element, or to a hundredth of
+    the model's largest where its own is rounding alone (a key bias's gradient is zero in exact arithmetic:
+    softmax ignores what it adds to a row)."""
     loss_a, grads_a = bf16_step(original, inputs, loss_of)
     loss_b, grads_b = bf16_step(converted, inputs, loss_of)
     torch.testing.assert_close(loss_b, loss_a, rtol=2e-2, atol=2e-2)
     assert grads_a.keys() == grads_b.keys()
+    floor = max(a.abs().max() for a in grads_a.values()) / 100
     for name, a in grads_a.items():
-        scale = a.abs().max().clamp_min(1e-6)
+        scale = torch.maximum(a.abs().max(), floor).clamp_min(1e-6)
         assert (grads_b[name] - a).abs().max() / scale < 5e-2, name
 
 

@@ -229,7 +229,8 @@ def test_decisive_arms_are_the_issues_recipes():
     assert runner.need_epochs("C-vit-none-s0", 0, runner.REPO_ROOT / "no-such-folder") == 50  # its committed record
 
 
-def test_dry_run_prints_the_exact_commands_and_runs_nothing(tmp_path, capsys):
+def test_dry_run_prints_the_exact_commands_and_runs_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # --gpus 4 counts this host's GPUs otherwise
     records = tmp_path / "records"
     records.mkdir()
     (records / "C300-resnet50d-none-s0.json").write_text("{}")
@@ -553,7 +554,8 @@ def queue_script(tmp_path, python3=RUNNER_STAND_IN, **env_vars):
     (tmp_path / "bin").mkdir(exist_ok=True)
     (tmp_path / "bin" / "python3").write_text("#!/bin/sh\n" + python3)
     (tmp_path / "bin" / "python3").chmod(0o755)
-    env = {**os.environ, "QUEUE_DIR": str(tmp_path / "queue"), "OUT": str(tmp_path / "out"),
+    host = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}  # a GPU host's test process has it
+    env = {**host, "QUEUE_DIR": str(tmp_path / "queue"), "OUT": str(tmp_path / "out"),
            "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", **env_vars}
 
     def call(*args, cwd=None):
