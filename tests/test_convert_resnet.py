@@ -272,25 +272,27 @@ def test_residual_droppath_frozen_compiles_and_matches_eager_in_training():
 
 def test_resnet_classifiers_refuse_fsdp_in_one_line():
     """FSDP2 cannot shard the channels_last convolution weights: a config error, not a trace from inside FSDP."""
-    from dres.train.config import ConfigError, build_config
+    from dres.train.config import ConfigError
+    from dres.train.tasks import config_for
 
     with pytest.raises(ConfigError, match="'dist' fsdp shards the transformer models; model.arch=resnet50d keeps its "
                                           "convolution weights channels_last, which FSDP2 cannot shard: use dist=ddp"):
-        build_config("classify", "classify_resnet50d_cifar10_timm", ["dist=fsdp"])
-    assert build_config("classify", "classify_cifar10", ["dist=fsdp"]).dist == "fsdp"  # the ViT classifier shards
+        config_for("classify", "classify_resnet50d_cifar10_timm", ["dist=fsdp"])
+    assert config_for("classify", "classify_cifar10", ["dist=fsdp"]).dist == "fsdp"  # the ViT classifier shards
 
 
 def test_residual_droppath_frozen_is_refused_where_no_branch_can_be_held():
     from dres.models import create_classifier
-    from dres.train.config import ConfigError, build_config
+    from dres.train.config import ConfigError
+    from dres.train.tasks import config_for
 
     frozen = ["model.droppath_mode=residual_droppath_frozen"]
-    cfg = build_config("classify", "classify_resnet50d_cifar10_timm", frozen)
+    cfg = config_for("classify", "classify_resnet50d_cifar10_timm", frozen)
     assert cfg.model.droppath_mode == "residual_droppath_frozen"
     for task, preset in (("classify", "classify_cifar10"), ("mae", "quickstart")):
         with pytest.raises(ConfigError, match="'model.droppath_mode' residual_droppath_frozen runs each branch a "
                                               "second time, which only the ResNet classifiers do"):
-            build_config(task, preset, frozen)
+            config_for(task, preset, frozen)
 
     with pytest.raises(ValueError, match="only the ResNet converter"):
         create_classifier("vit_tiny_cifar", drop_path=0.1, droppath_mode="residual_droppath_frozen")

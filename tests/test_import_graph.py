@@ -97,6 +97,24 @@ def test_the_package_imports_have_no_circle():
     assert circles(import_graph()) == []
 
 
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules ``start`` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for w in graph[todo.pop()] - seen:
+            seen.add(w)
+            todo.append(w)
+    return seen
+
+
+def test_the_config_sits_below_the_tasks():
+    """The tasks read the config (their checks of it among them); the config reads no task, nor the registry."""
+    graph = import_graph()
+    tasks = {"dres.train.tasks", "dres.train.mae", "dres.train.uvit", "dres.train.classify"}
+    assert not reachable(graph, "dres.train.config") & tasks
+    assert "dres.train.config" in reachable(graph, "dres.train.mae")
+
+
 def _fresh_python(code: str, tmp_path, missing=()) -> str:
     """``code``'s stdout in a fresh interpreter where each package of ``missing`` fails to import as if it were
     not installed (a stub that raises, found before the real one)."""

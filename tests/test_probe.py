@@ -76,7 +76,8 @@ def test_uvit_probe_grid_reports_every_block_and_noise_level(tmp_path):
     import pytest
 
     from dres.train import cli
-    from dres.train.config import ConfigError, build_config
+    from dres.train.config import ConfigError
+    from dres.train.tasks import config_for
     from test_eval import TINY_DIGITS_8
 
     settings = TINY_DIGITS_8 + ["data.mean=[0.5]", "data.std=[0.5]", "model.patch_size=2", "batch_size=32", "steps=1",
@@ -95,11 +96,11 @@ def test_uvit_probe_grid_reports_every_block_and_noise_level(tmp_path):
     assert all(0 <= r["linear_probe_acc"] <= 1 and 0 <= r["knn_acc"] <= 1 for r in grid)
     assert Path(res["probe_grid_png"]).is_file() and "probe_t0.1_linear_probe_acc" in res
     with pytest.raises(ConfigError, match="eval.probe_grid_blocks' and eval.probe_grid_ts are given together"):
-        build_config("uvit", "uvit_cifar10", ["eval.probe_grid_blocks=[0]"])
+        config_for("uvit", "uvit_cifar10", ["eval.probe_grid_blocks=[0]"])
     with pytest.raises(ConfigError, match=r"eval.probe_grid_blocks' must be block indices in \[0, 12\]"):
-        build_config("uvit", "uvit_cifar10", ["eval.probe_grid_blocks=[13]", "eval.probe_grid_ts=[0.1]"])
+        config_for("uvit", "uvit_cifar10", ["eval.probe_grid_blocks=[13]", "eval.probe_grid_ts=[0.1]"])
     with pytest.raises(ConfigError, match=r"eval.probe_grid_ts' must be in \[0, 1\]"):
-        build_config("uvit", "uvit_cifar10", ["eval.probe_grid_blocks=[1]", "eval.probe_grid_ts=[1.5]"])
+        config_for("uvit", "uvit_cifar10", ["eval.probe_grid_blocks=[1]", "eval.probe_grid_ts=[1.5]"])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from dres.train.common import eval_loader, model_kwargs, run_as_command
+from dres.train.config import need, need_branches_held
 
 
 class ClassifyTask:
@@ -25,6 +26,21 @@ class ClassifyTask:
         from dres.models import ResNetClassifier, ViTClassifier
 
         return [ViTClassifier, ResNetClassifier]
+
+    @staticmethod
+    def validate(cfg) -> None:
+        """The checks of a classifier run's config beyond those of every run (:func:`dres.train.config.validate`)."""
+        m, d = cfg.model, cfg.data
+        need(cfg, cfg.dist != "fsdp" or m.arch == "vit", "dist",
+             f"fsdp shards the transformer models; model.arch={m.arch} keeps its convolution weights channels_last, "
+             "which FSDP2 cannot shard: use dist=ddp")
+        need_branches_held(cfg, m.arch != "vit")  # the ResNet converter runs a branch again on held weights
+        need(cfg, m.num_classes == d.num_classes, "model.num_classes", f"must equal data.num_classes ({d.num_classes})")
+
+    @staticmethod
+    def plots(cfg) -> list:
+        """The plots a run draws besides t-SNE's and curves.png (config.need_plots asks for those): none."""
+        return []
 
     def build_model(self, cfg):
         from dres.models import ResNetClassifier, ViTClassifier

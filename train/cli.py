@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from dres.train import stop
-from dres.train.tasks import get_task
+from dres.train.tasks import config_for, get_task
 
 
 def _common_arguments(p):
@@ -146,13 +146,13 @@ def _user_errors():
 def _run(args, overrides=()):
     import yaml
 
-    from dres.train.config import ConfigError, build_config, check_commands, list_presets, to_dict, typed_values
+    from dres.train.config import ConfigError, check_commands, list_presets, to_dict, typed_values
     from dres.train.driver import run
     from dres.train.rundir import normal_path
 
     if not args.preset:
         raise ConfigError(f"no --preset given: one of {', '.join(list_presets())}, or a path to a .yaml file")
-    cfg = build_config(args.task, args.preset, list(args.overrides) + list(overrides))
+    cfg = config_for(args.task, args.preset, list(args.overrides) + list(overrides))
     if args.out:
         cfg.out = args.out
     if cfg.out:
@@ -289,7 +289,7 @@ def _eval_command(argv) -> int:
 
 
 def _evaluate(a) -> None:
-    from dres.train.config import build_config, check_commands, load_config, to_dict, typed_values
+    from dres.train.config import check_commands, load_config, to_dict, typed_values
     from dres.train.driver import run
     from dres.train.rundir import normal_path
 
@@ -298,7 +298,7 @@ def _evaluate(a) -> None:
     if not cfgf.exists():
         raise FileNotFoundError(f"no config.yaml in {run_dir} (is it a dres run directory?)")
     base = to_dict(load_config(cfgf))
-    cfg = build_config(None, None, a.overrides, base=base)
+    cfg = config_for(None, None, a.overrides, base=base)
     check_commands(cfg, typed_values(a.overrides), a.allow_pipe, str(cfgf))
     cfg.out = run_dir
     with _lost_rank_in_one_line(cfg, f"evaluate again with dres-eval {run_dir} once every rank can start"):

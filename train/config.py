@@ -488,7 +488,8 @@ def parse_override(s: str):
 
 
 def build_config(task: str | None = None, preset: str | None = None, overrides=(), base: dict | None = None) -> Config:
-    """Defaults <- preset YAML <- ``base`` dict <- ``key=value`` overrides; validates the task."""
+    """Defaults <- preset YAML <- ``base`` dict <- ``key=value`` overrides; checks the task's name and the values
+    (:func:`validate`; a task's own checks are :func:`dres.train.tasks.check`'s, which the trainer makes)."""
     cfg = Config()
     if preset:
         d = load_preset(preset)
@@ -542,13 +543,12 @@ def _get(cfg, key):
     return value
 
 
-def _need_plots(cfg: Config) -> None:
-    """t-SNE plots and curves.png draw with matplotlib, an optional dependency: say so before the run."""
+def need_plots(cfg: Config, more=()) -> None:
+    """The plots a run draws need matplotlib, an optional dependency: say so before the run. t-SNE plots and
+    curves.png, and ``more``, a task's own (``(what, the setting that turns it off)`` pairs: ``task.plots(cfg)``)."""
     wanted = [("eval.tsne=true (t-SNE plot)", "eval.tsne=false"), (f"eval.every={cfg.eval.every} (curves.png)",
-                                                                      "eval.every=0"),
-              ("eval.probe_grid_blocks (probe_grid.png)", "eval.probe_grid_blocks=[]")]
-    grid = cfg.task == "uvit" and bool(cfg.eval.probe_grid_blocks)
-    wanted = [w for w, on in zip(wanted, (cfg.eval.tsne, cfg.eval.every, grid)) if on]
+                                                                      "eval.every=0")]
+    wanted = [w for w, on in zip(wanted, (cfg.eval.tsne, cfg.eval.every)) if on] + list(more)
     if not wanted:
         return
     try:
@@ -595,84 +595,78 @@ def typed_values(overrides) -> dict:
     return dict(parse_override(o) for o in overrides)
 
 
-def validate(cfg: Config) -> None:
-    """Value checks that a type cannot express; each failure is one line naming the key."""
-    def need(ok, key, what):
-        if not ok:
-            if what == "must be positive" and isinstance(_get(cfg, key), int):
-                what = "must be a positive integer"
-            raise ConfigError(f"config key '{key}' {what}; got {_get(cfg, key)!r}")
+def need(cfg: Config, ok, key: str, what: str) -> None:
+    """One check of :func:`validate` or of a task's own (``task.validate``): where not ``ok``, one line naming
+    ``key``, what it ``what`` and its value."""
+    if not ok:
+        if what == "must be positive" and isinstance(_get(cfg, key), int):
+            what = "must be a positive integer"
+        raise ConfigError(f"config key '{key}' {what}; got {_get(cfg, key)!r}")
 
+
+def validate(cfg: Config) -> None:
+    """Value checks that a type cannot express, those of every task (a task's own are its ``validate``, which
+    :func:`dres.train.tasks.check` adds); each failure is one line naming the key."""
     m, d, o = cfg.model, cfg.data, cfg.optim
     for key in POSITIVE_KEYS:
-        need(_get(cfg, key) > 0, key, "must be positive")
+        need(cfg, _get(cfg, key) > 0, key, "must be positive")
     for key, zero_means in NON_NEGATIVE_KEYS.items():
-        need(_get(cfg, key) >= 0, key, f"must be >= 0{f' (0: {zero_means})' if zero_means else ''}")
-    need(o.warmup_steps >= -1, "optim.warmup_steps", "must be >= 0, or -1 (from optim.warmup_epochs)")
-    need(cfg.data.num_workers >= -1, "data.num_workers", "must be >= 0, or -1 (by the decode)")
-    need(0 <= cfg.eval.probe_t <= 1, "eval.probe_t", "must be in [0, 1] (continuous diffusion time)")
+        need(cfg, _get(cfg, key) >= 0, key, f"must be >= 0{f' (0: {zero_means})' if zero_means else ''}")
+    need(cfg, o.warmup_steps >= -1, "optim.warmup_steps", "must be >= 0, or -1 (from optim.warmup_epochs)")
+    need(cfg, cfg.data.num_workers >= -1, "data.num_workers", "must be >= 0, or -1 (by the decode)")
+    need(cfg, 0 <= cfg.eval.probe_t <= 1, "eval.probe_t", "must be in [0, 1] (continuous diffusion time)")
     e = cfg.eval
-    need(bool(e.probe_grid_blocks) == bool(e.probe_grid_ts), "eval.probe_grid_blocks",
+    need(cfg, bool(e.probe_grid_blocks) == bool(e.probe_grid_ts), "eval.probe_grid_blocks",
          "and eval.probe_grid_ts are given together (the grid is every pair of the two)")
-    if cfg.task == "uvit":
-        n_blocks = 2 * (cfg.model.depth // 2) + 1
-        need(all(b == int(b) and 0 <= b < n_blocks for b in e.probe_grid_blocks), "eval.probe_grid_blocks",
-             f"must be block indices in [0, {n_blocks - 1}] (model.depth={cfg.model.depth})")
-    need(all(0 <= t <= 1 for t in e.probe_grid_ts), "eval.probe_grid_ts", "must be in [0, 1] (continuous diffusion time)")
+    need(cfg, all(0 <= t <= 1 for t in e.probe_grid_ts), "eval.probe_grid_ts",
+         "must be in [0, 1] (continuous diffusion time)")
     also = e.extra_feature_kinds()
-    need(all(k in FEATURE_KINDS for k in also) and len(set(also)) == len(also) and e.feature not in also,
+    need(cfg, all(k in FEATURE_KINDS for k in also) and len(set(also)) == len(also) and e.feature not in also,
          "eval.also_features", f"must list distinct kinds of {FEATURE_KINDS} other than eval.feature ({e.feature})")
-    need(not cfg.eval.fd_classifier or Path(cfg.eval.fd_classifier).exists(), "eval.fd_classifier",
+    need(cfg, not cfg.eval.fd_classifier or Path(cfg.eval.fd_classifier).exists(), "eval.fd_classifier",
          "must be a classify run directory or checkpoint that exists")
-    _need_plots(cfg)
-    need(0 <= d.max_corrupt_frac <= 1, "data.max_corrupt_frac", "must be in [0, 1]")
-    need(0 < d.crop_min <= 1, "data.crop_min", "must be in (0, 1]")
-    need(0 <= d.hw_decode_load <= 1, "data.hw_decode_load", "must be in [0, 1]")
-    need(0 <= d.color_jitter, "data.color_jitter", "must be >= 0 (0: off)")
-    need(0 < d.eval_crop_pct <= 1, "data.eval_crop_pct", "must be in (0, 1] (1: resize the whole image)")
+    need(cfg, 0 <= d.max_corrupt_frac <= 1, "data.max_corrupt_frac", "must be in [0, 1]")
+    need(cfg, 0 < d.crop_min <= 1, "data.crop_min", "must be in (0, 1]")
+    need(cfg, 0 <= d.hw_decode_load <= 1, "data.hw_decode_load", "must be in [0, 1]")
+    need(cfg, 0 <= d.color_jitter, "data.color_jitter", "must be >= 0 (0: off)")
+    need(cfg, 0 < d.eval_crop_pct <= 1, "data.eval_crop_pct", "must be in (0, 1] (1: resize the whole image)")
     if d.normalize:
         for key in ("data.mean", "data.std"):
-            need(len(_get(cfg, key)) == d.in_chans, key, f"needs one value per channel (data.in_chans={d.in_chans})")
-        need(all(s > 0 for s in d.std), "data.std", "must be positive")
+            need(cfg, len(_get(cfg, key)) == d.in_chans, key,
+                 f"needs one value per channel (data.in_chans={d.in_chans})")
+        need(cfg, all(s > 0 for s in d.std), "data.std", "must be positive")
     _need_data_paths(cfg)
-    need(not cfg.device.startswith("cuda") or _cuda_available(), "device",
+    need(cfg, not cfg.device.startswith("cuda") or _cuda_available(), "device",
          "asks for a CUDA GPU, but this process sees none: set device=cpu (or auto)")
-    need(m.img_size == d.img_size, "model.img_size", f"must equal data.img_size ({d.img_size})")
-    need(m.in_chans == d.in_chans, "model.in_chans", f"must equal data.in_chans ({d.in_chans})")
-    need(m.patch_size > 0 and m.img_size % m.patch_size == 0, "model.patch_size",
+    need(cfg, m.img_size == d.img_size, "model.img_size", f"must equal data.img_size ({d.img_size})")
+    need(cfg, m.in_chans == d.in_chans, "model.in_chans", f"must equal data.in_chans ({d.in_chans})")
+    need(cfg, m.patch_size > 0 and m.img_size % m.patch_size == 0, "model.patch_size",
          f"must divide model.img_size ({m.img_size})")
-    need(m.num_heads > 0 and m.embed_dim % m.num_heads == 0, "model.num_heads",
+    need(cfg, m.num_heads > 0 and m.embed_dim % m.num_heads == 0, "model.num_heads",
          f"must divide model.embed_dim ({m.embed_dim})")
-    if cfg.task == "mae":
-        need(m.decoder_num_heads > 0 and m.decoder_embed_dim % m.decoder_num_heads == 0, "model.decoder_num_heads",
-             f"must divide model.decoder_embed_dim ({m.decoder_embed_dim})")
-        patches = (m.img_size // m.patch_size) ** 2
-        visible = int(patches * (1 - m.mask_ratio))  # MAE.random_masking's len_keep
-        # the loss is over masked patches only: none masked is a loss of 0 that trains nothing
-        need(0 < visible < patches, "model.mask_ratio", f"must mask at least one of the model's {patches} patches "
-             "and leave one visible (0 masks none: the loss, over masked patches only, is 0 and nothing trains)")
-    need(cfg.compile_scope == "blocks" or cfg.dist != "fsdp", "compile_scope",
+    need(cfg, cfg.compile_scope == "blocks" or cfg.dist != "fsdp", "compile_scope",
          "must be blocks under dist=fsdp (FSDP2 shards and compiles block by block)")
-    need(cfg.dist != "fsdp" or cfg.task != "classify" or m.arch == "vit", "dist",
-         f"fsdp shards the transformer models; model.arch={m.arch} keeps its convolution weights channels_last, "
-         "which FSDP2 cannot shard: use dist=ddp")
-    need(0 < m.alpha_min <= 1, "model.alpha_min", "must be in (0, 1] (1: plain residuals)")
-    need(m.droppath_mode != "residual_droppath_frozen" or (cfg.task == "classify" and m.arch != "vit"),
-         "model.droppath_mode", "residual_droppath_frozen runs each branch a second time, which only the ResNet "
-         "classifiers do (task classify, model.arch resnet18 | resnet50 | resnet50d)")
-    need(0 <= m.drop_path < 1, "model.drop_path", "must be in [0, 1)")
-    need(0 <= m.drop_rate < 1, "model.drop_rate", "must be in [0, 1)")
-    if cfg.task == "classify":
-        need(m.num_classes == d.num_classes, "model.num_classes", f"must equal data.num_classes ({d.num_classes})")
-    if cfg.task == "uvit":
-        need(0 <= m.num_classes <= d.num_classes, "model.num_classes",
-             f"must be 0 (unconditional) or at most data.num_classes ({d.num_classes})")
-    need(o.blr > 0 or o.lr > 0, "optim.blr", "must be positive unless optim.lr is (optim.lr is 0)")
-    need(0 <= o.ema_decay < 1, "optim.ema_decay", "must be in [0, 1)")
-    need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", "must be two numbers in [0, 1)")
-    need(0 < o.momentum < 1, "optim.momentum", "must be in (0, 1) (optim.name=sgd: Nesterov momentum)")
-    need(0 <= o.label_smoothing < 1, "optim.label_smoothing", "must be in [0, 1)")
-    need(o.label_smoothing == 0 or cfg.task == "classify", "optim.label_smoothing",
+    need(cfg, 0 < m.alpha_min <= 1, "model.alpha_min", "must be in (0, 1] (1: plain residuals)")
+    need(cfg, 0 <= m.drop_path < 1, "model.drop_path", "must be in [0, 1)")
+    need(cfg, 0 <= m.drop_rate < 1, "model.drop_rate", "must be in [0, 1)")
+    need(cfg, o.blr > 0 or o.lr > 0, "optim.blr", "must be positive unless optim.lr is (optim.lr is 0)")
+    need(cfg, 0 <= o.ema_decay < 1, "optim.ema_decay", "must be in [0, 1)")
+    need(cfg, len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", "must be two numbers in [0, 1)")
+    need(cfg, 0 < o.momentum < 1, "optim.momentum", "must be in (0, 1) (optim.name=sgd: Nesterov momentum)")
+    need(cfg, 0 <= o.label_smoothing < 1, "optim.label_smoothing", "must be in [0, 1)")
+
+
+def need_branches_held(cfg: Config, can_hold: bool) -> None:
+    """``model.droppath_mode=residual_droppath_frozen`` where the model runs a branch again on held weights
+    (``can_hold``) only."""
+    need(cfg, cfg.model.droppath_mode != "residual_droppath_frozen" or can_hold, "model.droppath_mode",
+         "residual_droppath_frozen runs each branch a second time, which only the ResNet classifiers do (task "
+         "classify, model.arch resnet18 | resnet50 | resnet50d)")
+
+
+def need_no_label_smoothing(cfg: Config) -> None:
+    """For a task whose loss has no class labels to smooth."""
+    need(cfg, cfg.optim.label_smoothing == 0, "optim.label_smoothing",
          f"applies to task classify only (this is {cfg.task}); leave it at 0")
 
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from dres.data import build_loader
 from dres.nn import set_backend, set_fused_mlp
-from dres.train import checkpoint, distributed, resume, results
+from dres.train import checkpoint, distributed, resume, results, tasks
 from dres.train.common import resolve_precision, seed_all
 from dres.train.config import Config, ConfigError, cpu_threads, to_dict
 from dres.train.rundir import fingerprint
@@ -35,6 +35,7 @@ class Trainer:
     (or :meth:`resume` / :meth:`load_weights` first). ``log`` prints a line."""
 
     def __init__(self, cfg: Config, task, *, log=print):
+        tasks.check(cfg, task)  # a config built without its task's checks (config.build_config) is refused here
         self.cfg, self.task = cfg, task
         self.info = distributed.init(cfg.device, cfg.dist, cfg.dist_timeout_s)
         self.device = self.info.device

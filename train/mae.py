@@ -14,6 +14,7 @@ import torch
 from dres.eval import mae_reconstruction_grid, tsne_plot
 from dres.eval.features import FEATURES_FILE, features_state, score_feature_kinds
 from dres.train.common import eval_loader, features, model_kwargs, progress, run_as_command
+from dres.train.config import need, need_branches_held, need_no_label_smoothing
 from dres.train.rundir import publish
 
 
@@ -30,6 +31,26 @@ class MAETask:
         from dres.models import MAE
 
         return [MAE]
+
+    @staticmethod
+    def validate(cfg) -> None:
+        """The checks of an MAE run's config beyond those of every run (:func:`dres.train.config.validate`)."""
+        m = cfg.model
+        need(cfg, m.decoder_num_heads > 0 and m.decoder_embed_dim % m.decoder_num_heads == 0, "model.decoder_num_heads",
+             f"must divide model.decoder_embed_dim ({m.decoder_embed_dim})")
+        patches = (m.img_size // m.patch_size) ** 2
+        visible = int(patches * (1 - m.mask_ratio))  # MAE.random_masking's len_keep
+        # the loss is over masked patches only: none masked is a loss of 0 that trains nothing
+        need(cfg, 0 < visible < patches, "model.mask_ratio", f"must mask at least one of the model's {patches} "
+             "patches and leave one visible (0 masks none: the loss, over masked patches only, is 0 and nothing "
+             "trains)")
+        need_branches_held(cfg, False)
+        need_no_label_smoothing(cfg)
+
+    @staticmethod
+    def plots(cfg) -> list:
+        """The plots a run draws besides t-SNE's and curves.png (config.need_plots asks for those): none."""
+        return []
 
     def build_model(self, cfg):
         from dres.models import MAE

@@ -17,6 +17,7 @@ import torch
 
 from dres.eval import classifier_frechet_distance
 from dres.train.common import cap, eval_loader, features, model_kwargs, progress, run_as_command
+from dres.train.config import need, need_branches_held, need_no_label_smoothing
 
 
 class UViTTask:
@@ -33,6 +34,25 @@ class UViTTask:
         from dres.models import UViT
 
         return [UViT]
+
+    @staticmethod
+    def validate(cfg) -> None:
+        """The checks of a U-ViT run's config beyond those of every run (:func:`dres.train.config.validate`)."""
+        m, d = cfg.model, cfg.data
+        n_blocks = 2 * (m.depth // 2) + 1
+        need(cfg, all(b == int(b) and 0 <= b < n_blocks for b in cfg.eval.probe_grid_blocks), "eval.probe_grid_blocks",
+             f"must be block indices in [0, {n_blocks - 1}] (model.depth={m.depth})")
+        need_branches_held(cfg, False)
+        need(cfg, 0 <= m.num_classes <= d.num_classes, "model.num_classes",
+             f"must be 0 (unconditional) or at most data.num_classes ({d.num_classes})")
+        need_no_label_smoothing(cfg)
+
+    @staticmethod
+    def plots(cfg) -> list:
+        """The plots a run draws besides t-SNE's and curves.png (config.need_plots asks for those): the probe grid's,
+        as ``(what, the setting that turns it off)``."""
+        grid = ("eval.probe_grid_blocks (probe_grid.png)", "eval.probe_grid_blocks=[]")
+        return [grid] if cfg.eval.probe_grid_blocks else []
 
     def __init__(self):
         from dres.eval import VPSDE
