@@ -16,6 +16,11 @@ SDPA otherwise; a timm ``Mlp`` with an exact or tanh GELU and no active dropout 
 runs :func:`dres.ops.fused_mlp` (``fused_mlp=False`` keeps timm's), which recomputes GELU in the
 backward and so keeps one (tokens x hidden) activation fewer, eager and compiled alike.
 
+The patch embedding (a ``Conv2d`` whose kernel is its stride) runs as one GEMM over the image's patches
+(:class:`PatchConv2d`): the same weights and function, without cuDNN's layout transforms and convolution kernels;
+its output is the (B, C, H', W') view of the GEMM's (B, H'W', C), which the model's own ``flatten(2).transpose(1, 2)``
+turns back into that tensor without a copy. The Hugging Face converters do the same.
+
 Paths that call blocks one at a time (gradient checkpointing's ``checkpoint_seq``, attention masks,
 ``forward_intermediates``, and every forward of Eva, whose loop hands each block its rotary
 embedding) get each block's decayed forward: its attention add fused with ``norm2``, its MLP add a
@@ -125,6 +130,36 @@ class FusedTimmBlocks(ResidualStream, nn.Sequential):
 
 # ---------------------------------------------------------------------------------------------
 # The branches: attention from one qkv output, the fused MLP (shared with dres.convert_hf)
+
+
+class PatchConv2d(nn.Conv2d):
+    """A ``Conv2d`` whose kernel is its stride (no padding, dilation or groups), a ViT's patch embedding,
+    computed as one GEMM over the non-overlapping patches (:func:`patch_gemm`); parameters and ``state_dict``
+    are the Conv2d's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return patch_gemm(x, self.weight, self.bias)
+
+
+def patch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.conv2d(x, weight, bias, stride=kernel)`` for (B, C, H, W) ``x``: the patches (rows and columns past
+    the last whole patch dropped, as the convolution drops them) as (B, H'W', C*kh*kw) rows times the flattened
+    kernel -> (B, out, H', W'), a view of the (B, H'W', out) product."""
+    B, C, H, W = x.shape
+    out, _, kh, kw = weight.shape
+    gh, gw = H // kh, W // kw
+    patches = (x[:, :, :gh * kh, :gw * kw].reshape(B, C, gh, kh, gw, kw).permute(0, 2, 4, 1, 3, 5)
+               .reshape(B, gh * gw, C * kh * kw))
+    return F.linear(patches, weight.flatten(1), bias).transpose(1, 2).unflatten(2, (gh, gw))
+
+
+def gemm_patch_embeddings(model: nn.Module) -> None:
+    """Every plain ``Conv2d`` of ``model`` whose kernel is its stride (a ViT's patch embedding) becomes a
+    :class:`PatchConv2d`, in place."""
+    for module in model.modules():
+        if (type(module) is nn.Conv2d and module.kernel_size == module.stride and module.kernel_size != (1, 1)
+                and module.padding in ((0, 0), "valid") and module.dilation == (1, 1) and module.groups == 1):
+            module.__class__ = PatchConv2d
 
 
 def attention_from_qkv(qkv: torch.Tensor, num_heads: int, backend: Optional[str], mask: Optional[torch.Tensor] = None,
@@ -268,6 +303,7 @@ def convert_timm_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "
     for i, blk in enumerate(stream):
         blk.forward = functools.partial(_decayed_block_forward, stream, i)
     _fuse_timm_branches(stream, fused_mlp)
+    gemm_patch_embeddings(model)
     model.blocks = stream
     if droppath is not None:
         model.droppath = droppath

@@ -54,7 +54,8 @@ own forward. An MLP with an exact or tanh GELU (HF's ``"gelu"``, ``"gelu_new"``,
 CLIP's ``quick_gelu`` is none) runs
 :func:`dres.ops.fused_mlp`, which recomputes GELU in the backward: one (tokens x hidden) activation
 fewer (``fused_mlp=False`` keeps HF's). ViTMAEForPreTraining's loss is :func:`dres.ops.mae_loss`,
-read straight from the pixels.
+read straight from the pixels. A vision model's patch embedding (a ``Conv2d`` whose kernel is its stride) runs
+as one GEMM over the patches (:class:`dres.convert.PatchConv2d`), as in the timm converter.
 
 Under autocast the pre-LN stream stays in its dtype (float32) and each normalised value that feeds a
 branch comes out in the autocast dtype, so q/k/v and fc1 cast nothing; the encoder's final
@@ -76,7 +77,8 @@ import torch
 from torch import nn
 
 from dres import ops
-from dres.convert import attention_from_qkv, check_norm, float32_alphas, fused_mlp_of, gelu_approximate
+from dres.convert import (attention_from_qkv, check_norm, float32_alphas, fused_mlp_of, gelu_approximate,
+                          gemm_patch_embeddings)
 from dres.nn.transformer import add_and_norm, autocast_dtype
 
 __all__ = ["convert_hf_vit", "convert_hf_bert", "convert_hf_gpt2"]
@@ -383,6 +385,7 @@ def convert_hf_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "li
             _fuse_attention(_pre_ln_parts(layer)[1], getattr(owner, "config", None) or model.config, backend)
     if hasattr(model, "decoder") and hasattr(model, "patchify"):
         _fuse_mae_loss(model)
+    gemm_patch_embeddings(model)
     return model
 
 

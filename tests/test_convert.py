@@ -10,7 +10,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 import dres
-from dres.convert import FusedTimmBlocks
+from dres.convert import FusedTimmBlocks, PatchConv2d
 from dres.nn import ResidualDroppath, TransformerStack, decay_schedule
 from test_nn import assert_grads_close, param_grads, perturb_
 from tiny_models import tiny_classifier, tiny_mae
@@ -362,3 +362,36 @@ def test_original_checkpoint_loads_strictly_into_a_model_with_drop_path():
         model.load_state_dict(partial)
     with pytest.raises(RuntimeError, match="Unexpected key.*droppath.counter"):
         model.load_state_dict({**original.state_dict(), "droppath.counter": torch.zeros(())})
+
+
+@pytest.mark.parametrize("size,bias,channels_last", [((16, 16), True, False), ((19, 21), False, True)])
+def test_patch_gemm_is_the_strided_convolution(size, bias, channels_last):
+    """Forward and every gradient in float64, whole patches or not (the convolution drops the rest), from a
+    channels-last input; the output a view of the (B, N, C) product, as the models flatten it."""
+    torch.manual_seed(1)
+    conv = torch.nn.Conv2d(3, 6, kernel_size=(4, 5), stride=(4, 5), bias=bias).double()
+    patch = copy.deepcopy(conv)
+    patch.__class__ = PatchConv2d
+    x = torch.randn(2, 3, *size, dtype=torch.float64)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    outs = [conv(xs[0]), patch(xs[1])]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
+    assert outs[1].flatten(2).transpose(1, 2).is_contiguous()
+    g = torch.randn_like(outs[0])
+    for out in outs:
+        out.backward(g)
+    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-12, atol=1e-12)
+    for a, b in zip(conv.parameters(), patch.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_converted_vit_embeds_patches_without_a_convolution(monkeypatch):
+    model = small_vit().double()
+    imgs = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    want, keys = model(imgs), model.state_dict().keys()
+    dres.convert_timm_vit(model, backend="torch")
+    assert type(model.patch_embed.proj) is PatchConv2d and model.state_dict().keys() == keys
+    monkeypatch.setattr(torch.nn.functional, "conv2d", lambda *a, **k: pytest.fail("a convolution ran"))
+    torch.testing.assert_close(model(imgs), want, rtol=1e-9, atol=1e-9)

@@ -17,6 +17,7 @@ from torch import nn
 
 import dres
 from dres import ops
+from dres.convert import PatchConv2d
 from dres.nn import set_backend
 from test_nn import perturb_
 
@@ -116,6 +117,7 @@ def test_vit_alpha1_keeps_function_and_weights(cls):
     original = tiny_vit(cls).double()
     converted = copy.deepcopy(original)
     assert dres.convert_hf_vit(converted, backend="torch") is converted
+    assert type(converted.base_model.embeddings.patch_embeddings.projection) is PatchConv2d
     assert converted.state_dict().keys() == original.state_dict().keys()
     assert all(torch.equal(a, b) for a, b in zip(converted.state_dict().values(), original.state_dict().values()))
     if cls is ViTModel:  # its outputs are the final-normed tokens and the pooled class token
