@@ -263,6 +263,7 @@ ARMS = {
 # the peak memory a mode's arms compare: a replayed graph's memory is its pool's, reserved at the capture and
 # never allocated again, so a captured step's allocated peak holds its parameters and optimizer state alone
 PEAK_KEY = {"eager": "peak_mem_gib", "compiled": "peak_mem_gib", "step": "peak_reserved_gib"}
+PROFILE_TOP = 40  # kernels and CPU operators kept of each profiled arm
 STEP_WARMUP = 3  # dres.compile_step's eager steps before its capture (its default warmup_steps)
 REFERENCE_ARM = "plain_eager"  # the loss tracks' reference
 NOISE_ARM = "plain_compiled"  # its own difference to the reference is the noise to read the others against
@@ -369,7 +370,7 @@ def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: b
     if profile_steps and cuda:
         from benchmarks.profile_train import profile_steps as profiled
 
-        profile = profiled(run_step, profile_steps, None)
+        profile = profiled(run_step, profile_steps, None, top=PROFILE_TOP)
     return {
         "samples_per_s": size.batch / (ms / 1e3), "step_ms": ms, "step_ms_min": min(times),
         "step_ms_max": max(times), "warmup_s": warmup_s, "losses": losses[:steps].tolist(), "profile": profile,

@@ -76,9 +76,9 @@ TOP = 15
 PROFILE_KEY = ("card", "bench", "model", "mode", "batch", "dist", "world_size", "compile_scope", "overrides")
 
 
-def profile_steps(step, steps: int, trace_path: Path | None) -> dict:
+def profile_steps(step, steps: int, trace_path: Path | None, top: int = TOP) -> dict:
     """``torch.profiler`` over ``steps`` calls of ``step`` (warmed up by the caller): wall time, GPU
-    kernel time by category, GPU busy/idle and the top kernels and CPU operators, per step."""
+    kernel time by category, GPU busy/idle and the ``top`` kernels and CPU operators, per step."""
     prof, wall_us = measure.profiled_steps(step, steps)
     by_cat: dict[str, float] = {}
     gpu_top, cpu_top = [], []
@@ -100,9 +100,9 @@ def profile_steps(step, steps: int, trace_path: Path | None) -> dict:
             "categories_us": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
             "gpu_kernels_per_step": sum(n for _, n, _ in gpu_top),
             "top_kernels": [{"us": round(t, 1), "calls": round(n, 1), "name": k[:120]}
-                            for t, n, k in sorted(gpu_top, reverse=True)[:TOP]],
+                            for t, n, k in sorted(gpu_top, reverse=True)[:top]],
             "top_cpu_ops": [{"self_us": round(t, 1), "calls": round(n, 1), "name": k[:120]}
-                            for t, n, k in sorted(cpu_top, reverse=True)[:TOP]],
+                            for t, n, k in sorted(cpu_top, reverse=True)[:top]],
             "trace": trace_path.name if trace_path else None}
 
 
