@@ -48,6 +48,7 @@ from torch import nn
 
 from dres import ops
 from dres.nn.droppath import NO_SCALES, ResidualDroppath, build_droppath, droppath_scales, refuse_two_drop_paths
+from dres.nn.embed import image_patches
 from dres.nn.schedule import decay_schedule
 from dres.nn.transformer import ResidualStream, add_and_norm, heads_of_qkv, sdpa_from_qkv, takes_short_attention
 from dres.optional import import_optional
@@ -142,15 +143,12 @@ class PatchConv2d(nn.Conv2d):
 
 
 def patch_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.conv2d(x, weight, bias, stride=kernel)`` for (B, C, H, W) ``x``: the patches (rows and columns past
-    the last whole patch dropped, as the convolution drops them) as (B, H'W', C*kh*kw) rows times the flattened
-    kernel -> (B, out, H', W'), a view of the (B, H'W', out) product."""
-    B, C, H, W = x.shape
-    out, _, kh, kw = weight.shape
-    gh, gw = H // kh, W // kw
-    patches = (x[:, :, :gh * kh, :gw * kw].reshape(B, C, gh, kh, gw, kw).permute(0, 2, 4, 1, 3, 5)
-               .reshape(B, gh * gw, C * kh * kw))
-    return F.linear(patches, weight.flatten(1), bias).transpose(1, 2).unflatten(2, (gh, gw))
+    """``F.conv2d(x, weight, bias, stride=kernel)`` for (B, C, H, W) ``x``: its patches
+    (:func:`dres.nn.embed.image_patches`) times the flattened kernel -> (B, out, H', W'), a view of the
+    (B, H'W', out) product."""
+    kh, kw = weight.shape[-2:]
+    grid = (x.shape[-2] // kh, x.shape[-1] // kw)
+    return F.linear(image_patches(x, kh, kw), weight.flatten(1), bias).transpose(1, 2).unflatten(2, grid)
 
 
 def gemm_patch_embeddings(model: nn.Module) -> None:

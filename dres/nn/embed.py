@@ -9,6 +9,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def image_patches(x: torch.Tensor, kh: int, kw: int) -> torch.Tensor:
+    """(B, C, H, W) -> the (B, (H // kh) * (W // kw), C*kh*kw) non-overlapping patches, row-major over the grid,
+    each in the (C, kh, kw) order of a flattened convolution kernel; rows and columns past the last whole patch
+    dropped, as a stride-(kh, kw) convolution drops them."""
+    B, C, H, W = x.shape
+    gh, gw = H // kh, W // kw
+    return (x[:, :, :gh * kh, :gw * kw].reshape(B, C, gh, kh, gw, kw).permute(0, 2, 4, 1, 3, 5)
+            .reshape(B, gh * gw, C * kh * kw))
+
+
 class PatchEmbed(nn.Module):
     """Image (B, C, H, W) to patch tokens (B, N, D): a stride-p convolution (timm's parameters), computed
     as one matmul over the flattened patches, of only the patches asked for (MAE's visible quarter)."""
@@ -26,11 +36,8 @@ class PatchEmbed(nn.Module):
         """Tokens of every patch in row-major order, or with ``keep`` (B, n) of those patches only."""
         if x.shape[-2:] != (self.img_size, self.img_size):
             raise ValueError(f"expected images of {self.img_size}x{self.img_size}, got {tuple(x.shape[-2:])}")
-        B, C = x.shape[:2]
-        g, p = self.grid_size, self.patch_size
-        # (B, N, C*p*p) in the (C, kh, kw) order of the flattened kernel: a strided convolution is this
-        # matmul, without cuDNN's layout conversions of the image
-        patches = x.reshape(B, C, g, p, g, p).permute(0, 2, 4, 1, 3, 5).reshape(B, g * g, C * p * p)
+        # a strided convolution is this matmul, without cuDNN's layout conversions of the image
+        patches = image_patches(x, self.patch_size, self.patch_size)
         if keep is not None:
             patches = torch.gather(patches, 1, keep.unsqueeze(-1).expand(-1, -1, patches.shape[-1]))
         return F.linear(patches, self.proj.weight.flatten(1), self.proj.bias)
