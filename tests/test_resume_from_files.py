@@ -160,6 +160,7 @@ def _ranks_worker(rank, world, port, root, out):
     import torch.distributed as dist
 
     from dres.train import checkpoint
+    from dres.train.results import lost_data_of_ranks
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -174,7 +175,7 @@ def _ranks_worker(rank, world, port, root, out):
     resumed = build_loader(config, "train", 8, seed=3, rank=rank, world=world)
     resumed.load_state_dict(checkpoint.load(f"{out}/checkpoints", model, optimizer)["data"])
     with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump({"saved": saved, "resumed": resumed.state_dict()}, f)
+        json.dump({"saved": saved, "resumed": resumed.state_dict(), "summary": lost_data_of_ranks(loader.counter)}, f)
     for each in (loader, resumed):
         each.close()
     dist.destroy_process_group()
@@ -183,7 +184,8 @@ def _ranks_worker(rank, world, port, root, out):
 
 def test_every_ranks_lost_data_count_survives_a_resume(tmp_path):
     """Two gloo processes save one checkpoint: it holds each rank's loader state, and each rank resumes its own
-    position and the lost data it counted (each met damaged files the other never saw)."""
+    position and the lost data it counted (each met damaged files the other never saw); summary.json's lost data
+    holds both ranks'."""
     import socket
 
     import torch.multiprocessing as mp
@@ -200,6 +202,8 @@ def test_every_ranks_lost_data_count_survives_a_resume(tmp_path):
     counts = [got["saved"]["lost"]["count"] for got in ranks]
     assert counts == [2, 2], counts  # the four damaged files, two met by each rank
     assert not set(ranks[0]["saved"]["lost"]["keys"]) & set(ranks[1]["saved"]["lost"]["keys"])
+    for got in ranks:
+        assert got["summary"]["corrupt_samples"] == 4 and len(got["summary"]["lost_files"]) == 4
 
 
 @pytest.mark.gpu

@@ -88,7 +88,8 @@ def set_rng_state(s: dict, device: torch.device):
         torch.cuda.set_rng_state(s["cuda"], device)
 
 
-def _gather(obj):
+def gather_ranks(obj) -> list:
+    """``obj`` of every rank, in rank order (this rank's alone without a process group)."""
     if distributed.is_dist() and dist.get_world_size() > 1:
         out = [None] * dist.get_world_size()
         dist.all_gather_object(out, obj)
@@ -156,7 +157,7 @@ def save(ckpt_dir, step: int, model, optimizer, extra: dict, *, dcp_format: bool
     if main:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
     distributed.barrier()
-    extra = dict(extra, step=step, rng=_gather(rng_state(device)), data=_gather(extra.get("data")))
+    extra = dict(extra, step=step, rng=gather_ranks(rng_state(device)), data=gather_ranks(extra.get("data")))
     msd, osd = _model_optim_state(model, optimizer, dcp_format)
     if dcp_format:
         import torch.distributed.checkpoint as dcp

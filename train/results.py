@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
-from dres.data import lost_data_line
+from dres.data import CorruptCounter, lost_data_line
 from dres.train import rundir
+from dres.train.checkpoint import gather_ranks
 from dres.models.flops import training_flops
 from dres.train.common import dense_bf16_peak, flops_rate_text, model_flops_rate
 from dres.train.config import save_config, to_dict
@@ -50,6 +51,12 @@ def flops_rate(trainer, img_per_s: float) -> dict:
     return model_flops_rate(img_per_s, trainer.flops_per_image, trainer.info.world, trainer.peak_tflops)
 
 
+def lost_data_of_ranks(counter) -> dict:
+    """The lost data every rank's loader counted, as one :meth:`~dres.data.CorruptCounter.summary` (a
+    collective: every rank calls it)."""
+    return CorruptCounter.of_ranks(gather_ranks(counter.state_dict()), counter.dropped_by_prep).summary()
+
+
 def training_summary(trainer, start_step: int, wall: float, seen: int) -> dict:
     """``summary.json``'s training part: steps, speed, FLOP rate, final loss, peak memory and lost data of a
     :meth:`~dres.train.loop.Trainer.fit` that started at ``start_step``, took ``wall`` seconds and ``seen`` images."""
@@ -61,7 +68,7 @@ def training_summary(trainer, start_step: int, wall: float, seen: int) -> dict:
                **flops_rate(trainer, ips), "peak_bf16_tflops": trainer.peak_tflops,
                "final_loss": final["loss"] if final else None,
                "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-               "lost_data": trainer.loader.counter.summary()}
+               "lost_data": lost_data_of_ranks(trainer.loader.counter)}
     if trainer.graphed is not None:  # how close the trainer's steps come to the replays' GPU time
         summary.update(steady_timing(trainer.graphed.timer.windows))
     return summary

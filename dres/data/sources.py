@@ -96,6 +96,21 @@ class CorruptCounter:
         self.damaged, self.uncounted = list(s["damaged"]), list(s["uncounted"])
         self.examples, self.files = list(s["examples"]), list(s["files"])
 
+    @classmethod
+    def of_ranks(cls, states: list, dropped_by_prep=()) -> "CorruptCounter":
+        """One counter of what every rank counted (their :meth:`state_dict`): each rank reads samples of its own,
+        so the counts add up; ``dropped_by_prep`` is the manifest's, the same on every rank."""
+        merged = cls()
+        for s in states:
+            merged.count += int(s["count"])
+            merged.lost_keys |= set(s["keys"])
+            merged.damaged += [d for d in s["damaged"] if d not in merged.damaged]
+            merged.uncounted += [u for u in s["uncounted"] if u not in merged.uncounted]
+            merged.examples += s["examples"]
+            merged.files += s["files"]
+        merged.dropped_by_prep = list(dropped_by_prep)
+        return merged
+
     def drain(self) -> list:
         out, self.pending = self.pending, []
         return out
