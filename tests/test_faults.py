@@ -21,13 +21,14 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import torch
 
 from dres.train import checkpoint
 from dres.train import cli, rundir
 from dres.train.config import build_config
 from dres.train.loop import Trainer
 from dres.train.resume import RESUME_APPLIED
-from dres.train.stop import EXIT_INTERRUPTED
+from dres.train.stop import EXIT_INTERRUPTED, Interrupted
 from dres.train.mae import TASK
 
 REPO = Path(__file__).resolve().parent.parent
@@ -320,6 +321,23 @@ def test_a_signal_at_any_moment_of_dres_evals_start_is_one_line_and_its_own_stat
             line = stderr.strip()
             assert len(line.splitlines()) == 1 and line.startswith("dres-eval: stopped by SIG"), (delay, stderr)
     assert stopped, "every evaluation ended before its signal"
+
+
+def test_a_signal_during_dres_evals_evaluation_is_one_line_and_its_own_status(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    assert _train(out, steps=2) == 0
+    capsys.readouterr()
+
+    def signalled(trainer):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the handler ends the evaluation before this does
+        pytest.fail("the signal did not stop the evaluation")
+
+    monkeypatch.setattr(Trainer, "evaluate", signalled)
+    assert cli.eval_main([str(out)]) == EXIT_INTERRUPTED
+    assert _one_line_error(capsys) == (f"dres-eval: stopped by SIGTERM during the evaluation of {out}; evaluate "
+                                       f"again with dres-eval {out} (exit status {EXIT_INTERRUPTED})")
+    assert not (out / "eval.json").exists()
 
 
 @pytest.mark.slow
@@ -676,3 +694,17 @@ def test_the_fault_matrix_names_only_tests_that_exist():
 def test_sizes_in_messages_take_the_unit_that_shows_them():
     assert [rundir.byte_size(n) for n in (200, 3 * 2**10, 5.5 * 2**20, 2**31)] == ["200 bytes", "3.0 KiB", "5.5 MiB",
                                                                                  "2.0 GiB"]
+
+
+def test_a_signal_while_a_checkpoint_is_read_is_the_stop_not_a_damaged_file(tmp_path):
+    out = tmp_path / "run"
+    assert _train(out, steps=2) == 0
+    model = torch.nn.Linear(2, 2)  # the patched calls stop before its shapes matter
+
+    def stopped(*args, **kwargs):
+        raise Interrupted("stopped by SIGTERM while reading")
+
+    with mock.patch("torch.load", stopped), pytest.raises(Interrupted, match="while reading"):
+        checkpoint.load(out / "checkpoints", model, None)
+    with mock.patch.object(type(model), "load_state_dict", stopped), pytest.raises(Interrupted, match="while reading"):
+        checkpoint.load(out / "checkpoints", model, None)

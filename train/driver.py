@@ -19,10 +19,11 @@ def run(cfg: Config, task, *, resume=None, eval_only=False, ckpt=None, overwrite
     if eval_only:
         trainer.setup(train=False)
         try:
-            trainer.load_weights(ckpt or trainer.ckpt_dir)
-            trainer.start_log()
-            ev = trainer.evaluate() if trainer.main or cfg.dist != "none" else {}
-            return trainer.finish(ev, eval_only=True)
+            with on_signal(_stop_evaluation(trainer)):
+                trainer.load_weights(ckpt or trainer.ckpt_dir)
+                trainer.start_log()
+                ev = trainer.evaluate() if trainer.main or cfg.dist != "none" else {}
+                return trainer.finish(ev, eval_only=True)
         finally:
             distributed.barrier()
     lock, created, started = None, rundir.first_missing(trainer.out) if trainer.main else None, False
@@ -55,6 +56,13 @@ def run(cfg: Config, task, *, resume=None, eval_only=False, ckpt=None, overwrite
         if not started and trainer.main:
             rundir.remove_created(trainer.out, created)
         distributed.barrier()
+
+
+def _stop_evaluation(trainer: Trainer):
+    """Where a signal goes during an evaluation alone: it ends at once, in one line."""
+    def stop(name: str) -> None:
+        raise Interrupted(results.stopped_evaluation(name, trainer))
+    return stop
 
 
 def _claim(trainer: Trainer, resume, overwrite) -> tuple[rundir.RunLock, bool]:

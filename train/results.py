@@ -166,6 +166,12 @@ def stopped_after_step(name: str, step: int, total: int, out: Path, checkpoint: 
             f"(exit status {EXIT_INTERRUPTED})")
 
 
+def stopped_evaluation(name: str, trainer) -> str:
+    """The message of an evaluation alone (dres-eval) stopped on signal ``name``."""
+    return (f"stopped by {name} during the evaluation of {trainer.out}; evaluate again with dres-eval {trainer.out} "
+            f"(exit status {EXIT_INTERRUPTED})")
+
+
 def stopped_at_once(name: str, trainer) -> str:
     """The message of a run stopped on signal ``name`` where it had no step to finish: before training, or
     during the final evaluation (after :meth:`~dres.train.loop.Trainer.fit` returned its summary)."""
