@@ -19,6 +19,7 @@ from dres.train.step import graph_plan
 from dres.train.loop import Trainer
 from dres.train.optim import param_groups
 from dres.train.optim import build_optimizer, peak_lr
+from dres.train.tasks import config_for
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -177,7 +178,7 @@ def test_label_smoothing_matches_torch_and_the_formula():
 def test_bad_values_are_one_line_errors(overrides, task, key):
     base = ["model.num_classes=10"] if task == "classify" else []
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
-        build_config(task, None, base + overrides)
+        config_for(task, None, base + overrides)  # the run's config, its task's checks included
     assert "\n" not in str(e.value)
 
 

@@ -316,7 +316,7 @@ def test_graphed_steps_match_eager_steps(tmp_path, case):
     eager = _fit(tmp_path / "eager", overrides + ["cuda_graphs=false"], steps, task, scaler_init=scaler_init)
     assert body.graphed.graph is None and eager.graphed is None
     keys = [k for k in graphed.history[0] if k not in ("img_per_s", "model_tflops", "mfu", "lr", "step", "epoch",
-                                                        "gpu_ms_per_step", "gpu_bound")]
+                                                        "gpu_ms_per_step", "gpu_bound", "data_ms", "peak_mem_gib")]
     assert "loss" in keys and (task != "classify" or "train_acc" in keys)
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in graphed.history)
     # replays compute what the same step computes eagerly: bitwise where the kernels are deterministic
