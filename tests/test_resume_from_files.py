@@ -18,6 +18,7 @@ from dres.data.prep import prepare_shards
 from test_decode import _folder, _folder_run, _loader_config, _shards
 
 STEPS = 12
+GPU_STEPS = 48  # a GPU runs 12 tiny steps faster than the poll below can catch a step between them
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,8 @@ def data(tmp_path_factory):
     return {"imagefolder": images, "wds": str(root / "shards")}
 
 
-def _run(tmp_path, source, path, workers, out, flags=(), extra=()):
-    return _folder_run(tmp_path, out, STEPS, flags=flags, extra=[
+def _run(tmp_path, source, path, workers, out, flags=(), extra=(), steps=STEPS):
+    return _folder_run(tmp_path, out, steps, flags=flags, extra=[
         f"data.name={source}", f"data.path={path}", f"data.num_workers={workers}", "ckpt.every=2", "ckpt.keep=1",
         *(["data.finish_ahead=0"] if workers == 0 else []), *extra])  # else batches finished 2 ahead
 
@@ -52,22 +53,23 @@ def _ended(proc, what):
     return stdout + stderr
 
 
-def _kill_and_resume(tmp_path, source, path, workers, extra=()) -> tuple[str, str, str]:
+def _kill_and_resume(tmp_path, source, path, workers, extra=(), steps=STEPS) -> tuple[str, str, str]:
     """An uninterrupted run into ``full`` beside one into ``cut`` killed with SIGKILL after a random step past the
     first checkpoint (no handler runs, no checkpoint of that moment) and resumed with --resume auto from its last
     checkpoint to the end; returns what the uninterrupted run said, what the resumed one said and the kill's step."""
-    kill_after = random.randint(3, STEPS - 4)
-    full = _run(tmp_path, source, path, workers, tmp_path / "full", extra=extra)
+    kill_after = random.randint(3, steps - 4)
+    full = _run(tmp_path, source, path, workers, tmp_path / "full", extra=extra, steps=steps)
     cut = tmp_path / "cut"
-    killed = _run(tmp_path, source, path, workers, cut, extra=extra)
+    killed = _run(tmp_path, source, path, workers, cut, extra=extra, steps=steps)
     while killed.poll() is None and _logged(cut) < kill_after:
         time.sleep(0.01)
+    assert killed.poll() is None, f"the run ended before the kill after step {kill_after}"
     os.killpg(killed.pid, signal.SIGKILL)
     stdout, stderr = killed.communicate(timeout=60)
     assert killed.returncode == -signal.SIGKILL, (kill_after, stdout, stderr)
     logged = _logged(cut)
-    assert logged < STEPS, f"the run ended before the kill after step {kill_after}"
-    said = _ended(_run(tmp_path, source, path, workers, cut, ["--resume", "auto"], extra), "resumed")
+    assert logged < steps, f"the run ended before the kill after step {kill_after}"
+    said = _ended(_run(tmp_path, source, path, workers, cut, ["--resume", "auto"], extra, steps), "resumed")
     assert "[dres] resumed from" in said, said
     return _ended(full, "uninterrupted"), said, f"killed after step {kill_after} ({logged} logged)"
 
@@ -97,11 +99,12 @@ def test_a_run_decoding_on_the_gpu_killed_at_a_random_step_resumes_as_if_never_k
     uninterrupted run's losses and lost data. Bit for bit where two uninterrupted runs agree bit for bit (the
     GPU's kernels deterministic); else to float32 rounding, and the step count and lost data exactly."""
     gpu = ["device=cuda", "data.decode=gpu"]
-    said, _, context = _kill_and_resume(tmp_path, source, data[source], 2, gpu)
+    said, _, context = _kill_and_resume(tmp_path, source, data[source], 2, gpu, GPU_STEPS)
     assert f"[dres] data: {source}, decoded on the GPU (" in said, said
     (losses, lost), (want_losses, want_lost) = _losses_and_lost_data(tmp_path)
-    assert lost == want_lost and [s for s, _ in losses] == [s for s, _ in want_losses] == list(range(1, STEPS + 1))
-    _ended(_run(tmp_path, source, data[source], 2, tmp_path / "again", extra=gpu), "a second uninterrupted run")
+    assert lost == want_lost and [s for s, _ in losses] == [s for s, _ in want_losses] == list(range(1, GPU_STEPS + 1))
+    _ended(_run(tmp_path, source, data[source], 2, tmp_path / "again", extra=gpu, steps=GPU_STEPS),
+           "a second uninterrupted run")
     again = [(r["step"], r["loss"]) for r in _records(tmp_path / "again")]
     if again == want_losses:
         assert losses == want_losses, context
