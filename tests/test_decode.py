@@ -5,6 +5,7 @@ GPU, the batched GPU decode against the CPU decode."""
 import io
 import os
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -475,7 +476,7 @@ def test_gpu_decode_matches_the_cpu_decode_of_the_same_crops(tmp_path, backend, 
         prep = SamplePrep(32, gpu=gpu, jitter=jitter)  # the same seeds: the same crops and jitter either way
         batch = collate_prepared([prepare(prep, b, i, i, f"f{i}") for i, b in enumerate(blobs)])
         finisher = BatchFinisher("cuda", 32, 3, MEAN, STD, backend if gpu else None)
-        lost, paths = [], {}
+        lost, paths = [], Counter()
         batches[gpu] = finisher(batch, lost, paths)
         assert batch["lost"] == ["f6: UnidentifiedImageError"] and lost == []
         # the baseline RGB and grey JPEGs by the GPU, the progressive, CMYK and PNG files by the workers

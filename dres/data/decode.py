@@ -39,6 +39,7 @@ import stat
 import struct
 import warnings
 import zlib
+from collections import Counter
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 
@@ -327,17 +328,17 @@ class BatchFinisher:
         self.stream = torch.cuda.Stream(self.device, priority=self.priority) if backend else None
         self._decoders = None  # nvImageCodec's (nvimgcodec_decoders) and the thread running the CUDA one beside
 
-    def __call__(self, batch: dict, lost: list, paths: dict | None = None) -> dict | None:
+    def __call__(self, batch: dict, lost: list, paths: Counter | None = None) -> dict | None:
         """``lost`` gets the names of images nobody could decode, ``paths`` (where given) the count of images
         each path decoded (:data:`DECODE_PATHS`); None when the whole batch is lost."""
-        paths = {} if paths is None else paths
+        paths = Counter() if paths is None else paths
         jitter = batch.get("jitter")
         scale, shift = (self.unit_scale, self.no_shift) if jitter is not None else (self.scale, self.shift)
         rows = [batch["pixel_rows"]]
         parts = []
         if batch["pixels"] is not None:
             parts.append(self._normalised(batch["pixels"], scale, shift))
-            paths["workers"] = paths.get("workers", 0) + len(batch["pixels"])
+            paths["workers"] += len(batch["pixels"])
         if len(batch["jpeg_rows"]):
             decoded_rows, decoded, cpu_rows, cpu_pixels = self._decode_jpegs(batch, lost, scale, shift, paths)
             rows += [decoded_rows, cpu_rows]
@@ -362,9 +363,7 @@ class BatchFinisher:
         # the inputs are host tensors: the decode waits for nothing queued on the caller's stream (the running step)
         with torch.cuda.stream(self.stream):
             images, taken = self._decode(encoded)
-            for path in taken:
-                if path is not None:
-                    paths[path] = paths.get(path, 0) + 1
+            paths.update(path for path in taken if path is not None)
             ok = [i for i, im in enumerate(images) if im is not None]
             decoded = None
             if ok:
@@ -386,7 +385,7 @@ class BatchFinisher:
                     raise
                 lost.append(f"a JPEG of the batch: {type(e).__name__}")
                 continue
-            paths["cpu_fallback"] = paths.get("cpu_fallback", 0) + 1
+            paths["cpu_fallback"] += 1
             cpu_rows.append(int(jpeg_rows[i]))
             cpu_pixels.append(pixels)
         fallback = self._normalised(torch.stack(cpu_pixels), scale, shift) if cpu_pixels else None

@@ -36,6 +36,7 @@ import queue
 import random
 import threading
 import weakref
+from collections import Counter
 
 import numpy as np
 import torch
@@ -155,8 +156,7 @@ class _StreamingLoader(_Position):
         self.counter = CorruptCounter(log, unit=unit)
         # images each path decoded (dres.data.decode.DECODE_PATHS) in the batches handed over, over the process's
         # life, and the same at the last epoch's end (its line says the difference)
-        self.decoded: dict = {}
-        self._decoded_before: dict = {}
+        self.decoded, self._decoded_before = Counter(), Counter()
         self._read, self._expected, self.ahead = 0, 0, ahead
         # the finished batches to come (an _Ahead, or the generator itself with ahead=0) and the DataLoader
         # iterator whose workers run; the workers ignore SIGTERM, so they are stopped by message, at the latest
@@ -186,9 +186,9 @@ class _StreamingLoader(_Position):
 
     def _epoch_line(self, epoch: int):
         """Log where the images of the batches handed over since the last epoch's end were decoded."""
-        since = {k: n - self._decoded_before.get(k, 0) for k, n in self.decoded.items()}
-        self._decoded_before = dict(self.decoded)
-        if self.log is not None and any(since.values()):
+        since = self.decoded - self._decoded_before
+        self._decoded_before = self.decoded.copy()
+        if self.log is not None and since:
             self.log(decode_paths_line(epoch, since))
 
     def _open(self, dataset, **kw):
@@ -216,7 +216,7 @@ class _StreamingLoader(_Position):
         """A collated batch -> the batch on the device (None: nothing of it survived) and its losses, ``(loss
         events, lost samples' names, samples read, images each decode path made)``, which :meth:`_count` counts
         when the batch is handed over."""
-        lost, paths = list(prepared["lost"]), {}
+        lost, paths = list(prepared["lost"]), Counter()
         check_labels(prepared["labels"], self.num_classes, self.where)  # on the host: no wait for the GPU
         out = self.finisher(prepared, lost, paths) if len(prepared["labels"]) else None
         return out, (tuple(prepared.get("events", ())), tuple(lost), 0 if out is None else len(out["label"]), paths)
@@ -225,8 +225,7 @@ class _StreamingLoader(_Position):
         """Count the losses of :meth:`_finish` as their batches are handed over, not as they are finished ahead:
         the count saved with the position is then that of the batches taken, and a resume goes on from it."""
         for events, lost, read, paths in losses:
-            for path, n in paths.items():
-                self.decoded[path] = self.decoded.get(path, 0) + n
+            self.decoded.update(paths)
             self.counter.replay(events)
             for name in lost:
                 source = name.rsplit(": ", 1)[0]  # "<file or shard:key>: <error>"
