@@ -329,6 +329,14 @@ def library_versions() -> dict:
     return found
 
 
+def dynamo_graphs() -> dict:
+    """The graphs Dynamo compiled in this process and the graph breaks it met: each break splits a compiled
+    step in two graphs with Python between them (host time, no fusion across)."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+
+
 def one_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
@@ -362,6 +370,7 @@ def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: b
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     warmup_s = time.time() - t0
+    graphs = dynamo_graphs() if arm.mode != "eager" else {"graphs": None, "graph_breaks": None}
     times = time_steps(run_step, steps - warmup) if cuda else cpu_step_ms(run_step, steps - warmup)
     ms = statistics.median(times)
     peaks = {"peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
@@ -374,7 +383,7 @@ def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: b
     return {
         "samples_per_s": size.batch / (ms / 1e3), "step_ms": ms, "step_ms_min": min(times),
         "step_ms_max": max(times), "warmup_s": warmup_s, "losses": losses[:steps].tolist(), "profile": profile,
-        **peaks,
+        **peaks, **graphs,
         "captured": getattr(step, "captured", None), "why_eager": getattr(step, "why_eager", None),
     }
 
@@ -439,6 +448,7 @@ def arm_figures(records: list[dict]) -> dict:
 
     figures.update(samples_per_s=median, spread_pct=100 * (max(rates) - min(rates)) / median,
                    peak_mem_gib=median_of("peak_mem_gib"), peak_reserved_gib=median_of("peak_reserved_gib"),
+                   graphs=median_of("graphs"), graph_breaks=median_of("graph_breaks"),
                    captured=ok[0].get("captured"), why_eager=ok[0].get("why_eager"))
     return figures
 
@@ -523,15 +533,17 @@ def markdown(rows: list[dict], *, header: list[str], failed: list[dict], not_run
         lines.append(f"| {row['title']}, batch {row['batch']} | {row['unit']} | {_pair(row, 'eager', 'eager_ratio')} | "
                      f"{_pair(row, 'compiled', 'compiled_ratio')} | {step} | {peak} | {loss} |")
     lines += ["", "| model | arm | rate (median) | processes | spread | peak GiB allocated | reserved | "
-                  "max \\|loss diff\\| to plain eager | captured / why eager |", "|---" * 9 + "|"]
+                  "max \\|loss diff\\| to plain eager | graphs (breaks) | captured / why eager |", "|---" * 10 + "|"]
     for row in rows:
         for arm, figures in row["arms"].items():
             how = "" if ARMS[arm].mode != "step" else (
                 "captured" if figures.get("captured") else f"eager: {figures.get('why_eager')}")
             spread = _number(figures.get("spread_pct"), ".1f") + "%" if figures["processes"] > 1 else "–"
             peaks = f"{_number(figures.get('peak_mem_gib'))} | {_number(figures.get('peak_reserved_gib'))}"
+            graphs = ("–" if figures.get("graphs") is None else
+                      f"{figures['graphs']:.0f} ({figures['graph_breaks']:.0f})")
             lines.append(f"| {row['model']} | {arm} | {_rate(row, arm, unit=True)} | {figures['processes']} | "
-                         f"{spread} | {peaks} | {_number(row['loss_diff'].get(arm), '.2g')} | {how} |")
+                         f"{spread} | {peaks} | {_number(row['loss_diff'].get(arm), '.2g')} | {graphs} | {how} |")
     if failed:
         lines += ["", "Failed:"] + [f"- {r['model']} {r['arm']} (repeat {r['repeat']}): {r['error']}" for r in failed]
     if not_run:

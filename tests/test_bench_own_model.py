@@ -113,8 +113,10 @@ def hand_made_records() -> list[dict]:
         arm_record("vit_b16", "plain_eager", 1000.0, peak=10.0, losses=[2.0, 1.5, 1.0]),
         arm_record("vit_b16", "converted_eager", 1500.0, peak=8.0, losses=[2.0, 1.52, 1.03]),
         arm_record("vit_b16", "plain_compiled", 2000.0, peak=9.0, losses=[2.0, 1.49, 1.01]),
-        arm_record("vit_b16", "converted_compiled", 2400.0, peak=8.0, losses=[2.0, 1.5, 0.98]),
-        arm_record("vit_b16", "converted_compiled", 2600.0, repeat=1, peak=9.0, losses=[2.0, 1.5, 0.9]),
+        arm_record("vit_b16", "converted_compiled", 2400.0, peak=8.0, losses=[2.0, 1.5, 0.98], graphs=3,
+                   graph_breaks=2),
+        arm_record("vit_b16", "converted_compiled", 2600.0, repeat=1, peak=9.0, losses=[2.0, 1.5, 0.9], graphs=3,
+                   graph_breaks=2),
         # a replayed graph's activations are reserved, not allocated: the steps compare the reserved peaks
         arm_record("vit_b16", "plain_step", 2200.0, peak=1.5, reserved=10.0, captured=True, why_eager=None),
         arm_record("vit_b16", "converted_step", 3000.0, peak=1.5, reserved=9.0, captured=True, why_eager=None),
@@ -163,10 +165,10 @@ def test_table_quotes_each_model_with_its_ratios_failures_and_unstarted_arms():
                          "eager 0.80, compiled 0.94, step 0.90", "0.03 (noise 0.01)"]
     bert = next(line for line in lines if line.startswith("| HF BertForMaskedLM"))
     assert "500 -> failed (–)" in bert and "not run -> not run (–)" in bert
-    assert "| hf_bert | converted_step | 700 seq/s | 1 | – | 3.00 | – | 0 | eager: dres.compile_step: the " \
+    assert "| hf_bert | converted_step | 700 seq/s | 1 | – | 3.00 | – | 0 | – | eager: dres.compile_step: the " \
            "step runs eagerly: the device is cpu, not CUDA |" in lines
-    assert "| vit_b16 | converted_compiled | 2,500 img/s | 2 | 8.0% | 8.50 | – | 0.02 |  |" in lines
-    assert "| vit_b16 | converted_step | 3,000 img/s | 1 | – | 1.50 | 9.00 | 0 | captured |" in lines
+    assert "| vit_b16 | converted_compiled | 2,500 img/s | 2 | 8.0% | 8.50 | – | 0.02 | 3 (2) |  |" in lines
+    assert "| vit_b16 | converted_step | 3,000 img/s | 1 | – | 1.50 | 9.00 | 0 | – | captured |" in lines
     assert "- hf_bert converted_eager (repeat 0): OutOfMemoryError: CUDA out of memory." in lines
     assert lines[-1] == "Not run: hf_bert-plain_compiled-0"
 
@@ -264,8 +266,8 @@ def test_max_minutes_starts_no_arm_after_it_and_names_those_not_run(tmp_path, mo
 @pytest.mark.gpu
 def test_tiny_gpu_run_captures_the_one_line_step_and_reads_its_memory(tmp_path):
     """On a GPU: the converted one-line step runs as a replayed graph, its loss track is the eager one's
-    (a tiny ResNet, no random masks; bf16), both peak memories are read, reserved at least allocated, and
-    the profiled steps say where each arm's step goes."""
+    (a tiny ResNet, no random masks; bf16), both peak memories are read, reserved at least allocated, the
+    compiled arm counts its graphs, and the profiled steps say where each arm's step goes."""
     out = tmp_path / "own"
     assert bench.main(["--tiny", "--steps", "6", "--warmup", "4", "--profile-steps", "2", "--models", "resnet50d_32",
                        "--arms", "converted_step,plain_eager", "--out", str(out)]) == 0
@@ -276,6 +278,7 @@ def test_tiny_gpu_run_captures_the_one_line_step_and_reads_its_memory(tmp_path):
     records = {r["arm"]: r for r in bench.load_arm_records(out)}
     step, eager = records["converted_step"], records["plain_eager"]
     assert step["captured"] is True and step["why_eager"] is None and step["card"] != "cpu"
+    assert step["graphs"] >= 1 and step["graph_breaks"] >= 0 and eager["graphs"] is None  # what Dynamo compiled
     for rec in (step, eager):
         assert 0 < rec["peak_mem_gib"] <= rec["peak_reserved_gib"]
     torch.testing.assert_close(torch.tensor(step["losses"]), torch.tensor(eager["losses"]), rtol=0, atol=0.1)
