@@ -144,6 +144,8 @@ def _fused_attention_forward(module: nn.Module, hidden_states: torch.Tensor, *ar
     (output, None), the output projected where the module holds the projection (``o_proj``,
     ``out_proj``)."""
     named = dict(zip(module._dres_arg_names, args), **kwargs)
+    if module._dres_user_mask.absent:  # the mask HF built without one from the caller: all True
+        named["attention_mask"] = None
     config = module._dres_config
     if (config._attn_implementation != "sdpa" or named.get("output_attentions") or config.output_attentions
             or getattr(module, "is_causal", False) or named.get("is_causal")
@@ -166,9 +168,46 @@ def _fuse_attention(attention: nn.Module, config, backend: Optional[str]) -> Non
         return
     module._dres_arg_names = tuple(inspect.signature(type(module).forward).parameters)[2:]
     module._dres_config = getattr(module, "config", None) or config
+    module._dres_user_mask = _UserMask()  # replaced by the base model's (_drop_built_masks)
     module.backend = backend
     module._dres_fused = True
     module.forward = functools.partial(_fused_attention_forward, module)
+
+
+class _UserMask:
+    """Whether the running call of a base model (``model.vit``, ``model.bert``, ...) was given no
+    ``attention_mask``. HF then builds a bidirectional mask that is all True: none in eager, but a
+    materialised (B, 1, N, N) tensor while Dynamo traces with torch 2.11, which would send the fused
+    attention to SDPA's masked math path. The converted attention ignores that mask."""
+
+    __slots__ = ("absent",)
+
+    def __init__(self):
+        self.absent = False
+
+
+def _forward_noting_mask(base: nn.Module, user_mask: _UserMask, mask_index: int, *args, **kwargs):
+    """The base model's own forward, with ``user_mask`` saying whether this call passed an attention mask."""
+    mask = args[mask_index] if len(args) > mask_index else kwargs.get("attention_mask")
+    user_mask.absent = mask is None
+    try:
+        return type(base).forward(base, *args, **kwargs)
+    finally:
+        user_mask.absent = False
+
+
+def _drop_built_masks(model: nn.Module) -> None:
+    """Let the converted attentions of ``model``'s base model ignore the masks HF builds when the caller
+    gave none (:class:`_UserMask`); a base model without an ``attention_mask`` argument builds none."""
+    base = _base_model(model)
+    arg_names = list(inspect.signature(type(base).forward).parameters)[1:]
+    if "attention_mask" not in arg_names:
+        return
+    user_mask = _UserMask()
+    for module in base.modules():
+        if hasattr(module, "_dres_user_mask"):
+            module._dres_user_mask = user_mask
+    base.forward = functools.partial(_forward_noting_mask, base, user_mask, arg_names.index("attention_mask"))
 
 
 @functools.cache
@@ -383,6 +422,7 @@ def convert_hf_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "li
             layer.backend = backend
             layer.__class__ = _fused_layer_class(type(layer))
             _fuse_attention(_pre_ln_parts(layer)[1], getattr(owner, "config", None) or model.config, backend)
+    _drop_built_masks(model)
     if hasattr(model, "decoder") and hasattr(model, "patchify"):
         _fuse_mae_loss(model)
     gemm_patch_embeddings(model)
@@ -497,6 +537,7 @@ def convert_hf_bert(model: nn.Module, alpha_min: float = 1.0, schedule: str = "l
         mlp = _mlp_parts(layer) if fused_mlp else None
         if mlp is not None:
             layer.feed_forward_chunk = functools.partial(_fused_feed_forward, layer, *mlp)
+    _drop_built_masks(model)
     return model
 
 

@@ -209,10 +209,13 @@ def test_vit_mae_counts_and_short_attention(triton_device):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="reads the op in the graph: on CUDA it is traced to its launch")
-@pytest.mark.parametrize("which", ["vit_mae", "bert", "timm"])
+@pytest.mark.parametrize("which", ["vit_mae", "vit_mae_built_mask", "bert", "timm"])
 def test_converted_models_compile_as_one_graph(which):
     """torch.compile(fullgraph=True) traces the one-GEMM attention, the fused MLP (kept under compile:
-    its bias + GELU op in the graph) and ViTMAE's loss without a graph break (Triton interpreter)."""
+    its bias + GELU op in the graph) and ViTMAE's loss without a graph break (Triton interpreter), also
+    where HF builds its all-True mask while tracing (torch 2.11's case: :func:`built_masks`)."""
+    masks = built_masks() if which == "vit_mae_built_mask" else contextlib.nullcontext()
+    which = which.removesuffix("_built_mask")
     model, inputs = {
         "vit_mae": lambda: (dres.convert_hf_vit(tiny_vit_mae(), backend="triton"), mae_inputs(torch.float32)),
         "bert": lambda: (dres.convert_hf_bert(tiny_bert(), backend="triton"), bert_inputs()),
@@ -220,7 +223,8 @@ def test_converted_models_compile_as_one_graph(which):
     }[which]()
     forward_ops: list[str] = []
     compiled = torch.compile(model, fullgraph=True, backend=recording_backend(forward_ops))
-    got = compiled(**inputs)
+    with masks:
+        got = compiled(**inputs)
     assert forward_ops.count("dres.bias_gelu.default") == (5 if which == "vit_mae" else 2)  # the fused MLPs
     if which == "vit_mae":  # the eager forward's short attentions (test_vit_mae_counts_and_short_attention), not
         # SDPA behind a mask HF made while tracing (transformers 5.17 materialised an all-True one under
@@ -232,6 +236,57 @@ def test_converted_models_compile_as_one_graph(which):
             torch.testing.assert_close(getattr(got, key), getattr(want, key))
     if which == "timm":
         torch.testing.assert_close(got, want)
+
+
+@contextlib.contextmanager
+def built_masks():
+    """HF building its bidirectional mask even without a caller's (as it does while Dynamo traces with
+    torch 2.11; eager HF builds none): the mask check forced to say "keep". Yields the list of its calls."""
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    if not hasattr(masking_utils, "_ignore_bidirectional_mask_sdpa"):
+        pytest.skip("this transformers builds its masks another way")
+    calls = []
+
+    def keep_the_mask(*args, **kwargs):  # a plain function: Dynamo traces it
+        calls.append(args)
+        return False
+
+    with mock.patch.object(masking_utils, "_ignore_bidirectional_mask_sdpa", keep_the_mask):
+        yield calls
+
+
+@pytest.mark.parametrize("which", ["vit", "vit_mae", "bert"])
+def test_the_all_true_mask_hf_builds_without_a_caller_mask_is_ignored(which):
+    """With no attention_mask from the caller the mask HF builds is all True: the converted attention ignores
+    it (takes its unmasked path: short attention where the shape allows); a caller's padding mask reaches it.
+    Outputs as the plain model's either way."""
+    make, inputs = {"vit": (tiny_vit, vit_inputs()), "vit_mae": (tiny_vit_mae, mae_inputs()),
+                    "bert": (tiny_bert, bert_inputs())}[which]
+    plain = make().double()
+    converted = dres.convert_hf_vit(copy.deepcopy(plain), backend="torch") if which != "bert" else \
+        dres.convert_hf_bert(copy.deepcopy(plain), backend="torch")
+    padding = inputs.pop("attention_mask", None)
+    if which == "vit":  # a caller's mask of ViT's 5 tokens: sample 1 ignores its last patch
+        padding = torch.ones(2, 5, dtype=torch.long)
+        padding[1, 4] = 0
+    from dres import convert_hf
+
+    for mask in (None, padding) if padding is not None else (None,):
+        call = dict(inputs, **({} if mask is None else {"attention_mask": mask}))
+        received = []
+
+        def recording(qkv, num_heads, backend, mask=None, dropout_p=0.0):
+            received.append(mask)
+            return attention_from_qkv(qkv, num_heads, backend, mask, dropout_p)
+
+        attention_from_qkv = convert_hf.attention_from_qkv
+        with built_masks() as checks, mock.patch.object(convert_hf, "attention_from_qkv", recording):
+            want, got = plain(**call), converted(**call)
+        assert checks  # HF built its mask for both models
+        assert received and all((m is None) == (mask is None) for m in received), [type(m) for m in received]
+        key = "loss" if which == "vit_mae" else "logits"
+        torch.testing.assert_close(getattr(got, key), getattr(want, key), **F64)
+        assert not any(m._dres_user_mask.absent for m in converted.modules() if hasattr(m, "_dres_user_mask"))
 
 
 # ---------------------------------------------------------------------------------------------
