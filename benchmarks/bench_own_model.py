@@ -32,7 +32,8 @@ synchronisation in between: samples/s = batch / median step time. Peak memory:
 warm-up; the one-line steps compare the reserved peak (:data:`PEAK_KEY`), the others the allocated one. Where
 the arms draw random masks (the ViT's drop path, BERT's dropout), plain and converted draw different ones, and
 their loss difference holds that too. ``--gpus`` runs one arm per GPU at a time, each
-child pinned to its share of the host's cores (``OMP_NUM_THREADS`` capped to it), slowest arms first;
+child pinned to its share of the host's cores (``OMP_NUM_THREADS`` capped to it), model by model (a run cut by
+``--max-minutes`` leaves whole models), each model's slowest arms first;
 ``--repeats N`` runs every arm N times, the compared arms in alternating order, and reports the median and
 spread over the N processes.
 
@@ -251,7 +252,7 @@ class Arm:
     label: str
 
 
-# slowest first (the order in which a run starts them), plain and converted of each mode side by side
+# slowest first (the order in which a run starts a model's arms), plain and converted of each mode side by side
 ARMS = {
     "converted_step": Arm(True, "step", "converted, one-line step"),
     "plain_step": Arm(False, "step", "plain, one-line step"),
@@ -611,14 +612,15 @@ def arm_path(out: Path, job: Job) -> Path:
 
 
 def plan_jobs(models: list[str], arms: list[str], repeats: int) -> list[Job]:
-    """Every (model, arm, repeat), repeat by repeat; in a repeat the slowest arms first (steps, compiled,
-    eager, models in the given order), plain and converted of a mode in turn first from one repeat to the next."""
+    """Every (model, arm, repeat), repeat by repeat; in a repeat model by model (in the given order), so that a
+    run cut by ``--max-minutes`` leaves whole models with both arms of each ratio; a model's slowest arms first
+    (steps, compiled, eager), plain and converted of a mode in turn first from one repeat to the next."""
     jobs = []
     for repeat in range(repeats):
         order = [a for a in ARMS if a in arms]
         if repeat % 2:
             order.sort(key=lambda a: (list(ARMS).index(a) // 2, ARMS[a].converted))  # plain first
-        jobs += [Job(m, a, repeat) for a in order for m in models]
+        jobs += [Job(m, a, repeat) for m in models for a in order]
     return jobs
 
 

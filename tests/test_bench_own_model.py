@@ -31,13 +31,13 @@ def arm_record(model: str, arm: str, rate: float | None, *, repeat: int = 0, pea
 # the plan and the command line
 
 
-def test_plan_runs_the_slowest_arms_first_and_alternates_plain_and_converted():
+def test_plan_runs_model_by_model_slowest_arms_first_and_alternates_plain_and_converted():
     jobs = bench.plan_jobs(["vit_b16", "hf_bert"], ["plain_eager", "converted_eager", "plain_step"], repeats=2)
     assert [j.name for j in jobs] == [
-        "vit_b16-plain_step-0", "hf_bert-plain_step-0", "vit_b16-converted_eager-0", "hf_bert-converted_eager-0",
-        "vit_b16-plain_eager-0", "hf_bert-plain_eager-0",
-        "vit_b16-plain_step-1", "hf_bert-plain_step-1", "vit_b16-plain_eager-1", "hf_bert-plain_eager-1",
-        "vit_b16-converted_eager-1", "hf_bert-converted_eager-1"]
+        "vit_b16-plain_step-0", "vit_b16-converted_eager-0", "vit_b16-plain_eager-0",
+        "hf_bert-plain_step-0", "hf_bert-converted_eager-0", "hf_bert-plain_eager-0",
+        "vit_b16-plain_step-1", "vit_b16-plain_eager-1", "vit_b16-converted_eager-1",
+        "hf_bert-plain_step-1", "hf_bert-plain_eager-1", "hf_bert-converted_eager-1"]
 
 
 def test_dry_run_lists_every_arm_process(tmp_path, capsys):
