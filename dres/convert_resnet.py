@@ -76,10 +76,8 @@ def _held_branch_gradient(held_branch: _HeldBranch, x: torch.Tensor, held: torch
 def _fused_block_forward(blk: nn.Module, branch: Callable, last_act: nn.Module, index: int,
                          droppath: Optional[ResidualDroppath], held_branch: Optional[_HeldBranch],
                          x: torch.Tensor) -> torch.Tensor:
-    # first, so that under per-block torch.compile the controller's graph break precedes all work
     row_scale, grad_scale = (None, None) if droppath is None else droppath.scales(x.shape[0], x.device)[index]
-    # only the frozen reading has a held branch to ask for: another compiler-disabled call is another graph break
-    held = None if held_branch is None else droppath.held_scales(x.shape[0], x.device)[index]
+    held = None if held_branch is None else droppath.held_scales(x.shape[0], x.device)[index]  # the frozen reading
     h = branch(blk, x)
     if blk.drop_path is not None:  # timm's own DropPath (model created with drop_path_rate > 0)
         h = blk.drop_path(h)

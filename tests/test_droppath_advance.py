@@ -193,3 +193,66 @@ def test_a_captured_step_advances_on_every_replay():
         want = train_step(eager, eager_opt)[0]
         assert torch.equal(static_masks, want)
     assert captured.droppath.iteration == eager.droppath.iteration == 7
+
+
+@pytest.mark.parametrize("mode, micro_batches, hand_call", [
+    ("residual_droppath", 2, None), ("drop_path", 1, None), ("residual_droppath_literal", 1, "after"),
+])
+def test_a_compiled_model_draws_in_its_graph_and_trains_as_the_eager_one(mode, micro_batches, hand_call):
+    """torch.compile traces the draw with the model (fullgraph: no graph break), and the op it puts in the
+    graph notes each training forward on every call: the compiled model's masks, advances and weights follow
+    the eager model's step by step (micro-batches sharing a step's masks, odd steps reusing the even ones',
+    a caller counting by hand)."""
+    eager = converted_vit(mode)
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled_model)]
+    for step in range(4):
+        for model, forward, optimizer in zip((eager, compiled_model), (eager, compiled), optimizers):
+            for i in range(micro_batches):
+                imgs, labels = batch(seed=10 * step + i)
+                torch.nn.functional.cross_entropy(forward(imgs), labels).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if hand_call == "after":
+                model.droppath.next_iteration()
+        assert compiled_model.droppath.iteration == eager.droppath.iteration == step + 1
+        assert torch.equal(compiled_model.droppath.masks, eager.droppath.masks)
+        for a, b in zip(compiled_model.parameters(), eager.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_copy_of_a_compiled_model_notes_its_own_forwards():
+    """A deepcopy is a controller of its own: its compiled forwards advance it, not the original."""
+    original = converted_vit()
+    copied = copy.deepcopy(original)
+    assert copied.droppath._key != original.droppath._key
+    compiled = torch.compile(copied, fullgraph=True, backend="aot_eager")
+    optimizer = torch.optim.SGD(copied.parameters(), lr=0.1)
+    imgs, labels = batch()
+    torch.nn.functional.cross_entropy(compiled(imgs), labels).backward()
+    optimizer.step()
+    assert copied.droppath.iteration == 1 and original.droppath.iteration == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_a_model_compiled_on_a_gpu_trains_as_the_eager_one(mode):
+    """On CUDA, Inductor's code and torch.compile's own CUDA graphs (reduce-overhead, which leaves the op
+    noting each forward out of its replays): masks, advances and losses follow the eager model's."""
+    eager = converted_vit().cuda()
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, mode=mode)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled_model)]
+    for step in range(5):
+        imgs, labels = (t.cuda() for t in batch(seed=step))
+        losses = []
+        for forward, optimizer in zip((eager, compiled), optimizers):
+            loss = torch.nn.functional.cross_entropy(forward(imgs), labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
+        assert compiled_model.droppath.iteration == eager.droppath.iteration == step + 1
+        assert torch.equal(compiled_model.droppath.masks, eager.droppath.masks)

@@ -54,6 +54,7 @@ strictly and leaves the state as it is.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import warnings
 import weakref
 from typing import Callable, Optional, Sequence
@@ -80,7 +81,11 @@ _SLOT_BITS = 20  # a residual's slots are hashed as residual * 2**20 + slot: bat
 _advancing: "weakref.WeakSet[ResidualDroppath]" = weakref.WeakSet()
 _optimizer_steps = 0  # torch.optim steps taken in this process since the first training forward of a controller
 _step_hook = None
-_draws_disabled = False  # whether ResidualDroppath.scales / held_scales are kept out of compiled graphs yet
+# every controller by its key, for the op a compiled forward calls (:func:`_counter_of_noted_forward`)
+_controllers: "weakref.WeakValueDictionary[int, ResidualDroppath]" = weakref.WeakValueDictionary()
+_keys = itertools.count()
+_noted_forward_op = None
+_stream_key = None  # stream_key, taken by Dynamo as a constant (sha256 is not traceable)
 
 
 def _after_optimizer_step(optimizer, args, kwargs) -> None:
@@ -97,14 +102,30 @@ def _watch_optimizer_steps() -> None:
         _step_hook = register_optimizer_step_post_hook(torch.compiler.disable(_after_optimizer_step))
 
 
-def _keep_draws_out_of_graphs() -> None:
-    """torch.compiler.disable of the controller's draws, applied when the first controller is built: at import it
-    would import Dynamo, Inductor and Triton (seconds) into every import of a converter."""
-    global _draws_disabled
-    if not _draws_disabled:
-        for name in ("scales", "held_scales"):
-            setattr(ResidualDroppath, name, torch.compiler.disable(getattr(ResidualDroppath, name)))
-        _draws_disabled = True
+def _counter_of_noted_forward(counter: torch.Tensor, key: int) -> torch.Tensor:
+    """The host side of a training forward that a compiled graph runs, on every call of the graph: controller
+    ``key`` notes the forward (:meth:`ResidualDroppath._note_training_forward`). Returns a copy of the counter,
+    which the traced draw reads: the copy orders the draw after the note and keeps the op in the graph."""
+    controller = _controllers.get(key)
+    if controller is not None:
+        controller._note_training_forward()
+    return counter.clone()
+
+
+def _define_noted_forward_op() -> None:
+    """``dres::droppath_noted_forward`` (:func:`_counter_of_noted_forward`) and the stream key Dynamo takes as a
+    constant, made when the first controller is built: at import they would import Dynamo, Inductor and Triton
+    (seconds) into every import of a converter."""
+    global _noted_forward_op, _stream_key
+    if _noted_forward_op is None:
+        # cudagraph_unsafe: torch.compile's CUDA graphs (mode="reduce-overhead") leave it out of their replays,
+        # which would skip its body; dres.compile_step's whole-step capture records the advance it leads to instead
+        _noted_forward_op = torch.library.custom_op("dres::droppath_noted_forward", _counter_of_noted_forward,
+                                                    mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+        _noted_forward_op.register_fake(lambda counter, key: torch.empty_like(counter))
+        from torch._dynamo import assume_constant_result
+
+        _stream_key = assume_constant_result(stream_key)
 
 
 def depth_linear_rates(drop_prob: float, num_residuals: int, residuals_per_block: int = 2) -> list[float]:
@@ -169,7 +190,7 @@ class ResidualDroppath(nn.Module):
                  depth_linear: bool = True, residuals_per_block: int = 2, seed: int = 0,
                  rank: Optional[int] = None):
         super().__init__()
-        _keep_draws_out_of_graphs()
+        _define_noted_forward_op()
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0.0 <= drop_prob < 1.0:
@@ -196,6 +217,15 @@ class ResidualDroppath(nn.Module):
         self._steps_at_forward = 0  # _optimizer_steps at the last training forward (hand-advanced controllers)
         self._called_since_forward = False  # next_iteration was called since the last training forward
         self._warned = False
+        self._register()
+
+    def _register(self) -> None:
+        self._key = next(_keys)
+        _controllers[self._key] = self
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._register()  # a copy (deepcopy, pickle) notes its own forwards
 
     def extra_repr(self) -> str:
         return f"drop_prob={self.drop_prob}, num_residuals={self.num_residuals}, mode={self.mode}"
@@ -253,15 +283,17 @@ class ResidualDroppath(nn.Module):
                           "then advance it)", stacklevel=3)
         self._steps_at_forward, self._called_since_forward = _optimizer_steps, False
 
-    def _draw_index(self) -> torch.Tensor:
+    def _draw_index(self, counter: torch.Tensor) -> torch.Tensor:
         # an odd residual_droppath iteration reuses the masks of the even one before it
-        return self.counter if self.mode == "drop_path" else self.counter >> 1
+        return counter if self.mode == "drop_path" else counter >> 1
 
-    def masks_on(self, batch_size: int, device) -> torch.Tensor:
-        """The current masks, (num_residuals, batch_size) float32 on ``device``, 1 = keep."""
+    def masks_on(self, batch_size: int, device, counter: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The masks of iteration ``counter`` (default: the current one), (num_residuals, batch_size) float32 on
+        ``device``, 1 = keep."""
         if self.rank is None:
             self.rank = default_rank()
-        bits = mask_bits(stream_key(self.seed, self.rank), self._draw_index().to(device), self.num_residuals,
+        counter = self.counter if counter is None else counter
+        bits = mask_bits(_stream_key(self.seed, self.rank), self._draw_index(counter).to(device), self.num_residuals,
                          batch_size)
         return (bits < self.keep_threshold.to(device).unsqueeze(1)).to(torch.float32)
 
@@ -280,15 +312,15 @@ class ResidualDroppath(nn.Module):
                 "batches and micro-batches (drop_last=True)."
             )
 
-    def _compute_scales(self, batch_size: int, device: torch.device):
-        """The (row_scale, grad_scale) pairs and the held scales of every residual."""
-        m = self.masks_on(batch_size, device)
+    def _compute_scales(self, batch_size: int, device: torch.device, counter: torch.Tensor):
+        """The (row_scale, grad_scale) pairs and the held scales of every residual at iteration ``counter``."""
+        m = self.masks_on(batch_size, device, counter)
         held = [None] * self.num_residuals
         if self.mode == "drop_path":
             keep = self.keep_threshold.to(device, torch.float32) * 2.0 ** -24  # exact: thresholds are < 2**25
             pairs = [(s, s) for s in (m / keep.unsqueeze(1)).unbind(0)]
         else:
-            odd = (self.counter.to(device) & 1).bool()  # the parity stays on the device: no host sync
+            odd = (counter.to(device) & 1).bool()  # the parity stays on the device: no host sync
             row = torch.where(odd, torch.ones_like(m), m)
             grad = torch.where(odd, 1.0 - m, m)
             pairs = list(zip(row.unbind(0), grad.unbind(0)))
@@ -298,9 +330,15 @@ class ResidualDroppath(nn.Module):
         pairs = [NO_SCALES if rate == 0.0 and not literal else pair for rate, pair in zip(self.rates, pairs)]
         return pairs, [None if rate == 0.0 else h for rate, h in zip(self.rates, held)]
 
-    def _cached_scales(self, batch_size: int, device: torch.device):
+    def _drawn_scales(self, batch_size: int, device: torch.device):
+        """Eager: noted here and cached until the next advance. Compiled: traced from the counter the op noting
+        the forward returns, so the graph draws on every call and the note runs on every call."""
+        if torch.compiler.is_compiling():
+            counter = _noted_forward_op(self.counter, self._key)
+            return (device, batch_size), *self._compute_scales(batch_size, device, counter)
+        self._note_training_forward()
         if self._scales is None or self._scales[0] != (device, batch_size):
-            self._scales = ((device, batch_size), *self._compute_scales(batch_size, device))
+            self._scales = ((device, batch_size), *self._compute_scales(batch_size, device, self.counter))
         return self._scales
 
     def scales(self, batch_size: int, device) -> list[Scales]:
@@ -312,8 +350,7 @@ class ResidualDroppath(nn.Module):
             return [NO_SCALES] * self.num_residuals
         batch_size, device = int(batch_size), torch.device(device)
         self._check_batch(batch_size)
-        self._note_training_forward()
-        return self._cached_scales(batch_size, device)[1]
+        return self._drawn_scales(batch_size, device)[1]
 
     def held_scales(self, batch_size: int, device) -> list[Optional[torch.Tensor]]:
         """residual_droppath_frozen: for every residual, the per-sample share of the gradient that passes through
@@ -323,7 +360,7 @@ class ResidualDroppath(nn.Module):
         iterations the dropped samples train the branch and every sample's gradient reaches the input."""
         if not self.active or self.mode != HELD_MODE:
             return [None] * self.num_residuals
-        return self._cached_scales(int(batch_size), torch.device(device))[2]
+        return self._drawn_scales(int(batch_size), torch.device(device))[2]
 
     # state_dict: the counter and the seed travel with the model's checkpoint (each rank adds its own rank)
     def get_extra_state(self) -> dict:
