@@ -256,3 +256,17 @@ def test_a_model_compiled_on_a_gpu_trains_as_the_eager_one(mode):
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
         assert compiled_model.droppath.iteration == eager.droppath.iteration == step + 1
         assert torch.equal(compiled_model.droppath.masks, eager.droppath.masks)
+
+
+def test_a_controller_unpickled_in_a_fresh_process_draws(tmp_path):
+    """A pickled model loads in a process that built no controller yet and draws the masks it drew."""
+    import subprocess
+    import sys
+
+    model = converted_vit()
+    imgs, labels = batch()
+    torch.nn.functional.cross_entropy(model(imgs), labels).backward()
+    torch.save({"model": model, "masks": model.droppath.masks}, tmp_path / "model.pt")
+    code = ("import sys, torch; saved = torch.load(sys.argv[1], weights_only=False); "
+            "assert torch.equal(saved['model'].droppath.masks, saved['masks'])")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "model.pt")], check=True, timeout=300)

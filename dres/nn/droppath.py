@@ -225,6 +225,7 @@ class ResidualDroppath(nn.Module):
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
+        _define_noted_forward_op()  # unpickled in a process that built no controller yet
         self._register()  # a copy (deepcopy, pickle) notes its own forwards
 
     def extra_repr(self) -> str:
