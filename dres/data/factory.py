@@ -94,10 +94,8 @@ def _synthetic(d, split, limit, counter):
     return x, torch.randint(0, max(d.num_classes, 1), (n,), generator=g), counter
 
 
-# decode=auto decodes on the CPU where a process has this many cores, on the GPU below (docs/data.md, "Which path"):
-# the ViT-B/16 MAE trainer on one H200 read a JPEG folder at 1.00x its synthetic rate decoding on 16 cores, 0.70x
-# on 8, and 0.75-0.76x decoding on the GPU with 4 to 16 (BENCHMARKS.md, "Real images"; bench_data.py matrix
-# measures both at 4, 8 and 16 cores)
+# decode=auto decodes on the CPU where a process has this many cores, on the GPU below: the faster path at the core
+# counts measured (docs/data.md, "Which path"; BENCHMARKS.md, "Real images"; bench_data.py matrix)
 CPU_DECODE_MIN_CORES = 12
 GPU_DECODE_WORKERS = 4  # workers that only read bytes: 8 read no faster (BENCHMARKS.md)
 
