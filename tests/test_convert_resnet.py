@@ -366,7 +366,7 @@ def test_compile_fullgraph_of_a_converted_resnet(triton_device):
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_inductor_compile_of_a_converted_resnet_matches_eager_in_training(triton_device, layout, dynamic):
-    """Inductor (not aot_eager) around dres::residual_act and its backward, in training mode with
+    """Inductor (not aot_eager) compiling the residuals' formula with the blocks around it, in training mode with
     ResidualDroppath's even and odd iterations, static and symbolic sizes: outputs and every parameter
     gradient as eager, fp32. The same kernels; only Inductor's BatchNorm reduction order differs, which
     BN over 4 samples of a 1x1 map amplifies to ~1e-5 (static) and ~1e-4 (symbolic sizes), hence 3e-4.
@@ -403,7 +403,7 @@ def test_inductor_default_compile_follows_the_batch_size(triton_device):
     """``model.compile()`` with Inductor's default dynamic shapes: a batch, a last partial batch (the
     recompile makes the batch symbolic) and a third size give eager's outputs and parameter gradients.
     BatchNorm in eval mode (running statistics), so the comparison isolates the compiled graph around
-    dres::residual_act and its backward from batch-statistics conditioning (training: the test above)."""
+    the residuals' formula from batch-statistics conditioning (training: the test above)."""
     from helpers import fp32_on_cuda, inductor_caches_off, rel_err
 
     torch.manual_seed(10)

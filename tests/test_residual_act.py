@@ -3,7 +3,7 @@
 Every case compares the Triton kernels (CPU: TRITON_INTERPRET=1) with the float64 reference on fresh
 random inputs, forward and backward, at per-dtype tolerances: the four drop-path uses of docs/ops.md's
 table, ReLU and identity, NCHW and channels_last, odd sizes, strided gradients, poisoned outputs,
-alpha as a tensor with a gradient, bad arguments, opcheck and torch.compile. ``gpu``-marked tests add
+alpha as a tensor with a gradient, bad arguments and torch.compile (the op's formula). ``gpu``-marked tests add
 ResNet-sized feature maps, more than 2**20 elements per sample, Inductor and CUDA graphs.
 """
 
@@ -16,7 +16,7 @@ from helpers import (BF16, F16, F32, MODES, assert_close, assert_direct_launch_e
 
 import dres.ops as ops
 from dres.ops import reference
-from dres.ops.residual_act import residual_act_op, sample_major_dense
+from dres.ops.residual_act import sample_major_dense
 
 DTYPE_PAIRS = [(F32, F32), (BF16, BF16), (F16, F16), (F32, BF16)]  # (x = shortcut, h = branch)
 ACTS = ["relu", "identity"]
@@ -182,27 +182,15 @@ def test_reference_backend_runs_float64():
 
 
 # ---------------------------------------------------------------------------------------------
-# Registration: opcheck and torch.compile
+# torch.compile: the op's formula, which Inductor fuses with its neighbours
 
 
-def test_opcheck(triton_device):
-    torch.manual_seed(10)
-    req = lambda t: t.clone().requires_grad_(True)  # noqa: E731
-    x = req(make((4, 3, 5, 6), F32, triton_device, "channels_last"))
-    h = req(make((4, 3, 5, 6), BF16, triton_device, "channels_last"))
-    m = torch.tensor([1.0, 0.0, 1.0, 1.0], device=triton_device)
-    alpha = req(torch.tensor(0.9, device=triton_device))
-    cases = [(x, h, None, 0.7, m, None, "relu"), (x, h, alpha, 1.0, None, 1 - m, "relu"),
-             (x, h, alpha, 1.0, m / 0.5, m / 0.5, "identity"), (req(torch.randn(3, 7, device=triton_device)),
-                                                                 req(torch.randn(3, 7, device=triton_device)),
-                                                                 None, 0.5, None, None, "identity")]
-    for args in cases:
-        torch.library.opcheck(residual_act_op, args,
-                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+def test_compile_traces_the_formula_with_no_dres_op_or_kernel(triton_device):
+    """Under torch.compile the op is its PyTorch formula (no custom op, no Triton launch in the forward or
+    backward graph, so Inductor can fuse it with the BatchNorm before it), with the drop-path uses' gradient
+    routing intact, and no graph break."""
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
 
-
-def test_compile_fullgraph_traces_forward_and_backward(triton_device):
-    """Dynamo + AOTAutograd trace the op and its backward with no graph break."""
     torch.manual_seed(11)
     shape = (3, 4, 5, 5)
     x, h = make(shape, F32, triton_device, "channels_last"), make(shape, F32, triton_device, "channels_last")
@@ -223,9 +211,10 @@ def test_compile_fullgraph_traces_forward_and_backward(triton_device):
     g = torch.randn_like(eager)
     for a, c in zip(grads(eager, g, (xa, ha)), grads(comp, g, (xb, hb))):
         torch.testing.assert_close(c, a)
-    # the op stays opaque on every device (dres/ops/residual_act.py says why)
-    assert torch.ops.dres.residual_act.default in forward_targets
-    assert torch.ops.dres.residual_act_backward.default in backward_targets
+    for targets in (forward_targets, backward_targets):
+        assert targets and triton_kernel_wrapper_functional not in targets
+        assert not [t for t in targets if "dres" in str(t)], targets
+    assert torch.ops.aten.relu.default in forward_targets
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

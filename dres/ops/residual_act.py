@@ -11,12 +11,12 @@ B samples of C*H*W elements in physical order, so a feature map of any size is o
 h is laid out like x (copied when it is not); out is stored in x's dtype and x's layout. The ReLU
 backward reads only the stored ``out``, like torch's relu, so x and h are not kept (x only for dalpha).
 
-``ResidualActFn`` is the op's autograd.Function (the eager path); ``dres::residual_act`` with its
-backward ``dres::residual_act_backward`` are the custom ops torch.compile, CUDA graphs and opcheck
-see, registered with the same forward body and autograd formulas. ``backend``: None runs Triton on
-CUDA tensors and the float64-capable PyTorch reference (:func:`dres.ops.reference.residual_act`)
-elsewhere; "triton" forces the kernels (on CPU under TRITON_INTERPRET=1); "torch" the reference;
-"cuda" (the csrc extension has no such kernel) runs Triton.
+``ResidualActFn`` is the op's autograd.Function: eager calls (and the CUDA graphs captured from
+them) run its Triton kernels. Under torch.compile the op is its PyTorch formula
+(:func:`dres.ops.reference.residual_act`), which Inductor fuses with the BatchNorm that makes h, one
+kernel where an opaque op made two (BENCHMARKS.md, "Your model"). ``backend``: None runs Triton on
+CUDA tensors and the float64-capable PyTorch reference elsewhere; "triton" forces the kernels (on
+CPU under TRITON_INTERPRET=1); "torch" the reference; "cuda" (the csrc extension has no such kernel) runs Triton.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from torch import Tensor
 from dres.ops import reference
 from dres.ops.checks import (REFERENCE_DTYPES, check_alpha, check_factors_are_data, check_same_device, check_tensor,
                              check_vector, resolve_backend_without_csrc, supported_dtypes)
-from dres.ops.registration import define_op
 from dres.ops.utils import alpha_args
 
 ACTS = ("relu", "identity")
@@ -145,16 +144,8 @@ def residual_act_backward_triton(g: Tensor, out: Optional[Tensor], x: Optional[T
     return dx, dh if dh is not None else empty(x_dtype), dalpha if dalpha is not None else empty(torch.float32)
 
 
-def run_residual_act_backward(backend: str, *args) -> tuple[Tensor, Tensor, Tensor]:
-    """(dx, dh, dalpha): "triton" launches the kernels (eager), "dres" calls the backward custom op
-    (the custom op's autograd)."""
-    if backend == "triton":
-        return residual_act_backward_triton(*args)
-    return getattr(torch.ops, backend).residual_act_backward(*args)
-
-
 # ---------------------------------------------------------------------------------------------
-# The autograd Function
+# The autograd Function (eager calls; under torch.compile the op is its PyTorch formula, below)
 
 
 class ResidualActFn(torch.autograd.Function):
@@ -162,57 +153,26 @@ class ResidualActFn(torch.autograd.Function):
     (grad_scale None = row_scale), dalpha = sum(g'*x). The ReLU backward reads only the stored out."""
 
     @staticmethod
-    def forward(ctx, x, h, alpha, alpha_value, row_scale, grad_scale, act, backend):
-        inputs = (x, h, alpha, alpha_value, row_scale, grad_scale, act)
-        out = residual_act_triton(*inputs)  # eager calls run Triton: the csrc extension has no such kernel
-        ResidualActFn.save(ctx, backend, inputs, out)
-        return out
-
-    @staticmethod
-    def save(ctx, backend, inputs, output):
-        x, h, alpha, alpha_value, row_scale, grad_scale, act = inputs
+    def forward(ctx, x, h, alpha, alpha_value, row_scale, grad_scale, act):
+        out = residual_act_triton(x, h, alpha, alpha_value, row_scale, grad_scale, act)
         ctx.set_materialize_grads(False)
         need_dalpha = alpha is not None and ctx.needs_input_grad[2]
-        ctx.save_for_backward(output if act == "relu" else None, x if need_dalpha else None, alpha,
+        ctx.save_for_backward(out if act == "relu" else None, x if need_dalpha else None, alpha,
                               grad_scale if grad_scale is not None else row_scale)
-        ctx.backend, ctx.alpha_value, ctx.x_dtype, ctx.h_dtype = backend, alpha_value, x.dtype, h.dtype
+        ctx.alpha_value, ctx.x_dtype, ctx.h_dtype = alpha_value, x.dtype, h.dtype
         ctx.need = (ctx.needs_input_grad[1], need_dalpha)
+        return out
 
     @staticmethod
     def backward(ctx, g):
         if g is None:
-            return (None,) * 8
+            return (None,) * 7
         out, x, alpha, grad_scale = ctx.saved_tensors
         need_dh, need_dalpha = ctx.need
-        dx, dh, dalpha = run_residual_act_backward(ctx.backend, g, out, x, alpha, ctx.alpha_value, grad_scale,
-                                                   ctx.x_dtype, ctx.h_dtype if need_dh else None, need_dalpha)
+        dx, dh, dalpha = residual_act_backward_triton(g, out, x, alpha, ctx.alpha_value, grad_scale, ctx.x_dtype,
+                                                      ctx.h_dtype if need_dh else None, need_dalpha)
         return (dx, dh if need_dh else None, dalpha.to(alpha.dtype).reshape(alpha.shape) if need_dalpha else None,
-                None, None, None, None, None)
-
-
-# ---------------------------------------------------------------------------------------------
-# The custom ops (what torch.compile, opcheck and the dispatcher see)
-
-
-def _residual_act_fake(x, h, alpha, alpha_value, row_scale, grad_scale, act):
-    return x.new_empty_strided(x.shape, kernel_strides(x), dtype=x.dtype)
-
-
-def _residual_act_backward_fake(g, out, x, alpha, alpha_value, grad_scale, x_dtype, h_dtype, need_dalpha):
-    strides = kernel_strides(g)
-    dx = g.new_empty_strided(g.shape, strides, dtype=x_dtype)
-    dh = g.new_empty_strided(g.shape, strides, dtype=h_dtype) if h_dtype is not None else g.new_empty((0,), dtype=x_dtype)
-    return dx, dh, g.new_empty(() if need_dalpha else (0,), dtype=torch.float32)
-
-
-# Opaque under torch.compile: with the kernels traced into the graph, the compiled ResNet50d of
-# tests/test_convert_resnet.py no longer matched eager (without drop path, on an H100); the ResNet
-# trainer captures whole steps in CUDA graphs, where the fallback's host cost is not paid per step.
-_QUALNAMES = ("dres::residual_act", "dres::residual_act_backward")
-residual_act_op = define_op("dres::residual_act", residual_act_triton, _residual_act_fake, _QUALNAMES, inline=False,
-                            autograd=ResidualActFn)
-residual_act_backward_op = define_op("dres::residual_act_backward", residual_act_backward_triton,
-                                     _residual_act_backward_fake, _QUALNAMES, inline=False)
+                None, None, None, None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +192,7 @@ def residual_act(x: Tensor, h: Tensor, alpha=1.0, row_scale: Optional[Tensor] = 
     check_residual_act_inputs(backend, x, h, alpha, row_scale, grad_scale, act)
     if backend == "torch":
         return reference.residual_act(x, h, alpha, row_scale, grad_scale, act)
-    alpha, alpha_value = alpha_args(alpha)
     if torch.compiler.is_compiling():
-        return residual_act_op(x, h, alpha, alpha_value, row_scale, grad_scale, act)
-    return ResidualActFn.apply(x, h, alpha, alpha_value, row_scale, grad_scale, act, "triton")
+        # Inductor fuses the formula with the BatchNorm that makes h: one kernel, where an opaque op made two
+        return reference.residual_act(x, h, alpha, row_scale, grad_scale, act)
+    return ResidualActFn.apply(x, h, *alpha_args(alpha), row_scale, grad_scale, act)
