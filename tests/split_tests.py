@@ -4,8 +4,8 @@
     python tests/split_tests.py --procs 3 --show   # with each group's expected seconds
 
 A file's weight is its tests' time (skipped ones excluded) in the newest JUnit report of the GPU suite that
-ran it, among the records (``records/benchmarks/<card>-<YYYY-MM-DD>-<what>/**/junit.xml``, newest by the
-date in the folder name); a file no report has (no GPU test, or a new file) weighs the median of the files
+ran it, among the records (``records/benchmarks/<card>-<YYYY-MM-DD>-<what>/**/junit*.xml``, newest by the
+date in the folder name; not the extension's suite, ``junit_csrc*.xml``, whose every process repeats test_csrc.py); a file no report has (no GPU test, or a new file) weighs the median of the files
 that have one, so that such files spread over the groups (on a GPU host the CPU tests take time too, and
 weighing nothing put them all in one group, which ran four times as long as the others). Groups are filled greedily, heaviest file first, into the lightest group (the
 longest-processing-time rule), and each group lists its files in the tests folder's order.
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--procs", type=int, required=True, help="number of groups (pytest processes)")
     p.add_argument("--tests", default="tests", help="the tests folder (its test_*.py files are split)")
     p.add_argument("--records", default=str(REPO_ROOT / "records" / "benchmarks"),
-                   help="where the JUnit reports of earlier GPU suites are found (**/junit*.xml)")
+                   help="where the JUnit reports of earlier GPU suites are found (**/junit*.xml, not junit_csrc*)")
     p.add_argument("--show", action="store_true", help="print each group's expected seconds before its files")
     args = p.parse_args(argv)
     if args.procs < 1:
@@ -95,7 +95,8 @@ def main(argv=None) -> int:
     paths = {f"tests/{f.name}": str(f) for f in sorted(tests.glob("test_*.py"))}
     if not paths:
         p.error(f"--tests: no test_*.py files in {args.tests}")
-    reports = sorted(Path(args.records).glob("**/junit*.xml"))
+    # the suite without the extension: the extension's suite repeats test_csrc.py at the head of every process
+    reports = sorted(r for r in Path(args.records).glob("**/junit*.xml") if not r.name.startswith("junit_csrc"))
     for secs, group in split(list(paths), newest_durations(reports), args.procs):
         print((f"{secs:.0f}s " if args.show else "") + " ".join(paths[f] for f in group))
     return 0

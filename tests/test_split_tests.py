@@ -46,6 +46,9 @@ def test_main_prints_one_group_a_line_and_rejects_bad_arguments(tmp_path, capsys
     for name in ("test_x.py", "test_y.py", "helpers.py"):
         (tests / name).write_text("")
     _report(tmp_path / "records" / "h100-2026-11-27-suite" / "junit.xml", [("tests.test_y", 3.0, False)])
+    # the extension's suite (test_csrc.py at the head of every process) weighs nothing here
+    _report(tmp_path / "records" / "h100-2026-11-27-suite" / "csrc" / "junit_csrc-0.xml",
+            [("tests.test_x", 50.0, False), ("tests.test_y", 40.0, False)])
     assert split_tests.main(["--procs", "2", "--tests", str(tests), "--records", str(tmp_path / "records"),
                              "--show"]) == 0
     # test_x has no report: it weighs what test_y does
