@@ -14,8 +14,8 @@
 One module per op family, five in all: ``residual_norm`` (the three above), ``bias_gelu``
 (``fused_bias_gelu``, ``fused_mlp``), ``residual_act``, ``mae_loss``, ``short_attention``. Each reads
 the same way top to bottom: checks, a pointer to its reference, the Triton launches, one explicit
-``autograd.Function``, the custom ops (``define_op(..., autograd=<the Function>)``), the public
-function. Shared pieces: every float64-capable reference in :mod:`dres.ops.reference`, helpers in
+``autograd.Function``, the custom ops (``define_op(..., autograd=<the Function>)``; ``residual_act`` has
+none: under torch.compile it is its reference formula, for Inductor to fuse), the public function. Shared pieces: every float64-capable reference in :mod:`dres.ops.reference`, helpers in
 :mod:`dres.ops.utils`, the backend choice and shared argument checks in :mod:`dres.ops.checks`, the
 custom-op wiring in :mod:`dres.ops.registration`, the csrc extension in :mod:`dres.ops.csrc_backend`.
 ``backend``: None picks Triton for CUDA tensors (the csrc kernels for small eager residual-norm calls
