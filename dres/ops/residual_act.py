@@ -185,14 +185,13 @@ def residual_act(x: Tensor, h: Tensor, alpha=1.0, row_scale: Optional[Tensor] = 
 
     x, h: (B, ...) of one shape (NCHW, channels_last or any batch-outermost layout). row_scale,
     grad_scale: (B,) per-sample factors or None (grad_scale None = row_scale; docs/ops.md's table).
-    alpha: float or 0-dim tensor (gets a gradient if it requires one). out: x's dtype and layout.
+    alpha: float or 0-dim tensor (gets a gradient if it requires one). out: x's dtype and layout. Under
+    torch.compile the formula (:func:`dres.ops.reference.residual_act`), for Inductor to fuse.
     """
     check_tensor("x", x, REFERENCE_DTYPES)  # before the backend looks at x's device
     backend = resolve_backend_without_csrc(backend, x)
     check_residual_act_inputs(backend, x, h, alpha, row_scale, grad_scale, act)
-    if backend == "torch":
-        return reference.residual_act(x, h, alpha, row_scale, grad_scale, act)
-    if torch.compiler.is_compiling():
-        # Inductor fuses the formula with the BatchNorm that makes h: one kernel, where an opaque op made two
+    # compiled, the formula: Inductor fuses it with the BatchNorm that makes h (one kernel where an opaque op made two)
+    if backend == "torch" or torch.compiler.is_compiling():
         return reference.residual_act(x, h, alpha, row_scale, grad_scale, act)
     return ResidualActFn.apply(x, h, *alpha_args(alpha), row_scale, grad_scale, act)
