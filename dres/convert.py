@@ -14,7 +14,12 @@ identity q/k norms) takes :func:`dres.ops.short_attention` straight from the qkv
 :func:`dres.nn.transformer.takes_short_attention` allows it (no mask, no active attention dropout),
 SDPA otherwise; a timm ``Mlp`` with an exact or tanh GELU and no active dropout between its Linears
 runs :func:`dres.ops.fused_mlp` (``fused_mlp=False`` keeps timm's), which recomputes GELU in the
-backward and so keeps one (tokens x hidden) activation fewer, eager and compiled alike.
+backward and so keeps one (tokens x hidden) activation fewer, eager and compiled alike. A timm
+``LayerScale`` after such a branch (DINOv2's, DeiT III's) is folded into the branch's last Linear
+(``proj``, ``fc2``: weight and bias rows times gamma, :func:`scaled_weights`), so it costs a multiply of
+weights, not of activations, and keeps no activation for gamma's gradient; the block's
+``layer_scale_folded`` names those branches, and where a branch runs timm's own forward the LayerScale
+is applied to its output.
 
 The patch embedding (a ``Conv2d`` whose kernel is its stride) runs as one GEMM over the image's patches
 (:class:`PatchConv2d`): the same weights and function, without cuDNN's layout transforms and convolution kernels;
@@ -54,13 +59,19 @@ from dres.nn.transformer import ResidualStream, add_and_norm, heads_of_qkv, sdpa
 from dres.optional import import_optional
 
 
-def _branch_tail(blk: nn.Module, which: int):
-    """LayerScale (timm's ``ls1`` module, Eva's ``gamma_1`` parameter) then DropPath of branch 1 or 2
-    (identity where the block has none)."""
+def _branch(blk: nn.Module, which: int, y: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Branch ``which`` of a block (1: ``attn``, 2: ``mlp``) on the normalised ``y``, then its LayerScale (timm's
+    ``ls1`` module, Eva's ``gamma_1`` parameter) and DropPath (identity where the block has none). A LayerScale
+    the converted branch takes (:func:`_fuse_timm_branches`) is folded into the branch's last Linear;
+    ``args``/``kwargs`` go to the branch module."""
+    module = blk.attn if which == 1 else blk.mlp
     ls = getattr(blk, f"ls{which}", None) or nn.Identity()
     gamma = getattr(blk, f"gamma_{which}", None)
     dp = getattr(blk, f"drop_path{which}", None) or getattr(blk, "drop_path", None) or nn.Identity()
-    return (lambda h: dp(ls(h))) if gamma is None else (lambda h: dp(gamma * h))
+    if which in getattr(blk, "layer_scale_folded", ()):
+        return dp(module(y, *args, layer_scale=ls, **kwargs))
+    h = module(y, *args, **kwargs)
+    return dp(ls(h)) if gamma is None else dp(gamma * h)
 
 
 def _decayed_block_forward(stream: "FusedTimmBlocks", index: int, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -71,9 +82,9 @@ def _decayed_block_forward(stream: "FusedTimmBlocks", index: int, x: torch.Tenso
     attention_alpha, mlp_alpha = stream.block_alphas(index)
     scales = stream.droppath_scales(x)
     attention_scales, mlp_scales = (NO_SCALES, NO_SCALES) if scales is None else scales[2 * index:2 * index + 2]
-    h = _branch_tail(blk, 1)(blk.attn(blk.norm1(x), *args, **kwargs))
+    h = _branch(blk, 1, blk.norm1(x), *args, **kwargs)
     x, y = add_and_norm(h, x, blk.norm2, attention_alpha, attention_scales, stream.backend)
-    h = _branch_tail(blk, 2)(blk.mlp(y))
+    h = _branch(blk, 2, y)
     return add_and_norm(h, x, None, mlp_alpha, mlp_scales, stream.backend)[0]
 
 
@@ -85,9 +96,8 @@ def _fused_block_forward(blk: nn.Module, hidden_states: torch.Tensor, residual: 
     entering_scales, attention_scales = (NO_SCALES, NO_SCALES) if scales is None else scales
     alpha = blk.alphas[0] if entering_alpha is None else entering_alpha
     entering, y = add_and_norm(hidden_states, residual, blk.norm1, alpha, entering_scales, backend)
-    residual, y = add_and_norm(_branch_tail(blk, 1)(blk.attn(y)), entering, blk.norm2, blk.alphas[1],
-                               attention_scales, backend)
-    return _branch_tail(blk, 2)(blk.mlp(y)), residual, entering
+    residual, y = add_and_norm(_branch(blk, 1, y), entering, blk.norm2, blk.alphas[1], attention_scales, backend)
+    return _branch(blk, 2, y), residual, entering
 
 
 class FusedTimmBlocks(ResidualStream, nn.Sequential):
@@ -180,9 +190,26 @@ def gelu_approximate(act: nn.Module, gelu_types: dict) -> Optional[str]:
     return act.approximate if isinstance(act, nn.GELU) else gelu_types.get(type(act))
 
 
-def fused_mlp_of(x: torch.Tensor, fc1: nn.Linear, fc2: nn.Linear, approximate: str, backend: Optional[str]):
-    """``fc2(gelu(fc1(x)))`` through :func:`dres.ops.fused_mlp`."""
-    return ops.fused_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, backend=backend, approximate=approximate)
+def fused_mlp_of(x: torch.Tensor, fc1: nn.Linear, fc2: nn.Linear, approximate: str, backend: Optional[str],
+                 layer_scale: Optional[nn.Module] = None):
+    """``fc2(gelu(fc1(x)))`` through :func:`dres.ops.fused_mlp`, then ``layer_scale`` (folded into fc2)."""
+    fc2_weight, fc2_bias = scaled_weights(fc2, layer_scale)
+    return ops.fused_mlp(x, fc1.weight, fc1.bias, fc2_weight, fc2_bias, backend=backend, approximate=approximate)
+
+
+def scaled_weights(linear: nn.Linear, layer_scale: Optional[nn.Module]):
+    """The weight and bias of ``layer_scale(linear(x))`` as one Linear: each output row times gamma. A timm
+    LayerScale after the branch's last Linear so costs a multiply of the weights, not of the activations, and
+    keeps no activation for gamma's gradient."""
+    if layer_scale is None:
+        return linear.weight, linear.bias
+    gamma = layer_scale.gamma
+    return linear.weight * gamma[:, None], None if linear.bias is None else linear.bias * gamma
+
+
+def _layer_scaled(h: torch.Tensor, layer_scale: Optional[nn.Module]) -> torch.Tensor:
+    """``layer_scale(h)`` on a path that runs timm's own branch (a mask, active dropout)."""
+    return h if layer_scale is None else layer_scale(h)
 
 
 @functools.cache
@@ -200,34 +227,45 @@ def _short_timm_attention(attn: nn.Module) -> bool:
 
 
 def _timm_attention_forward(stream: "FusedTimmBlocks", attn: nn.Module, x: torch.Tensor,
-                            attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False) -> torch.Tensor:
-    """A timm Attention's function from its one qkv output; a mask, causality or active attention
-    dropout go to timm's own forward."""
+                            attn_mask: Optional[torch.Tensor] = None, is_causal: bool = False,
+                            layer_scale: Optional[nn.Module] = None) -> torch.Tensor:
+    """A timm Attention's function from its one qkv output, then the block's ``layer_scale`` (folded into
+    proj; its dropout commutes with the scale); a mask, causality or active attention dropout go to timm's
+    own forward."""
     if attn_mask is not None or is_causal or (attn.training and attn.attn_drop.p > 0):
         extra = {} if attn_mask is None and not is_causal else {"attn_mask": attn_mask, "is_causal": is_causal}
-        return type(attn).forward(attn, x, **extra)
-    return attn.proj_drop(attn.proj(attention_from_qkv(attn.qkv(x), attn.num_heads, stream.backend)))
+        return _layer_scaled(type(attn).forward(attn, x, **extra), layer_scale)
+    attended = attention_from_qkv(attn.qkv(x), attn.num_heads, stream.backend)
+    return attn.proj_drop(F.linear(attended, *scaled_weights(attn.proj, layer_scale)))
 
 
-def _timm_mlp_forward(stream: "FusedTimmBlocks", mlp: nn.Module, approximate: str, x: torch.Tensor) -> torch.Tensor:
-    """A timm Mlp through the fused MLP; active dropout between its Linears goes to timm's own forward."""
+def _timm_mlp_forward(stream: "FusedTimmBlocks", mlp: nn.Module, approximate: str, x: torch.Tensor,
+                      layer_scale: Optional[nn.Module] = None) -> torch.Tensor:
+    """A timm Mlp through the fused MLP, then the block's ``layer_scale`` (folded into fc2); active dropout
+    between its Linears goes to timm's own forward."""
     if mlp.training and mlp.drop1.p > 0:
-        return type(mlp).forward(mlp, x)
-    return mlp.drop2(fused_mlp_of(x, mlp.fc1, mlp.fc2, approximate, stream.backend))
+        return _layer_scaled(type(mlp).forward(mlp, x), layer_scale)
+    return mlp.drop2(fused_mlp_of(x, mlp.fc1, mlp.fc2, approximate, stream.backend, layer_scale))
 
 
 def _fuse_timm_branches(stream: "FusedTimmBlocks", fused_mlp: bool) -> None:
-    """Point each block's timm Attention and (``fused_mlp``) Mlp at the fused branch forwards above."""
+    """Point each block's timm Attention and (``fused_mlp``) Mlp at the fused branch forwards above; a block's
+    ``layer_scale_folded`` names the branches (1, 2) whose timm LayerScale they take."""
     vision_transformer = import_optional("timm.models.vision_transformer", "timm", "convert_timm_vit")
     attention_type, mlp_type = vision_transformer.Attention, vision_transformer.Mlp
     for blk in stream:
         attn, mlp = blk.attn, blk.mlp
-        if type(attn) is attention_type and _short_timm_attention(attn):
+        fused = set()
+        if type(attn) is attention_type and _short_timm_attention(attn) and isinstance(attn.proj, nn.Linear):
             attn.forward = functools.partial(_timm_attention_forward, stream, attn)
+            fused.add(1)
         approximate = gelu_approximate(mlp.act, _timm_gelu_types()) if type(mlp) is mlp_type else None
         if (fused_mlp and approximate is not None and isinstance(mlp.norm, nn.Identity)
                 and isinstance(mlp.fc1, nn.Linear) and isinstance(mlp.fc2, nn.Linear)):
             mlp.forward = functools.partial(_timm_mlp_forward, stream, mlp, approximate)
+            fused.add(2)
+        blk.layer_scale_folded = tuple(k for k in sorted(fused)
+                                       if type(getattr(blk, f"ls{k}", None)) is vision_transformer.LayerScale)
 
 
 def float32_alphas(n: int, alpha_min: float, schedule: str, per_block: bool, per_layer: int = 2) -> list[float]:

@@ -82,7 +82,11 @@ def test_convert_decayed_is_the_decayed_function():
     torch.testing.assert_close(model(imgs), original, rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("make", [small_vit, small_eva])
+def layer_scaled_vit(**kw):
+    return small_vit(init_values=0.1, **kw)
+
+
+@pytest.mark.parametrize("make", [small_vit, small_eva, layer_scaled_vit])
 def test_convert_triton_interpreter(triton_device, make):
     model = make(depth=2).to(triton_device)
     imgs = torch.randn(2, 3, 16, 16, device=triton_device)
@@ -324,6 +328,53 @@ def test_dinov2_alpha1_keeps_function():
     converted = dres.convert_timm_vit(copy.deepcopy(original), backend="torch")
     imgs = torch.randn(2, 3, 28, 28, dtype=torch.float64)
     assert_same_function_and_state(original, converted, imgs, dict(rtol=1e-10, atol=1e-10))
+
+
+def test_layer_scale_is_folded_into_the_branches_last_linears():
+    """A timm LayerScale after a converted branch is folded into the branch's last Linear (attention's proj,
+    the MLP's fc2): its own forward never runs on the fused or the block-by-block path, and the function and
+    every gradient, gamma's too, stay the original's."""
+    from timm.layers import LayerScale
+
+    original = layer_scaled_vit().double()
+    converted = dres.convert_timm_vit(copy.deepcopy(original), backend="torch")
+    assert [blk.layer_scale_folded for blk in converted.blocks] == [(1, 2)] * 3
+    ran = []
+    for m in converted.modules():
+        if isinstance(m, LayerScale):
+            m.register_forward_hook(lambda module, args, out: ran.append(module))
+    imgs = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    assert_same_function_and_state(original, converted, imgs, dict(rtol=1e-10, atol=1e-10))
+    converted.set_grad_checkpointing(True)  # the blocks one by one
+    assert_same_function_and_state(original, converted, imgs, dict(rtol=1e-10, atol=1e-10))
+    assert not ran
+    # without the fused MLP only the attention's LayerScale is folded
+    unfused = dres.convert_timm_vit(copy.deepcopy(original), backend="torch", fused_mlp=False)
+    assert [blk.layer_scale_folded for blk in unfused.blocks] == [(1,)] * 3
+    assert_same_function_and_state(original, unfused, imgs, dict(rtol=1e-10, atol=1e-10))
+
+
+def test_layer_scale_applies_where_timm_runs_its_own_branch():
+    """An attention mask and active dropout send a branch to timm's own forward; the LayerScale the branch
+    took is applied to its output there: the same outputs and gradients as the original under the same
+    random draws."""
+    original = layer_scaled_vit(attn_drop_rate=0.2, proj_drop_rate=0.2).double()
+    converted = dres.convert_timm_vit(copy.deepcopy(original), backend="torch")
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    mask = torch.rand(2, 1, 5, 5) > 0.3
+    mask[..., 0] = True  # every query sees a key
+    for blk, ref in zip(converted.blocks, original.blocks):  # eval: the mask alone sends attention to timm
+        torch.testing.assert_close(blk(x, attn_mask=mask), ref(x, attn_mask=mask), rtol=1e-10, atol=1e-10)
+    original.train(), converted.train()
+    imgs = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    outs = []
+    for model in (original, converted):
+        torch.manual_seed(3)
+        outs.append(model(imgs))
+        outs[-1].square().sum().backward()
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-10, atol=1e-10)
+    assert_grads_close({n: p.grad for n, p in converted.named_parameters()},
+                       {n: p.grad for n, p in original.named_parameters()}, rtol=1e-10, atol=1e-10)
 
 
 def test_post_norm_blocks_are_refused():
