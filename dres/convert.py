@@ -15,11 +15,11 @@ identity q/k norms) takes :func:`dres.ops.short_attention` straight from the qkv
 SDPA otherwise; a timm ``Mlp`` with an exact or tanh GELU and no active dropout between its Linears
 runs :func:`dres.ops.fused_mlp` (``fused_mlp=False`` keeps timm's), which recomputes GELU in the
 backward and so keeps one (tokens x hidden) activation fewer, eager and compiled alike. A timm
-``LayerScale`` after such a branch (DINOv2's, DeiT III's) is folded into the branch's last Linear
-(``proj``, ``fc2``: weight and bias rows times gamma, :func:`scaled_weights`), so it costs a multiply of
-weights, not of activations, and keeps no activation for gamma's gradient; the block's
-``layer_scale_folded`` names those branches, and where a branch runs timm's own forward the LayerScale
-is applied to its output.
+``LayerScale`` after such a branch (DINOv2's, DeiT III's) is folded under torch.compile into the branch's
+last Linear (``proj``, ``fc2``: weight and bias rows times gamma, :func:`scaled_weights`), so the compiled
+step multiplies weights, not activations, and keeps no activation for gamma's gradient (eager keeps timm's
+multiply: fewer launches); the block's ``layer_scale_folded`` names those branches, and where a branch runs
+timm's own forward the LayerScale is applied to its output.
 
 The patch embedding (a ``Conv2d`` whose kernel is its stride) runs as one GEMM over the image's patches
 (:class:`PatchConv2d`): the same weights and function, without cuDNN's layout transforms and convolution kernels;
@@ -62,13 +62,15 @@ from dres.optional import import_optional
 def _branch(blk: nn.Module, which: int, y: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """Branch ``which`` of a block (1: ``attn``, 2: ``mlp``) on the normalised ``y``, then its LayerScale (timm's
     ``ls1`` module, Eva's ``gamma_1`` parameter) and DropPath (identity where the block has none). A LayerScale
-    the converted branch takes (:func:`_fuse_timm_branches`) is folded into the branch's last Linear;
-    ``args``/``kwargs`` go to the branch module."""
+    the converted branch takes (:func:`_fuse_timm_branches`) is folded into the branch's last Linear under
+    torch.compile; ``args``/``kwargs`` go to the branch module."""
     module = blk.attn if which == 1 else blk.mlp
     ls = getattr(blk, f"ls{which}", None) or nn.Identity()
     gamma = getattr(blk, f"gamma_{which}", None)
     dp = getattr(blk, f"drop_path{which}", None) or getattr(blk, "drop_path", None) or nn.Identity()
-    if which in getattr(blk, "layer_scale_folded", ()):
+    # compiled, Inductor fuses the fold's weight-sized multiplies; eager keeps the activation multiply: four
+    # launches a branch, forward and backward, where the fold's are eight
+    if which in getattr(blk, "layer_scale_folded", ()) and torch.compiler.is_compiling():
         return dp(module(y, *args, layer_scale=ls, **kwargs))
     h = module(y, *args, **kwargs)
     return dp(ls(h)) if gamma is None else dp(gamma * h)

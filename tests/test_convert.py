@@ -330,10 +330,10 @@ def test_dinov2_alpha1_keeps_function():
     assert_same_function_and_state(original, converted, imgs, dict(rtol=1e-10, atol=1e-10))
 
 
-def test_layer_scale_is_folded_into_the_branches_last_linears():
-    """A timm LayerScale after a converted branch is folded into the branch's last Linear (attention's proj,
-    the MLP's fc2): its own forward never runs on the fused or the block-by-block path, and the function and
-    every gradient, gamma's too, stay the original's."""
+def test_layer_scale_is_folded_into_the_branches_last_linears(monkeypatch):
+    """Under torch.compile a timm LayerScale after a converted branch is folded into the branch's last Linear
+    (attention's proj, the MLP's fc2): its own forward does not run on the fused or the block-by-block path,
+    and the function and every gradient, gamma's too, stay the original's. Eager keeps its multiply."""
     from timm.layers import LayerScale
 
     original = layer_scaled_vit().double()
@@ -345,19 +345,29 @@ def test_layer_scale_is_folded_into_the_branches_last_linears():
             m.register_forward_hook(lambda module, args, out: ran.append(module))
     imgs = torch.randn(2, 3, 16, 16, dtype=torch.float64)
     assert_same_function_and_state(original, converted, imgs, dict(rtol=1e-10, atol=1e-10))
-    converted.set_grad_checkpointing(True)  # the blocks one by one
-    assert_same_function_and_state(original, converted, imgs, dict(rtol=1e-10, atol=1e-10))
-    assert not ran
+    assert len(ran) == 2 * 6  # eager: timm's multiply, in both forwards of the check
+    ran.clear()
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.compiler, "is_compiling", lambda: True)  # the compiled forward's code, run eagerly
+        assert_same_function_and_state(original, converted, imgs, dict(rtol=1e-10, atol=1e-10))
+        converted.set_grad_checkpointing(True)  # the blocks one by one
+        assert_same_function_and_state(original, converted, imgs, dict(rtol=1e-10, atol=1e-10))
+        converted.set_grad_checkpointing(False)
+        assert not ran
+    compiled = torch.compile(converted, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(imgs), original(imgs), rtol=1e-10, atol=1e-10)
+    assert_grads_close(param_grads(converted, lambda: compiled(imgs).square().sum()),
+                       param_grads(original, lambda: original(imgs).square().sum()), rtol=1e-10, atol=1e-10)
     # without the fused MLP only the attention's LayerScale is folded
     unfused = dres.convert_timm_vit(copy.deepcopy(original), backend="torch", fused_mlp=False)
     assert [blk.layer_scale_folded for blk in unfused.blocks] == [(1,)] * 3
-    assert_same_function_and_state(original, unfused, imgs, dict(rtol=1e-10, atol=1e-10))
 
 
-def test_layer_scale_applies_where_timm_runs_its_own_branch():
-    """An attention mask and active dropout send a branch to timm's own forward; the LayerScale the branch
-    took is applied to its output there: the same outputs and gradients as the original under the same
+def test_layer_scale_applies_where_timm_runs_its_own_branch(monkeypatch):
+    """An attention mask and active dropout send a branch to timm's own forward; a LayerScale folded into the
+    branch is applied to its output there: the same outputs and gradients as the original under the same
     random draws."""
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the compiled forward's code, run eagerly
     original = layer_scaled_vit(attn_drop_rate=0.2, proj_drop_rate=0.2).double()
     converted = dres.convert_timm_vit(copy.deepcopy(original), backend="torch")
     x = torch.randn(2, 5, 32, dtype=torch.float64)
