@@ -33,6 +33,14 @@ def tiny_timm_vit(device=CPU, drop_path=0.0) -> torch.nn.Module:
     return dres.convert_timm_vit(vit, alpha_min=0.8, **rdp).to(device).train()
 
 
+def tiny_layer_scaled_vit(device=CPU) -> torch.nn.Module:
+    """A timm ViT with LayerScale (DINOv2's, DeiT III's), which the converted model folds when compiled."""
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=10,
+                            init_values=0.1)
+    return dres.convert_timm_vit(vit, alpha_min=0.8).to(device).train()
+
+
 def tiny_hf_vit(device=CPU) -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
@@ -352,8 +360,9 @@ def test_captured_steps_train_as_the_eager_loop(model, optimizer):
 
 
 @pytest.mark.gpu
-def test_a_compiled_captured_step_trains_as_the_compiled_eager_loop():
-    build, loss_fn, keywords = GPU_MODELS["timm"]
+@pytest.mark.parametrize("build", [tiny_timm_vit, tiny_layer_scaled_vit])
+def test_a_compiled_captured_step_trains_as_the_compiled_eager_loop(build):
+    loss_fn, keywords = GPU_MODELS["timm"][1:]
     loss_fn, data = under_bf16(loss_fn), batches(STEPS, CUDA)
     losses, trained, step = _train(build, loss_fn, keywords, data, optimizer_args=dict(fused=True),
                                    step_args=dict(log=pytest.fail))
