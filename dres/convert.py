@@ -238,6 +238,8 @@ def _timm_attention_forward(stream: "FusedTimmBlocks", attn: nn.Module, x: torch
         extra = {} if attn_mask is None and not is_causal else {"attn_mask": attn_mask, "is_causal": is_causal}
         return _layer_scaled(type(attn).forward(attn, x, **extra), layer_scale)
     attended = attention_from_qkv(attn.qkv(x), attn.num_heads, stream.backend)
+    if layer_scale is None:
+        return attn.proj_drop(attn.proj(attended))
     return attn.proj_drop(F.linear(attended, *scaled_weights(attn.proj, layer_scale)))
 
 
@@ -257,16 +259,17 @@ def _fuse_timm_branches(stream: "FusedTimmBlocks", fused_mlp: bool) -> None:
     attention_type, mlp_type = vision_transformer.Attention, vision_transformer.Mlp
     for blk in stream:
         attn, mlp = blk.attn, blk.mlp
-        fused = set()
-        if type(attn) is attention_type and _short_timm_attention(attn) and isinstance(attn.proj, nn.Linear):
+        foldable = set()
+        if type(attn) is attention_type and _short_timm_attention(attn):
             attn.forward = functools.partial(_timm_attention_forward, stream, attn)
-            fused.add(1)
+            if isinstance(attn.proj, nn.Linear):
+                foldable.add(1)
         approximate = gelu_approximate(mlp.act, _timm_gelu_types()) if type(mlp) is mlp_type else None
         if (fused_mlp and approximate is not None and isinstance(mlp.norm, nn.Identity)
                 and isinstance(mlp.fc1, nn.Linear) and isinstance(mlp.fc2, nn.Linear)):
             mlp.forward = functools.partial(_timm_mlp_forward, stream, mlp, approximate)
-            fused.add(2)
-        blk.layer_scale_folded = tuple(k for k in sorted(fused)
+            foldable.add(2)
+        blk.layer_scale_folded = tuple(k for k in sorted(foldable)
                                        if type(getattr(blk, f"ls{k}", None)) is vision_transformer.LayerScale)
 
 
