@@ -340,6 +340,27 @@ def test_a_signal_during_dres_evals_evaluation_is_one_line_and_its_own_status(tm
     assert not (out / "eval.json").exists()
 
 
+def test_a_signal_handed_on_inside_a_readers_error_is_still_the_stop(tmp_path, capsys, monkeypatch):
+    """A signal while the checkpoint is read, whose stop the reader turns into an error of its own (as code that
+    catches every exception does): the stop's one line and status, not an unreadable checkpoint."""
+    out = tmp_path / "run"
+    assert _train(out, steps=2) == 0
+    capsys.readouterr()
+
+    def wrapping_load(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # the handler raises before this ends
+        except Exception as e:
+            raise RuntimeError(e.args) from None
+        pytest.fail("the signal did not reach the reader")
+
+    monkeypatch.setattr(checkpoint.torch, "load", wrapping_load)
+    assert cli.eval_main([str(out)]) == EXIT_INTERRUPTED
+    line = _one_line_error(capsys)
+    assert line.startswith("dres-eval: stopped by SIGTERM") and "unreadable" not in line, line
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dist", ["ddp", "fsdp"])
 def test_two_processes_agree_to_stop_when_one_rank_is_signalled(tmp_path, dist):

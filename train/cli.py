@@ -194,7 +194,8 @@ def _say(line: str) -> None:
 def _guarded(prog: str, fn, args) -> int:
     """Run ``fn(args)``; a user error becomes one line on stderr and exit status 2 (the traceback
     with ``args.debug``), a lost rank one line and status 1, a stop on SIGTERM/SIGINT one line and
-    status 75 (recorded for dres-launch), and the process group (if any) is torn down either way."""
+    status 75 (recorded for dres-launch; also when a reader handed it on inside an error of its own), and the
+    process group (if any) is torn down either way."""
     from dres.train.distributed import LostRank
 
     try:
@@ -207,6 +208,8 @@ def _guarded(prog: str, fn, args) -> int:
         _say(f"{prog}: error: {e}")
         return 1
     except _user_errors() as e:
+        if stop.raised_stop() is not None:  # a signal's stop that came out inside another error is the stop
+            return _stopped(prog, stop.raised_stop())
         if args.debug:
             raise
         _say(f"{prog}: error: {' '.join(str(e).split())}")

@@ -50,6 +50,7 @@ class StopOnSignal:
         self.previous: dict = {}
         self.pid = os.getpid()
         self.deferred = None  # the thread that delivers a signal once an import ends (_deliver_after_import)
+        self.raised: Interrupted | None = None  # the stop route raised (raised_stop)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -72,7 +73,11 @@ class StopOnSignal:
             return
         for s in SIGNALS:
             signal.signal(s, signal.SIG_DFL)
-        self.route(signal.Signals(signum).name)
+        try:
+            self.route(signal.Signals(signum).name)
+        except Interrupted as e:
+            self.raised = e
+            raise
 
     def _deliver_after_import(self, signum):
         """Send ``signum`` to the main thread again once no import is under way there (the signals that arrive
@@ -134,6 +139,12 @@ def on_signal(route: Callable[[str], None]):
             yield handler
         finally:
             _installed.remove(handler)
+
+
+def raised_stop() -> Interrupted | None:
+    """The stop the installed handler raised, if it did: code that catches every exception (a reader that turns
+    each failure into an error of its own) can hand it on inside another."""
+    return _installed[-1].raised if _installed else None
 
 
 def hand_over() -> None:
