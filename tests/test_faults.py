@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -342,12 +343,20 @@ def test_a_signal_during_dres_evals_evaluation_is_one_line_and_its_own_status(tm
 
 def test_a_signal_handed_on_inside_a_readers_error_is_still_the_stop(tmp_path, capsys, monkeypatch):
     """A signal while the checkpoint is read, whose stop the reader turns into an error of its own (as code that
-    catches every exception does): the stop's one line and status, not an unreadable checkpoint."""
+    catches every exception does): the stop's one line and status, not an unreadable checkpoint, nor a fall back
+    to the older checkpoint beside it."""
     out = tmp_path / "run"
     assert _train(out, steps=2) == 0
+    (newest,) = checkpoint.list_checkpoints(out / "checkpoints")
+    shutil.copy(newest, newest.with_name("step_00000001.pt"))
     capsys.readouterr()
 
+    reads, real_load = [], torch.load
+
     def wrapping_load(*args, **kwargs):
+        reads.append(args[0])
+        if len(reads) > 1:  # one signal: a second read is the fall back this test refuses
+            return real_load(*args, **kwargs)
         try:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(30)  # the handler raises before this ends
@@ -357,8 +366,11 @@ def test_a_signal_handed_on_inside_a_readers_error_is_still_the_stop(tmp_path, c
 
     monkeypatch.setattr(checkpoint.torch, "load", wrapping_load)
     assert cli.eval_main([str(out)]) == EXIT_INTERRUPTED
-    line = _one_line_error(capsys)
-    assert line.startswith("dres-eval: stopped by SIGTERM") and "unreadable" not in line, line
+    assert len(reads) == 1, reads
+    logged = capsys.readouterr()
+    assert "unreadable" not in logged.out and not (out / "eval.json").exists(), logged.out
+    line = logged.err.strip()
+    assert len(line.splitlines()) == 1 and line.startswith("dres-eval: stopped by SIGTERM"), line
 
 
 @pytest.mark.slow

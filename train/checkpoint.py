@@ -48,7 +48,7 @@ from dres.records import remove_partial
 from dres.train import distributed
 from dres.train import rundir
 from dres.train.rundir import fingerprint_diff
-from dres.train.stop import Interrupted
+from dres.train.stop import raise_if_stopped
 
 _NAME = re.compile(r"^step_(\d{8})(\.pt)?$")
 
@@ -229,9 +229,8 @@ def read_file(path) -> dict:
     :class:`UnreadableCheckpoint` naming the file."""
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Interrupted:  # a signal during the read: the stop, not a damaged file
-        raise
     except Exception as e:  # damaged bytes surface as many exception types; all mean "unreadable"
+        raise_if_stopped(e)  # a signal during the read: the stop, not a damaged file
         raise _unreadable(path, _first_line(e)) from e
     if not isinstance(obj, dict):
         raise _unreadable(path, f"holds a {type(obj).__name__}, not a dict")
@@ -255,9 +254,8 @@ def _apply(path, fn, *args):
     """Run a ``load_state_dict``; a mismatch is an :class:`IncompatibleCheckpoint`."""
     try:
         fn(*args)
-    except Interrupted:
-        raise
     except (RuntimeError, KeyError, ValueError) as e:
+        raise_if_stopped(e)
         raise IncompatibleCheckpoint(f"checkpoint {path} does not fit this model/optimizer ({_first_line(e)})") from e
 
 
@@ -277,9 +275,8 @@ def _load_one(path: Path, model, optimizer, ema, fingerprint):
             state["ema"] = ema
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except Interrupted:
-            raise
         except Exception as e:  # DCP raises its own CheckpointException for missing/bad shards
+            raise_if_stopped(e)
             raise _unreadable(path, _first_line(e)) from e
         _apply(path, lambda: set_state_dict(m, optimizer if optimizer is not None else [],
                                             model_state_dict=state["model"], optim_state_dict=state.get("optim", {})))

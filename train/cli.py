@@ -208,8 +208,9 @@ def _guarded(prog: str, fn, args) -> int:
         _say(f"{prog}: error: {e}")
         return 1
     except _user_errors() as e:
-        if stop.raised_stop() is not None:  # a signal's stop that came out inside another error is the stop
-            return _stopped(prog, stop.raised_stop())
+        stopped = stop.raised_stop()
+        if stopped is not None:  # a signal's stop that came out inside another error is the stop
+            return _stopped(prog, stopped)
         if args.debug:
             raise
         _say(f"{prog}: error: {' '.join(str(e).split())}")

@@ -147,6 +147,16 @@ def raised_stop() -> Interrupted | None:
     return _installed[-1].raised if _installed else None
 
 
+def raise_if_stopped(error: Exception) -> None:
+    """Raise the stop that ``error`` is or hands on (:func:`raised_stop`), if any: for code that turns every
+    failure into an error of its own, so that a signal is not mistaken for one."""
+    if isinstance(error, Interrupted):
+        raise error
+    stopped = raised_stop()
+    if stopped is not None:
+        raise stopped from error
+
+
 def hand_over() -> None:
     """Before other code takes SIGTERM / SIGINT over with handlers of its own (torchrun): a signal that arrived during
     an import, deferred to its end, is taken now by the handler installed."""
