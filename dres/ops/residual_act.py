@@ -111,12 +111,11 @@ def _per_sample(t: Tensor) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton launches (also the bodies of the dres:: custom ops)
+# Triton launches (ResidualActFn's)
 
 
 def residual_act_triton(x: Tensor, h: Tensor, alpha: Optional[Tensor], alpha_value: float,
-                      row_scale: Optional[Tensor], grad_scale: Optional[Tensor], act: str) -> Tensor:
-    """``grad_scale`` is unused here: the forward op carries it for the autograd's setup."""
+                        row_scale: Optional[Tensor], act: str) -> Tensor:
     from dres.kernels.residual_act import residual_act_forward
 
     strides = kernel_strides(x)
@@ -127,10 +126,11 @@ def residual_act_triton(x: Tensor, h: Tensor, alpha: Optional[Tensor], alpha_val
 
 
 def residual_act_backward_triton(g: Tensor, out: Optional[Tensor], x: Optional[Tensor], alpha: Optional[Tensor],
-                               alpha_value: float, grad_scale: Optional[Tensor], x_dtype: torch.dtype,
-                               h_dtype: Optional[torch.dtype], need_dalpha: bool) -> tuple[Tensor, Tensor, Tensor]:
+                                 alpha_value: float, grad_scale: Optional[Tensor], x_dtype: torch.dtype,
+                                 h_dtype: Optional[torch.dtype],
+                                 need_dalpha: bool) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """(dx, dh, dalpha fp32 0-dim) in g's layout; ``out`` given means ReLU (its act' is out > 0), x
-    is read for dalpha only; dh (``h_dtype=None``) and dalpha come back as empty tensors when not asked for."""
+    is read for dalpha only; dh (``h_dtype=None``) and dalpha are None when not asked for."""
     from dres.kernels.residual_act import residual_act_backward
 
     strides = kernel_strides(g)
@@ -140,8 +140,7 @@ def residual_act_backward_triton(g: Tensor, out: Optional[Tensor], x: Optional[T
     dalpha = residual_act_backward(flat(g), flat(out), flat(x) if need_dalpha else None, alpha, alpha_value,
                                    None if grad_scale is None else grad_scale.contiguous(), _per_sample(g),
                                    dx_flat, dh_flat)
-    empty = lambda dtype: g.new_empty((0,), dtype=dtype)  # noqa: E731  (distinct: no aliasing)
-    return dx, dh if dh is not None else empty(x_dtype), dalpha if dalpha is not None else empty(torch.float32)
+    return dx, dh, dalpha
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,7 +153,7 @@ class ResidualActFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, h, alpha, alpha_value, row_scale, grad_scale, act):
-        out = residual_act_triton(x, h, alpha, alpha_value, row_scale, grad_scale, act)
+        out = residual_act_triton(x, h, alpha, alpha_value, row_scale, act)
         ctx.set_materialize_grads(False)
         need_dalpha = alpha is not None and ctx.needs_input_grad[2]
         ctx.save_for_backward(out if act == "relu" else None, x if need_dalpha else None, alpha,
@@ -171,7 +170,7 @@ class ResidualActFn(torch.autograd.Function):
         need_dh, need_dalpha = ctx.need
         dx, dh, dalpha = residual_act_backward_triton(g, out, x, alpha, ctx.alpha_value, grad_scale, ctx.x_dtype,
                                                       ctx.h_dtype if need_dh else None, need_dalpha)
-        return (dx, dh if need_dh else None, dalpha.to(alpha.dtype).reshape(alpha.shape) if need_dalpha else None,
+        return (dx, dh, None if dalpha is None else dalpha.to(alpha.dtype).reshape(alpha.shape),
                 None, None, None, None)
 
 
