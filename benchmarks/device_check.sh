@@ -7,9 +7,9 @@
 # variants, and DDP on 2 GPUs with 8 cores each (benchmarks.bench_data matrix: data_matrix.md, data_matrix.json,
 # data_matrix/*.json; DATA_ARGS narrows it; DATA_MODE=all runs the older sweep with the loaders alone instead).
 # Stages can be limited with STAGES="tests kernels" and pytest selection with TESTS="tests/test_ops.py".
-# TEST_PROCS=N (without TESTS) runs the suite as N pytest processes at once, the test files split into groups of
-# about equal time by the last suites' reports (tests/split_tests.py): one GPU's suite in about a third of the
-# time with 3 (each process its own junit-K.xml and tests-K.log). The logs name each test as it ends (-v), so a
+# TEST_PROCS=N (without TESTS) runs the suite as N pytest processes at once, the test files (a heavy file by its
+# test functions) split into groups of about equal time by the last suites' reports (tests/split_tests.py): one
+# GPU's suite in about a third of the time with 3 (each process its own junit-K.xml and tests-K.log). The logs name each test as it ends (-v), so a
 # process stopped before its report still says which tests failed.
 # probe: the U-ViT probe grid's 13 linear probes of one noise level, one at a time against together
 # (benchmarks.bench_probe; PROBE_ARGS narrows it).

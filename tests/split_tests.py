@@ -7,14 +7,19 @@ A file's weight is its tests' time (skipped ones excluded) in the newest JUnit r
 ran it, among the records (``records/benchmarks/<card>-<YYYY-MM-DD>-<what>/**/junit*.xml``, newest by the
 date in the folder name; not the extension's suite, ``junit_csrc*.xml``, whose every process repeats test_csrc.py); a file no report has (no GPU test, or a new file) weighs the median of the files
 that have one, so that such files spread over the groups (on a GPU host the CPU tests take time too, and
-weighing nothing put them all in one group, which ran four times as long as the others). Groups are filled greedily, heaviest file first, into the lightest group (the
-longest-processing-time rule), and each group lists its files in the tests folder's order.
+weighing nothing put them all in one group, which ran four times as long as the others). A file heavier than
+half a group's share is split into its test functions (``tests/test_x.py::test_f``, every parametrisation of a
+function together; found in the file's source, so a function no report has is still run), each weighed by its
+own reports, or by the median of the file's weighed functions: one long file no longer sets the suite's time.
+Groups are filled greedily, heaviest first, into the lightest group (the longest-processing-time rule), and each
+group lists its files and functions in the tests folder's order.
 ``benchmarks/device_check.sh``'s tests stage runs one pytest process per group when ``TEST_PROCS`` > 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import sys
 import xml.etree.ElementTree as ET
@@ -24,20 +29,24 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RECORD_DATE = re.compile(r"[a-z0-9]+-(\d{4}-\d{2}-\d{2})-")
 
 
-def report_durations(junit: Path) -> dict[str, float]:
-    """Seconds of the tests that ran (not skipped) per test file, as ``tests/test_x.py``, in one JUnit report."""
+def report_durations(junit: Path, by_function: bool = False) -> dict[str, float]:
+    """Seconds of the tests that ran (not skipped) in one JUnit report, per test file (``tests/test_x.py``) or,
+    ``by_function``, per test function (``tests/test_x.py::test_f``, ``tests/test_x.py::TestC::test_f``; a
+    function's parametrisations added up)."""
     seconds: dict[str, float] = {}
     for case in ET.parse(junit).iter("testcase"):
         if case.find("skipped") is not None:
             continue
-        module = case.get("classname", "").split("::")[0]
-        parts = module.split(".")
+        parts = case.get("classname", "").split("::")[0].split(".")
+        classes = []
         # pytest writes a test function's classname as the module path (tests.test_x) or with its class after it
         while parts and not parts[-1].startswith("test_"):
-            parts.pop()
+            classes.insert(0, parts.pop())
         if parts:
-            path = "/".join(parts) + ".py"
-            seconds[path] = seconds.get(path, 0.0) + float(case.get("time") or 0.0)
+            key = "/".join(parts) + ".py"
+            if by_function:
+                key = "::".join([key, *classes, case.get("name", "").split("[")[0]])
+            seconds[key] = seconds.get(key, 0.0) + float(case.get("time") or 0.0)
     return seconds
 
 
@@ -50,19 +59,52 @@ def record_of(report: Path) -> tuple[str, str]:
     return "", str(report.parent)
 
 
-def newest_durations(reports: list[Path]) -> dict[str, float]:
-    """Per test file, its seconds in the newest record (by the date in its name) whose reports ran any of its
-    tests; the reports of one record add up (a suite split over processes writes one report each)."""
+def newest_durations(reports: list[Path], by_function: bool = False) -> dict[str, float]:
+    """Per test file (or function: :func:`report_durations`), its seconds in the newest record (by the date in
+    its name) whose reports ran any of its tests; the reports of one record add up (a suite split over
+    processes writes one report each)."""
     by_record: dict[tuple[str, str], dict[str, float]] = {}
     for report in reports:
         into = by_record.setdefault(record_of(report), {})
-        for path, secs in report_durations(report).items():
+        for path, secs in report_durations(report, by_function).items():
             into[path] = into.get(path, 0.0) + secs
     durations: dict[str, float] = {}
     for record in sorted(by_record, reverse=True):
         for path, secs in by_record[record].items():
             durations.setdefault(path, secs)
     return durations
+
+
+def test_functions(source: str) -> list[str]:
+    """The test functions pytest collects from a test file's ``source``, in order: ``test_f`` at module level
+    and ``TestC::test_f`` in its ``Test`` classes."""
+    found = []
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+            found.append(node.name)
+        elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+            found += [f"{node.name}::{f.name}" for f in node.body
+                      if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name.startswith("test")]
+    return found
+
+
+def split_heavy_files(files: list[str], sources: dict[str, str], durations: dict[str, float],
+                      function_durations: dict[str, float], procs: int) -> tuple[list[str], dict[str, float]]:
+    """``(units, their durations)``: ``files`` in order, each file heavier than half a group's share of the known
+    total replaced by its test functions (``file::function``), each weighed by ``function_durations`` or by the
+    median of the file's weighed functions."""
+    share = sum(durations.get(f, 0.0) for f in files) / procs
+    units, weights = [], dict(durations)
+    for f in files:
+        functions = [f"{f}::{name}" for name in test_functions(sources[f])] if durations.get(f, 0.0) > share / 2 else []
+        known = sorted(function_durations[u] for u in functions if u in function_durations)
+        if len(functions) < 2 or not known:
+            units.append(f)
+            continue
+        for u in functions:
+            weights[u] = function_durations.get(u, known[len(known) // 2])
+        units += functions
+    return units, weights
 
 
 def split(files: list[str], durations: dict[str, float], procs: int) -> list[tuple[float, list[str]]]:
@@ -97,8 +139,13 @@ def main(argv=None) -> int:
         p.error(f"--tests: no test_*.py files in {args.tests}")
     # the suite without the extension: the extension's suite repeats test_csrc.py at the head of every process
     reports = sorted(r for r in Path(args.records).glob("**/junit*.xml") if not r.name.startswith("junit_csrc"))
-    for secs, group in split(list(paths), newest_durations(reports), args.procs):
-        print((f"{secs:.0f}s " if args.show else "") + " ".join(paths[f] for f in group))
+    units, weights = split_heavy_files(list(paths), {f: Path(p).read_text() for f, p in paths.items()},
+                                       newest_durations(reports), newest_durations(reports, by_function=True),
+                                       args.procs)
+    for secs, group in split(units, weights, args.procs):
+        # a unit is a file or file::function; the file part named as --tests gave it
+        named = [paths[u.split("::")[0]] + u[len(u.split("::")[0]):] for u in group]
+        print((f"{secs:.0f}s " if args.show else "") + " ".join(named))
     return 0
 
 

@@ -439,6 +439,74 @@ def test_inductor_dynamic_shapes_match_eager(triton_device):
     assert compiles[0] >= 1 and compiles[1:] == compiles[:1] * 2
 
 
+def test_importing_the_ops_turns_on_static_launch_unless_the_environment_says_otherwise():
+    """Inductor launches the dres kernels traced into a graph through its static launcher; the environment
+    variable, where a user set it, decides."""
+    code = ("import torch._inductor.config as c; before = c.static_launch_user_defined_triton_kernels; "
+            "import dres.ops; print(before, c.static_launch_user_defined_triton_kernels)")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"}
+    for setting, want in [(None, "False True"), ("0", "False False"), ("1", "True True")]:
+        run_env = env if setting is None else {**env, "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS": setting}
+        got = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, check=True)
+        assert got.stdout.split() == want.split(), (setting, got.stdout, got.stderr)
+
+
+STATICALLY_LAUNCHED = """
+import torch
+import dres.ops as ops
+
+torch.manual_seed(0)
+B, N, D, H = 4, 50, 64, 4  # 50 tokens: short_attention's range; D / H = 16
+
+
+def leaf(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda") * scale).requires_grad_(True)
+
+
+x, h = leaf(B, N, D), leaf(B, N, D)
+w, b = leaf(D), leaf(D)
+fc1_w, fc1_b, fc2_w, fc2_b = leaf(4 * D, D, scale=0.1), leaf(4 * D), leaf(D, 4 * D, scale=0.1), leaf(D)
+qkv_w = leaf(3 * D, D, scale=0.1)
+pred_w = leaf(4 * 4 * 3, D, scale=0.1)
+imgs = torch.randn(B, 3, 20, 40, device="cuda")  # 5 x 10 patches of 4 px: N of them
+mask = (torch.rand(B, N, device="cuda") < 0.75).float()
+params = (x, h, w, b, fc1_w, fc1_b, fc2_w, fc2_b, qkv_w, pred_w)
+
+
+def every_op_family(x, h, w, b, fc1_w, fc1_b, fc2_w, fc2_b, qkv_w, pred_w):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out, y = ops.residual_layer_norm(x, h, w, b, 0.9)
+        out = ops.residual_add(out, ops.fused_mlp(y, fc1_w, fc1_b, fc2_w, fc2_b), 0.9)
+        out = out + ops.short_attention(ops.layer_norm(out, w, b, out_dtype=torch.bfloat16) @ qkv_w.to(torch.bfloat16).t(), H)
+        return ops.mae_loss(out @ pred_w.to(torch.bfloat16).t(), imgs, mask, 4)
+
+
+def loss_and_grads(f):
+    loss = f(*params)
+    return [loss.detach(), *torch.autograd.grad(loss, params)]
+
+
+eager = loss_and_grads(every_op_family)
+compiled = loss_and_grads(torch.compile(every_op_family, fullgraph=True))
+for name, e, c in zip(["loss", "x", "h", "w", "b", "fc1_w", "fc1_b", "fc2_w", "fc2_b", "qkv_w", "pred_w"], eager, compiled):
+    error = ((c.float() - e.float()).norm() / e.float().norm()).item()
+    assert error < 2e-2, (name, error)  # bf16 matmuls; Inductor fuses the casts between them otherwise
+print("statically launched and equal")
+"""
+
+
+@pytest.mark.gpu
+def test_compiled_graphs_launch_every_op_family_statically():
+    """Every dres kernel traced into a compiled forward and backward (residual norm, bias + GELU, short
+    attention, MAE loss) goes through Inductor's static launcher: with its strict switch a kernel it
+    cannot take raises instead of falling back to Triton's launcher; the compiled loss and gradients equal
+    eager's. In a process of its own, with Inductor's caches off, so every kernel is compiled and loaded."""
+    env = {**os.environ, "TORCHINDUCTOR_STRICT_STATIC_CUDA_LAUNCHER": "1", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+    env.pop("TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS", None)
+    got = subprocess.run([sys.executable, "-c", STATICALLY_LAUNCHED], env=env, capture_output=True, text=True)
+    assert got.returncode == 0 and "statically launched and equal" in got.stdout, got.stderr[-3000:]
+
+
 def test_inductor_caches_off_restores_the_config_keys():
     """The compile tests switch Inductor's caches off through the configs' own patch(): afterwards
     the keys are back with their values (pytest 9's monkeypatch deleted them, failing later tests)."""

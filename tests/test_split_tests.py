@@ -57,3 +57,37 @@ def test_main_prints_one_group_a_line_and_rejects_bad_arguments(tmp_path, capsys
         split_tests.main(["--procs", "0"])
     with pytest.raises(SystemExit):
         split_tests.main(["--procs", "2", "--tests", str(tmp_path / "missing")])
+
+
+def test_a_heavy_file_is_split_into_its_test_functions_each_run_once(tmp_path, capsys):
+    source = ("import pytest\n\ndef helper():\n    pass\n\n@pytest.mark.parametrize('n', [1, 2])\ndef test_slow(n):\n"
+              "    pass\n\ndef test_new():\n    pass\n\nclass TestGroup:\n    def test_inner(self):\n        pass\n\n"
+              "    def helper(self):\n        pass\n\nclass Other:\n    def test_not_collected(self):\n        pass\n")
+    assert split_tests.test_functions(source) == ["test_slow", "test_new", "TestGroup::test_inner"]
+    report = _report(tmp_path / "records" / "h100-2026-11-27-suite" / "junit.xml",
+                     [("tests.test_heavy", 40.0, False), ("tests.test_heavy", 50.0, False),
+                      ("tests.test_heavy.TestGroup", 10.0, False), ("tests.test_light", 20.0, False)])
+    # pytest's names carry the parametrisation: the report written above names them t0, t1, ...; as pytest does:
+    report.write_text(report.read_text().replace('name="t0"', 'name="test_slow[1]"')
+                      .replace('name="t1"', 'name="test_slow[2]"').replace('name="t2"', 'name="test_inner"'))
+    assert split_tests.report_durations(report, by_function=True) == {
+        "tests/test_heavy.py::test_slow": 90.0, "tests/test_heavy.py::TestGroup::test_inner": 10.0,
+        "tests/test_light.py::t3": 20.0}
+    files = ["tests/test_heavy.py", "tests/test_light.py"]
+    units, weights = split_tests.split_heavy_files(
+        files, {"tests/test_heavy.py": source, "tests/test_light.py": "def test_a():\n    pass\n"},
+        split_tests.newest_durations([report]), split_tests.newest_durations([report], by_function=True), 2)
+    # test_heavy (100 s) is above half a group's share (60 s): its functions, test_new (no report) weighing the
+    # median of the others; test_light stays whole
+    assert units == ["tests/test_heavy.py::test_slow", "tests/test_heavy.py::test_new",
+                     "tests/test_heavy.py::TestGroup::test_inner", "tests/test_light.py"]
+    assert [weights[u] for u in units] == [90.0, 90.0, 10.0, 20.0]
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_heavy.py").write_text(source)
+    (tests / "test_light.py").write_text("def test_a():\n    pass\n")
+    assert split_tests.main(["--procs", "2", "--tests", str(tests), "--records", str(tmp_path / "records")]) == 0
+    groups = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert sorted(u for g in groups for u in g) == sorted(
+        [f"{tests / 'test_heavy.py'}::{f}" for f in ("test_slow", "test_new", "TestGroup::test_inner")]
+        + [str(tests / "test_light.py")])

@@ -16,6 +16,15 @@ prints as a tree, so a deep graph feeding the op takes minutes to print (BENCHMA
 time of the ViT-B/16 ``official`` MAE). Registering the same fallback, with the layout constraint
 Inductor would choose, skips that message. The fake kernels run during tracing, before any
 lowering: a real-Python moment to do it.
+
+Inductor launches its own kernels through its static CUDA launcher and, by default, user-defined
+Triton kernels (the dres kernels traced into a graph) through Triton's launcher, whose host cost a
+launch is two to four times as large: where a compiled step is host-bound (small models) that is the
+rate (BENCHMARKS.md, "Your model"). Importing the ops turns on
+``torch._inductor.config.static_launch_user_defined_triton_kernels`` for the process; Inductor falls
+back to Triton's launcher for a kernel its static launcher cannot take, and
+``TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=0`` in the environment keeps Triton's
+launcher for every kernel.
 """
 
 from __future__ import annotations
@@ -24,8 +33,12 @@ import functools
 from typing import Callable, Iterable, Optional
 
 import torch
+import torch._inductor.config
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+# The environment variable, where set, takes precedence over this (Inductor's config reads it first).
+torch._inductor.config.static_launch_user_defined_triton_kernels = True
 
 # Qualified names ("namespace::name") whose fallbacks are registered (or found already lowered).
 FALLBACKS_REGISTERED: set[str] = set()
