@@ -439,11 +439,12 @@ def test_inductor_dynamic_shapes_match_eager(triton_device):
     assert compiles[0] >= 1 and compiles[1:] == compiles[:1] * 2
 
 
-def test_importing_the_ops_turns_on_static_launch_unless_the_environment_says_otherwise():
-    """Inductor launches the dres kernels traced into a graph through its static launcher; the environment
-    variable, where a user set it, decides."""
-    code = ("import torch._inductor.config as c; before = c.static_launch_user_defined_triton_kernels; "
-            "import dres.ops; print(before, c.static_launch_user_defined_triton_kernels)")
+def test_static_launch_is_turned_on_unless_the_environment_says_otherwise():
+    """Inductor launches the dres kernels traced into a graph through its static launcher (the GPU test below);
+    the environment variable, where a user set it, decides."""
+    code = ("import torch._inductor.config as c; from dres.ops.registration import launch_dres_kernels_statically; "
+            "before = c.static_launch_user_defined_triton_kernels; launch_dres_kernels_statically(); "
+            "print(before, c.static_launch_user_defined_triton_kernels)")
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"}
     for setting, want in [(None, "False True"), ("0", "False False"), ("1", "True True")]:
         run_env = env if setting is None else {**env, "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS": setting}
