@@ -181,6 +181,22 @@ def test_reference_backend_runs_float64():
     assert ops.residual_act(x, h).dtype == torch.float64  # CPU default: the reference
 
 
+def test_the_formulas_relu_backward_reads_the_stored_out_as_the_kernels_does(triton_device):
+    """Where alpha*x + h is positive in fp32 but rounds to 0 in the stored dtype, the kernel's ReLU backward (read
+    from the stored out) passes no gradient; the formula (what torch.compile runs) must do the same."""
+    x = torch.full((2, 1, 2, 2), 2.0 ** -24, dtype=F16, device=triton_device)  # fp16's smallest subnormal
+    h = torch.zeros_like(x)
+    got = []
+    for backend in ("triton", "torch"):
+        xl = x.clone().requires_grad_(True)
+        out = ops.residual_act(xl, h, 0.25, backend=backend)  # 2**-26 in fp32, 0 in fp16
+        out.backward(torch.ones_like(out))
+        got.append((out, xl.grad))
+    (out_kernel, dx_kernel), (out_formula, dx_formula) = got
+    assert torch.equal(out_kernel, out_formula) and not out_kernel.any()
+    assert torch.equal(dx_kernel, dx_formula) and not dx_kernel.any()
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.compile: the op's formula, which Inductor fuses with its neighbours
 

@@ -63,7 +63,10 @@ def _kill_and_resume(tmp_path, source, path, workers, extra=(), steps=STEPS) -> 
     killed = _run(tmp_path, source, path, workers, cut, extra=extra, steps=steps)
     while killed.poll() is None and _logged(cut) < kill_after:
         time.sleep(0.01)
-    assert killed.poll() is None, f"the run ended before the kill after step {kill_after}"
+    if killed.poll() is not None:
+        stdout, stderr = killed.communicate()
+        raise AssertionError(f"the run ended (status {killed.returncode}) before the kill after step {kill_after}:\n"
+                             f"{stdout[-2000:]}\n{stderr[-4000:]}")
     os.killpg(killed.pid, signal.SIGKILL)
     stdout, stderr = killed.communicate(timeout=60)
     assert killed.returncode == -signal.SIGKILL, (kill_after, stdout, stderr)

@@ -90,8 +90,9 @@ def residual_layer_norm(x, h, weight, bias, alpha=1.0, eps=1e-6, row_scale=None,
 def residual_act(x, h, alpha=1.0, row_scale=None, grad_scale=None, act="relu"):
     """act(alpha * x + row_scale[b] * h) for x, h of shape (B, ...), act "relu" or "identity":
     computed in fp32 (fp64 if any input is), stored in x.dtype; the ReLU backward is torch's."""
-    out = residual_add(x, h, alpha, row_scale, grad_scale, residual_dtype=compute_dtype(x, h))
-    return (torch.relu(out) if act == "relu" else out).to(x.dtype)
+    out = residual_add(x, h, alpha, row_scale, grad_scale, residual_dtype=compute_dtype(x, h)).to(x.dtype)
+    # ReLU after the rounding (the same values): its backward reads the stored out, as the kernel's does
+    return torch.relu(out) if act == "relu" else out
 
 
 def bias_gelu(pre: Tensor, bias: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,

@@ -16,16 +16,6 @@ prints as a tree, so a deep graph feeding the op takes minutes to print (BENCHMA
 time of the ViT-B/16 ``official`` MAE). Registering the same fallback, with the layout constraint
 Inductor would choose, skips that message. The fake kernels run during tracing, before any
 lowering: a real-Python moment to do it.
-
-Inductor launches its own kernels through its static CUDA launcher and, by default, user-defined
-Triton kernels (the dres kernels traced into a graph) through Triton's launcher, whose host cost a
-launch is two to four times as large: where a compiled step is host-bound (small models) that is the
-rate (BENCHMARKS.md, "Your model"). The first dres op traced into a graph turns on
-``torch._inductor.config.static_launch_user_defined_triton_kernels`` for the process (not at import:
-importing Inductor's config imports Dynamo, a second of start-up a converter-only user does not pay);
-Inductor falls back to Triton's launcher for a kernel its static launcher cannot take, and
-``TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=0`` in the environment keeps Triton's
-launcher for every kernel.
 """
 
 from __future__ import annotations
@@ -86,14 +76,6 @@ def _static_shape(t: torch.Tensor) -> bool:
     return not any(isinstance(n, torch.SymInt) for n in (*t.shape, *t.stride()))
 
 
-def launch_dres_kernels_statically() -> None:
-    """Inductor launches the user-defined Triton kernels of the graphs it compiles from now on through its
-    static launcher (the environment variable, where set, takes precedence: Inductor's config reads it first)."""
-    import torch._inductor.config
-
-    torch._inductor.config.static_launch_user_defined_triton_kernels = True
-
-
 def _inline_on_cuda(body: Callable) -> Callable:
     """The op's FunctionalTensorMode rule: trace ``body`` into the graph when its tensors are CUDA
     tensors of static shape and plain tracing types (no other subclass), else keep the op opaque."""
@@ -105,7 +87,6 @@ def _inline_on_cuda(body: Callable) -> Callable:
                   and not _export_keeps_ops_opaque())
         if not inline:
             return mode.__torch_dispatch__(op, types, args, kwargs)
-        launch_dres_kernels_statically()  # before Inductor compiles and loads the kernels this trace records
         with mode:
             return body(*args, **kwargs)
 
