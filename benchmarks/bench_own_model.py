@@ -11,7 +11,8 @@ side by side with their plain originals, one process per arm.
 Models (:data:`MODELS`), each from its library's constructor with random weights drawn from one seed, so
 every arm starts from the same weights: timm ``vit_base_patch16_224`` (drop path 0.1: timm's own in the
 plain arms, the converter's controller in the converted ones, which create the model without it), timm
-DINOv2 ViT-S/14 at 224 px, HF ``ViTMAEForPreTraining`` (base; one fixed ``noise``, so every step masks
+DINOv2 ViT-S/14 at 224 px, HF ``Dinov2ForImageClassification`` (small: 384 wide, 6 heads, patch 14, 224 px),
+HF ``ViTMAEForPreTraining`` (base; one fixed ``noise``, so every step masks
 alike in every arm), HF ``ViTForImageClassification`` (base, 1000 labels), HF ``BertForMaskedLM`` (base,
 sequence 128, 15% of the tokens labelled), HF ``GPT2LMHeadModel`` (small, sequence 1024), HF
 ``CLIPVisionModel`` (base, patch 16, 224 px; the loss: its pooled output's mean square), timm ``resnet50d`` at
@@ -203,6 +204,13 @@ MODELS = {
     "dinov2_s14": ModelSpec(
         "timm vit_small_patch14_dinov2, 224 px", "img/s", functools.partial(timm_vit, "vit_small_patch14_dinov2", 0.0),
         image_batch, classification_loss, Size(128, 224, 1000), Size(TINY_BATCH, 28, 10, SMALL_VIT)),
+    "hf_dinov2_s14": ModelSpec(
+        "HF Dinov2ForImageClassification, small, 224 px", "img/s",
+        functools.partial(hf_model, "Dinov2ForImageClassification", "Dinov2Config", "convert_hf_vit",
+                          lambda size: {"image_size": size.image, "num_labels": size.classes}),
+        image_batch, classification_loss, Size(128, 224, 1000, dict(hidden_size=384, num_attention_heads=6, patch_size=14)),
+        Size(TINY_BATCH, 32, 10, dict(patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      mlp_ratio=2))),
     "hf_vitmae": ModelSpec(
         "HF ViTMAEForPreTraining, base", "img/s",
         functools.partial(hf_model, "ViTMAEForPreTraining", "ViTMAEConfig", "convert_hf_vit",

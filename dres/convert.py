@@ -193,19 +193,18 @@ def gelu_approximate(act: nn.Module, gelu_types: dict) -> Optional[str]:
 
 
 def fused_mlp_of(x: torch.Tensor, fc1: nn.Linear, fc2: nn.Linear, approximate: str, backend: Optional[str],
-                 layer_scale: Optional[nn.Module] = None):
-    """``fc2(gelu(fc1(x)))`` through :func:`dres.ops.fused_mlp`, then ``layer_scale`` (folded into fc2)."""
-    fc2_weight, fc2_bias = scaled_weights(fc2, layer_scale)
+                 gamma: Optional[torch.Tensor] = None):
+    """``fc2(gelu(fc1(x)))`` through :func:`dres.ops.fused_mlp`, times a LayerScale's ``gamma`` (folded into fc2)."""
+    fc2_weight, fc2_bias = scaled_weights(fc2, gamma)
     return ops.fused_mlp(x, fc1.weight, fc1.bias, fc2_weight, fc2_bias, backend=backend, approximate=approximate)
 
 
-def scaled_weights(linear: nn.Linear, layer_scale: Optional[nn.Module]):
-    """The weight and bias of ``layer_scale(linear(x))`` as one Linear: each output row times gamma. A timm
-    LayerScale after the branch's last Linear so costs a multiply of the weights, not of the activations, and
-    keeps no activation for gamma's gradient."""
-    if layer_scale is None:
+def scaled_weights(linear: nn.Linear, gamma: Optional[torch.Tensor]):
+    """The weight and bias of ``linear(x) * gamma`` as one Linear: each output row times gamma. A LayerScale
+    (timm's, HF DINOv2's) after the branch's last Linear so costs a multiply of the weights, not of the
+    activations, and keeps no activation for gamma's gradient."""
+    if gamma is None:
         return linear.weight, linear.bias
-    gamma = layer_scale.gamma
     return linear.weight * gamma[:, None], None if linear.bias is None else linear.bias * gamma
 
 
@@ -240,7 +239,7 @@ def _timm_attention_forward(stream: "FusedTimmBlocks", attn: nn.Module, x: torch
     attended = attention_from_qkv(attn.qkv(x), attn.num_heads, stream.backend)
     if layer_scale is None:
         return attn.proj_drop(attn.proj(attended))
-    return attn.proj_drop(F.linear(attended, *scaled_weights(attn.proj, layer_scale)))
+    return attn.proj_drop(F.linear(attended, *scaled_weights(attn.proj, layer_scale.gamma)))
 
 
 def _timm_mlp_forward(stream: "FusedTimmBlocks", mlp: nn.Module, approximate: str, x: torch.Tensor,
@@ -249,7 +248,8 @@ def _timm_mlp_forward(stream: "FusedTimmBlocks", mlp: nn.Module, approximate: st
     between its Linears goes to timm's own forward."""
     if mlp.training and mlp.drop1.p > 0:
         return _layer_scaled(type(mlp).forward(mlp, x), layer_scale)
-    return mlp.drop2(fused_mlp_of(x, mlp.fc1, mlp.fc2, approximate, stream.backend, layer_scale))
+    return mlp.drop2(fused_mlp_of(x, mlp.fc1, mlp.fc2, approximate, stream.backend,
+                                  None if layer_scale is None else layer_scale.gamma))
 
 
 def _fuse_timm_branches(stream: "FusedTimmBlocks", fused_mlp: bool) -> None:

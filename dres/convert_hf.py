@@ -53,7 +53,10 @@ probabilities, flash, flex), calls that want the probabilities (``output_attenti
 own forward. An MLP with an exact or tanh GELU (HF's ``"gelu"``, ``"gelu_new"``, ``"gelu_pytorch_tanh"``;
 CLIP's ``quick_gelu`` is none) runs
 :func:`dres.ops.fused_mlp`, which recomputes GELU in the backward: one (tokens x hidden) activation
-fewer (``fused_mlp=False`` keeps HF's). ViTMAEForPreTraining's loss is :func:`dres.ops.mae_loss`,
+fewer (``fused_mlp=False`` keeps HF's). A DINOv2 LayerScale after a converted branch is folded under
+torch.compile into the branch's last Linear (the attention's ``o_proj`` where the fused module holds it, the
+fused MLP's ``fc2``: :func:`dres.convert.scaled_weights`), as in the timm converter; eager keeps HF's multiply;
+a layer's ``_dres_layer_scale_folded`` names those branches. ViTMAEForPreTraining's loss is :func:`dres.ops.mae_loss`,
 read straight from the pixels. A vision model's patch embedding (a ``Conv2d`` whose kernel is its stride) runs
 as one GEMM over the patches (:class:`dres.convert.PatchConv2d`), as in the timm converter.
 
@@ -78,7 +81,7 @@ from torch import nn
 
 from dres import ops
 from dres.convert import (attention_from_qkv, check_norm, float32_alphas, fused_mlp_of, gelu_approximate,
-                          gemm_patch_embeddings)
+                          gemm_patch_embeddings, scaled_weights)
 from dres.nn.transformer import add_and_norm, autocast_dtype
 
 __all__ = ["convert_hf_vit", "convert_hf_bert", "convert_hf_gpt2"]
@@ -138,11 +141,17 @@ def _attention_dropout(module: nn.Module) -> float:
     return module.dropout.p
 
 
-def _fused_attention_forward(module: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+def _projection(module: nn.Module) -> Optional[nn.Linear]:
+    """The output projection a self-attention module holds (``o_proj``, ``out_proj``), if any."""
+    return getattr(module, "o_proj", None) or getattr(module, "out_proj", None)
+
+
+def _fused_attention_forward(module: nn.Module, hidden_states: torch.Tensor, *args,
+                             layer_scale: Optional[torch.Tensor] = None, **kwargs):
     """HF's SDPA self-attention with q, k and v from one GEMM (short attention where it can); what
     needs more (module docstring) runs HF's own forward. Returns what HF's SDPA path does:
-    (output, None), the output projected where the module holds the projection (``o_proj``,
-    ``out_proj``)."""
+    (output, None), the output projected where the module holds the projection (:func:`_projection`),
+    times ``layer_scale`` where given (a DINOv2 LayerScale's gamma, folded into the projection)."""
     named = dict(zip(module._dres_arg_names, args), **kwargs)
     if module._dres_user_mask.absent:  # the mask HF built without one from the caller: all True
         named["attention_mask"] = None
@@ -150,15 +159,18 @@ def _fused_attention_forward(module: nn.Module, hidden_states: torch.Tensor, *ar
     if (config._attn_implementation != "sdpa" or named.get("output_attentions") or config.output_attentions
             or getattr(module, "is_causal", False) or named.get("is_causal")
             or any(named.get(n) is not None for n in _HF_ONLY_ARGUMENTS)):
-        return type(module).forward(module, hidden_states, *args, **kwargs)
+        out = type(module).forward(module, hidden_states, *args, **kwargs)
+        return out if layer_scale is None else (out[0] * layer_scale, *out[1:])
     q, k, v = _qkv_linears(module)
     bias = None if q.bias is None else torch.cat((q.bias, k.bias, v.bias))
     qkv = nn.functional.linear(hidden_states, torch.cat((q.weight, k.weight, v.weight)), bias)
     dropout_p = _attention_dropout(module) if module.training else 0.0
     num_heads = getattr(module, "num_attention_heads", None) or module.num_heads  # CLIP's, SigLIP's name
     out = attention_from_qkv(qkv, num_heads, module.backend, named.get("attention_mask"), dropout_p)
-    projection = getattr(module, "o_proj", None) or getattr(module, "out_proj", None)
-    return (out if projection is None else projection(out)), None
+    projection = _projection(module)
+    if projection is None:
+        return out, None
+    return nn.functional.linear(out, *scaled_weights(projection, layer_scale)), None
 
 
 def _fuse_attention(attention: nn.Module, config, backend: Optional[str]) -> None:
@@ -236,11 +248,12 @@ def _mlp_parts(layer: nn.Module) -> Optional[tuple[nn.Linear, nn.Linear, str]]:
     return fc1, fc2, approximate
 
 
-def _mlp(layer: nn.Module, y: torch.Tensor) -> torch.Tensor:
-    """The layer's MLP on y, up to its fc2 (no dropout after): fused where conversion found it fusable."""
+def _mlp(layer: nn.Module, y: torch.Tensor, layer_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The layer's MLP on y, up to its fc2 (no dropout after): fused where conversion found it fusable, then
+    times ``layer_scale`` where given (folded into fc2: only a fused MLP is given one)."""
     if layer._dres_mlp is not None:
         fc1, fc2, approximate = layer._dres_mlp
-        return fused_mlp_of(y, fc1, fc2, approximate, layer.backend)
+        return fused_mlp_of(y, fc1, fc2, approximate, layer.backend, layer_scale)
     if hasattr(layer, "mlp"):
         return layer.mlp(y)
     return layer.output.dense(layer.intermediate(y))
@@ -334,14 +347,37 @@ def _end_layer(layer: nn.Module, mid: torch.Tensor, h: torch.Tensor) -> torch.Te
     return out
 
 
+def _foldable_layer_scales(layer: nn.Module) -> tuple[int, ...]:
+    """The branches (1: attention, 2: MLP) of a DINOv2 layer whose LayerScale the converted branch folds into its
+    last Linear under torch.compile: the attention where the fused module holds its projection (transformers
+    5), the MLP where it is the fused one."""
+    if not hasattr(layer, "layer_scale1"):
+        return ()
+    attention = _self_attention_module(layer.attention)
+    foldable = [k for k, fused in ((1, attention is layer.attention and getattr(attention, "_dres_fused", False)
+                                    and _projection(attention) is not None), (2, layer._dres_mlp is not None))
+                if fused]
+    return tuple(k for k in foldable if isinstance(getattr(getattr(layer, f"layer_scale{k}"), "lambda1", None),
+                                                   nn.Parameter))
+
+
 def _fused_vit_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
-    """The forward of a converted pre-LN layer (``args``/``kwargs``: the attention's, as the model passes them)."""
+    """The forward of a converted pre-LN layer (``args``/``kwargs``: the attention's, as the model passes them).
+    Compiled, a DINOv2 LayerScale the layer folds (``_dres_layer_scale_folded``) scales the branch's last
+    Linear's weights, not its output (as :func:`dres.convert_timm_vit` does: eager keeps the multiply, fewer
+    launches)."""
     norm_before, attention_module, attention_tail, norm_after, mlp_tail = _pre_ln_parts(layer)
+    folded = layer._dres_layer_scale_folded if torch.compiler.is_compiling() else ()
+    if 1 in folded:
+        kwargs["layer_scale"], attention_tail = layer.layer_scale1.lambda1, layer.drop_path
     attention = attention_module(_normalised_input(layer, norm_before, hidden_states), *args, **kwargs)
     attention_out = attention[0] if isinstance(attention, tuple) else attention
     mid, y = _fused_add_norm(hidden_states, attention_tail(attention_out), norm_after, layer._dres_alphas[0],
                              layer.backend)
-    out = _end_layer(layer, mid, mlp_tail(_mlp(layer, y)))
+    if 2 in folded:
+        out = _end_layer(layer, mid, layer.drop_path(_mlp(layer, y, layer.layer_scale2.lambda1)))
+    else:
+        out = _end_layer(layer, mid, mlp_tail(_mlp(layer, y)))
     # transformers < 4.56 returns (hidden_states, attentions...) from a layer; later versions the tensor
     return (out,) + tuple(attention[1:]) if layer._dres_returns_tuple else out
 
@@ -422,6 +458,7 @@ def convert_hf_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "li
             layer.backend = backend
             layer.__class__ = _fused_layer_class(type(layer))
             _fuse_attention(_pre_ln_parts(layer)[1], getattr(owner, "config", None) or model.config, backend)
+            layer._dres_layer_scale_folded = _foldable_layer_scales(layer)
     _drop_built_masks(model)
     if hasattr(model, "decoder") and hasattr(model, "patchify"):
         _fuse_mae_loss(model)

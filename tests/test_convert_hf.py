@@ -255,6 +255,41 @@ def test_dinov2_alpha1_keeps_function(kw):
     torch.testing.assert_close(got, model(**inputs).last_hidden_state, **F64)
 
 
+def test_dinov2_layer_scale_is_folded_into_the_branches_last_linears(monkeypatch):
+    """Under torch.compile a DINOv2 LayerScale after a converted branch is folded into the branch's last Linear
+    (the attention's o_proj, the fused MLP's fc2): its own forward does not run, and the function and every
+    gradient, lambda1's too, stay the original's; where HF's own attention runs (output_attentions) the scale
+    is applied to its output. Eager keeps HF's multiply."""
+    from transformers.models.dinov2.modeling_dinov2 import Dinov2LayerScale
+
+    original = tiny_dinov2().double()
+    converted = dres.convert_hf_vit(copy.deepcopy(original), backend="torch")
+    folded = [layer._dres_layer_scale_folded for layer in converted.dinov2.encoder.layer]
+    holds_projection = hasattr(original.dinov2.encoder.layer[0].attention, "o_proj")  # transformers 5
+    assert folded == [(1, 2) if holds_projection else (2,)] * 3
+    ran = []
+    for m in converted.modules():
+        if isinstance(m, Dinov2LayerScale):
+            m.register_forward_hook(lambda module, args, out: ran.append(module))
+    unused = {"dinov2.embeddings.mask_token"}
+    assert_same_function(original, converted, vit_inputs(), "pixel_values", F64, unused=unused)
+    assert len(ran) == 2 * 3  # eager: HF's multiply on both branches of the 3 layers
+    ran.clear()
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.compiler, "is_compiling", lambda: True)  # the compiled forward's code, run eagerly
+        assert_same_function(original, converted, vit_inputs(), "pixel_values", F64, unused=unused)
+        assert len(ran) == 2 * 3 - sum(map(len, folded))
+        inputs = vit_inputs()
+        got = converted(**inputs, output_attentions=True)  # HF's own attention, then the scale
+        torch.testing.assert_close(got.logits, original(**inputs, output_attentions=True).logits, **F64)
+    compiled = torch.compile(converted, backend="aot_eager")
+    torch.testing.assert_close(compiled(**inputs).logits, original(**inputs).logits, **F64)
+    # without the fused MLP only the attention's LayerScale is folded
+    unfused = dres.convert_hf_vit(copy.deepcopy(original), backend="torch", fused_mlp=False)
+    assert [layer._dres_layer_scale_folded for layer in unfused.dinov2.encoder.layer] == [
+        (1,) if holds_projection else ()] * 3
+
+
 def test_dinov2_drop_path_in_training_keeps_function():
     """DINOv2's own DropPath (drop_path_rate) draws in the same order in the converted layers."""
     original = tiny_dinov2(drop_path_rate=0.5).double().train()

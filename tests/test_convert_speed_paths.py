@@ -668,6 +668,22 @@ def test_gpu_bf16_timm_vit():
 
 
 @pytest.mark.gpu
+def test_gpu_bf16_hf_dinov2_compiled_with_its_layer_scales_folded():
+    """Compiled by Inductor, the converted HF DINOv2 (each LayerScale folded into o_proj and fc2) trains in bf16
+    as the plain model does eagerly."""
+    torch.manual_seed(0)
+    config = transformers.Dinov2Config(image_size=56, patch_size=14, hidden_size=128, num_hidden_layers=2,
+                                       num_attention_heads=2, mlp_ratio=4, layerscale_value=0.5, num_labels=5)
+    original = transformers.Dinov2ForImageClassification(config).cuda().train()
+    converted = dres.convert_hf_vit(copy.deepcopy(original))
+    assert all(layer._dres_layer_scale_folded for layer in converted.dinov2.encoder.layer)
+    torch._dynamo.reset()
+    converted.forward = torch.compile(converted.forward)  # the module's parameter names stay
+    inputs = {"pixel_values": torch.randn(4, 3, 56, 56, device="cuda"), "labels": torch.randint(0, 5, (4,), device="cuda")}
+    assert_bf16_close(original, converted, inputs, lambda out: out.loss)
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_hf_gpt2():
     """GPT2LMHeadModel's language-model loss in training (dropout off: the draws differ between the
     paths' kernels); greedy generation in float32 with the kernels and the cache: each step's logits
