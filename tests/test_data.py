@@ -487,5 +487,10 @@ def test_a_lost_image_of_a_folder_is_named_in_the_summary(tmp_path, resident):
                    num_workers=0, normalize=False, aug="none", max_corrupt_frac=1.0)
     ld = build_loader(d, "train", 4 if resident else 8, log=lambda m: None)
     if not resident:
-        assert len(ld.next()["label"]) == 7  # the epoch's one batch holds every file
+        # the epoch's one batch holds every file; the one lost is made up by the batch's first sample, so every
+        # step takes one shape
+        batch = ld.next()
+        assert len(batch["label"]) == 8 and ld.state_dict()["read"] == 7
+        assert torch.equal(batch["image"][7], batch["image"][0]) and batch["label"][7] == batch["label"][0]
+        assert len({tuple(im.flatten().tolist()) for im in batch["image"][:7]}) == 7
     assert ld.counter.summary()["lost_files"] == [str(tmp_path / "c1" / "3.jpg")]

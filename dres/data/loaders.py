@@ -23,7 +23,9 @@ nothing from the global generator, whose stream (the step's masks and noise) the
 Both file loaders make pixels the way :mod:`dres.data.decode` says (in the workers, or on the GPU), and
 finish each batch (its GPU decode, crop kernel and normalisation) ``ahead`` batches early in a thread of the
 training process (:class:`_Ahead`), so the step's thread only queues steps; at the end of each epoch of known
-length they log where its images were decoded (:func:`~dres.data.decode.decode_paths_line`).
+length they log where its images were decoded (:func:`~dres.data.decode.decode_paths_line`). A step batch that
+lost samples (an unreadable file, a JPEG no decoder took) is made up to its size with its own samples
+(:func:`made_up`): every step of a run has one shape, which a captured step, a compiled model and DDP's ranks need.
 """
 
 from __future__ import annotations
@@ -54,6 +56,16 @@ def _mix(*xs) -> int:
     for x in xs:
         h = (h ^ (int(x) + 0x9E3779B97F4A7C15 + (h << 6) + (h >> 2))) & ((1 << 63) - 1)
     return h
+
+
+def made_up(batch: dict, size: int) -> dict:
+    """A step batch that lost samples, made up to ``size`` by repeating its own samples in their order (the
+    first ones twice); the same on a resume. The samples lost are counted apart, not these."""
+    n = len(batch["label"])
+    if n == size:
+        return batch
+    rows = torch.arange(size, device=batch["label"].device) % n
+    return {k: v[rows] if isinstance(v, torch.Tensor) and v.shape[:1] == (n,) else v for k, v in batch.items()}
 
 
 def check_split(global_batch, world, accum):
@@ -408,7 +420,7 @@ class FolderLoader(_StreamingLoader):
             out, lost = self._finish(prepared)
             losses.append(lost)
             if out is not None:
-                yield out, losses, epoch, batch
+                yield made_up(out, self.local), losses, epoch, batch
                 losses = []
 
 
@@ -530,7 +542,7 @@ class ShardLoader(_StreamingLoader):
                     continue
                 last = bool(self.steps_per_epoch) and batch + 1 >= self.steps_per_epoch  # ranks stay in step
                 epoch, batch = (epoch + 1, 0) if last else (epoch, batch + 1)
-                yield out, losses, epoch, batch
+                yield made_up(out, self.local), losses, epoch, batch
                 losses = []
                 if last:
                     break
