@@ -402,8 +402,8 @@ def test_public_api_rejects_bad_input_before_the_extension():
 
 @gpu
 def test_bad_input_names_the_argument():
-    """Direct calls of the C++ ops raise RuntimeErrors naming the argument and its shape (issue 6:
-    this segfaulted on the GPU image while the messages streamed integers; see csrc/ops.cpp num())."""
+    """Direct calls of the C++ ops raise RuntimeErrors naming the argument and its shape (they
+    once segfaulted on the GPU image while the messages streamed integers; see csrc/ops.cpp num())."""
     x, h, w, b = make_case((2, 3, 64), F32, BF16, "cuda")
     c = torch.ops.dres_cuda
     with pytest.raises(RuntimeError, match=r"weight has shape \[10\]; expected \(64,\)"):

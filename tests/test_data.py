@@ -178,7 +178,7 @@ def _damaged_shards(tmp_path):
 
 @pytest.mark.parametrize("resident", [True, False])
 def test_lost_data_is_reported_as_it_happens_and_stops_above_the_limit(tmp_path, resident):
-    """Issue 13 item 5: a truncated shard used to lose samples with one line at the very end."""
+    """A truncated shard's lost samples are reported as they happen (once they were one line at the very end)."""
     pattern = _damaged_shards(tmp_path)
     lines = []
     d = DataConfig(name="wds", path=pattern, img_size=8, gpu_resident=resident, num_workers=0, shuffle_buffer=0,

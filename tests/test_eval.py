@@ -94,7 +94,7 @@ def test_grids_and_tsne_png(tmp_path):
     assert (tmp_path / "t.png").stat().st_size > 1000
 
 
-# ------------------------------------------------------------------ curves over training, FD (issue 18)
+# ------------------------------------------------------------------ curves over training, FD
 
 def test_curve_points_keep_the_last_record_of_a_step_and_plot_several_runs(tmp_path):
     from dres.eval import plot_curves, read_points, record_point

@@ -364,8 +364,8 @@ def test_compile_fullgraph_traces_forward_and_backward(triton_device):
 
 def test_inductor_lowers_the_ops_through_registered_fallbacks(triton_device, monkeypatch):
     """Inductor must not take its implicit-fallback path for the dres ops: before torch 2.12 that
-    path formats the IR of every input eagerly, minutes for a deep model (issue 3: the ViT-B/16
-    official MAE). The fake kernels register the fallbacks first; here the implicit path's message
+    path formats the IR of every input eagerly, minutes for a deep model (the ViT-B/16
+    official MAE's compile). The fake kernels register the fallbacks first; here the implicit path's message
     is recorded (at INFO, so torch >= 2.12's lazy message is built too) and must not name a dres op."""
     import logging
 
