@@ -67,6 +67,8 @@ def check_residual_act_inputs(backend: str, x, h, alpha, row_scale, grad_scale, 
 def sample_major_dense(t: Tensor) -> bool:
     """Whether ``t`` fills its memory without gaps or overlaps with the batch dimension outermost
     (NCHW and channels_last both do), so element e of its storage belongs to sample e // per_sample."""
+    if t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)):
+        return True  # a ResNet's two layouts, told in C++: this runs several times a call, on the host path
     expected = 1
     for stride, size in sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1):
         if stride != expected:
@@ -99,7 +101,7 @@ def _empty_laid_out(shape, strides, dtype, device) -> tuple[Tensor, Tensor]:
 def _flat_in(t: Tensor, strides) -> Tensor:
     """``t``'s elements as a flat 1-D tensor in the physical order of ``strides`` (for t's shape);
     copies only when t is not already laid out that way (h unlike x, a strided gradient)."""
-    if sample_major_dense(t) and _same_layout(t.stride(), strides, t.shape):
+    if (t.stride() == strides or _same_layout(t.stride(), strides, t.shape)) and sample_major_dense(t):
         return t.as_strided((t.numel(),), (1,))
     laid, flat = _empty_laid_out(t.shape, strides, t.dtype, t.device)
     laid.copy_(t)
