@@ -19,7 +19,8 @@ half alone runs in this process: ``--no-decoders``, or ``taskset`` on the whole 
 The folder is like ImageNet's train split: landscape and portrait photos of 500 x 375 / 333 mostly, some of
 other sizes, JPEG quality 90 at about ImageNet's mean file size, 1% greyscale, 0.2% CMYK and 0.1% PNGs named
 .JPEG (as ImageNet has), 2% progressive. ``all`` writes ``data.json`` and ``data.md`` under OUT: the GPU
-decoder's own rate (the training process's half alone, on batches read once), each loader's images/s, and each
+decoder's own rate (the training process's half alone, on batches read once, with what one batch made the host
+wait for: :func:`host_waits`), each loader's images/s, and each
 trainer's steady-state images/s from files over its rate on synthetic data (with the largest ``--cores``, the
 same GPUs and ``--trainer-set`` overrides). Each ``--variant`` (data settings, comma-separated) adds the loader
 and trainer rows from files once more with those settings: the levers side by side in one run.
@@ -50,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing import Pool
 from pathlib import Path
@@ -156,6 +158,38 @@ def loader_rate(root: str, decode: str, workers: int, batch: int = 256, warmup: 
             "decoded": loader.decoded, "variant": list(sets)}
 
 
+# the CUDA runtime's calls that make the host wait for the GPU
+HOST_WAITS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
+def host_waits(fn) -> dict:
+    """What one call of ``fn`` made the host wait for the GPU: the runtime's synchronising calls counted, whoever
+    made them (PyTorch, a decoder library, the caching allocator), and the synchronising PyTorch operations among
+    them by the Python line that ran each (torch.cuda's sync debug mode; a library's own waits have no line)."""
+    import warnings
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    def runtime_waits(call) -> Counter:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            call()
+        return Counter({e.key: e.count for e in prof.key_averages() if e.key in HOST_WAITS})
+
+    counts = dict(runtime_waits(fn) - runtime_waits(lambda: None))  # less the profiler's own
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    return {"runtime_calls": counts, "torch_lines": dict(sites.most_common(5))}
+
+
 def decoder_rate(root: str, backend: str, batch: int = 256, batches: int = 20, hw_load: float = 0.65) -> dict:
     """Images/s of the training process's half alone (GPU decode, crop-resize kernel, order) on batches of
     the folder read and prepared once: the GPU decoder's own limit, with no worker in the way."""
@@ -191,7 +225,8 @@ def decoder_rate(root: str, backend: str, batch: int = 256, batches: int = 20, h
     torch.cuda.synchronize()
     decode_only = batches * len(encoded) / (time.perf_counter() - t1)
     return {"kind": "decoder", "backend": backend, "hw_load": hw_load if backend == "nvimgcodec" else None,
-            "batch": batch, "images_per_s": n / seconds, "decode_call_images_per_s": decode_only}
+            "batch": batch, "images_per_s": n / seconds, "decode_call_images_per_s": decode_only,
+            "host_waits_a_batch": host_waits(lambda: finisher(prepared[0], []))}
 
 
 def core_range(first_core: int, cores: int) -> str:
@@ -430,8 +465,10 @@ def markdown(rows: list[dict], card: str) -> str:
     for r in rows:
         if r["kind"] == "decoder":
             hw = f", hardware share {r['hw_load']}" if r.get("hw_load") is not None else ""
+            waits = r.get("host_waits_a_batch", {}).get("runtime_calls", {})
+            waited = "".join(f"; {n} {call} a batch" for call, n in sorted(waits.items()))
             lines.append(f"| GPU half alone ({r['backend']}{hw}; the decode call alone "
-                         f"{r['decode_call_images_per_s']:,.0f}) | gpu | 1 | | | {r['images_per_s']:,.0f} | |")
+                         f"{r['decode_call_images_per_s']:,.0f}{waited}) | gpu | 1 | | | {r['images_per_s']:,.0f} | |")
             continue
         if r["kind"] == "prep":
             lines.append(f"| dres-prep, shorter side {r['short_side']} ({r['mean_kib']:.1f} KiB an image, "

@@ -1,11 +1,14 @@
-"""benchmarks/bench_data.py without a GPU: the trainer and loader commands it runs (one process or DDP through the
-launcher, the taskset range, the overrides), its argument checks and its table."""
+"""benchmarks/bench_data.py: the trainer and loader commands it runs (one process or DDP through the launcher, the
+taskset range, the overrides), its argument checks and its table; on a GPU, the GPU half's rate and what it makes
+the host wait for."""
 
 import os
 import sys
 
 import pytest
+import torch
 
+from benchmarks import bench_data
 from benchmarks.bench_data import error_line, loader_command, main, markdown, trainer_command
 from benchmarks.trainer_runs import TRAINER_EVAL_OFF
 
@@ -89,6 +92,34 @@ def test_markdown_divides_by_the_synthetic_row_of_the_same_gpus_and_overrides():
     assert "| trainer vit (imagefolder; compile_scope=model) | gpu | 2 | 4 | 4 | 3,000 | 0.75x |" in table
     # no synthetic row on 4 GPUs: no ratio rather than another row's
     assert "| trainer vit (imagefolder) | gpu | 4 | 4 | 4 | 3,000 |  |" in table
+
+
+def test_markdown_gives_the_gpu_halfs_rate_and_its_host_waits():
+    row = {"kind": "decoder", "backend": "torchvision", "hw_load": None, "batch": 256, "images_per_s": 4602.0,
+           "decode_call_images_per_s": 4273.0,
+           "host_waits_a_batch": {"runtime_calls": {"cudaStreamSynchronize": 2, "cudaEventSynchronize": 236},
+                                  "torch_lines": {}}}
+    assert ("| GPU half alone (torchvision; the decode call alone 4,273; 236 cudaEventSynchronize a batch; "
+            "2 cudaStreamSynchronize a batch) | gpu | 1 | | | 4,602 | |") in markdown([row], "h200").splitlines()
+
+
+@pytest.mark.gpu
+def test_host_waits_counts_the_runtimes_waits_and_names_pytorchs_lines():
+    x = torch.ones(4, device="cuda")
+    waits = bench_data.host_waits(lambda: (x * 2).sum().item())  # a copy to the host: one wait
+    assert sum(waits["runtime_calls"].values()) >= 1
+    assert [line for line in waits["torch_lines"] if line.startswith("test_bench_data.py:")], waits
+    quiet = bench_data.host_waits(lambda: x * 2)  # queued work only
+    assert not quiet["runtime_calls"] and not quiet["torch_lines"], quiet
+
+
+@pytest.mark.gpu
+def test_the_gpu_halfs_row_on_a_small_folder(tmp_path):
+    pytest.importorskip("torchvision")
+    bench_data.make_folder(str(tmp_path), images=16, classes=2)
+    row = bench_data.decoder_rate(str(tmp_path), "torchvision", batch=4, batches=2)
+    assert row["images_per_s"] > 0 and row["decode_call_images_per_s"] > 0
+    assert set(row["host_waits_a_batch"]) == {"runtime_calls", "torch_lines"}
 
 
 def test_markdown_shows_a_failed_row_with_what_failed():
