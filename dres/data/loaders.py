@@ -194,7 +194,7 @@ class _StreamingLoader(_Position):
         self._count(losses)
         if self.batch == 0 or self.batch == len(self):  # the epoch's last batch (ShardLoader: the next's position)
             self._epoch_line(self.epoch + (self.batch != 0))  # counted from 1
-        return out
+        return made_up(out, self.local)
 
     def _epoch_line(self, epoch: int):
         """Log where the images of the batches handed over since the last epoch's end were decoded."""
@@ -420,7 +420,7 @@ class FolderLoader(_StreamingLoader):
             out, lost = self._finish(prepared)
             losses.append(lost)
             if out is not None:
-                yield made_up(out, self.local), losses, epoch, batch
+                yield out, losses, epoch, batch
                 losses = []
 
 
@@ -542,7 +542,7 @@ class ShardLoader(_StreamingLoader):
                     continue
                 last = bool(self.steps_per_epoch) and batch + 1 >= self.steps_per_epoch  # ranks stay in step
                 epoch, batch = (epoch + 1, 0) if last else (epoch, batch + 1)
-                yield made_up(out, self.local), losses, epoch, batch
+                yield out, losses, epoch, batch
                 losses = []
                 if last:
                     break
