@@ -353,10 +353,11 @@ def _foldable_layer_scales(layer: nn.Module) -> tuple[int, ...]:
     5), the MLP where it is the fused one."""
     if not hasattr(layer, "layer_scale1"):
         return ()
-    attention = _self_attention_module(layer.attention)
-    foldable = [k for k, fused in ((1, attention is layer.attention and getattr(attention, "_dres_fused", False)
-                                    and _projection(attention) is not None), (2, layer._dres_mlp is not None))
-                if fused]
+    foldable = []
+    if getattr(layer.attention, "_dres_fused", False) and _projection(layer.attention) is not None:
+        foldable.append(1)
+    if layer._dres_mlp is not None:
+        foldable.append(2)
     return tuple(k for k in foldable if isinstance(getattr(getattr(layer, f"layer_scale{k}"), "lambda1", None),
                                                    nn.Parameter))
 
@@ -370,14 +371,14 @@ def _fused_vit_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *arg
     folded = layer._dres_layer_scale_folded if torch.compiler.is_compiling() else ()
     if 1 in folded:
         kwargs["layer_scale"], attention_tail = layer.layer_scale1.lambda1, layer.drop_path
+    mlp_scale = None
+    if 2 in folded:
+        mlp_scale, mlp_tail = layer.layer_scale2.lambda1, layer.drop_path
     attention = attention_module(_normalised_input(layer, norm_before, hidden_states), *args, **kwargs)
     attention_out = attention[0] if isinstance(attention, tuple) else attention
     mid, y = _fused_add_norm(hidden_states, attention_tail(attention_out), norm_after, layer._dres_alphas[0],
                              layer.backend)
-    if 2 in folded:
-        out = _end_layer(layer, mid, layer.drop_path(_mlp(layer, y, layer.layer_scale2.lambda1)))
-    else:
-        out = _end_layer(layer, mid, mlp_tail(_mlp(layer, y)))
+    out = _end_layer(layer, mid, mlp_tail(_mlp(layer, y, mlp_scale)))
     # transformers < 4.56 returns (hidden_states, attentions...) from a layer; later versions the tensor
     return (out,) + tuple(attention[1:]) if layer._dres_returns_tuple else out
 

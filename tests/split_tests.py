@@ -144,7 +144,7 @@ def main(argv=None) -> int:
                                        args.procs)
     for secs, group in split(units, weights, args.procs):
         # a unit is a file or file::function; the file part named as --tests gave it
-        named = [paths[u.split("::")[0]] + u[len(u.split("::")[0]):] for u in group]
+        named = [paths[file] + sep + rest for file, sep, rest in (u.partition("::") for u in group)]
         print((f"{secs:.0f}s " if args.show else "") + " ".join(named))
     return 0
 
