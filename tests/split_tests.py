@@ -10,7 +10,9 @@ that have one, so that such files spread over the groups (on a GPU host the CPU 
 weighing nothing put them all in one group, which ran four times as long as the others). A file heavier than
 half a group's share is split into its test functions (``tests/test_x.py::test_f``, every parametrisation of a
 function together; found in the file's source, so a function no report has is still run), each weighed by its
-own reports, or by the median of the file's weighed functions: one long file no longer sets the suite's time.
+own reports, or by the median of the file's weighed functions: one long file no longer sets the suite's time. A
+function still heavier than half a share is split likewise into its parametrisations (``tests/test_x.py::test_f[a]``,
+as ``pytest --collect-only`` finds them, so a case no report has is still run).
 Groups are filled greedily, heaviest first, into the lightest group (the longest-processing-time rule), and each
 group lists its files and functions in the tests folder's order.
 ``benchmarks/device_check.sh``'s tests stage runs one pytest process per group when ``TEST_PROCS`` > 1.
@@ -21,18 +23,20 @@ from __future__ import annotations
 import argparse
 import ast
 import re
+import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RECORD_DATE = re.compile(r"[a-z0-9]+-(\d{4}-\d{2}-\d{2})-")
 
 
-def report_durations(junit: Path, by_function: bool = False) -> dict[str, float]:
-    """Seconds of the tests that ran (not skipped) in one JUnit report, per test file (``tests/test_x.py``) or,
-    ``by_function``, per test function (``tests/test_x.py::test_f``, ``tests/test_x.py::TestC::test_f``; a
-    function's parametrisations added up)."""
+def report_durations(junit: Path, by: str = "file") -> dict[str, float]:
+    """Seconds of the tests that ran (not skipped) in one JUnit report, ``by`` test file (``tests/test_x.py``),
+    by test function (``tests/test_x.py::test_f``, ``tests/test_x.py::TestC::test_f``; a function's
+    parametrisations added up) or by case (``tests/test_x.py::test_f[a-1]``, pytest's node id)."""
     seconds: dict[str, float] = {}
     for case in ET.parse(junit).iter("testcase"):
         if case.find("skipped") is not None:
@@ -44,8 +48,9 @@ def report_durations(junit: Path, by_function: bool = False) -> dict[str, float]
             classes.insert(0, parts.pop())
         if parts:
             key = "/".join(parts) + ".py"
-            if by_function:
-                key = "::".join([key, *classes, case.get("name", "").split("[")[0]])
+            if by != "file":
+                name = case.get("name", "")
+                key = "::".join([key, *classes, name if by == "case" else name.split("[")[0]])
             seconds[key] = seconds.get(key, 0.0) + float(case.get("time") or 0.0)
     return seconds
 
@@ -59,14 +64,14 @@ def record_of(report: Path) -> tuple[str, str]:
     return "", str(report.parent)
 
 
-def newest_durations(reports: list[Path], by_function: bool = False) -> dict[str, float]:
-    """Per test file (or function: :func:`report_durations`), its seconds in the newest record (by the date in
+def newest_durations(reports: list[Path], by: str = "file") -> dict[str, float]:
+    """Per test file (or function, or case: :func:`report_durations`), its seconds in the newest record (by the date in
     its name) whose reports ran any of its tests; the reports of one record add up (a suite split over
     processes writes one report each)."""
     by_record: dict[tuple[str, str], dict[str, float]] = {}
     for report in reports:
         into = by_record.setdefault(record_of(report), {})
-        for path, secs in report_durations(report, by_function).items():
+        for path, secs in report_durations(report, by).items():
             into[path] = into.get(path, 0.0) + secs
     durations: dict[str, float] = {}
     for record in sorted(by_record, reverse=True):
@@ -107,6 +112,40 @@ def split_heavy_files(files: list[str], sources: dict[str, str], durations: dict
     return units, weights
 
 
+def split_heavy_functions(units: list[str], weights: dict[str, float], case_durations: dict[str, float], procs: int,
+                          cases_of: Callable[[str], list[str]]) -> tuple[list[str], dict[str, float]]:
+    """``(units, their weights)`` with each test function heavier than half a group's share replaced by its
+    parametrisations (``file::test_f[case]``, as ``cases_of`` collects them; one case alone or none collected keeps
+    the function whole), each weighed by ``case_durations`` or by the median of the function's weighed cases, or
+    else the function's weight shared out: six compiled cases of one function no longer run in one process."""
+    share = sum(weights.get(u, 0.0) for u in units) / procs
+    out, out_weights = [], dict(weights)
+    for unit in units:
+        cases = cases_of(unit) if "::" in unit and weights.get(unit, 0.0) > share / 2 else []
+        if len(cases) < 2:
+            out.append(unit)
+            continue
+        known = sorted(case_durations[c] for c in cases if c in case_durations)
+        fallback = known[len(known) // 2] if known else weights[unit] / len(cases)
+        for c in cases:
+            out_weights[c] = case_durations.get(c, fallback)
+        out += cases
+    return out, out_weights
+
+
+def collected_cases(paths: dict[str, str], unit: str) -> list[str]:
+    """The node ids (``tests/test_x.py::test_f[case]``) pytest collects for the test function ``unit``
+    (``tests/test_x.py::test_f``), its file as ``paths`` names it; none when the collection fails."""
+    file, _, function = unit.partition("::")
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          f"{paths[file]}::{function}"], capture_output=True, text=True)
+    ids = [line.partition("::")[2] for line in run.stdout.splitlines() if "::" in line]
+    # the groups go to pytest through a shell's word splitting: an id with a space keeps its function whole
+    if run.returncode != 0 or any(any(c.isspace() for c in i) for i in ids):
+        return []
+    return [f"{file}::{i}" for i in ids]  # pytest prints one node id a line; the unit's file named as the unit names it
+
+
 def split(files: list[str], durations: dict[str, float], procs: int) -> list[tuple[float, list[str]]]:
     """``procs`` groups of ``files`` as ``(expected seconds, files in their given order)``, heaviest first."""
     known = sorted(durations[f] for f in files if f in durations)
@@ -140,8 +179,10 @@ def main(argv=None) -> int:
     # the suite without the extension: the extension's suite repeats test_csrc.py at the head of every process
     reports = sorted(r for r in Path(args.records).glob("**/junit*.xml") if not r.name.startswith("junit_csrc"))
     units, weights = split_heavy_files(list(paths), {f: Path(p).read_text() for f, p in paths.items()},
-                                       newest_durations(reports), newest_durations(reports, by_function=True),
+                                       newest_durations(reports), newest_durations(reports, by="function"),
                                        args.procs)
+    units, weights = split_heavy_functions(units, weights, newest_durations(reports, by="case"), args.procs,
+                                           lambda unit: collected_cases(paths, unit))
     for secs, group in split(units, weights, args.procs):
         # a unit is a file or file::function; the file part named as --tests gave it
         named = [paths[file] + sep + rest for file, sep, rest in (u.partition("::") for u in group)]

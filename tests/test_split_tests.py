@@ -70,13 +70,13 @@ def test_a_heavy_file_is_split_into_its_test_functions_each_run_once(tmp_path, c
     # pytest's names carry the parametrisation: the report written above names them t0, t1, ...; as pytest does:
     report.write_text(report.read_text().replace('name="t0"', 'name="test_slow[1]"')
                       .replace('name="t1"', 'name="test_slow[2]"').replace('name="t2"', 'name="test_inner"'))
-    assert split_tests.report_durations(report, by_function=True) == {
+    assert split_tests.report_durations(report, by="function") == {
         "tests/test_heavy.py::test_slow": 90.0, "tests/test_heavy.py::TestGroup::test_inner": 10.0,
         "tests/test_light.py::t3": 20.0}
     files = ["tests/test_heavy.py", "tests/test_light.py"]
     units, weights = split_tests.split_heavy_files(
         files, {"tests/test_heavy.py": source, "tests/test_light.py": "def test_a():\n    pass\n"},
-        split_tests.newest_durations([report]), split_tests.newest_durations([report], by_function=True), 2)
+        split_tests.newest_durations([report]), split_tests.newest_durations([report], by="function"), 2)
     # test_heavy (100 s) is above half a group's share (60 s): its functions, test_new (no report) weighing the
     # median of the others; test_light stays whole
     assert units == ["tests/test_heavy.py::test_slow", "tests/test_heavy.py::test_new",
@@ -88,6 +88,35 @@ def test_a_heavy_file_is_split_into_its_test_functions_each_run_once(tmp_path, c
     (tests / "test_light.py").write_text("def test_a():\n    pass\n")
     assert split_tests.main(["--procs", "2", "--tests", str(tests), "--records", str(tmp_path / "records")]) == 0
     groups = [line.split() for line in capsys.readouterr().out.splitlines()]
+    # and test_slow (90 s) is still above half a share: its two cases apart
     assert sorted(u for g in groups for u in g) == sorted(
-        [f"{tests / 'test_heavy.py'}::{f}" for f in ("test_slow", "test_new", "TestGroup::test_inner")]
+        [f"{tests / 'test_heavy.py'}::{f}" for f in ("test_slow[1]", "test_slow[2]", "test_new", "TestGroup::test_inner")]
         + [str(tests / "test_light.py")])
+
+
+def test_a_heavy_function_is_split_into_its_cases_as_pytest_collects_them(tmp_path):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_heavy.py").write_text(
+        "import pytest\n\n@pytest.mark.parametrize('mode', ['a', 'b'])\n@pytest.mark.parametrize('dtype', ['x', 'y'])\n"
+        "def test_slow(mode, dtype):\n    pass\n\n@pytest.mark.parametrize('n', ['one two'])\ndef test_spaced(n):\n"
+        "    pass\n")
+    paths = {"tests/test_heavy.py": str(tests / "test_heavy.py")}
+    cases = split_tests.collected_cases(paths, "tests/test_heavy.py::test_slow")
+    assert cases == [f"tests/test_heavy.py::test_slow[{d}-{m}]" for d in "xy" for m in "ab"]
+    # an id with a space would be split by the shell that runs the groups; an unknown function collects nothing
+    assert split_tests.collected_cases(paths, "tests/test_heavy.py::test_spaced") == []
+    assert split_tests.collected_cases(paths, "tests/test_heavy.py::test_missing") == []
+    units = ["tests/test_heavy.py::test_slow", "tests/test_light.py"]
+    weights = {"tests/test_heavy.py::test_slow": 300.0, "tests/test_light.py": 100.0}
+    # two cases ran before; the two others (a new case, one the last suite never reached) weigh their median
+    case_durations = {cases[0]: 60.0, cases[1]: 100.0}
+    split_units, split_weights = split_tests.split_heavy_functions(
+        units, weights, case_durations, 2, lambda unit: split_tests.collected_cases(paths, unit))
+    assert split_units == [*cases, "tests/test_light.py"]
+    assert [split_weights[u] for u in split_units] == [60.0, 100.0, 100.0, 100.0, 100.0]
+    # below half a group's share a function stays whole, and no collection runs for it
+    light_heavy = {**weights, "tests/test_light.py": 700.0}
+    assert split_tests.split_heavy_functions(units, light_heavy, case_durations, 1, lambda unit: 1 / 0)[0] == units
+    # nothing known of its cases: the function's weight shared out
+    assert split_tests.split_heavy_functions(units, weights, {}, 2, lambda unit: cases)[1][cases[0]] == 75.0
