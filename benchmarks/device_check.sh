@@ -8,7 +8,7 @@
 # data_matrix/*.json; DATA_ARGS narrows it; DATA_MODE=all runs the older sweep with the loaders alone instead).
 # Stages can be limited with STAGES="tests kernels" and pytest selection with TESTS="tests/test_ops.py".
 # TEST_PROCS=N (without TESTS) runs the suite as N pytest processes at once, the test files (a heavy file by its
-# test functions) split into groups of about equal time by the last suites' reports (tests/split_tests.py): one
+# test functions, a heavy function by its cases) split into groups of about equal time by the last suites' reports (tests/split_tests.py): one
 # GPU's suite in about a third of the time with 3 (each process its own junit-K.xml and tests-K.log). The logs name each test as it ends (-v), so a
 # process stopped before its report still says which tests failed.
 # probe: the U-ViT probe grid's 13 linear probes of one noise level, one at a time against together
@@ -21,7 +21,7 @@
 # replay too is slow on the GPU side; one slow only in its step, on the host side).
 # csrc_tests: the whole suite again, CPU and GPU tests, with the optional CUDA C++ extension built (sm_90 only; the
 # default backend then takes its kernels for eager calls) into a temporary folder removed afterwards: in one
-# process, or with TEST_PROCS=N in N processes of the same groups as the tests stage, each headed by test_csrc.py
+# process, or with TEST_PROCS=N in N processes split by the extension's own earlier reports
 # (junit_csrc-K.xml, tests_csrc-K.log); CSRC_TESTS="tests/test_csrc.py ..." narrows it to one process (TESTS and MARK are the tests
 # stage's alone).
 # own_models: timm and Hugging Face models converted in one line against their plain originals, eager, compiled and
@@ -77,20 +77,20 @@ link_shared() {
   ln -s "$(python3 -c 'from dres.data.sources import default_cifar10_dir as d; print(d().parents[1])')" "$1/shared"
 }
 
-# NAME FIRST ARGS...: the suite as TEST_PROCS pytest processes at once, one per group of test files of about equal
-# time by the last suites' reports, each with its $OUT/junit_NAME-K.xml and tests_NAME-K.log (-v: a process stopped
-# early still names its failed tests; a test running past 5 minutes dumps its stack there); FIRST (test files, or
-# "") run at the head of every process, ARGS go to every process; TEST_GPUS="2,3" gives process K the K-th of those
+# NAME SPLIT_ARGS ARGS...: the suite as TEST_PROCS pytest processes at once, one per group of test files of about
+# equal time by the last suites' reports (tests/split_tests.py SPLIT_ARGS: "" or --extension), each with its
+# $OUT/junitNAME-K.xml and testsNAME-K.log (-v: a process stopped early still names its failed tests; a test running
+# past 5 minutes dumps its stack there); ARGS go to every process; TEST_GPUS="2,3" gives process K the K-th of those
 # GPUs in turn (default: every process sees the GPUs the caller sees); fails when any process failed
 split_suite() {
-  local name=$1 first=$2 k pids=() groups gpus=() failed=0
+  local name=$1 split_args=$2 k pids=() groups gpus=() failed=0
   shift 2
-  mapfile -t groups < <(python3 tests/split_tests.py --procs "$TEST_PROCS")
+  mapfile -t groups < <(python3 tests/split_tests.py --procs "$TEST_PROCS" $split_args)
   [ -n "${TEST_GPUS:-}" ] && IFS=, read -ra gpus <<<"$TEST_GPUS"
   for k in "${!groups[@]}"; do
     (
       [ ${#gpus[@]} -gt 0 ] && export CUDA_VISIBLE_DEVICES=${gpus[$((k % ${#gpus[@]}))]}
-      exec python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=300 $first ${groups[$k]} "$@" \
+      exec python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=300 ${groups[$k]} "$@" \
         --junitxml="$OUT/junit$name-$k.xml"
     ) >"$OUT/tests$name-$k.log" 2>&1 &
     pids+=($!)
@@ -238,10 +238,10 @@ if want csrc_tests; then
     cp -r . "$csrun/tree" && rm -rf "$csrun/tree/dres"
     link_shared "$csite"
     if [ "${TEST_PROCS:-1}" -gt 1 ] && [ -z "${CSRC_TESTS:-}" ]; then
-      # the csrc tests head every process: they force CUDA's dispatch key on CPU tensors, which once leaked into
-      # every later test of the process, so each group checks its files run clean after them
+      # test_csrc.py once, in the groups; its forced CUDA dispatch key, which once leaked into every later test of
+      # its process, has a test of its own (test_forced_cuda_dispatch_leaves_the_thread_as_it_found_it)
       (cd "$csrun/tree" && export PYTHONPATH="$csite${PYTHONPATH:+:$PYTHONPATH}" &&
-        split_suite _csrc tests/test_csrc.py) || status=1
+        split_suite _csrc --extension) || status=1
     else
       (cd "$csrun/tree" && PYTHONPATH="$csite${PYTHONPATH:+:$PYTHONPATH}" python3 -m pytest -v -p no:cacheprovider \
         ${CSRC_TESTS:-tests} --junitxml="$OUT/junit_csrc.xml" 2>&1) | tee "$OUT/tests_csrc.log" | tail -n 20

@@ -5,7 +5,8 @@
 
 A file's weight is its tests' time (skipped ones excluded) in the newest JUnit report of the GPU suite that
 ran it, among the records (``records/benchmarks/<card>-<YYYY-MM-DD>-<what>/**/junit*.xml``, newest by the
-date in the folder name; not the extension's suite, ``junit_csrc*.xml``, whose every process repeats test_csrc.py); a file no report has (no GPU test, or a new file) weighs the median of the files
+date in the folder name; with ``--extension``, those of the suite with the CUDA C++ extension built,
+``junit_csrc*.xml``); a file no report has (no GPU test, or a new file) weighs the median of the files
 that have one, so that such files spread over the groups (on a GPU host the CPU tests take time too, and
 weighing nothing put them all in one group, which ran four times as long as the others). A file heavier than
 half a group's share is split into its test functions (``tests/test_x.py::test_f``, every parametrisation of a
@@ -66,18 +67,28 @@ def record_of(report: Path) -> tuple[str, str]:
 
 def newest_durations(reports: list[Path], by: str = "file") -> dict[str, float]:
     """Per test file (or function, or case: :func:`report_durations`), its seconds in the newest record (by the date in
-    its name) whose reports ran any of its tests; the reports of one record add up (a suite split over
-    processes writes one report each)."""
+    its name) whose reports ran any of its tests. A record's reports add up (a suite split over processes writes
+    one report each), a case that several of them ran counted once, at its longest (the extension's suite once
+    ran test_csrc.py at the head of every process)."""
     by_record: dict[tuple[str, str], dict[str, float]] = {}
     for report in reports:
-        into = by_record.setdefault(record_of(report), {})
-        for path, secs in report_durations(report, by).items():
-            into[path] = into.get(path, 0.0) + secs
+        cases = by_record.setdefault(record_of(report), {})
+        for case, secs in report_durations(report, "case").items():
+            cases[case] = max(cases.get(case, 0.0), secs)
     durations: dict[str, float] = {}
     for record in sorted(by_record, reverse=True):
-        for path, secs in by_record[record].items():
-            durations.setdefault(path, secs)
+        for key, secs in rolled_up(by_record[record], by).items():
+            durations.setdefault(key, secs)
     return durations
+
+
+def rolled_up(cases: dict[str, float], by: str) -> dict[str, float]:
+    """Case seconds (``file::test_f[a]``) added up by ``by``: "case" (as they are), "function" or "file"."""
+    seconds: dict[str, float] = {}
+    for case, secs in cases.items():
+        key = case if by == "case" else case.split("::")[0] if by == "file" else case.split("[")[0]
+        seconds[key] = seconds.get(key, 0.0) + secs
+    return seconds
 
 
 def test_functions(source: str) -> list[str]:
@@ -165,6 +176,8 @@ def main(argv=None) -> int:
     p.add_argument("--tests", default="tests", help="the tests folder (its test_*.py files are split)")
     p.add_argument("--records", default=str(REPO_ROOT / "records" / "benchmarks"),
                    help="where the JUnit reports of earlier GPU suites are found (**/junit*.xml, not junit_csrc*)")
+    p.add_argument("--extension", action="store_true",
+                   help="weigh by the reports of the suite with the CUDA C++ extension built (**/junit_csrc*.xml)")
     p.add_argument("--show", action="store_true", help="print each group's expected seconds before its files")
     args = p.parse_args(argv)
     if args.procs < 1:
@@ -176,8 +189,9 @@ def main(argv=None) -> int:
     paths = {f"tests/{f.name}": str(f) for f in sorted(tests.glob("test_*.py"))}
     if not paths:
         p.error(f"--tests: no test_*.py files in {args.tests}")
-    # the suite without the extension: the extension's suite repeats test_csrc.py at the head of every process
-    reports = sorted(r for r in Path(args.records).glob("**/junit*.xml") if not r.name.startswith("junit_csrc"))
+    # each suite by its own reports: with the extension built, its tests (test_csrc.py's) run instead of skipping
+    reports = sorted(r for r in Path(args.records).glob("**/junit*.xml")
+                     if r.name.startswith("junit_csrc") == args.extension)
     units, weights = split_heavy_files(list(paths), {f: Path(p).read_text() for f, p in paths.items()},
                                        newest_durations(reports), newest_durations(reports, by="function"),
                                        args.procs)

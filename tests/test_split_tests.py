@@ -15,16 +15,20 @@ def _report(path: Path, cases: list[tuple[str, float, bool]]) -> Path:
     return path
 
 
-def test_durations_come_from_the_newest_record_and_its_reports_add_up(tmp_path):
+def test_durations_come_from_the_newest_record_its_reports_added_and_a_repeated_case_once(tmp_path):
     old = _report(tmp_path / "h100-2026-11-26-gpu-suite" / "junit.xml",
                   [("tests.test_a", 50.0, False), ("tests.test_b", 7.0, False), ("tests.test_c", 9.0, False)])
     new = [_report(tmp_path / "h100-2026-11-27-suite" / "t1" / "junit.xml",
                    [("tests.test_a", 10.0, False), ("tests.test_a.TestGroup", 5.0, False), ("tests.test_b", 99.0, True)]),
            _report(tmp_path / "h100-2026-11-27-suite" / "t2" / "junit.xml", [("tests.test_a", 1.0, False)])]
     assert split_tests.report_durations(new[0]) == {"tests/test_a.py": 15.0}  # skipped tests do not count
-    # test_a from the newest record (two reports added), test_b's skipped run is not one, so the older one holds
-    assert split_tests.newest_durations([old, *new]) == {"tests/test_a.py": 16.0, "tests/test_b.py": 7.0,
+    # test_a from the newest record, its two reports added, but its case t0, which both ran (as every process of the
+    # extension's suite once ran test_csrc.py), counted once at its longest; test_b's skipped run is not one, so the
+    # older record holds
+    assert split_tests.newest_durations([old, *new]) == {"tests/test_a.py": 15.0, "tests/test_b.py": 7.0,
                                                          "tests/test_c.py": 9.0}
+    new.append(_report(tmp_path / "h100-2026-11-27-suite" / "t3" / "junit.xml", [("tests.test_a", 2.0, False)] * 3))
+    assert split_tests.newest_durations([old, *new], by="case")["tests/test_a.py::t2"] == 2.0
 
 
 def test_groups_balance_the_heaviest_files_first_and_keep_every_file_once():
@@ -46,13 +50,16 @@ def test_main_prints_one_group_a_line_and_rejects_bad_arguments(tmp_path, capsys
     for name in ("test_x.py", "test_y.py", "helpers.py"):
         (tests / name).write_text("")
     _report(tmp_path / "records" / "h100-2026-11-27-suite" / "junit.xml", [("tests.test_y", 3.0, False)])
-    # the extension's suite (test_csrc.py at the head of every process) weighs nothing here
+    # the extension's suite weighs its own groups only (--extension), and the plain suite's reports nothing there
     _report(tmp_path / "records" / "h100-2026-11-27-suite" / "csrc" / "junit_csrc-0.xml",
             [("tests.test_x", 50.0, False), ("tests.test_y", 40.0, False)])
     assert split_tests.main(["--procs", "2", "--tests", str(tests), "--records", str(tmp_path / "records"),
                              "--show"]) == 0
     # test_x has no report: it weighs what test_y does
     assert capsys.readouterr().out.splitlines() == [f"3s {tests / 'test_x.py'}", f"3s {tests / 'test_y.py'}"]
+    assert split_tests.main(["--procs", "2", "--tests", str(tests), "--records", str(tmp_path / "records"),
+                             "--show", "--extension"]) == 0
+    assert capsys.readouterr().out.splitlines() == [f"50s {tests / 'test_x.py'}", f"40s {tests / 'test_y.py'}"]
     with pytest.raises(SystemExit):
         split_tests.main(["--procs", "0"])
     with pytest.raises(SystemExit):
