@@ -79,9 +79,12 @@ link_shared() {
 
 # NAME SPLIT_ARGS ARGS...: the suite as TEST_PROCS pytest processes at once, one per group of test files of about
 # equal time by the last suites' reports (tests/split_tests.py SPLIT_ARGS: "" or --extension), each with its
-# $OUT/junitNAME-K.xml and testsNAME-K.log (-v: a process stopped early still names its failed tests; a test running
+# $OUT/junitNAME-K.xml, testsNAME-K.log and timesNAME-K.jsonl (-v: a process stopped early still names its failed
+# tests, and its times log its finished tests' times and the test it was in; a test running
 # past 5 minutes dumps its stack there); ARGS go to every process; TEST_GPUS="2,3" gives process K the K-th of those
-# GPUs in turn (default: every process sees the GPUs the caller sees); fails when any process failed
+# GPUs in turn (default: every process sees the GPUs the caller sees); SUITE_S=N interrupts each process after N
+# seconds as Ctrl-C does, so that it still writes its report and summary (the tests it finished, with their times,
+# which the next split weighs) rather than being killed by the caller's own limit; fails when any process failed
 split_suite() {
   local name=$1 split_args=$2 k pids=() groups gpus=() failed=0
   shift 2
@@ -90,7 +93,9 @@ split_suite() {
   for k in "${!groups[@]}"; do
     (
       [ ${#gpus[@]} -gt 0 ] && export CUDA_VISIBLE_DEVICES=${gpus[$((k % ${#gpus[@]}))]}
-      exec python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=300 ${groups[$k]} "$@" \
+      export DRES_TEST_TIMES="$OUT/times$name-$k.jsonl"  # each test's time as it ends (tests/conftest.py)
+      exec timeout -s INT -k 30 "${SUITE_S:-0}" python3 -m pytest -v -p no:cacheprovider -o faulthandler_timeout=300 \
+        ${groups[$k]} "$@" \
         --junitxml="$OUT/junit$name-$k.xml"
     ) >"$OUT/tests$name-$k.log" 2>&1 &
     pids+=($!)

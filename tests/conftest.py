@@ -1,8 +1,10 @@
 """Shared test setup: GPU tests are marked ``gpu`` and skipped without CUDA; Triton kernels run on
 the CPU through the interpreter (TRITON_INTERPRET=1 must be set before triton is imported)."""
 
+import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch as _torch
@@ -24,6 +26,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# DRES_TEST_TIMES=FILE: each test's start and, once it ends, its seconds appended to FILE as JSON lines, as they
+# happen, so that a suite process cut at a time limit still leaves its times (and names the test it was in) for
+# tests/split_tests.py; a JUnit report is written only by a process that finishes
+_test_seconds: dict = {}
+
+
+def _log_test_times(line: dict) -> None:
+    path = os.environ.get("DRES_TEST_TIMES")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _log_test_times({"test": nodeid, "started": time.time()})
+
+
+def pytest_runtest_logreport(report):
+    seconds, skipped = _test_seconds.get(report.nodeid, (0.0, False))
+    _test_seconds[report.nodeid] = (seconds + report.duration, skipped or report.skipped)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    seconds, skipped = _test_seconds.pop(nodeid, (0.0, False))
+    _log_test_times({"test": nodeid, "seconds": seconds, "skipped": skipped})
 
 
 @pytest.fixture

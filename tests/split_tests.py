@@ -3,10 +3,12 @@
     python tests/split_tests.py --procs 3          # one line per group: its test files
     python tests/split_tests.py --procs 3 --show   # with each group's expected seconds
 
-A file's weight is its tests' time (skipped ones excluded) in the newest JUnit report of the GPU suite that
-ran it, among the records (``records/benchmarks/<card>-<YYYY-MM-DD>-<what>/**/junit*.xml``, newest by the
-date in the folder name; with ``--extension``, those of the suite with the CUDA C++ extension built,
-``junit_csrc*.xml``); a file no report has (no GPU test, or a new file) weighs the median of the files
+A file's weight is its tests' time (skipped ones excluded) in the newest reports of the GPU suite that ran it,
+among the records (``records/benchmarks/<card>-<YYYY-MM-DD>-<what>/**/junit*.xml``, and the test-times logs
+``times*.jsonl`` that tests/conftest.py writes as tests end, which a process cut at a time limit leaves too,
+naming the test it was in: that test weighs a process's share of its record; newest by the date in the folder
+name; with ``--extension``, those of the suite with the CUDA C++ extension built, ``junit_csrc*.xml`` and
+``times_csrc*.jsonl``); a file no report has (no GPU test, or a new file) weighs the median of the files
 that have one, so that such files spread over the groups (on a GPU host the CPU tests take time too, and
 weighing nothing put them all in one group, which ran four times as long as the others). A file heavier than
 half a group's share is split into its test functions (``tests/test_x.py::test_f``, every parametrisation of a
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -56,6 +59,22 @@ def report_durations(junit: Path, by: str = "file") -> dict[str, float]:
     return seconds
 
 
+def log_durations(log: Path) -> tuple[dict[str, float], list[str]]:
+    """``(seconds of each case that ran, cases started but never ended)`` of one test-times log (JSON lines that
+    tests/conftest.py appends under ``DRES_TEST_TIMES``): the second names the test a process was in when it was
+    cut."""
+    seconds, started = {}, {}
+    for line in log.read_text().splitlines():
+        entry = json.loads(line)
+        if "started" in entry:
+            started[entry["test"]] = True
+        else:
+            started.pop(entry["test"], None)
+            if not entry["skipped"]:
+                seconds[entry["test"]] = entry["seconds"]
+    return seconds, list(started)
+
+
 def record_of(report: Path) -> tuple[str, str]:
     """``(date, folder)`` of the record a report belongs to: the nearest folder named ``<card>-<date>-<what>``."""
     for folder in report.parents:
@@ -71,10 +90,20 @@ def newest_durations(reports: list[Path], by: str = "file") -> dict[str, float]:
     one report each), a case that several of them ran counted once, at its longest (the extension's suite once
     ran test_csrc.py at the head of every process)."""
     by_record: dict[tuple[str, str], dict[str, float]] = {}
+    cut: dict[tuple[str, str], tuple[set, int]] = {}  # per record: the cases its cut processes were in, its reports
     for report in reports:
-        cases = by_record.setdefault(record_of(report), {})
-        for case, secs in report_durations(report, "case").items():
+        record = record_of(report)
+        cases = by_record.setdefault(record, {})
+        seconds, unfinished = log_durations(report) if report.suffix == ".jsonl" else (report_durations(report, "case"), [])
+        for case, secs in seconds.items():
             cases[case] = max(cases.get(case, 0.0), secs)
+        held, n = cut.get(record, (set(), 0))
+        cut[record] = (held | set(unfinished), n + 1)
+    for record, (held, n) in cut.items():
+        # a case that held its process until the cut weighs a process's share of the record at least
+        share = sum(by_record[record].values()) / n
+        for case in held - set(by_record[record]):
+            by_record[record][case] = share
     durations: dict[str, float] = {}
     for record in sorted(by_record, reverse=True):
         for key, secs in rolled_up(by_record[record], by).items():
@@ -190,8 +219,8 @@ def main(argv=None) -> int:
     if not paths:
         p.error(f"--tests: no test_*.py files in {args.tests}")
     # each suite by its own reports: with the extension built, its tests (test_csrc.py's) run instead of skipping
-    reports = sorted(r for r in Path(args.records).glob("**/junit*.xml")
-                     if r.name.startswith("junit_csrc") == args.extension)
+    reports = sorted(r for pattern in ("**/junit*.xml", "**/times*.jsonl") for r in Path(args.records).glob(pattern)
+                     if r.name.startswith(("junit_csrc", "times_csrc")) == args.extension)
     units, weights = split_heavy_files(list(paths), {f: Path(p).read_text() for f, p in paths.items()},
                                        newest_durations(reports), newest_durations(reports, by="function"),
                                        args.procs)

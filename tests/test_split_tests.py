@@ -1,5 +1,9 @@
 """tests/split_tests.py: the GPU suite split over pytest processes by the durations of earlier reports."""
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,3 +131,38 @@ def test_a_heavy_function_is_split_into_its_cases_as_pytest_collects_them(tmp_pa
     assert split_tests.split_heavy_functions(units, light_heavy, case_durations, 1, lambda unit: 1 / 0)[0] == units
     # nothing known of its cases: the function's weight shared out
     assert split_tests.split_heavy_functions(units, weights, {}, 2, lambda unit: cases)[1][cases[0]] == 75.0
+
+
+def test_times_logs_weigh_a_cut_process_and_the_test_it_was_in(tmp_path):
+    record = tmp_path / "h200-2026-11-29-suite"
+    record.mkdir()
+    lines = [{"test": "tests/test_a.py::test_f[x]", "started": 1.0},
+             {"test": "tests/test_a.py::test_f[x]", "seconds": 30.0, "skipped": False},
+             {"test": "tests/test_a.py::test_skip", "started": 31.0},
+             {"test": "tests/test_a.py::test_skip", "seconds": 0.1, "skipped": True},
+             {"test": "tests/test_b.py::test_slow[dyn]", "started": 32.0}]  # the process was cut in this test
+    (record / "times-0.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert split_tests.log_durations(record / "times-0.jsonl") == ({"tests/test_a.py::test_f[x]": 30.0},
+                                                                   ["tests/test_b.py::test_slow[dyn]"])
+    # a finished process's JUnit report beside it: the record's share is (30 + 50) / 2 reports, the cut test's weight
+    _report(record / "junit-1.xml", [("tests.test_c", 50.0, False)])
+    reports = [record / "times-0.jsonl", record / "junit-1.xml"]
+    assert split_tests.newest_durations(reports, by="case") == {
+        "tests/test_a.py::test_f[x]": 30.0, "tests/test_c.py::t0": 50.0, "tests/test_b.py::test_slow[dyn]": 40.0}
+    assert split_tests.newest_durations(reports) == {"tests/test_a.py": 30.0, "tests/test_c.py": 50.0,
+                                                     "tests/test_b.py": 40.0}
+
+
+def test_conftest_logs_each_test_as_it_starts_and_ends(tmp_path):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "conftest.py").write_text(Path(__file__).with_name("conftest.py").read_text())
+    (tests / "test_toy.py").write_text("import pytest\n\ndef test_ok():\n    pass\n\n@pytest.mark.skip\ndef test_skipped():\n"
+                                       "    pass\n")
+    log = tmp_path / "times.jsonl"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)], cwd=tmp_path,
+                         env={**os.environ, "DRES_TEST_TIMES": str(log)}, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    seconds, unfinished = split_tests.log_durations(log)
+    assert list(seconds) == ["tests/test_toy.py::test_ok"] and unfinished == []  # the skipped test weighs nothing
+    assert len(log.read_text().splitlines()) == 4
