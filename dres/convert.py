@@ -12,7 +12,7 @@ the next norm; the last add is a ``residual_add`` and the model's own ``norm`` f
 The branches run on the fused ops too (every path): a block's timm ``Attention`` (a qkv Linear,
 identity q/k norms) takes :func:`dres.ops.short_attention` straight from the qkv output where
 :func:`dres.nn.transformer.takes_short_attention` allows it (no mask, no active attention dropout),
-SDPA otherwise; a timm ``Mlp`` with an exact or tanh GELU and no active dropout between its Linears
+SDPA otherwise; a timm ``Mlp`` with an exact, tanh or sigmoid (QuickGELU) GELU and no active dropout between its Linears
 runs :func:`dres.ops.fused_mlp` (``fused_mlp=False`` keeps timm's), which recomputes GELU in the
 backward and so keeps one (tokens x hidden) activation fewer, eager and compiled alike. A timm
 ``LayerScale`` after such a branch (DINOv2's, DeiT III's) is folded under torch.compile into the branch's
@@ -187,8 +187,9 @@ def attention_from_qkv(qkv: torch.Tensor, num_heads: int, backend: Optional[str]
 
 
 def gelu_approximate(act: nn.Module, gelu_types: dict) -> Optional[str]:
-    """The GELU ``act`` computes as ``F.gelu``'s ``approximate`` names it ("none", "tanh"): an ``nn.GELU``'s
-    own, else ``gelu_types[type(act)]``; None when ``act`` is no GELU the fused MLP computes."""
+    """The GELU ``act`` computes as :func:`dres.ops.fused_mlp`'s ``approximate`` names it ("none", "tanh" as
+    ``F.gelu`` does, "quick" for QuickGELU): an ``nn.GELU``'s own, else ``gelu_types[type(act)]``; None when
+    ``act`` is no GELU the fused MLP computes."""
     return act.approximate if isinstance(act, nn.GELU) else gelu_types.get(type(act))
 
 
@@ -216,7 +217,7 @@ def _layer_scaled(h: torch.Tensor, layer_scale: Optional[nn.Module]) -> torch.Te
 @functools.cache
 def _timm_gelu_types() -> dict:
     activations = import_optional("timm.layers.activations", "timm", "convert_timm_vit")
-    return {activations.GELU: "none", activations.GELUTanh: "tanh"}
+    return {activations.GELU: "none", activations.GELUTanh: "tanh", activations.QuickGELU: "quick"}
 
 
 def _short_timm_attention(attn: nn.Module) -> bool:
@@ -322,7 +323,7 @@ def convert_timm_vit(model: nn.Module, alpha_min: float = 1.0, schedule: str = "
     none, whatever the mode); droppath_mode: "drop_path" (timm, scaled by 1/keep) or
     "residual_droppath" (Park). backend: of :mod:`dres.ops` (``dres.nn.set_backend`` changes it later).
     Weights are not touched (no zero-initialisation: the model is presumably pretrained). Each
-    block's timm ``Mlp`` with an erf or tanh GELU (``act_layer``) runs :func:`dres.ops.fused_mlp`
+    block's timm ``Mlp`` with an erf, tanh or QuickGELU (``act_layer``) runs :func:`dres.ops.fused_mlp`
     (``fused_mlp=False``: as timm built it; other MLPs, SwiGLU's, always so), its ``Attention`` short
     attention from the qkv output where the shape allows (module docstring).
     """

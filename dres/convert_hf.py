@@ -50,8 +50,8 @@ dropout in training). It takes the place of HF's SDPA implementation (``attn_imp
 the default); other implementations (``"eager"``, which HF asks for to return attention
 probabilities, flash, flex), calls that want the probabilities (``output_attentions``), a
 ``head_mask``, cross-attention, caches and causal attention (decoders, CLIP's text tower) run HF's
-own forward. An MLP with an exact or tanh GELU (HF's ``"gelu"``, ``"gelu_new"``, ``"gelu_pytorch_tanh"``;
-CLIP's ``quick_gelu`` is none) runs
+own forward. An MLP with an exact, tanh or sigmoid GELU (HF's ``"gelu"``, ``"gelu_new"``, ``"gelu_pytorch_tanh"``,
+and CLIP's ``"quick_gelu"``) runs
 :func:`dres.ops.fused_mlp`, which recomputes GELU in the backward: one (tokens x hidden) activation
 fewer (``fused_mlp=False`` keeps HF's). A DINOv2 LayerScale after a converted branch is folded under
 torch.compile into the branch's last Linear (the attention's ``o_proj`` where the fused module holds it, the
@@ -227,8 +227,8 @@ def _hf_gelu_types() -> dict:
     """HF's GELU activations by class, read from its ACT2FN table (class names differ between versions)."""
     from transformers.activations import ACT2FN
 
-    return {type(ACT2FN[name]): approximate
-            for name, approximate in (("gelu", "none"), ("gelu_new", "tanh"), ("gelu_pytorch_tanh", "tanh"))}
+    return {type(ACT2FN[name]): approximate for name, approximate in
+            (("gelu", "none"), ("gelu_new", "tanh"), ("gelu_pytorch_tanh", "tanh"), ("quick_gelu", "quick"))}
 
 
 def _mlp_parts(layer: nn.Module) -> Optional[tuple[nn.Linear, nn.Linear, str]]:

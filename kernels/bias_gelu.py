@@ -1,5 +1,5 @@
-"""Triton kernels for the MLP activation ``act = gelu(pre + bias)`` (exact erf GELU, or its tanh
-approximation), and launchers.
+"""Triton kernels for the MLP activation ``act = gelu(pre + bias)`` (exact erf GELU, its tanh
+approximation, or the sigmoid one, CLIP's QuickGELU), and launchers.
 
 ``pre`` is the output of an MLP's first matmul run without its bias, shape (M, N) with N the hidden
 width (3072 for ViT-B). The forward adds the bias and applies GELU in one pass. The backward
@@ -14,8 +14,10 @@ width (3072 for ViT-B). The forward adds the bias and applies GELU in one pass. 
     approximate="none":  cdf = Phi, the standard normal CDF; cdf' = phi, its density
     approximate="tanh":  cdf = 0.5 * (1 + tanh(u)) = sigmoid(2u),  u = sqrt(2/pi) * (v + 0.044715 v^3)
                          cdf' = 2 sigmoid(2u) sigmoid(-2u) * du/dv
+    approximate="quick": cdf = sigmoid(1.702 v)  (QuickGELU: CLIP's, timm's and HF's ``quick_gelu``)
+                         cdf' = 1.702 sigmoid(1.702 v) sigmoid(-1.702 v)
 
-The ``TANH`` constexpr picks the formula; everything else is one kernel. The backward optionally
+The ``GELU`` constexpr (:data:`GELU_KINDS`) picks the formula; everything else is one kernel. The backward optionally
 writes ``act`` again (the caller's fc2 weight gradient needs it). All arithmetic is fp32 whatever
 the storage dtypes. Kernels and launchers only: no autograd here (that lives in
 ``dres.ops.bias_gelu``).
@@ -32,6 +34,9 @@ import triton.language as tl
 from .utils import CachedLaunch, cdiv, persistent_programs, rows_of, scratch_buffer, sum_partials
 
 
+GELU_KINDS = {"none": 0, "tanh": 1, "quick": 2}  # the kernels' GELU constexpr for each ``approximate``
+
+
 @triton.jit
 def _tanh_gelu_arg2(v):
     """2u, u = sqrt(2/pi) * (v + 0.044715 v^3): the tanh GELU's cdf 0.5 * (1 + tanh(u)) is sigmoid(2u)."""
@@ -39,24 +44,31 @@ def _tanh_gelu_arg2(v):
 
 
 @triton.jit
-def _gelu_cdf(v, TANH: tl.constexpr):
-    """cdf(v), gelu(v) = v * cdf(v): Phi(v) = 0.5 * (1 + erf(v / sqrt(2))), nn.GELU's default, or with
-    ``TANH`` sigmoid(2u), which has no cancellation where tanh(u) nears -1."""
-    if TANH:
+def _gelu_cdf(v, GELU: tl.constexpr):
+    """cdf(v), gelu(v) = v * cdf(v) (``GELU``: :data:`GELU_KINDS`): Phi(v) = 0.5 * (1 + erf(v / sqrt(2))),
+    nn.GELU's default; the tanh form as sigmoid(2u), which has no cancellation where tanh(u) nears -1; or
+    QuickGELU's sigmoid(1.702 v)."""
+    if GELU == 1:
         return tl.sigmoid(_tanh_gelu_arg2(v))
+    elif GELU == 2:
+        return tl.sigmoid(1.702 * v)
     else:
         return 0.5 * (1.0 + tl.erf(v * 0.7071067811865476))
 
 
 @triton.jit
-def _gelu_cdf_slope(v, TANH: tl.constexpr):
-    """cdf'(v), gelu'(v) = cdf(v) + v * cdf'(v): phi(v) = exp(-v^2 / 2) / sqrt(2 pi), or with ``TANH``
-    2 sigmoid(z) sigmoid(-z) * du/dv (z = 2u, du/dv = sqrt(2/pi) * (1 + 3 * 0.044715 v^2)), the sigmoids'
-    product as 1 / (2 + e^-z + e^z): positive terms, where 1 - sigmoid(z) would lose its small result's digits."""
-    if TANH:
+def _gelu_cdf_slope(v, GELU: tl.constexpr):
+    """cdf'(v), gelu'(v) = cdf(v) + v * cdf'(v): phi(v) = exp(-v^2 / 2) / sqrt(2 pi); for the tanh form
+    2 sigmoid(z) sigmoid(-z) * du/dv (z = 2u, du/dv = sqrt(2/pi) * (1 + 3 * 0.044715 v^2)); for QuickGELU
+    1.702 sigmoid(z) sigmoid(-z) (z = 1.702 v). The sigmoids' product as 1 / (2 + e^-z + e^z): positive
+    terms, where 1 - sigmoid(z) would lose its small result's digits."""
+    if GELU == 1:
         e = tl.exp(-_tanh_gelu_arg2(v))
         # v * v overflows fp32 from |v| = 1.8e19, where the sigmoids' product is 0 already: capped, no 0 * inf
         return 1.5957691216057308 * (1.0 + 0.134145 * tl.minimum(v * v, 1e4)) / (2.0 + e + 1.0 / e)
+    elif GELU == 2:
+        e = tl.exp(-1.702 * v)
+        return 1.702 / (2.0 + e + 1.0 / e)
     else:
         return 0.3989422804014327 * tl.exp(-0.5 * v * v)
 
@@ -67,7 +79,7 @@ def _bias_gelu_fwd_kernel(
     stride_pre, stride_act,
     M, N,
     HAS_BIAS: tl.constexpr,
-    TANH: tl.constexpr,
+    GELU: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -81,7 +93,7 @@ def _bias_gelu_fwd_kernel(
     v = tl.load(PRE + rows[:, None] * stride_pre + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         v += tl.load(BIAS + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    act = v * _gelu_cdf(v, TANH)
+    act = v * _gelu_cdf(v, GELU)
     tl.store(ACT + rows[:, None] * stride_act + cols[None, :], act.to(ACT.dtype.element_ty), mask=mask)
 
 
@@ -93,7 +105,7 @@ def _bias_gelu_bwd_kernel(
     HAS_BIAS: tl.constexpr,
     STORE_ACT: tl.constexpr,
     NEED_DBIAS: tl.constexpr,
-    TANH: tl.constexpr,
+    GELU: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -117,8 +129,8 @@ def _bias_gelu_bwd_kernel(
             v += bias[None, :]
         # Masked elements load g = 0, so they add nothing to the partial sums.
         g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        cdf = _gelu_cdf(v, TANH)
-        dpre = g * (cdf + v * _gelu_cdf_slope(v, TANH))
+        cdf = _gelu_cdf(v, GELU)
+        dpre = g * (cdf + v * _gelu_cdf_slope(v, GELU))
         tl.store(DPRE + rows[:, None] * stride_dpre + cols[None, :], dpre.to(DPRE.dtype.element_ty), mask=mask)
         if STORE_ACT:
             tl.store(ACT + rows[:, None] * stride_act + cols[None, :], (v * cdf).to(ACT.dtype.element_ty), mask=mask)
@@ -163,7 +175,7 @@ _BACKWARD = CachedLaunch(_bias_gelu_bwd_kernel)
 def bias_gelu_forward(pre: torch.Tensor, bias: torch.Tensor | None, act: torch.Tensor, approximate: str) -> None:
     """Write ``act = gelu(pre + bias)``: ``pre`` (..., N) with evenly spaced rows (others are copied:
     ``rows_of``), ``act`` contiguous of pre's shape and the output dtype; ``bias`` (N,) or None;
-    ``approximate`` "none" (erf) or "tanh", as ``F.gelu`` names them."""
+    ``approximate`` "none" (erf) or "tanh", as ``F.gelu`` names them, or "quick" (QuickGELU)."""
     N = pre.shape[-1]
     M = pre.numel() // N if N else 0
     if M == 0:
@@ -173,7 +185,7 @@ def bias_gelu_forward(pre: torch.Tensor, bias: torch.Tensor | None, act: torch.T
     block_m, block_n, num_warps = forward_config(int(N))
     _FORWARD((cdiv(M, block_m), cdiv(N, block_n)), (
         pre, bias if bias is not None else pre, act, stride_pre, N, M, N,
-        bias is not None, approximate == "tanh", block_m, block_n,
+        bias is not None, GELU_KINDS[approximate], block_m, block_n,
     ), num_warps)
 
 
@@ -219,7 +231,7 @@ def bias_gelu_backward(
         g, pre, bias if bias is not None else pre, dpre, act if act is not None else dpre,
         partials if need_dbias else dpre,
         stride_g, stride_pre, N, N,
-        M, N, rows_per_strip, bias is not None, act is not None, need_dbias, approximate == "tanh",
+        M, N, rows_per_strip, bias is not None, act is not None, need_dbias, GELU_KINDS[approximate],
         block_m, block_n,
     ), num_warps)
     if not need_dbias:

@@ -1,4 +1,4 @@
-"""The fused bias + GELU op (exact erf GELU and its tanh approximation) and the memory-saving MLP
+"""The fused bias + GELU op (exact erf GELU, its tanh approximation and QuickGELU) and the memory-saving MLP
 against float64 PyTorch.
 
 Forward and backward of ``fused_bias_gelu`` (act, dpre, dbias) and of ``fused_mlp`` (out, dx, dW1,
@@ -96,29 +96,32 @@ def test_bias_gelu_without_bias_and_with_out_dtype(triton_device):
     assert rel_err(act, F.gelu(pre.double(), approximate="tanh")) > 10 * TOLERANCE[F32]
 
 
+@pytest.mark.parametrize("approximate", ["tanh", "quick"])
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])
-def test_tanh_bias_gelu_matches_float64(triton_device, dtype):
-    """approximate="tanh" against F.gelu(approximate="tanh") in float64: odd sizes (masked rows and
-    columns, several row strips), and for fp32 a non-contiguous cotangent."""
+def test_approximate_bias_gelu_matches_float64(triton_device, dtype, approximate):
+    """approximate="tanh" against F.gelu(approximate="tanh") and "quick" against QuickGELU's v * sigmoid(1.702 v),
+    in float64: odd sizes (masked rows and columns, several row strips), and for fp32 a non-contiguous cotangent."""
     torch.manual_seed(13)
     pre, bias = make_pre(129, 37, dtype, triton_device)
     g = torch.randn(37, 129, device=triton_device).to(dtype).t() if dtype == F32 else None  # stride(-1) != 1
-    (act, dpre, dbias), (act6, dpre6, dbias6) = bias_gelu_against_float64(pre, bias, g, approximate="tanh")
+    (act, dpre, dbias), (act6, dpre6, dbias6) = bias_gelu_against_float64(pre, bias, g, approximate=approximate)
     assert act.dtype == dtype and dpre.dtype == dtype and dbias.dtype == F32
     assert_close("act", act, act6, dtype)
     assert_close("dpre", dpre, dpre6, dtype)
     assert_close("dbias", dbias, dbias6, F32)
-    if dtype == F32:  # the tanh kernel ran, not the erf one: their difference is far above fp32 rounding
+    if dtype == F32:  # this formula ran, not the erf one: their difference is far above fp32 rounding
         assert rel_err(act, reference.bias_gelu(*as_f64(pre, bias))) > 10 * TOLERANCE[F32]
 
 
 # The interpreter computes with numpy, which warns where fp32 overflows to inf as the kernel means it to.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:divide by zero:RuntimeWarning")
-def test_tanh_bias_gelu_gradient_has_no_nan_at_extremes(triton_device):
-    """Past |v| = 1.8e19 (v * v overflows fp32, and torch's own fp32 tanh-GELU gradient is NaN) the
-    kernel's gradient is the float64 one: 0 below, 1 above."""
-    pre = torch.tensor([[-1e20, -30.0, -9.0, -4.0, 4.0, 9.0, 30.0, 1e20]], device=triton_device)
-    (act, dpre, _), (act6, dpre6, _) = bias_gelu_against_float64(pre, None, torch.ones_like(pre), approximate="tanh")
+@pytest.mark.parametrize("approximate", ["tanh", "quick"])
+def test_approximate_bias_gelu_gradient_has_no_nan_at_extremes(triton_device, approximate):
+    """Past |v| = 1.8e19 (v * v overflows fp32, and torch's own fp32 tanh-GELU gradient is NaN), and where the
+    sigmoids' exponentials overflow, the kernel's gradient is the float64 one: 0 below, 1 above."""
+    pre = torch.tensor([[-1e20, -100.0, -30.0, -9.0, -4.0, 4.0, 9.0, 30.0, 100.0, 1e20]], device=triton_device)
+    (act, dpre, _), (act6, dpre6, _) = bias_gelu_against_float64(pre, None, torch.ones_like(pre),
+                                                                 approximate=approximate)
     torch.testing.assert_close(act.double(), act6, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(dpre.double(), dpre6, rtol=1e-6, atol=1e-6)
 
@@ -149,7 +152,7 @@ def test_backward_op_recomputes_the_forward_activation(triton_device):
     """bias_gelu_backward's act (what fc2's weight gradient uses) is the forward's act, bit for bit."""
     torch.manual_seed(4)
     pre, bias = make_pre(70, 300, BF16, triton_device)
-    for approximate in ("none", "tanh"):
+    for approximate in ("none", "tanh", "quick"):
         act = bg.bias_gelu_triton(pre, bias, None, approximate)
         dpre, act_again, dbias = bg.bias_gelu_backward_triton(torch.randn_like(pre), pre, bias, BF16, True, approximate)
         assert torch.equal(act_again, act), approximate
@@ -213,11 +216,12 @@ def test_fused_mlp_matches_float64(triton_device, dtype, shape, hidden):
         assert_close(name, a, r, dtype)
 
 
+@pytest.mark.parametrize("approximate", ["tanh", "quick"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_tanh_fused_mlp_matches_float64(triton_device, dtype):
+def test_approximate_fused_mlp_matches_float64(triton_device, dtype, approximate):
     torch.manual_seed(14)
     (out, *got), (out6, *want) = mlp_against_float64(*make_mlp((2, 3, 16), 37, 16, dtype, triton_device),
-                                                     approximate="tanh")
+                                                     approximate=approximate)
     assert_close("out", out, out6, dtype)
     for name, a, r in zip(MLP_GRAD_NAMES, got, want):
         assert_close(name, a, r, dtype)
@@ -320,6 +324,9 @@ def test_default_backend_is_reference_on_cpu():
     torch.testing.assert_close(ops.fused_bias_gelu(x, b1[:8], **tanh), F.gelu(x + b1[:8], **tanh), rtol=0, atol=0)
     torch.testing.assert_close(ops.fused_mlp(x, w1, b1, w2, b2, **tanh),
                                F.linear(F.gelu(F.linear(x, w1, b1), **tanh), w2, b2), rtol=1e-12, atol=1e-12)
+    v = x + b1[:8]  # QuickGELU as timm and HF write it
+    torch.testing.assert_close(ops.fused_bias_gelu(x, b1[:8], approximate="quick"), v * torch.sigmoid(1.702 * v),
+                               rtol=0, atol=0)
 
 
 def test_cuda_backend_runs_the_triton_kernel_for_either_gelu(triton_device, monkeypatch):
@@ -329,7 +336,7 @@ def test_cuda_backend_runs_the_triton_kernel_for_either_gelu(triton_device, monk
 
     pre, bias = leaves(*make_pre(6, 37, F32, triton_device))
     monkeypatch.setattr(checks, "resolve_backend", lambda backend, x, name="x": "cuda")  # as on a csrc build
-    for approximate in ("none", "tanh"):
+    for approximate in ("none", "tanh", "quick"):
         act = ops.fused_bias_gelu(pre, bias, backend="cuda", approximate=approximate)
         assert type(act.grad_fn).__name__ == "BiasGeluFnBackward"
         assert torch.equal(act, bg.bias_gelu_triton(pre.detach(), bias.detach(), None, approximate)), approximate
@@ -346,10 +353,11 @@ def test_opcheck(triton_device):
     req = lambda *ts: [t.clone().requires_grad_(True) for t in ts]  # noqa: E731
     pr, br = req(pre, bias)
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
-    for args in ((pr, br, None, "none"), (pr, None, F32, "tanh"), (pre, bias, None, "none")):
+    for args in ((pr, br, None, "none"), (pr, None, F32, "tanh"), (pr, br, None, "quick"), (pre, bias, None, "none")):
         torch.library.opcheck(bg.bias_gelu_op, args, test_utils=checks)
     # The backward op has no autograd of its own (no double backward): plain inputs.
-    for args in ((g, pre, bias, BF16, True, "tanh"), (g.t().contiguous().t(), pre, None, None, False, "none"),
+    for args in ((g, pre, bias, BF16, True, "tanh"), (g, pre, bias, BF16, True, "quick"),
+                 (g.t().contiguous().t(), pre, None, None, False, "none"),
                  (g, pre, bias, None, True, "none")):
         torch.library.opcheck(bg.bias_gelu_backward_op, args, test_utils=checks)
 
@@ -452,7 +460,7 @@ def test_tensors_on_different_devices():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("approximate", ["none", "tanh", "quick"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_gpu_vit_b_bias_gelu(dtype, approximate):
     """MAE ViT-B/16 at batch 256: 12800 visible tokens x 3072 hidden features."""
@@ -516,9 +524,9 @@ def test_gpu_fused_mlp_autocast_against_plain_chain():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("approximate", ["none", "tanh", "quick"])
 def test_gpu_compile_inductor_fused_mlp(approximate):
-    """Inductor launches the traced kernels (the ``TANH`` constexpr among their arguments)."""
+    """Inductor launches the traced kernels (the ``GELU`` constexpr among their arguments)."""
     torch.manual_seed(2)
     params = make_mlp((8, 64, 256), 1024, 256, F32, "cuda")
     compiled = torch.compile(lambda *a: ops.fused_mlp(*a, approximate=approximate) * 2.0, fullgraph=True)

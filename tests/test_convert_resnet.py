@@ -371,11 +371,11 @@ def test_inductor_compile_of_a_converted_resnet_matches_eager_in_training(triton
     gradient as eager, fp32. The same kernels; only Inductor's BatchNorm reduction order differs, which
     BN over 4 samples of a 1x1 map amplifies to ~1e-5 (static) and ~1e-4 (symbolic sizes), hence 3e-4.
 
-    Not the default ``dynamic=None``: the controller's graph break at the top of every block makes
-    one resume function serve all stages, so automatic dynamic marks H and W symbolic at the second
-    stage, and torch 2.14's backward compile then specialises them again and fails in Inductor
-    (``Cannot convert expression to float``, BatchNorm's 1/N); plain timm blocks with a graph break
-    and no dres op fail the same way."""
+    Static and symbolic sizes explicitly, not the default ``dynamic=None``: when the controller's draw
+    still broke the graph at the top of every block (before 50bbd9a; one graph now), one resume function
+    served all stages, automatic dynamic marked H and W symbolic at the second stage, and torch 2.14's
+    backward compile specialised them again and failed in Inductor (``Cannot convert expression to
+    float``, BatchNorm's 1/N)."""
     from helpers import fp32_on_cuda, inductor_caches_off, rel_err
 
     torch.manual_seed(9)

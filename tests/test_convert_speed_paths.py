@@ -333,9 +333,10 @@ def test_attention_dropout_in_training_keeps_function(make):
     torch.testing.assert_close(outputs[1], outputs[0], **F64)
 
 
-@pytest.mark.parametrize("hidden_act, fused", [("gelu", 1), ("gelu_new", 1), ("gelu_pytorch_tanh", 1), ("relu", 0)])
+@pytest.mark.parametrize("hidden_act, fused", [("gelu", 1), ("gelu_new", 1), ("gelu_pytorch_tanh", 1), ("quick_gelu", 1),
+                                               ("relu", 0)])
 def test_mlp_activations(hidden_act, fused):
-    """erf and tanh GELUs run the fused MLP (each with its formula), other activations HF's MLP."""
+    """erf, tanh and sigmoid (QuickGELU) GELUs run the fused MLP (each with its formula), other activations HF's MLP."""
     original = tiny_vit(hidden_act=hidden_act).double()
     converted = dres.convert_hf_vit(copy.deepcopy(original), backend="torch")
     with CallCounts() as calls:
@@ -373,9 +374,9 @@ def clip_like(which: str):
 
 
 @pytest.mark.parametrize("which, fused_mlps, qkv_gemms", [
-    ("clip_vision", 0, 2),  # quick_gelu: CLIP's own MLP
+    ("clip_vision", 2, 2),  # quick_gelu: the fused MLP's "quick" GELU
     ("clip_vision_gelu", 2, 2), ("siglip_vision", 2, 2),
-    ("clip_text", 0, 0),  # causal: HF's attention
+    ("clip_text", 2, 0),  # causal: HF's attention; its quick_gelu MLPs fused
 ])
 def test_clip_and_siglip_towers(which, fused_mlps, qkv_gemms):
     """Pre-LN towers: every add fused but the last (CLIP's post_layernorm sees the pooled token only:
@@ -446,9 +447,9 @@ def test_gpt2_autocast_feeds_the_branches_bf16():
 
 
 @pytest.mark.parametrize("activation_function, fused", [("gelu_new", 1), ("gelu", 1), ("gelu_pytorch_tanh", 1),
-                                                        ("relu", 0)])
+                                                        ("quick_gelu", 1), ("relu", 0)])
 def test_gpt2_mlp_activations(activation_function, fused):
-    """GELUs (exact and tanh) run the fused MLP with their formula, other activations HF's GPT2MLP;
+    """GELUs (exact, tanh and QuickGELU) run the fused MLP with their formula, other activations HF's GPT2MLP;
     fused_mlp=False keeps HF's always."""
     original = tiny_gpt2(activation_function=activation_function).double()
     for fused_mlp, calls_per_block in ((True, fused), (False, 0)):
@@ -546,7 +547,8 @@ def assert_timm_same(original, converted, imgs, tol, grad_tol):
         torch.testing.assert_close(grads_b[name], grads_a[name], **grad_tol, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("kw, fused", [({}, 2), ({"act_layer": "gelu_tanh"}, 2), ({"act_layer": "relu"}, 0)])
+@pytest.mark.parametrize("kw, fused", [({}, 2), ({"act_layer": "gelu_tanh"}, 2), ({"act_layer": "quick_gelu"}, 2),
+                                       ({"act_layer": "relu"}, 0)])
 def test_timm_vit_mlp_and_attention_paths(kw, fused):
     original = timm_vit(**kw).double()
     converted = dres.convert_timm_vit(copy.deepcopy(original), backend="torch")

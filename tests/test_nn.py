@@ -205,24 +205,27 @@ def test_mlp_gelu_approximation_on_both_paths(triton_device):
             torch.testing.assert_close(mlp(x), want, rtol=1e-4, atol=1e-5)
     with pytest.raises(ValueError, match="approximate must be 'none' .* or 'tanh'.*; got 'erf'"):
         Mlp(16, 48, approximate="erf")
+    with pytest.raises(ValueError, match="as F.gelu names them; got 'quick'"):  # its unfused path is nn.GELU
+        Mlp(16, 48, approximate="quick")
 
 
-@pytest.mark.parametrize("act", ["nn.GELU", "timm"])
-def test_fused_mlp_module_takes_a_tanh_gelu_mlp(triton_device, act):
-    """A timm Mlp with a tanh GELU (nn.GELU(approximate="tanh"), or timm's own act_layer="gelu_tanh")
-    loads into FusedMLP(approximate="tanh") and computes its function, forward and backward."""
+@pytest.mark.parametrize("act, approximate", [("nn.GELU", "tanh"), ("gelu_tanh", "tanh"), ("quick_gelu", "quick")])
+def test_fused_mlp_module_takes_an_approximate_gelu_mlp(triton_device, act, approximate):
+    """A timm Mlp with a tanh GELU (nn.GELU(approximate="tanh"), or timm's own act_layer="gelu_tanh") loads into
+    FusedMLP(approximate="tanh"), one with timm's QuickGELU into FusedMLP(approximate="quick"), and computes its
+    function, forward and backward."""
     import functools
 
     timm_layers = pytest.importorskip("timm.layers")
     act_layer = (functools.partial(torch.nn.GELU, approximate="tanh") if act == "nn.GELU"
-                 else timm_layers.get_act_layer("gelu_tanh"))
+                 else timm_layers.get_act_layer(act))
     from dres.nn import FusedMLP
 
     torch.manual_seed(5)
     plain = perturb_(timm_layers.Mlp(16, 48, 8, act_layer=act_layer)).to(triton_device)
-    fused = FusedMLP(16, 48, 8, backend="triton", approximate="tanh").to(triton_device)
+    fused = FusedMLP(16, 48, 8, backend="triton", approximate=approximate).to(triton_device)
     fused.load_state_dict(plain.state_dict())
-    assert "approximate='tanh'" in repr(fused)
+    assert f"approximate='{approximate}'" in repr(fused)
     x = torch.randn(3, 7, 16, device=triton_device)
     torch.testing.assert_close(fused(x), plain(x), rtol=1e-4, atol=1e-5)
     assert_grads_close(param_grads(fused, lambda: fused(x).square().sum()),

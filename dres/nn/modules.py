@@ -9,7 +9,8 @@ state dicts load either way::
     ResidualAdd(alpha)           (x, h) -> alpha*x + h                     no parameters
     ResidualAct(act, alpha)      (x, h) -> act(alpha*x + h)                no parameters (ResNet blocks)
     FusedMLP(in, hidden, out)    fc2(GELU(fc1(x)))                         like timm's Mlp (fc1.*, fc2.*)
-                                 (approximate="tanh": nn.GELU(approximate="tanh")'s GELU)
+                                 (approximate="tanh": nn.GELU(approximate="tanh")'s GELU;
+                                 "quick": QuickGELU's)
 
 The residual modules take a branch's per-sample drop-path scales ``(row_scale, grad_scale)`` in
 their forward (:class:`dres.nn.ResidualDroppath` hands them out) and keep ``alpha`` as a
@@ -147,7 +148,8 @@ class FusedMLP(nn.Module):
 
     Arguments and parameter names as timm's ``Mlp`` (hidden and out features default to in_features);
     ``approximate`` as ``nn.GELU``'s: "none" (exact erf GELU) or "tanh" (what an MLP with
-    ``nn.GELU(approximate="tanh")``, or timm's ``act_layer="gelu_tanh"``, computes). Matmuls in the
+    ``nn.GELU(approximate="tanh")``, or timm's ``act_layer="gelu_tanh"``, computes), or "quick" (QuickGELU,
+    timm's and HF's ``quick_gelu``). Matmuls in the
     autocast dtype when autocast is on. There is no csrc kernel: ``backend="cuda"`` runs Triton.
     """
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dres import ops
-from dres.ops.bias_gelu import check_approximate
+from dres.ops.bias_gelu import F_GELU_APPROXIMATIONS, check_approximate
 from dres.nn.droppath import NO_SCALES, Scales
 
 Hook = Callable[[torch.Tensor, dict], tuple[torch.Tensor, float]]
@@ -124,7 +124,7 @@ class Mlp(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, fused: Optional[bool] = None, backend: Optional[str] = None,
                  approximate: str = "none"):
-        check_approximate(approximate)
+        check_approximate(approximate, allowed=F_GELU_APPROXIMATIONS)  # its unfused path is nn.GELU's
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden_dim)
         self.act = nn.GELU(approximate=approximate)
@@ -173,7 +173,7 @@ class Block(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float = 4.0, qkv_bias: bool = True,
                  eps: float = 1e-6, backend: Optional[str] = None, gelu_approximate: str = "none"):
-        check_approximate(gelu_approximate, "gelu_approximate")
+        check_approximate(gelu_approximate, "gelu_approximate", F_GELU_APPROXIMATIONS)
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, eps=eps)
         self.attn = Attention(dim, num_heads, qkv_bias=qkv_bias, backend=backend)

@@ -4,7 +4,8 @@
 ``fused_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)`` computes the timm/MAE MLP
 ``fc2(gelu(fc1(x)))`` with fc1's matmul run without its bias and the bias add + GELU fused into one
 kernel; ``approximate`` picks the GELU as ``F.gelu`` names it, "none" (exact erf GELU, nn.GELU's
-default) or "tanh" (``nn.GELU(approximate="tanh")``, timm's ``gelu_tanh``). Its autograd keeps only
+default) or "tanh" (``nn.GELU(approximate="tanh")``, timm's ``gelu_tanh``), or "quick", the sigmoid
+approximation ``v * sigmoid(1.702 v)`` (CLIP's QuickGELU: timm's and HF's ``quick_gelu``). Its autograd keeps only
 ``x`` and ``pre = x @ fc1_weight.T`` (plus the weights); the backward recomputes the activation from
 ``pre``::
 
@@ -46,16 +47,19 @@ from dres.ops.utils import mlp_compute_dtype, param_grad
 
 __all__ = ["fused_bias_gelu", "fused_mlp", "BiasGeluFn", "FusedMlpFn"]
 
-GELU_APPROXIMATIONS = ("none", "tanh")  # F.gelu's names
+F_GELU_APPROXIMATIONS = ("none", "tanh")  # F.gelu's (and nn.GELU's) names
+GELU_APPROXIMATIONS = F_GELU_APPROXIMATIONS + ("quick",)  # the ops': and QuickGELU, v * sigmoid(1.702 v)
 
 
 # ---------------------------------------------------------------------------------------------
 # Argument checks: messages name the argument, before any kernel sees it
 
 
-def check_approximate(approximate: str, name: str = "approximate") -> None:
-    if approximate not in GELU_APPROXIMATIONS:
-        raise ValueError(f"{name} must be 'none' (exact erf GELU) or 'tanh', as F.gelu names them; "
+def check_approximate(approximate: str, name: str = "approximate", allowed: tuple = GELU_APPROXIMATIONS) -> None:
+    """``approximate`` one of ``allowed``: the ops' GELUs, or (a module that also runs ``nn.GELU``) F.gelu's."""
+    if approximate not in allowed:
+        quick = ", or 'quick' (QuickGELU, v * sigmoid(1.702 v))" if "quick" in allowed else ""
+        raise ValueError(f"{name} must be 'none' (exact erf GELU) or 'tanh', as F.gelu names them{quick}; "
                          f"got {approximate!r}")
 
 
@@ -268,7 +272,8 @@ def fused_bias_gelu(pre: Tensor, bias: Optional[Tensor] = None, out_dtype: Optio
     """``F.gelu(pre + bias, approximate=approximate)`` in fp32 registers; result in ``out_dtype``
     (default pre.dtype).
 
-    pre: (..., N); bias: (N,) or None; approximate: "none" (exact erf GELU) or "tanh". Differentiable
+    pre: (..., N); bias: (N,) or None; approximate: "none" (exact erf GELU), "tanh" or "quick"
+    (QuickGELU, ``v * sigmoid(1.702 v)``, which F.gelu does not have). Differentiable
     in pre and bias (dbias summed in fp32, deterministically); the backward recomputes GELU from pre,
     so only pre and bias are kept.
     """
@@ -284,7 +289,7 @@ def fused_bias_gelu(pre: Tensor, bias: Optional[Tensor] = None, out_dtype: Optio
 def fused_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_weight: Tensor,
               fc2_bias: Optional[Tensor], backend: Optional[str] = None, approximate: str = "none") -> Tensor:
     """The MLP ``fc2(gelu(fc1(x)))`` (nn.Linear weights: fc1 (hidden, D), fc2 (out, hidden)), GELU as
-    ``F.gelu(..., approximate=approximate)``: "none" (exact erf GELU) or "tanh".
+    ``F.gelu(..., approximate=approximate)``: "none" (exact erf GELU) or "tanh", or "quick" (QuickGELU).
 
     x: (B, T, D) or (M, D). Matmuls run in the autocast dtype when autocast is on for x's device,
     else in x.dtype (the weights are cast to it); the result has that dtype. Gradients come back

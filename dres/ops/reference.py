@@ -97,13 +97,14 @@ def residual_act(x, h, alpha=1.0, row_scale=None, grad_scale=None, act="relu"):
 
 def bias_gelu(pre: Tensor, bias: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
               approximate: str = "none") -> Tensor:
-    """``F.gelu(pre + bias, approximate=approximate)`` in fp32, or fp64 when an input is; result in
-    out_dtype (default pre.dtype)."""
+    """``F.gelu(pre + bias, approximate=approximate)`` ("none", "tanh"), or QuickGELU's ``v * sigmoid(1.702 v)``
+    ("quick"), in fp32, or fp64 when an input is; result in out_dtype (default pre.dtype)."""
     compute = compute_dtype(pre, bias)
     v = pre.to(compute)
     if bias is not None:
         v = v + bias.to(compute)
-    return F.gelu(v, approximate=approximate).to(out_dtype or pre.dtype)
+    act = v * torch.sigmoid(1.702 * v) if approximate == "quick" else F.gelu(v, approximate=approximate)
+    return act.to(out_dtype or pre.dtype)
 
 
 def mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_weight: Tensor, fc2_bias: Optional[Tensor],
