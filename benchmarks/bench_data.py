@@ -256,9 +256,11 @@ def trainer_rate(name: str, data: list[str], cores: int, first_core: int, gpus: 
                  overrides: list[str], timeout_s: float = 300, cpus: str | None = None,
                  devices: str | None = None) -> dict:
     """Steady-state images/s of a trainer run (:func:`trainer_command`); ``batch`` is a GPU's; ``devices``: its
-    ``CUDA_VISIBLE_DEVICES``. The row keeps the run's ``[dres] data:`` lines."""
+    ``CUDA_VISIBLE_DEVICES``. The row keeps the run's ``[dres] data:`` lines and, from its metrics, the host's
+    wait for batches a step and the captured step's GPU time (``steady_state_waits``): a decode too slow for the
+    step shows in the first, one that slows the step's kernels in the second."""
     from benchmarks.train_distributed import NCCL_ENV
-    from benchmarks.trainer_runs import steady_state_rate
+    from benchmarks.trainer_runs import steady_state_rate, steady_state_waits
 
     row = {"kind": "trainer", "name": name, "data": data, "cores": cores, "gpus": gpus, "overrides": overrides}
     env = dict(os.environ, **NCCL_ENV, **({"CUDA_VISIBLE_DEVICES": devices} if devices is not None else {}))
@@ -282,7 +284,8 @@ def trainer_rate(name: str, data: list[str], cores: int, first_core: int, gpus: 
         with open(Path(out) / "metrics.jsonl") as f:
             metrics = [json.loads(line) for line in f if line.strip()]
         ips, timed = steady_state_rate(metrics, batch * gpus)
-    return {**row, "batch": batch, "images_per_s": ips, "steps_timed": timed, "wall_s": time.time() - t0,
+    return {**row, "batch": batch, "images_per_s": ips, "steps_timed": timed, **steady_state_waits(metrics),
+            "wall_s": time.time() - t0,
             "data_lines": [line for line in stdout.splitlines() if line.startswith("[dres] data:")]}
 
 
@@ -481,7 +484,9 @@ def markdown(rows: list[dict], card: str) -> str:
         else:
             data = dict(kv.split("=", 1) for kv in r["data"])
             sets = "".join(f"; {kv}" for kv in r.get("overrides", [])) + variant
-            cells = [f"trainer {r['name']} ({data.get('data.name')}{sets})", data.get("data.decode", ""),
+            waits = "".join(f"; {what} {r[key]:.1f} ms a step" for key, what in
+                            (("data_ms", "waits for data"), ("gpu_ms_per_step", "step's GPU time")) if key in r)
+            cells = [f"trainer {r['name']} ({data.get('data.name')}{sets}{waits})", data.get("data.decode", ""),
                      r.get("gpus", 1), r["cores"] or "all", data.get("data.num_workers", "by the decode")]
         if "error" in r:
             cells += ["failed: " + error_line(r["error"]).replace("|", "\\|"), ""]

@@ -185,6 +185,10 @@ def test_each_variant_is_a_set_of_rows_from_files_with_its_settings_last(monkeyp
     row = {"kind": "trainer", "name": "vit", "data": ["data.name=imagefolder", "data.decode=gpu", "data.num_workers=8"],
            "cores": 16, "gpus": 1, "overrides": [], "images_per_s": 100.0, "variant": ["finish_ahead=0"]}
     assert "| trainer vit (imagefolder; finish_ahead=0) | gpu | 1 | 16 | 8 | 100 |  |" in markdown([row], "h100")
+    # what the run's metrics said of its steps: the host's wait for batches, the captured step's GPU time
+    timed = {**row, "data_ms": 12.34, "gpu_ms_per_step": 44.0}
+    assert ("| trainer vit (imagefolder; finish_ahead=0; waits for data 12.3 ms a step; step's GPU time 44.0 ms a "
+            "step) | gpu |") in markdown([timed], "h100")
 
 
 

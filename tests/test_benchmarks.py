@@ -618,6 +618,12 @@ def test_trainer_steady_state_leaves_out_the_first_interval(tmp_path):
                {"step": 40, "img_per_s": 2560.0, **replayed}]
     ips, steps = trainer_runs.steady_state_rate(graphed, 512)
     assert steps == 20 and ips == pytest.approx(20 * 512 / 3)
+    # the host's wait for data and the step's GPU time over the same windows, weighted by their steps
+    waited = [{**r, "data_ms": d} for r, d in zip(graphed, (90.0, 80.0, 1.0, 3.0))]
+    waited[-1] = {**waited[-1], "step": 50, "gpu_ms_per_step": 44.0}  # 20 steps at 44 ms, 10 at 50
+    assert trainer_runs.steady_state_waits(waited) == pytest.approx({"data_ms": (10 * 1.0 + 20 * 3.0) / 30,
+                                                                     "gpu_ms_per_step": (10 * 50.0 + 20 * 44.0) / 30})
+    assert trainer_runs.steady_state_waits(metrics) == {}  # older records: neither key
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
     (tmp_path / "summary.json").write_text(json.dumps({"peak_mem_gib": 30.5, "final_loss": 0.9}))
     run = {"task": "mae", "preset": "mae_vit_b16_in1k", "world": 2, "dist": "ddp", "variant": None, "mode": "eager",
