@@ -329,9 +329,9 @@ def test_default_backend_is_reference_on_cpu():
                                rtol=0, atol=0)
 
 
-def test_cuda_backend_runs_the_triton_kernel_for_either_gelu(triton_device, monkeypatch):
+def test_cuda_backend_runs_the_triton_kernel_for_every_gelu(triton_device, monkeypatch):
     """The csrc extension has no bias+GELU kernel: backend="cuda" (and the auto choice where the
-    residual ops take csrc) dispatches both GELUs to the Triton kernel."""
+    residual ops take csrc) dispatches every GELU to the Triton kernel."""
     from dres.ops import checks
 
     pre, bias = leaves(*make_pre(6, 37, F32, triton_device))
