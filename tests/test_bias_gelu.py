@@ -374,13 +374,14 @@ def test_eager_calls_bypass_the_custom_ops(triton_device):
 def test_compile_fullgraph_matches_eager(triton_device, autocast):
     """Dynamo + AOTAutograd trace fused_mlp's Function into the custom ops, forward and backward,
     with no graph break, and compute exactly what eager does (Inductor itself runs on the GPU);
-    the second op takes the tanh GELU through the ops' ``approximate`` argument."""
+    the ops after the first take the tanh GELU and QuickGELU through their ``approximate`` argument."""
     torch.manual_seed(12)
     params = make_mlp((2, 7, 16), 37, 16, F32, triton_device)
 
     def block(x, w1, b1, w2, b2):
         h = ops.fused_mlp(x, w1, b1, w2, b2, backend="triton")
-        return ops.fused_bias_gelu(h, b2, backend="triton", approximate="tanh")
+        h = ops.fused_bias_gelu(h, b2, backend="triton", approximate="tanh")
+        return ops.fused_mlp(h, w1, b1, w2, b2, backend="triton", approximate="quick")
 
     forward_targets, backward_targets = set(), set()
     torch._dynamo.reset()  # compile afresh, so that the recording backend sees the graphs
