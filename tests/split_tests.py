@@ -6,8 +6,8 @@
 A file's weight is its tests' time (skipped ones excluded) in the newest reports of the GPU suite that ran it,
 among the records (``records/benchmarks/<card>-<YYYY-MM-DD>-<what>/**/junit*.xml``, and the test-times logs
 ``times*.jsonl`` that tests/conftest.py writes as tests end, which a process cut at a time limit leaves too,
-naming the test it was in: that test weighs a process's share of its record; newest by the date in the folder
-name; with ``--extension``, those of the suite with the CUDA C++ extension built, ``junit_csrc*.xml`` and
+naming the test it was in: that test weighs a process's share of its record, as does the test a process without
+either was in, read from its ``pytest -v`` log ``tests*.log``; newest by the date in the folder name; with ``--extension``, those of the suite with the CUDA C++ extension built, ``junit_csrc*.xml`` and
 ``times_csrc*.jsonl``); a file no report has (no GPU test, or a new file) weighs the median of the files
 that have one, so that such files spread over the groups (on a GPU host the CPU tests take time too, and
 weighing nothing put them all in one group, which ran four times as long as the others). A file heavier than
@@ -75,6 +75,39 @@ def log_durations(log: Path) -> tuple[dict[str, float], list[str]]:
     return seconds, list(started)
 
 
+# a line of pytest -v: the test's node id, then its outcome once it has ended
+VERBOSE_TEST_LINE = re.compile(r"^(tests/\S+\.py::\S+) ?(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)?")
+
+
+def cut_test_of(verbose_log: Path) -> list[str]:
+    """The test a suite process was in when it was cut, from its ``pytest -v`` log (``testsNAME-K.log``), as a
+    list of one; none when the process ended (pytest's summary line) or had started no test. For the processes
+    that wrote neither a JUnit report nor a test-times log."""
+    running = None
+    for line in verbose_log.read_text(errors="replace").splitlines():
+        if line.startswith("=") and re.search(r" in [\d.]+s", line):
+            return []
+        m = VERBOSE_TEST_LINE.match(line)
+        if m:
+            running = None if m.group(2) else m.group(1)
+    return [running] if running else []
+
+
+def cut_logs(records: Path, extension: bool) -> list[Path]:
+    """The ``pytest -v`` logs of the suite processes under ``records`` that were cut in a test (:func:`cut_test_of`)
+    and left no report and no times log (before tests/conftest.py logged times)."""
+    logs = []
+    for log in records.glob("**/tests_csrc*.log" if extension else "**/tests*.log"):
+        if log.name.startswith("tests_csrc") != extension:
+            continue
+        rest = log.name[len("tests"):-len(".log")]  # "-9", "_csrc-3"
+        left_nothing = not any((log.parent / f"{kind}{rest}{suffix}").exists()
+                               for kind, suffix in (("junit", ".xml"), ("times", ".jsonl")))
+        if left_nothing and cut_test_of(log):
+            logs.append(log)
+    return logs
+
+
 def record_of(report: Path) -> tuple[str, str]:
     """``(date, folder)`` of the record a report belongs to: the nearest folder named ``<card>-<date>-<what>``."""
     for folder in report.parents:
@@ -94,7 +127,9 @@ def newest_durations(reports: list[Path], by: str = "file") -> dict[str, float]:
     for report in reports:
         record = record_of(report)
         cases = by_record.setdefault(record, {})
-        seconds, unfinished = log_durations(report) if report.suffix == ".jsonl" else (report_durations(report, "case"), [])
+        seconds, unfinished = (log_durations(report) if report.suffix == ".jsonl" else
+                               ({}, cut_test_of(report)) if report.suffix == ".log" else
+                               (report_durations(report, "case"), []))
         for case, secs in seconds.items():
             cases[case] = max(cases.get(case, 0.0), secs)
         held, n = cut.get(record, (set(), 0))
@@ -219,8 +254,9 @@ def main(argv=None) -> int:
     if not paths:
         p.error(f"--tests: no test_*.py files in {args.tests}")
     # each suite by its own reports: with the extension built, its tests (test_csrc.py's) run instead of skipping
-    reports = sorted(r for pattern in ("**/junit*.xml", "**/times*.jsonl") for r in Path(args.records).glob(pattern)
-                     if r.name.startswith(("junit_csrc", "times_csrc")) == args.extension)
+    reports = sorted([r for pattern in ("**/junit*.xml", "**/times*.jsonl") for r in Path(args.records).glob(pattern)
+                      if r.name.startswith(("junit_csrc", "times_csrc")) == args.extension]
+                     + cut_logs(Path(args.records), args.extension))
     units, weights = split_heavy_files(list(paths), {f: Path(p).read_text() for f, p in paths.items()},
                                        newest_durations(reports), newest_durations(reports, by="function"),
                                        args.procs)

@@ -166,3 +166,23 @@ def test_conftest_logs_each_test_as_it_starts_and_ends(tmp_path):
     seconds, unfinished = split_tests.log_durations(log)
     assert list(seconds) == ["tests/test_toy.py::test_ok"] and unfinished == []  # the skipped test weighs nothing
     assert len(log.read_text().splitlines()) == 4
+
+
+def test_a_cut_process_without_times_names_its_test_from_its_verbose_log(tmp_path):
+    record = tmp_path / "h200-2026-11-29-suite" / "tests"
+    record.mkdir(parents=True)
+    cut = ("collecting ... collected 3 items\n\ntests/test_a.py::test_f[x] PASSED [ 33%]\n"
+           "tests/test_b.py::test_slow[dyn] \nTimeout (0:01:40)!\nThread 0x1 (most recent call first):\n")
+    (record / "tests-0.log").write_text(cut)
+    (record / "tests-1.log").write_text(cut.replace("tests/test_b.py::test_slow[dyn] \n", "tests/test_b.py::test_slow[dyn] "
+                                                    "FAILED [ 66%]\n") + "===== 1 failed, 1 passed in 3.21s =====\n")
+    _report(record / "junit-2.xml", [("tests.test_c", 50.0, False)])
+    (record / "tests-2.log").write_text(cut)  # its process wrote a report: the report counts, not the log
+    assert split_tests.cut_test_of(record / "tests-0.log") == ["tests/test_b.py::test_slow[dyn]"]
+    assert split_tests.cut_test_of(record / "tests-1.log") == []  # it ended: pytest's summary line
+    assert split_tests.cut_logs(tmp_path, extension=False) == [record / "tests-0.log"]
+    assert split_tests.cut_logs(tmp_path, extension=True) == []
+    # the cut test weighs the record's share: 50 s over its two reports (the report and the cut log)
+    reports = [record / "junit-2.xml", *split_tests.cut_logs(tmp_path, extension=False)]
+    assert split_tests.newest_durations(reports, by="case") == {"tests/test_c.py::t0": 50.0,
+                                                                "tests/test_b.py::test_slow[dyn]": 25.0}
