@@ -37,10 +37,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RECORD_DATE = re.compile(r"[a-z0-9]+-(\d{4}-\d{2}-\d{2})-")
 
 
-def report_durations(junit: Path, by: str = "file") -> dict[str, float]:
-    """Seconds of the tests that ran (not skipped) in one JUnit report, ``by`` test file (``tests/test_x.py``),
-    by test function (``tests/test_x.py::test_f``, ``tests/test_x.py::TestC::test_f``; a function's
-    parametrisations added up) or by case (``tests/test_x.py::test_f[a-1]``, pytest's node id)."""
+def report_durations(junit: Path) -> dict[str, float]:
+    """Seconds of each case that ran (not skipped) in one JUnit report, by pytest's node id
+    (``tests/test_x.py::test_f[a-1]``, ``tests/test_x.py::TestC::test_f``); :func:`rolled_up` adds them up by
+    function or file."""
     seconds: dict[str, float] = {}
     for case in ET.parse(junit).iter("testcase"):
         if case.find("skipped") is not None:
@@ -51,10 +51,7 @@ def report_durations(junit: Path, by: str = "file") -> dict[str, float]:
         while parts and not parts[-1].startswith("test_"):
             classes.insert(0, parts.pop())
         if parts:
-            key = "/".join(parts) + ".py"
-            if by != "file":
-                name = case.get("name", "")
-                key = "::".join([key, *classes, name if by == "case" else name.split("[")[0]])
+            key = "::".join(["/".join(parts) + ".py", *classes, case.get("name", "")])
             seconds[key] = seconds.get(key, 0.0) + float(case.get("time") or 0.0)
     return seconds
 
@@ -108,6 +105,16 @@ def cut_logs(records: Path, extension: bool) -> list[Path]:
     return logs
 
 
+def report_cases(report: Path) -> tuple[dict[str, float], list[str]]:
+    """``(seconds of each case that ran, the case its process was cut in, if any)`` of a JUnit report, a
+    test-times log or the ``pytest -v`` log of a process that left neither."""
+    if report.suffix == ".jsonl":
+        return log_durations(report)
+    if report.suffix == ".log":
+        return {}, cut_test_of(report)
+    return report_durations(report), []
+
+
 def record_of(report: Path) -> tuple[str, str]:
     """``(date, folder)`` of the record a report belongs to: the nearest folder named ``<card>-<date>-<what>``."""
     for folder in report.parents:
@@ -118,7 +125,7 @@ def record_of(report: Path) -> tuple[str, str]:
 
 
 def newest_durations(reports: list[Path], by: str = "file") -> dict[str, float]:
-    """Per test file (or function, or case: :func:`report_durations`), its seconds in the newest record (by the date in
+    """Per test file (or function, or case: :func:`rolled_up`), its seconds in the newest record (by the date in
     its name) whose reports ran any of its tests. A record's reports add up (a suite split over processes writes
     one report each), a case that several of them ran counted once, at its longest (the extension's suite once
     ran test_csrc.py at the head of every process)."""
@@ -127,9 +134,7 @@ def newest_durations(reports: list[Path], by: str = "file") -> dict[str, float]:
     for report in reports:
         record = record_of(report)
         cases = by_record.setdefault(record, {})
-        seconds, unfinished = (log_durations(report) if report.suffix == ".jsonl" else
-                               ({}, cut_test_of(report)) if report.suffix == ".log" else
-                               (report_durations(report, "case"), []))
+        seconds, unfinished = report_cases(report)
         for case, secs in seconds.items():
             cases[case] = max(cases.get(case, 0.0), secs)
         held, n = cut.get(record, (set(), 0))

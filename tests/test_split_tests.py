@@ -25,7 +25,8 @@ def test_durations_come_from_the_newest_record_its_reports_added_and_a_repeated_
     new = [_report(tmp_path / "h100-2026-11-27-suite" / "t1" / "junit.xml",
                    [("tests.test_a", 10.0, False), ("tests.test_a.TestGroup", 5.0, False), ("tests.test_b", 99.0, True)]),
            _report(tmp_path / "h100-2026-11-27-suite" / "t2" / "junit.xml", [("tests.test_a", 1.0, False)])]
-    assert split_tests.report_durations(new[0]) == {"tests/test_a.py": 15.0}  # skipped tests do not count
+    # skipped tests do not count
+    assert split_tests.rolled_up(split_tests.report_durations(new[0]), "file") == {"tests/test_a.py": 15.0}
     # test_a from the newest record, its two reports added, but its case t0, which both ran (as every process of the
     # extension's suite once ran test_csrc.py), counted once at its longest; test_b's skipped run is not one, so the
     # older record holds
@@ -81,7 +82,7 @@ def test_a_heavy_file_is_split_into_its_test_functions_each_run_once(tmp_path, c
     # pytest's names carry the parametrisation: the report written above names them t0, t1, ...; as pytest does:
     report.write_text(report.read_text().replace('name="t0"', 'name="test_slow[1]"')
                       .replace('name="t1"', 'name="test_slow[2]"').replace('name="t2"', 'name="test_inner"'))
-    assert split_tests.report_durations(report, by="function") == {
+    assert split_tests.rolled_up(split_tests.report_durations(report), "function") == {
         "tests/test_heavy.py::test_slow": 90.0, "tests/test_heavy.py::TestGroup::test_inner": 10.0,
         "tests/test_light.py::t3": 20.0}
     files = ["tests/test_heavy.py", "tests/test_light.py"]
