@@ -7,15 +7,16 @@ A file's weight is its tests' time (skipped ones excluded) in the newest reports
 among the records (``records/benchmarks/<card>-<YYYY-MM-DD>-<what>/**/junit*.xml``, and the test-times logs
 ``times*.jsonl`` that tests/conftest.py writes as tests end, which a process cut at a time limit leaves too,
 naming the test it was in: that test weighs a process's share of its record, as does the test a process without
-either was in, read from its ``pytest -v`` log ``tests*.log``; newest by the date in the folder name; with ``--extension``, those of the suite with the CUDA C++ extension built, ``junit_csrc*.xml`` and
+either was in, read from its ``pytest -v`` log ``tests*.log``; newest by the date in the folder name; with
+``--extension``, those of the suite with the CUDA C++ extension built, ``junit_csrc*.xml`` and
 ``times_csrc*.jsonl``); a file no report has (no GPU test, or a new file) weighs the median of the files
 that have one, so that such files spread over the groups (on a GPU host the CPU tests take time too, and
 weighing nothing put them all in one group, which ran four times as long as the others). A file heavier than
 half a group's share is split into its test functions (``tests/test_x.py::test_f``, every parametrisation of a
 function together; found in the file's source, so a function no report has is still run), each weighed by its
 own reports, or by the median of the file's weighed functions: one long file no longer sets the suite's time. A
-function still heavier than half a share is split likewise into its parametrisations (``tests/test_x.py::test_f[a]``,
-as ``pytest --collect-only`` finds them, so a case no report has is still run).
+function still heavier than half a share is split likewise into its parametrisations
+(``tests/test_x.py::test_f[a]``, as ``pytest --collect-only`` finds them, so a case no report has is still run).
 Groups are filled greedily, heaviest first, into the lightest group (the longest-processing-time rule), and each
 group lists its files and functions in the tests folder's order.
 ``benchmarks/device_check.sh``'s tests stage runs one pytest process per group when ``TEST_PROCS`` > 1.
