@@ -1,7 +1,8 @@
-"""Helpers shared by the op tests (test_ops, test_csrc, test_mae_loss, test_bias_gelu): per-dtype
+"""Helpers shared by the tests: for the op tests (test_ops, test_csrc, test_mae_loss, test_bias_gelu) per-dtype
 tolerances against float64, the drop-path modes of the op table, random cases, gradient plumbing,
-CUDA-graph capture and CUDA dispatch forced on CPU tensors. Imported as ``helpers`` (pytest puts
-tests/ on sys.path), so any one test file collects on its own."""
+CUDA-graph capture and CUDA dispatch forced on CPU tensors; for the tests that start ranks of their own, the
+process group's rendezvous (:func:`process_group`). Imported as ``helpers`` (pytest puts tests/ on sys.path), so
+any one test file collects on its own."""
 
 from __future__ import annotations
 
@@ -182,3 +183,29 @@ def cuda_dispatch_forced():
     DeviceType: cpu"); ``_PreserveDispatchKeyGuard`` saves the whole key set and puts it back."""
     with torch._C._PreserveDispatchKeyGuard(), torch._C._IncludeDispatchKeyGuard(torch._C.DispatchKey.CUDA):
         yield
+
+
+def free_port() -> int:
+    """A port free now, for torchrun's agent to bind (it serves the store itself; ranks the test starts on their own
+    take :func:`process_group`, whose port is never let go)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def process_group(world: int):
+    """The environment variables with which ``world`` processes join one process group (``env://``, every rank a
+    client, as under torchrun's agent) at a store this process serves while the block runs. Its port is bound
+    before any rank starts: a port found free and let go can be taken meanwhile by another test's process (the
+    suites run in several at once), whose listener a rank would then wait on forever."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(world),
+               "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    finally:
+        del store

@@ -227,7 +227,8 @@ def test_compiled_augmentation_equals_eager(device):
     for _ in range(3):  # one compile, then the same kernels with the next steps' parameters
         a, b = eager.next(), compiled.next()
         assert torch.equal(a["label"], b["label"]) and b["image"].shape == (8, 3, 16, 16)
-        torch.testing.assert_close(b["image"], a["image"], rtol=1e-5, atol=1e-5)
+        # atol: the jitter's reductions rounded in another order, then scaled by the normalisation's 1/std (up to 5)
+        torch.testing.assert_close(b["image"], a["image"], rtol=1e-5, atol=5e-5)
 
 
 # --------------------------------------------------------------------------------- evaluation transform

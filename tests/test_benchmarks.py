@@ -778,14 +778,13 @@ def test_probe_bench_times_both_ways_and_finds_the_same_accuracies(tmp_path, cap
     assert "--classes must be at least 2, got 1" in capsys.readouterr().err
 
 
-def _profile_trainer_rank(rank: int, port: int, out: str) -> None:
+def _profile_trainer_rank(rank: int, group: dict, out: str) -> None:
     """One rank of a 2-process gloo group on CPU running ``profile_trainer`` with DDP."""
     import os
 
     from benchmarks import profile_train
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2")
+    os.environ.update(group, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.cuda.synchronize = lambda *a, **k: None  # the profiler's CUDA synchronisation, on CPU
     r = profile_train.profile_trainer("quickstart", ["device=cpu", "dist=ddp", "data.name=synthetic", "data.synthetic_size=256"],
                            batch=32, steps=2, warmup=1, trace_path=None)
@@ -795,14 +794,11 @@ def _profile_trainer_rank(rank: int, port: int, out: str) -> None:
 def test_profile_trainer_under_ddp_reports_from_the_main_rank(tmp_path):
     """``--trainer`` under torchrun: every rank steps the DDP trainer with ``--batch`` images, rank 0 returns
     the record (the world size and wrapping named), the others None, and the process group is torn down."""
-    import socket
-
     import torch.multiprocessing as mp
+    from helpers import process_group
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_profile_trainer_rank, args=(port, str(tmp_path)), nprocs=2, join=True)
+    with process_group(2) as group:
+        mp.spawn(_profile_trainer_rank, args=(group, str(tmp_path)), nprocs=2, join=True)
     main_record = json.loads((tmp_path / "rank0.json").read_text())
     assert main_record == {"dist": "ddp", "world_size": 2, "mode": "trainer eager", "batch": 32}  # --batch is per GPU
     assert json.loads((tmp_path / "rank1.json").read_text()) is None

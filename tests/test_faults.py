@@ -23,6 +23,7 @@ from unittest import mock
 
 import pytest
 import torch
+from helpers import process_group
 
 from dres.train import checkpoint
 from dres.train import cli, rundir
@@ -145,10 +146,12 @@ def test_two_trainers_started_together_one_refuses(tmp_path):
 # The trainer's CLI with the task wrapped: at its step SIGNAL_AT the listed ranks send themselves SIGNAL
 # (COUNT times), from inside the step, as a scheduler's signal would arrive while it runs.
 ENTRY = textwrap.dedent('''
-    import os, signal, sys
+    import faulthandler, os, signal, sys
     from unittest import mock
 
     from dres.train import cli
+
+    faulthandler.dump_traceback_later(300, exit=True)  # a rank that hangs fails the test with its threads' stacks
 
     at, name, count, ranks = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4].split(",")
     real_get_task = cli.get_task
@@ -174,31 +177,25 @@ ENTRY = textwrap.dedent('''
 ''')
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _signalled(tmp_path, at, name, count, args, world=1, ranks="0"):
     """Run ENTRY in ``world`` processes (gloo) and return [(returncode, stdout, stderr)] by rank."""
     entry = tmp_path / "entry.py"
     entry.write_text(ENTRY)
-    port = _free_port()
     procs = []
-    for rank in range(world):
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        if world > 1:
-            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                       WORLD_SIZE=str(world))
-        procs.append(subprocess.Popen([sys.executable, str(entry), str(at), name, str(count), ranks, *args], env=env,
-                                      cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        outs = [p.communicate(timeout=600) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    with process_group(world) as group:
+        for rank in range(world):
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            if world > 1:
+                env.update(group, RANK=str(rank), LOCAL_RANK=str(rank))
+            procs.append(subprocess.Popen([sys.executable, str(entry), str(at), name, str(count), ranks, *args],
+                                          env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True))
+        try:
+            outs = [p.communicate(timeout=600) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
     return [(p.returncode, o, e) for p, (o, e) in zip(procs, outs)]
 
 
@@ -430,21 +427,21 @@ def test_a_rank_that_stops_answering_is_lost_after_dist_timeout_s(tmp_path):
     out = tmp_path / "run"
     entry = tmp_path / "entry.py"
     entry.write_text(ENTRY)
-    port, procs = _free_port(), []
+    procs = []
     args = _classify_args(out, "--set", "dist=ddp", "--set", "log.every=1", "--set", "ckpt.every=2", "--set",
                           "dist_timeout_s=20")
-    for rank in range(2):
-        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE="2")
-        procs.append(subprocess.Popen([sys.executable, str(entry), "5", "SIGSTOP", "1", "1", *args], env=env,
-                                      cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    started = time.monotonic()
-    try:
-        stdout, stderr = procs[0].communicate(timeout=600)
-    finally:
-        for p in procs:
-            p.kill()
-            p.communicate()
+    with process_group(2) as group:
+        for rank in range(2):
+            env = dict(os.environ, group, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank))
+            procs.append(subprocess.Popen([sys.executable, str(entry), "5", "SIGSTOP", "1", "1", *args], env=env,
+                                          cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        started = time.monotonic()
+        try:
+            stdout, stderr = procs[0].communicate(timeout=600)
+        finally:
+            for p in procs:
+                p.kill()
+                p.communicate()
     assert procs[0].returncode == 1, (stdout, stderr)
     assert time.monotonic() - started > 20  # it waited out the timeout
     err = stderr.strip()  # gloo's reason: "Timed out waiting 20000ms ..." or "Application timeout caused pair closure"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 from dres.train import checkpoint
 from dres.train.launch import STATUS_DIR_ENV, every_rank_stopped, record_stop
@@ -28,16 +28,10 @@ CLASSIFY = ["device=cpu", "data.name=synthetic", "data.synthetic_size=64", "data
             "compile=false", "dist=ddp", "log.every=1", "ckpt.every=0", "steps=100000"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path, *command):
     """dres-launch of two ranks running ``command``, in a process group of its own."""
     cmd = [sys.executable, "-m", "dres.train.launch", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), *command]
+           "--master_port", str(free_port()), *command]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", STATUS_DIR_ENV):
         env.pop(key, None)
@@ -159,7 +153,7 @@ def test_a_signal_while_the_launcher_starts_is_one_line_and_exit_75(tmp_path):
     launches = []
     for _ in delays:
         cmd = [sys.executable, "-c", "import sys; from dres.train.launch import main; sys.exit(main())",
-               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), script]
+               "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script]
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", STATUS_DIR_ENV)}
         launches.append(subprocess.Popen(cmd, cwd=str(tmp_path), env=dict(env, OMP_NUM_THREADS="1"), text=True,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -64,17 +64,11 @@ OVERRIDES = ["device=cpu", "data.name=synthetic", "data.synthetic_size=64", "dat
              "log.progress=false", "log.tensorboard=false", "ckpt.every=0", "compile=false", "dist=ddp", "threads=1"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_nodes_shard_the_data_and_finish(tmp_path):
     entry = tmp_path / "node_entry.py"
     entry.write_text(NODE_ENTRY)
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("WORLD_SIZE", None)
     sets = [a for kv in OVERRIDES for a in ("--set", kv)]

@@ -161,15 +161,16 @@ def test_another_ranks_count_is_not_taken_over(tmp_path):
         loader.close()
 
 
-def _ranks_worker(rank, world, port, root, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _ranks_worker(rank, group, root, out):
+    os.environ.update(group, RANK=str(rank))
     import torch.distributed as dist
 
     from dres.train import checkpoint
     from dres.train.results import lost_data_of_ranks
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
     config = dataclasses.replace(_loader_config("imagefolder", root, 0), num_workers=0)
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -192,16 +193,13 @@ def test_every_ranks_lost_data_count_survives_a_resume(tmp_path):
     """Two gloo processes save one checkpoint: it holds each rank's loader state, and each rank resumes its own
     position and the lost data it counted (each met damaged files the other never saw); summary.json's lost data
     holds both ranks'."""
-    import socket
-
     import torch.multiprocessing as mp
+    from helpers import process_group
 
     (tmp_path / "images").mkdir()
     root = _folder(tmp_path / "images", bad=(2, 4, 13, 16))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_ranks_worker, args=(2, port, root, str(tmp_path)), nprocs=2, join=True)
+    with process_group(2) as group:
+        mp.spawn(_ranks_worker, args=(group, root, str(tmp_path)), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r, got in enumerate(ranks):
         assert got["resumed"] == got["saved"] and got["saved"]["rank"] == r

@@ -7,13 +7,13 @@ its floor."""
 import contextlib
 import json
 import os
-import socket
 import statistics
 import time
 from unittest import mock
 
 import pytest
 import torch
+from helpers import process_group
 
 from dres.nn import Mlp
 from dres.ops import csrc_backend
@@ -497,9 +497,8 @@ def test_run_releases_the_captured_graph_before_the_process_group_goes(tmp_path,
     assert trainer.graphed.graph is None
 
 
-def _ddp_worker(rank, world, port, out, graphs, steps, extra=()):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+def _ddp_worker(rank, group, out, graphs, steps, extra=()):
+    os.environ.update(group, RANK=str(rank), LOCAL_RANK=str(rank))
     from dres.train import distributed
 
     lines = []
@@ -529,10 +528,8 @@ def test_graphed_ddp_steps_match_eager_ddp_steps(tmp_path, extra):
     steps = DDP_WARMUP_STEPS + 4
     res = {}
     for graphs in ("true", "false"):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        mp.spawn(_ddp_worker, args=(2, port, str(tmp_path), graphs, steps, extra), nprocs=2, join=True)
+        with process_group(2) as group:
+            mp.spawn(_ddp_worker, args=(group, str(tmp_path), graphs, steps, extra), nprocs=2, join=True)
         with open(tmp_path / f"{graphs}.json") as f:
             res[graphs] = json.load(f)
     assert res["true"]["captured"] and not res["false"]["captured"], res["true"]["lines"]

@@ -8,11 +8,11 @@ rounding, amplified a little by Adam over the steps: we require |diff| <= 1e-5 r
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import process_group
 from tiny_models import tiny_classifier, tiny_mae, tiny_uvit
 
 OVR = ["data.name=digits", "data.img_size=8", "data.in_chans=1", "data.mean=[0.3]", "data.std=[0.4]",
@@ -22,15 +22,8 @@ OVR = ["data.name=digits", "data.img_size=8", "data.in_chans=1", "data.mean=[0.3
        "fsdp_param_dtype=fp32", "eval.probe=false", "device=cpu"]
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, out, mode, tag, extra):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+def _worker(rank, group, out, mode, tag, extra):
+    os.environ.update(group, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from dres.train import distributed
     from dres.train.classify import TASK
@@ -70,7 +63,8 @@ def _worker(rank, world, port, out, mode, tag, extra):
 
 def _launch(world, tmp_path, mode, tag=None, extra=()):
     tag = tag or mode
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path), mode, tag, list(extra)), nprocs=world, join=True)
+    with process_group(world) as group:
+        mp.spawn(_worker, args=(group, str(tmp_path), mode, tag, list(extra)), nprocs=world, join=True)
     with open(tmp_path / f"{tag}.json") as f:
         return json.load(f)
 
@@ -96,12 +90,12 @@ def test_fsdp2_two_cpu_processes_match_one_process_and_dcp_round_trip(tmp_path):
     assert prefetched["step"] == 4 and prefetched["after"] == 0.0
 
 
-def _droppath_worker(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _droppath_worker(rank, group, out):
+    os.environ.update(group, RANK=str(rank))
     import torch.distributed as dist
 
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo")
     model = tiny_classifier(drop_path=0.5, droppath_mode="residual_droppath", droppath_seed=3)
     model.train()(torch.randn(64, 3, 8, 8))
     torch.save({"masks": model.droppath.masks, "rank": model.droppath.rank}, f"{out}/masks{rank}.pt")
@@ -114,7 +108,8 @@ def test_droppath_masks_differ_per_rank_under_torch_distributed(tmp_path):
     every rank, each the masks of an explicitly ranked controller of the same seed."""
     from dres.nn import ResidualDroppath
 
-    mp.spawn(_droppath_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    with process_group(2) as group:
+        mp.spawn(_droppath_worker, args=(group, str(tmp_path)), nprocs=2, join=True)
     got = [torch.load(tmp_path / f"masks{r}.pt") for r in range(2)]
     assert [g["rank"] for g in got] == [0, 1]
     assert not torch.equal(got[0]["masks"], got[1]["masks"])
@@ -214,9 +209,8 @@ def _train(model, imgs, noise, steps=3):
     return losses
 
 
-def _wrappings_worker(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+def _wrappings_worker(rank, group, out):
+    os.environ.update(group, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from dres.train import distributed
 
@@ -226,6 +220,7 @@ def _wrappings_worker(rank, world, port, out):
     reference = _mae()
     res = {"reference": _train(reference, imgs, noise),
            "reference_params": {n: p.tolist() for n, p in reference.named_parameters()}}
+    world = info.world
     mine = slice(rank * 8 // world, (rank + 1) * 8 // world)  # this rank's share of the batch
     for tag, spec in WRAPPINGS.items():
         model = _mae()
@@ -255,7 +250,8 @@ def test_fsdp_reshard_policies_unit_groups_and_ddp_bucket_view_match_one_process
     averaged over the ranks, at each step and the final parameters). Which units keep their
     gathered parameters after the forward follows the reshard policy: auto keeps all on one rank
     and all but the last elsewhere; a group of 2 blocks reshards as a whole."""
-    mp.spawn(_wrappings_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    with process_group(world) as group:
+        mp.spawn(_wrappings_worker, args=(group, str(tmp_path)), nprocs=world, join=True)
     with open(tmp_path / f"wrappings{world}.json") as f:
         res = json.load(f)
     ref = res["reference_params"]
@@ -275,9 +271,8 @@ def test_fsdp_reshard_policies_unit_groups_and_ddp_bucket_view_match_one_process
     assert res["fsdp_prefetch_2_blocks"]["kept"] == [True] * n
 
 
-def _input_dtypes_worker(rank, world, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+def _input_dtypes_worker(rank, group, out):
+    os.environ.update(group, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     from dres.train import distributed
 
@@ -319,7 +314,8 @@ def test_fsdp_bf16_parameters_leave_inputs_in_fp32(tmp_path):
     and U-ViT's noisy image and diffusion time (517 is not a bf16 number) reach the model in fp32,
     and every block receives the residual stream in the model's own dtype: fp32, but for U-ViT's out-block,
     whose stream is its skip Linear's output, bf16 under autocast; autocast does the casting at the matmuls."""
-    mp.spawn(_input_dtypes_worker, args=(1, _free_port(), str(tmp_path)), nprocs=1, join=True)
+    with process_group(1) as group:
+        mp.spawn(_input_dtypes_worker, args=(group, str(tmp_path)), nprocs=1, join=True)
     with open(tmp_path / "dtypes.json") as f:
         seen = json.load(f)
     assert {"mae root", "uvit root", "mae unit 3", "uvit unit 2"} <= set(seen)

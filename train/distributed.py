@@ -63,13 +63,10 @@ def init(device="auto", mode="none", timeout_s: float = Config.dist_timeout_s) -
     dev = pick_device(device, local)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    if "MASTER_ADDR" not in os.environ:  # a single process asked for ddp/fsdp without torchrun
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
+    # a single process asked for ddp/fsdp without torchrun: a store in its own memory (a port could be another run's)
+    alone = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if "MASTER_ADDR" not in os.environ else {}
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", timeout=datetime.timedelta(seconds=timeout_s),
-                            **({"device_id": dev} if dev.type == "cuda" else {}))
+                            **({"device_id": dev} if dev.type == "cuda" else {}), **alone)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local, dev)
 
 
