@@ -40,8 +40,9 @@ spread over the N processes.
 
 The record folder (default ``records/benchmarks/<machine>-<today>-own-models``): ``arms/<model>-<arm>-<repeat>.json``
 (one a process, a failed arm with its one-line error), ``logs/`` (each process's output), ``summary.json``,
-``own-models.md`` (the table), ``loss-tracks.png`` and, with ``--profile-steps``, ``profiles.md`` (each arm's
-step by kernel category and its top kernels).
+``own-models.md`` (the table), ``loss-tracks.png`` and, with ``--profile-steps`` or ``--host-steps``, ``profiles.md``
+(each arm's step by kernel category and its top kernels; the host's own time a step, by where its Python lives:
+dres, torch's autograd, the model's library, the C functions that run the ops and launch the kernels).
 """
 
 from __future__ import annotations
@@ -352,9 +353,10 @@ def one_line(e: BaseException) -> str:
 
 
 def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: bool, steps: int,
-                warmup: int, profile_steps: int = 0) -> dict:
+                warmup: int, profile_steps: int = 0, host_steps: int = 0) -> dict:
     """Train ``model_name`` in arm ``arm_name`` for ``steps`` steps (the first ``warmup`` untimed), then
-    ``profile_steps`` more under ``torch.profiler`` (on a GPU): the figures of the record (:func:`run_arm`)."""
+    ``profile_steps`` more under ``torch.profiler`` (on a GPU) and twice ``host_steps`` more for the host's own time
+    (:func:`benchmarks.profile_train.host_time`): the figures of the record (:func:`run_arm`)."""
     spec, arm = MODELS[model_name], ARMS[arm_name]
     size = spec.tiny if tiny else spec.full
     t0 = time.time()
@@ -365,8 +367,9 @@ def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: b
     batches = make_batches(spec, size, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
     step = training_step(arm.mode, model, optimizer, functools.partial(autocast_loss, spec.loss, device.type))
-    losses = torch.zeros(steps + profile_steps, device=device)  # the profiled steps' losses are not kept
-    done = iter(range(steps + profile_steps))
+    extra = profile_steps + 2 * host_steps
+    losses = torch.zeros(steps + extra, device=device)  # the profiled steps' losses are not kept
+    done = iter(range(steps + extra))
 
     def run_step():
         i = next(done)
@@ -389,9 +392,15 @@ def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: b
         from benchmarks.profile_train import profile_steps as profiled
 
         profile = profiled(run_step, profile_steps, None, top=PROFILE_TOP)
+    host = None
+    if host_steps:
+        from benchmarks.profile_train import host_time
+
+        host = host_time(run_step, host_steps, top=PROFILE_TOP)
     return {
         "samples_per_s": size.batch / (ms / 1e3), "step_ms": ms, "step_ms_min": min(times),
         "step_ms_max": max(times), "warmup_s": warmup_s, "losses": losses[:steps].tolist(), "profile": profile,
+        "host": host,
         **peaks, **graphs,
         "captured": getattr(step, "captured", None), "why_eager": getattr(step, "why_eager", None),
     }
@@ -406,7 +415,7 @@ def arm_identity(model_name: str, arm_name: str, repeat: int, tiny: bool) -> dic
 
 
 def run_arm(model_name: str, arm_name: str, repeat: int, *, device: torch.device, tiny: bool, steps: int,
-            warmup: int, profile_steps: int = 0) -> dict:
+            warmup: int, profile_steps: int = 0, host_steps: int = 0) -> dict:
     """The record of one arm: what ran, where, with which versions, and its figures or its one-line error."""
     spec = MODELS[model_name]
     rec = {
@@ -419,7 +428,7 @@ def run_arm(model_name: str, arm_name: str, repeat: int, *, device: torch.device
     t0 = time.time()
     try:
         rec.update(measure_arm(model_name, arm_name, device=device, tiny=tiny, steps=steps, warmup=warmup,
-                               profile_steps=profile_steps), error=None)
+                               profile_steps=profile_steps, host_steps=host_steps), error=None)
     except Exception as e:  # an import error, out of memory, a failed compile: recorded, the other arms go on
         rec["error"] = one_line(e)
     rec["wall_s"] = time.time() - t0
@@ -561,12 +570,16 @@ def markdown(rows: list[dict], *, header: list[str], failed: list[dict], not_run
 
 
 def profile_markdown(records: list[dict]) -> str:
-    """Each profiled arm's step: wall and GPU-busy time, GPU time by kernel category, and its top kernels."""
+    """Each profiled arm's step: wall and GPU-busy time, GPU time by kernel category, and its top kernels; and each
+    arm's host time a step, by where its Python lives, with its top functions."""
     from benchmarks.profile_train import CATEGORIES, OTHER
 
     profiled = [r for r in records if r.get("profile")]
     cats = [c for c, _ in CATEGORIES if c != "communication"] + [OTHER]
-    lines = ["# Where each arm's step goes (torch.profiler, ms per step)", "",
+    lines = host_markdown([r for r in records if r.get("host")])
+    if not profiled:
+        return "\n".join(lines)
+    lines += ["# Where each arm's step goes (torch.profiler, ms per step)", "",
              "| model | arm | wall | GPU busy | kernels | " + " | ".join(cats) + " |", "|---" * (5 + len(cats)) + "|"]
     for r in profiled:
         p = r["profile"]
@@ -577,6 +590,27 @@ def profile_markdown(records: list[dict]) -> str:
         lines += ["", f"## {r['model']} {r['arm']}: top GPU kernels (us a step, calls a step)", ""]
         lines += [f"    {k['us']:9.1f} {k['calls']:6.1f}  {k['name']}" for k in r["profile"]["top_kernels"]]
     return "\n".join(lines) + "\n"
+
+
+def host_markdown(records: list[dict]) -> list[str]:
+    """The host-time section of profiles.md (records with a ``host`` figure)."""
+    if not records:
+        return []
+    places = list(dict.fromkeys(p for r in records for p in r["host"]["by_place_ms"]))
+    lines = ["# The host's time a step (ms): unprofiled from an idle GPU; under cProfile by where the code lives", "",
+             "| model | arm | host (median) | min | under cProfile | " + " | ".join(places) + " |",
+             "|---" * (5 + len(places)) + "|"]
+    for r in records:
+        h = r["host"]
+        lines.append(f"| {r['model']} | {r['arm']} | {h['host_ms_per_step']:.1f} | {h['host_ms_min']:.1f} | "
+                     f"{h['profiled_ms_per_step']:.1f} | "
+                     + " | ".join(f"{h['by_place_ms'].get(p, 0.0):.1f}" for p in places) + " |")
+    for r in records:
+        lines += ["", f"## {r['model']} {r['arm']}: top functions by own time (ms a step, cumulative ms, calls a step)",
+                  ""]
+        lines += [f"    {f['own_ms']:8.3f} {f['cumulative_ms']:8.3f} {f['calls']:7.1f}  {f['function']}"
+                  for f in r["host"]["top_own"]]
+    return lines + [""]
 
 
 def plot_loss_tracks(records: list[dict], path: Path) -> Optional[str]:
@@ -636,7 +670,8 @@ def worker_command(job: Job, args, cores: Optional[list[int]] = None) -> list[st
     """The command of ``job``'s process, held to ``cores`` where given."""
     cmd = [sys.executable, "-m", "benchmarks.bench_own_model", "--models", job.model, "--arms", job.arm,
            "--worker", str(job.repeat), "--device", args.device, "--steps", str(args.steps), "--warmup",
-           str(args.warmup), "--profile-steps", str(args.profile_steps), "--out", str(args.out)]
+           str(args.warmup), "--profile-steps", str(args.profile_steps), "--host-steps", str(args.host_steps),
+           "--out", str(args.out)]
     return cmd + (["--tiny"] if args.tiny else []) + (["--cores", ",".join(map(str, cores))] if cores else [])
 
 
@@ -684,7 +719,7 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
     measure.write_json_atomic(out / "summary.json", summary)
     table = markdown(rows, header=header, failed=failed, not_run=not_run)
     (out / "own-models.md").write_text(table)
-    if any(r.get("profile") for r in records):
+    if any(r.get("profile") or r.get("host") for r in records):
         (out / "profiles.md").write_text(profile_markdown(records))
     if plot:
         plot_loss_tracks(records, out / "loss-tracks.png")
@@ -800,6 +835,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-steps", type=int, default=0,
                    help="then profile this many more steps per arm (torch.profiler, GPU only): the step's GPU time by "
                         "kernel category and its top kernels, in the arm's record and the table")
+    p.add_argument("--host-steps", type=int, default=0,
+                   help="then time this many more steps' host time, each from an idle GPU, and as many under cProfile: "
+                        "the host's ms a step, by where the Python lives (dres, torch, timm, ...) and its top functions")
     p.add_argument("--repeats", type=int, default=1, help="processes per arm (median and spread)")
     p.add_argument("--max-minutes", type=float, help="start no arm after this many minutes")
     p.add_argument("--arm-timeout-s", type=float, default=540, help="an arm still running after this is killed")
@@ -822,8 +860,9 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
                 f"come first), got {args.warmup}")
     if args.steps <= args.warmup:
         p.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): the steps after it are timed")
-    if args.profile_steps < 0:
-        p.error(f"--profile-steps must be 0 or more, got {args.profile_steps}")
+    for name in ("profile_steps", "host_steps"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(args, name)}")
     if args.repeats < 1:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.gpus and args.device == "cpu":
@@ -855,7 +894,7 @@ def run_worker(args) -> int:
         os.sched_setaffinity(0, args.cores)  # before the first parallel region starts torch's thread pool
     measure.configure_caches()
     rec = run_arm(job.model, job.arm, job.repeat, device=torch.device(args.device), tiny=args.tiny, steps=args.steps,
-                  warmup=args.warmup, profile_steps=args.profile_steps)
+                  warmup=args.warmup, profile_steps=args.profile_steps, host_steps=args.host_steps)
     measure.write_json_atomic(arm_path(Path(args.out), job), rec)
     print(json.dumps({k: v for k, v in rec.items() if k != "losses"}), flush=True)
     return 1 if rec["error"] else 0

@@ -29,7 +29,9 @@ import argparse
 import hashlib
 import os
 import re
+import statistics
 import sys
+import time
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -104,6 +106,66 @@ def profile_steps(step, steps: int, trace_path: Path | None, top: int = TOP) -> 
             "top_cpu_ops": [{"self_us": round(t, 1), "calls": round(n, 1), "name": k[:120]}
                             for t, n, k in sorted(cpu_top, reverse=True)[:top]],
             "trace": trace_path.name if trace_path else None}
+
+
+REPO = Path(__file__).resolve().parent.parent
+REPO_PLACES = {"dres": "dres", "kernels": "dres", "benchmarks": "the benchmark's loop"}
+TORCH_PLACES = {"autograd": "torch autograd", "nn": "torch nn"}
+
+
+def host_place(filename: str) -> str:
+    """Where a profiled function lives: C functions (cProfile's "~": torch's ops, kernel launches, builtins), dres,
+    the benchmark's own loop, torch's autograd, nn or other Python, triton, timm, transformers, other Python."""
+    if filename == "~":
+        return "C functions (torch ops, launches)"
+    path = Path(filename)
+    if REPO in path.parents:
+        return REPO_PLACES.get(path.relative_to(REPO).parts[0], "other Python")
+    parts = path.parts
+    at = next((i for i, part in enumerate(parts) if part in ("site-packages", "dist-packages")), None)
+    if at is None or at + 1 >= len(parts):
+        return "other Python"
+    package = parts[at + 1]
+    if package == "torch":
+        return TORCH_PLACES.get(parts[at + 2] if at + 2 < len(parts) else "", "torch other")
+    return package if package in ("dres", "triton", "timm", "transformers") else "other Python"
+
+
+def host_time(step, steps: int, top: int = TOP) -> dict:
+    """The host's own time a step: each of ``steps`` calls of ``step`` starts with the GPU idle (synchronised
+    first) and is timed until it returns, unsynchronised, so the host does not wait for the GPU (unless one step
+    fills the launch queue); then ``steps`` calls more under cProfile, which adds its own cost to every Python call:
+    the profiled time a step by where the code lives (:data:`HOST_PLACES`, each function's own time) and the
+    ``top`` functions by own and by cumulative time."""
+    import cProfile
+    import pstats
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    host_ms = []
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        host_ms.append((time.perf_counter() - t0) * 1e3)
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        sync()
+        profiler.enable()
+        step()
+        profiler.disable()
+    sync()
+    rows, places = [], {}
+    for (filename, line, name), (_, calls, own, cumulative, _) in pstats.Stats(profiler).stats.items():
+        place = host_place(filename)
+        places[place] = places.get(place, 0.0) + own * 1e3 / steps
+        where = name if filename == "~" else f"{Path(filename).parent.name}/{Path(filename).name}:{line}({name})"
+        rows.append({"own_ms": round(own * 1e3 / steps, 3), "cumulative_ms": round(cumulative * 1e3 / steps, 3),
+                     "calls": round(calls / steps, 1), "function": where[:120]})
+    return {"host_ms_per_step": statistics.median(host_ms), "host_ms_min": min(host_ms),
+            "profiled_ms_per_step": sum(places.values()),
+            "by_place_ms": dict(sorted(((k, round(v, 3)) for k, v in places.items()), key=lambda kv: -kv[1])),
+            "top_own": sorted(rows, key=lambda r: -r["own_ms"])[:top],
+            "top_cumulative": sorted(rows, key=lambda r: -r["cumulative_ms"])[:top]}
 
 
 def profile_model(bench: str, name: str, options: dict, mode: str, batch: int, steps: int, warmup: int, kind: str,

@@ -73,6 +73,7 @@ def test_parallel_arms_get_their_own_share_of_the_cores(monkeypatch):
     (["--arms", "plain_eager,converted_step", "--warmup", "3"], "--warmup"),
     (["--repeats", "0"], "--repeats"),
     (["--profile-steps", "-1"], "--profile-steps"),
+    (["--host-steps", "-2"], "--host-steps"),
     (["--device", "cpu", "--gpus", "0"], "--gpus"),
 ])
 def test_bad_arguments_exit_2_naming_the_argument(argv, named, capsys):
@@ -175,6 +176,45 @@ def test_table_quotes_each_model_with_its_ratios_failures_and_unstarted_arms():
 
 # ---------------------------------------------------------------------------------------------
 # runs: a tiny one on the CPU, arms that fail, time running out
+
+
+def test_host_steps_time_the_hosts_part_of_a_step_by_where_its_python_lives(tmp_path, capsys):
+    """``--host-steps``: each arm's host time a step, and under cProfile by place; the converted model's step runs dres
+    Python, the plain one's none; every place's own time adds up to the profiled total; profiles.md tabulates both."""
+    out = tmp_path / "own"
+    argv = [*TINY_RUN, "--models", "vit_b16", "--arms", "plain_eager,converted_eager", "--host-steps", "2", "--out",
+            str(out)]
+    assert bench.main(argv) == 0
+    records = {r["arm"]: r for r in bench.load_arm_records(out)}
+    for arm, rec in records.items():
+        host = rec["host"]
+        assert rec["error"] is None and len(rec["losses"]) == 3
+        assert 0 < host["host_ms_min"] <= host["host_ms_per_step"]
+        assert host["profiled_ms_per_step"] == pytest.approx(sum(host["by_place_ms"].values()), rel=1e-3, abs=0.01)
+        assert "C functions (torch ops, launches)" in host["by_place_ms"] and "the benchmark's loop" in host["by_place_ms"]
+        assert 0 < len(host["top_own"]) <= bench.PROFILE_TOP
+        assert [f["own_ms"] for f in host["top_own"]] == sorted((f["own_ms"] for f in host["top_own"]), reverse=True)
+    assert records["converted_eager"]["host"]["by_place_ms"].get("dres", 0) > 0
+    assert "dres" not in records["plain_eager"]["host"]["by_place_ms"]
+    text = (out / "profiles.md").read_text()
+    assert "# The host's time a step" in text and "| vit_b16 | converted_eager |" in text and "| vit_b16 | plain_eager |" in text
+    assert "# Where each arm's step goes" not in text  # no torch.profiler steps were asked for
+
+
+def test_host_place_reads_the_package_after_site_packages():
+    from benchmarks.profile_train import REPO, host_place
+
+    venv = "/opt/torch/.venv/lib/python3.12/site-packages"  # a venv inside a folder named torch
+    assert host_place(f"{venv}/torch/autograd/function.py") == "torch autograd"
+    assert host_place(f"{venv}/torch/nn/modules/module.py") == "torch nn"
+    assert host_place(f"{venv}/torch/_tensor.py") == "torch other"
+    assert host_place(f"{venv}/transformers/models/vit/modeling_vit.py") == "transformers"
+    assert host_place(f"{venv}/dres/ops/residual_norm.py") == "dres"
+    assert host_place(f"{venv}/numpy/core/numeric.py") == "other Python"
+    assert host_place(str(REPO / "kernels" / "utils.py")) == "dres"
+    assert host_place(str(REPO / "benchmarks" / "bench_own_model.py")) == "the benchmark's loop"
+    assert host_place("/usr/lib/python3.12/functools.py") == "other Python"
+    assert host_place("~") == "C functions (torch ops, launches)"
 
 
 def test_tiny_cpu_run_writes_the_records_and_skip_existing_resumes(tmp_path, capsys):

@@ -432,7 +432,7 @@ def test_a_rank_that_stops_answering_is_lost_after_dist_timeout_s(tmp_path):
                           "dist_timeout_s=20")
     with process_group(2) as group:
         for rank in range(2):
-            env = dict(os.environ, group, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank))
+            env = dict(os.environ, **group, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank))
             procs.append(subprocess.Popen([sys.executable, str(entry), "5", "SIGSTOP", "1", "1", *args], env=env,
                                           cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         started = time.monotonic()
