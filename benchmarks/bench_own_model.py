@@ -579,17 +579,20 @@ def profile_markdown(records: list[dict]) -> str:
     lines = host_markdown([r for r in records if r.get("host")])
     if not profiled:
         return "\n".join(lines)
-    lines += ["# Where each arm's step goes (torch.profiler, ms per step)", "",
-             "| model | arm | wall | GPU busy | kernels | " + " | ".join(cats) + " |", "|---" * (5 + len(cats)) + "|"]
-    for r in profiled:
-        p = r["profile"]
-        lines.append(f"| {r['model']} | {r['arm']} | {p['wall_us_per_step'] / 1e3:.1f} | {p['gpu_busy_pct']:.0f}% | "
-                     f"{p['gpu_kernels_per_step']:.0f} | "
-                     + " | ".join(f"{p['categories_us'].get(c, 0.0) / 1e3:.1f}" for c in cats) + " |")
+    lines += markdown_table(
+        "# Where each arm's step goes (torch.profiler, ms per step)", ["model", "arm", "wall", "GPU busy", "kernels", *cats],
+        [[r["model"], r["arm"], f"{p['wall_us_per_step'] / 1e3:.1f}", f"{p['gpu_busy_pct']:.0f}%",
+          f"{p['gpu_kernels_per_step']:.0f}", *(f"{p['categories_us'].get(c, 0.0) / 1e3:.1f}" for c in cats)]
+         for r, p in ((r, r["profile"]) for r in profiled)])
     for r in profiled:
         lines += ["", f"## {r['model']} {r['arm']}: top GPU kernels (us a step, calls a step)", ""]
         lines += [f"    {k['us']:9.1f} {k['calls']:6.1f}  {k['name']}" for k in r["profile"]["top_kernels"]]
     return "\n".join(lines) + "\n"
+
+
+def markdown_table(title: str, columns: list[str], rows: list[list[str]]) -> list[str]:
+    return [title, "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|",
+            *("| " + " | ".join(row) + " |" for row in rows)]
 
 
 def host_markdown(records: list[dict]) -> list[str]:
@@ -597,14 +600,12 @@ def host_markdown(records: list[dict]) -> list[str]:
     if not records:
         return []
     places = list(dict.fromkeys(p for r in records for p in r["host"]["by_place_ms"]))
-    lines = ["# The host's time a step (ms): unprofiled from an idle GPU; under cProfile by where the code lives", "",
-             "| model | arm | host (median) | min | under cProfile | " + " | ".join(places) + " |",
-             "|---" * (5 + len(places)) + "|"]
-    for r in records:
-        h = r["host"]
-        lines.append(f"| {r['model']} | {r['arm']} | {h['host_ms_per_step']:.1f} | {h['host_ms_min']:.1f} | "
-                     f"{h['profiled_ms_per_step']:.1f} | "
-                     + " | ".join(f"{h['by_place_ms'].get(p, 0.0):.1f}" for p in places) + " |")
+    lines = markdown_table(
+        "# The host's time a step (ms): unprofiled from an idle GPU; under cProfile by where the code lives",
+        ["model", "arm", "host (median)", "min", "under cProfile", *places],
+        [[r["model"], r["arm"], f"{h['host_ms_per_step']:.1f}", f"{h['host_ms_min']:.1f}",
+          f"{h['profiled_ms_per_step']:.1f}", *(f"{h['by_place_ms'].get(p, 0.0):.1f}" for p in places)]
+         for r, h in ((r, r["host"]) for r in records)])
     for r in records:
         lines += ["", f"## {r['model']} {r['arm']}: top functions by own time (ms a step, cumulative ms, calls a step)",
                   ""]
