@@ -363,8 +363,8 @@ def test_compile_fullgraph_of_a_converted_resnet(triton_device):
     torch.testing.assert_close(compiled(x), model(x))
 
 
-@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
-@pytest.mark.parametrize("dynamic", [False, True])
+# symbolic sizes in channels_last alone, the layout the presets train in: each symbolic case compiles for minutes
+@pytest.mark.parametrize("dynamic,layout", [(False, "nchw"), (False, "channels_last"), (True, "channels_last")])
 def test_inductor_compile_of_a_converted_resnet_matches_eager_in_training(triton_device, layout, dynamic):
     """Inductor (not aot_eager) compiling the residuals' formula with the blocks around it, in training mode with
     ResidualDroppath's even and odd iterations, static and symbolic sizes: outputs and every parameter
