@@ -135,7 +135,7 @@ def host_time(step, steps: int, top: int = TOP) -> dict:
     """The host's own time a step: each of ``steps`` calls of ``step`` starts with the GPU idle (synchronised
     first) and is timed until it returns, unsynchronised, so the host does not wait for the GPU (unless one step
     fills the launch queue); then ``steps`` calls more under cProfile, which adds its own cost to every Python call:
-    the profiled time a step by where the code lives (:data:`HOST_PLACES`, each function's own time) and the
+    the profiled time a step by where the code lives (:func:`host_place`, each function's own time) and the
     ``top`` functions by own and by cumulative time."""
     import cProfile
     import pstats

@@ -177,19 +177,24 @@ ENTRY = textwrap.dedent('''
 ''')
 
 
-def _signalled(tmp_path, at, name, count, args, world=1, ranks="0"):
-    """Run ENTRY in ``world`` processes (gloo) and return [(returncode, stdout, stderr)] by rank."""
+def _start_ranks(tmp_path, group, world, at, name, count, ranks, args) -> list[subprocess.Popen]:
+    """ENTRY in ``world`` processes (gloo, joining through ``group``: :func:`helpers.process_group`), output piped."""
     entry = tmp_path / "entry.py"
     entry.write_text(ENTRY)
     procs = []
+    for rank in range(world):
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if world > 1:
+            env.update(group, RANK=str(rank), LOCAL_RANK=str(rank))
+        procs.append(subprocess.Popen([sys.executable, str(entry), str(at), name, str(count), ranks, *args], env=env,
+                                      cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _signalled(tmp_path, at, name, count, args, world=1, ranks="0"):
+    """Run ENTRY in ``world`` processes (gloo) and return [(returncode, stdout, stderr)] by rank."""
     with process_group(world) as group:
-        for rank in range(world):
-            env = dict(os.environ, OMP_NUM_THREADS="1")
-            if world > 1:
-                env.update(group, RANK=str(rank), LOCAL_RANK=str(rank))
-            procs.append(subprocess.Popen([sys.executable, str(entry), str(at), name, str(count), ranks, *args],
-                                          env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True))
+        procs = _start_ranks(tmp_path, group, world, at, name, count, ranks, args)
         try:
             outs = [p.communicate(timeout=600) for p in procs]
         finally:
@@ -425,16 +430,10 @@ def test_a_rank_that_stops_answering_is_lost_after_dist_timeout_s(tmp_path):
     """A host that vanishes without closing its connections (here: rank 1 stopped with SIGSTOP) is noticed only
     when the process group's timeout runs out: dist_timeout_s (default 30 minutes), then the same one line."""
     out = tmp_path / "run"
-    entry = tmp_path / "entry.py"
-    entry.write_text(ENTRY)
-    procs = []
     args = _classify_args(out, "--set", "dist=ddp", "--set", "log.every=1", "--set", "ckpt.every=2", "--set",
                           "dist_timeout_s=20")
     with process_group(2) as group:
-        for rank in range(2):
-            env = dict(os.environ, **group, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank))
-            procs.append(subprocess.Popen([sys.executable, str(entry), "5", "SIGSTOP", "1", "1", *args], env=env,
-                                          cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs = _start_ranks(tmp_path, group, 2, 5, "SIGSTOP", 1, "1", args)
         started = time.monotonic()
         try:
             stdout, stderr = procs[0].communicate(timeout=600)
