@@ -573,7 +573,7 @@ def _folder_run(tmp_path, out, steps, extra=(), flags=()):
     cmd = [sys.executable, "-m", "dres.train.mae", "--preset", "quickstart", "--out", str(out), *flags]
     cmd += [a for kv in sets for a in ("--set", kv)]
     return subprocess.Popen(cmd, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"))
 
 
 def test_a_run_reading_files_with_workers_ends_when_it_is_done(tmp_path):

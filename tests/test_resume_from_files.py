@@ -48,7 +48,12 @@ def _logged(out) -> int:
 
 
 def _ended(proc, what):
-    stdout, stderr = proc.communicate(timeout=300)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:  # a hang fails with where the run's threads were (PYTHONFAULTHANDLER)
+        proc.send_signal(signal.SIGABRT)
+        stdout, stderr = proc.communicate(timeout=60)
+        raise AssertionError(f"the {what} run still ran after 300 s:\n{stdout[-2000:]}\n{stderr[-8000:]}") from None
     assert proc.returncode == 0, (what, stdout, stderr)
     return stdout + stderr
 
