@@ -4,6 +4,7 @@ the host wait for."""
 
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -101,6 +102,18 @@ def test_markdown_gives_the_gpu_halfs_rate_and_its_host_waits():
                                   "torch_lines": {}}}
     assert ("| GPU half alone (torchvision; the decode call alone 4,273; 236 cudaEventSynchronize a batch; "
             "2 cudaStreamSynchronize a batch) | gpu | 1 | | | 4,602 | |") in markdown([row], "h200").splitlines()
+
+
+def test_sync_sites_count_the_synchronising_lines_not_the_modes_own_notice():
+    def caught(message, filename, lineno):
+        return warnings.WarningMessage(UserWarning(message), UserWarning, filename, lineno)
+
+    notice = "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations"
+    sync = "called a synchronizing CUDA operation"
+    sites = bench_data.sync_sites([caught(notice, "/torch/cuda/__init__.py", 1270),
+                                   caught(sync, "/x/decode.py", 7), caught(sync, "/x/decode.py", 7),
+                                   caught(sync, "/x/loaders.py", 3), caught("unrelated", "/x/a.py", 1)])
+    assert sites == {"decode.py:7": 2, "loaders.py:3": 1}
 
 
 @pytest.mark.gpu
