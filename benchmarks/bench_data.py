@@ -158,8 +158,10 @@ def loader_rate(root: str, decode: str, workers: int, batch: int = 256, warmup: 
             "decoded": loader.decoded, "variant": list(sets)}
 
 
-# the CUDA runtime's calls that make the host wait for the GPU
-HOST_WAITS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+# The runtime and driver calls that hold the host until the GPU catches up: the explicit waits, and the frees,
+# which wait for the whole device (a library freeing its buffers every call waits for the running step)
+HOST_WAITS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cuEventSynchronize",
+              "cuStreamSynchronize", "cuCtxSynchronize", "cudaFree", "cudaFreeHost", "cuMemFree_v2", "cuMemFreeHost")
 
 
 def host_waits(fn) -> dict:
