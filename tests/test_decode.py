@@ -5,6 +5,8 @@ GPU, the batched GPU decode against the CPU decode."""
 import io
 import os
 import random
+import re
+import time
 from collections import Counter
 
 import numpy as np
@@ -14,8 +16,8 @@ import torch
 from benchmarks.bench_data import encode
 from dres.data import DataError, build_loader
 from dres.data.augment import color_jitter
-from dres.data.decode import (BatchFinisher, SamplePrep, collate_prepared, crop_box, gpu_decode_backend, prepare,
-                              read_file)
+from dres.data.decode import (BatchFinisher, SamplePrep, collate_prepared, crop_box, decode_paths_line,
+                              gpu_decode_backend, prepare, read_file)
 from dres.kernels.crop_resize import crop_resize_forward
 from dres.train.config import DataConfig
 
@@ -206,6 +208,45 @@ def test_folder_loader_counts_a_lost_file_once_and_skips_fifos(tmp_path):
         f"[dres] data: epoch {e}, 23 images decoded: 23 on the CPU by the workers" for e in (1, 2, 3)]
 
 
+def test_an_epoch_line_says_how_long_a_batch_took_to_finish_and_its_gpu_decode_call():
+    line = decode_paths_line(2, Counter(nvjpeg=500, workers=12),
+                             Counter(batches=4, finish_s=0.2, decode_s=0.16))
+    assert line == ("[dres] data: epoch 2, 512 images decoded: 500 by torchvision's batched nvJPEG (the hardware "
+                    "decoders for baseline JPEGs where the GPU has them); 12 on the CPU by the workers; a batch finished "
+                    "in 50.0 ms, 40.0 of them in the GPU decode call (mean of 4 batches)")
+    assert decode_paths_line(1, Counter(workers=3), Counter(batches=1, finish_s=0.01)).endswith("3 on the CPU by the workers")
+
+
+def test_the_loader_counts_each_epochs_finishing_times_as_its_batches_are_handed_over(tmp_path):
+    """A stand-in for the GPU decoder's call (10 ms a batch, counted in ``decode_s``) around the CPU finisher: each
+    epoch's line gives the mean of that epoch's batches alone."""
+
+    class WithADecodeCall:
+        def __init__(self, finisher):
+            self.finisher, self.decode_s = finisher, 0.0
+
+        def __call__(self, batch, lost, paths=None):
+            time.sleep(0.01)
+            self.decode_s += 0.01
+            return self.finisher(batch, lost, paths)
+
+        def __getattr__(self, name):  # the device and stream priority the thread finishing batches ahead takes
+            return getattr(self.finisher, name)
+
+    lines = []
+    d = DataConfig(name="imagefolder", path=_folder(tmp_path), img_size=8, num_classes=3, gpu_resident=False,
+                   decode="cpu", num_workers=0)
+    loader = build_loader(d, "train", 8, log=lines.append)
+    loader.finisher = WithADecodeCall(loader.finisher)
+    _batches(loader, 6)  # two epochs of 3 batches
+    timed = [re.search(r"a batch finished in ([\d.]+) ms, ([\d.]+) of them in the GPU decode call \(mean of (\d) "
+                       r"batches\)$", line) for line in lines]
+    assert len(timed) == 2 and all(timed), lines
+    for m in timed:
+        assert m.group(3) == "3" and float(m.group(2)) == 10.0 and float(m.group(1)) >= 10.0
+    assert loader.finishing["batches"] == 6
+
+
 def _shards(root, n_shards=3, per_shard=10, bad=()):
     """Shards of small JPEGs (samples named in ``bad`` damaged) and their manifest's counts."""
     import io
@@ -286,8 +327,6 @@ def test_the_thread_finishing_batches_ahead_ends_with_its_loader(tmp_path):
 def _numbers(n, fail_at=None):
     """An iterator of ``(i,)`` for i < n, raising ``ValueError`` at ``fail_at``, each item after a short random
     pause (the order of the thread's work and the taker's varies)."""
-    import time
-
     rng = random.Random(n)
     for i in range(n):
         time.sleep(rng.uniform(0, 0.003))
@@ -313,8 +352,6 @@ def test_batches_ahead_come_in_order_then_the_sources_end(depth):
 
 
 def test_stopping_the_batches_ahead_mid_epoch_ends_the_thread_waiting_on_a_full_ring():
-    import time
-
     from dres.data.loaders import _Ahead, _stop_workers
 
     running = []
@@ -482,6 +519,7 @@ def test_gpu_decode_matches_the_cpu_decode_of_the_same_crops(tmp_path, backend, 
         # the baseline RGB and grey JPEGs by the GPU, the progressive, CMYK and PNG files by the workers
         gpu_paths = {"hardware", "cuda"} if backend == "nvimgcodec" else {"nvjpeg"}
         assert sum(paths.values()) == 6 and paths["workers"] == (3 if gpu else 6)
+        assert (finisher.decode_s > 0) == gpu  # the host's time in the GPU decoder's call
         assert set(paths) - {"workers"} <= (gpu_paths | {"cpu_fallback"} if gpu else set())
     gpu, cpu = batches[True], batches[False]
     assert gpu["label"].tolist() == cpu["label"].tolist() == list(range(6))
@@ -603,7 +641,6 @@ def test_sigterm_during_gpu_decode_saves_and_exits_75(tmp_path):
 
 def _sigterm_saves_exits_75_and_resumes(tmp_path, extra):
     import signal
-    import time
 
     from dres.train import checkpoint
     from dres.train.stop import EXIT_INTERRUPTED

@@ -37,6 +37,7 @@ import random
 import signal
 import stat
 import struct
+import time
 import warnings
 import zlib
 from collections import Counter
@@ -294,10 +295,17 @@ DECODE_PATHS = {
 }
 
 
-def decode_paths_line(epoch: int, counts: dict) -> str:
-    """The run log's line of where an epoch's images were decoded (``counts``: :data:`DECODE_PATHS` keys)."""
+def decode_paths_line(epoch: int, counts: dict, finishing: dict | None = None) -> str:
+    """The run log's line of where an epoch's images were decoded (``counts``: :data:`DECODE_PATHS` keys) and,
+    where the GPU decoded some (``finishing``: the epoch's ``batches``, ``finish_s`` and ``decode_s``, see
+    :class:`BatchFinisher`), how long the training process took to finish a batch and its decode call to decode it."""
     parts = [f"{counts[k]:,} {words}" for k, words in DECODE_PATHS.items() if counts.get(k)]
-    return f"[dres] data: epoch {epoch}, {sum(counts.values()):,} images decoded: " + "; ".join(parts)
+    line = f"[dres] data: epoch {epoch}, {sum(counts.values()):,} images decoded: " + "; ".join(parts)
+    if finishing and finishing.get("decode_s") and finishing.get("batches"):
+        ms = {k: 1e3 * finishing[k] / finishing["batches"] for k in ("finish_s", "decode_s")}
+        line += (f"; a batch finished in {ms['finish_s']:.1f} ms, {ms['decode_s']:.1f} of them in the GPU decode call "
+                 f"(mean of {finishing['batches']:,} batches)")
+    return line
 
 
 class BatchFinisher:
@@ -327,6 +335,7 @@ class BatchFinisher:
         self.mean, self.std = mean.to(self.device), std.to(self.device)
         self.stream = torch.cuda.Stream(self.device, priority=self.priority) if backend else None
         self._decoders = None  # nvImageCodec's (nvimgcodec_decoders) and the thread running the CUDA one beside
+        self.decode_s = 0.0  # the host's time in the GPU decoder's calls, waits included, over the finisher's life
 
     def __call__(self, batch: dict, lost: list, paths: Counter | None = None) -> dict | None:
         """``lost`` gets the names of images nobody could decode, ``paths`` (where given) the count of images
@@ -362,7 +371,9 @@ class BatchFinisher:
         caller = torch.cuda.current_stream(self.device)
         # the inputs are host tensors: the decode waits for nothing queued on the caller's stream (the running step)
         with torch.cuda.stream(self.stream):
+            start = time.perf_counter()
             images, taken = self._decode(encoded)
+            self.decode_s += time.perf_counter() - start
             paths.update(path for path in taken if path is not None)
             ok = [i for i, im in enumerate(images) if im is not None]
             decoded = None

@@ -37,6 +37,7 @@ import os
 import queue
 import random
 import threading
+import time
 import weakref
 from collections import Counter
 
@@ -166,9 +167,11 @@ class _StreamingLoader(_Position):
             import_cpu_decoder()
         self.max_corrupt_frac, self.where, self.log = max_corrupt_frac, where, log
         self.counter = CorruptCounter(log, unit=unit)
-        # images each path decoded (dres.data.decode.DECODE_PATHS) in the batches handed over, over the process's
-        # life, and the same at the last epoch's end (its line says the difference)
+        # images each path decoded (dres.data.decode.DECODE_PATHS) and the batches' finishing times (batches,
+        # finish_s, decode_s) in the batches handed over, over the process's life, and the same at the last epoch's
+        # end (its line says the difference)
         self.decoded, self._decoded_before = Counter(), Counter()
+        self.finishing, self._finishing_before = Counter(), Counter()
         self._read, self._expected, self.ahead = 0, 0, ahead
         # the finished batches to come (an _Ahead, or the generator itself with ahead=0) and the DataLoader
         # iterator whose workers run; the workers ignore SIGTERM, so they are stopped by message, at the latest
@@ -198,10 +201,10 @@ class _StreamingLoader(_Position):
 
     def _epoch_line(self, epoch: int):
         """Log where the images of the batches handed over since the last epoch's end were decoded."""
-        since = self.decoded - self._decoded_before
-        self._decoded_before = self.decoded.copy()
+        since, finishing = self.decoded - self._decoded_before, self.finishing - self._finishing_before
+        self._decoded_before, self._finishing_before = self.decoded.copy(), self.finishing.copy()
         if self.log is not None and since:
-            self.log(decode_paths_line(epoch, since))
+            self.log(decode_paths_line(epoch, since, finishing))
 
     def _open(self, dataset, **kw):
         """A fresh DataLoader iterator over ``dataset``, the workers of the previous one stopped first (this
@@ -226,18 +229,23 @@ class _StreamingLoader(_Position):
 
     def _finish(self, prepared: dict) -> tuple[dict | None, tuple]:
         """A collated batch -> the batch on the device (None: nothing of it survived) and its losses, ``(loss
-        events, lost samples' names, samples read, images each decode path made)``, which :meth:`_count` counts
-        when the batch is handed over."""
+        events, lost samples' names, samples read, images each decode path made, its finishing times)``, which
+        :meth:`_count` counts when the batch is handed over."""
         lost, paths = list(prepared["lost"]), Counter()
         check_labels(prepared["labels"], self.num_classes, self.where)  # on the host: no wait for the GPU
+        decode_before, start = self.finisher.decode_s, time.perf_counter()
         out = self.finisher(prepared, lost, paths) if len(prepared["labels"]) else None
-        return out, (tuple(prepared.get("events", ())), tuple(lost), 0 if out is None else len(out["label"]), paths)
+        finishing = Counter(batches=1, finish_s=time.perf_counter() - start,
+                            decode_s=self.finisher.decode_s - decode_before)
+        return out, (tuple(prepared.get("events", ())), tuple(lost), 0 if out is None else len(out["label"]), paths,
+                     finishing)
 
     def _count(self, losses: list):
         """Count the losses of :meth:`_finish` as their batches are handed over, not as they are finished ahead:
         the count saved with the position is then that of the batches taken, and a resume goes on from it."""
-        for events, lost, read, paths in losses:
+        for events, lost, read, paths, finishing in losses:
             self.decoded.update(paths)
+            self.finishing.update(finishing)
             self.counter.replay(events)
             for name in lost:
                 source = name.rsplit(": ", 1)[0]  # "<file or shard:key>: <error>"
