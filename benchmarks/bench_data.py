@@ -191,6 +191,14 @@ def host_waits(fn) -> dict:
     return {"runtime_calls": counts, "torch_lines": sync_sites(caught)}
 
 
+def finishing_times(data_lines: list) -> str:
+    """The last epoch line's time to finish a batch and its GPU decode call's share, as a table cell's clause
+    ('' where no epoch ended with the GPU decoding)."""
+    found = [m for m in (re.search(r"a batch finished in ([\d.]+) ms, ([\d.]+) of them in the GPU decode call",
+                                   line) for line in data_lines) if m]
+    return f"; a batch finished in {found[-1][1]} ms, {found[-1][2]} of them in the decode call" if found else ""
+
+
 def sync_sites(caught: list) -> dict:
     """The five lines that warned most often of a synchronising operation, with their counts, among the
     warnings sync debug mode raised; the mode's own "prototype feature" notice, warned where the mode is set,
@@ -496,6 +504,7 @@ def markdown(rows: list[dict], card: str) -> str:
             sets = "".join(f"; {kv}" for kv in r.get("overrides", [])) + variant
             waits = "".join(f"; {what} {r[key]:.1f} ms a step" for key, what in
                             (("data_ms", "waits for data"), ("gpu_ms_per_step", "step's GPU time")) if key in r)
+            waits += finishing_times(r.get("data_lines", []))
             cells = [f"trainer {r['name']} ({data.get('data.name')}{sets}{waits})", data.get("data.decode", ""),
                      r.get("gpus", 1), r["cores"] or "all", data.get("data.num_workers", "by the decode")]
         if "error" in r:

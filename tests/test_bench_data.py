@@ -95,6 +95,16 @@ def test_markdown_divides_by_the_synthetic_row_of_the_same_gpus_and_overrides():
     assert "| trainer vit (imagefolder) | gpu | 4 | 4 | 4 | 3,000 |  |" in table
 
 
+def test_a_trainer_row_gives_the_last_epoch_lines_finishing_times():
+    row = {**_trainer_row("imagefolder", 1, [], 900.0), "data_lines": [
+        "[dres] data: imagefolder, decoded on the GPU (torchvision), 4 workers (8 cores a process)",
+        "[dres] data: epoch 1, 19,968 images decoded: 19,501 by torchvision's batched nvJPEG (...); a batch finished in "
+        "58.1 ms, 55.0 of them in the GPU decode call (mean of 78 batches)"]}
+    assert ("| trainer vit (imagefolder; a batch finished in 58.1 ms, 55.0 of them in the decode call) | gpu | 1 | 4 | 4 "
+            "| 900 |  |") in markdown([row], "h200").splitlines()
+    assert bench_data.finishing_times(row["data_lines"][:1]) == ""
+
+
 def test_markdown_gives_the_gpu_halfs_rate_and_its_host_waits():
     row = {"kind": "decoder", "backend": "torchvision", "hw_load": None, "batch": 256, "images_per_s": 4602.0,
            "decode_call_images_per_s": 4273.0,
