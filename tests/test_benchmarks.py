@@ -830,7 +830,29 @@ def test_records_follow_the_convention(root):
 
 
 def test_records_hold_the_two_roots_their_convention_and_history():
-    assert sorted(p.name for p in (REPO / "records").iterdir()) == ["HISTORY.md", "README.md", "benchmarks", "experiments"]
+    assert sorted(p.name for p in (REPO / "records").iterdir()) == [
+        "HISTORY.md", "IN_HISTORY.md", "README.md", "benchmarks", "experiments"]
+
+
+RECORD_FILE_MAX_BYTES = 1 << 20  # the tree and the CIFAR-10 shards travel to a GPU host in one copy of 64 MiB
+
+
+def test_no_record_file_is_too_large_to_travel_and_each_one_kept_in_history_is_there():
+    import re
+    import shutil
+    import subprocess
+
+    large = [str(p.relative_to(REPO)) for p in (REPO / "records").rglob("*")
+             if p.is_file() and p.stat().st_size > RECORD_FILE_MAX_BYTES]
+    assert not large, f"over 1 MiB, to be kept in git history (records/IN_HISTORY.md): {large}"
+    kept = re.findall(r"^\| `(records/[^`]+)` \| [\d,]+ \| ([0-9a-f]{7,40}) \|$",
+                      (REPO / "records" / "IN_HISTORY.md").read_text(), re.M)
+    assert kept and not [path for path, _ in kept if (REPO / path).exists()]
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("no git history here to look the kept files up in")
+    missing = [f"{commit}:{path}" for path, commit in kept if subprocess.run(
+        ["git", "-C", str(REPO), "cat-file", "-e", f"{commit}:{path}"], capture_output=True).returncode]
+    assert not missing, f"not in the history where records/IN_HISTORY.md says: {missing}"
 
 
 @pytest.mark.parametrize("page", ["BENCHMARKS.md", "records/HISTORY.md"])
