@@ -278,7 +278,8 @@ def rescore(folder: Path, out: Path, *, force: bool, log=print) -> dict[str, str
     found = {p.stem: p for p in sorted(Path(folder).glob("features/*.pt")) if p.stem in BY_NAME}
     found.update({p.parent.name: p for p in sorted(Path(folder).glob(f"*/{FEATURES_FILE}")) if p.parent.name in BY_NAME})
     if not found:
-        raise ValueError(f"--rescore: no features file of an arm in {folder} (features/<arm>.pt or <arm>/{FEATURES_FILE})")
+        raise ValueError(f"--rescore: no features file of an arm in {folder} (features/<arm>.pt or <arm>/{FEATURES_FILE}; "
+                         "a record's kept features are in git history: records/IN_HISTORY.md)")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     status = {}
     for name, path, dest in not_written(found, out, force=force, status=status, log=log, who="repro",

@@ -817,6 +817,7 @@ def test_record_keeps_a_balanced_part_of_the_features_and_rescore_scores_it(tmp_
     assert repro.main(["--rescore", str(tmp_path / "runs"), "--records", str(records / "rescored")]) == 0
     assert "exists; kept" in capsys.readouterr().out
     assert repro.main(["--rescore", str(tmp_path / "nothing")]) == 2
+    assert "records/IN_HISTORY.md" in capsys.readouterr().err  # where a record's kept features went
 
 
 def test_issue_arms_of_b_and_c_resolve_to_their_recipes():
