@@ -210,7 +210,7 @@ def claim_figure(claim: str, stage: str, recs: dict, figures: Path, keys: list[s
     if not runs or not keys:
         return None
     if draw:
-        series, bands = {}, {}
+        series, bands, dots = {}, {}, {}
         for group, seeds in runs.items():
             label = group + (f" ({len(seeds)} seeds: mean, range shaded)" if len(seeds) > 1 else "")
             series[label], bands[label] = seed_curves(seeds, keys)
@@ -489,11 +489,11 @@ def a_length_block(page: "Page") -> list[str]:
 
 def a_length_figure(recs: dict, figures: Path, draw: bool) -> Path | None:
     """``figures/mae_gap_by_length.png``: every readout's mean gap against log2(epochs), the primary's 95% t
-    interval shaded (drawn when ``draw``); None without a record."""
+    interval shaded and its seed pairs as points (drawn when ``draw``); None without a record."""
     from dres.eval.curves import plot_curves
 
     x, key = "log2(epochs)", "official 0.6 − 1.0, points"
-    series, bands = {}, {}
+    series, bands, dots = {}, {}, {}
     for i, (name, what) in enumerate(a_readouts(recs)):
         gaps = [(math.log2(length), d) for length in A_LENGTHS for d in [length_gaps(recs, name, length)[1]] if d]
         if not gaps:
@@ -504,12 +504,14 @@ def a_length_figure(recs: dict, figures: Path, draw: bool) -> Path | None:
         if i == 0 and spread:
             bands[label] = {key: ([lx for lx, _, _ in spread], [m - h for _, m, h in spread],
                                   [m + h for _, m, h in spread])}
+        if i == 0:
+            dots[label] = {key: ([lx for lx, d in gaps for _ in d], [g for _, d in gaps for g in d])}
     if not series:
         return None
     path = Path(figures) / "mae_gap_by_length.png"
     if draw:
         plot_curves(series, path, [key], x=x, title="claim A: the gap against the schedule's length "
-                    "(the primary's 95% t interval shaded)", bands=bands)
+                    "(the primary's 95% t interval shaded, its seed pairs as points)", bands=bands, dots=dots)
     return path
 
 

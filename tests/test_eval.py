@@ -164,6 +164,10 @@ def test_seed_bands_are_shaded_and_many_series_get_distinct_colours(tmp_path, mo
     series = {"a": [{"epoch": 1, "acc": 0.5}, {"epoch": 2, "acc": 0.6}], "b": [{"epoch": 1, "acc": 0.4}]}
     plot_curves(series, tmp_path / "c.png", ["acc"], bands={"a": {"acc": ([1, 2], [0.4, 0.5], [0.6, 0.7])}})
     assert shaded == [(([1, 2], [0.4, 0.5], [0.6, 0.7]), "C0")]  # under its own line, in its colour
+    scattered, scatter = [], Axes.scatter
+    monkeypatch.setattr(Axes, "scatter", lambda ax, *a, **kw: scattered.append((a, kw["color"])) or scatter(ax, *a, **kw))
+    plot_curves(series, tmp_path / "d.png", ["acc"], dots={"b": {"acc": ([1, 1], [0.3, 0.5])}})
+    assert scattered == [(([1, 1], [0.3, 0.5]), "C1")]  # the seeds as points, in their series' colour
     drawn, plot = [], Axes.plot
     monkeypatch.setattr(Axes, "plot", lambda ax, *a, **kw: drawn.append(kw["color"]) or plot(ax, *a, **kw))
     plot_curves({f"s{i}": [{"epoch": 1, "acc": i}] for i in range(12)}, tmp_path / "many.png", ["acc"])

@@ -109,17 +109,17 @@ def numeric_keys(series: dict[str, list[dict]]) -> list[str]:
     return list(keys)
 
 
-def plot_curves(series: dict[str, list[dict]], path, keys=None, x="epoch", title=None, bands=None) -> str:
+def plot_curves(series: dict[str, list[dict]], path, keys=None, x="epoch", title=None, bands=None, dots=None) -> str:
     """One panel per metric in ``keys`` (default: every numeric one), one line per ``series`` label
     against ``x``, and under a line its ``bands[label][key]`` = ``(xs, lows, highs)`` shaded where given (the
-    spread of seeds); written as PNG."""
+    spread of seeds) and its ``dots[label][key]`` = ``(xs, ys)`` as points (the seeds themselves); written as PNG."""
     from dres.eval.viz import pyplot
 
     plt = pyplot()
     keys = list(keys) if keys is not None else numeric_keys(series)
     if not keys:
         raise ValueError("plot_curves: no numeric metric to draw in the given points")
-    bands = bands or {}
+    bands, dots = bands or {}, dots or {}
     many = len(series) > 10  # past ten lines the default cycle repeats its colours
     colours = [plt.get_cmap("tab20")(i % 20) if many else f"C{i}" for i in range(len(series))]
     fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
@@ -131,6 +131,8 @@ def plot_curves(series: dict[str, list[dict]], path, keys=None, x="epoch", title
                 ax.plot(xs, ys, marker="o" if len(xs) <= 50 else None, markersize=3, label=label, color=colour)
             if key in bands.get(label, {}):
                 ax.fill_between(*bands[label][key], color=colour, alpha=0.2, linewidth=0)
+            if key in dots.get(label, {}):
+                ax.scatter(*dots[label][key], color=colour, s=14, zorder=3)
         ax.set_xlabel(x)
         ax.set_title(key, fontsize=9)
         ax.grid(alpha=0.3)
