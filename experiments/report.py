@@ -210,7 +210,7 @@ def claim_figure(claim: str, stage: str, recs: dict, figures: Path, keys: list[s
     if not runs or not keys:
         return None
     if draw:
-        series, bands, dots = {}, {}, {}
+        series, bands = {}, {}
         for group, seeds in runs.items():
             label = group + (f" ({len(seeds)} seeds: mean, range shaded)" if len(seeds) > 1 else "")
             series[label], bands[label] = seed_curves(seeds, keys)
