@@ -973,3 +973,21 @@ def test_replay_step_ms_times_the_captured_step_with_its_optimizer_step():
     replay_ms = train_step.replay_step_ms("mae", model, model, x, rep_ms=100)
     assert 0 < replay_ms <= 1.5 * eager_ms
     assert all(p.grad is None for p in model.parameters())  # the graph's gradients freed with it
+
+
+def test_host_cost_times_each_fused_op_against_the_ops_it_replaces_and_restores_the_launches(tmp_path, capsys):
+    from benchmarks import bench_host_cost
+    from dres.kernels.utils import CachedLaunch
+    from dres.ops import checks
+
+    launch, default = CachedLaunch.__call__, checks._default_backend
+    assert bench_host_cost.main(["--calls", "3", "--rounds", "1", "--out", str(tmp_path)]) == 0
+    assert (CachedLaunch.__call__, checks._default_backend) == (launch, default)
+    rows = json.loads((tmp_path / "host_cost.json").read_text())["results"]
+    assert [(r["op"], r["what"]) for r in rows] == [(op, what) for op in ("residual_layer_norm", "fused_mlp", "layer_norm")
+                                                    for what in ("forward", "forward + backward")]
+    assert all(r["dres_us"] > 0 and r["torch_us"] > 0 for r in rows)
+    assert "| `fused_mlp` | F.linear, F.gelu, F.linear | forward + backward |" in (tmp_path / "host_cost.md").read_text()
+    with pytest.raises(SystemExit) as e:
+        bench_host_cost.main(["--calls", "0"])
+    assert e.value.code == 2 and "--calls and --rounds must be at least 1" in capsys.readouterr().err
