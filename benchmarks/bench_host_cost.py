@@ -48,9 +48,9 @@ def launches_stubbed():
         CachedLaunch.__call__, checks._default_backend = call, default
 
 
-def cases() -> dict[str, dict]:
-    """Per row: the dres op and the PyTorch ops it replaces, each a callable of one eager call (``forward``) or one
-    call and its backward (``forward + backward``)."""
+def cases() -> dict[tuple[str, str], dict]:
+    """Per row, keyed by (the dres op, the PyTorch ops it replaces): both as callables of one eager call
+    (``forward``) or of one call and its backward (``forward + backward``)."""
     import dres.ops as ops
 
     g = torch.Generator().manual_seed(0)
@@ -85,11 +85,11 @@ def cases() -> dict[str, dict]:
             torch.autograd.backward(outs, (g1, g2)[:len(outs)])
         return call
 
-    rows = {"residual_layer_norm | x + h, F.layer_norm": (add_norm_dres, add_norm_torch),
-            "fused_mlp | F.linear, F.gelu, F.linear": (mlp_dres, mlp_torch),
-            "layer_norm | F.layer_norm": (norm_dres, norm_torch)}
-    return {name: {"forward": (dres, torch_ops), "forward + backward": (with_backward(dres), with_backward(torch_ops))}
-            for name, (dres, torch_ops) in rows.items()}
+    rows = {("residual_layer_norm", "x + h, F.layer_norm"): (add_norm_dres, add_norm_torch),
+            ("fused_mlp", "F.linear, F.gelu, F.linear"): (mlp_dres, mlp_torch),
+            ("layer_norm", "F.layer_norm"): (norm_dres, norm_torch)}
+    return {row: {"forward": (dres, torch_ops), "forward + backward": (with_backward(dres), with_backward(torch_ops))}
+            for row, (dres, torch_ops) in rows.items()}
 
 
 def us_per_call(fns: tuple, calls: int, rounds: int) -> list[float]:
@@ -110,8 +110,7 @@ def us_per_call(fns: tuple, calls: int, rounds: int) -> list[float]:
 def measure_all(calls: int, rounds: int) -> list[dict]:
     results = []
     with launches_stubbed():
-        for name, kinds in cases().items():
-            op, replaced = name.split(" | ")
+        for (op, replaced), kinds in cases().items():
             for kind, fns in kinds.items():
                 dres_us, torch_us = us_per_call(fns, calls, rounds)
                 results.append({"op": op, "replaces": replaced, "what": kind, "dres_us": dres_us, "torch_us": torch_us})
