@@ -5,6 +5,7 @@ side by side with their plain originals, one process per arm.
     python -m benchmarks.bench_own_model --gpus 0,1,2,3 --max-minutes 8 --out $OUT   # everything, 4 GPUs
     python -m benchmarks.bench_own_model --models vit_b16,hf_bert --arms plain_eager,converted_eager
     python -m benchmarks.bench_own_model --repeats 3 --models resnet50d_224          # median and spread
+    python -m benchmarks.bench_own_model --no-csrc --arms plain_eager,converted_eager # Triton kernels alone
     python -m benchmarks.bench_own_model --tiny --gpus 0,1 --steps 8 --warmup 4      # smoke run, tiny configs
     python -m benchmarks.bench_own_model --dry-run                                   # the plan, no GPU
 
@@ -36,7 +37,10 @@ their loss difference holds that too. ``--gpus`` runs one arm per GPU at a time,
 child pinned to its share of the host's cores (``OMP_NUM_THREADS`` capped to it), model by model (a run cut by
 ``--max-minutes`` leaves whole models), each model's slowest arms first;
 ``--repeats N`` runs every arm N times, the compared arms in alternating order, and reports the median and
-spread over the N processes.
+spread over the N processes. Where the csrc extension is built (``DRES_BUILD_CUDA=1``), the fused residual ops'
+eager calls run its kernels and C++ autograd (``backend=None``'s choice); ``--no-csrc`` runs every arm without
+it (``dres._C`` not loaded in the arm's process: the Triton kernels and Python autograd alone), and each arm
+record says which (``csrc_extension``).
 
 The record folder (default ``records/benchmarks/<machine>-<today>-own-models``): ``arms/<model>-<arm>-<repeat>.json``
 (one a process, a failed arm with its one-line error), ``logs/`` (each process's output), ``summary.json``,
@@ -432,6 +436,9 @@ def run_arm(model_name: str, arm_name: str, repeat: int, *, device: torch.device
     except Exception as e:  # an import error, out of memory, a failed compile: recorded, the other arms go on
         rec["error"] = one_line(e)
     rec["wall_s"] = time.time() - t0
+    from dres.ops import csrc_backend
+
+    rec["csrc_extension"] = csrc_backend.available()
     return rec
 
 
@@ -673,7 +680,8 @@ def worker_command(job: Job, args, cores: Optional[list[int]] = None) -> list[st
            "--worker", str(job.repeat), "--device", args.device, "--steps", str(args.steps), "--warmup",
            str(args.warmup), "--profile-steps", str(args.profile_steps), "--host-steps", str(args.host_steps),
            "--out", str(args.out)]
-    return cmd + (["--tiny"] if args.tiny else []) + (["--cores", ",".join(map(str, cores))] if cores else [])
+    flags = [flag for flag, on in (("--tiny", args.tiny), ("--no-csrc", args.no_csrc)) if on]
+    return cmd + flags + (["--cores", ",".join(map(str, cores))] if cores else [])
 
 
 def core_shares(slots: int) -> list[list[int]]:
@@ -702,9 +710,12 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
     # the versions the arms ran with (this process's where no arm says)
     env = {k: ", ".join(sorted({str(r[k]) for r in records if r.get(k)})) or v for k, v in library_versions().items()}
     cards = sorted({r["card"] for r in records if r.get("card")})
+    csrc = sorted({r["csrc_extension"] for r in records if "csrc_extension" in r})
+    kernels = {(True,): "the csrc extension's kernels and C++ autograd", (False,): "the Triton kernels alone"}.get(
+        tuple(csrc), "the csrc extension in some arms only")
     header = [f"Converted timm / Hugging Face models against their plain originals "
               f"({', '.join(cards) or 'no arm finished'}; torch {env['torch']}, triton {env['triton']}, "
-              f"timm {env['timm']}, transformers {env['transformers']}).",
+              f"timm {env['timm']}, transformers {env['transformers']}; the residual ops' eager calls on {kernels}).",
               f"Each arm {args.steps} steps ({args.warmup} warm-up, untimed), bf16 autocast, fused AdamW; rates are "
               f"batch / median step time, the median over each arm's processes; "
               + (f"{slots} arms at a time, one per GPU, each on its share of the cores" if slots > 1
@@ -715,7 +726,7 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
               "and dropout masks differ between arms)."]
     summary = {"date": measure.today(), "machine": measure.machine_name(), "cards": cards, **env,
                "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "tiny": args.tiny,
-               "arms_at_a_time": slots, "rows": rows,
+               "arms_at_a_time": slots, "csrc_extension": csrc, "rows": rows,
                "failed": [{k: r[k] for k in ("model", "arm", "repeat", "error")} for r in failed], "not_run": not_run}
     measure.write_json_atomic(out / "summary.json", summary)
     table = markdown(rows, header=header, failed=failed, not_run=not_run)
@@ -847,6 +858,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="record folder (default: records/benchmarks/<machine>-<today>-own-models)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: the harness alone, no figures")
     p.add_argument("--tiny", action="store_true", help="a tiny config of each model's family")
+    p.add_argument("--no-csrc", action="store_true",
+                   help="run every arm without the csrc extension (the Triton kernels and Python autograd alone)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # a repeat of the one --models / --arms arm
     p.add_argument("--cores", type=core_list, help=argparse.SUPPRESS)  # the cores an arm's process keeps to
@@ -891,6 +904,8 @@ def finished_jobs(jobs: list[Job], out: Path) -> list[Job]:
 def run_worker(args) -> int:
     """One arm's process: the arm of ``--models`` and ``--arms`` (one each), repeat ``--worker``."""
     job = Job(args.models[0], args.arms[0], args.worker)
+    if args.no_csrc:
+        sys.modules["dres._C"] = None  # before dres.ops is first imported: `import dres._C` then fails
     if args.cores:
         os.sched_setaffinity(0, args.cores)  # before the first parallel region starts torch's thread pool
     measure.configure_caches()

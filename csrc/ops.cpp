@@ -2,9 +2,10 @@
 // dres/ops/residual_norm.py (so dres.ops dispatches backend="cuda" to torch.ops.dres_cuda.<name>
 // with the same arguments), implemented by the kernels of residual_norm.cu.
 //
-// Registered for the CUDA dispatch key only. Fake (meta) kernels and autograd are registered from
-// Python in dres/ops/csrc_backend.py, sharing the Triton ops' code; set_python_module below makes
-// torch import that module whenever it needs the fake kernels (e.g. under torch.compile).
+// Registered for the CUDA dispatch key, and for Autograd by the C++ Functions at the end of this file
+// (an eager call pays no Python for its graph node or its backward). Fake (meta) kernels are
+// registered from Python in dres/ops/csrc_backend.py, sharing the Triton ops' code; set_python_module
+// below makes torch import that module whenever it needs them (e.g. under torch.compile).
 
 #include <Python.h>
 
@@ -15,6 +16,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <array>
@@ -387,6 +389,200 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> residual_norm_backward(
   return {dx, dh.defined() ? dh : at::empty({0}, opts.dtype(x_dtype)), dweight, dbias, dalpha};
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Autograd: the formulas of the Python Functions of dres/ops/residual_norm.py (ResidualLayerNormFn,
+// ResidualAddFn, LayerNormFn). The forward reaches the kernel below autograd by redispatch and the
+// backward calls the backward op through the dispatcher, so torch.compile traces both.
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+OptTensor as_optional(const Tensor& t) { return t.defined() ? OptTensor(t) : OptTensor(); }
+Tensor value_or_undefined(const OptTensor& t) { return present(t) ? *t : Tensor(); }
+bool requires_grad(const OptTensor& t) { return present(t) && t->requires_grad(); }
+
+// What a forward keeps for the backward op, beside the saved tensors.
+struct BackwardArgs {
+  double alpha_value;
+  at::ScalarType x_dtype;
+  std::optional<at::ScalarType> h_dtype;  // none: no gradient into h
+  bool need_dweight, need_dbias, need_dalpha;
+};
+
+void save_args(AutogradContext* ctx, const BackwardArgs& a) {
+  ctx->saved_data["alpha_value"] = a.alpha_value;
+  ctx->saved_data["x_dtype"] = a.x_dtype;
+  ctx->saved_data["h_dtype"] = a.h_dtype.has_value() ? c10::IValue(*a.h_dtype) : c10::IValue();
+  ctx->saved_data["need"] = std::vector<bool>{a.need_dweight, a.need_dbias, a.need_dalpha};
+}
+
+BackwardArgs saved_args(AutogradContext* ctx) {
+  const c10::IValue& h_dtype = ctx->saved_data["h_dtype"];
+  const c10::List<bool> need = ctx->saved_data["need"].toBoolList();
+  return {ctx->saved_data["alpha_value"].toDouble(), ctx->saved_data["x_dtype"].toScalarType(),
+          h_dtype.isNone() ? std::nullopt : std::optional<at::ScalarType>(h_dtype.toScalarType()), need[0], need[1],
+          need[2]};
+}
+
+// (dx, dh, dweight fp32, dbias fp32, dalpha fp32) from residual_norm_backward.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> call_backward(const Tensor& g_out, const Tensor& g_y,
+                                                                 const Tensor& normed, const Tensor& x,
+                                                                 const Tensor& weight, const Tensor& mean,
+                                                                 const Tensor& rstd, const Tensor& alpha,
+                                                                 const Tensor& grad_scale, const BackwardArgs& a) {
+  static const auto op = op_handle<decltype(residual_norm_backward)>("dres_cuda::residual_norm_backward");
+  return op.call(as_optional(g_out), as_optional(g_y), as_optional(normed), as_optional(x), as_optional(weight),
+                 as_optional(mean), as_optional(rstd), as_optional(alpha), a.alpha_value, as_optional(grad_scale),
+                 a.x_dtype, a.h_dtype, a.need_dweight, a.need_dbias, a.need_dalpha);
+}
+
+// A parameter's gradient in its dtype from the kernels' fp32 one; zeros where they had none to give
+// (an empty tensor: the norm output got no gradient); undefined where none was asked for.
+Tensor param_grad(const Tensor& grad, const Tensor& like, bool needed) {
+  if (!needed) return Tensor();
+  if (grad.numel() == 0) return at::zeros_like(like);
+  return grad.to(like.scalar_type()).reshape(like.sizes());
+}
+
+Tensor alpha_grad(const Tensor& dalpha, const Tensor& alpha, bool needed) {
+  return needed ? dalpha.to(alpha.scalar_type()).reshape(alpha.sizes()) : Tensor();
+}
+
+// The per-sample factors of the gradient into h: grad_scale, or row_scale where it is None.
+Tensor gradient_scale(const OptTensor& row_scale, const OptTensor& grad_scale) {
+  return present(grad_scale) ? *grad_scale : value_or_undefined(row_scale);
+}
+
+std::optional<at::ScalarType> h_grad_dtype(const Tensor& h) {
+  return h.requires_grad() ? std::optional<at::ScalarType>(h.scalar_type()) : std::nullopt;
+}
+
+// out = alpha*x + row_scale[b]*h, y = LayerNorm(out); g = g_out + LN_bwd(g_y), dx = alpha*g,
+// dh = grad_scale[b]*g, dweight, dbias and dalpha = sum(g*x).
+struct ResidualLayerNormFunction : torch::autograd::Function<ResidualLayerNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& h, const OptTensor& weight,
+                               const OptTensor& bias, const OptTensor& alpha, double alpha_value, double eps,
+                               const OptTensor& row_scale, const OptTensor& grad_scale,
+                               std::optional<at::ScalarType> residual_dtype, std::optional<at::ScalarType> out_dtype) {
+    static const auto op = op_handle<decltype(residual_layer_norm)>("dres_cuda::residual_layer_norm");
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [out, y, mean, rstd] =
+        op.call(x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype);
+    const bool need_dalpha = requires_grad(alpha);
+    ctx->mark_non_differentiable({mean, rstd});
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({out, value_or_undefined(weight), value_or_undefined(bias), mean, rstd,
+                            value_or_undefined(alpha), gradient_scale(row_scale, grad_scale),
+                            need_dalpha ? x : Tensor()});
+    save_args(ctx, {alpha_value, x.scalar_type(), h_grad_dtype(h), requires_grad(weight), requires_grad(bias),
+                    need_dalpha});
+    return {out, y, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list result(11);  // one per forward argument; undefined: no gradient
+    if (!grads[0].defined() && !grads[1].defined()) return result;
+    const variable_list s = ctx->get_saved_variables();
+    const Tensor &out = s[0], &weight = s[1], &bias = s[2], &mean = s[3], &rstd = s[4], &alpha = s[5];
+    const BackwardArgs a = saved_args(ctx);
+    auto [dx, dh, dweight, dbias, dalpha] = call_backward(grads[0], grads[1], out, s[7], weight, mean, rstd, alpha,
+                                                          s[6], a);
+    result[0] = dx;
+    if (a.h_dtype.has_value()) result[1] = dh;
+    result[2] = param_grad(dweight, weight, a.need_dweight);
+    result[3] = param_grad(dbias, bias, a.need_dbias);
+    result[4] = alpha_grad(dalpha, alpha, a.need_dalpha);
+    return result;
+  }
+};
+
+// out = alpha*x + row_scale[b]*h; dx = alpha*g, dh = grad_scale[b]*g, dalpha = sum(g*x).
+struct ResidualAddFunction : torch::autograd::Function<ResidualAddFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& h, const OptTensor& alpha,
+                               double alpha_value, const OptTensor& row_scale, const OptTensor& grad_scale,
+                               std::optional<at::ScalarType> residual_dtype) {
+    static const auto op = op_handle<decltype(residual_add)>("dres_cuda::residual_add");
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    Tensor out = op.call(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype);
+    const bool need_dalpha = requires_grad(alpha);
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({value_or_undefined(alpha), gradient_scale(row_scale, grad_scale),
+                            need_dalpha ? x : Tensor()});
+    save_args(ctx, {alpha_value, x.scalar_type(), h_grad_dtype(h), false, false, need_dalpha});
+    return {out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list result(7);
+    if (!grads[0].defined()) return result;
+    const variable_list s = ctx->get_saved_variables();
+    const BackwardArgs a = saved_args(ctx);
+    auto [dx, dh, dweight, dbias, dalpha] = call_backward(grads[0], Tensor(), Tensor(), s[2], Tensor(), Tensor(),
+                                                          Tensor(), s[0], s[1], a);
+    result[0] = dx;
+    if (a.h_dtype.has_value()) result[1] = dh;
+    result[2] = alpha_grad(dalpha, s[0], a.need_dalpha);
+    return result;
+  }
+};
+
+// y = LayerNorm(x) * weight + bias, normalised in fp32 registers.
+struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const OptTensor& weight, const OptTensor& bias,
+                               double eps, std::optional<at::ScalarType> out_dtype) {
+    static const auto op = op_handle<decltype(layer_norm)>("dres_cuda::layer_norm");
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [y, mean, rstd] = op.call(x, weight, bias, eps, out_dtype);
+    ctx->mark_non_differentiable({mean, rstd});
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({x, value_or_undefined(weight), value_or_undefined(bias), mean, rstd});
+    save_args(ctx, {1.0, x.scalar_type(), std::nullopt, requires_grad(weight), requires_grad(bias), false});
+    return {y, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list result(5);
+    if (!grads[0].defined()) return result;
+    const variable_list s = ctx->get_saved_variables();
+    const Tensor &x = s[0], &weight = s[1], &bias = s[2];
+    const BackwardArgs a = saved_args(ctx);
+    auto [dx, dh, dweight, dbias, dalpha] = call_backward(Tensor(), grads[0], x, Tensor(), weight, s[3], s[4],
+                                                          Tensor(), Tensor(), a);
+    result[0] = dx;
+    result[1] = param_grad(dweight, weight, a.need_dweight);
+    result[2] = param_grad(dbias, bias, a.need_dbias);
+    return result;
+  }
+};
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> residual_layer_norm_autograd(
+    const Tensor& x, const Tensor& h, const OptTensor& weight, const OptTensor& bias, const OptTensor& alpha,
+    double alpha_value, double eps, const OptTensor& row_scale, const OptTensor& grad_scale,
+    std::optional<at::ScalarType> residual_dtype, std::optional<at::ScalarType> out_dtype) {
+  const variable_list r = ResidualLayerNormFunction::apply(x, h, weight, bias, alpha, alpha_value, eps, row_scale,
+                                                           grad_scale, residual_dtype, out_dtype);
+  return {r[0], r[1], r[2], r[3]};
+}
+
+Tensor residual_add_autograd(const Tensor& x, const Tensor& h, const OptTensor& alpha, double alpha_value,
+                             const OptTensor& row_scale, const OptTensor& grad_scale,
+                             std::optional<at::ScalarType> residual_dtype) {
+  return ResidualAddFunction::apply(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype)[0];
+}
+
+std::tuple<Tensor, Tensor, Tensor> layer_norm_autograd(const Tensor& x, const OptTensor& weight,
+                                                       const OptTensor& bias, double eps,
+                                                       std::optional<at::ScalarType> out_dtype) {
+  const variable_list r = LayerNormFunction::apply(x, weight, bias, eps, out_dtype);
+  return {r[0], r[1], r[2]};
+}
+
 }  // namespace
 }  // namespace dres
 
@@ -412,4 +608,10 @@ TORCH_LIBRARY_IMPL(dres_cuda, CUDA, m) {
   m.impl("residual_add", &dres::residual_add);
   m.impl("layer_norm", &dres::layer_norm);
   m.impl("residual_norm_backward", &dres::residual_norm_backward);
+}
+
+TORCH_LIBRARY_IMPL(dres_cuda, Autograd, m) {
+  m.impl("residual_layer_norm", &dres::residual_layer_norm_autograd);
+  m.impl("residual_add", &dres::residual_add_autograd);
+  m.impl("layer_norm", &dres::layer_norm_autograd);
 }

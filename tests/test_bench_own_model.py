@@ -50,6 +50,10 @@ def test_dry_run_lists_every_arm_process(tmp_path, capsys):
     assert arms == [j.name for j in bench.plan_jobs(["resnet50d_32"], list(bench.ARMS), 2)]
     commands = [line.strip() for line in lines if line.startswith("  ")]
     assert len(commands) == 12 and "--models resnet50d_32 --arms converted_step --worker 0" in commands[0]
+    assert not any("--no-csrc" in c for c in commands)
+    assert bench.main(["--dry-run", "--models", "resnet50d_32", "--no-csrc", "--out", str(out)]) == 0
+    commands = [line.strip() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert len(commands) == 6 and all(c.endswith("--no-csrc") for c in commands)  # every arm's process
     assert not out.exists()
 
 
@@ -233,6 +237,7 @@ def test_tiny_cpu_run_writes_the_records_and_skip_existing_resumes(tmp_path, cap
         for key in ("title", "unit", "converted", "mode", "batch", "card", "torch", "triton", "timm", "transformers",
                     "date", "peak_mem_gib", "peak_reserved_gib", "step_ms_min", "step_ms_max", "warmup_s", "wall_s"):
             assert key in rec
+        assert rec["csrc_extension"] is False  # no CUDA build of the extension on this machine
     summary = json.loads((out / "summary.json").read_text())
     assert summary["failed"] == [] and summary["not_run"] == [] and summary["arms_at_a_time"] == 1
     assert summary["torch"] == records["vit_b16-plain_eager"]["torch"] and summary["cards"] == ["cpu"]
@@ -243,6 +248,7 @@ def test_tiny_cpu_run_writes_the_records_and_skip_existing_resumes(tmp_path, cap
             max(abs(a - b) for a, b in zip(converted["losses"], plain["losses"])))
     table = (out / "own-models.md").read_text()
     assert "| timm vit_base_patch16_224, drop path 0.1 (tiny config), batch 4 | img/s |" in table
+    assert "the residual ops' eager calls on the Triton kernels alone" in table
     assert (out / "loss-tracks.png").stat().st_size > 0
     assert sorted(p.name for p in (out / "logs").iterdir()) == sorted(f"{k}-0.log" for k in records)
 

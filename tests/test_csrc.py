@@ -360,7 +360,7 @@ def test_default_backend_is_csrc_in_eager_at_small_sizes_and_triton_otherwise():
     x, h, w, b = make_case((4, 50, 768), F32, BF16, "cuda")
     x.requires_grad_(True)
     out, y = ops.residual_layer_norm(x, h, w, b)
-    assert out.grad_fn.backend == "cuda"  # ResidualLayerNormFn records its backend on ctx
+    assert "ResidualLayerNormFunction" in out.grad_fn.name()  # the csrc op's C++ autograd (csrc/ops.cpp)
     want_out, want_y = ops.residual_layer_norm(x, h, w, b, backend="triton")
     assert want_out.grad_fn.backend == "triton"
     torch.testing.assert_close(out, want_out)
@@ -429,10 +429,10 @@ def test_bad_input_names_the_argument():
 
 
 @built
-def test_argument_checks_raise_through_the_python_autograd_without_gpu():
+def test_argument_checks_raise_through_the_cpp_autograd_without_gpu():
     """The C++ kernels run their argument checks before any device access. With the CUDA dispatch
-    key forced on, CPU tensors reach them through the Python autograd registration (as a GPU call
-    does): the TORCH_CHECK must come back as a RuntimeError naming the argument, not a crash."""
+    key forced on, CPU tensors reach them through the C++ autograd (as a GPU call does): the
+    TORCH_CHECK must come back as a RuntimeError naming the argument, not a crash."""
     c = torch.ops.dres_cuda
     x = torch.randn(2, 3, 64, requires_grad=True)
     h = torch.randn(2, 3, 64).to(BF16)
@@ -512,6 +512,53 @@ def test_fake_kernels_give_the_real_shapes():
         assert dx.shape == x.shape and dh.dtype == BF16 and dw.shape == (48,) and db.shape == (48,) and da.dim() == 0
         z = torch.ops.dres_cuda.residual_add(x, h, None, 1.0, None, None, BF16)
         assert z.dtype == BF16
+
+
+def _meta_leaves(shape, dtypes, needs):
+    return [torch.empty(shape if i < 2 else shape[-1:], device="meta", dtype=d).requires_grad_(n)
+            for i, (d, n) in enumerate(zip(dtypes, needs))]
+
+
+def _grad_signature(outputs, inputs, grads):
+    """Per input: None where it gets no gradient, else (shape, dtype)."""
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    got = iter(torch.autograd.grad(outputs, wanted, grads, allow_unused=True) if wanted else ())
+    return [None if t is None or not t.requires_grad else
+            (lambda g: None if g is None else (tuple(g.shape), g.dtype))(next(got)) for t in inputs]
+
+
+@built
+@pytest.mark.parametrize("needs", [(True, True, True, True, True), (True, False, True, False, False),
+                                   (False, True, False, True, True), (True, True, False, False, False)])
+@pytest.mark.parametrize("scales", ["none", "row", "row_and_grad"])
+def test_cpp_autograd_gives_the_gradients_the_reference_gives(needs, scales):
+    """The C++ autograd of the csrc ops (csrc/ops.cpp), on meta tensors (their fake kernels): every
+    input gets a gradient of the reference's shape and dtype exactly where the reference gives one."""
+    c = torch.ops.dres_cuda
+    need_x, need_h, need_w, need_b, need_alpha = needs
+    x, h, w, b = _meta_leaves((4, 3, 48), (F32, BF16, BF16, F32), (need_x, need_h, need_w, need_b))
+    alpha = torch.empty((), device="meta").requires_grad_(need_alpha)
+    rs = None if scales == "none" else torch.empty(4, device="meta")
+    gs = rs if scales == "row_and_grad" else None
+    inputs = (x, h, w, b, alpha)
+    out, y, mean, rstd = c.residual_layer_norm.default(x, h, w, b, alpha, 1.0, 1e-6, rs, gs, None, F32)
+    assert not mean.requires_grad and not rstd.requires_grad
+    grads = (torch.ones_like(out), torch.ones_like(y))
+    want = reference.residual_layer_norm(x, h, w, b, alpha, 1e-6, rs, gs, None, F32)
+    assert _grad_signature((out, y), inputs, grads) == _grad_signature(want, inputs, grads)
+    # out alone carries a gradient: the norm's parameters get zeros, as the Python Functions give
+    out, _, _, _ = c.residual_layer_norm.default(x, h, w, b, alpha, 1.0, 1e-6, rs, gs, None, None)
+    dw_db = _grad_signature(out, inputs, torch.ones_like(out))[2:4]
+    assert dw_db == [((48,), BF16) if need_w else None, ((48,), F32) if need_b else None]
+    out = c.residual_add.default(x, h, alpha, 1.0, rs, gs, BF16)
+    want = reference.residual_add(x, h, alpha, rs, gs, BF16)
+    assert out.dtype == BF16
+    assert _grad_signature(out, inputs, torch.ones_like(out)) == _grad_signature(want, inputs, torch.ones_like(out))
+    y, _, _ = c.layer_norm.default(x, w, b, 1e-6, BF16)
+    want = reference.layer_norm(x, w, b, 1e-6, BF16)
+    assert _grad_signature(y, (x, w, b), torch.ones_like(y)) == _grad_signature(want, (x, w, b), torch.ones_like(y))
+    y, _, _ = c.layer_norm.default(x, None, None, 1e-6, None)
+    assert _grad_signature(y, (x, None, None), torch.ones_like(y))[1:] == [None, None]
 
 
 def _run_setup(monkeypatch, env_value):

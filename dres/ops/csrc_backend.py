@@ -4,13 +4,12 @@
 message saying how to build it, and everything else works unchanged.
 
 Importing ``dres._C`` defines ``torch.ops.dres_cuda.{residual_layer_norm, residual_add,
-layer_norm, residual_norm_backward}`` (CUDA kernels, same schemas as the ``dres::`` Triton ops).
-This module owns what the backend adds in Python: :func:`launch`, the eager call of a csrc op, and
-:func:`register_fakes`, which registers the fake (meta) kernels :mod:`dres.ops.residual_norm` hands
-it, so the ops trace under ``torch.compile``. torch requires those fakes to be registered from the
-module the C++ library names (``set_python_module``), this one; importing it imports ``dres.ops``
-first, whose ``residual_norm`` registers them and the autograd formulas it shares with the Triton ops.
-It imports nothing of ``dres.ops``: the op modules import it.
+layer_norm, residual_norm_backward}`` (CUDA kernels and C++ autograd, same schemas as the ``dres::``
+Triton ops). This module owns what the backend adds in Python: :func:`register_fakes`, which registers
+the fake (meta) kernels :mod:`dres.ops.residual_norm` hands it, so the ops trace under
+``torch.compile``. torch requires those fakes to be registered from the module the C++ library names
+(``set_python_module``), this one; importing it imports ``dres.ops`` first, whose ``residual_norm``
+registers them. It imports nothing of ``dres.ops``: the op modules import it.
 """
 
 from __future__ import annotations
@@ -42,13 +41,6 @@ LOAD_ERROR = _load()
 def available() -> bool:
     # a plain function of a module constant (no lru_cache): torch.compile traces it without warnings
     return LOAD_ERROR is None
-
-
-def launch(name: str, *args):
-    """The csrc op ``name`` called straight at its CUDA kernel: inside an autograd.Function its
-    Python autograd registration would only redispatch, at tens of microseconds per call."""
-    with torch._C._AutoDispatchBelowAutograd():
-        return getattr(torch.ops.dres_cuda, name).default(*args)
 
 
 def register_fakes(fakes: dict[str, Callable]) -> None:

@@ -94,8 +94,8 @@ def _inline_on_cuda(body: Callable) -> Callable:
 
 
 def register_function_autograd(qualname: str, function: type[torch.autograd.Function]) -> None:
-    """``function``'s formulas as the autograd of the custom op ``qualname`` (a ``dres::`` op, or a
-    ``dres_cuda::`` op the csrc extension defines in C++). Every op's Function takes the op's inputs
+    """``function``'s formulas as the autograd of the custom op ``qualname`` (a ``dres::`` op; the csrc
+    ops carry the same formulas in C++). Every op's Function takes the op's inputs
     and then ``backend``, and has ``save(ctx, backend, inputs, output)``, its setup, with ``output``
     what the op returns; here ``backend`` is the op's namespace, so the formulas' backward calls that
     namespace's backward op. The backward drops the Function's last gradient (for ``backend``)."""

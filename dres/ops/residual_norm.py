@@ -1,18 +1,19 @@
 """The fused residual ops: ``residual_layer_norm``, ``residual_add``, ``layer_norm``.
 
-One ``autograd.Function`` per op, with the backend (``"triton"`` or ``"cuda"``, the csrc
-extension) a parameter of its launches::
+Two backends of one contract, ``"triton"`` and ``"cuda"`` (the csrc extension)::
 
     residual_layer_norm(...)                      argument checks, backend choice
-      -> ResidualLayerNormFn.apply(..., backend)  eager
-           forward:  run_residual_layer_norm(backend, ...)   -> dres.kernels.residual_norm_forward | csrc op
-           backward: run_residual_norm_backward(backend, ...) -> dres.kernels.residual_norm_backward | csrc op
+      triton, eager: ResidualLayerNormFn.apply(..., "triton")
+           forward:  residual_layer_norm_triton(...)        -> dres.kernels.residual_norm_forward
+           backward: run_residual_norm_backward("triton", ...) -> dres.kernels.residual_norm_backward
+      cuda, or under torch.compile: torch.ops.dres_cuda.residual_layer_norm | torch.ops.dres.residual_layer_norm
 
-Under ``torch.compile`` the public functions call the ``torch.library`` custom ops instead
-(``torch.ops.dres.*`` run the Triton launches, ``torch.ops.dres_cuda.*`` are the csrc ops), whose
-autograd is the same Functions' ``save``/``backward`` with the backward custom op of the op's
-namespace, so compiled graphs trace the backward too. Eager calls skip the custom ops: their
-dispatch costs tens of microseconds per call, more than the kernels at MAE sizes.
+The csrc ops carry their autograd in C++ (``csrc/ops.cpp``: the formulas of the Functions below), so
+an eager call of the ``"cuda"`` backend runs no Python past its checks, forward or backward. Under
+``torch.compile`` the public functions call the custom ops (``torch.ops.dres.*`` run the Triton
+launches); the ``dres::`` ops' autograd is the Functions' ``save``/``backward`` with the backward
+custom op, so compiled graphs trace the backward too. Eager Triton calls skip the custom ops: their
+Python dispatch costs tens of microseconds per call, more than the kernels at MAE sizes.
 
 Forward ops return (mean, rstd) too, which the backward needs; the public functions drop them.
 ``alpha`` travels as the pair ``(alpha, alpha_value)`` from :func:`dres.ops.utils.alpha_args` to the
@@ -29,7 +30,7 @@ from torch import Tensor
 from dres.ops import csrc_backend, reference
 from dres.ops.checks import (check_alpha, check_dtype_arg, check_eps, check_factors_are_data, check_same_device,
                              check_tensor, check_vector, resolve_backend, supported_dtypes)
-from dres.ops.registration import define_op, register_function_autograd, with_inductor_fallbacks
+from dres.ops.registration import define_op, with_inductor_fallbacks
 from dres.ops.utils import alpha_args, param_grad, rows_per_sample
 
 __all__ = ["residual_layer_norm", "residual_add", "layer_norm", "ResidualLayerNormFn", "ResidualAddFn", "LayerNormFn"]
@@ -101,10 +102,8 @@ def check_residual_norm_inputs(
 
 
 # ---------------------------------------------------------------------------------------------
-# Launches. The Triton ones allocate the outputs and run the kernels of dres.kernels.residual_norm;
-# they are also the bodies of the dres:: custom ops, hence the full signatures. The run_* functions
-# pick the launch of a backend: "triton", "cuda" (the csrc ops, dres.ops.csrc_backend) or, for the
-# backward, a custom-op namespace ("dres", "dres_cuda": the custom ops' autograd).
+# Launches: allocate the outputs and run the kernels of dres.kernels.residual_norm; they are also
+# the bodies of the dres:: custom ops, hence the full signatures.
 
 
 def _stats(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -187,31 +186,13 @@ def residual_norm_backward_triton(
             dbias if dbias is not None else empty(), dalpha if dalpha is not None else empty())
 
 
-def run_residual_layer_norm(backend: str, *args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if backend == "cuda":
-        return csrc_backend.launch("residual_layer_norm", *args)
-    return residual_layer_norm_triton(*args)
-
-
-def run_residual_add(backend: str, *args) -> Tensor:
-    if backend == "cuda":
-        return csrc_backend.launch("residual_add", *args)
-    return residual_add_triton(*args)
-
-
-def run_layer_norm(backend: str, *args) -> tuple[Tensor, Tensor, Tensor]:
-    if backend == "cuda":
-        return csrc_backend.launch("layer_norm", *args)
-    return layer_norm_triton(*args)
-
-
 def run_residual_norm_backward(backend: str, *args) -> tuple[Tensor, Optional[Tensor], Optional[Tensor],
                                                                Optional[Tensor], Optional[Tensor]]:
-    """(dx, dh, dweight, dbias, dalpha): the gradients not asked for are None (Triton) or empty (the ops)."""
+    """(dx, dh, dweight, dbias, dalpha) of the Triton kernels (``backend="triton"``, gradients not
+    asked for None) or of a namespace's backward custom op (``"dres"``, the custom ops' autograd:
+    gradients not asked for empty)."""
     if backend == "triton":
         return _residual_norm_backward(*args)
-    if backend == "cuda":
-        return csrc_backend.launch("residual_norm_backward", *args)
     return getattr(torch.ops, backend).residual_norm_backward(*args)
 
 
@@ -227,7 +208,7 @@ class ResidualLayerNormFn(torch.autograd.Function):
     def forward(ctx, x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype,
                 backend):
         inputs = (x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype)
-        output = run_residual_layer_norm(backend, *inputs)
+        output = residual_layer_norm_triton(*inputs)
         ResidualLayerNormFn.save(ctx, backend, inputs, output)
         return output[:2]
 
@@ -266,7 +247,7 @@ class ResidualAddFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype, backend):
         inputs = (x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype)
-        out = run_residual_add(backend, *inputs)
+        out = residual_add_triton(*inputs)
         ResidualAddFn.save(ctx, backend, inputs, out)
         return out
 
@@ -299,7 +280,7 @@ class LayerNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, out_dtype, backend):
         inputs = (x, weight, bias, eps, out_dtype)
-        output = run_layer_norm(backend, *inputs)
+        output = layer_norm_triton(*inputs)
         LayerNormFn.save(ctx, backend, inputs, output)
         return output[0]
 
@@ -327,8 +308,8 @@ class LayerNormFn(torch.autograd.Function):
 
 # ---------------------------------------------------------------------------------------------
 # The custom ops (what torch.compile, opcheck and the dispatcher see). dres:: runs the Triton
-# launches; dres_cuda:: (the csrc extension, defined in C++ with the same schemas) gets the same
-# fake kernels (registered through dres.ops.csrc_backend) and autograd.
+# launches; dres_cuda:: (the csrc extension, defined in C++ with the same schemas and autograd) gets
+# the same fake kernels (registered through dres.ops.csrc_backend).
 
 
 def _residual_layer_norm_fake(x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype,
@@ -378,17 +359,15 @@ residual_add_op = define_op("dres::residual_add", residual_add_triton, _residual
 layer_norm_op = define_op("dres::layer_norm", layer_norm_triton, _layer_norm_fake, _QUALNAMES, autograd=LayerNormFn)
 residual_norm_backward_op = define_op("dres::residual_norm_backward", residual_norm_backward_triton,
                                       _residual_norm_backward_fake, _QUALNAMES)
-# The csrc ops (defined in C++ with the same schemas) take the same fakes and the same Functions' formulas.
+# The csrc ops (defined in C++ with the same schemas and their autograd) take the same fakes.
 if csrc_backend.available():
     csrc_backend.register_fakes(fakes_registering_fallbacks("dres_cuda"))
-    for name, function in (("residual_layer_norm", ResidualLayerNormFn), ("residual_add", ResidualAddFn),
-                           ("layer_norm", LayerNormFn)):
-        register_function_autograd(f"dres_cuda::{name}", function)
 
 
 def _custom_op(backend: str, name: str):
-    """The custom op torch.compile traces for ``backend``: dres:: for Triton, dres_cuda:: for csrc."""
-    return getattr(torch.ops.dres_cuda if backend == "cuda" else torch.ops.dres, name)
+    """The op of ``backend`` with its autograd: dres:: for Triton (what torch.compile traces), dres_cuda::
+    for csrc (compiled and eager alike)."""
+    return getattr(torch.ops.dres_cuda if backend == "cuda" else torch.ops.dres, name).default
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,7 +390,7 @@ def residual_layer_norm(x, h, weight, bias, alpha=1.0, eps=1e-6, row_scale=None,
         return reference.residual_layer_norm(x, h, weight, bias, alpha, eps, row_scale, grad_scale,
                                              residual_dtype, out_dtype)
     alpha, alpha_value = alpha_args(alpha)
-    if torch.compiler.is_compiling():
+    if backend == "cuda" or torch.compiler.is_compiling():
         out, y, _, _ = _custom_op(backend, "residual_layer_norm")(
             x, h, weight, bias, alpha, alpha_value, float(eps), row_scale, grad_scale, residual_dtype, out_dtype)
         return out, y
@@ -426,7 +405,7 @@ def residual_add(x, h, alpha=1.0, row_scale=None, grad_scale=None, residual_dtyp
     if backend == "torch":
         return reference.residual_add(x, h, alpha, row_scale, grad_scale, residual_dtype)
     alpha, alpha_value = alpha_args(alpha)
-    if torch.compiler.is_compiling():
+    if backend == "cuda" or torch.compiler.is_compiling():
         return _custom_op(backend, "residual_add")(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype)
     return ResidualAddFn.apply(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype, backend)
 
@@ -438,7 +417,7 @@ def layer_norm(x, weight, bias, eps=1e-6, out_dtype=None, backend=None):
     check_eps(eps)
     if backend == "torch":
         return reference.layer_norm(x, weight, bias, eps, out_dtype)
-    if torch.compiler.is_compiling():
+    if backend == "cuda" or torch.compiler.is_compiling():
         y, _, _ = _custom_op(backend, "layer_norm")(x, weight, bias, float(eps), out_dtype)
         return y
     return LayerNormFn.apply(x, weight, bias, float(eps), out_dtype, backend)
