@@ -312,6 +312,9 @@ def length_gaps(recs: dict, name: str, length: int) -> tuple[list[int], list[flo
     return seed_differences(by_seed["a0.6"], by_seed["a1.0"], 100)
 
 
+T_INTERVAL = ", 95% t interval"  # what an interval of two pairs or more is, said after it
+
+
 def interval(d: list[float], tests: int = 1) -> str:
     """Paired differences as ``mean ± half-width (low to high; n=N pairs)``, the 95% t interval Bonferroni-adjusted
     for ``tests`` readouts; one pair: its value, no interval."""
@@ -347,7 +350,7 @@ def a_verdict(recs: dict) -> list[str]:
         seeds, d = length_gaps(recs, name, length)
         per_seed = ", ".join(f"seed {s} {x:+.2f}" for s, x in zip(seeds, d))
         lines.append(f"- primary readout ({what}), official 0.6 − official 1.0, {length} epochs: "
-                     + (f"{interval(d)}, 95% t interval; {per_seed}" if d else "not run yet"))
+                     + (f"{interval(d)}{T_INTERVAL if len(d) > 1 else ''}; {per_seed}" if d else "not run yet"))
     trend = length_trend(recs, name)
     if trend:
         slope, half, n, lengths = trend
@@ -445,8 +448,8 @@ def a_sweep_block(page: "Page") -> list[str]:
             d = length_gaps(recs, name, length)[1]
             if d:
                 adjusted = f"; Bonferroni x{tests}: ± {t_half_width(d, tests):.2f}" if len(d) > 1 else ""
-                gaps.append(f"- {what}, official 0.6 − official 1.0, {length} epochs: {interval(d)}, 95% t "
-                            f"interval{adjusted}")
+                gaps.append(f"- {what}, official 0.6 − official 1.0, {length} epochs: {interval(d)}"
+                            f"{T_INTERVAL if len(d) > 1 else ''}{adjusted}")
     L += ["", "Differences (from the records and their sweeps):", ""] + (gaps or ["- no pair swept yet"]) + [""]
     if page.other_run_sweeps:
         L += ["Not counted (a sweep of another run than the arm's record, or of an arm without one): "
