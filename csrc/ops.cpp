@@ -27,6 +27,7 @@
 #include <string>
 #include <tuple>
 
+#include "bias_gelu.h"
 #include "residual_norm.h"
 
 // `import dres._C` loads this library (running the TORCH_LIBRARY registrations below); the
@@ -391,6 +392,113 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> residual_norm_backward(
 
 
 // ---------------------------------------------------------------------------------------------
+// The MLP activation: bias_gelu, bias_gelu_backward (the schemas of the dres:: ops of
+// dres/ops/bias_gelu.py), the kernels of bias_gelu.cu; no autograd of their own (fused_mlp's is theirs)
+
+int gelu_kind(c10::string_view approximate) {
+  if (approximate == "none") return kGeluErf;
+  if (approximate == "tanh") return kGeluTanh;
+  if (approximate == "quick") return kGeluQuick;
+  TORCH_CHECK(false, "approximate must be 'none', 'tanh' or 'quick', got '", std::string(approximate), "'");
+  return kGeluErf;  // unreachable
+}
+
+void check_pre(const Tensor& pre, const char* name) {
+  TORCH_CHECK(pre.defined(), name, " is an undefined tensor");
+  TORCH_CHECK(pre.is_cuda(), name, " must be a CUDA tensor, got one on ", pre.device());
+  dtype_code(pre.scalar_type(), name);
+  TORCH_CHECK(pre.dim() >= 1, name, " must have at least one dimension (the hidden features, last)");
+}
+
+Tensor bias_gelu(const Tensor& pre, const OptTensor& bias, std::optional<at::ScalarType> out_dtype,
+                 c10::string_view approximate) {
+  const int gelu = gelu_kind(approximate);
+  check_pre(pre, "pre");
+  if (present(bias)) param(bias, "bias", pre);
+  if (out_dtype.has_value()) dtype_code(*out_dtype, "out_dtype");
+  const c10::cuda::CUDAGuard guard(pre.device());
+  Tensor act = at::empty(pre.sizes(), pre.options().dtype(out_dtype.value_or(pre.scalar_type())));
+  const int64_t N = pre.size(-1), M = N ? pre.numel() / N : 0;
+  if (M == 0) return act;
+  const Tensor pre2 = as_rows(pre), act2 = act.view({-1, N});
+  const Tensor b = present(bias) ? bias->contiguous() : Tensor();
+  BiasGeluParams p{};
+  p.pre = pre2.data_ptr();
+  p.bias = ptr(b);
+  p.act = act2.data_ptr();
+  p.stride_pre = pre2.stride(0);
+  p.stride_act = act2.stride(0);
+  p.pre_dt = code(pre2);
+  p.bias_dt = code(b);
+  p.act_dt = code(act2);
+  p.M = M;
+  p.N = static_cast<int>(N);
+  p.gelu = gelu;
+  launch_bias_gelu_forward(p, choose_bias_gelu_shape(static_cast<int>(N), vectorizable(N, {&pre2, &b, &act2})),
+                           num_sms(), c10::cuda::getCurrentCUDAStream().stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return act;
+}
+
+// (dpre in pre's dtype, act recomputed in act_dtype or empty, dbias fp32 or empty), as dres::bias_gelu_backward.
+std::tuple<Tensor, Tensor, Tensor> bias_gelu_backward(const Tensor& g, const Tensor& pre, const OptTensor& bias,
+                                                      std::optional<at::ScalarType> act_dtype, bool need_dbias,
+                                                      c10::string_view approximate) {
+  const int gelu = gelu_kind(approximate);
+  check_pre(pre, "pre");
+  check_rows(g, "g", pre);
+  const Tensor b = present(bias) ? param(bias, "bias", pre) : Tensor();
+  if (act_dtype.has_value()) dtype_code(*act_dtype, "act_dtype");
+  need_dbias = need_dbias && b.defined();
+  const c10::cuda::CUDAGuard guard(pre.device());
+  const int64_t N = pre.size(-1), M = N ? pre.numel() / N : 0;
+  const auto f32 = pre.options().dtype(at::kFloat);
+  Tensor dpre = at::empty(pre.sizes(), pre.options());
+  Tensor act = at::empty(act_dtype.has_value() ? pre.sizes() : at::IntArrayRef{0},
+                         pre.options().dtype(act_dtype.value_or(pre.scalar_type())));
+  Tensor dbias = at::empty({need_dbias ? N : 0}, f32);
+  if (M == 0) {
+    if (need_dbias) dbias.zero_();
+    return {dpre, act, dbias};
+  }
+  const Tensor g2 = as_rows(g), pre2 = as_rows(pre), dpre2 = dpre.view({-1, N});
+  const Tensor act2 = act_dtype.has_value() ? act.view({-1, N}) : Tensor();
+  const BiasGeluShape shape =
+      choose_bias_gelu_shape(static_cast<int>(N), vectorizable(N, {&g2, &pre2, &b, &dpre2, &act2}));
+  const int64_t strips = bias_gelu_strips(shape, num_sms(), M);
+  Tensor partials = need_dbias ? at::empty({strips, N}, f32) : Tensor();
+  BiasGeluParams p{};
+  p.g = g2.data_ptr();
+  p.pre = pre2.data_ptr();
+  p.bias = ptr(b);
+  p.act = act2.defined() ? act2.data_ptr() : nullptr;
+  p.dpre = dpre2.data_ptr();
+  p.dbias_part = need_dbias ? partials.data_ptr<float>() : nullptr;
+  p.stride_g = g2.stride(0);
+  p.stride_pre = pre2.stride(0);
+  p.stride_act = row_stride(act2);
+  p.stride_dpre = dpre2.stride(0);
+  p.g_dt = code(g2);
+  p.pre_dt = code(pre2);
+  p.bias_dt = code(b);
+  p.act_dt = code(act2);
+  p.dpre_dt = code(dpre2);
+  p.M = M;
+  p.N = static_cast<int>(N);
+  p.gelu = gelu;
+  p.rows_per_strip = (M + strips - 1) / strips;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  launch_bias_gelu_backward(p, shape, strips, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (need_dbias) {
+    launch_finalize(nullptr, p.dbias_part, nullptr, static_cast<int>(strips), static_cast<int>(N), nullptr,
+                    dbias.data_ptr<float>(), nullptr, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  return {dpre, act, dbias};
+}
+
+// ---------------------------------------------------------------------------------------------
 // Autograd: the formulas of the Python Functions of dres/ops/residual_norm.py (ResidualLayerNormFn,
 // ResidualAddFn, LayerNormFn). The forward reaches the kernel below autograd by redispatch and the
 // backward calls the backward op through the dispatcher, so torch.compile traces both.
@@ -561,6 +669,85 @@ struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
   }
 };
 
+// fc2(gelu(fc1(x))) with fc1's bias and the GELU one kernel (bias_gelu), the matmuls in compute_dtype on
+// inputs cast once; keeps x and fc1's pre-activation, not the activation, which the backward
+// recomputes (FusedMlpFn of dres/ops/bias_gelu.py, whose formulas these are).
+struct MlpForward {
+  Tensor out, x_c, pre, w1_c, w2_c;
+};
+
+MlpForward mlp_forward(const Tensor& x, const Tensor& w1, const OptTensor& b1, const Tensor& w2, const OptTensor& b2,
+                       at::ScalarType compute_dtype, c10::string_view approximate) {
+  static const auto gelu = op_handle<decltype(bias_gelu)>("dres_cuda::bias_gelu");
+  MlpForward f;
+  f.x_c = x.to(compute_dtype);
+  f.w1_c = w1.to(compute_dtype);
+  f.w2_c = w2.to(compute_dtype);
+  f.pre = at::linear(f.x_c, f.w1_c);
+  const Tensor act = gelu.call(f.pre, b1, std::nullopt, approximate);
+  f.out = at::linear(act, f.w2_c, present(b2) ? OptTensor(b2->to(compute_dtype)) : OptTensor());
+  return f;
+}
+
+Tensor fused_mlp(const Tensor& x, const Tensor& fc1_weight, const OptTensor& fc1_bias, const Tensor& fc2_weight,
+                 const OptTensor& fc2_bias, at::ScalarType compute_dtype, c10::string_view approximate) {
+  return mlp_forward(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, compute_dtype, approximate).out;
+}
+
+struct FusedMlpFunction : torch::autograd::Function<FusedMlpFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& fc1_weight,
+                               const OptTensor& fc1_bias, const Tensor& fc2_weight, const OptTensor& fc2_bias,
+                               at::ScalarType compute_dtype, c10::string_view approximate) {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    MlpForward f = mlp_forward(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, compute_dtype, approximate);
+    ctx->set_materialize_grads(false);
+    // The cast weights are what the backward multiplies by, as plain autograd under autocast keeps them.
+    ctx->save_for_backward({f.x_c, f.pre, f.w1_c, value_or_undefined(fc1_bias), f.w2_c});
+    ctx->saved_data["dtypes"] = std::vector<int64_t>{
+        static_cast<int64_t>(x.scalar_type()), static_cast<int64_t>(fc1_weight.scalar_type()),
+        static_cast<int64_t>(fc2_weight.scalar_type()),
+        present(fc2_bias) ? static_cast<int64_t>(fc2_bias->scalar_type()) : -1};
+    ctx->saved_data["need"] = std::vector<bool>{x.requires_grad(), fc1_weight.requires_grad(), requires_grad(fc1_bias),
+                                                fc2_weight.requires_grad(), requires_grad(fc2_bias)};
+    ctx->saved_data["approximate"] = std::string(approximate);
+    return {f.out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static const auto gelu_backward = op_handle<decltype(bias_gelu_backward)>("dres_cuda::bias_gelu_backward");
+    variable_list result(7);  // one per forward argument; undefined: no gradient
+    if (!grads[0].defined()) return result;
+    const variable_list s = ctx->get_saved_variables();
+    const Tensor &x_c = s[0], &pre = s[1], &w1 = s[2], &fc1_bias = s[3], &w2 = s[4];
+    const c10::List<int64_t> dtypes = ctx->saved_data["dtypes"].toIntList();
+    const c10::List<bool> need = ctx->saved_data["need"].toBoolList();
+    const auto dtype = [&](int i) { return static_cast<at::ScalarType>(dtypes[i]); };
+    const bool need_x = need[0], need_w1 = need[1], need_b1 = need[2] && fc1_bias.defined(), need_w2 = need[3];
+    const int64_t hidden = w1.size(0), dim = w1.size(1);
+    Tensor g = grads[0].reshape({-1, w2.size(0)}).to(w2.scalar_type());  // copies only where g's strides demand it
+    if (need[4] && dtypes[3] >= 0) result[4] = g.sum(0, false, at::kFloat).to(dtype(3));
+    if (!(need_x || need_w1 || need_b1 || need_w2)) return result;
+    Tensor dact = at::matmul(g, w2);
+    auto [dpre, act, dbias] =
+        gelu_backward.call(dact, pre.view({-1, hidden}), as_optional(fc1_bias),
+                           need_w2 ? std::optional<at::ScalarType>(w2.scalar_type()) : std::nullopt, need_b1,
+                           ctx->saved_data["approximate"].toStringRef());
+    dact.reset();  // freed before the matmuls that follow, as the recomputed activation after its one use
+    if (need_w2) result[3] = at::matmul(g.t(), act).to(dtype(2));
+    act.reset();
+    if (need_b1) result[2] = dbias.to(fc1_bias.scalar_type());
+    if (need_w1) result[1] = at::matmul(dpre.t(), x_c.reshape({-1, dim})).to(dtype(1));
+    if (need_x) result[0] = at::matmul(dpre, w1).view(x_c.sizes()).to(dtype(0));
+    return result;
+  }
+};
+
+Tensor fused_mlp_autograd(const Tensor& x, const Tensor& fc1_weight, const OptTensor& fc1_bias,
+                          const Tensor& fc2_weight, const OptTensor& fc2_bias, at::ScalarType compute_dtype,
+                          c10::string_view approximate) {
+  return FusedMlpFunction::apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, compute_dtype, approximate)[0];
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> residual_layer_norm_autograd(
     const Tensor& x, const Tensor& h, const OptTensor& weight, const OptTensor& bias, const OptTensor& alpha,
     double alpha_value, double eps, const OptTensor& row_scale, const OptTensor& grad_scale,
@@ -601,6 +788,13 @@ TORCH_LIBRARY(dres_cuda, m) {
       "residual_norm_backward(Tensor? g_out, Tensor? g_y, Tensor? normed, Tensor? x, Tensor? weight, Tensor? mean, "
       "Tensor? rstd, Tensor? alpha, float alpha_value, Tensor? grad_scale, ScalarType x_dtype, ScalarType? h_dtype, "
       "bool need_dweight, bool need_dbias, bool need_dalpha) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("bias_gelu(Tensor pre, Tensor? bias, ScalarType? out_dtype, str approximate) -> Tensor");
+  m.def(
+      "bias_gelu_backward(Tensor g, Tensor pre, Tensor? bias, ScalarType? act_dtype, bool need_dbias, str approximate) "
+      "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "fused_mlp(Tensor x, Tensor fc1_weight, Tensor? fc1_bias, Tensor fc2_weight, Tensor? fc2_bias, "
+      "ScalarType compute_dtype, str approximate) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dres_cuda, CUDA, m) {
@@ -608,10 +802,14 @@ TORCH_LIBRARY_IMPL(dres_cuda, CUDA, m) {
   m.impl("residual_add", &dres::residual_add);
   m.impl("layer_norm", &dres::layer_norm);
   m.impl("residual_norm_backward", &dres::residual_norm_backward);
+  m.impl("bias_gelu", &dres::bias_gelu);
+  m.impl("bias_gelu_backward", &dres::bias_gelu_backward);
+  m.impl("fused_mlp", &dres::fused_mlp);
 }
 
 TORCH_LIBRARY_IMPL(dres_cuda, Autograd, m) {
   m.impl("residual_layer_norm", &dres::residual_layer_norm_autograd);
   m.impl("residual_add", &dres::residual_add_autograd);
   m.impl("layer_norm", &dres::layer_norm_autograd);
+  m.impl("fused_mlp", &dres::fused_mlp_autograd);
 }

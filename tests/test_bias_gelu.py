@@ -17,11 +17,20 @@ import torch.nn.functional as F
 
 import dres.ops as ops
 from dres.ops import bias_gelu as bg
-from dres.ops import reference
+from dres.ops import csrc_backend, reference
 from helpers import (BF16, F16, F32, TOLERANCE, as_f64, assert_close, assert_graph_runs, capture_graph, grads, leaves,
                      recording_backend, rel_err)
 
 MLP_GRAD_NAMES = ("dx", "dW1", "db1", "dW2", "db2")
+
+
+@pytest.fixture(params=["triton", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and csrc_backend.available()),
+                                        reason="needs a CUDA GPU and the csrc extension (DRES_BUILD_CUDA=1)")])])
+def mlp_backend(request, triton_device):
+    """(backend, device) of an eager fused_mlp: the Triton kernels (the GPU, or the CPU's interpreter), or
+    the csrc extension's MLP (its kernels and C++ autograd) on the GPU."""
+    return request.param, triton_device
 
 
 def make_pre(rows, hidden, dtype, device, bias_dtype=F32):
@@ -205,10 +214,12 @@ def test_dbias_is_deterministic(triton_device):
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])
 @pytest.mark.parametrize("shape,hidden", [((129, 24), 100), ((2, 3, 16), 37), ((1, 8), 64)])
-def test_fused_mlp_matches_float64(triton_device, dtype, shape, hidden):
+def test_fused_mlp_matches_float64(mlp_backend, dtype, shape, hidden):
+    backend, device = mlp_backend
     torch.manual_seed(len(shape) * 100 + hidden)
     out_features = shape[-1]
-    (out, *got), (out6, *want) = mlp_against_float64(*make_mlp(shape, hidden, out_features, dtype, triton_device))
+    (out, *got), (out6, *want) = mlp_against_float64(*make_mlp(shape, hidden, out_features, dtype, device),
+                                                     backend=backend)
     assert out.dtype == dtype and out.shape == shape
     assert_close("out", out, out6, dtype)
     for name, a, r in zip(MLP_GRAD_NAMES, got, want):
@@ -218,52 +229,57 @@ def test_fused_mlp_matches_float64(triton_device, dtype, shape, hidden):
 
 @pytest.mark.parametrize("approximate", ["tanh", "quick"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_approximate_fused_mlp_matches_float64(triton_device, dtype, approximate):
+def test_approximate_fused_mlp_matches_float64(mlp_backend, dtype, approximate):
+    backend, device = mlp_backend
     torch.manual_seed(14)
-    (out, *got), (out6, *want) = mlp_against_float64(*make_mlp((2, 3, 16), 37, 16, dtype, triton_device),
-                                                     approximate=approximate)
+    (out, *got), (out6, *want) = mlp_against_float64(*make_mlp((2, 3, 16), 37, 16, dtype, device),
+                                                     backend=backend, approximate=approximate)
     assert_close("out", out, out6, dtype)
     for name, a, r in zip(MLP_GRAD_NAMES, got, want):
         assert_close(name, a, r, dtype)
 
 
-def test_fused_mlp_optional_biases_and_partial_gradients(triton_device):
+def test_fused_mlp_optional_biases_and_partial_gradients(mlp_backend):
+    backend, device = mlp_backend
     torch.manual_seed(7)
-    x, w1, _, w2, _ = make_mlp((9, 16), 40, 12, F32, triton_device)
-    (out, dx, dw1, db1, dw2, db2), (out6, dx6, dw16, _, dw26, _) = mlp_against_float64(x, w1, None, w2, None)
+    x, w1, _, w2, _ = make_mlp((9, 16), 40, 12, F32, device)
+    (out, dx, dw1, db1, dw2, db2), (out6, dx6, dw16, _, dw26, _) = mlp_against_float64(x, w1, None, w2, None,
+                                                                                       backend=backend)
     assert db1 is None and db2 is None
     for name, a, r in (("out", out, out6), ("dx", dx, dx6), ("dW1", dw1, dw16), ("dW2", dw2, dw26)):
         assert_close(name, a, r, F32)
     # Only fc2's weight trained (fc1 frozen, x a constant): the backward still recomputes the activation.
     w2l = w2.clone().requires_grad_(True)
-    out = ops.fused_mlp(x, w1, None, w2l, None, backend="triton")
+    out = ops.fused_mlp(x, w1, None, w2l, None, backend=backend)
     g = torch.randn_like(out)
     (dw2,) = grads(out, g, (w2l,))
     assert_close("dW2 alone", dw2, g.double().t() @ F.gelu(x.double() @ w1.double().t()), F32)
 
 
-def test_fused_mlp_strided_gradient_and_empty_batch(triton_device):
+def test_fused_mlp_strided_gradient_and_empty_batch(mlp_backend):
+    backend, device = mlp_backend
     torch.manual_seed(8)
-    params = make_mlp((4, 5, 16), 37, 16, F32, triton_device)
-    g = torch.randn(1, 1, 16, device=triton_device).expand(4, 5, 16)  # a broadcast loss gradient
-    got, want = mlp_against_float64(*params, g=g)
+    params = make_mlp((4, 5, 16), 37, 16, F32, device)
+    g = torch.randn(1, 1, 16, device=device).expand(4, 5, 16)  # a broadcast loss gradient
+    got, want = mlp_against_float64(*params, g=g, backend=backend)
     for name, a, r in zip(("out",) + MLP_GRAD_NAMES, got, want):
         assert_close(f"expanded g: {name}", a, r, F32)
     x0 = params[0][:0]
-    (out, dx, dw1, db1, dw2, db2), _ = mlp_against_float64(x0, *params[1:])
+    (out, dx, dw1, db1, dw2, db2), _ = mlp_against_float64(x0, *params[1:], backend=backend)
     assert out.shape == (0, 5, 16) and dx.shape == x0.shape
     for name, t in dict(dW1=dw1, db1=db1, dW2=dw2, db2=db2).items():
         assert torch.count_nonzero(t) == 0, name
 
 
-def test_fused_mlp_autocast_bf16(triton_device):
+def test_fused_mlp_autocast_bf16(mlp_backend):
     """fp32 x and parameters under bf16 autocast: matmuls in bf16 (bf16 result), x's gradient in
     fp32 and the parameters' gradients in fp32, all within bf16 accuracy of the float64 MLP."""
+    backend, device = mlp_backend
     torch.manual_seed(9)
-    params = make_mlp((3, 11, 24), 100, 24, F32, triton_device)
+    params = make_mlp((3, 11, 24), 100, 24, F32, device)
     inputs = leaves(*params)
-    with torch.autocast(triton_device.type, dtype=BF16):
-        out = ops.fused_mlp(*inputs, backend="triton")
+    with torch.autocast(device.type, dtype=BF16):
+        out = ops.fused_mlp(*inputs, backend=backend)
     assert out.dtype == BF16
     g = torch.randn_like(out)
     got = grads(out, g, inputs)
@@ -275,7 +291,7 @@ def test_fused_mlp_autocast_bf16(triton_device):
         assert a.dtype == p.dtype == F32, name
         assert_close(name, a, r, BF16)
     # The reference backend follows the same dtype rules.
-    with torch.autocast(triton_device.type, dtype=BF16):
+    with torch.autocast(device.type, dtype=BF16):
         assert ops.fused_mlp(*params, backend="torch").dtype == BF16
 
 
@@ -296,17 +312,18 @@ def _saved_activation_bytes(fn, params):
 
 
 @pytest.mark.parametrize("autocast", [False, True])
-def test_fused_mlp_saves_one_hidden_activation_less(triton_device, autocast):
+def test_fused_mlp_saves_one_hidden_activation_less(mlp_backend, autocast):
     """The point of the op: plain autograd keeps fc1's output (for GELU's backward) and GELU's
     output (for fc2's); fused_mlp keeps only fc1's and recomputes GELU. Exactly one (tokens x hidden)
     tensor of the compute dtype less."""
+    backend, device = mlp_backend
     torch.manual_seed(10)
     tokens, dim, hidden = 33, 24, 100
-    x, w1, b1, w2, b2 = make_mlp((tokens, dim), hidden, dim, F32, triton_device)
+    x, w1, b1, w2, b2 = make_mlp((tokens, dim), hidden, dim, F32, device)
     params = [p.requires_grad_(True) for p in (w1, b1, w2, b2)]
     x.requires_grad_(True)
-    with torch.autocast(triton_device.type, dtype=BF16, enabled=autocast):
-        fused = _saved_activation_bytes(lambda: ops.fused_mlp(x, *params, backend="triton"), params)
+    with torch.autocast(device.type, dtype=BF16, enabled=autocast):
+        fused = _saved_activation_bytes(lambda: ops.fused_mlp(x, *params, backend=backend), params)
         plain = _saved_activation_bytes(lambda: F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2), params)
     hidden_bytes = tokens * hidden * (2 if autocast else 4)
     assert fused < plain
@@ -330,8 +347,8 @@ def test_default_backend_is_reference_on_cpu():
 
 
 def test_cuda_backend_runs_the_triton_kernel_for_every_gelu(triton_device, monkeypatch):
-    """The csrc extension has no bias+GELU kernel: backend="cuda" (and the auto choice where the
-    residual ops take csrc) dispatches every GELU to the Triton kernel."""
+    """fused_bias_gelu has no csrc path of its own (the csrc bias + GELU serves fused_mlp): backend="cuda"
+    (and the auto choice where the residual ops take csrc) dispatches every GELU to the Triton kernel."""
     from dres.ops import checks
 
     pre, bias = leaves(*make_pre(6, 37, F32, triton_device))

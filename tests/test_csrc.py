@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import dres.ops as ops
 from dres.ops import csrc_backend, reference
@@ -24,7 +25,7 @@ from helpers import (BF16, F16, F32, MODES, TOLERANCE, assert_close, capture_gra
                      leaves, make_case, mode_scales)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-OPS = ("residual_layer_norm", "residual_add", "layer_norm", "residual_norm_backward")
+OPS = ("residual_layer_norm", "residual_add", "layer_norm", "residual_norm_backward", "bias_gelu", "bias_gelu_backward")
 
 built = pytest.mark.skipif(not csrc_backend.available(), reason="dres._C (csrc) not built")
 
@@ -353,6 +354,104 @@ def test_cuda_graph_capture():
     assert torch.equal(out, want_out) and torch.equal(y, want_y)
 
 
+# ---------------------------------------------------------------------------------------------
+# The MLP: dres_cuda::bias_gelu / bias_gelu_backward (its kernels) and fused_mlp (its C++ autograd);
+# fused_mlp's float64 parity on this backend is tests/test_bias_gelu.py's (its mlp_backend "cuda")
+
+
+def gelu_reference(pre, bias, g, approximate):
+    """(act, dpre, dbias) of the float64 reference for cotangent g."""
+    p6 = pre.double().requires_grad_(True)
+    b6 = None if bias is None else bias.double().requires_grad_(True)
+    act = reference.bias_gelu(p6, b6, approximate=approximate)
+    got = torch.autograd.grad(act, [t for t in (p6, b6) if t is not None], g.double())
+    return act.detach(), got[0], (got[1] if bias is not None else None)
+
+
+@gpu
+@pytest.mark.parametrize("approximate", ["none", "tanh", "quick"])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("rows,hidden", [(1, 8), (3, 37), (129, 100), (257, 1536), (1000, 3072), (33, 4104)])
+def test_bias_gelu_kernels_match_float64(approximate, dtype, rows, hidden):
+    """Both the 16-byte-vector path (hidden % 8 == 0) and the scalar one, one and several column blocks."""
+    torch.manual_seed(rows + hidden)
+    c = torch.ops.dres_cuda
+    pre = (2.0 * torch.randn(rows, hidden, device="cuda")).to(dtype)
+    bias = (0.5 * torch.randn(hidden, device="cuda")).to(F32)
+    g = torch.randn(rows, hidden, device="cuda").to(dtype)
+    act6, dpre6, dbias6 = gelu_reference(pre, bias, g, approximate)
+    act = c.bias_gelu(pre, bias, None, approximate)
+    dpre, act_again, dbias = c.bias_gelu_backward(g, pre, bias, dtype, True, approximate)
+    assert act.dtype == dpre.dtype == act_again.dtype == dtype and dbias.dtype == F32
+    assert_close("act", act, act6, dtype)
+    assert torch.equal(act_again, act), "the backward's recomputed activation differs from the forward's"
+    assert_close("dpre", dpre, dpre6, dtype)
+    assert_close("dbias", dbias, dbias6, F32)  # fp32 sums of the fp32 products
+    want = torch.ops.dres.bias_gelu(pre, bias, None, approximate)  # the Triton kernel
+    assert_close("act against Triton", act, want.double(), dtype)
+
+
+@gpu
+def test_bias_gelu_kernels_options_strides_and_empty_rows():
+    torch.manual_seed(3)
+    c = torch.ops.dres_cuda
+    pre = torch.randn(6, 5, 48, device="cuda").to(BF16)
+    act = c.bias_gelu(pre, None, F32, "none")  # no bias, fp32 output, any leading shape
+    assert act.dtype == F32 and act.shape == pre.shape
+    assert_close("act", act, torch.nn.functional.gelu(pre.double()), F32)
+    g = torch.randn(1, 48, device="cuda").to(BF16).expand(30, 48)  # stride-0 rows
+    dpre, act_none, dbias = c.bias_gelu_backward(g, pre.view(30, 48), None, None, True, "tanh")
+    assert act_none.numel() == 0 and dbias.numel() == 0  # not asked for / no bias
+    _, want, _ = gelu_reference(pre.view(30, 48), None, g, "tanh")
+    assert_close("dpre, expanded g", dpre, want, BF16)
+    bias = torch.randn(48, device="cuda")
+    empty = pre[:0].reshape(0, 48)
+    dpre, _, dbias = c.bias_gelu_backward(empty, empty, bias, None, True, "none")
+    assert dpre.shape == (0, 48) and torch.equal(dbias, torch.zeros(48, device="cuda"))
+    with pytest.raises(RuntimeError, match="approximate must be 'none', 'tanh' or 'quick'"):
+        c.bias_gelu(pre, None, None, "erf")
+
+
+@gpu
+def test_bias_gelu_kernels_write_every_element_and_dbias_is_deterministic(poisoned_allocations):
+    torch.manual_seed(4)
+    c = torch.ops.dres_cuda
+    for rows, hidden in ((257, 300), (4099, 1536)):
+        pre = torch.randn(rows, hidden, device="cuda").to(F16)
+        bias = torch.randn(hidden, device="cuda").to(F16)
+        g = torch.randn(rows, hidden, device="cuda").to(F16)
+        act = c.bias_gelu(pre, bias, None, "quick")
+        first = c.bias_gelu_backward(g, pre, bias, F16, True, "quick")
+        for name, t in zip(("act", "dpre", "act again", "dbias"), (act, *first)):
+            assert torch.isfinite(t).all(), f"{rows} x {hidden}: {name} has unwritten (NaN) elements"
+        second = c.bias_gelu_backward(g, pre, bias, F16, True, "quick")
+        for name, a, b in zip(("dpre", "act", "dbias"), first, second):
+            assert torch.equal(a, b), f"{rows} x {hidden}: {name} differs between two identical runs"
+
+
+@gpu
+def test_mlp_opcheck_and_default_backend():
+    torch.manual_seed(5)
+    c = torch.ops.dres_cuda
+    x = torch.randn(4, 7, 24, device="cuda", requires_grad=True)
+    w1 = torch.randn(40, 24, device="cuda", requires_grad=True)
+    b1 = torch.randn(40, device="cuda", requires_grad=True)
+    w2 = torch.randn(24, 40, device="cuda", requires_grad=True)
+    b2 = torch.randn(24, device="cuda", requires_grad=True)
+    every = ("test_schema", "test_autograd_registration", "test_faketensor")
+    for args in ((x, w1, b1, w2, b2, F32, "none"), (x, w1, None, w2, None, BF16, "quick")):
+        torch.library.opcheck(c.fused_mlp.default, args, test_utils=every)
+    pre, g = torch.randn(28, 40, device="cuda"), torch.randn(28, 40, device="cuda")
+    kernels = ("test_schema", "test_faketensor")  # fused_mlp's autograd is theirs
+    torch.library.opcheck(c.bias_gelu.default, (pre, b1.detach(), BF16, "tanh"), test_utils=kernels)
+    torch.library.opcheck(c.bias_gelu_backward.default, (g, pre, b1.detach(), F32, True, "none"), test_utils=kernels)
+    # backend=None on a csrc build: the csrc MLP in eager at these sizes, the Triton one when compiled
+    assert "FusedMlpFunction" in ops.fused_mlp(x, w1, b1, w2, b2).grad_fn.name()
+    assert type(ops.fused_mlp(x, w1, b1, w2, b2, backend="triton").grad_fn).__name__ == "FusedMlpFnBackward"
+    compiled = torch.compile(lambda *a: ops.fused_mlp(*a), fullgraph=True)
+    torch.testing.assert_close(compiled(x, w1, b1, w2, b2), ops.fused_mlp(x, w1, b1, w2, b2, backend="triton"))
+
+
 @gpu
 def test_default_backend_is_csrc_in_eager_at_small_sizes_and_triton_otherwise():
     """backend=None with the extension built: csrc for small eager calls, Triton for large tensors
@@ -489,7 +588,8 @@ def test_cuda_backend_with_cpu_tensors_raises():
 
 @built
 def test_schemas_match_the_triton_ops():
-    import dres.ops.residual_norm  # noqa: F401  (registers dres::)
+    import dres.ops.bias_gelu  # noqa: F401  (registers dres::)
+    import dres.ops.residual_norm  # noqa: F401  (and these)
 
     for name in OPS:
         ours = str(getattr(torch.ops.dres_cuda, name).default._schema).split("::", 1)[1]
@@ -561,6 +661,27 @@ def test_cpp_autograd_gives_the_gradients_the_reference_gives(needs, scales):
     assert _grad_signature(y, (x, None, None), torch.ones_like(y))[1:] == [None, None]
 
 
+@built
+@pytest.mark.parametrize("needs", [(True, True, True, True, True), (False, True, False, True, False),
+                                   (True, False, False, False, False)])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_cpp_autograd_of_the_mlp_gives_the_gradients_the_reference_gives(needs, autocast):
+    """dres_cuda::fused_mlp's C++ autograd on meta tensors: each input gets a gradient of the reference
+    MLP's shape and dtype exactly where the reference gives one, the output in the compute dtype."""
+    shapes = ((4, 3, 24), (40, 24), (40,), (24, 40), (24,))
+    x, w1, b1, w2, b2 = [torch.empty(shape, device="meta").requires_grad_(need)
+                                  for shape, need in zip(shapes, needs)]
+    compute = BF16 if autocast else F32
+    for fc1_bias, fc2_bias in ((b1, b2), (None, None)):
+        out = torch.ops.dres_cuda.fused_mlp.default(x, w1, fc1_bias, w2, fc2_bias, compute, "tanh")
+        assert out.shape == (4, 3, 24) and out.dtype == compute and out.requires_grad == any(needs)
+        args = (x, w1, fc1_bias, w2, fc2_bias)
+        x_c, w1_c, b1_c, w2_c, b2_c = (None if t is None else t.to(compute) for t in args)
+        want = F.linear(F.gelu(F.linear(x_c, w1_c, b1_c), approximate="tanh"), w2_c, b2_c)  # the MLP, as autocast runs it
+        g = torch.ones_like(out)
+        assert _grad_signature(out, args, g) == _grad_signature(want, args, g)
+
+
 def _run_setup(monkeypatch, env_value):
     """Run setup.py with setuptools.setup replaced by a recorder; returns setup()'s kwargs."""
     import setuptools
@@ -599,6 +720,6 @@ def test_setup_describes_the_extension_when_asked(monkeypatch):
         return
     (ext,) = kw["ext_modules"]
     assert ext.name == "dres._C"
-    assert sorted(os.path.basename(s) for s in ext.sources) == ["ops.cpp", "residual_norm.cu"]
+    assert sorted(os.path.basename(s) for s in ext.sources) == ["bias_gelu.cu", "ops.cpp", "residual_norm.cu"]
     nvcc = ext.extra_compile_args["nvcc"]
     assert "-gencode=arch=compute_80,code=sm_80" in nvcc and "-gencode=arch=compute_90,code=sm_90" in nvcc

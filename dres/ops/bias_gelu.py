@@ -22,10 +22,13 @@ the backend. ``BiasGeluFn`` is also the autograd of the custom ops ``dres::bias_
 ``opcheck`` see; eager calls skip the custom-op dispatch cost. ``FusedMlpFn`` has no custom op of its
 own: it is two matmuls around ``dres::bias_gelu``, and torch.compile traces the Function itself, so the
 matmuls stay aten ops Inductor sees and the bias + GELU stays the custom op (docs/design.md, "The ops",
-says why). ``backend``: None runs the Triton kernels on CUDA tensors and the PyTorch reference
-(:func:`dres.ops.reference.bias_gelu`, :func:`dres.ops.reference.mlp`, float64-capable) elsewhere;
-"triton" forces the kernels (on CPU under TRITON_INTERPRET=1); "torch" the reference; "cuda" (the
-csrc extension, which has no such kernel) runs Triton.
+says why). ``backend``: None runs the Triton kernels on CUDA tensors (the csrc extension's, where
+built, for eager calls of ``fused_mlp`` up to the size of :func:`dres.ops.checks.choose_default_backend`)
+and the PyTorch reference (:func:`dres.ops.reference.bias_gelu`, :func:`dres.ops.reference.mlp`,
+float64-capable) elsewhere; "triton" forces the kernels (on CPU under TRITON_INTERPRET=1); "torch"
+the reference; "cuda": ``fused_mlp`` in eager calls ``torch.ops.dres_cuda.fused_mlp``, the csrc
+extension's MLP with its autograd in C++ (``csrc/ops.cpp``'s ``FusedMlpFunction``: these formulas, no
+Python per call); under torch.compile, and for ``fused_bias_gelu``, it runs Triton.
 
 Importing this module registers the ops but does not import Triton (the kernels are imported on
 the first Triton call), so ``import dres.ops`` works where Triton is not installed.
@@ -39,9 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dres.ops import reference
+from dres.ops import csrc_backend, reference
 from dres.ops.checks import (KERNEL_DTYPES, check_dtype_arg, check_same_device, check_tensor, check_vector,
-                             resolve_backend_without_csrc, supported_dtypes)
+                             resolve_backend, resolve_backend_without_csrc, supported_dtypes)
 from dres.ops.registration import define_op
 from dres.ops.utils import mlp_compute_dtype, param_grad
 
@@ -255,12 +258,20 @@ def _bias_gelu_backward_fake(g, pre, bias, act_dtype, need_dbias, approximate):
     return pre.new_empty(pre.shape), act, dbias
 
 
+def _fused_mlp_fake(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, compute_dtype, approximate):
+    return x.new_empty((*x.shape[:-1], fc2_weight.shape[0]), dtype=compute_dtype)
+
+
 _QUALNAMES = ("dres::bias_gelu", "dres::bias_gelu_backward")
 bias_gelu_op = define_op("dres::bias_gelu", bias_gelu_triton, _bias_gelu_fake, _QUALNAMES, autograd=BiasGeluFn)
 bias_gelu_backward_op = define_op(
     "dres::bias_gelu_backward", bias_gelu_backward_triton, _bias_gelu_backward_fake, _QUALNAMES,
     schema="(Tensor g, Tensor pre, Tensor? bias, ScalarType? act_dtype, bool need_dbias, str approximate) "
            "-> (Tensor, Tensor, Tensor)")
+# The csrc MLP (defined in C++ with these schemas, fused_mlp with its autograd) takes the same fakes.
+if csrc_backend.available():
+    csrc_backend.register_fakes({"bias_gelu": _bias_gelu_fake, "bias_gelu_backward": _bias_gelu_backward_fake,
+                                 "fused_mlp": _fused_mlp_fake})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,9 +307,13 @@ def fused_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_wei
     in the dtypes of x and of the parameters. Saves x and fc1's pre-activation only, one
     (tokens x hidden) tensor fewer than plain autograd.
     """
-    backend = resolve_backend_without_csrc(backend, x)
+    backend = resolve_backend(backend, x)
     check_mlp_inputs(backend, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate)
     if backend == "torch":
         return reference.mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate)
-    return FusedMlpFn.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, mlp_compute_dtype(x), approximate,
-                            "dres" if torch.compiler.is_compiling() else "triton")
+    if torch.compiler.is_compiling():  # the Function traced, its bias + GELU the dres:: custom ops
+        return FusedMlpFn.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, mlp_compute_dtype(x), approximate, "dres")
+    if backend == "cuda":
+        return torch.ops.dres_cuda.fused_mlp.default(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
+                                                     mlp_compute_dtype(x), approximate)
+    return FusedMlpFn.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, mlp_compute_dtype(x), approximate, "triton")
