@@ -18,8 +18,8 @@ the same way top to bottom: checks, a pointer to its reference, the Triton launc
 none: under torch.compile it is its reference formula, for Inductor to fuse), the public function. Shared pieces: every float64-capable reference in :mod:`dres.ops.reference`, helpers in
 :mod:`dres.ops.utils`, the backend choice and shared argument checks in :mod:`dres.ops.checks`, the
 custom-op wiring in :mod:`dres.ops.registration`, the csrc extension in :mod:`dres.ops.csrc_backend`.
-``backend``: None picks Triton for CUDA tensors (the csrc kernels for small eager residual-norm calls
-when built) and the PyTorch reference otherwise (CPU, float64); "triton" forces the kernels (on CPU
+``backend``: None picks Triton for CUDA tensors (the csrc kernels for small eager residual-norm and MLP
+calls when built) and the PyTorch reference otherwise (CPU, float64); "triton" forces the kernels (on CPU
 only under ``TRITON_INTERPRET=1``); "torch" the reference; "cuda" the csrc extension when built (the
 ops it has no kernel for run Triton).
 """

@@ -4,12 +4,12 @@
 message saying how to build it, and everything else works unchanged.
 
 Importing ``dres._C`` defines ``torch.ops.dres_cuda.{residual_layer_norm, residual_add,
-layer_norm, residual_norm_backward}`` (CUDA kernels and C++ autograd, same schemas as the ``dres::``
-Triton ops). This module owns what the backend adds in Python: :func:`register_fakes`, which registers
+layer_norm, residual_norm_backward, bias_gelu, bias_gelu_backward}`` (CUDA kernels, same schemas as the
+``dres::`` Triton ops) and ``fused_mlp``, the forward ops with their autograd in C++. This module owns what the backend adds in Python: :func:`register_fakes`, which registers
 the fake (meta) kernels :mod:`dres.ops.residual_norm` hands it, so the ops trace under
 ``torch.compile``. torch requires those fakes to be registered from the module the C++ library names
 (``set_python_module``), this one; importing it imports ``dres.ops`` first, whose ``residual_norm``
-registers them. It imports nothing of ``dres.ops``: the op modules import it.
+and ``bias_gelu`` register them. It imports nothing of ``dres.ops``: the op modules import it.
 """
 
 from __future__ import annotations
