@@ -3,13 +3,13 @@
 ``available()`` says whether ``dres._C`` imported; without it ``backend="cuda"`` fails with a
 message saying how to build it, and everything else works unchanged.
 
-Importing ``dres._C`` defines ``torch.ops.dres_cuda.{residual_layer_norm, residual_add,
-layer_norm, residual_norm_backward, bias_gelu, bias_gelu_backward}`` (CUDA kernels, same schemas as the
-``dres::`` Triton ops) and ``fused_mlp``, the forward ops with their autograd in C++. This module owns what the backend adds in Python: :func:`register_fakes`, which registers
-the fake (meta) kernels :mod:`dres.ops.residual_norm` hands it, so the ops trace under
-``torch.compile``. torch requires those fakes to be registered from the module the C++ library names
-(``set_python_module``), this one; importing it imports ``dres.ops`` first, whose ``residual_norm``
-and ``bias_gelu`` register them. It imports nothing of ``dres.ops``: the op modules import it.
+Importing ``dres._C`` defines ``torch.ops.dres_cuda.{residual_layer_norm, residual_add, layer_norm,
+residual_norm_backward, bias_gelu, bias_gelu_backward}`` (CUDA kernels, same schemas as the ``dres::``
+Triton ops) and ``fused_mlp``, the forward ops with their autograd in C++. This module owns what the
+backend adds in Python: :func:`register_fakes`, which registers the fake (meta) kernels the op modules
+hand it, so the ops trace under ``torch.compile``. torch requires those fakes to be registered from the
+module the C++ library names (``set_python_module``), this one; importing it imports ``dres.ops``
+first, whose ``residual_norm`` and ``bias_gelu`` register them. It imports nothing of ``dres.ops``: the op modules import it.
 """
 
 from __future__ import annotations
