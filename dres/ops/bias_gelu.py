@@ -312,7 +312,8 @@ def fused_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_wei
     if backend == "torch":
         return reference.mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate)
     if torch.compiler.is_compiling():  # the Function traced, its bias + GELU the dres:: custom ops
-        return FusedMlpFn.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, mlp_compute_dtype(x), approximate, "dres")
+        return FusedMlpFn.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, mlp_compute_dtype(x), approximate,
+                                "dres")
     if backend == "cuda":
         return torch.ops.dres_cuda.fused_mlp.default(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
                                                      mlp_compute_dtype(x), approximate)

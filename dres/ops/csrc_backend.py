@@ -9,7 +9,8 @@ Triton ops) and ``fused_mlp``, the forward ops with their autograd in C++. This 
 backend adds in Python: :func:`register_fakes`, which registers the fake (meta) kernels the op modules
 hand it, so the ops trace under ``torch.compile``. torch requires those fakes to be registered from the
 module the C++ library names (``set_python_module``), this one; importing it imports ``dres.ops``
-first, whose ``residual_norm`` and ``bias_gelu`` register them. It imports nothing of ``dres.ops``: the op modules import it.
+first, whose ``residual_norm`` and ``bias_gelu`` register them. It imports nothing of ``dres.ops``: the
+op modules import it.
 """
 
 from __future__ import annotations
