@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     p.add_argument("--force", action="store_true", help="rerun the named arms that already have a record (not "
                    "the arms they need)")
     p.add_argument("--deadline-min", type=float, default=0, help="start no arm after this many minutes")
+    p.add_argument("--no-probe-sweep", action="store_true", help="--run: leave out the probe sweep each finished "
+                   "claim-A arm's slot runs on its full features (experiments/README.md)")
     p.add_argument("--dry-run", action="store_true", help="--run: print each arm's exact command (or why it is "
                    "skipped) and, with --img-per-s, its estimated minutes; run nothing")
     p.add_argument("--budget-min", type=float, default=9.0, help="--plan: wall minutes")
@@ -111,7 +113,8 @@ def main(argv=None) -> int:
                              "or a scratch folder on the GPU host)")
         status = run_arms(select_epochs(a.run, a.epochs), gpus=a.gpus, jobs=a.jobs, root=a.root, records=a.records,
                           presets=parse_task_map(a.preset, "--preset"), extra=a.extra, every=a.curve_every,
-                          commit=a.commit or git_commit(), force=a.force, deadline_min=a.deadline_min)
+                          commit=a.commit or git_commit(), force=a.force, deadline_min=a.deadline_min,
+                          probe_sweep=not a.no_probe_sweep)
     except ValueError as e:
         print(f"repro: error: {e}", file=sys.stderr)
         return 2

@@ -332,13 +332,27 @@ def slot_devices(gpus: int, jobs: int) -> list[str | None]:
     return [None if g is None else visible[g] if visible else str(g) for g in gpu_slots(gpus, jobs)]
 
 
+def sweep_command(run_dir: Path, records: Path) -> list[str] | None:
+    """The probe sweep of a finished arm's full features into ``records``' ``probe_sweep/`` (experiments/README.md,
+    "The probe sweep of claim A"), or None where the arm is not claim A's or kept no features."""
+    from dres.eval.features import FEATURES_FILE
+    from experiments.probe_sweep import SWEEP_FOLDER
+
+    arm = BY_NAME.get(run_dir.name)
+    if arm is None or arm.claim != "A" or not (run_dir / FEATURES_FILE).exists():
+        return None
+    return [sys.executable, "-m", "experiments.probe_sweep", str(run_dir), "--out", str(records / SWEEP_FOLDER)]
+
+
 def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root: Path, records: Path,
              presets: dict, extra: list[str], every: int, commit: str, force: bool, deadline_min: float,
-             log=print) -> dict:
+             probe_sweep: bool = True, log=print) -> dict:
     """Train the ``(arm, epochs, named)`` of ``queue`` (:func:`select_epochs`) in order (needs first),
     ``jobs`` at a time on each of ``gpus`` GPUs (0: on the CPU), each starting on the first free slot
     (:func:`gpu_slots`);
-    ``force`` reruns the named arms that have a record. Returns
+    ``force`` reruns the named arms that have a record. ``probe_sweep``: a claim-A arm's slot then sweeps its
+    probe on its full features (:func:`sweep_command`) before the slot takes the next arm, while the others train
+    (on the host that has the features; a failed sweep is logged and leaves the arm done). Returns
     ``{arm: "done" | "skipped" | "failed" | "blocked" | "not started"}``."""
     from dres.records import write_json_atomic
 
@@ -356,6 +370,16 @@ def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root
     def ready(a):
         return all(status.get(n) in ("done", "skipped") for n in a.needs)
 
+    def slot_env(k):
+        """The environment of slot ``k``'s processes: its device, and a share of the host's cores, as torchrun
+        gives its workers (intra-op threads that spin between steps starved four graphed arms to 4% GPU use on a
+        64-core host)."""
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(slots))))
+        if devices[k] is not None:
+            env["CUDA_VISIBLE_DEVICES"] = devices[k]
+        return env
+
     while True:
         for a in arms:
             if status[a.name] == "pending" and any(status.get(n) in ("failed", "blocked") for n in a.needs):
@@ -369,14 +393,8 @@ def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root
             k = free.pop(0)
             cmd = planned_command(nxt, epochs=actions[nxt.name].epochs, root=root, presets=presets, extra=extra,
                                   every=every)
-            env = dict(os.environ)
-            # arms share the host: a share of its cores each, as torchrun does for its workers (intra-op
-            # threads that spin between steps starved four graphed arms to 4% GPU use on a 64-core host)
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(slots))))
-            prefix = ""
-            if devices[k] is not None:
-                env["CUDA_VISIBLE_DEVICES"] = devices[k]
-                prefix = f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} "
+            env = slot_env(k)
+            prefix = f"CUDA_VISIBLE_DEVICES={devices[k]} " if devices[k] is not None else ""
             logf = open(root / "logs" / f"{nxt.name}.log", "a")
             proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
             command = prefix + shlex.join(["python"] + cmd[1:])
@@ -392,22 +410,37 @@ def run_arms(queue: list[tuple[Arm, float, bool]], *, gpus: int, jobs: int, root
                 continue
             logf.close()
             del running[k]
-            free.append(k)
-            if proc.returncode == 0:
-                status[a.name] = "done"
-                if actions[a.name].keep_record:
-                    log(f"[repro] done {a.name} (rerun for the arms that read it; its earlier record is kept)")
-                    continue
-                rec = make_record(a, root / a.name, epochs=actions[a.name].epochs, command=command,
-                                  card=card_of(slots[k]), commit=commit, records=records,
-                                  arms_per_device=max(1, jobs), gpu_sharing=gpu_sharing)
-                write_json_atomic(records / f"{a.name}.json", rec)
-                log(f"[repro] done {a.name}: {rec['metrics']}")
-            else:
+            if command is None:  # the arm's probe sweep ended
+                free.append(k)
+                log(f"[repro] swept {a.name}" if proc.returncode == 0 else
+                    f"[repro] the probe sweep of {a.name} failed (exit {proc.returncode}); log "
+                    f"{root / 'logs' / (a.name + '.sweep.log')}")
+                continue
+            if proc.returncode != 0:
+                free.append(k)
                 status[a.name] = "failed"
                 tail = (root / "logs" / f"{a.name}.log").read_text().splitlines()[-5:]
                 log(f"[repro] FAILED {a.name} (exit {proc.returncode}); log {root / 'logs' / (a.name + '.log')}:\n  "
                     + "\n  ".join(tail))
+                continue
+            status[a.name] = "done"
+            if actions[a.name].keep_record:
+                free.append(k)
+                log(f"[repro] done {a.name} (rerun for the arms that read it; its earlier record is kept)")
+                continue
+            rec = make_record(a, root / a.name, epochs=actions[a.name].epochs, command=command,
+                              card=card_of(slots[k]), commit=commit, records=records,
+                              arms_per_device=max(1, jobs), gpu_sharing=gpu_sharing)
+            write_json_atomic(records / f"{a.name}.json", rec)
+            log(f"[repro] done {a.name}: {rec['metrics']}")
+            sweep = sweep_command(root / a.name, records) if probe_sweep else None
+            if sweep is None:
+                free.append(k)
+                continue
+            logf = open(root / "logs" / f"{a.name}.sweep.log", "a")
+            running[k] = (a, subprocess.Popen(sweep, stdout=logf, stderr=subprocess.STDOUT, env=slot_env(k),
+                                              cwd=REPO_ROOT), logf, None)
+            log(f"[repro] sweep {a.name}: {shlex.join(['python'] + sweep[1:])}")
     return {n: ("not started" if s == "pending" else s) for n, s in status.items()}
 
 

@@ -322,12 +322,15 @@ SMOKE = ["--preset", "mae=quickstart", "--set", "model.depth=2", "--set", "model
          "--set", "optim.warmup_steps=1"]
 
 
-def test_runner_trains_two_arms_writes_records_and_report(tmp_path, capsys):
+def test_runner_trains_two_arms_writes_records_and_report(tmp_path, capsys, monkeypatch):
     records, root = tmp_path / "records", tmp_path / "runs"
     names = "A-baseline-a1.0-s0,A-official-a0.6-s0"
+    sweep_command = runner.sweep_command  # each arm's probe sweep, on a grid of two settings (the CPU's pace)
+    monkeypatch.setattr(runner, "sweep_command", lambda run_dir, recs: None if sweep_command(run_dir, recs) is None
+                        else sweep_command(run_dir, recs) + ["--lrs", "0.01", "--wds", "0,0.1", "--epochs", "2"])
     # digits: 1437 training images, 22 steps of 64 a epoch; 0.2 epochs = 4 steps, a curve point every 2
     rc = repro.main(["--run", names, "--epochs", "0.2", "--gpus", "0", "--root", str(root), "--records", str(records),
-                     "--curve-every", "2", "--commit", "abc123"] + SMOKE)
+                     "--curve-every", "2", "--commit", "abc123", "--set", "eval.save_features=true"] + SMOKE)
     assert rc == 0, capsys.readouterr()
     for name in names.split(","):
         rec = json.loads((records / f"{name}.json").read_text())
@@ -341,9 +344,14 @@ def test_runner_trains_two_arms_writes_records_and_report(tmp_path, capsys):
         assert rec["train"]["final_epoch_loss"] > 0 and rec["train"]["final_epoch_steps"] > 0
         assert rec["metrics"]["effective_rank_entropy"] == pytest.approx(math.log(rec["metrics"]["effective_rank"]))
         assert (records / rec["artifacts"]["curves_png"]).stat().st_size > 0  # relative to its records folder
-    # a second call skips the recorded arms
+        swept = json.loads((records / "probe_sweep" / f"{name}.json").read_text())  # the slot's sweep after the arm
+        assert swept["arm"] == name and swept["grid"] == {"lr": [0.01], "weight_decay": [0.0, 0.1], "epochs": [2]}
+        assert swept["features"] == str(root / name / "features.pt")
+    out = capsys.readouterr().out
+    assert out.count("[repro] sweep ") == 2 and out.count("[repro] swept ") == 2
+    # a second call skips the recorded arms; --no-probe-sweep leaves the sweep out
     assert repro.main(["--run", names, "--epochs", "0.2", "--gpus", "0", "--root", str(root), "--records",
-                       str(records), "--curve-every", "2"] + SMOKE) == 0
+                       str(records), "--curve-every", "2", "--no-probe-sweep"] + SMOKE) == 0
     assert "A-baseline-a1.0-s0: skipped" in capsys.readouterr().out
     text = report.report(records, tmp_path / "RESULTS.md", figures=tmp_path / "figures", notes=tmp_path / "notes.md")
     row = next(l for l in text.splitlines() if l.startswith("| baseline | 1 | auto | 0.2 |"))
