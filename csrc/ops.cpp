@@ -414,14 +414,13 @@ Tensor bias_gelu(const Tensor& pre, const OptTensor& bias, std::optional<at::Sca
                  c10::string_view approximate) {
   const int gelu = gelu_kind(approximate);
   check_pre(pre, "pre");
-  if (present(bias)) param(bias, "bias", pre);
+  const Tensor b = param(bias, "bias", pre);  // undefined when absent
   if (out_dtype.has_value()) dtype_code(*out_dtype, "out_dtype");
   const c10::cuda::CUDAGuard guard(pre.device());
   Tensor act = at::empty(pre.sizes(), pre.options().dtype(out_dtype.value_or(pre.scalar_type())));
   const int64_t N = pre.size(-1), M = N ? pre.numel() / N : 0;
   if (M == 0) return act;
   const Tensor pre2 = as_rows(pre), act2 = act.view({-1, N});
-  const Tensor b = present(bias) ? bias->contiguous() : Tensor();
   BiasGeluParams p{};
   p.pre = pre2.data_ptr();
   p.bias = ptr(b);
@@ -447,7 +446,7 @@ std::tuple<Tensor, Tensor, Tensor> bias_gelu_backward(const Tensor& g, const Ten
   const int gelu = gelu_kind(approximate);
   check_pre(pre, "pre");
   check_rows(g, "g", pre);
-  const Tensor b = present(bias) ? param(bias, "bias", pre) : Tensor();
+  const Tensor b = param(bias, "bias", pre);  // undefined when absent
   if (act_dtype.has_value()) dtype_code(*act_dtype, "act_dtype");
   need_dbias = need_dbias && b.defined();
   const c10::cuda::CUDAGuard guard(pre.device());
@@ -707,8 +706,9 @@ struct FusedMlpFunction : torch::autograd::Function<FusedMlpFunction> {
         static_cast<int64_t>(x.scalar_type()), static_cast<int64_t>(fc1_weight.scalar_type()),
         static_cast<int64_t>(fc2_weight.scalar_type()),
         present(fc2_bias) ? static_cast<int64_t>(fc2_bias->scalar_type()) : -1};
-    ctx->saved_data["need"] = std::vector<bool>{x.requires_grad(), fc1_weight.requires_grad(), requires_grad(fc1_bias),
-                                                fc2_weight.requires_grad(), requires_grad(fc2_bias)};
+    ctx->saved_data["need"] = std::vector<bool>{x.requires_grad(), fc1_weight.requires_grad(),
+                                                requires_grad(fc1_bias), fc2_weight.requires_grad(),
+                                                requires_grad(fc2_bias)};
     ctx->saved_data["approximate"] = std::string(approximate);
     return {f.out};
   }

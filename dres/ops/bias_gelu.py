@@ -311,10 +311,10 @@ def fused_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_wei
     check_mlp_inputs(backend, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate)
     if backend == "torch":
         return reference.mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate)
-    if torch.compiler.is_compiling():  # the Function traced, its bias + GELU the dres:: custom ops
-        return FusedMlpFn.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, mlp_compute_dtype(x), approximate,
-                                "dres")
-    if backend == "cuda":
-        return torch.ops.dres_cuda.fused_mlp.default(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
-                                                     mlp_compute_dtype(x), approximate)
-    return FusedMlpFn.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, mlp_compute_dtype(x), approximate, "triton")
+    compute, compiling = mlp_compute_dtype(x), torch.compiler.is_compiling()
+    if backend == "cuda" and not compiling:
+        return torch.ops.dres_cuda.fused_mlp.default(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, compute,
+                                                     approximate)
+    # compiled: the Function traced, its bias + GELU the dres:: custom ops
+    return FusedMlpFn.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, compute, approximate,
+                            "dres" if compiling else "triton")
