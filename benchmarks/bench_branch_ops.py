@@ -32,10 +32,11 @@ import torch.nn.functional as F
 
 from benchmarks import measure
 
-IMPLS = ("dres", "eager", "compile")
+IMPLS = ("dres", "dres_cuda", "eager", "compile")  # dres_cuda: the csrc extension's MLP, where it is built
 # (tokens, dim, hidden): the MAE ViT-B/16 encoder MLP at batch 256 (256 x 50 tokens) and the
-# decoder MLP (256 x 197 tokens, 512 wide).
-MLP_SHAPES = ((12800, 768, 3072), (50432, 512, 2048))
+# decoder MLP (256 x 197 tokens, 512 wide); ViT-B/16 at batch 128 (197 tokens) and DINOv2 ViT-S/14
+# at batch 128 (257 tokens), the own-model benchmark's.
+MLP_SHAPES = ((12800, 768, 3072), (50432, 512, 2048), (25216, 768, 3072), (32896, 384, 1536))
 # (batch, image size, patch size): MAE ViT-B/16 at 224 px, and CIFAR-10 with patch 4.
 LOSS_SHAPES = ((256, 224, 16), (512, 32, 4))
 BRANCH_KEY = ("card", "op", "shape", "dtype", "pass", "impl")
@@ -48,6 +49,11 @@ def plan(ops: list[str]) -> list[tuple[str, tuple]]:
     if "mae_loss" in ops:
         cases += [("mae_loss", s) for s in LOSS_SHAPES]
     return cases
+
+
+def impls_for(op: str, impls: list[str]) -> list[str]:
+    """The implementations an op has: the csrc extension carries the MLP alone of these ops."""
+    return [i for i in impls if i != "dres_cuda" or op == "fused_mlp"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,7 +81,8 @@ def build(op: str, impl: str):
     if op == "fused_mlp":
         from dres.ops import fused_mlp
 
-        fns = {"dres": lambda *a: fused_mlp(*a, backend="triton"), "eager": unfused_mlp}
+        fns = {"dres": lambda *a: fused_mlp(*a, backend="triton"), "dres_cuda": lambda *a: fused_mlp(*a, backend="cuda"),
+               "eager": unfused_mlp}
         base = unfused_mlp
     else:
         from dres.ops import mae_loss
@@ -144,7 +151,7 @@ def run(op: str, shape: tuple, impls: list[str], ceiling: float, card: str, env:
     torch._dynamo.reset()
     reference = [t.detach() for t in fwd_bwd_callable(build(op, "eager"), inputs, wrt, ac_dtype, device)()]
     records = []
-    for impl in impls:
+    for impl in impls_for(op, impls):
         t0 = time.time()
         try:
             fn = build(op, impl)
@@ -194,7 +201,8 @@ def markdown(records: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default="fused_mlp,mae_loss", help="comma list of fused_mlp, mae_loss")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
+    p.add_argument("--impls", default=None,
+                   help=f"comma list of {', '.join(IMPLS)} (default: each, dres_cuda where the extension is built)")
     p.add_argument("--out", default=measure.default_out("branch-ops"),
                    help="record folder (default: records/benchmarks/<machine>-<today>-branch-ops)")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms")
@@ -202,7 +210,7 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     args = p.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
-    impls = [i for i in args.impls.split(",") if i]
+    impls = [i for i in (args.impls or ",".join(IMPLS)).split(",") if i]
     for name, given, known in (("--ops", ops, ("fused_mlp", "mae_loss")), ("--impls", impls, IMPLS)):
         bad = [v for v in given if v not in known]
         if bad:
@@ -210,11 +218,15 @@ def main(argv=None) -> int:
     cases = plan(ops)
     if args.dry_run:
         for op, shape in cases:
-            print(f"{op} {'x'.join(map(str, shape))}: {', '.join(impls)}")
+            print(f"{op} {'x'.join(map(str, shape))}: {', '.join(impls_for(op, impls))}")
         return 0
     if not torch.cuda.is_available():
         print("bench_branch_ops needs a CUDA GPU (use --dry-run to see the plan)", file=sys.stderr)
         return 2
+    from dres.ops import csrc_backend
+
+    if args.impls is None and not csrc_backend.available():
+        impls.remove("dres_cuda")
     measure.configure_caches()
     card, env = measure.card_name(), measure.versions()
     ceiling = measure.copy_ceiling_gbps()

@@ -490,6 +490,11 @@ def test_branch_ops_plan_markdown_and_bad_arguments(capsys):
     assert bench_branch_ops.main(["--dry-run", "--ops", "mae_loss", "--impls", "dres,compile"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines == [f"mae_loss {'x'.join(map(str, s))}: dres, compile" for s in bench_branch_ops.LOSS_SHAPES]
+    # the extension's impl where the op has one: the MLP, not the loss
+    assert bench_branch_ops.main(["--dry-run", "--impls", "dres_cuda,eager"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == ([f"fused_mlp {'x'.join(map(str, s))}: dres_cuda, eager" for s in bench_branch_ops.MLP_SHAPES]
+                     + [f"mae_loss {'x'.join(map(str, s))}: eager" for s in bench_branch_ops.LOSS_SHAPES])
     with pytest.raises(SystemExit, match="--impls: unknown \\['apex'\\]"):
         bench_branch_ops.main(["--dry-run", "--impls", "apex"])
     with pytest.raises(SystemExit, match="--ops: unknown"):
