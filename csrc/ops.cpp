@@ -678,13 +678,15 @@ struct MlpForward {
 MlpForward mlp_forward(const Tensor& x, const Tensor& w1, const OptTensor& b1, const Tensor& w2, const OptTensor& b2,
                        at::ScalarType compute_dtype, c10::string_view approximate) {
   static const auto gelu = op_handle<decltype(bias_gelu)>("dres_cuda::bias_gelu");
+  // t itself where it has the dtype already: below autograd no op may hand back its input (aten::to would)
+  const auto cast = [&](const Tensor& t) { return t.scalar_type() == compute_dtype ? t : t.to(compute_dtype); };
   MlpForward f;
-  f.x_c = x.to(compute_dtype);
-  f.w1_c = w1.to(compute_dtype);
-  f.w2_c = w2.to(compute_dtype);
+  f.x_c = cast(x);
+  f.w1_c = cast(w1);
+  f.w2_c = cast(w2);
   f.pre = at::linear(f.x_c, f.w1_c);
   const Tensor act = gelu.call(f.pre, b1, std::nullopt, approximate);
-  f.out = at::linear(act, f.w2_c, present(b2) ? OptTensor(b2->to(compute_dtype)) : OptTensor());
+  f.out = at::linear(act, f.w2_c, present(b2) ? OptTensor(cast(*b2)) : OptTensor());
   return f;
 }
 

@@ -128,8 +128,7 @@ def convert_timm_resnet(model: nn.Module, alpha_min: float = 1.0, schedule: str 
                          "shortcut: it needs alpha_min > 0")
     for i, (blk, alpha) in enumerate(zip(blocks, alphas)):
         branch, last_act = branches[type(blk)]
-        device = next(blk.parameters()).device
-        blk.register_buffer("dres_alpha", torch.tensor(alpha, dtype=torch.float32, device=device), persistent=False)
+        blk.dres_alpha = float(alpha)  # a number: at 1 with no drop path the eager op is PyTorch's add and ReLU
         blk.backend = backend
         blk._dres_fused = True  # dres.nn.set_backend finds the block by this
         # the held branch lives in the partial, not in the block: no second path to the block's parameters

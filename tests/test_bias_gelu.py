@@ -24,9 +24,11 @@ from helpers import (BF16, F16, F32, TOLERANCE, as_f64, assert_close, assert_gra
 MLP_GRAD_NAMES = ("dx", "dW1", "db1", "dW2", "db2")
 
 
-@pytest.fixture(params=["triton", pytest.param("cuda", marks=[
-    pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and csrc_backend.available()),
-                                        reason="needs a CUDA GPU and the csrc extension (DRES_BUILD_CUDA=1)")])])
+NEEDS_CSRC = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and csrc_backend.available()),
+                                                  reason="needs a CUDA GPU and the csrc extension (DRES_BUILD_CUDA=1)")]
+
+
+@pytest.fixture(params=["triton", pytest.param("cuda", marks=NEEDS_CSRC)])
 def mlp_backend(request, triton_device):
     """(backend, device) of an eager fused_mlp: the Triton kernels (the GPU, or the CPU's interpreter), or
     the csrc extension's MLP (its kernels and C++ autograd) on the GPU."""
@@ -560,13 +562,16 @@ def test_gpu_compile_inductor_fused_mlp(approximate):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_capture_and_replay():
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda", marks=NEEDS_CSRC)])
+def test_gpu_cuda_graph_capture_and_replay(backend):
+    """The replay gives what the same backend gives in eager, bit for bit (backend=None may take
+    another backend in eager than under capture: checks.choose_default_backend)."""
     torch.manual_seed(3)
     x, w1, b1, w2, b2 = leaves(*make_mlp((64, 50, 768), 3072, 768, BF16, "cuda"))
     g = torch.randn(64, 50, 768, device="cuda", dtype=BF16)
 
     def step():
-        out = ops.fused_mlp(x, w1, b1, w2, b2)
+        out = ops.fused_mlp(x, w1, b1, w2, b2, backend=backend)
         return (out, *torch.autograd.grad(out, (x, w1, b1, w2, b2), g))
 
     graph, static = capture_graph(step)  # warmed up on a side stream first, as PyTorch's docs prescribe

@@ -123,7 +123,7 @@ def test_timm_drop_path_of_the_model_is_kept():
 def test_decayed_shortcuts_follow_the_schedule():
     torch.manual_seed(4)
     original, converted = converted_pair(tiny_resnet(Bottleneck, True), alpha_min=0.5, backend="torch")
-    alphas = [blk.dres_alpha.item() for blk in residual_blocks(converted)]
+    alphas = [blk.dres_alpha for blk in residual_blocks(converted)]
     assert alphas == pytest.approx(dres.nn.decay_schedule(4, 0.5))
     assert list(converted.state_dict()) == list(original.state_dict())  # alphas are not saved
     converted.eval()

@@ -680,6 +680,9 @@ def test_cpp_autograd_of_the_mlp_gives_the_gradients_the_reference_gives(needs, 
         want = F.linear(F.gelu(F.linear(x_c, w1_c, b1_c), approximate="tanh"), w2_c, b2_c)  # the MLP, as autocast runs it
         g = torch.ones_like(out)
         assert _grad_signature(out, args, g) == _grad_signature(want, args, g)
+    # below autograd no op hands back its input (without autocast the casts to float32 are no-ops)
+    torch.library.opcheck(torch.ops.dres_cuda.fused_mlp.default, (x, w1, b1, w2, b2, compute, "none"),
+                          test_utils=("test_schema",))
 
 
 def _run_setup(monkeypatch, env_value):

@@ -197,6 +197,20 @@ def test_the_formulas_relu_backward_reads_the_stored_out_as_the_kernels_does(tri
     assert torch.equal(dx_kernel, dx_formula) and not dx_kernel.any()
 
 
+def test_a_plain_sum_is_what_the_default_leaves_to_pytorch():
+    """backend=None leaves an eager call to PyTorch's add and ReLU when it has nothing to scale, in one
+    dtype and layout; any factor, another dtype or layout, or an alpha tensor keeps the kernel."""
+    from dres.ops.residual_act import is_plain_sum
+
+    x = torch.randn(2, 3, 4, 4)
+    cl, m = x.to(memory_format=torch.channels_last), torch.ones(2)
+    assert is_plain_sum(x, x.clone(), 1.0, None, None) and is_plain_sum(cl, cl.clone(), 1, None, None)
+    for h, alpha, row_scale, grad_scale in ((x, 0.9, None, None), (x, torch.tensor(1.0), None, None),
+                                            (x, 1.0, m, None), (x, 1.0, None, m), (x.to(BF16), 1.0, None, None),
+                                            (cl, 1.0, None, None)):
+        assert not is_plain_sum(x, h, alpha, row_scale, grad_scale)
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.compile: the op's formula, which Inductor fuses with its neighbours
 
@@ -318,6 +332,27 @@ def test_gpu_resnet_and_large_feature_maps(shape, dtype, layout):
         got, want = against_float64(x, h, torch.tensor(0.9, device="cuda"), *mode_scales(mode, shape[0], "cuda"))
         check_all(got, want, dtype, dtype)
         del got, want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("act", ACTS)
+def test_gpu_default_plain_sum_runs_pytorchs_ops_with_the_kernels_values(dtype, act):
+    torch.manual_seed(7)
+    x, h = make((8, 64, 7, 7), dtype, "cuda", "channels_last"), make((8, 64, 7, 7), dtype, "cuda", "channels_last")
+    g = make((8, 64, 7, 7), dtype, "cuda", "channels_last")
+    results = []
+    for backend in (None, "triton"):
+        xl, hl = x.clone().requires_grad_(True), h.clone().requires_grad_(True)
+        out = ops.residual_act(xl, hl, 1.0, act=act, backend=backend)
+        results.append((type(out.grad_fn).__name__, out, *grads(out, g, [xl, hl])))
+    (fn, *got), (kernel_fn, *want) = results
+    assert "ResidualActFn" not in fn and "ResidualActFn" in kernel_fn
+    for name, a, r in zip(("out", "dx", "dh"), got, want):
+        assert torch.equal(a, r), name
+        assert a.stride() == r.stride(), name
+    m = (torch.rand(8, device="cuda") > 0.3).float()
+    assert "ResidualActFn" in type(ops.residual_act(x.requires_grad_(True), h, 1.0, m).grad_fn).__name__
 
 
 @pytest.mark.gpu

@@ -15,8 +15,10 @@ backward reads only the stored ``out``, like torch's relu, so x and h are not ke
 them) run its Triton kernels. Under torch.compile the op is its PyTorch formula
 (:func:`dres.ops.reference.residual_act`), which Inductor fuses with the BatchNorm that makes h, one
 kernel where an opaque op made two (BENCHMARKS.md, "Your model"). ``backend``: None runs Triton on
-CUDA tensors and the float64-capable PyTorch reference elsewhere; "triton" forces the kernels (on
-CPU under TRITON_INTERPRET=1); "torch" the reference; "cuda" (the csrc extension has no such kernel) runs Triton.
+CUDA tensors, except a plain sum (alpha 1, no per-sample factors: :func:`is_plain_sum`), which it leaves
+to PyTorch's add and ReLU, and the float64-capable PyTorch reference elsewhere; "triton" forces the
+kernels (on CPU under TRITON_INTERPRET=1); "torch" the reference; "cuda" (the csrc extension has no such
+kernel) runs Triton.
 """
 
 from __future__ import annotations
@@ -190,9 +192,22 @@ def residual_act(x: Tensor, h: Tensor, alpha=1.0, row_scale: Optional[Tensor] = 
     torch.compile the formula (:func:`dres.ops.reference.residual_act`), for Inductor to fuse.
     """
     check_tensor("x", x, REFERENCE_DTYPES)  # before the backend looks at x's device
+    chosen = backend is None
     backend = resolve_backend_without_csrc(backend, x)
     check_residual_act_inputs(backend, x, h, alpha, row_scale, grad_scale, act)
     # compiled, the formula: Inductor fuses it with the BatchNorm that makes h (one kernel where an opaque op made two)
     if backend == "torch" or torch.compiler.is_compiling():
         return reference.residual_act(x, h, alpha, row_scale, grad_scale, act)
+    if chosen and is_plain_sum(x, h, alpha, row_scale, grad_scale):
+        out = x + h  # torch's add rounds its fp32 sum once, as the kernel does: the same values
+        return torch.relu(out) if act == "relu" else out
     return ResidualActFn.apply(x, h, *alpha_args(alpha), row_scale, grad_scale, act)
+
+
+def is_plain_sum(x: Tensor, h: Tensor, alpha, row_scale: Optional[Tensor], grad_scale: Optional[Tensor]) -> bool:
+    """Whether ``backend=None`` leaves an eager call to PyTorch's add and ReLU: nothing to scale, one dtype and
+    layout. There the kernel saves one pass over the feature map but costs more host time than two launches
+    from C++, and its backward writes dx and dh where autograd hands one gradient to both (BENCHMARKS.md,
+    "Your model": the converted ResNet50d at 0.99x its original at 224 px, 0.61-0.71x at 32 px)."""
+    return (row_scale is None and grad_scale is None and not isinstance(alpha, Tensor) and alpha == 1.0
+            and x.dtype == h.dtype and x.stride() == h.stride())
