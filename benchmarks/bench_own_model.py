@@ -6,6 +6,7 @@ side by side with their plain originals, one process per arm.
     python -m benchmarks.bench_own_model --models vit_b16,hf_bert --arms plain_eager,converted_eager
     python -m benchmarks.bench_own_model --repeats 3 --models resnet50d_224          # median and spread
     python -m benchmarks.bench_own_model --no-csrc --arms plain_eager,converted_eager # Triton kernels alone
+    python -m benchmarks.bench_own_model --no-fused-mlp --models vit_b16 --arms converted_step  # the models' MLPs
     python -m benchmarks.bench_own_model --tiny --gpus 0,1 --steps 8 --warmup 4      # smoke run, tiny configs
     python -m benchmarks.bench_own_model --dry-run                                   # the plan, no GPU
 
@@ -40,7 +41,9 @@ child pinned to its share of the host's cores (``OMP_NUM_THREADS`` capped to it)
 spread over the N processes. Where the csrc extension is built (``DRES_BUILD_CUDA=1``), the fused residual ops'
 eager calls run its kernels and C++ autograd (``backend=None``'s choice); ``--no-csrc`` runs every arm without
 it (``dres._C`` not loaded in the arm's process: the Triton kernels and Python autograd alone), and each arm
-record says which (``csrc_extension``).
+record says which (``csrc_extension``). ``--no-fused-mlp`` converts with ``fused_mlp=False`` (the models'
+own MLPs, Inductor's under torch.compile: its MLP at ViT-B's widths is faster than the fused one, which keeps half
+the activations; ``fused_mlp`` in each record).
 
 The record folder (default ``records/benchmarks/<machine>-<today>-own-models``): ``arms/<model>-<arm>-<repeat>.json``
 (one a process, a failed arm with its one-line error), ``logs/`` (each process's output), ``summary.json``,
@@ -102,7 +105,8 @@ class Size:
 class ModelSpec:
     title: str
     unit: str  # what one sample is, as a rate
-    build: Callable[[Size, bool], torch.nn.Module]  # (size, converted) -> the model, weights from the seed set before
+    build: Callable[[Size, bool, bool], torch.nn.Module]  # (size, converted, fused_mlp) -> the model, weights from the
+    # seed set before; fused_mlp: the converter's (a ResNet has no MLP to fuse)
     inputs: Callable[[Size, torch.Generator], tuple]  # one synthetic batch on the CPU
     loss: Callable[..., torch.Tensor]  # (model, *batch) -> 0-dim loss
     full: Size
@@ -110,7 +114,7 @@ class ModelSpec:
     channels_last: bool = False
 
 
-def timm_vit(variant: str, drop_path: float, size: Size, converted: bool) -> torch.nn.Module:
+def timm_vit(variant: str, drop_path: float, size: Size, converted: bool, fused_mlp: bool) -> torch.nn.Module:
     """timm's ``variant``; its drop path is timm's own when plain, the converter's controller when converted."""
     import timm
 
@@ -118,10 +122,10 @@ def timm_vit(variant: str, drop_path: float, size: Size, converted: bool) -> tor
 
     model = timm.create_model(variant, img_size=size.image, num_classes=size.classes,
                               drop_path_rate=0.0 if converted else drop_path, **size.kwargs)
-    return dres.convert_timm_vit(model, drop_path=drop_path) if converted else model
+    return dres.convert_timm_vit(model, drop_path=drop_path, fused_mlp=fused_mlp) if converted else model
 
 
-def timm_resnet(size: Size, converted: bool) -> torch.nn.Module:
+def timm_resnet(size: Size, converted: bool, fused_mlp: bool) -> torch.nn.Module:
     import timm
 
     import dres
@@ -131,7 +135,7 @@ def timm_resnet(size: Size, converted: bool) -> torch.nn.Module:
 
 
 def hf_model(model_class: str, config_class: str, converter: str, config_args: Callable[[Size], dict], size: Size,
-             converted: bool) -> torch.nn.Module:
+             converted: bool, fused_mlp: bool) -> torch.nn.Module:
     """transformers' ``model_class(config_class(...))``, converted by ``dres.<converter>``."""
     import transformers
 
@@ -139,7 +143,7 @@ def hf_model(model_class: str, config_class: str, converter: str, config_args: C
 
     config = getattr(transformers, config_class)(**config_args(size), **size.kwargs)
     model = getattr(transformers, model_class)(config)
-    return getattr(dres, converter)(model) if converted else model
+    return getattr(dres, converter)(model, fused_mlp=fused_mlp) if converted else model
 
 
 def images(size: Size, gen: torch.Generator) -> torch.Tensor:
@@ -357,7 +361,7 @@ def one_line(e: BaseException) -> str:
 
 
 def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: bool, steps: int,
-                warmup: int, profile_steps: int = 0, host_steps: int = 0) -> dict:
+                warmup: int, profile_steps: int = 0, host_steps: int = 0, fused_mlp: bool = True) -> dict:
     """Train ``model_name`` in arm ``arm_name`` for ``steps`` steps (the first ``warmup`` untimed), then
     ``profile_steps`` more under ``torch.profiler`` (on a GPU) and twice ``host_steps`` more for the host's own time
     (:func:`benchmarks.profile_train.host_time`): the figures of the record (:func:`run_arm`)."""
@@ -365,7 +369,7 @@ def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: b
     size = spec.tiny if tiny else spec.full
     t0 = time.time()
     torch.manual_seed(MODEL_SEED)
-    model = spec.build(size, arm.converted).to(device).train()
+    model = spec.build(size, arm.converted, fused_mlp).to(device).train()
     if spec.channels_last:
         model = model.to(memory_format=torch.channels_last)
     batches = make_batches(spec, size, device)
@@ -419,7 +423,7 @@ def arm_identity(model_name: str, arm_name: str, repeat: int, tiny: bool) -> dic
 
 
 def run_arm(model_name: str, arm_name: str, repeat: int, *, device: torch.device, tiny: bool, steps: int,
-            warmup: int, profile_steps: int = 0, host_steps: int = 0) -> dict:
+            warmup: int, profile_steps: int = 0, host_steps: int = 0, fused_mlp: bool = True) -> dict:
     """The record of one arm: what ran, where, with which versions, and its figures or its one-line error."""
     spec = MODELS[model_name]
     rec = {
@@ -428,11 +432,12 @@ def run_arm(model_name: str, arm_name: str, repeat: int, *, device: torch.device
         "lr": LR, "peak_mem": "max_memory_allocated (reserved) over the timed steps, reset after the warm-up",
         "device": device.type, "card": measure.card_name() if device.type == "cuda" else "cpu",
         "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "cores": len(os.sched_getaffinity(0)), **library_versions(),
+        "fused_mlp": fused_mlp,
     }
     t0 = time.time()
     try:
         rec.update(measure_arm(model_name, arm_name, device=device, tiny=tiny, steps=steps, warmup=warmup,
-                               profile_steps=profile_steps, host_steps=host_steps), error=None)
+                               profile_steps=profile_steps, host_steps=host_steps, fused_mlp=fused_mlp), error=None)
     except Exception as e:  # an import error, out of memory, a failed compile: recorded, the other arms go on
         rec["error"] = one_line(e)
     rec["wall_s"] = time.time() - t0
@@ -680,7 +685,8 @@ def worker_command(job: Job, args, cores: Optional[list[int]] = None) -> list[st
            "--worker", str(job.repeat), "--device", args.device, "--steps", str(args.steps), "--warmup",
            str(args.warmup), "--profile-steps", str(args.profile_steps), "--host-steps", str(args.host_steps),
            "--out", str(args.out)]
-    flags = [flag for flag, on in (("--tiny", args.tiny), ("--no-csrc", args.no_csrc)) if on]
+    flags = [flag for flag, on in (("--tiny", args.tiny), ("--no-csrc", args.no_csrc),
+                                   ("--no-fused-mlp", args.no_fused_mlp)) if on]
     return cmd + flags + (["--cores", ",".join(map(str, cores))] if cores else [])
 
 
@@ -713,9 +719,12 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
     csrc = sorted({r["csrc_extension"] for r in records if "csrc_extension" in r})
     kernels = {(True,): "the csrc extension's kernels and C++ autograd", (False,): "the Triton kernels alone"}.get(
         tuple(csrc), "the csrc extension in some arms only")
+    fused = sorted({r["fused_mlp"] for r in records if "fused_mlp" in r})
+    mlps = {(False,): "; the converted models keep their own MLPs (--no-fused-mlp)",
+            (False, True): "; dres's fused MLP in some converted arms only"}.get(tuple(fused), "")
     header = [f"Converted timm / Hugging Face models against their plain originals "
               f"({', '.join(cards) or 'no arm finished'}; torch {env['torch']}, triton {env['triton']}, "
-              f"timm {env['timm']}, transformers {env['transformers']}; the residual ops' eager calls on {kernels}).",
+              f"timm {env['timm']}, transformers {env['transformers']}; the residual ops' eager calls on {kernels}{mlps}).",
               f"Each arm {args.steps} steps ({args.warmup} warm-up, untimed), bf16 autocast, fused AdamW; rates are "
               f"batch / median step time, the median over each arm's processes; "
               + (f"{slots} arms at a time, one per GPU, each on its share of the cores" if slots > 1
@@ -726,7 +735,8 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
               "and dropout masks differ between arms)."]
     summary = {"date": measure.today(), "machine": measure.machine_name(), "cards": cards, **env,
                "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "tiny": args.tiny,
-               "arms_at_a_time": slots, "csrc_extension": csrc, "rows": rows,
+               "arms_at_a_time": slots, "csrc_extension": csrc,
+               "fused_mlp": sorted({r["fused_mlp"] for r in records if "fused_mlp" in r}), "rows": rows,
                "failed": [{k: r[k] for k in ("model", "arm", "repeat", "error")} for r in failed], "not_run": not_run}
     measure.write_json_atomic(out / "summary.json", summary)
     table = markdown(rows, header=header, failed=failed, not_run=not_run)
@@ -860,6 +870,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="a tiny config of each model's family")
     p.add_argument("--no-csrc", action="store_true",
                    help="run every arm without the csrc extension (the Triton kernels and Python autograd alone)")
+    p.add_argument("--no-fused-mlp", action="store_true",
+                   help="convert with fused_mlp=False: the models' own MLPs (Inductor's under torch.compile)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # a repeat of the one --models / --arms arm
     p.add_argument("--cores", type=core_list, help=argparse.SUPPRESS)  # the cores an arm's process keeps to
@@ -910,7 +922,8 @@ def run_worker(args) -> int:
         os.sched_setaffinity(0, args.cores)  # before the first parallel region starts torch's thread pool
     measure.configure_caches()
     rec = run_arm(job.model, job.arm, job.repeat, device=torch.device(args.device), tiny=args.tiny, steps=args.steps,
-                  warmup=args.warmup, profile_steps=args.profile_steps, host_steps=args.host_steps)
+                  warmup=args.warmup, profile_steps=args.profile_steps, host_steps=args.host_steps,
+                  fused_mlp=not args.no_fused_mlp)
     measure.write_json_atomic(arm_path(Path(args.out), job), rec)
     print(json.dumps({k: v for k, v in rec.items() if k != "losses"}), flush=True)
     return 1 if rec["error"] else 0

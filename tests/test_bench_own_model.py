@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -96,7 +97,7 @@ def test_every_arm_starts_from_the_same_weights_and_batches():
         weights = []
         for converted in (False, True):
             torch.manual_seed(bench.MODEL_SEED)
-            model = spec.build(spec.tiny, converted)
+            model = spec.build(spec.tiny, converted, True)
             weights.append({k: v for k, v in model.state_dict().items() if not k.startswith("droppath.")})
         assert weights[0].keys() == weights[1].keys()
         for key, value in weights[0].items():
@@ -107,6 +108,35 @@ def test_every_arm_starts_from_the_same_weights_and_batches():
     assert not torch.equal(first[0][0], first[1][0])  # distinct images
     assert all(torch.equal(b[1], first[0][1]) for b in first)  # one noise
     assert all(torch.equal(a, b) for x, y in zip(first, again) for a, b in zip(x, y))
+
+
+@pytest.mark.parametrize("name", ["vit_b16", "hf_bert", "hf_clip_vision", "resnet50d_32"])
+def test_no_fused_mlp_converts_with_the_models_own_mlps(name):
+    """--no-fused-mlp: the converted model's forward calls dres.ops.fused_mlp nowhere (a ResNet has no MLP);
+    the default conversion calls it in every block; the arm's command passes the flag on."""
+    import dres.ops
+
+    spec = bench.MODELS[name]
+    batch = bench.make_batches(spec, spec.tiny, torch.device("cpu"))[0]
+    calls = []
+    for fused_mlp in (True, False):
+        torch.manual_seed(bench.MODEL_SEED)
+        model = spec.build(spec.tiny, True, fused_mlp)
+        with mock.patch.object(dres.ops, "fused_mlp", wraps=dres.ops.fused_mlp) as counted:
+            spec.loss(model, *batch)
+        calls.append(counted.call_count)
+    assert calls == ([0, 0] if name.startswith("resnet") else [2, 0])  # the tiny configs' two blocks
+    args = bench.build_parser().parse_args(["--no-fused-mlp", "--models", name, "--arms", "converted_eager"])
+    assert "--no-fused-mlp" in bench.worker_command(bench.Job(name, "converted_eager", 0), args)
+
+
+def test_a_no_fused_mlp_run_says_so_in_its_records_and_table(tmp_path):
+    out = tmp_path / "own"
+    assert bench.main([*TINY_RUN, "--no-fused-mlp", "--models", "hf_bert", "--arms", "converted_eager",
+                       "--out", str(out)]) == 0
+    assert [r["fused_mlp"] for r in bench.load_arm_records(out)] == [False]
+    assert json.loads((out / "summary.json").read_text())["fused_mlp"] == [False]
+    assert "the converted models keep their own MLPs (--no-fused-mlp)" in (out / "own-models.md").read_text()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,6 +271,7 @@ def test_tiny_cpu_run_writes_the_records_and_skip_existing_resumes(tmp_path, cap
     summary = json.loads((out / "summary.json").read_text())
     assert summary["failed"] == [] and summary["not_run"] == [] and summary["arms_at_a_time"] == 1
     assert summary["torch"] == records["vit_b16-plain_eager"]["torch"] and summary["cards"] == ["cpu"]
+    assert summary["fused_mlp"] == [True]
     for row in summary["rows"]:
         plain, converted = records[f"{row['model']}-plain_eager"], records[f"{row['model']}-converted_eager"]
         assert row["eager_ratio"] == pytest.approx(converted["samples_per_s"] / plain["samples_per_s"])
@@ -266,7 +297,7 @@ def test_tiny_cpu_run_writes_the_records_and_skip_existing_resumes(tmp_path, cap
 
 
 def test_an_arm_that_raises_is_recorded_with_its_one_line_error(monkeypatch):
-    def no_model(size, converted):
+    def no_model(size, converted, fused_mlp):
         raise ImportError("No module named 'timm'\nsecond line")
 
     monkeypatch.setitem(bench.MODELS, "vit_b16", dataclasses.replace(bench.MODELS["vit_b16"], build=no_model))
