@@ -192,11 +192,12 @@ def host_waits(fn) -> dict:
 
 
 def finishing_times(data_lines: list) -> str:
-    """The last epoch line's time to finish a batch and its GPU decode call's share, as a table cell's clause
-    ('' where no epoch ended with the GPU decoding)."""
-    found = [m for m in (re.search(r"a batch finished in ([\d.]+) ms, ([\d.]+) of them in the GPU decode call",
-                                   line) for line in data_lines) if m]
-    return f"; a batch finished in {found[-1][1]} ms, {found[-1][2]} of them in the decode call" if found else ""
+    """The last epoch line's time to finish a batch, its GPU decode call's share and the finishing thread's CPU
+    time, as a table cell's clause ('' where no epoch ended with the GPU decoding)."""
+    found = [m for m in (re.search(r"a batch finished in ([\d.]+) ms, ([\d.]+) of them in the GPU decode call, "
+                                   r"([\d.]+) on the finishing thread's CPU", line) for line in data_lines) if m]
+    return (f"; a batch finished in {found[-1][1]} ms, {found[-1][2]} of them in the decode call, {found[-1][3]} on "
+            "the thread's CPU" if found else "")
 
 
 def sync_sites(caught: list) -> dict:

@@ -724,7 +724,8 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
             (False, True): "; dres's fused MLP in some converted arms only"}.get(tuple(fused), "")
     header = [f"Converted timm / Hugging Face models against their plain originals "
               f"({', '.join(cards) or 'no arm finished'}; torch {env['torch']}, triton {env['triton']}, "
-              f"timm {env['timm']}, transformers {env['transformers']}; the residual ops' eager calls on {kernels}{mlps}).",
+              f"timm {env['timm']}, transformers {env['transformers']}; the residual ops' eager calls on "
+              f"{kernels}{mlps}).",
               f"Each arm {args.steps} steps ({args.warmup} warm-up, untimed), bf16 autocast, fused AdamW; rates are "
               f"batch / median step time, the median over each arm's processes; "
               + (f"{slots} arms at a time, one per GPU, each on its share of the cores" if slots > 1

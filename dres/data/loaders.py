@@ -168,8 +168,8 @@ class _StreamingLoader(_Position):
         self.max_corrupt_frac, self.where, self.log = max_corrupt_frac, where, log
         self.counter = CorruptCounter(log, unit=unit)
         # images each path decoded (dres.data.decode.DECODE_PATHS) and the batches' finishing times (batches,
-        # finish_s, decode_s) in the batches handed over, over the process's life, and the same at the last epoch's
-        # end (its line says the difference)
+        # finish_s, decode_s, finish_cpu_s) in the batches handed over, over the process's life, and the same at
+        # the last epoch's end (its line says the difference)
         self.decoded, self._decoded_before = Counter(), Counter()
         self.finishing, self._finishing_before = Counter(), Counter()
         self._read, self._expected, self.ahead = 0, 0, ahead
@@ -233,10 +233,11 @@ class _StreamingLoader(_Position):
         :meth:`_count` counts when the batch is handed over."""
         lost, paths = list(prepared["lost"]), Counter()
         check_labels(prepared["labels"], self.num_classes, self.where)  # on the host: no wait for the GPU
-        decode_before, start = self.finisher.decode_s, time.perf_counter()
+        decode_before, start, cpu_start = self.finisher.decode_s, time.perf_counter(), time.thread_time()
         out = self.finisher(prepared, lost, paths) if len(prepared["labels"]) else None
         finishing = Counter(batches=1, finish_s=time.perf_counter() - start,
-                            decode_s=self.finisher.decode_s - decode_before)
+                            decode_s=self.finisher.decode_s - decode_before,
+                            finish_cpu_s=time.thread_time() - cpu_start)
         return out, (tuple(prepared.get("events", ())), tuple(lost), 0 if out is None else len(out["label"]), paths,
                      finishing)
 
