@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dres.models import MAE, UVIT_CONFIGS, UViT, ViTClassifier, create_mae, create_uvit
+from dres.models import MAE, UVIT_CONFIGS, UViT, create_mae, create_uvit
 from dres.nn import PatchEmbed, decay_schedule, set_backend
 from helpers import fp32_on_cuda
 from test_nn import assert_grads_close, param_grads, perturb_, plain_attention, plain_ln, plain_mlp, plain_stack
