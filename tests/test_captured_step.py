@@ -8,7 +8,6 @@ foreach AdamW, compiled too), the replayed lr following a scheduler and a hand-s
 advancing per replay, a short batch run eagerly, uncapturable optimizers and failed captures falling back
 without losing a step, and what a captured step refuses."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F
