@@ -113,7 +113,7 @@ def test_decay_schedule_per_block_and_identity():
 
 def test_stack_matches_plain_float64_reference_backend():
     torch.manual_seed(0)
-    for alphas in (None, decay_schedule(6, 0.6)):  # the alpha_min = 1 case, and a decayed one
+    for alphas in (None, decay_schedule(6, 0.6)):  # alpha_min = 1 (no decay), and a decayed one
         stack = perturb_(TransformerStack(32, 3, 4, alphas=alphas, backend="torch")).double()
         x = torch.randn(3, 7, 32, dtype=torch.float64, requires_grad=True)
         y, outs = stack.forward_intermediates(x, (0, 2))

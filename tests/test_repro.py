@@ -92,7 +92,7 @@ def test_drop_rate_is_timms_dropout_before_the_resnet_classifier():
 
 # ---------------------------------------------------------------------------------------------- runner
 
-def test_matrix_holds_the_issue_arms():
+def test_matrix_holds_the_planned_arms():
     names = {a.name for a in arms.MATRIX}
     for v in ("baseline", "official"):
         for a in (1.0, 0.6):
@@ -180,7 +180,7 @@ def test_claim_c_report_pairs_each_mode_with_the_others_and_skips_cut_runs(tmp_p
     assert "C300-resnet50d-none-s1" not in text.split("Not run yet:")[1] and "incomplete" not in text
 
 
-def test_decisive_arms_are_the_issues_recipes():
+def test_decisive_arms_carry_their_recipes():
     decisive = {a.name: a for a in arms.MATRIX if a.stage == "decisive"}
     ov = {n: dict(o.split("=", 1) for o in a.overrides) for n, a in decisive.items()}
     # A: 400 epochs, batch 1024 in every arm, official 0.6 vs 1.0 both zero-init, 2 seeds; vanilla and decayed baselines
@@ -828,7 +828,7 @@ def test_record_keeps_a_balanced_part_of_the_features_and_rescore_scores_it(tmp_
     assert "records/IN_HISTORY.md" in capsys.readouterr().err  # where a record's kept features went
 
 
-def test_issue_arms_of_b_and_c_resolve_to_their_recipes():
+def test_later_arms_of_b_and_c_resolve_to_their_recipes():
     """B's later seeds probe every block at t 0.01-0.1 and measure FD over three draws with the real floor and
     along training; C's arms without head dropout and with the literal Algorithm 1, three seeds each."""
     for seed in (1, 2):
