@@ -40,12 +40,24 @@ MLP_SHAPES = ((12800, 768, 3072), (50432, 512, 2048), (25216, 768, 3072), (32896
 # (batch, image size, patch size): MAE ViT-B/16 at 224 px, and CIFAR-10 with patch 4.
 LOSS_SHAPES = ((256, 224, 16), (512, 32, 4))
 BRANCH_KEY = ("card", "op", "shape", "dtype", "pass", "impl")
+PROFILE_TOP = 12  # kernels kept of each profiled implementation
 
 
-def plan(ops: list[str]) -> list[tuple[str, tuple]]:
+def parse_mlp_shapes(text: str) -> tuple:
+    shapes = []
+    for item in filter(None, text.split(",")):
+        try:
+            tokens, dim, hidden = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            raise SystemExit(f"--shapes: {item!r} is not TOKENSxDIMxHIDDEN (e.g. 25216x768x3072)") from None
+        shapes.append((tokens, dim, hidden))
+    return tuple(shapes)
+
+
+def plan(ops: list[str], mlp_shapes: tuple = MLP_SHAPES) -> list[tuple[str, tuple]]:
     cases = []
     if "fused_mlp" in ops:
-        cases += [("fused_mlp", s) for s in MLP_SHAPES]
+        cases += [("fused_mlp", s) for s in mlp_shapes]
     if "mae_loss" in ops:
         cases += [("mae_loss", s) for s in LOSS_SHAPES]
     return cases
@@ -169,6 +181,8 @@ def run(op: str, shape: tuple, impls: list[str], ceiling: float, card: str, env:
                            us_at_ceiling=measure.us_at_ceiling(nbytes, ceiling))
             if op == "fused_mlp":
                 rec["saved_mib"] = held_by_forward_bytes(fn, inputs, ac_dtype, device) / 2**20
+            if args.profile_steps:
+                rec["kernels"] = kernel_times(step, args.profile_steps)
         except Exception as e:  # one failing implementation must not end the sweep
             print(f"  FAILED {impl}: {type(e).__name__}: {e}", flush=True)
             continue
@@ -177,6 +191,25 @@ def run(op: str, shape: tuple, impls: list[str], ceiling: float, card: str, env:
         print(f"  {impl:8s} {us:9.1f} us  loop {rec['us_loop']:9.1f} us  {extra}  err {err:.1e}"
               f"{'' if rec['check_ok'] else '  MISMATCH'}  [{time.time() - t0:.1f}s]", flush=True)
     return records
+
+
+def kernel_times(step, steps: int) -> list[dict]:
+    """GPU time a call by kernel (``steps`` calls under torch.profiler, after the timing's warm-up): where an
+    implementation's time goes, the kernels of the fused op beside the matmuls."""
+    from benchmarks.profile_train import profile_steps
+
+    return profile_steps(step, steps, None, top=PROFILE_TOP)["top_kernels"]
+
+
+def kernel_markdown(records: list[dict]) -> list[str]:
+    lines = []
+    for r in records:
+        if r.get("kernels"):
+            lines += [f"### {r['op']} {r['shape']} {r['impl']}: GPU time a call by kernel", "",
+                      "| us | calls | kernel |", "|---|---|---|"]
+            lines += [f"| {k['us']:.1f} | {k['calls']:g} | `{k['name'][:90]}` |" for k in r["kernels"]]
+            lines.append("")
+    return lines
 
 
 def markdown(records: list[dict]) -> str:
@@ -195,6 +228,7 @@ def markdown(records: list[dict]) -> str:
             lines.append(f"| {r['op']} | {r['shape']} | {r['impl']} | {r['us']:.1f} | {r['us_loop']:.1f} | "
                          f"{third} | {r['check_rel_err']:.1e}{'' if r['check_ok'] else ' MISMATCH'} |")
         lines.append("")
+        lines += kernel_markdown(sorted(recs, key=lambda r: (r["op"], r["shape"], IMPLS.index(r["impl"]))))
     return "\n".join(lines)
 
 
@@ -207,6 +241,10 @@ def main(argv=None) -> int:
                    help="record folder (default: records/benchmarks/<machine>-<today>-branch-ops)")
     p.add_argument("--warmup", type=float, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=float, default=100, help="do_bench repetition time, ms")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="profile this many more calls of each implementation: GPU time by kernel in the record")
+    p.add_argument("--shapes", default=None,
+                   help="comma list of fused_mlp shapes TOKENSxDIMxHIDDEN (default: the four below)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     args = p.parse_args(argv)
     ops = [o for o in args.ops.split(",") if o]
@@ -215,7 +253,9 @@ def main(argv=None) -> int:
         bad = [v for v in given if v not in known]
         if bad:
             raise SystemExit(f"{name}: unknown {bad}; choose from {', '.join(known)}")
-    cases = plan(ops)
+    if args.profile_steps < 0:
+        raise SystemExit(f"--profile-steps: {args.profile_steps} is negative")
+    cases = plan(ops, parse_mlp_shapes(args.shapes) if args.shapes else MLP_SHAPES)
     if args.dry_run:
         for op, shape in cases:
             print(f"{op} {'x'.join(map(str, shape))}: {', '.join(impls_for(op, impls))}")

@@ -510,6 +510,18 @@ def test_branch_ops_plan_markdown_and_bad_arguments(capsys):
     assert rows[0].startswith("| fused_mlp | 12800x768x3072 | dres | 972.6 | 910.9 | 85 MiB")  # dres first
     assert rows[1].startswith("| fused_mlp | 12800x768x3072 | eager | 764.0")
     assert rows[2].startswith("| mae_loss | 256x224x16 | compile | 322.4 | 348.3 | 22% |") and "MISMATCH" in rows[2]
+    # --shapes picks the MLP's shapes; a profiled implementation gets its kernels' table
+    assert bench_branch_ops.main(["--dry-run", "--ops", "fused_mlp", "--impls", "dres", "--shapes", "64x8x32,3x4x5",
+                                  "--profile-steps", "3"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["fused_mlp 64x8x32: dres", "fused_mlp 3x4x5: dres"]
+    with pytest.raises(SystemExit, match="--shapes: '64x8' is not TOKENSxDIMxHIDDEN"):
+        bench_branch_ops.main(["--dry-run", "--shapes", "64x8"])
+    with pytest.raises(SystemExit, match="--profile-steps: -1 is negative"):
+        bench_branch_ops.main(["--dry-run", "--profile-steps", "-1"])
+    records[1]["kernels"] = [{"us": 206.4, "calls": 1, "name": "_bias_gelu_bwd_kernel"}]
+    md = bench_branch_ops.markdown(records)
+    assert "### fused_mlp 12800x768x3072 dres: GPU time a call by kernel" in md
+    assert "| 206.4 | 1 | `_bias_gelu_bwd_kernel` |" in md and "12800x768x3072 eager: GPU" not in md
 
 
 def test_fsdp_units_are_blocks_for_baselines_and_dres():
@@ -996,3 +1008,21 @@ def test_host_cost_times_each_fused_op_against_the_ops_it_replaces_and_restores_
     with pytest.raises(SystemExit) as e:
         bench_host_cost.main(["--calls", "0"])
     assert e.value.code == 2 and "--calls and --rounds must be at least 1" in capsys.readouterr().err
+
+
+def test_tune_bias_gelu_plan_and_bad_arguments(capsys):
+    from benchmarks import tune_bias_gelu
+
+    assert tune_bias_gelu.main(["--dry-run", "--shapes", "25216x3072,32896x1536", "--gelu", "none,quick"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["25216x3072", "32896x1536"]
+    from dres.kernels.bias_gelu import backward_config, forward_config
+
+    for n in (3072, 1536, 40):  # the current configs are among the candidates; the others hold 8..64 values a thread
+        fwd, bwd = tune_bias_gelu.forward_candidates(n), tune_bias_gelu.backward_candidates(n)
+        assert forward_config(n) in fwd and backward_config(n) in bwd
+        assert all(8 <= bm * bn / (nw * 32) <= 64 for bm, bn, nw in fwd if (bm, bn, nw) != forward_config(n))
+    assert tune_bias_gelu.main(["--dry-run", "--shapes", "12x"]) == 2
+    assert tune_bias_gelu.main(["--dry-run", "--gelu", "erf"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "--shapes: '12x' is not ROWSxHIDDEN (e.g. 25216x3072)", "--gelu: 'erf' is not a comma list of none, tanh, quick"]

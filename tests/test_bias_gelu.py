@@ -11,6 +11,8 @@ CUDA graphs.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -170,6 +172,31 @@ def test_backward_op_recomputes_the_forward_activation(triton_device):
     assert dbias.shape == (300,) and dpre.shape == pre.shape
     dpre, no_act, no_dbias = bg.bias_gelu_backward_triton(torch.randn_like(pre), pre, bias, None, False, "none")
     assert no_act.numel() == 0 and no_dbias.numel() == 0
+
+
+def test_launch_config_hooks_of_the_tuning_sweep(triton_device):
+    """The launchers read ``forward_config`` and ``backward_config`` at every launch: benchmarks.tune_bias_gelu's
+    ``configs_replaced`` runs them with other tiles, programs per SM and warps, the results unchanged."""
+    from benchmarks.tune_bias_gelu import configs_replaced
+    from dres.kernels import bias_gelu as kernels
+
+    torch.manual_seed(12)
+    pre, bias = make_pre(70, 300, BF16, triton_device)
+    g = torch.randn_like(pre)
+
+    def outputs():
+        act = bg.bias_gelu_triton(pre, bias, None, "none")
+        return (act, *bg.bias_gelu_backward_triton(g, pre, bias, BF16, True, "none"))
+
+    default = outputs()
+    assert kernels.forward_config(300) != (8, 64, 4) and kernels.backward_config(300) != (32, 64, 4, 2)
+    with configs_replaced((8, 64, 4), (32, 64, 4, 2)), mock.patch.object(kernels, "cdiv", wraps=kernels.cdiv) as cdiv:
+        tuned = outputs()
+    assert cdiv.call_args_list[0].args == (70, 8)  # the forward: 70 rows in tiles of 8
+    assert (300, 64) in [c.args for c in cdiv.call_args_list]  # the backward: column blocks of 64
+    for got, want in zip(tuned[:3], default[:3]):  # act, dpre, act again: elementwise, the same bits
+        assert torch.equal(got, want)
+    torch.testing.assert_close(tuned[3], default[3])  # dbias: its partial sums in other strips
 
 
 def test_every_output_element_is_written(triton_device, poisoned_allocations):
