@@ -39,6 +39,7 @@ if __package__ in (None, ""):
 
 import torch
 
+import dres
 from benchmarks import measure
 from benchmarks.train_distributed import dists_at, first_wrapped_step, parse_dists
 from benchmarks.train_models import DEFAULT_BATCH, MODELS, add_model_options, model_options, models_for
@@ -109,6 +110,8 @@ def profile_steps(step, steps: int, trace_path: Path | None, top: int = TOP) -> 
 
 
 REPO = Path(__file__).resolve().parent.parent
+# where the imported package lives: this tree, site-packages, or a folder a `pip install --target` put it in
+DRES_PACKAGE = Path(dres.__file__).resolve().parent
 REPO_PLACES = {"dres": "dres", "kernels": "dres", "benchmarks": "the benchmark's loop"}
 TORCH_PLACES = {"autograd": "torch autograd", "nn": "torch nn"}
 
@@ -119,6 +122,8 @@ def host_place(filename: str) -> str:
     if filename == "~":
         return "C functions (torch ops, launches)"
     path = Path(filename)
+    if DRES_PACKAGE in path.parents:
+        return "dres"
     if REPO in path.parents:
         return REPO_PLACES.get(path.relative_to(REPO).parts[0], "other Python")
     parts = path.parts

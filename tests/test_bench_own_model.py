@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from benchmarks import bench_own_model as bench
+from dres.ops import csrc_backend
 
 pytest.importorskip("timm")
 pytest.importorskip("transformers")
@@ -236,7 +237,7 @@ def test_host_steps_time_the_hosts_part_of_a_step_by_where_its_python_lives(tmp_
 
 
 def test_host_place_reads_the_package_after_site_packages():
-    from benchmarks.profile_train import REPO, host_place
+    from benchmarks.profile_train import DRES_PACKAGE, REPO, host_place
 
     venv = "/opt/torch/.venv/lib/python3.12/site-packages"  # a venv inside a folder named torch
     assert host_place(f"{venv}/torch/autograd/function.py") == "torch autograd"
@@ -246,6 +247,7 @@ def test_host_place_reads_the_package_after_site_packages():
     assert host_place(f"{venv}/dres/ops/residual_norm.py") == "dres"
     assert host_place(f"{venv}/numpy/core/numeric.py") == "other Python"
     assert host_place(str(REPO / "kernels" / "utils.py")) == "dres"
+    assert host_place(str(DRES_PACKAGE / "kernels" / "utils.py")) == "dres"  # installed elsewhere (pip --target)
     assert host_place(str(REPO / "benchmarks" / "bench_own_model.py")) == "the benchmark's loop"
     assert host_place("/usr/lib/python3.12/functools.py") == "other Python"
     assert host_place("~") == "C functions (torch ops, launches)"
@@ -267,7 +269,7 @@ def test_tiny_cpu_run_writes_the_records_and_skip_existing_resumes(tmp_path, cap
         for key in ("title", "unit", "converted", "mode", "batch", "card", "torch", "triton", "timm", "transformers",
                     "date", "peak_mem_gib", "peak_reserved_gib", "step_ms_min", "step_ms_max", "warmup_s", "wall_s"):
             assert key in rec
-        assert rec["csrc_extension"] is False  # no CUDA build of the extension on this machine
+        assert rec["csrc_extension"] is csrc_backend.available()  # the extension's CPU build where it is built
     summary = json.loads((out / "summary.json").read_text())
     assert summary["failed"] == [] and summary["not_run"] == [] and summary["arms_at_a_time"] == 1
     assert summary["torch"] == records["vit_b16-plain_eager"]["torch"] and summary["cards"] == ["cpu"]
