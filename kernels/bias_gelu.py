@@ -161,11 +161,12 @@ def forward_config(n: int) -> tuple[int, int, int]:
 def backward_config(n: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, programs per SM) of the backward for rows of ``n`` columns.
 
-    Column blocks of 128 by 32 rows, 8 warps, 4 programs per SM: within 6% of the best of the same
-    sweep everywhere; the forward's wider tiles measure 15-25% slower here.
+    Column blocks of 128 by 16 rows, 8 warps, 4 programs per SM: the best of ``benchmarks.tune_bias_gelu``'s 45
+    configs or within 1% of it at the MLP shapes swept (erf GELU at 25,216 x 3,072 and 50,432 x 2,048, QuickGELU at
+    25,216 x 3,072; 19% faster than 32 rows for QuickGELU; record ``h200x2-2026-11-29-mlp-kernels-and-gpu-suites``).
     """
     block_n = min(128, triton.next_power_of_2(max(n, 16)))
-    return 4096 // block_n, block_n, 8, 4
+    return 2048 // block_n, block_n, 8, 4
 
 
 _FORWARD = CachedLaunch(_bias_gelu_fwd_kernel)
