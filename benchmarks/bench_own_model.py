@@ -17,7 +17,7 @@ DINOv2 ViT-S/14 at 224 px, HF ``Dinov2ForImageClassification`` (small: 384 wide,
 HF ``ViTMAEForPreTraining`` (base; one fixed ``noise``, so every step masks
 alike in every arm), HF ``ViTForImageClassification`` (base, 1000 labels), HF ``BertForMaskedLM`` (base,
 sequence 128, 15% of the tokens labelled), HF ``GPT2LMHeadModel`` (small, sequence 1024), HF
-``CLIPVisionModel`` (base, patch 16, 224 px; the loss: its pooled output's mean square), timm ``resnet50d`` at
+``CLIPVisionModel`` (base, patch 32 as ``CLIPVisionConfig()`` has it, 224 px; the loss: its pooled output's mean square), timm ``resnet50d`` at
 224 and at 32 px (channels_last).
 ``--tiny`` puts a small config of the same constructor in place of each (the CPU test, a GPU smoke run).
 
@@ -244,7 +244,7 @@ MODELS = {
                           lambda size: {"vocab_size": size.classes, "n_positions": max(1024, size.image)}),
         lm_batch, lm_loss, Size(16, 1024, 50257), Size(TINY_BATCH, 16, 100, dict(n_embd=32, n_layer=2, n_head=2))),
     "hf_clip_vision": ModelSpec(
-        "HF CLIPVisionModel, base patch 16, 224 px", "img/s",
+        "HF CLIPVisionModel, base patch 32 (CLIPVisionConfig()), 224 px", "img/s",
         functools.partial(hf_model, "CLIPVisionModel", "CLIPVisionConfig", "convert_hf_vit",
                           lambda size: {"image_size": size.image}),
         image_only_batch, pooled_feature_loss, Size(128, 224, 1),
