@@ -1026,3 +1026,21 @@ def test_tune_bias_gelu_plan_and_bad_arguments(capsys):
     assert tune_bias_gelu.main(["--dry-run", "--gelu", "erf"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "--shapes: '12x' is not ROWSxHIDDEN (e.g. 25216x3072)", "--gelu: 'erf' is not a comma list of none, tanh, quick"]
+
+
+@pytest.mark.gpu
+def test_gpu_tune_bias_gelu_and_branch_ops_profile_run_end_to_end(tmp_path, capsys):
+    """The sweep ranks its configs against the copy ceiling and PyTorch's GELU; a profiled branch-ops run keeps each
+    implementation's kernels, the fused MLP's bias + GELU kernels among them."""
+    from benchmarks import bench_branch_ops, tune_bias_gelu
+
+    assert tune_bias_gelu.main(["--shapes", "256x512", "--gelu", "quick"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("256x512")]
+    assert [ln.split(":")[0] for ln in lines] == ["256x512 gelu=quick forward", "256x512 gelu=quick backward"]
+    assert all("PyTorch's GELU" in ln and "best:" in ln for ln in lines)
+    assert bench_branch_ops.main(["--ops", "fused_mlp", "--impls", "dres,eager", "--shapes", "512x64x256",
+                                  "--profile-steps", "2", "--rep", "5", "--warmup", "2", "--out", str(tmp_path)]) == 0
+    records = json.loads(next(tmp_path.glob("*-branch.json")).read_text())
+    kernels = {r["impl"]: [k["name"] for k in r["kernels"]] for r in records}
+    assert any("_bias_gelu_bwd_kernel" in k for k in kernels["dres"])
+    assert not any("bias_gelu" in k for k in kernels["eager"])
