@@ -13,6 +13,7 @@ import math
 import os
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -334,6 +335,17 @@ def cpu_copy_gbps(nbytes: int = 64 << 20) -> float:
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
     return gbps(2 * nbytes, cpu_median_us(lambda: dst.copy_(src)))
+
+
+def sweep_ceiling_gbps(tool: str) -> float | None:
+    """The copy ceiling a launch-config sweep ranks its configs against, printed as its first line; None, after a
+    one-line message naming ``tool``, where there is no GPU."""
+    if not torch.cuda.is_available():
+        print(f"{tool} needs a CUDA GPU (--dry-run shows the plan)", file=sys.stderr)
+        return None
+    ceiling = copy_ceiling_gbps()
+    print(f"# copy ceiling {ceiling:.0f} GB/s", flush=True)
+    return ceiling
 
 
 def copy_ceiling_gbps(nbytes: int = 1 << 30, warmup_ms: float = 50, rep_ms: float = 300) -> float:

@@ -126,11 +126,9 @@ def main(argv=None) -> int:
         for rows, dim, dtype in shapes:
             print(f"{rows}x{dim} x={dtype}: {len(candidates(dim, stages))} configs")
         return 0
-    if not torch.cuda.is_available():
-        print("tune_backward needs a CUDA GPU (--dry-run shows the plan)", file=sys.stderr)
+    ceiling = measure.sweep_ceiling_gbps("tune_backward")
+    if ceiling is None:
         return 2
-    ceiling = measure.copy_ceiling_gbps()
-    print(f"# copy ceiling {ceiling:.0f} GB/s", flush=True)
     for rows, dim, dtype in shapes:
         print(sweep(rows, dim, dtype, stages, ceiling), flush=True)
     return 0

@@ -151,11 +151,9 @@ def main(argv=None) -> int:
             print(f"{rows}x{n}: {len(forward_candidates(n))} forward and {len(backward_candidates(n))} backward "
                   f"configs, GELU {', '.join(gelus)}")
         return 0
-    if not torch.cuda.is_available():
-        print("tune_bias_gelu needs a CUDA GPU (--dry-run shows the plan)", file=sys.stderr)
+    ceiling = measure.sweep_ceiling_gbps("tune_bias_gelu")
+    if ceiling is None:
         return 2
-    ceiling = measure.copy_ceiling_gbps()
-    print(f"# copy ceiling {ceiling:.0f} GB/s", flush=True)
     for (rows, n), gelu in itertools.product(shapes, gelus):
         for line in sweep(rows, n, gelu, ceiling):
             print(line, flush=True)

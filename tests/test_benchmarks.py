@@ -1026,6 +1026,9 @@ def test_tune_bias_gelu_plan_and_bad_arguments(capsys):
     assert tune_bias_gelu.main(["--dry-run", "--gelu", "erf"]) == 2
     assert capsys.readouterr().err.splitlines() == [
         "--shapes: '12x' is not ROWSxHIDDEN (e.g. 25216x3072)", "--gelu: 'erf' is not a comma list of none, tanh, quick"]
+    if not torch.cuda.is_available():  # the sweep itself: one line and exit 2 without a GPU
+        assert tune_bias_gelu.main(["--shapes", "8x8"]) == 2
+        assert capsys.readouterr().err == "tune_bias_gelu needs a CUDA GPU (--dry-run shows the plan)\n"
 
 
 @pytest.mark.gpu
