@@ -57,17 +57,21 @@ class CachedLaunch:
 
     def key(self, args: tuple, device_index: int, options: tuple) -> tuple:
         spec = [device_index, options]
+        append = spec.append
         for a, is_constexpr in zip(args, self.constexpr):
+            kind = type(a)  # exact types first: this runs for every argument of every eager launch
             if is_constexpr:
-                spec.append(a)
+                append(a)
+            elif kind is int:
+                append((a % 16 == 0, a == 1, "i32" if -2147483648 <= a <= 2147483647 else _int_width(a)))
             elif isinstance(a, torch.Tensor):
-                spec.append((a.dtype, a.data_ptr() % 16 == 0))
-            elif isinstance(a, bool):
-                spec.append(bool)
-            elif isinstance(a, int):
-                spec.append((a % 16 == 0, a == 1, _int_width(a)))
+                append((a.dtype, a.data_ptr() % 16 == 0))
+            elif kind is bool:
+                append(bool)
+            elif isinstance(a, int):  # an int subclass (bool is caught above)
+                append((a % 16 == 0, a == 1, _int_width(a)))
             else:
-                spec.append(type(a))
+                append(kind)
         return tuple(spec)
 
     def __call__(self, grid: tuple, args: tuple, num_warps: int, num_stages: int | None = None) -> None:
