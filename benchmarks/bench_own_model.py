@@ -737,7 +737,7 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
     summary = {"date": measure.today(), "machine": measure.machine_name(), "cards": cards, **env,
                "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "tiny": args.tiny,
                "arms_at_a_time": slots, "csrc_extension": csrc,
-               "fused_mlp": sorted({r["fused_mlp"] for r in records if "fused_mlp" in r}), "rows": rows,
+               "fused_mlp": fused, "rows": rows,
                "failed": [{k: r[k] for k in ("model", "arm", "repeat", "error")} for r in failed], "not_run": not_run}
     measure.write_json_atomic(out / "summary.json", summary)
     table = markdown(rows, header=header, failed=failed, not_run=not_run)
