@@ -63,7 +63,7 @@ class CachedLaunch:
             if is_constexpr:
                 append(a)
             elif kind is int:
-                append((a % 16 == 0, a == 1, "i32" if -2147483648 <= a <= 2147483647 else _int_width(a)))
+                append((a % 16 == 0, a == 1, "i32" if _I32_MIN <= a <= _I32_MAX else _int_width(a)))  # i32 inline: hot
             elif isinstance(a, torch.Tensor):
                 append((a.dtype, a.data_ptr() % 16 == 0))
             elif kind is bool:
@@ -102,9 +102,12 @@ class CachedLaunch:
         return (kernel or self.kernel)[grid](*args, **options)
 
 
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+
+
 def _int_width(value: int) -> str:
     """The integer type Triton gives a non-constexpr int argument."""
-    if -(2**31) <= value < 2**31:
+    if _I32_MIN <= value <= _I32_MAX:
         return "i32"
     return "i64" if value < 2**63 else "u64"
 
