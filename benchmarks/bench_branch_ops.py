@@ -43,17 +43,6 @@ BRANCH_KEY = ("card", "op", "shape", "dtype", "pass", "impl")
 PROFILE_TOP = 12  # kernels kept of each profiled implementation
 
 
-def parse_mlp_shapes(text: str) -> tuple:
-    shapes = []
-    for item in filter(None, text.split(",")):
-        try:
-            tokens, dim, hidden = (int(v) for v in item.lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"--shapes: {item!r} is not TOKENSxDIMxHIDDEN (e.g. 25216x768x3072)") from None
-        shapes.append((tokens, dim, hidden))
-    return tuple(shapes)
-
-
 def plan(ops: list[str], mlp_shapes: tuple = MLP_SHAPES) -> list[tuple[str, tuple]]:
     cases = []
     if "fused_mlp" in ops:
@@ -255,7 +244,12 @@ def main(argv=None) -> int:
             raise SystemExit(f"{name}: unknown {bad}; choose from {', '.join(known)}")
     if args.profile_steps < 0:
         raise SystemExit(f"--profile-steps: {args.profile_steps} is negative")
-    cases = plan(ops, parse_mlp_shapes(args.shapes) if args.shapes else MLP_SHAPES)
+    try:
+        mlp_shapes = measure.parse_int_shapes(args.shapes, "TOKENSxDIMxHIDDEN", "25216x768x3072") if args.shapes \
+            else MLP_SHAPES
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    cases = plan(ops, mlp_shapes)
     if args.dry_run:
         for op, shape in cases:
             print(f"{op} {'x'.join(map(str, shape))}: {', '.join(impls_for(op, impls))}")

@@ -337,6 +337,22 @@ def cpu_copy_gbps(nbytes: int = 64 << 20) -> float:
     return gbps(2 * nbytes, cpu_median_us(lambda: dst.copy_(src)))
 
 
+def parse_int_shapes(text: str, form: str, example: str) -> list[tuple[int, ...]]:
+    """A ``--shapes`` comma list of integer shapes written as ``form`` ("ROWSxHIDDEN": as many integers as ``form``
+    has parts, joined by x); ValueError naming the first item that is not one."""
+    parts = len(form.split("x"))
+    shapes = []
+    for item in filter(None, text.split(",")):
+        try:
+            shape = tuple(int(v) for v in item.lower().split("x"))
+        except ValueError:
+            shape = ()
+        if len(shape) != parts:
+            raise ValueError(f"--shapes: {item!r} is not {form} (e.g. {example})")
+        shapes.append(shape)
+    return shapes
+
+
 def sweep_ceiling_gbps(tool: str) -> float | None:
     """The copy ceiling a launch-config sweep ranks its configs against, printed as its first line; None, after a
     one-line message naming ``tool``, where there is no GPU."""

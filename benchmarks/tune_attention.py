@@ -45,9 +45,9 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
     shapes = []
     for item in filter(None, text.split(",")):
         try:
-            B, H, N, d = (int(v) for v in item.lower().split("x"))
-        except ValueError:
-            raise SystemExit(f"--shapes: {item!r} is not BxHxNxD (e.g. 256x16x197x32)") from None
+            (B, H, N, d), = measure.parse_int_shapes(item, "BxHxNxD", "256x16x197x32")
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         heads = SEQUENCE_HEAD_DIMS if N > PACKED_MAX_SEQ_LEN else HEAD_DIMS
         if min(B, H, N) < 1 or N > MAX_SEQ_LEN or d not in heads:
             raise SystemExit(f"--shapes: {item!r} is outside what the kernels take: N 1..{MAX_SEQ_LEN}, d in "

@@ -39,17 +39,6 @@ DEFAULT_SHAPES = "25216x3072,50432x2048"
 GELUS = ("none", "tanh", "quick")
 
 
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    shapes = []
-    for item in filter(None, text.split(",")):
-        try:
-            rows, n = (int(v) for v in item.lower().split("x"))
-        except ValueError:
-            raise ValueError(f"--shapes: {item!r} is not ROWSxHIDDEN (e.g. 25216x3072)") from None
-        shapes.append((rows, n))
-    return shapes
-
-
 def parse_gelus(text: str) -> list[str]:
     gelus = [g for g in text.split(",") if g]
     bad = [g for g in gelus if g not in GELUS]
@@ -142,7 +131,7 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the configs per shape and exit")
     args = p.parse_args(argv)
     try:
-        shapes, gelus = parse_shapes(args.shapes), parse_gelus(args.gelu)
+        shapes, gelus = measure.parse_int_shapes(args.shapes, "ROWSxHIDDEN", "25216x3072"), parse_gelus(args.gelu)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
