@@ -208,16 +208,17 @@ def markdown(records: list[dict]) -> str:
     for card in sorted({r["card"] for r in records}):
         recs = [r for r in records if r["card"] == card]
         r0 = recs[0]
+        recs.sort(key=lambda r: (r["op"], r["shape"], IMPLS.index(r["impl"])))  # the table's and the kernels' order
         lines += [f"## {card}", "", f"torch {r0['torch']}, triton {r0['triton']}; dates "
                   f"{', '.join(sorted({r['date'] for r in recs}))}.", "",
                   "| op | shape | impl | us | loop us | saved MiB / % ceiling | rel. err vs eager |",
                   "|---|---|---|---|---|---|---|"]
-        for r in sorted(recs, key=lambda r: (r["op"], r["shape"], IMPLS.index(r["impl"]))):
+        for r in recs:
             third = f"{r['saved_mib']:.0f} MiB" if "saved_mib" in r else f"{r.get('pct_ceiling', 0):.0f}%"
             lines.append(f"| {r['op']} | {r['shape']} | {r['impl']} | {r['us']:.1f} | {r['us_loop']:.1f} | "
                          f"{third} | {r['check_rel_err']:.1e}{'' if r['check_ok'] else ' MISMATCH'} |")
         lines.append("")
-        lines += kernel_markdown(sorted(recs, key=lambda r: (r["op"], r["shape"], IMPLS.index(r["impl"]))))
+        lines += kernel_markdown(recs)
     return "\n".join(lines)
 
 
