@@ -209,21 +209,37 @@ def sync_sites(caught: list) -> dict:
     return dict(sites.most_common(5))
 
 
+# the finisher the trainers from files build (ImageNet's mean and std, 224 px)
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+
+
+def prepared_batches(root: str, batch: int, count: int, pin: bool = False) -> list[dict]:
+    """The folder's first ``count`` batches of ``batch`` files as the GPU-decode workers hand them to the training
+    process (JPEG bytes with their crop boxes; what the GPU cannot decode as pixels), read once; in pinned memory
+    with ``pin``, as the trainers' DataLoader gives them."""
+    from dres.data.decode import SamplePrep, collate_prepared, prepare
+    from dres.data.sources import list_image_folder
+
+    paths, labels, _ = list_image_folder(root)
+    prep = SamplePrep(224, 3, "rrc_flip", 0.2, gpu=True)
+    batches = [collate_prepared([prepare(prep, Path(p).read_bytes(), i, y, p)
+                                 for i, (p, y) in enumerate(zip(paths[k * batch:(k + 1) * batch],
+                                                                labels[k * batch:(k + 1) * batch]))])
+               for k in range(count)]
+    if pin:
+        batches = [{k: v.pin_memory() if hasattr(v, "pin_memory") else v for k, v in b.items()} for b in batches]
+    return batches
+
+
 def decoder_rate(root: str, backend: str, batch: int = 256, batches: int = 20, hw_load: float = 0.65) -> dict:
     """Images/s of the training process's half alone (GPU decode, crop-resize kernel, order) on batches of
     the folder read and prepared once: the GPU decoder's own limit, with no worker in the way."""
     import torch
 
-    from dres.data.decode import BatchFinisher, SamplePrep, collate_prepared, prepare
-    from dres.data.sources import list_image_folder
+    from dres.data.decode import BatchFinisher
 
-    paths, labels, _ = list_image_folder(root)
-    prep = SamplePrep(224, 3, "rrc_flip", 0.2, gpu=True)
-    prepared = [collate_prepared([prepare(prep, Path(p).read_bytes(), i, y, p)
-                                  for i, (p, y) in enumerate(zip(paths[k * batch:(k + 1) * batch],
-                                                                 labels[k * batch:(k + 1) * batch]))])
-                for k in range(4)]
-    finisher = BatchFinisher("cuda", 224, 3, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225], backend, hw_load)
+    prepared = prepared_batches(root, batch, 4)
+    finisher = BatchFinisher("cuda", 224, 3, IMAGENET_MEAN, IMAGENET_STD, backend, hw_load)
     for b in prepared:
         finisher(b, [])
     torch.cuda.synchronize()

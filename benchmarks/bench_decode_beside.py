@@ -1,0 +1,267 @@
+"""The training process's GPU half (the decode call, the crop kernel and the batch's order:
+:class:`dres.data.decode.BatchFinisher`) on batches of a JPEG folder, alone and beside a GPU load that stands in
+for the running training step: in threads of the loaded process, as the trainer finishes batches ahead (one
+thread, or several finishing batches at once), and in a process of its own (its own CUDA context).
+
+    python -m benchmarks.bench_decode_beside --root DIR [--decoders torchvision,nvimgcodec:1,nvimgcodec:0.65]
+        [--threads 1,2] [--priorities high,default] [--no-process] [--load-size 4096] [--batches 20] [--out OUT]
+
+The folder: ``python -m benchmarks.bench_data make --root DIR``. The batches are the folder's first files as the
+GPU-decode workers hand them over (JPEG bytes in pinned memory, what the GPU cannot decode already pixels). The
+load: square bf16 GEMMs of ``--load-size`` on the default stream from a thread of their own, at most 20 queued
+(a trainer's step keeps every multiprocessor busy the same way; the GEMMs a second the load ran beside each case
+against alone say what the decode took from it). A decoder is ``torchvision`` (its batched nvJPEG) or
+``nvimgcodec:SHARE`` (SHARE of each batch to the hardware JPEG decoders, the rest to nvJPEG on the CUDA cores);
+``--priorities`` the finishing streams' (the GPU's highest, or the default); ``--threads`` how many threads
+finish batches at once, each with a finisher and a stream of its own (torchvision's decoder is one a process,
+behind a lock). The process rows run one finishing thread in a child process beside the same load.
+
+Each case: ms a batch (the threads' wall time over the batches they finished, each batch waited for on its own
+stream) alone and beside the load. Writes ``decode_beside.json`` and ``decode_beside.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+from benchmarks.bench_data import IMAGENET_MEAN, IMAGENET_STD, prepared_batches
+
+PRIORITIES = {"high": True, "default": False}
+
+
+def parse_decoders(spec: str) -> list[tuple[str, float]]:
+    """``torchvision,nvimgcodec:0.65`` -> ``[("torchvision", 0.0), ("nvimgcodec", 0.65)]`` (nvImageCodec's share
+    defaults to 1: every JPEG to the hardware decoders); a ValueError naming the flag otherwise."""
+    out = []
+    for item in (s for s in spec.split(",") if s):
+        name, _, share = item.partition(":")
+        if name == "torchvision" and not share:
+            out.append((name, 0.0))
+            continue
+        try:
+            value = float(share) if share else 1.0
+        except ValueError:
+            value = -1.0
+        if name != "nvimgcodec" or not 0.0 <= value <= 1.0:
+            raise ValueError(f"--decoders {spec}: each of torchvision or nvimgcodec[:SHARE], SHARE in [0, 1]")
+        out.append((name, value))
+    if not out:
+        raise ValueError(f"--decoders {spec}: at least one decoder")
+    return out
+
+
+class GemmLoad:
+    """bf16 GEMMs of ``size`` on the default stream from a thread, at most 20 queued; ``rate`` is the GEMMs a second
+    of the last window it ran (a ``with`` block)."""
+
+    def __init__(self, size: int):
+        import torch
+
+        self.a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+        self.b = torch.randn_like(self.a)
+        self.stopping, self.count, self.rate = threading.Event(), 0, 0.0
+
+    def _run(self):
+        import torch
+
+        while not self.stopping.is_set():
+            for _ in range(20):
+                self.a @ self.b
+            torch.cuda.current_stream().synchronize()
+            self.count += 20
+
+    def __enter__(self):
+        self.stopping.clear()
+        self.count, self.start = 0, time.perf_counter()
+        self.thread = threading.Thread(target=self._run, name="gemm-load", daemon=True)
+        self.thread.start()
+        time.sleep(0.3)  # the queue full before the case starts
+        return self
+
+    def __exit__(self, *exc):
+        self.stopping.set()
+        self.thread.join()
+        self.rate = self.count / (time.perf_counter() - self.start)
+
+
+def finish_ms(finishers: list, batches: list[dict], per_thread: int) -> float:
+    """Wall ms a batch with each finisher in a thread of its own finishing ``per_thread`` batches on a stream of
+    its own (its finisher's priority), each waited for on that stream, as the loaders' thread finishing ahead does."""
+    import torch
+
+    def run(finisher, errors):
+        try:
+            stream = torch.cuda.Stream(finisher.device, priority=finisher.priority)
+            with torch.cuda.stream(stream):
+                for k in range(per_thread):
+                    finisher(batches[k % len(batches)], [])
+                    stream.synchronize()
+        except BaseException as e:  # raised in the caller, not lost in the thread
+            errors.append(e)
+
+    errors: list = []
+    threads = [threading.Thread(target=run, args=(f, errors)) for f in finishers]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return 1e3 * (time.perf_counter() - start) / (per_thread * len(finishers))
+
+
+def make_finishers(decoder: str, share: float, high: bool, count: int) -> list:
+    from dres.data.decode import BatchFinisher
+
+    return [BatchFinisher("cuda", 224, 3, IMAGENET_MEAN, IMAGENET_STD, decoder, share, high) for _ in range(count)]
+
+
+def thread_case(batches, load: GemmLoad, decoder: str, share: float, high: bool, threads: int, per_thread: int,
+                load_alone: float) -> dict:
+    finishers = make_finishers(decoder, share, high, threads)
+    finish_ms(finishers, batches, 2)  # the decoders' buffers and the crop kernel's compile
+    alone = finish_ms(finishers, batches, per_thread)
+    with load:
+        beside = finish_ms(finishers, batches, per_thread)
+    return {"decoder": decoder, "share": share if decoder == "nvimgcodec" else None, "priority": _word(high),
+            "where": "thread", "threads": threads, "ms_alone": alone, "ms_beside": beside,
+            "load_rate_alone": load_alone, "load_rate_beside": load.rate}
+
+
+def _child(root, batch, decoder, share, high, per_thread, conn):
+    """The process row's finishing process: alone first, then (when told) beside the parent's load."""
+    try:
+        batches = prepared_batches(root, batch, 4, pin=True)
+        finishers = make_finishers(decoder, share, high, 1)
+        finish_ms(finishers, batches, 2)
+        conn.send(("alone", finish_ms(finishers, batches, per_thread)))
+        conn.recv()
+        conn.send(("beside", finish_ms(finishers, batches, per_thread)))
+    except BaseException as e:
+        conn.send(("error", f"{type(e).__name__}: {e}".splitlines()[0]))
+
+
+def process_case(args, load: GemmLoad, decoder: str, share: float, high: bool, load_alone: float) -> dict:
+    ctx = multiprocessing.get_context("spawn")  # a CUDA context of its own: no fork of this one
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_child, args=(args.root, args.batch, decoder, share, high, args.batches, child))
+    proc.start()
+    try:
+        kind, alone = parent.recv()
+        if kind == "error":
+            raise RuntimeError(alone)
+        with load:
+            parent.send("go")
+            kind, beside = parent.recv()
+        if kind == "error":
+            raise RuntimeError(beside)
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    return {"decoder": decoder, "share": share if decoder == "nvimgcodec" else None, "priority": _word(high),
+            "where": "process", "threads": 1, "ms_alone": alone, "ms_beside": beside,
+            "load_rate_alone": load_alone, "load_rate_beside": load.rate}
+
+
+def _word(high: bool) -> str:
+    return next(word for word, value in PRIORITIES.items() if value == high)
+
+
+def markdown(rows: list[dict], card: str, images: int, load_size: int) -> str:
+    lines = [f"The GPU half of {images}-image batches alone and beside a load of {load_size}^3 bf16 GEMMs "
+             f"({card}): ms a batch, and the load's GEMMs a second beside each case over alone.", "",
+             "| decoder | where | finishing threads | stream priority | ms a batch alone | beside the load | "
+             "beside / alone | load's rate beside / alone |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        name = r["decoder"] + (f", hardware share {r['share']:g}" if r.get("share") is not None else "")
+        if r.get("error"):
+            lines.append(f"| {name} | {r['where']} | {r['threads']} | {r['priority']} | {r['error']} | | | |")
+            continue
+        lines.append(f"| {name} | {r['where']} | {r['threads']} | {r['priority']} | {r['ms_alone']:.1f} | "
+                     f"{r['ms_beside']:.1f} | {r['ms_beside'] / r['ms_alone']:.2f}x | "
+                     f"{r['load_rate_beside'] / r['load_rate_alone']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", required=True, help="a JPEG folder (bench_data make)")
+    ap.add_argument("--decoders", default="torchvision", help="torchvision and/or nvimgcodec[:SHARE], comma-separated")
+    ap.add_argument("--threads", default="1,2", help="finishing threads at once, comma-separated counts")
+    ap.add_argument("--priorities", default="high", help="the finishing streams': high and/or default")
+    ap.add_argument("--no-process", dest="process", action="store_false", help="skip the process rows")
+    ap.add_argument("--batch", type=int, default=256, help="images a batch")
+    ap.add_argument("--batches", type=int, default=20, help="batches a thread finishes in each timed window")
+    ap.add_argument("--load-size", type=int, default=4096, help="the load's square GEMM size")
+    ap.add_argument("--out", default=os.environ.get("OUT", "./device_out"))
+    args = ap.parse_args(argv)
+    try:
+        decoders = parse_decoders(args.decoders)
+    except ValueError as e:
+        ap.error(str(e))
+    threads = [t for t in args.threads.split(",") if t]
+    if not threads or not all(t.isdigit() and int(t) >= 1 for t in threads):
+        ap.error(f"--threads {args.threads}: counts of at least 1, comma-separated")
+    priorities = [p for p in args.priorities.split(",") if p]
+    if not priorities or set(priorities) - set(PRIORITIES):
+        ap.error(f"--priorities {args.priorities}: each of {', '.join(PRIORITIES)}")
+    for flag, value, least in (("--batch", args.batch, 1), ("--batches", args.batches, 1),
+                               ("--load-size", args.load_size, 256)):
+        if value < least:
+            ap.error(f"{flag} {value}: at least {least}")
+    if not Path(args.root).is_dir():
+        ap.error(f"--root {args.root}: not a folder (make one: python -m benchmarks.bench_data make --root DIR)")
+    import torch
+
+    if not torch.cuda.is_available():
+        ap.error("no CUDA device: the GPU half runs on a GPU")
+    from benchmarks import measure
+    from dres.data.decode import gpu_decode_backend
+
+    batches = prepared_batches(args.root, args.batch, 4, pin=True)
+    load = GemmLoad(args.load_size)
+    with load:
+        time.sleep(2)
+    load_alone = load.rate
+    rows = []
+    for decoder, share in decoders:
+        for priority in priorities:
+            high = PRIORITIES[priority]
+            cases = [("thread", int(t)) for t in threads] + ([("process", 1)] if args.process else [])
+            for where, count in cases:
+                try:
+                    if gpu_decode_backend("cuda", decoder) != decoder:
+                        raise RuntimeError(f"{decoder} is not installed")
+                    row = (thread_case(batches, load, decoder, share, high, count, args.batches, load_alone)
+                           if where == "thread" else process_case(args, load, decoder, share, high, load_alone))
+                except Exception as e:  # one case's failure is its row; the others go on
+                    row = {"decoder": decoder, "share": share if decoder == "nvimgcodec" else None,
+                           "priority": priority, "where": where, "threads": count,
+                           "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    images = statistics.median(len(b["labels"]) for b in batches)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    card = measure.card_name()
+    measure.write_json_atomic(out / "decode_beside.json", {
+        "card": card, "date": measure.today(), **measure.versions(), "batch": args.batch,
+        "load_size": args.load_size, "batches_a_window": args.batches, "rows": rows})
+    table = markdown(rows, card, int(images), args.load_size)
+    (out / "decode_beside.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""benchmarks/bench_decode_beside.py: its decoder specs, argument checks and table; on a GPU, every case of a small
+folder's batches alone and beside the load, in threads and in a process of its own."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import bench_data
+from benchmarks.bench_data import prepared_batches
+from benchmarks.bench_decode_beside import main, markdown, parse_decoders
+
+
+def test_decoder_specs_parse_with_nvimgcodecs_share_defaulting_to_the_hardware():
+    assert parse_decoders("torchvision,nvimgcodec:0.65,nvimgcodec") == [
+        ("torchvision", 0.0), ("nvimgcodec", 0.65), ("nvimgcodec", 1.0)]
+    for bad in ("nvjpeg", "nvimgcodec:1.5", "nvimgcodec:x", "torchvision:1", ","):
+        with pytest.raises(ValueError, match=f"--decoders {bad}: "):
+            parse_decoders(bad)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--decoders", "dali"], "--decoders dali: each of torchvision or nvimgcodec[:SHARE], SHARE in [0, 1]"),
+    (["--threads", "1,0"], "--threads 1,0: counts of at least 1, comma-separated"),
+    (["--threads", "two"], "--threads two: counts of at least 1, comma-separated"),
+    (["--priorities", "low"], "--priorities low: each of high, default"),
+    (["--batch", "0"], "--batch 0: at least 1"),
+    (["--batches", "0"], "--batches 0: at least 1"),
+    (["--load-size", "64"], "--load-size 64: at least 256"),
+])
+def test_bad_arguments_exit_2_naming_the_argument(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as e:
+        main(["--root", str(tmp_path), *extra])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_root_that_is_not_a_folder_is_an_argument_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--root", str(tmp_path / "none")])
+    assert e.value.code == 2
+    assert f"--root {tmp_path / 'none'}: not a folder (make one: python -m benchmarks.bench_data make" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path is for machines without a GPU")
+def test_without_a_gpu_it_says_so_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--root", str(tmp_path)])
+    assert e.value.code == 2
+    assert "no CUDA device: the GPU half runs on a GPU" in capsys.readouterr().err
+
+
+def test_prepared_batches_are_pinned_where_asked_and_hold_the_jpegs_bytes(tmp_path):
+    bench_data.make_folder(str(tmp_path), images=12, classes=2)
+    batches = prepared_batches(str(tmp_path), 4, 2)
+    assert len(batches) == 2 and all(len(b["labels"]) == 4 for b in batches)
+    assert sum(len(b["jpeg_rows"]) for b in batches) > 0
+    assert not batches[0]["jpeg_bytes"].is_pinned()
+    if torch.cuda.is_available():
+        assert prepared_batches(str(tmp_path), 4, 1, pin=True)[0]["jpeg_bytes"].is_pinned()
+
+
+def test_table_gives_each_case_its_ratios_and_a_failed_case_its_error():
+    rows = [{"decoder": "torchvision", "share": None, "priority": "high", "where": "thread", "threads": 1,
+             "ms_alone": 13.0, "ms_beside": 58.5, "load_rate_alone": 4700.0, "load_rate_beside": 4230.0},
+            {"decoder": "nvimgcodec", "share": 0.65, "priority": "default", "where": "process", "threads": 1,
+             "error": "RuntimeError: nvimgcodec is not installed"}]
+    table = markdown(rows, "h200", 256, 4096).splitlines()
+    assert table[0].startswith("The GPU half of 256-image batches alone and beside a load of 4096^3 bf16 GEMMs (h200)")
+    assert "| torchvision | thread | 1 | high | 13.0 | 58.5 | 4.50x | 0.90 |" in table
+    assert ("| nvimgcodec, hardware share 0.65 | process | 1 | default | RuntimeError: nvimgcodec is not installed "
+            "| | | |") in table
+
+
+@pytest.mark.gpu
+def test_gpu_every_case_of_a_small_folder_runs_in_threads_and_in_a_process(tmp_path):
+    pytest.importorskip("torchvision")
+    root, out = tmp_path / "imgs", tmp_path / "out"
+    bench_data.make_folder(str(root), images=48, classes=2)
+    assert main(["--root", str(root), "--batch", "16", "--batches", "2", "--threads", "1,2",
+                 "--priorities", "high,default", "--load-size", "512", "--out", str(out)]) == 0
+    rows = json.loads((out / "decode_beside.json").read_text())["rows"]
+    assert [(r["where"], r["threads"], r["priority"]) for r in rows] == [
+        ("thread", 1, "high"), ("thread", 2, "high"), ("process", 1, "high"),
+        ("thread", 1, "default"), ("thread", 2, "default"), ("process", 1, "default")]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["ms_alone"] > 0 and r["ms_beside"] > 0 and r["load_rate_alone"] > 0 and r["load_rate_beside"] > 0
+    assert "| torchvision | process | 1 | default |" in (out / "decode_beside.md").read_text()
