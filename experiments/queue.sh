@@ -10,7 +10,9 @@
 #   bash experiments/queue.sh job NAME COMMAND              start COMMAND (bash) beside it, in the copy, with
 #                                                           OUT=$QUEUE_DIR/jobs/NAME
 #   bash experiments/queue.sh wait SECONDS                  wait until the queue and the jobs end (at most SECONDS),
-#                                                           then pack what they made into $OUT
+#                                                           then pack what they made into $OUT; exit 3 (and say
+#                                                           which arms and jobs) when some still run: the pack
+#                                                           is partial, wait again before the host goes
 # CUDA_VISIBLE_DEVICES given to start or job keeps the queue and a job on their own GPUs; DEADLINE_MIN=N starts no
 # arm after N minutes of the queue; FORCE=1 trains again the arms that already have a record; JOBS=N runs N arms
 # at a time on each GPU; MPS=1 (with start) first starts NVIDIA's MPS daemon, through which every CUDA process on
@@ -126,6 +128,15 @@ wait)
   done
   [ -d "$QUEUE_DIR/jobs" ] && tar czf "$OUT/jobs.tgz" -C "$QUEUE_DIR" jobs
   ls -la "$OUT"
+  if running; then
+    # the arms started and not ended, by the runner's log; the packed run folders hold them part-way
+    unfinished=$(awk '/^\[repro\] (start|resume) /{sub(":", "", $3); open[$3]=1}
+                      /^\[repro\] (done|FAILED) /{sub(":", "", $3); delete open[$3]}
+                      END {for (a in open) printf "%s ", a}' "$QUEUE_DIR/repro.log" 2>/dev/null)
+    echo "queue.sh: still running after $2 s (arms ${unfinished:-none}; jobs without an exit status count too):" \
+      "what is packed is partial, wait again before the host goes" >&2
+    exit 3
+  fi
   ;;
 *)
   usage

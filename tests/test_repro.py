@@ -923,6 +923,31 @@ def test_queue_wait_packs_the_records_with_their_kept_features(tmp_path):
         assert not any(n.endswith(("features.pt", "checkpoints")) for n in tar.getnames())
 
 
+def test_queue_wait_that_ends_with_arms_still_running_packs_them_and_exits_3_naming_them(tmp_path):
+    """A pack made while arms still train is partial: wait says which arms run on, and exits 3, so that the host
+    is not given back with them (their run folders live there only)."""
+    queue = tmp_path / "queue"
+    (queue / "records").mkdir(parents=True)
+    (queue / "runs" / "C600-resnet50d-none-s2").mkdir(parents=True)
+    (queue / "repro.log").write_text(
+        "[repro] start C600-resnet50d-none-s2 on GPU 1: python -m dres.train.classify\n"
+        "[repro] start C600-resnet50d-residual_droppath-s2 on GPU 1: python -m dres.train.classify\n"
+        "[repro] done C600-resnet50d-residual_droppath-s2: {'top1': 0.87}\n"
+        "[repro] resume A800-official-a0.6-s0 on GPU 0: python -m dres.train.mae\n")
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        (queue / "repro.pid").write_text(f"{alive.pid}\n")
+        code, out, err = queue_script(tmp_path)("wait", "0")
+    finally:
+        alive.kill()
+    assert code == 3
+    assert err.startswith("queue.sh: still running after 0 s (arms ") and "what is packed is partial" in err
+    named = err.split("(arms ", 1)[1].split(";", 1)[0].split()
+    assert sorted(named) == ["A800-official-a0.6-s0", "C600-resnet50d-none-s2"]
+    with tarfile.open(tmp_path / "out" / "runs.tgz") as tar:
+        assert "runs/C600-resnet50d-none-s2" in tar.getnames()
+
+
 def _a_record(folder, length, alpha, seed, gap_points, **metrics):
     """A claim-A record of the official arm at ``length`` epochs whose every accuracy is 0.80 + gap_points / 100
     (alpha 0.6) or 0.80 (alpha 1.0), unless ``metrics`` gives it."""
