@@ -101,8 +101,7 @@ def test_a_trainer_row_gives_the_last_epoch_lines_finishing_times():
     from dres.data.decode import decode_paths_line
 
     epoch_line = decode_paths_line(1, Counter(nvjpeg=19501, workers=467),  # the trainer's own line, as it logs it
-                                   Counter(batches=78, finish_s=78 * 0.0581, decode_s=78 * 0.055,
-                                           finish_cpu_s=78 * 0.0062))
+                                   [{"finish_s": 0.0581, "decode_s": 0.055, "finish_cpu_s": 0.0062}] * 78)
     row = {**_trainer_row("imagefolder", 1, [], 900.0), "data_lines": [
         "[dres] data: imagefolder, decoded on the GPU (torchvision), 4 workers (8 cores a process)", epoch_line]}
     assert ("| trainer vit (imagefolder; a batch finished in 58.1 ms, 55.0 of them in the decode call, 6.2 on the "

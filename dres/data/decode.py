@@ -36,6 +36,7 @@ import os
 import random
 import signal
 import stat
+import statistics
 import struct
 import time
 import warnings
@@ -295,18 +296,20 @@ DECODE_PATHS = {
 }
 
 
-def decode_paths_line(epoch: int, counts: dict, finishing: dict | None = None) -> str:
+def decode_paths_line(epoch: int, counts: dict, finishing: list | None = None) -> str:
     """The run log's line of where an epoch's images were decoded (``counts``: :data:`DECODE_PATHS` keys) and,
-    where the GPU decoded some (``finishing``: the epoch's ``batches``, ``finish_s``, ``decode_s`` and
+    where the GPU decoded some (``finishing``: a dict a batch of the epoch, its ``finish_s``, ``decode_s`` and
     ``finish_cpu_s``, see :class:`BatchFinisher`), how long the training process took to finish a batch, its decode
     call to decode it and the finishing thread's CPU to do its part (the rest of the batch's time it waited: for
-    the GPU, or for the interpreter's lock while the step's thread held it)."""
+    the GPU, or for the interpreter's lock while the step's thread held it). Medians over the epoch's batches: the
+    first ones, finished ahead while the step compiles, take longer than the run's steady ones."""
     parts = [f"{counts[k]:,} {words}" for k, words in DECODE_PATHS.items() if counts.get(k)]
     line = f"[dres] data: epoch {epoch}, {sum(counts.values()):,} images decoded: " + "; ".join(parts)
-    if finishing and finishing.get("decode_s") and finishing.get("batches"):
-        ms = {k: 1e3 * finishing.get(k, 0.0) / finishing["batches"] for k in ("finish_s", "decode_s", "finish_cpu_s")}
+    if finishing and any(batch.get("decode_s") for batch in finishing):
+        ms = {k: 1e3 * statistics.median(batch.get(k, 0.0) for batch in finishing)
+              for k in ("finish_s", "decode_s", "finish_cpu_s")}
         line += (f"; a batch finished in {ms['finish_s']:.1f} ms, {ms['decode_s']:.1f} of them in the GPU decode call, "
-                 f"{ms['finish_cpu_s']:.1f} on the finishing thread's CPU (mean of {finishing['batches']:,} batches)")
+                 f"{ms['finish_cpu_s']:.1f} on the finishing thread's CPU (median of {len(finishing):,} batches)")
     return line
 
 

@@ -167,11 +167,11 @@ class _StreamingLoader(_Position):
             import_cpu_decoder()
         self.max_corrupt_frac, self.where, self.log = max_corrupt_frac, where, log
         self.counter = CorruptCounter(log, unit=unit)
-        # images each path decoded (dres.data.decode.DECODE_PATHS) and the batches' finishing times (batches,
-        # finish_s, decode_s, finish_cpu_s) in the batches handed over, over the process's life, and the same at
-        # the last epoch's end (its line says the difference)
+        # images each path decoded (dres.data.decode.DECODE_PATHS) in the batches handed over, over the process's
+        # life, and the same at the last epoch's end (its line says the difference); the finishing times of each
+        # batch handed over since then (finish_s, decode_s, finish_cpu_s)
         self.decoded, self._decoded_before = Counter(), Counter()
-        self.finishing, self._finishing_before = Counter(), Counter()
+        self.finishing: list[dict] = []
         self._read, self._expected, self.ahead = 0, 0, ahead
         # the finished batches to come (an _Ahead, or the generator itself with ahead=0) and the DataLoader
         # iterator whose workers run; the workers ignore SIGTERM, so they are stopped by message, at the latest
@@ -201,8 +201,8 @@ class _StreamingLoader(_Position):
 
     def _epoch_line(self, epoch: int):
         """Log where the images of the batches handed over since the last epoch's end were decoded."""
-        since, finishing = self.decoded - self._decoded_before, self.finishing - self._finishing_before
-        self._decoded_before, self._finishing_before = self.decoded.copy(), self.finishing.copy()
+        since, finishing = self.decoded - self._decoded_before, self.finishing
+        self._decoded_before, self.finishing = self.decoded.copy(), []
         if self.log is not None and since:
             self.log(decode_paths_line(epoch, since, finishing))
 
@@ -235,9 +235,8 @@ class _StreamingLoader(_Position):
         check_labels(prepared["labels"], self.num_classes, self.where)  # on the host: no wait for the GPU
         decode_before, start, cpu_start = self.finisher.decode_s, time.perf_counter(), time.thread_time()
         out = self.finisher(prepared, lost, paths) if len(prepared["labels"]) else None
-        finishing = Counter(batches=1, finish_s=time.perf_counter() - start,
-                            decode_s=self.finisher.decode_s - decode_before,
-                            finish_cpu_s=time.thread_time() - cpu_start)
+        finishing = {"finish_s": time.perf_counter() - start, "decode_s": self.finisher.decode_s - decode_before,
+                     "finish_cpu_s": time.thread_time() - cpu_start}
         return out, (tuple(prepared.get("events", ())), tuple(lost), 0 if out is None else len(out["label"]), paths,
                      finishing)
 
@@ -246,7 +245,7 @@ class _StreamingLoader(_Position):
         the count saved with the position is then that of the batches taken, and a resume goes on from it."""
         for events, lost, read, paths, finishing in losses:
             self.decoded.update(paths)
-            self.finishing.update(finishing)
+            self.finishing.append(finishing)
             self.counter.replay(events)
             for name in lost:
                 source = name.rsplit(": ", 1)[0]  # "<file or shard:key>: <error>"
