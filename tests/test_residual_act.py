@@ -209,6 +209,11 @@ def test_a_plain_sum_is_what_the_default_leaves_to_pytorch():
                                             (x, 1.0, m, None), (x, 1.0, None, m), (x.to(BF16), 1.0, None, None),
                                             (cl, 1.0, None, None)):
         assert not is_plain_sum(x, h, alpha, row_scale, grad_scale)
+    # a 1 x 1 feature map (ResNet50d's last stage at 32 px) is NCHW and NHWC at once: strides of size-1 dims differ
+    one = torch.randn(2, 8, 1, 1)
+    nhwc = one.to(memory_format=torch.channels_last)
+    assert one.stride() != nhwc.stride() and is_plain_sum(one, nhwc, 1.0, None, None)
+    assert not is_plain_sum(x[:, :, :, :1].contiguous(), cl[:, :, :, :1], 1.0, None, None)  # 4 x 1: they differ
 
 
 # ---------------------------------------------------------------------------------------------

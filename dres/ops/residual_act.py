@@ -210,4 +210,11 @@ def is_plain_sum(x: Tensor, h: Tensor, alpha, row_scale: Optional[Tensor], grad_
     from C++, and its backward writes dx and dh where autograd hands one gradient to both (BENCHMARKS.md,
     "Your model": the converted ResNet50d at 0.99x its original at 224 px, 0.61-0.71x at 32 px)."""
     return (row_scale is None and grad_scale is None and not isinstance(alpha, Tensor) and alpha == 1.0
-            and x.dtype == h.dtype and x.stride() == h.stride())
+            and x.dtype == h.dtype and same_layout(x, h))
+
+
+def same_layout(x: Tensor, h: Tensor) -> bool:
+    """Whether x and h (of one shape) lie alike in memory: their strides agree wherever a dimension has more than
+    one element (a size-1 dimension's stride is never read: a 1 x 1 feature map is NCHW and NHWC alike, and
+    libraries give it either)."""
+    return all(a == b for a, b, n in zip(x.stride(), h.stride(), x.shape) if n > 1)
