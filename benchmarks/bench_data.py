@@ -214,13 +214,14 @@ IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 
 
 def prepared_batches(root: str, batch: int, count: int, pin: bool = False) -> list[dict]:
-    """The folder's first ``count`` batches of ``batch`` files as the GPU-decode workers hand them to the training
-    process (JPEG bytes with their crop boxes; what the GPU cannot decode as pixels), read once; in pinned memory
-    with ``pin``, as the trainers' DataLoader gives them."""
+    """The folder's first ``count`` batches of ``batch`` files (as many whole ones as it holds, at least one) as the
+    GPU-decode workers hand them to the training process (JPEG bytes with their crop boxes; what the GPU cannot
+    decode as pixels), read once; in pinned memory with ``pin``, as the trainers' DataLoader gives them."""
     from dres.data.decode import SamplePrep, collate_prepared, prepare
     from dres.data.sources import list_image_folder
 
     paths, labels, _ = list_image_folder(root)
+    count = max(1, min(count, len(paths) // batch))
     prep = SamplePrep(224, 3, "rrc_flip", 0.2, gpu=True)
     batches = [collate_prepared([prepare(prep, Path(p).read_bytes(), i, y, p)
                                  for i, (p, y) in enumerate(zip(paths[k * batch:(k + 1) * batch],

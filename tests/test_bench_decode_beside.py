@@ -55,6 +55,7 @@ def test_prepared_batches_are_pinned_where_asked_and_hold_the_jpegs_bytes(tmp_pa
     bench_data.make_folder(str(tmp_path), images=12, classes=2)
     batches = prepared_batches(str(tmp_path), 4, 2)
     assert len(batches) == 2 and all(len(b["labels"]) == 4 for b in batches)
+    assert len(prepared_batches(str(tmp_path), 4, 5)) == 3 and len(prepared_batches(str(tmp_path), 16, 2)) == 1
     assert sum(len(b["jpeg_rows"]) for b in batches) > 0
     assert not batches[0]["jpeg_bytes"].is_pinned()
     if torch.cuda.is_available():
@@ -77,7 +78,7 @@ def test_table_gives_each_case_its_ratios_and_a_failed_case_its_error():
 def test_gpu_every_case_of_a_small_folder_runs_in_threads_and_in_a_process(tmp_path):
     pytest.importorskip("torchvision")
     root, out = tmp_path / "imgs", tmp_path / "out"
-    bench_data.make_folder(str(root), images=48, classes=2)
+    bench_data.make_folder(str(root), images=64, classes=2)
     assert main(["--root", str(root), "--batch", "16", "--batches", "2", "--threads", "1,2",
                  "--priorities", "high,default", "--load-size", "512", "--out", str(out)]) == 0
     rows = json.loads((out / "decode_beside.json").read_text())["rows"]
