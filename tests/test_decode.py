@@ -8,6 +8,7 @@ import random
 import re
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -280,53 +281,72 @@ def _loader_config(source, path, ahead, **kw):
 
 
 @pytest.mark.parametrize("source", ["imagefolder", "wds"])
-def test_batches_finished_ahead_are_those_finished_between_steps(tmp_path, source):
-    """The thread finishing batches ahead changes no batch, no position and no resume: only when the work
-    happens (a lost file among them, past two epochs)."""
+def test_batches_finished_ahead_are_those_finished_between_steps(tmp_path, source, monkeypatch):
+    """The threads finishing batches ahead, one or three at once, change no batch, no position and no resume:
+    only when the work happens (a lost file among them, past two epochs; each finish pausing at random, so that
+    three threads end their batches out of order)."""
     path = _folder(tmp_path, bad=(4,)) if source == "imagefolder" else _shards(tmp_path, bad=("k1-3",))
+    finish, rng = BatchFinisher.__call__, random.Random(0)
+
+    def finish_after_a_pause(self, *args, **kwargs):
+        time.sleep(rng.uniform(0, 0.01))
+        return finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(BatchFinisher, "__call__", finish_after_a_pause)
     runs = {}
-    for ahead in (0, 2):
-        loader = build_loader(_loader_config(source, path, ahead), "train", 8, seed=3)
-        runs[ahead] = [(loader.next(), loader.state_dict()) for _ in range(8)]
+    for ahead, threads in ((0, 1), (2, 1), (2, 3)):
+        loader = build_loader(_loader_config(source, path, ahead, finish_threads=threads), "train", 8, seed=3)
+        runs[ahead, threads] = [(loader.next(), loader.state_dict()) for _ in range(8)]
         assert loader.counter.count == 1
         loader.close()
-    for (a, state_a), (b, state_b) in zip(runs[0], runs[2]):
-        assert torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"]) and state_a == state_b
-    resumed = build_loader(_loader_config(source, path, 2), "train", 8, seed=3)
-    resumed.load_state_dict(runs[2][4][1])
-    for (a, _), b in zip(runs[0][5:], _batches(resumed, 3)):
-        assert torch.equal(a["image"], b["image"])
+    for run in (runs[2, 1], runs[2, 3]):
+        for (a, state_a), (b, state_b) in zip(runs[0, 1], run):
+            assert torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"]) and state_a == state_b
+    for threads in (1, 3):
+        resumed = build_loader(_loader_config(source, path, 2, finish_threads=threads), "train", 8, seed=3)
+        resumed.load_state_dict(runs[2, threads][4][1])
+        for (a, _), b in zip(runs[0, 1][5:], _batches(resumed, 3)):
+            assert torch.equal(a["image"], b["image"])
+        resumed.close()
 
 
 def test_an_error_met_ahead_is_raised_at_its_batch(tmp_path):
     root = _folder(tmp_path, bad=(1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15))  # too many lost files
     taken = {}
-    for ahead in (0, 2):
-        loader = build_loader(_loader_config("imagefolder", root, ahead), "train", 8, seed=3)
-        taken[ahead] = 0
+    for ahead, threads in ((0, 1), (2, 1), (2, 2)):
+        loader = build_loader(_loader_config("imagefolder", root, ahead, finish_threads=threads), "train", 8, seed=3)
+        taken[ahead, threads] = 0
         with pytest.raises(DataError, match="too much unreadable data"):
             while True:
                 loader.next()
-                taken[ahead] += 1
+                taken[ahead, threads] += 1
         loader.close()
-    assert taken[0] == taken[2]
+    assert taken[0, 1] == taken[2, 1] == taken[2, 2]
 
 
-def test_the_thread_finishing_batches_ahead_ends_with_its_loader(tmp_path):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_threads_finishing_batches_ahead_end_with_their_loader(tmp_path, threads):
     import gc
 
-    loader = build_loader(_loader_config("imagefolder", _folder(tmp_path), 2), "train", 8)
+    from dres.data.loaders import _Ahead
+
+    def finishing_threads(loader):
+        return [t for it in loader._running if isinstance(it, _Ahead) for t in it.threads]
+
+    loader = build_loader(_loader_config("imagefolder", _folder(tmp_path), 2, finish_threads=threads), "train", 8)
     loader.next()
-    first = loader._batches_to_come.thread
-    assert first.is_alive()
+    first = finishing_threads(loader)
+    assert len(first) == threads and all(t.is_alive() for t in first)
+    assert loader.describe().endswith(", 2 threads finishing batches" if threads == 2 else "cores a process)")
     loader.close()  # stopped, and started again by the next batch
-    assert not first.is_alive()
+    assert not any(t.is_alive() for t in first)
     loader.next()
-    second = loader._batches_to_come.thread
-    del loader  # dropped without close(): the thread holds the loader weakly
+    second = finishing_threads(loader)
+    del loader  # dropped without close(): the threads hold the loader weakly
     gc.collect()
-    second.join(30)
-    assert not second.is_alive()
+    for t in second:
+        t.join(30)
+    assert not any(t.is_alive() for t in second)
 
 
 def _numbers(n, fail_at=None):
@@ -340,34 +360,59 @@ def _numbers(n, fail_at=None):
         yield ({"i": torch.tensor(i)},)
 
 
-@pytest.mark.parametrize("depth", [1, 3])
-def test_batches_ahead_come_in_order_then_the_sources_end(depth):
+def _cpu_finishers(n):
+    """Stand-ins for n finishers on the CPU (what _Ahead reads of one: its device and stream priority)."""
+    return [SimpleNamespace(device=torch.device("cpu"), priority=0) for _ in range(n)]
+
+
+def _finish_after_a_pause(item, finisher):
+    """A finish that takes a random pause (so that several threads end their items out of order) and fails on a
+    negative item."""
+    time.sleep(random.uniform(0, 0.003))
+    if int(item[0]["i"]) < 0:
+        raise ValueError(f"finishing {int(item[0]['i'])}")
+    return item
+
+
+@pytest.mark.parametrize("depth, threads", [(1, 1), (3, 1), (2, 3)])
+def test_batches_ahead_come_in_order_then_the_sources_end(depth, threads):
     from dres.data.loaders import _Ahead
 
-    ahead = _Ahead(_numbers(40), torch.device("cpu"), depth, [])
+    ahead = _Ahead(_numbers(40), _finish_after_a_pause, _cpu_finishers(threads), depth, [])
     assert [int(next(ahead)[0]["i"]) for _ in range(40)] == list(range(40))
     with pytest.raises(StopIteration):
         next(ahead)
-    ahead.thread.join(10)
-    assert not ahead.thread.is_alive() and ahead.done.maxsize == depth
-    failing = _Ahead(_numbers(10, fail_at=6), torch.device("cpu"), depth, [])
+    for t in ahead.threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in ahead.threads) and len(ahead.threads) == threads
+    failing = _Ahead(_numbers(10, fail_at=6), _finish_after_a_pause, _cpu_finishers(threads), depth, [])
     assert [int(next(failing)[0]["i"]) for _ in range(6)] == list(range(6))
     with pytest.raises(ValueError, match="at 6"):
         next(failing)
+    failing.stop()
+    negative = (({"i": torch.tensor(i if i != 5 else -5)},) for i in range(10))  # the finish raises at the sixth
+    finishing = _Ahead(negative, _finish_after_a_pause, _cpu_finishers(threads), depth, [])
+    assert [int(next(finishing)[0]["i"]) for _ in range(5)] == list(range(5))
+    with pytest.raises(ValueError, match="finishing -5"):
+        next(finishing)
+    finishing.stop()
 
 
-def test_stopping_the_batches_ahead_mid_epoch_ends_the_thread_waiting_on_a_full_ring():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_stopping_the_batches_ahead_mid_epoch_ends_the_threads_waiting_for_room(threads):
     from dres.data.loaders import _Ahead, _stop_workers
 
     running = []
-    ahead = _Ahead(_numbers(10**6), torch.device("cpu"), 2, running)
+    ahead = _Ahead(_numbers(10**6), _finish_after_a_pause, _cpu_finishers(threads), 2, running)
     next(ahead)
+    room = ahead.depth + threads
     deadline = time.time() + 10
-    while not ahead.done.full() and time.time() < deadline:  # the thread now waits for room in the ring
+    while len(ahead.entries) < room and time.time() < deadline:  # the threads now wait for room
         time.sleep(0.01)
-    assert ahead.done.full() and ahead.thread.is_alive()
+    assert len(ahead.entries) == room and ahead.issued - ahead.taken == room
+    assert all(t.is_alive() for t in ahead.threads)
     _stop_workers(running)
-    assert not ahead.thread.is_alive() and running == []
+    assert not any(t.is_alive() for t in ahead.threads) and running == []
 
 
 def test_nvimgcodec_gives_its_share_to_the_hardware_and_the_rest_and_its_refusals_to_the_cuda_cores(monkeypatch):

@@ -216,16 +216,19 @@ def test_every_ranks_lost_data_count_survives_a_resume(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("source", ["imagefolder", "wds"])
-def test_a_loader_decoding_on_the_gpu_resumes_exactly(tmp_path, source):
-    """GPU decode keeps the CPU decode's position and loss bookkeeping: the batches after a resume are those of
-    the loader never stopped, bit for bit, and so is its state."""
+def test_a_loader_decoding_on_the_gpu_resumes_exactly(tmp_path, source, threads):
+    """GPU decode keeps the CPU decode's position and loss bookkeeping, with one thread finishing batches ahead or
+    two at once (each with its own decoder and stream): the batches after a resume are those of the loader never
+    stopped, bit for bit, and so is its state."""
     path = (_folder(tmp_path, bad=(4,)) if source == "imagefolder" else
             _shards(tmp_path, n_shards=2, per_shard=24, bad=("k1-3",)))
-    config = dataclasses.replace(_loader_config(source, path, 2), decode="gpu", img_size=16)
+    config = dataclasses.replace(_loader_config(source, path, 2), decode="gpu", img_size=16, finish_threads=threads)
     loader = build_loader(config, "train", 8, seed=3, device="cuda")
     assert loader.finisher.backend is not None and loader.prep.gpu
     taken = [(loader.next(), loader.state_dict()) for _ in range(5)]
+    assert len(loader._replicas) == threads - 1
     loader.close()
     resumed = build_loader(config, "train", 8, seed=3, device="cuda")
     resumed.load_state_dict(taken[1][1])

@@ -155,8 +155,14 @@ def _bad_values():
         ("threads", "-1", "'threads' must be >= 0"),
         ("seed", "-1", "'seed' must be >= 0; got -1"),
         ("compile", "1", "'compile' expects true/false, got 1"),
+        ("data.finish_threads", "0", "'data.finish_threads' must be a positive integer, and 1 with "
+                                     "data.finish_ahead=0 (the step's own thread finishes each batch); got 0"),
     ]
-    return [pytest.param(qs + [f"{k}={v}"], m, id=f"{k}={v}") for k, v, m in cases]
+    threads_without_ahead = pytest.param(
+        qs + ["data.finish_ahead=0", "--set", "data.finish_threads=2"], "'data.finish_threads' must be a positive "
+        "integer, and 1 with data.finish_ahead=0 (the step's own thread finishes each batch); got 2",
+        id="data.finish_threads=2,data.finish_ahead=0")
+    return [pytest.param(qs + [f"{k}={v}"], m, id=f"{k}={v}") for k, v, m in cases] + [threads_without_ahead]
 
 
 @pytest.mark.parametrize("args,msg", _bad_values())

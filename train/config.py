@@ -67,6 +67,9 @@ class DataConfig:
     finish_ahead: int = setting(2, "streaming loaders: batches a thread of the training process finishes (GPU decode, "
                                    "crop, normalisation, copies) ahead of the step (0: in the step's own thread, "
                                    "between steps)")
+    finish_threads: int = setting(1, "streaming loaders with finish_ahead >= 1: threads finishing batches at once, "
+                                     "each with its own GPU decoder and stream (torchvision's decoder takes one "
+                                     "call at a time a process; nvImageCodec's decoders run side by side)")
     finish_high_priority: bool = setting(True, "streaming loaders on a GPU: the streams finishing batches (decode, crop"
                                                ", copies) at the GPU's highest priority, ahead of the step's kernels "
                                                "(false: the default priority)")
@@ -628,6 +631,8 @@ def validate(cfg: Config) -> None:
     need(cfg, 0 <= d.max_corrupt_frac <= 1, "data.max_corrupt_frac", "must be in [0, 1]")
     need(cfg, 0 < d.crop_min <= 1, "data.crop_min", "must be in (0, 1]")
     need(cfg, 0 <= d.hw_decode_load <= 1, "data.hw_decode_load", "must be in [0, 1]")
+    need(cfg, d.finish_threads >= 1 and (d.finish_threads == 1 or d.finish_ahead > 0), "data.finish_threads",
+         "must be a positive integer, and 1 with data.finish_ahead=0 (the step's own thread finishes each batch)")
     need(cfg, 0 <= d.color_jitter, "data.color_jitter", "must be >= 0 (0: off)")
     need(cfg, 0 < d.eval_crop_pct <= 1, "data.eval_crop_pct", "must be in (0, 1] (1: resize the whole image)")
     if d.normalize:

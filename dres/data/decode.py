@@ -323,7 +323,7 @@ class BatchFinisher:
     def __init__(self, device, size: int, channels: int, mean=None, std=None, backend: str | None = None,
                  hw_load: float = 0.65, high_priority: bool = True):
         self.device, self.size, self.channels, self.backend = torch.device(device), size, channels, backend
-        self.priority = 0
+        self.high_priority, self.priority = high_priority, 0
         if self.device.type == "cuda":
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -341,6 +341,12 @@ class BatchFinisher:
         self.stream = torch.cuda.Stream(self.device, priority=self.priority) if backend else None
         self._decoders = None  # nvImageCodec's (nvimgcodec_decoders) and the thread running the CUDA one beside
         self.decode_s = 0.0  # the host's time in the GPU decoder's calls, waits included, over the finisher's life
+
+    def replica(self) -> "BatchFinisher":
+        """A finisher like this one with a stream and decoders of its own, for another thread finishing batches at
+        the same time."""
+        return BatchFinisher(self.device, self.size, self.channels, self.mean.tolist(), self.std.tolist(), self.backend,
+                             self.hw_load, self.high_priority)
 
     def __call__(self, batch: dict, lost: list, paths: Counter | None = None) -> dict | None:
         """``lost`` gets the names of images nobody could decode, ``paths`` (where given) the count of images

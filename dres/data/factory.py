@@ -173,7 +173,8 @@ def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, 
                              d.finish_high_priority)
     common = dict(rank=rank, world=world, accum=accum, seed=seed, device=device, prep=prep, finisher=finisher,
                   num_workers=loader_workers(d, backend), num_classes=d.num_classes,
-                  max_corrupt_frac=d.max_corrupt_frac, log=log, ahead=d.finish_ahead)
+                  max_corrupt_frac=d.max_corrupt_frac, log=log, ahead=d.finish_ahead,
+                  threads=d.finish_threads)
     if d.name == "imagefolder":
         return FolderLoader(_pattern(d, split), global_batch, limit=d.limit, **common)
     pattern = _shard_pattern(d, split)

@@ -22,7 +22,8 @@ nothing from the global generator, whose stream (the step's masks and noise) the
 
 Both file loaders make pixels the way :mod:`dres.data.decode` says (in the workers, or on the GPU), and
 finish each batch (its GPU decode, crop kernel and normalisation) ``ahead`` batches early in a thread of the
-training process (:class:`_Ahead`), so the step's thread only queues steps; at the end of each epoch of known
+training process, or in ``threads`` threads finishing several batches at once (:class:`_Ahead`), so the step's
+thread only queues steps; at the end of each epoch of known
 length they log where its images were decoded (:func:`~dres.data.decode.decode_paths_line`). A step batch that
 lost samples (an unreadable file, a JPEG no decoder took) is made up to its size with its own samples
 (:func:`made_up`): every step of a run has one shape, which a captured step, a compiled model and DDP's ranks need.
@@ -32,9 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
-import queue
 import random
 import threading
 import time
@@ -157,7 +158,7 @@ class _StreamingLoader(_Position):
     (:class:`dres.data.decode.BatchFinisher`) and the accounting of lost samples."""
 
     def __init__(self, global_batch, *, rank, world, accum, seed, device, prep: SamplePrep, finisher: BatchFinisher | None,
-                 num_workers, max_corrupt_frac, log, unit, where, ahead):
+                 num_workers, max_corrupt_frac, log, unit, where, ahead, threads):
         self.local = check_split(global_batch, world, accum)
         self.global_batch, self.rank, self.world, self.seed, self.device = global_batch, rank, world, seed, device
         # without a finisher: CPU-decoded pixels, unnormalised
@@ -173,7 +174,12 @@ class _StreamingLoader(_Position):
         self.decoded, self._decoded_before = Counter(), Counter()
         self.finishing: list[dict] = []
         self._read, self._expected, self.ahead = 0, 0, ahead
-        # the finished batches to come (an _Ahead, or the generator itself with ahead=0) and the DataLoader
+        if threads < 1 or (threads > 1 and not ahead):
+            raise ValueError(f"threads={threads}: at least 1, and 1 with ahead=0 (the step's thread finishes each batch)")
+        # the threads finishing batches ahead at once; each past the first finishes with a replica of the finisher
+        # (a stream and decoders of its own), made once and kept
+        self.threads, self._replicas = threads, []
+        # the batches to come (handed over from an _Ahead, or finished in this thread with ahead=0) and the DataLoader
         # iterator whose workers run; the workers ignore SIGTERM, so they are stopped by message, at the latest
         # when the loader is collected or the process exits (before multiprocessing's own exit handler)
         self._running: list = []
@@ -184,15 +190,21 @@ class _StreamingLoader(_Position):
         """How the pixels are made, for the run's log."""
         backend = self.finisher.backend
         where = f"GPU ({backend})" if backend else "CPU"
-        return f"decoded on the {where}, {self.num_workers} workers ({cores_per_process()} cores a process)"
+        threads = f", {self.threads} threads finishing batches" if self.threads > 1 else ""
+        return f"decoded on the {where}, {self.num_workers} workers ({cores_per_process()} cores a process){threads}"
 
     def next(self):
         """This rank's next step batch on the device; the data position moves as batches are handed over."""
         if self._batches_to_come is None:
-            # the batches hold the loader weakly: one dropped without close() still stops its thread and workers
-            batches = type(self)._finished(weakref.proxy(self), self.epoch, self.batch)
-            self._batches_to_come = (_Ahead(batches, self.finisher.device, self.ahead, self._running,
-                                            self.finisher.priority) if self.ahead else batches)
+            # the work holds the loader weakly: one dropped without close() still stops its threads and workers
+            loader = weakref.proxy(self)
+            work = type(self)._to_finish(loader, self.epoch, self.batch)
+            finish = functools.partial(type(self)._finish, loader)
+            self._replicas += [self.finisher.replica() for _ in range(self.threads - 1 - len(self._replicas))]
+            finisher = self.finisher
+            finished = (_Ahead(work, finish, [finisher, *self._replicas], self.ahead, self._running) if self.ahead
+                        else (finish(item, finisher) for item in work))
+            self._batches_to_come = _handed_over(finished)
         out, losses, self.epoch, self.batch = next(self._batches_to_come)
         self._count(losses)
         if self.batch == 0 or self.batch == len(self):  # the epoch's last batch (ShardLoader: the next's position)
@@ -227,18 +239,20 @@ class _StreamingLoader(_Position):
             prefetch_factor=4 if self.num_workers else None,
             generator=torch.Generator().manual_seed(_mix(self.seed, self.rank, 5)), **kw)
 
-    def _finish(self, prepared: dict) -> tuple[dict | None, tuple]:
-        """A collated batch -> the batch on the device (None: nothing of it survived) and its losses, ``(loss
-        events, lost samples' names, samples read, images each decode path made, its finishing times)``, which
-        :meth:`_count` counts when the batch is handed over."""
+    def _finish(self, item: tuple, finisher: BatchFinisher) -> tuple:
+        """A work item of :meth:`_to_finish`, ``(collated batch, epoch, batch, hand_over)``, finished by ``finisher``
+        -> ``(the batch on the device (None: nothing of it survived), its losses, epoch, batch, hand_over)``: the
+        losses ``(loss events, lost samples' names, samples read, images each decode path made, its finishing
+        times)``, which :meth:`_count` counts when the batch is handed over."""
+        prepared = item[0]
         lost, paths = list(prepared["lost"]), Counter()
         check_labels(prepared["labels"], self.num_classes, self.where)  # on the host: no wait for the GPU
-        decode_before, start, cpu_start = self.finisher.decode_s, time.perf_counter(), time.thread_time()
-        out = self.finisher(prepared, lost, paths) if len(prepared["labels"]) else None
-        finishing = {"finish_s": time.perf_counter() - start, "decode_s": self.finisher.decode_s - decode_before,
+        decode_before, start, cpu_start = finisher.decode_s, time.perf_counter(), time.thread_time()
+        out = finisher(prepared, lost, paths) if len(prepared["labels"]) else None
+        finishing = {"finish_s": time.perf_counter() - start, "decode_s": finisher.decode_s - decode_before,
                      "finish_cpu_s": time.thread_time() - cpu_start}
-        return out, (tuple(prepared.get("events", ())), tuple(lost), 0 if out is None else len(out["label"]), paths,
-                     finishing)
+        return (out, (tuple(prepared.get("events", ())), tuple(lost), 0 if out is None else len(out["label"]), paths,
+                      finishing), *item[1:])
 
     def _count(self, losses: list):
         """Count the losses of :meth:`_finish` as their batches are handed over, not as they are finished ahead:
@@ -285,79 +299,113 @@ def _stop_workers(running: list, keep=()):
     running[:] = [it for it in running if isinstance(it, keep)]
 
 
+def _handed_over(finished):
+    """The finished work items, in order, ``(batch on the device or None, losses, epoch, batch, hand_over)`` -> the
+    batches handed over, ``(batch, losses, epoch, batch)``: each with the losses of the items finished since the
+    last one (a rest of a shard slot, a batch that lost every sample)."""
+    losses = []
+    for out, lost, epoch, batch, hand_over in finished:
+        losses.append(lost)
+        if hand_over and out is not None:
+            yield out, losses, epoch, batch
+            losses = []
+
+
 class _Ahead:
-    """The batches of ``batches`` (an iterator of ``(batch, ...)``: the loaders' ``_finished``) finished ``depth``
-    ahead by a thread of the training process: the GPU decode (which waits on the decoders with the GIL released),
-    the crop kernel and the copies of the next batches run while the step's thread queues the step. The thread's
-    GPU work runs on a stream of its own, of ``priority`` (:attr:`BatchFinisher.priority`); a batch handed over
-    is ready on the taker's current stream through an event (the taker's stream waits for it, the host does not),
-    its memory kept from reuse until the taker's stream has read it, and an exception the source raised is
-    raised where its batch would have come. At most ``depth`` finished batches wait (the queue), plus the one
-    being finished."""
+    """The items of ``work`` (the loaders' ``_to_finish``), each finished (``finish(item, finisher)``) ``depth``
+    batches ahead by threads of the training process, one a finisher of ``finishers``, and handed over in the
+    order of ``work``: the GPU decode (which waits on the decoders with the GIL released), the crop kernel and
+    the copies of the next batches run while the step's thread queues the step, several batches at once with
+    several threads (each finisher has its decoders and stream). One thread at a time takes the next item of
+    ``work``. A thread's GPU work runs on a stream of its own, of its finisher's priority; a batch handed over is
+    ready on the taker's current stream through an event (the taker's stream waits for it, the host does not),
+    its memory kept from reuse until the taker's stream has read it, and an exception the work or a finish raised
+    is raised where its batch would have come. At most ``depth`` + one a thread batches are under way or wait."""
 
-    def __init__(self, batches, device: torch.device, depth: int, running: list, priority: int = 0):
-        self.device, self.priority = device, priority  # the device with its index (BatchFinisher.device)
-        self.stream = None  # the thread's own, once it runs on a GPU
-        self.done = queue.Queue(depth)
+    def __init__(self, work, finish, finishers: list, depth: int, running: list):
+        self.device, self.depth = finishers[0].device, depth  # the device with its index (BatchFinisher.device)
         self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(batches,), name="dres-batches-ahead", daemon=True)
+        self.changed = threading.Condition()  # guards the tickets and the finished entries
+        self.issued = self.taken = 0  # tickets: items taken from the work, and handed over
+        self.entries: dict = {}  # ticket -> ("batch", finished item, ready event) or ("raise", exception, None)
+        self.reading = threading.Lock()  # held while a thread takes the next item of the work
+        self.ended = False  # the work ended or raised, or a finish raised: no item is taken after
+        self.threads = [threading.Thread(target=self._run, args=(work, finish, finisher), daemon=True,
+                                         name=f"dres-batches-ahead-{i}") for i, finisher in enumerate(finishers)]
         running.append(self)  # stopped with the workers (_stop_workers)
-        self.thread.start()
+        for thread in self.threads:
+            thread.start()
 
-    def _run(self, batches):
+    def _run(self, work, finish, finisher):
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.set_device(self.device)  # the current device is the thread's own
-        self.stream = stream = torch.cuda.Stream(self.device, priority=self.priority) if cuda else None
+        stream = torch.cuda.Stream(self.device, priority=finisher.priority) if cuda else None
         with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-            while not self.stopping.is_set():
+            while True:
+                with self.reading:
+                    with self.changed:  # room for another batch: depth waiting, and one a thread under way
+                        while not self.stopping.is_set() and self.issued - self.taken >= self.depth + len(self.threads):
+                            self.changed.wait(0.1)
+                        if self.ended or self.stopping.is_set():
+                            return
+                        ticket = self.issued
+                        self.issued += 1
+                    try:
+                        item = next(work)
+                    except BaseException as e:  # handed over in order, StopIteration included
+                        self.ended = True
+                        self._deliver(ticket, ("raise", e, None))
+                        return
                 try:
-                    item = next(batches)
-                except BaseException as e:  # handed over in order, StopIteration included
-                    self._put(("raise", e, None))
+                    finished = finish(item, finisher)
+                except BaseException as e:
+                    self.ended = True
+                    self._deliver(ticket, ("raise", e, None))
                     return
                 ready = None
                 if cuda:
                     ready = torch.cuda.Event()
                     ready.record(stream)
-                if not self._put(("batch", item, ready)):
-                    return
+                self._deliver(ticket, ("batch", finished, ready))
 
-    def _put(self, entry) -> bool:
-        while not self.stopping.is_set():
-            try:
-                self.done.put(entry, timeout=0.1)
-                return True
-            except queue.Full:
-                pass
-        return False
+    def _deliver(self, ticket: int, entry: tuple):
+        with self.changed:
+            if not self.stopping.is_set():
+                self.entries[ticket] = entry
+            self.changed.notify_all()
 
     def __next__(self):
-        while True:
-            try:
-                kind, item, ready = self.done.get(timeout=1.0)
-                break
-            except queue.Empty:
-                if not self.thread.is_alive():
-                    raise RuntimeError("the thread finishing batches ahead has stopped") from None
+        with self.changed:
+            while self.taken not in self.entries:
+                if not any(thread.is_alive() for thread in self.threads):
+                    raise RuntimeError("the threads finishing batches ahead have stopped")
+                self.changed.wait(1.0)
+            kind, item, ready = self.entries.pop(self.taken)
+            self.taken += 1
+            self.changed.notify_all()
         if kind == "raise":
             raise item
         if ready is not None:
             taker = torch.cuda.current_stream(self.device)
             taker.wait_event(ready)
-            for t in item[0].values():
+            for t in (item[0] or {}).values():
                 if isinstance(t, torch.Tensor) and t.is_cuda:
-                    t.record_stream(taker)  # made on the thread's stream, read on the taker's
+                    t.record_stream(taker)  # made on a finishing thread's stream, read on the taker's
         return item
 
+    def __iter__(self):
+        return self
+
     def stop(self, timeout: float = 60.0):
-        """End the thread after the batch it is finishing (the workers must still run to let it finish)."""
+        """End the threads after the batches they are finishing (the workers must still run to let them finish)."""
         self.stopping.set()
-        with contextlib.suppress(queue.Empty):
-            while True:
-                self.done.get_nowait()
-        if self.thread is not threading.current_thread():  # the loader's finalizer may run in the thread itself
-            self.thread.join(timeout)
+        with self.changed:
+            self.entries.clear()
+            self.changed.notify_all()
+        for thread in self.threads:
+            if thread is not threading.current_thread():  # the loader's finalizer may run in a thread itself
+                thread.join(timeout)
 
 
 class _FolderSamples(torch.utils.data.Dataset):
@@ -397,10 +445,10 @@ class FolderLoader(_StreamingLoader):
 
     def __init__(self, root, global_batch, *, rank=0, world=1, accum=1, seed=0, device="cpu", prep: SamplePrep,
                  finisher: BatchFinisher | None = None, num_workers=8, limit=0, num_classes=0, max_corrupt_frac=1.0, log=None,
-                 ahead=2):
+                 ahead=2, threads=1):
         super().__init__(global_batch, rank=rank, world=world, accum=accum, seed=seed, device=device, prep=prep,
                          finisher=finisher, num_workers=num_workers, max_corrupt_frac=max_corrupt_frac, log=log,
-                         unit="file", where=root, ahead=ahead)
+                         unit="file", where=root, ahead=ahead, threads=threads)
         paths, labels, self.classes = list_image_folder(root)
         if limit:
             paths, labels = paths[:limit], labels[:limit]
@@ -416,20 +464,15 @@ class FolderLoader(_StreamingLoader):
     def __len__(self):
         return self.steps_per_epoch
 
-    def _finished(self, epoch, batch):
-        """The finished batches from position ``(epoch, batch)`` on, each with the losses to count and the position
-        after it."""
+    def _to_finish(self, epoch, batch):
+        """The collated batches from position ``(epoch, batch)`` on, each with the position after it, to finish
+        and hand over (:func:`_handed_over`)."""
         keys = folder_batches(len(self.ds), self.global_batch, self.rank, self.local, self.seed, epoch, batch)
-        losses = []  # of the batches since the last one handed over
         for prepared in self._open(self.ds, batch_sampler=keys, collate_fn=collate_prepared):
             if batch >= self.steps_per_epoch:
                 epoch, batch = epoch + 1, 0
             batch += 1
-            out, lost = self._finish(prepared)
-            losses.append(lost)
-            if out is not None:
-                yield out, losses, epoch, batch
-                losses = []
+            yield prepared, epoch, batch, True
 
 
 def slot_shards(shards: list, slot: int, nslots: int) -> list[tuple[str, tuple[int, int] | None]]:
@@ -507,11 +550,11 @@ class ShardLoader(_StreamingLoader):
 
     def __init__(self, pattern, global_batch, *, rank=0, world=1, accum=1, seed=0, device="cpu", prep: SamplePrep,
                  finisher: BatchFinisher | None = None, train=True, num_workers=4, buffer=2000, samples_per_epoch=None,
-                 num_classes=0, max_corrupt_frac=1.0, log=None, ahead=2):
+                 num_classes=0, max_corrupt_frac=1.0, log=None, ahead=2, threads=1):
         self.shards = expand_shards(pattern)
         super().__init__(global_batch, rank=rank, world=world, accum=accum, seed=seed, device=device, prep=prep,
                          finisher=finisher, num_workers=num_workers, max_corrupt_frac=max_corrupt_frac, log=log,
-                         unit="shard", where=f"{len(self.shards)} shard(s)", ahead=ahead)
+                         unit="shard", where=f"{len(self.shards)} shard(s)", ahead=ahead, threads=threads)
         self.num_classes, self.train, self.buffer = num_classes, train, buffer
         self.counter.shards_total = len(self.shards)
         self.counter.dropped_by_prep = prep_dropped(self.shards)
@@ -529,12 +572,12 @@ class ShardLoader(_StreamingLoader):
         path = next((s for s in self.shards if os.path.basename(s) == shard), None)
         return sample_sources(path).get(key) if path else None
 
-    def _finished(self, epoch, batch):
-        """The finished batches from position ``(epoch, batch)`` on, each with the losses to count and the position
-        after it. A batch of fewer than ``local`` samples (a slot's rest at its end) only has losses to count.
-        Resume drops what the epoch already consumed, unfinished and uncounted: the batches up to the position and
-        the rests met before its last one, whose losses the count saved with the position holds."""
-        losses = []  # of the batches since the last one handed over
+    def _to_finish(self, epoch, batch):
+        """The collated batches from position ``(epoch, batch)`` on, each with the position after it, to finish
+        and hand over (:func:`_handed_over`); a batch of fewer than ``local`` samples (a slot's rest at its end)
+        only has losses to count. Resume drops what the epoch already consumed, unfinished and uncounted: the
+        batches up to the position and the rests met before its last one, whose losses the count saved with the
+        position holds."""
         while True:
             ds = _ShardStream(self.shards, self.rank, self.world, self.seed, epoch, self.prep, self.train,
                               self.buffer, self.local)
@@ -544,14 +587,12 @@ class ShardLoader(_StreamingLoader):
                 if skip:
                     skip -= full
                     continue
-                out, lost = self._finish(prepared)
-                losses.append(lost)
                 if not full:
+                    yield prepared, epoch, batch, False
                     continue
                 last = bool(self.steps_per_epoch) and batch + 1 >= self.steps_per_epoch  # ranks stay in step
                 epoch, batch = (epoch + 1, 0) if last else (epoch, batch + 1)
-                yield out, losses, epoch, batch
-                losses = []
+                yield prepared, epoch, batch, True
                 if last:
                     break
             else:
@@ -563,7 +604,7 @@ class ShardLoader(_StreamingLoader):
         """Every sample once, in order, unaugmented, in batches of ``batch_size`` (in this process)."""
         prep = dataclasses.replace(self.prep, aug="none", crop_min=0.0, jitter=0.0)
         for prepared in _ShardStream(self.shards, self.rank, self.world, self.seed, 0, prep, False, 0, batch_size):
-            out, lost = self._finish(prepared)
+            out, lost = self._finish((prepared,), self.finisher)
             self._count([lost])
             if out is not None:
                 yield out
