@@ -125,16 +125,15 @@ def make_finishers(decoder: str, share: float, high: bool, count: int) -> list:
     return [BatchFinisher("cuda", 224, 3, IMAGENET_MEAN, IMAGENET_STD, decoder, share, high) for _ in range(count)]
 
 
-def thread_case(batches, load: GemmLoad, decoder: str, share: float, high: bool, threads: int, per_thread: int,
-                load_alone: float) -> dict:
+def thread_case(batches, load: GemmLoad, decoder: str, share: float, high: bool, threads: int,
+                per_thread: int) -> tuple[float, float]:
+    """ms a batch with ``threads`` finishing threads of this process, alone and beside ``load``."""
     finishers = make_finishers(decoder, share, high, threads)
     finish_ms(finishers, batches, 2)  # the decoders' buffers and the crop kernel's compile
     alone = finish_ms(finishers, batches, per_thread)
     with load:
         beside = finish_ms(finishers, batches, per_thread)
-    return {"decoder": decoder, "share": share if decoder == "nvimgcodec" else None, "priority": _word(high),
-            "where": "thread", "threads": threads, "ms_alone": alone, "ms_beside": beside,
-            "load_rate_alone": load_alone, "load_rate_beside": load.rate}
+    return alone, beside
 
 
 def _child(root, batch, decoder, share, high, per_thread, conn):
@@ -150,7 +149,8 @@ def _child(root, batch, decoder, share, high, per_thread, conn):
         conn.send(("error", f"{type(e).__name__}: {e}".splitlines()[0]))
 
 
-def process_case(args, load: GemmLoad, decoder: str, share: float, high: bool, load_alone: float) -> dict:
+def process_case(args, load: GemmLoad, decoder: str, share: float, high: bool) -> tuple[float, float]:
+    """ms a batch with one finishing thread in a process of its own, alone and beside this process's ``load``."""
     ctx = multiprocessing.get_context("spawn")  # a CUDA context of its own: no fork of this one
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_child, args=(args.root, args.batch, decoder, share, high, args.batches, child))
@@ -168,13 +168,7 @@ def process_case(args, load: GemmLoad, decoder: str, share: float, high: bool, l
         proc.join(60)
         if proc.is_alive():
             proc.kill()
-    return {"decoder": decoder, "share": share if decoder == "nvimgcodec" else None, "priority": _word(high),
-            "where": "process", "threads": 1, "ms_alone": alone, "ms_beside": beside,
-            "load_rate_alone": load_alone, "load_rate_beside": load.rate}
-
-
-def _word(high: bool) -> str:
-    return next(word for word, value in PRIORITIES.items() if value == high)
+    return alone, beside
 
 
 def markdown(rows: list[dict], card: str, images: int, load_size: int) -> str:
@@ -239,15 +233,17 @@ def main(argv=None) -> int:
             high = PRIORITIES[priority]
             cases = [("thread", int(t)) for t in threads] + ([("process", 1)] if args.process else [])
             for where, count in cases:
+                row = {"decoder": decoder, "share": share if decoder == "nvimgcodec" else None,
+                       "priority": priority, "where": where, "threads": count}
                 try:
                     if gpu_decode_backend("cuda", decoder) != decoder:
                         raise RuntimeError(f"{decoder} is not installed")
-                    row = (thread_case(batches, load, decoder, share, high, count, args.batches, load_alone)
-                           if where == "thread" else process_case(args, load, decoder, share, high, load_alone))
+                    alone, beside = (thread_case(batches, load, decoder, share, high, count, args.batches)
+                                     if where == "thread" else process_case(args, load, decoder, share, high))
+                    row.update(ms_alone=alone, ms_beside=beside, load_rate_alone=load_alone,
+                               load_rate_beside=load.rate)
                 except Exception as e:  # one case's failure is its row; the others go on
-                    row = {"decoder": decoder, "share": share if decoder == "nvimgcodec" else None,
-                           "priority": priority, "where": where, "threads": count,
-                           "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+                    row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     images = statistics.median(len(b["labels"]) for b in batches)

@@ -674,10 +674,12 @@ def test_a_run_reading_files_with_workers_ends_when_it_is_done(tmp_path):
     assert "[dres] data: imagefolder, decoded on the CPU, 2 workers (" in out  # what the run reads, said once
 
 
-def test_sigterm_to_the_process_group_with_workers_saves_and_exits_75(tmp_path):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_sigterm_to_the_process_group_with_workers_saves_and_exits_75(tmp_path, threads):
     """What Slurm, Kubernetes and timeout do: SIGTERM to every process of the group, the DataLoader workers
-    included; the trainer finishes its step, saves and exits 75, and the run resumes from there."""
-    _sigterm_saves_exits_75_and_resumes(tmp_path, [])
+    included; the trainer finishes its step, saves and exits 75, and the run resumes from there (with one thread
+    finishing batches ahead, and with two)."""
+    _sigterm_saves_exits_75_and_resumes(tmp_path, [f"data.finish_threads={threads}"])
 
 
 @pytest.mark.gpu

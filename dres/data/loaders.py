@@ -175,7 +175,8 @@ class _StreamingLoader(_Position):
         self.finishing: list[dict] = []
         self._read, self._expected, self.ahead = 0, 0, ahead
         if threads < 1 or (threads > 1 and not ahead):
-            raise ValueError(f"threads={threads}: at least 1, and 1 with ahead=0 (the step's thread finishes each batch)")
+            raise ValueError(f"threads={threads}: at least 1, and 1 with ahead=0 (the step's thread finishes "
+                             "each batch)")
         # the threads finishing batches ahead at once; each past the first finishes with a replica of the finisher
         # (a stream and decoders of its own), made once and kept
         self.threads, self._replicas = threads, []
@@ -325,9 +326,10 @@ class _Ahead:
     def __init__(self, work, finish, finishers: list, depth: int, running: list):
         self.device, self.depth = finishers[0].device, depth  # the device with its index (BatchFinisher.device)
         self.stopping = threading.Event()
-        self.changed = threading.Condition()  # guards the tickets and the finished entries
-        self.issued = self.taken = 0  # tickets: items taken from the work, and handed over
-        self.entries: dict = {}  # ticket -> ("batch", finished item, ready event) or ("raise", exception, None)
+        self.changed = threading.Condition()  # guards the sequence numbers and the finished entries
+        self.issued = self.taken = 0  # sequence numbers: of the items taken from the work, and of those handed over
+        # sequence number -> ("batch", finished item, ready event) or ("raise", exception, None)
+        self.entries: dict = {}
         self.reading = threading.Lock()  # held while a thread takes the next item of the work
         self.ended = False  # the work ended or raised, or a finish raised: no item is taken after
         self.threads = [threading.Thread(target=self._run, args=(work, finish, finisher), daemon=True,
@@ -349,30 +351,31 @@ class _Ahead:
                             self.changed.wait(0.1)
                         if self.ended or self.stopping.is_set():
                             return
-                        ticket = self.issued
+                        seq = self.issued
                         self.issued += 1
                     try:
                         item = next(work)
                     except BaseException as e:  # handed over in order, StopIteration included
-                        self.ended = True
-                        self._deliver(ticket, ("raise", e, None))
-                        return
+                        return self._end(seq, e)
                 try:
                     finished = finish(item, finisher)
                 except BaseException as e:
-                    self.ended = True
-                    self._deliver(ticket, ("raise", e, None))
-                    return
+                    return self._end(seq, e)
                 ready = None
                 if cuda:
                     ready = torch.cuda.Event()
                     ready.record(stream)
-                self._deliver(ticket, ("batch", finished, ready))
+                self._deliver(seq, ("batch", finished, ready))
 
-    def _deliver(self, ticket: int, entry: tuple):
+    def _end(self, seq: int, error: BaseException):
+        """No item is taken after ``seq``, whose batch raises ``error`` where it would have come."""
+        self.ended = True
+        self._deliver(seq, ("raise", error, None))
+
+    def _deliver(self, seq: int, entry: tuple):
         with self.changed:
             if not self.stopping.is_set():
-                self.entries[ticket] = entry
+                self.entries[seq] = entry
             self.changed.notify_all()
 
     def __next__(self):
