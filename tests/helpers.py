@@ -185,6 +185,41 @@ def cuda_dispatch_forced():
         yield
 
 
+def catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler of its own for ``signum`` (the SigCgt mask of /proc/<pid>/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return bool(mask >> (signum - 1) & 1)
+
+
+def signal_after_the_handler(procs: list, delays: list, timeout: float = 120.0) -> None:
+    """Send each process's group SIGTERM, or SIGINT every second one, ``delay`` seconds after the process first
+    catches SIGTERM: a signal sooner meets the interpreter's own start-up, which no code of the command can answer
+    (on a loaded machine that lasts past any fixed delay). A process that ends first is not signalled."""
+    import os
+    import signal
+    import time
+
+    caught = [None] * len(procs)
+    pending = set(range(len(procs)))
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        now = time.monotonic()
+        for i in sorted(pending):
+            if procs[i].poll() is not None:
+                pending.discard(i)
+            elif caught[i] is None:
+                caught[i] = now if catches(procs[i].pid, signal.SIGTERM) else None
+            elif now >= caught[i] + delays[i]:
+                os.killpg(procs[i].pid, signal.SIGINT if i % 2 else signal.SIGTERM)
+                pending.discard(i)
+        time.sleep(0.005)
+    assert not pending, f"processes {sorted(pending)} never caught SIGTERM in {timeout} s"
+
+
 def free_port() -> int:
     """A port free now, for torchrun's agent to bind (it serves the store itself; ranks the test starts on their own
     take :func:`process_group`, whose port is never let go)."""

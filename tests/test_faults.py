@@ -23,7 +23,7 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import process_group
+from helpers import process_group, signal_after_the_handler
 
 from dres.train import checkpoint
 from dres.train import cli, rundir
@@ -261,7 +261,7 @@ def test_forked_loader_workers_keep_their_own_signal_behaviour():
     assert asked == []
 
 
-# the command line as its console script runs it, so that a delay counts from the process's start
+# the command line as its console script runs it
 CONSOLE_SCRIPT = "import sys; from dres.train.cli import main; sys.exit(main())"
 
 
@@ -270,18 +270,14 @@ def test_a_signal_at_any_moment_of_start_up_is_one_line_and_its_own_status(tmp_p
     the trainer's setup and its first steps: each run ends with one line and status 75, or finishes (status 0),
     never with a traceback; a run stopped before it saved a step leaves no folder, so the same command starts it
     again, and one stopped after a step leaves its checkpoint for --resume auto."""
-    delays = [0.7, 1.5, 3.0, 5.0, 8.0]  # started together, so that the sweep takes the longest delay's time
+    delays = [0.0, 0.8, 2.3, 4.3, 7.3]  # from the handler's installation; started together, the sweep takes the longest
     procs = []
     for i, delay in enumerate(delays):
         args = _args(tmp_path / f"run{i}", "--set", "log.tensorboard=true", steps=30)
         procs.append(subprocess.Popen([sys.executable, "-c", CONSOLE_SCRIPT, *args], cwd=str(tmp_path),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1")))
-    started = time.monotonic()
-    for i, (proc, delay) in enumerate(zip(procs, delays)):
-        time.sleep(max(0.0, started + delay - time.monotonic()))
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT if i % 2 else signal.SIGTERM)
+    signal_after_the_handler(procs, delays)
     for i, proc in enumerate(procs):
         stdout, stderr = proc.communicate(timeout=300)
         out = tmp_path / f"run{i}"
@@ -306,15 +302,11 @@ def test_a_signal_at_any_moment_of_dres_evals_start_is_one_line_and_its_own_stat
     out = tmp_path / "run"
     assert _train(out, steps=2) == 0
     script = "import sys; from dres.train.cli import eval_main; sys.exit(eval_main())"
-    delays = [0.3, 1.0, 2.0, 3.5]
+    delays = [0.0, 0.7, 1.7, 3.2]  # from the handler's installation
     procs = [subprocess.Popen([sys.executable, "-c", script, str(out)], cwd=str(tmp_path), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, start_new_session=True,
                               env=dict(os.environ, OMP_NUM_THREADS="1")) for _ in delays]
-    started = time.monotonic()
-    for i, (proc, delay) in enumerate(zip(procs, delays)):
-        time.sleep(max(0.0, started + delay - time.monotonic()))
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT if i % 2 else signal.SIGTERM)
+    signal_after_the_handler(procs, delays)
     stopped = 0
     for delay, proc in zip(delays, procs):
         _, stderr = proc.communicate(timeout=300)

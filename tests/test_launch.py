@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import free_port, signal_after_the_handler
 
 from dres.train import checkpoint
 from dres.train.launch import STATUS_DIR_ENV, every_rank_stopped, record_stop
@@ -149,7 +149,7 @@ def test_a_signal_while_the_launcher_starts_is_one_line_and_exit_75(tmp_path):
         import os, pathlib
         pathlib.Path({str(started)!r}, str(os.getpid())).touch()
     """)
-    delays = [0.3, 0.6]
+    delays = [0.0, 0.3]  # from the handler's installation
     launches = []
     for _ in delays:
         cmd = [sys.executable, "-c", "import sys; from dres.train.launch import main; sys.exit(main())",
@@ -157,11 +157,7 @@ def test_a_signal_while_the_launcher_starts_is_one_line_and_exit_75(tmp_path):
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", STATUS_DIR_ENV)}
         launches.append(subprocess.Popen(cmd, cwd=str(tmp_path), env=dict(env, OMP_NUM_THREADS="1"), text=True,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True))
-    t0 = time.monotonic()
-    for i, (p, delay) in enumerate(zip(launches, delays)):
-        time.sleep(max(0.0, t0 + delay - time.monotonic()))
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGINT if i % 2 else signal.SIGTERM)
+    signal_after_the_handler(launches, delays)
     results = [_finish(p) for p in launches]
     for delay, (code, _, err) in zip(delays, results):
         assert code in (EXIT_INTERRUPTED, 0) and "Traceback" not in err, (delay, code, err[-3000:])
