@@ -202,10 +202,12 @@ def test_a_compiled_model_draws_in_its_graph_and_trains_as_the_eager_one(mode, m
     """torch.compile traces the draw with the model (fullgraph: no graph break), and the op it puts in the
     graph notes each training forward on every call: the compiled model's masks, advances and weights follow
     the eager model's step by step (micro-batches sharing a step's masks, odd steps reusing the even ones',
-    a caller counting by hand)."""
+    a caller counting by hand); compiled once: nothing a call stores (the batch's sample slots, the rank) is read
+    while tracing, where it would recompile the model at its second call."""
     eager = converted_vit(mode)
     compiled_model = copy.deepcopy(eager)
-    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    compiles = []
+    compiled = torch.compile(compiled_model, fullgraph=True, backend=counting_aot_eager(compiles))
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (eager, compiled_model)]
     for step in range(4):
         for model, forward, optimizer in zip((eager, compiled_model), (eager, compiled), optimizers):
@@ -220,6 +222,29 @@ def test_a_compiled_model_draws_in_its_graph_and_trains_as_the_eager_one(mode, m
         assert torch.equal(compiled_model.droppath.masks, eager.droppath.masks)
         for a, b in zip(compiled_model.parameters(), eager.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert len(compiles) == 1
+
+
+def counting_aot_eager(compiles: list):
+    """The aot_eager backend, appending each graph it compiles to ``compiles``."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def backend(graph, example_inputs):
+        compiles.append(graph)
+        return lookup_backend("aot_eager")(graph, example_inputs)
+
+    return backend
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_compiled_model_refuses_another_batch_size_on_every_call(dynamic):
+    """The batch check runs when the graph runs, not while it is traced: a batch of another size than the run's
+    first is refused, also by a graph compiled for symbolic sizes, which a check at tracing never saw."""
+    model = converted_vit()
+    compiled = torch.compile(model, fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    compiled(batch(8)[0])
+    with pytest.raises(ValueError, match="batch size 4 differs from the 8 sample slots"):
+        compiled(batch(4)[0])
 
 
 def test_a_copy_of_a_compiled_model_notes_its_own_forwards():

@@ -98,7 +98,7 @@ def _droppath_worker(rank, group, out):
     dist.init_process_group("gloo")
     model = tiny_classifier(drop_path=0.5, droppath_mode="residual_droppath", droppath_seed=3)
     model.train()(torch.randn(64, 3, 8, 8))
-    torch.save({"masks": model.droppath.masks, "rank": model.droppath.rank}, f"{out}/masks{rank}.pt")
+    torch.save({"masks": model.droppath.masks, "rank": model.droppath.stream_rank}, f"{out}/masks{rank}.pt")
     dist.destroy_process_group()
     os._exit(0)  # as _worker: skip gloo's static destructors
 

@@ -102,13 +102,15 @@ def _watch_optimizer_steps() -> None:
         _step_hook = register_optimizer_step_post_hook(torch.compiler.disable(_after_optimizer_step))
 
 
-def _counter_of_noted_forward(counter: torch.Tensor, key: int) -> torch.Tensor:
+def _counter_of_noted_forward(counter: torch.Tensor, key: int, batch_size: int) -> torch.Tensor:
     """The host side of a training forward that a compiled graph runs, on every call of the graph: controller
-    ``key`` notes the forward (:meth:`ResidualDroppath._note_training_forward`). Returns a copy of the counter,
-    which the traced draw reads: the copy orders the draw after the note and keeps the op in the graph."""
+    ``key`` checks the batch size and notes the forward (:meth:`ResidualDroppath._note_training_forward`), so
+    neither is traced (a first batch stored while tracing would recompile the model at its second call). Returns a
+    copy of the counter, which the traced draw reads: the copy orders the draw after the note and keeps the op in
+    the graph."""
     controller = _controllers.get(key)
     if controller is not None:
-        controller._note_training_forward()
+        controller._note_training_forward(batch_size)
     return counter.clone()
 
 
@@ -122,7 +124,7 @@ def _define_noted_forward_op() -> None:
         # which would skip its body; dres.compile_step's whole-step capture records the advance it leads to instead
         _noted_forward_op = torch.library.custom_op("dres::droppath_noted_forward", _counter_of_noted_forward,
                                                     mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-        _noted_forward_op.register_fake(lambda counter, key: torch.empty_like(counter))
+        _noted_forward_op.register_fake(lambda counter, key, batch_size: torch.empty_like(counter))
         from torch._dynamo import assume_constant_result
 
         _stream_key = assume_constant_result(stream_key)
@@ -182,8 +184,8 @@ class ResidualDroppath(nn.Module):
     depth_linear: timm's linear-in-depth rate over blocks of ``residuals_per_block`` residuals;
         False gives every residual ``drop_prob``.
     seed: with ``rank``, names the mask stream (masks do not consume any torch RNG).
-    rank: the data-parallel rank; None takes the process's rank in the default process group,
-        read at the first draw.
+    rank: the data-parallel rank; None takes the process's rank in the default process group
+        (:attr:`stream_rank`).
     """
 
     def __init__(self, drop_prob: float, num_residuals: int, mode: str = "residual_droppath",
@@ -268,9 +270,10 @@ class ResidualDroppath(nn.Module):
             self._advance()
             self._advanced_by_step = True
 
-    def _note_training_forward(self) -> None:
-        """Enlist the controller with the optimizer steps, or (advanced by hand) warn once when an
-        optimizer step was taken since the last training forward and next_iteration was not called."""
+    def _note_training_forward(self, batch_size: int) -> None:
+        """Check the batch size; enlist the controller with the optimizer steps, or (advanced by hand) warn once
+        when an optimizer step was taken since the last training forward and next_iteration was not called."""
+        self._check_batch(batch_size)
         _watch_optimizer_steps()
         if not self.advanced_by_hand:
             _advancing.add(self)
@@ -291,12 +294,17 @@ class ResidualDroppath(nn.Module):
     def masks_on(self, batch_size: int, device, counter: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The masks of iteration ``counter`` (default: the current one), (num_residuals, batch_size) float32 on
         ``device``, 1 = keep."""
-        if self.rank is None:
-            self.rank = default_rank()
         counter = self.counter if counter is None else counter
-        bits = mask_bits(_stream_key(self.seed, self.rank), self._draw_index(counter).to(device), self.num_residuals,
+        bits = mask_bits(_stream_key(self.seed, self.stream_rank), self._draw_index(counter).to(device), self.num_residuals,
                          batch_size)
         return (bits < self.keep_threshold.to(device).unsqueeze(1)).to(torch.float32)
+
+    @property
+    def stream_rank(self) -> int:
+        """The rank whose mask stream this controller draws: ``rank``, or the process's own. Read, not stored, at
+        each draw: a first compiled forward that stored it would change what the graph was traced with, and
+        recompile the whole model at the second."""
+        return default_rank() if self.rank is None else self.rank
 
     @property
     def masks(self) -> Optional[torch.Tensor]:
@@ -335,9 +343,9 @@ class ResidualDroppath(nn.Module):
         """Eager: noted here and cached until the next advance. Compiled: traced from the counter the op noting
         the forward returns, so the graph draws on every call and the note runs on every call."""
         if torch.compiler.is_compiling():
-            counter = _noted_forward_op(self.counter, self._key)
+            counter = _noted_forward_op(self.counter, self._key, batch_size)
             return (device, batch_size), *self._compute_scales(batch_size, device, counter)
-        self._note_training_forward()
+        self._note_training_forward(batch_size)
         if self._scales is None or self._scales[0] != (device, batch_size):
             self._scales = ((device, batch_size), *self._compute_scales(batch_size, device, self.counter))
         return self._scales
@@ -349,9 +357,7 @@ class ResidualDroppath(nn.Module):
         iteration share them (recomputed after :meth:`next_iteration`, inside a captured step too)."""
         if not self.active:
             return [NO_SCALES] * self.num_residuals
-        batch_size, device = int(batch_size), torch.device(device)
-        self._check_batch(batch_size)
-        return self._drawn_scales(batch_size, device)[1]
+        return self._drawn_scales(int(batch_size), torch.device(device))[1]
 
     def held_scales(self, batch_size: int, device) -> list[Optional[torch.Tensor]]:
         """residual_droppath_frozen: for every residual, the per-sample share of the gradient that passes through
