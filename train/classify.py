@@ -7,8 +7,6 @@ ResidualDroppath), e.g. the CIFAR-10 comparison of standard / drop path / Residu
 
 from __future__ import annotations
 
-
-import torch
 import torch.nn.functional as F
 
 from dres.train.common import eval_loader, model_kwargs, run_as_command
