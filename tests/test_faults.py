@@ -267,9 +267,9 @@ CONSOLE_SCRIPT = "import sys; from dres.train.cli import main; sys.exit(main())"
 
 def test_a_signal_at_any_moment_of_start_up_is_one_line_and_its_own_status(tmp_path):
     """SIGTERM / SIGINT to the process group at delays that fall from the moment the command installs its handler
-    (its imports under way) through the trainer's setup and its first steps: each run ends with one line and status 75, or finishes (status 0),
-    never with a traceback; a run stopped before it saved a step leaves no folder, so the same command starts it
-    again, and one stopped after a step leaves its checkpoint for --resume auto."""
+    (its imports under way) through the trainer's setup and its first steps: each run ends with one line and status
+    75, or finishes (status 0), never with a traceback; a run stopped before it saved a step leaves no folder, so the
+    same command starts it again, and one stopped after a step leaves its checkpoint for --resume auto."""
     delays = [0.0, 0.8, 2.3, 4.3, 7.3]  # from the handler's installation; started together, the sweep takes the longest
     procs = []
     for i, delay in enumerate(delays):

@@ -295,8 +295,8 @@ class ResidualDroppath(nn.Module):
         """The masks of iteration ``counter`` (default: the current one), (num_residuals, batch_size) float32 on
         ``device``, 1 = keep."""
         counter = self.counter if counter is None else counter
-        bits = mask_bits(_stream_key(self.seed, self.stream_rank), self._draw_index(counter).to(device), self.num_residuals,
-                         batch_size)
+        bits = mask_bits(_stream_key(self.seed, self.stream_rank), self._draw_index(counter).to(device),
+                         self.num_residuals, batch_size)
         return (bits < self.keep_threshold.to(device).unsqueeze(1)).to(torch.float32)
 
     @property
