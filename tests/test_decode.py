@@ -595,15 +595,27 @@ def test_gpu_decode_is_the_default_where_a_decoder_is_there_and_few_cores(tmp_pa
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("high", [True, False])
-def test_the_streams_finishing_batches_run_at_the_gpus_highest_priority(tmp_path, high):
+def test_the_streams_finishing_batches_run_at_the_gpus_highest_priority(tmp_path, high, monkeypatch):
+    """The finisher's stream and those of the threads finishing batches ahead (two here), each made where the loader
+    makes it, recorded as it is made."""
     if gpu_decode_backend("cuda") is None:
         pytest.skip("no GPU JPEG decoder")
+    priorities = []
+
+    class RecordedStream(torch.cuda.Stream):
+        def __new__(cls, *args, **kwargs):
+            stream = super().__new__(cls, *args, **kwargs)
+            priorities.append(stream.priority)
+            return stream
+
+    monkeypatch.setattr(torch.cuda, "Stream", RecordedStream)
     d = DataConfig(name="imagefolder", path=_folder(tmp_path), img_size=16, num_classes=3, gpu_resident=False,
-                   decode="gpu", num_workers=2, finish_high_priority=high)
+                   decode="gpu", num_workers=2, finish_high_priority=high, finish_threads=2)
     loader = build_loader(d, "train", 8, device="cuda")
     loader.next()
     want = min(torch.cuda.Stream.priority_range()) if high else 0
-    assert loader.finisher.stream.priority == want and loader._batches_to_come.stream.priority == want
+    assert loader.finisher.stream.priority == want
+    assert len(priorities) >= 4 and set(priorities) == {want}, priorities  # the finisher's, its replica's, two threads'
     assert want < 0 or not high  # a GPU has more than the one default priority
     loader.close()
 
