@@ -51,6 +51,7 @@ def slim(wheel: Path, out_dir: Path, python: str) -> Path:
                     else:
                         target.writestr(source.getinfo(name), source.read(name))
     path = out_dir / wheel.name
+    Path(part.name).chmod(0o644)  # a temporary file is the owner's alone; a wheel is anyone's to read
     Path(part.name).replace(path)
     return path
 

@@ -57,6 +57,7 @@ def test_written_over_the_wheel_in_its_own_folder(tmp_path):
     before = wheel.stat().st_size
     assert slim(wheel, tmp_path, "312") == wheel
     assert wheel.stat().st_size < before and [p.name for p in tmp_path.iterdir()] == [NAME]
+    assert wheel.stat().st_mode & 0o777 == 0o644
 
 
 def test_a_python_without_a_binding_is_refused(tmp_path):
