@@ -7,6 +7,7 @@ side by side with their plain originals, one process per arm.
     python -m benchmarks.bench_own_model --repeats 3 --models resnet50d_224          # median and spread
     python -m benchmarks.bench_own_model --no-csrc --arms plain_eager,converted_eager # Triton kernels alone
     python -m benchmarks.bench_own_model --no-fused-mlp --models vit_b16 --arms converted_step  # the models' MLPs
+    python -m benchmarks.bench_own_model --backend torch --arms converted_compiled   # Inductor's code for the ops
     python -m benchmarks.bench_own_model --tiny --gpus 0,1 --steps 8 --warmup 4      # smoke run, tiny configs
     python -m benchmarks.bench_own_model --dry-run                                   # the plan, no GPU
 
@@ -43,7 +44,10 @@ eager calls run its kernels and C++ autograd (``backend=None``'s choice); ``--no
 it (``dres._C`` not loaded in the arm's process: the Triton kernels and Python autograd alone), and each arm
 record says which (``csrc_extension``). ``--no-fused-mlp`` converts with ``fused_mlp=False`` (the models'
 own MLPs, Inductor's under torch.compile: its MLP at ViT-B's widths is faster than the fused one, which keeps half
-the activations; ``fused_mlp`` in each record).
+the activations; ``fused_mlp`` in each record). ``--backend torch`` points the converted models' dres ops at
+their PyTorch formulas (``dres.nn.set_backend``), which Inductor fuses in its own code under torch.compile: the
+converted arms then keep the conversion's other changes (one q/k/v GEMM, HF's mask left out, the patch GEMM) without
+a dres kernel; ``backend`` in each record.
 
 The record folder (default ``records/benchmarks/<machine>-<today>-own-models``): ``arms/<model>-<arm>-<repeat>.json``
 (one a process, a failed arm with its one-line error), ``logs/`` (each process's output), ``summary.json``,
@@ -361,7 +365,8 @@ def one_line(e: BaseException) -> str:
 
 
 def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: bool, steps: int,
-                warmup: int, profile_steps: int = 0, host_steps: int = 0, fused_mlp: bool = True) -> dict:
+                warmup: int, profile_steps: int = 0, host_steps: int = 0, fused_mlp: bool = True,
+                backend: Optional[str] = None) -> dict:
     """Train ``model_name`` in arm ``arm_name`` for ``steps`` steps (the first ``warmup`` untimed), then
     ``profile_steps`` more under ``torch.profiler`` (on a GPU) and twice ``host_steps`` more for the host's own time
     (:func:`benchmarks.profile_train.host_time`): the figures of the record (:func:`run_arm`)."""
@@ -370,6 +375,10 @@ def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: b
     t0 = time.time()
     torch.manual_seed(MODEL_SEED)
     model = spec.build(size, arm.converted, fused_mlp).to(device).train()
+    if arm.converted and backend is not None:
+        from dres.nn import set_backend
+
+        set_backend(model, backend)
     if spec.channels_last:
         model = model.to(memory_format=torch.channels_last)
     batches = make_batches(spec, size, device)
@@ -423,7 +432,8 @@ def arm_identity(model_name: str, arm_name: str, repeat: int, tiny: bool) -> dic
 
 
 def run_arm(model_name: str, arm_name: str, repeat: int, *, device: torch.device, tiny: bool, steps: int,
-            warmup: int, profile_steps: int = 0, host_steps: int = 0, fused_mlp: bool = True) -> dict:
+            warmup: int, profile_steps: int = 0, host_steps: int = 0, fused_mlp: bool = True,
+            backend: Optional[str] = None) -> dict:
     """The record of one arm: what ran, where, with which versions, and its figures or its one-line error."""
     spec = MODELS[model_name]
     rec = {
@@ -432,12 +442,13 @@ def run_arm(model_name: str, arm_name: str, repeat: int, *, device: torch.device
         "lr": LR, "peak_mem": "max_memory_allocated (reserved) over the timed steps, reset after the warm-up",
         "device": device.type, "card": measure.card_name() if device.type == "cuda" else "cpu",
         "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "cores": len(os.sched_getaffinity(0)), **library_versions(),
-        "fused_mlp": fused_mlp,
+        "fused_mlp": fused_mlp, "backend": backend or "auto",
     }
     t0 = time.time()
     try:
         rec.update(measure_arm(model_name, arm_name, device=device, tiny=tiny, steps=steps, warmup=warmup,
-                               profile_steps=profile_steps, host_steps=host_steps, fused_mlp=fused_mlp), error=None)
+                               profile_steps=profile_steps, host_steps=host_steps, fused_mlp=fused_mlp,
+                               backend=backend), error=None)
     except Exception as e:  # an import error, out of memory, a failed compile: recorded, the other arms go on
         rec["error"] = one_line(e)
     rec["wall_s"] = time.time() - t0
@@ -687,6 +698,7 @@ def worker_command(job: Job, args, cores: Optional[list[int]] = None) -> list[st
            "--out", str(args.out)]
     flags = [flag for flag, on in (("--tiny", args.tiny), ("--no-csrc", args.no_csrc),
                                    ("--no-fused-mlp", args.no_fused_mlp)) if on]
+    flags += ["--backend", args.backend] if args.backend else []
     return cmd + flags + (["--cores", ",".join(map(str, cores))] if cores else [])
 
 
@@ -722,6 +734,8 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
     fused = sorted({r["fused_mlp"] for r in records if "fused_mlp" in r})
     mlps = {(False,): "; the converted models keep their own MLPs (--no-fused-mlp)",
             (False, True): "; dres's fused MLP in some converted arms only"}.get(tuple(fused), "")
+    backends = sorted({r.get("backend", "auto") for r in records})
+    mlps += "" if backends in ([], ["auto"]) else f"; the converted models' dres.ops backend: {', '.join(backends)}"
     header = [f"Converted timm / Hugging Face models against their plain originals "
               f"({', '.join(cards) or 'no arm finished'}; torch {env['torch']}, triton {env['triton']}, "
               f"timm {env['timm']}, transformers {env['transformers']}; the residual ops' eager calls on "
@@ -737,7 +751,7 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
     summary = {"date": measure.today(), "machine": measure.machine_name(), "cards": cards, **env,
                "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "tiny": args.tiny,
                "arms_at_a_time": slots, "csrc_extension": csrc,
-               "fused_mlp": fused, "rows": rows,
+               "fused_mlp": fused, "backend": backends, "rows": rows,
                "failed": [{k: r[k] for k in ("model", "arm", "repeat", "error")} for r in failed], "not_run": not_run}
     measure.write_json_atomic(out / "summary.json", summary)
     table = markdown(rows, header=header, failed=failed, not_run=not_run)
@@ -873,6 +887,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every arm without the csrc extension (the Triton kernels and Python autograd alone)")
     p.add_argument("--no-fused-mlp", action="store_true",
                    help="convert with fused_mlp=False: the models' own MLPs (Inductor's under torch.compile)")
+    p.add_argument("--backend", choices=("triton", "torch"),
+                   help="the converted models' dres.ops backend (default: each op's own choice); torch: the ops' "
+                        "PyTorch formulas, which Inductor fuses in its own code under torch.compile")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # a repeat of the one --models / --arms arm
     p.add_argument("--cores", type=core_list, help=argparse.SUPPRESS)  # the cores an arm's process keeps to
@@ -924,7 +941,7 @@ def run_worker(args) -> int:
     measure.configure_caches()
     rec = run_arm(job.model, job.arm, job.repeat, device=torch.device(args.device), tiny=args.tiny, steps=args.steps,
                   warmup=args.warmup, profile_steps=args.profile_steps, host_steps=args.host_steps,
-                  fused_mlp=not args.no_fused_mlp)
+                  fused_mlp=not args.no_fused_mlp, backend=args.backend)
     measure.write_json_atomic(arm_path(Path(args.out), job), rec)
     print(json.dumps({k: v for k, v in rec.items() if k != "losses"}), flush=True)
     return 1 if rec["error"] else 0

@@ -140,6 +140,31 @@ def test_a_no_fused_mlp_run_says_so_in_its_records_and_table(tmp_path):
     assert "the converted models keep their own MLPs (--no-fused-mlp)" in (out / "own-models.md").read_text()
 
 
+@pytest.mark.parametrize("arm, calls", [("converted_eager", 1), ("plain_eager", 0)])
+def test_backend_points_the_converted_models_ops_at_it(arm, calls):
+    """--backend: every fused module of a converted model takes it (the plain model has none); the arm's command
+    passes it on."""
+    import dres.nn
+
+    with mock.patch.object(dres.nn, "set_backend", wraps=dres.nn.set_backend) as pointed:
+        bench.measure_arm("vit_b16", arm, device=torch.device("cpu"), tiny=True, steps=2, warmup=1, backend="torch")
+    assert pointed.call_count == calls
+    if calls:
+        model = pointed.call_args.args[0]
+        assert pointed.call_args.args[1] == "torch" and model.blocks.backend == "torch"
+    args = bench.build_parser().parse_args(["--backend", "torch", "--models", "vit_b16", "--arms", arm])
+    assert bench.worker_command(bench.Job("vit_b16", arm, 0), args)[-2:] == ["--backend", "torch"]
+
+
+def test_a_backend_run_says_so_in_its_records_and_table(tmp_path):
+    out = tmp_path / "own"
+    assert bench.main([*TINY_RUN, "--backend", "torch", "--models", "hf_bert", "--arms", "converted_eager",
+                       "--out", str(out)]) == 0
+    assert [r["backend"] for r in bench.load_arm_records(out)] == ["torch"]
+    assert json.loads((out / "summary.json").read_text())["backend"] == ["torch"]
+    assert "the converted models' dres.ops backend: torch" in (out / "own-models.md").read_text()
+
+
 # ---------------------------------------------------------------------------------------------
 # the summary and the table
 
