@@ -732,14 +732,15 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
     kernels = {(True,): "the csrc extension's kernels and C++ autograd", (False,): "the Triton kernels alone"}.get(
         tuple(csrc), "the csrc extension in some arms only")
     fused = sorted({r["fused_mlp"] for r in records if "fused_mlp" in r})
-    mlps = {(False,): "; the converted models keep their own MLPs (--no-fused-mlp)",
-            (False, True): "; dres's fused MLP in some converted arms only"}.get(tuple(fused), "")
+    conversion = {(False,): "; the converted models keep their own MLPs (--no-fused-mlp)",
+                  (False, True): "; dres's fused MLP in some converted arms only"}.get(tuple(fused), "")
     backends = sorted({r.get("backend", "auto") for r in records})
-    mlps += "" if backends in ([], ["auto"]) else f"; the converted models' dres.ops backend: {', '.join(backends)}"
+    if backends not in ([], ["auto"]):
+        conversion += f"; the converted models' dres.ops backend: {', '.join(backends)}"
     header = [f"Converted timm / Hugging Face models against their plain originals "
               f"({', '.join(cards) or 'no arm finished'}; torch {env['torch']}, triton {env['triton']}, "
               f"timm {env['timm']}, transformers {env['transformers']}; the residual ops' eager calls on "
-              f"{kernels}{mlps}).",
+              f"{kernels}{conversion}).",
               f"Each arm {args.steps} steps ({args.warmup} warm-up, untimed), bf16 autocast, fused AdamW; rates are "
               f"batch / median step time, the median over each arm's processes; "
               + (f"{slots} arms at a time, one per GPU, each on its share of the cores" if slots > 1

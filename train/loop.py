@@ -146,7 +146,8 @@ class Trainer:
                 self.log(f"[dres] data: the step's matrix multiplications keep {kept} multiprocessors, "
                          f"{cfg.data.decode_sms} left to the GPU decode")
             elif cfg.data.decode_sms:
-                self.log(f"[dres] data: data.decode_sms={cfg.data.decode_sms} left alone: nothing is decoded on the GPU")
+                self.log(f"[dres] data: data.decode_sms={cfg.data.decode_sms} left alone: nothing is decoded on the "
+                         "GPU")
             epoch_steps = len(self.loader)
             if cfg.data.side_stream and self.device.type == "cuda":
                 self.data_stream = torch.cuda.Stream(self.device)
