@@ -236,33 +236,32 @@ def main(argv=None) -> int:
 
     batches = prepared_batches(args.root, args.batch, 4, pin=True)
     load = GemmLoad(args.load_size)
-    rows, full_rate = [], None
-    cases = [(carveout, decoder, share, priority, where, count) for carveout in carveouts
-             for decoder, share in decoders for priority in priorities
+    cases = [(decoder, share, priority, where, count) for decoder, share in decoders for priority in priorities
              for where, count in [("thread", int(t)) for t in threads] + ([("process", 1)] if args.process else [])]
-    for carveout, decoder, share, priority, where, count in cases:
-        if not rows or rows[-1]["carveout"] != carveout:
-            try:
-                leave_sms_to_decode(carveout, torch.device("cuda"))
-            except ValueError as e:
-                ap.error(f"--carveouts {args.carveouts}: {e}")
-            with load:
-                time.sleep(2)
-            load_alone = load.rate
-            full_rate = full_rate or load_alone
-        high = PRIORITIES[priority]
-        row = {"decoder": decoder, "share": share if decoder == "nvimgcodec" else None, "priority": priority,
-               "where": where, "threads": count, "carveout": carveout}
+    rows, full_rate = [], None
+    for carveout in carveouts:
         try:
-            if gpu_decode_backend("cuda", decoder) != decoder:
-                raise RuntimeError(f"{decoder} is not installed")
-            alone, beside = (thread_case(batches, load, decoder, share, high, count, args.batches)
-                             if where == "thread" else process_case(args, load, decoder, share, high))
-            row.update(ms_alone=alone, ms_beside=beside, load_rate_alone=load_alone, load_rate_beside=load.rate)
-        except Exception as e:  # one case's failure is its row; the others go on
-            row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+            leave_sms_to_decode(carveout, torch.device("cuda"))
+        except ValueError as e:
+            ap.error(f"--carveouts {args.carveouts}: {e}")
+        with load:
+            time.sleep(2)
+        load_alone = load.rate
+        full_rate = full_rate or load_alone
+        for decoder, share, priority, where, count in cases:
+            row = {"decoder": decoder, "share": share if decoder == "nvimgcodec" else None, "priority": priority,
+                   "where": where, "threads": count, "carveout": carveout}
+            try:
+                if gpu_decode_backend("cuda", decoder) != decoder:
+                    raise RuntimeError(f"{decoder} is not installed")
+                high = PRIORITIES[priority]
+                alone, beside = (thread_case(batches, load, decoder, share, high, count, args.batches)
+                                 if where == "thread" else process_case(args, load, decoder, share, high))
+                row.update(ms_alone=alone, ms_beside=beside, load_rate_alone=load_alone, load_rate_beside=load.rate)
+            except Exception as e:  # one case's failure is its row; the others go on
+                row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     images = statistics.median(len(b["labels"]) for b in batches)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

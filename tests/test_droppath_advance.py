@@ -21,6 +21,7 @@ def fresh_dynamo():
     against Dynamo's recompile limit, which fullgraph=True turns into an error."""
     torch._dynamo.reset()
 
+
 def converted_vit(mode="residual_droppath", **kw):
     torch.manual_seed(0)
     vit = VisionTransformer(img_size=8, patch_size=4, embed_dim=16, depth=2, num_heads=2, num_classes=3)

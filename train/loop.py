@@ -138,7 +138,8 @@ class Trainer:
                                        accum=cfg.accum_steps, seed=cfg.seed, device=self.device, train=True,
                                        log=self.log, compile_augment=cfg.compile and self.device.type == "cuda")
             self.log(f"[dres] data: {cfg.data.name}, {self.loader.describe()}")
-            if cfg.data.decode_sms and getattr(getattr(self.loader, "finisher", None), "backend", None):
+            finisher = getattr(self.loader, "finisher", None)  # the streaming loaders'; in-memory ones decode nothing
+            if cfg.data.decode_sms and finisher is not None and finisher.backend:
                 try:
                     kept = leave_sms_to_decode(cfg.data.decode_sms, self.device)  # before the model's first compile
                 except ValueError as e:
