@@ -23,7 +23,9 @@
 # default backend then takes its kernels for eager calls) into a temporary folder removed afterwards: in one
 # process, or with TEST_PROCS=N in N processes split by the extension's own earlier reports
 # (junit_csrc-K.xml, tests_csrc-K.log); CSRC_TESTS="tests/test_csrc.py ..." narrows it to one process (TESTS and MARK are the tests
-# stage's alone).
+# stage's alone). CSRC_SITE=DIR tests the extension already built into DIR (`DRES_BUILD_CUDA=1 DRES_CUDA_ARCHS=90
+# python3 -m pip install --no-deps --no-build-isolation --target DIR .`, e.g. on spare cores while a GPU measures)
+# instead of building it, and leaves DIR in place.
 # own_models: timm and Hugging Face models converted in one line against their plain originals, eager, compiled and
 # through dres.compile_step (benchmarks.bench_own_model, one arm per GPU at a time over every GPU, OWN_MINUTES
 # (default 8) before it starts no more arms; OWN_ARGS narrows it), then where the ViT-B/16 MAE's lead over the compiled
@@ -74,7 +76,7 @@ fi
 # SITE: dres installed apart there looks for the CIFAR-10 shards beside or inside its own folder: point it at the
 # shared/ this tree's dres finds
 link_shared() {
-  ln -s "$(python3 -c 'from dres.data.sources import default_cifar10_dir as d; print(d().parents[1])')" "$1/shared"
+  ln -sfn "$(python3 -c 'from dres.data.sources import default_cifar10_dir as d; print(d().parents[1])')" "$1/shared"
 }
 
 # NAME SPLIT_ARGS ARGS...: the suite as TEST_PROCS pytest processes at once, one per group of test files of about
@@ -235,9 +237,10 @@ fi
 if want csrc_tests; then
   # built into its own folder and tested from a copy of the tree without dres/, so the editable install
   # (and anything running from this tree meanwhile) keeps the pure-Python library
-  csite=$(mktemp -d) csrun=$(mktemp -d)
-  if DRES_BUILD_CUDA=1 DRES_CUDA_ARCHS=90 python3 -m pip install -q --no-deps --no-build-isolation --target "$csite" . \
-      >"$OUT/install_csrc.log" 2>&1 \
+  csite=${CSRC_SITE:-$(mktemp -d)} csrun=$(mktemp -d)
+  if { [ -n "${CSRC_SITE:-}" ] && echo "the extension built into $csite beforehand" >"$OUT/install_csrc.log" ||
+       DRES_BUILD_CUDA=1 DRES_CUDA_ARCHS=90 python3 -m pip install -q --no-deps --no-build-isolation --target "$csite" . \
+       >"$OUT/install_csrc.log" 2>&1; } \
       && (cd / && PYTHONPATH="$csite" python3 -c 'from dres.ops import csrc_backend as c; assert c.available(), c.LOAD_ERROR') \
       >>"$OUT/install_csrc.log" 2>&1; then
     cp -r . "$csrun/tree" && rm -rf "$csrun/tree/dres"
@@ -255,6 +258,7 @@ if want csrc_tests; then
   else
     echo "csrc build failed"; tail -n 20 "$OUT/install_csrc.log"; status=1
   fi
-  rm -rf "$csite" "$csrun"
+  [ -n "${CSRC_SITE:-}" ] || rm -rf "$csite"
+  rm -rf "$csrun"
 fi
 exit $status
