@@ -7,7 +7,8 @@ side by side with their plain originals, one process per arm.
     python -m benchmarks.bench_own_model --repeats 3 --models resnet50d_224          # median and spread
     python -m benchmarks.bench_own_model --no-csrc --arms plain_eager,converted_eager # Triton kernels alone
     python -m benchmarks.bench_own_model --no-fused-mlp --models vit_b16 --arms converted_step  # the models' MLPs
-    python -m benchmarks.bench_own_model --backend torch --arms converted_compiled   # Inductor's code for the ops
+    python -m benchmarks.bench_own_model --repeats 3 --models dinov2_s14 \
+        --arms plain_compiled,converted_compiled,converted_compiled_inductor       # dres kernels or Inductor's
     python -m benchmarks.bench_own_model --tiny --gpus 0,1 --steps 8 --warmup 4      # smoke run, tiny configs
     python -m benchmarks.bench_own_model --dry-run                                   # the plan, no GPU
 
@@ -24,7 +25,9 @@ sequence 128, 15% of the tokens labelled), HF ``GPT2LMHeadModel`` (small, sequen
 
 Arms (:data:`ARMS`): plain and converted model, each eager, ``torch.compile(model)`` (default mode, as a
 new user writes it) and through ``dres.compile_step`` (the one-line step: compiled forward, the whole step
-captured in a CUDA graph). Every arm trains with bf16 autocast and fused AdamW (lr 1e-4) on
+captured in a CUDA graph); ``converted_compiled_inductor`` (named in ``--arms``, not run by default): the converted
+model compiled with its dres ops on their PyTorch formulas, as ``--backend torch`` below, so that one command times
+the dres kernels and Inductor's code side by side. Every arm trains with bf16 autocast and fused AdamW (lr 1e-4) on
 ``NUM_BATCHES`` synthetic batches drawn once from a fixed seed, already on the device, cycled: the same
 batches, in the same order, in every arm.
 
@@ -47,7 +50,7 @@ own MLPs, Inductor's under torch.compile: its MLP at ViT-B's widths is faster th
 the activations; ``fused_mlp`` in each record). ``--backend torch`` points the converted models' dres ops at
 their PyTorch formulas (``dres.nn.set_backend``), which Inductor fuses in its own code under torch.compile: the
 converted arms then keep the conversion's other changes (one q/k/v GEMM, HF's mask left out, the patch GEMM) without
-a dres kernel; ``backend`` in each record.
+a dres kernel; ``backend`` in each record (``--backend`` leaves ``converted_compiled_inductor`` on torch).
 
 The record folder (default ``records/benchmarks/<machine>-<today>-own-models``): ``arms/<model>-<arm>-<repeat>.json``
 (one a process, a failed arm with its one-line error), ``logs/`` (each process's output), ``summary.json``,
@@ -271,6 +274,7 @@ class Arm:
     converted: bool
     mode: str  # "eager", "compiled" (torch.compile(model)) or "step" (dres.compile_step)
     label: str
+    backend: Optional[str] = None  # the converted model's dres.ops backend whatever --backend says
 
 
 # slowest first (the order in which a run starts a model's arms), plain and converted of each mode side by side
@@ -278,10 +282,15 @@ ARMS = {
     "converted_step": Arm(True, "step", "converted, one-line step"),
     "plain_step": Arm(False, "step", "plain, one-line step"),
     "converted_compiled": Arm(True, "compiled", "converted, torch.compile"),
+    "converted_compiled_inductor": Arm(True, "compiled", "converted, torch.compile, the ops on Inductor's code",
+                                       "torch"),
     "plain_compiled": Arm(False, "compiled", "plain, torch.compile"),
     "converted_eager": Arm(True, "eager", "converted, eager"),
     "plain_eager": Arm(False, "eager", "plain, eager"),
 }
+# every arm but those that force a backend: the A/B arms run when named
+DEFAULT_ARMS = [name for name, arm in ARMS.items() if arm.backend is None]
+MODE_ORDER = list(dict.fromkeys(arm.mode for arm in ARMS.values()))
 # the peak memory a mode's arms compare: a replayed graph's memory is its pool's, reserved at the capture and
 # never allocated again, so a captured step's allocated peak holds its parameters and optimizer state alone
 PEAK_KEY = {"eager": "peak_mem_gib", "compiled": "peak_mem_gib", "step": "peak_reserved_gib"}
@@ -375,6 +384,7 @@ def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: b
     t0 = time.time()
     torch.manual_seed(MODEL_SEED)
     model = spec.build(size, arm.converted, fused_mlp).to(device).train()
+    backend = arm.backend or backend
     if arm.converted and backend is not None:
         from dres.nn import set_backend
 
@@ -442,7 +452,7 @@ def run_arm(model_name: str, arm_name: str, repeat: int, *, device: torch.device
         "lr": LR, "peak_mem": "max_memory_allocated (reserved) over the timed steps, reset after the warm-up",
         "device": device.type, "card": measure.card_name() if device.type == "cuda" else "cpu",
         "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "cores": len(os.sched_getaffinity(0)), **library_versions(),
-        "fused_mlp": fused_mlp, "backend": backend or "auto",
+        "fused_mlp": fused_mlp, "backend": ARMS[arm_name].backend or backend or "auto",
     }
     t0 = time.time()
     try:
@@ -528,6 +538,7 @@ def summarize(records: list[dict]) -> list[dict]:
             "arms": arms,
             "eager_ratio": ratio(figure("converted_eager"), figure("plain_eager")),
             "compiled_ratio": ratio(figure("converted_compiled"), figure("plain_compiled")),
+            "compiled_inductor_ratio": ratio(figure("converted_compiled_inductor"), figure("plain_compiled")),
             "step_vs_plain_compiled": ratio(figure("converted_step"), figure("plain_compiled")),
             "plain_step_vs_plain_compiled": ratio(figure("plain_step"), figure("plain_compiled")),
             "peak_mem_ratio": {mode: peak_ratio(mode) for mode in ("eager", "compiled", "step")},
@@ -554,6 +565,14 @@ def _pair(row: dict, mode: str, ratio_key: str) -> str:
     return f"{_rate(row, f'plain_{mode}')} -> {_rate(row, f'converted_{mode}')} ({_times(row[ratio_key])})"
 
 
+def _compiled_pair(row: dict) -> str:
+    """The compiled pair, and the converted model on Inductor's code for its ops where that arm ran."""
+    inductor = ("" if "converted_compiled_inductor" not in row["arms"] else
+                f"; the ops on Inductor's code {_rate(row, 'converted_compiled_inductor')} "
+                f"({_times(row['compiled_inductor_ratio'])})")
+    return _pair(row, "compiled", "compiled_ratio") + inductor
+
+
 def _number(x: Optional[float], fmt: str = ".2f") -> str:
     return "–" if x is None else format(x, fmt)
 
@@ -572,7 +591,7 @@ def markdown(rows: list[dict], *, header: list[str], failed: list[dict], not_run
                 f"(noise {_number(row['loss_noise'], '.2g')})")
         step = f"{_times(row['step_vs_plain_compiled'])} (plain step {_times(row['plain_step_vs_plain_compiled'])})"
         lines.append(f"| {row['title']}, batch {row['batch']} | {row['unit']} | {_pair(row, 'eager', 'eager_ratio')} | "
-                     f"{_pair(row, 'compiled', 'compiled_ratio')} | {step} | {peak} | {loss} |")
+                     f"{_compiled_pair(row)} | {step} | {peak} | {loss} |")
     lines += ["", "| model | arm | rate (median) | processes | spread | peak GiB allocated | reserved | "
                   "max \\|loss diff\\| to plain eager | graphs (breaks) | captured / why eager |", "|---" * 10 + "|"]
     for row in rows:
@@ -685,7 +704,7 @@ def plan_jobs(models: list[str], arms: list[str], repeats: int) -> list[Job]:
     for repeat in range(repeats):
         order = [a for a in ARMS if a in arms]
         if repeat % 2:
-            order.sort(key=lambda a: (list(ARMS).index(a) // 2, ARMS[a].converted))  # plain first
+            order.sort(key=lambda a: (MODE_ORDER.index(ARMS[a].mode), ARMS[a].converted))  # plain first
         jobs += [Job(m, a, repeat) for m in models for a in order]
     return jobs
 
@@ -734,7 +753,7 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
     fused = sorted({r["fused_mlp"] for r in records if "fused_mlp" in r})
     conversion = {(False,): "; the converted models keep their own MLPs (--no-fused-mlp)",
                   (False, True): "; dres's fused MLP in some converted arms only"}.get(tuple(fused), "")
-    backends = sorted({r.get("backend", "auto") for r in records})
+    backends = sorted({r.get("backend", "auto") for r in records if ARMS[r["arm"]].backend is None})
     if backends not in ([], ["auto"]):
         conversion += f"; the converted models' dres.ops backend: {', '.join(backends)}"
     header = [f"Converted timm / Hugging Face models against their plain originals "
@@ -865,7 +884,8 @@ def gpu_list(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", type=names_of(MODELS), default=list(MODELS), help=f"comma list of {', '.join(MODELS)}")
-    p.add_argument("--arms", type=names_of(ARMS), default=list(ARMS), help=f"comma list of {', '.join(ARMS)}")
+    p.add_argument("--arms", type=names_of(ARMS), default=DEFAULT_ARMS,
+                   help=f"comma list of {', '.join(ARMS)} (default: all but converted_compiled_inductor)")
     p.add_argument("--gpus", type=gpu_list, help="run arms in parallel, one per GPU at a time, e.g. 0,1,2,3 "
                                                  "(default: one at a time on the visible GPU)")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per arm, the loss of each recorded")

@@ -49,7 +49,7 @@ def test_dry_run_lists_every_arm_process(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("# 12 arm process(es), 2 at a time, 60 steps each (20 warm-up)")
     arms = [line.split(":")[0] for line in lines[1:] if not line.startswith("  ")]
-    assert arms == [j.name for j in bench.plan_jobs(["resnet50d_32"], list(bench.ARMS), 2)]
+    assert arms == [j.name for j in bench.plan_jobs(["resnet50d_32"], bench.DEFAULT_ARMS, 2)]
     commands = [line.strip() for line in lines if line.startswith("  ")]
     assert len(commands) == 12 and "--models resnet50d_32 --arms converted_step --worker 0" in commands[0]
     assert not any("--no-csrc" in c for c in commands)
@@ -156,6 +156,25 @@ def test_backend_points_the_converted_models_ops_at_it(arm, calls):
     assert bench.worker_command(bench.Job("vit_b16", arm, 0), args)[-2:] == ["--backend", "torch"]
 
 
+def test_the_inductor_arm_puts_the_converted_models_ops_on_torch_whatever_backend_says():
+    """converted_compiled_inductor: the converted model compiled with its ops on their PyTorch formulas, beside the
+    arms on the dres kernels in one command; not run unless named."""
+    import dres.nn
+
+    with mock.patch.object(dres.nn, "set_backend", wraps=dres.nn.set_backend) as pointed, \
+            mock.patch.object(torch, "compile", lambda model: model):  # the choice of backend, not Inductor on a CPU
+        bench.measure_arm("vit_b16", "converted_compiled_inductor", device=torch.device("cpu"), tiny=True, steps=2,
+                          warmup=1, backend="triton")
+    assert pointed.call_args.args[1] == "torch" and pointed.call_args.args[0].blocks.backend == "torch"
+    record = bench.arm_identity("vit_b16", "converted_compiled_inductor", 0, tiny=True)
+    assert record["converted"] and record["mode"] == "compiled"
+    assert "converted_compiled_inductor" not in bench.build_parser().parse_args([]).arms
+    jobs = bench.plan_jobs(["dinov2_s14"], ["plain_compiled", "converted_compiled", "converted_compiled_inductor"], 2)
+    assert [j.name for j in jobs] == [
+        "dinov2_s14-converted_compiled-0", "dinov2_s14-converted_compiled_inductor-0", "dinov2_s14-plain_compiled-0",
+        "dinov2_s14-plain_compiled-1", "dinov2_s14-converted_compiled-1", "dinov2_s14-converted_compiled_inductor-1"]
+
+
 def test_a_backend_run_says_so_in_its_records_and_table(tmp_path):
     out = tmp_path / "own"
     assert bench.main([*TINY_RUN, "--backend", "torch", "--models", "hf_bert", "--arms", "converted_eager",
@@ -178,6 +197,8 @@ def hand_made_records() -> list[dict]:
                    graph_breaks=2),
         arm_record("vit_b16", "converted_compiled", 2600.0, repeat=1, peak=9.0, losses=[2.0, 1.5, 0.9], graphs=3,
                    graph_breaks=2),
+        arm_record("vit_b16", "converted_compiled_inductor", 2200.0, peak=8.8, losses=[2.0, 1.5, 1.0], graphs=1,
+                   graph_breaks=0, backend="torch"),
         # a replayed graph's activations are reserved, not allocated: the steps compare the reserved peaks
         arm_record("vit_b16", "plain_step", 2200.0, peak=1.5, reserved=10.0, captured=True, why_eager=None),
         arm_record("vit_b16", "converted_step", 3000.0, peak=1.5, reserved=9.0, captured=True, why_eager=None),
@@ -200,6 +221,8 @@ def test_summary_ratios_come_from_the_arms_figures():
     assert compiled["spread_pct"] == pytest.approx(100 * 200 / 2500)
     assert vit["eager_ratio"] == pytest.approx(1.5)
     assert vit["compiled_ratio"] == pytest.approx(1.25)
+    assert vit["compiled_inductor_ratio"] == pytest.approx(1.1)
+    assert bert["compiled_inductor_ratio"] is None
     assert vit["step_vs_plain_compiled"] == pytest.approx(1.5)
     assert vit["plain_step_vs_plain_compiled"] == pytest.approx(1.1)
     assert vit["peak_mem_ratio"] == pytest.approx({"eager": 0.8, "compiled": 8.5 / 9.0, "step": 0.9})
@@ -222,10 +245,11 @@ def test_table_quotes_each_model_with_its_ratios_failures_and_unstarted_arms():
     assert lines[0] == "HEADER"
     vit = next(line for line in lines if line.startswith("| timm vit_base_patch16_224"))
     cells = [c.strip() for c in vit.strip("|").split(" | ")]
-    assert cells[1:] == ["img/s", "1,000 -> 1,500 (1.50x)", "2,000 -> 2,500 (1.25x)", "1.50x (plain step 1.10x)",
+    assert cells[1:] == ["img/s", "1,000 -> 1,500 (1.50x)",
+                         "2,000 -> 2,500 (1.25x); the ops on Inductor's code 2,200 (1.10x)", "1.50x (plain step 1.10x)",
                          "eager 0.80, compiled 0.94, step 0.90", "0.03 (noise 0.01)"]
     bert = next(line for line in lines if line.startswith("| HF BertForMaskedLM"))
-    assert "500 -> failed (–)" in bert and "not run -> not run (–)" in bert
+    assert "500 -> failed (–)" in bert and "not run -> not run (–) |" in bert  # no Inductor arm: nothing said
     assert "| hf_bert | converted_step | 700 seq/s | 1 | – | 3.00 | – | 0 | – | eager: dres.compile_step: the " \
            "step runs eagerly: the device is cpu, not CUDA |" in lines
     assert "| vit_b16 | converted_compiled | 2,500 img/s | 2 | 8.0% | 8.50 | – | 0.02 | 3 (2) |  |" in lines
