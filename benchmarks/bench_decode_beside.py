@@ -4,8 +4,7 @@ for the running training step: in threads of the loaded process, as the trainer 
 thread, or several finishing batches at once), and in a process of its own (its own CUDA context).
 
     python -m benchmarks.bench_decode_beside --root DIR [--decoders torchvision,nvimgcodec:1,nvimgcodec:0.65]
-        [--threads 1,2] [--priorities high,default] [--no-process] [--carveouts 0,8] [--load-size 4096]
-        [--batches 20] [--out OUT]
+        [--threads 1,2] [--priorities high,default] [--no-process] [--load-size 4096] [--batches 20] [--out OUT]
 
 The folder: ``python -m benchmarks.bench_data make --root DIR``. The batches are the folder's first files as the
 GPU-decode workers hand them over (JPEG bytes in pinned memory, what the GPU cannot decode already pixels). The
@@ -16,9 +15,6 @@ against alone say what the decode took from it). A decoder is ``torchvision`` (i
 ``--priorities`` the finishing streams' (the GPU's highest, or the default); ``--threads`` how many threads
 finish batches at once, each with a finisher and a stream of its own (torchvision's decoder is one a process,
 behind a lock). The process rows run one finishing thread in a child process beside the same load.
-``--carveouts`` the multiprocessors this process's matmuls leave free (:func:`dres.data.decode.leave_sms_to_decode`,
-``data.decode_sms`` in the trainers), each with every case, 0 first: whether the decode waits for GEMMs that hold
-every multiprocessor, and what leaving some free costs the load (its rate alone at each carveout).
 
 Each case: ms a batch (the threads' wall time over the batches they finished, each batch waited for on its own
 stream) alone and beside the load. Writes ``decode_beside.json`` and ``decode_beside.md`` under ``--out``.
@@ -175,21 +171,19 @@ def process_case(args, load: GemmLoad, decoder: str, share: float, high: bool) -
     return alone, beside
 
 
-def markdown(rows: list[dict], card: str, images: int, load_size: int, full_rate: float) -> str:
+def markdown(rows: list[dict], card: str, images: int, load_size: int) -> str:
     lines = [f"The GPU half of {images}-image batches alone and beside a load of {load_size}^3 bf16 GEMMs "
-             f"({card}): ms a batch, and the load's GEMMs a second beside each case over alone; the load alone at "
-             f"each carveout over the load alone on every multiprocessor ({full_rate:.0f} GEMMs a second).", "",
-             "| decoder | where | finishing threads | stream priority | multiprocessors left free | load alone / all "
-             "| ms a batch alone | beside the load | beside / alone | load's rate beside / alone |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"({card}): ms a batch, and the load's GEMMs a second beside each case over alone.", "",
+             "| decoder | where | finishing threads | stream priority | ms a batch alone | beside the load | "
+             "beside / alone | load's rate beside / alone |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = r["decoder"] + (f", hardware share {r['share']:g}" if r.get("share") is not None else "")
-        head = f"| {name} | {r['where']} | {r['threads']} | {r['priority']} | {r['carveout']} |"
         if r.get("error"):
-            lines.append(f"{head} {r['error']} | | | | |")
+            lines.append(f"| {name} | {r['where']} | {r['threads']} | {r['priority']} | {r['error']} | | | |")
             continue
-        lines.append(f"{head} {r['load_rate_alone'] / full_rate:.2f} | {r['ms_alone']:.1f} | {r['ms_beside']:.1f} | "
-                     f"{r['ms_beside'] / r['ms_alone']:.2f}x | {r['load_rate_beside'] / r['load_rate_alone']:.2f} |")
+        lines.append(f"| {name} | {r['where']} | {r['threads']} | {r['priority']} | {r['ms_alone']:.1f} | "
+                     f"{r['ms_beside']:.1f} | {r['ms_beside'] / r['ms_alone']:.2f}x | "
+                     f"{r['load_rate_beside'] / r['load_rate_alone']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -200,8 +194,6 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="1,2", help="finishing threads at once, comma-separated counts")
     ap.add_argument("--priorities", default="high", help="the finishing streams': high and/or default")
     ap.add_argument("--no-process", dest="process", action="store_false", help="skip the process rows")
-    ap.add_argument("--carveouts", default="0",
-                    help="multiprocessors the load's matmuls leave free, comma-separated (0: none)")
     ap.add_argument("--batch", type=int, default=256, help="images a batch")
     ap.add_argument("--batches", type=int, default=20, help="batches a thread finishes in each timed window")
     ap.add_argument("--load-size", type=int, default=4096, help="the load's square GEMM size")
@@ -217,10 +209,6 @@ def main(argv=None) -> int:
     priorities = [p for p in args.priorities.split(",") if p]
     if not priorities or set(priorities) - set(PRIORITIES):
         ap.error(f"--priorities {args.priorities}: each of {', '.join(PRIORITIES)}")
-    carveouts = [c for c in args.carveouts.split(",") if c]
-    if not carveouts or not all(c.isdigit() for c in carveouts):
-        ap.error(f"--carveouts {args.carveouts}: counts of 0 or more, comma-separated")
-    carveouts = sorted({int(c) for c in carveouts})  # 0 first: its rows on torch's own BLAS choice
     for flag, value, least in (("--batch", args.batch, 1), ("--batches", args.batches, 1),
                                ("--load-size", args.load_size, 256)):
         if value < least:
@@ -232,44 +220,40 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("no CUDA device: the GPU half runs on a GPU")
     from benchmarks import measure
-    from dres.data.decode import gpu_decode_backend, leave_sms_to_decode
+    from dres.data.decode import gpu_decode_backend
 
     batches = prepared_batches(args.root, args.batch, 4, pin=True)
     load = GemmLoad(args.load_size)
-    cases = [(decoder, share, priority, where, count) for decoder, share in decoders for priority in priorities
-             for where, count in [("thread", int(t)) for t in threads] + ([("process", 1)] if args.process else [])]
-    rows, full_rate = [], None
-    for carveout in carveouts:
-        try:
-            leave_sms_to_decode(carveout, torch.device("cuda"))
-        except ValueError as e:
-            ap.error(f"--carveouts {args.carveouts}: {e}")
-        with load:
-            time.sleep(2)
-        load_alone = load.rate
-        full_rate = full_rate or load_alone
-        for decoder, share, priority, where, count in cases:
-            row = {"decoder": decoder, "share": share if decoder == "nvimgcodec" else None, "priority": priority,
-                   "where": where, "threads": count, "carveout": carveout}
-            try:
-                if gpu_decode_backend("cuda", decoder) != decoder:
-                    raise RuntimeError(f"{decoder} is not installed")
-                high = PRIORITIES[priority]
-                alone, beside = (thread_case(batches, load, decoder, share, high, count, args.batches)
-                                 if where == "thread" else process_case(args, load, decoder, share, high))
-                row.update(ms_alone=alone, ms_beside=beside, load_rate_alone=load_alone, load_rate_beside=load.rate)
-            except Exception as e:  # one case's failure is its row; the others go on
-                row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    with load:
+        time.sleep(2)
+    load_alone = load.rate
+    rows = []
+    for decoder, share in decoders:
+        for priority in priorities:
+            high = PRIORITIES[priority]
+            cases = [("thread", int(t)) for t in threads] + ([("process", 1)] if args.process else [])
+            for where, count in cases:
+                row = {"decoder": decoder, "share": share if decoder == "nvimgcodec" else None,
+                       "priority": priority, "where": where, "threads": count}
+                try:
+                    if gpu_decode_backend("cuda", decoder) != decoder:
+                        raise RuntimeError(f"{decoder} is not installed")
+                    alone, beside = (thread_case(batches, load, decoder, share, high, count, args.batches)
+                                     if where == "thread" else process_case(args, load, decoder, share, high))
+                    row.update(ms_alone=alone, ms_beside=beside, load_rate_alone=load_alone,
+                               load_rate_beside=load.rate)
+                except Exception as e:  # one case's failure is its row; the others go on
+                    row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     images = statistics.median(len(b["labels"]) for b in batches)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     card = measure.card_name()
     measure.write_json_atomic(out / "decode_beside.json", {
         "card": card, "date": measure.today(), **measure.versions(), "batch": args.batch,
-        "load_size": args.load_size, "batches_a_window": args.batches, "load_rate_all_sms": full_rate, "rows": rows})
-    table = markdown(rows, card, int(images), args.load_size, full_rate)
+        "load_size": args.load_size, "batches_a_window": args.batches, "rows": rows})
+    table = markdown(rows, card, int(images), args.load_size)
     (out / "decode_beside.md").write_text(table)
     print(table)
     return 0

@@ -593,28 +593,6 @@ def test_gpu_decode_is_the_default_where_a_decoder_is_there_and_few_cores(tmp_pa
     assert batch["image"].is_cuda and batch["image"].shape == (8, 3, 16, 16)
 
 
-def test_leaving_multiprocessors_to_the_decode_sets_the_carveout_on_cublaslt(monkeypatch):
-    """data.decode_sms: torch's SM carveout, the matmuls sent to cuBLASLt (which honours it); 0 clears it; a count
-    the GPU cannot spare, or a torch without the carveout, is refused in one line."""
-    from dres.data.decode import leave_sms_to_decode
-
-    carveouts, libraries = [], []
-    monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", carveouts.append, raising=False)
-    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", libraries.append)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
-    assert leave_sms_to_decode(8, "cuda") == 124
-    assert leave_sms_to_decode(0, "cuda") == 132
-    assert carveouts == [8, None] and libraries == ["cublaslt"]
-    for count in (-1, 132):
-        with pytest.raises(ValueError, match=f"^{count} multiprocessors left to the decode: 132 on the GPU, so 0 to "
-                                             f"131$"):
-            leave_sms_to_decode(count, "cuda")
-    monkeypatch.delattr(torch._C, "_set_sm_carveout_experimental")
-    with pytest.raises(ValueError, match="needs torch's SM carveout, which torch .* lacks"):
-        leave_sms_to_decode(8, "cuda")
-    assert carveouts == [8, None]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("high", [True, False])
 def test_the_streams_finishing_batches_run_at_the_gpus_highest_priority(tmp_path, high, monkeypatch):
@@ -703,14 +681,12 @@ def _folder_run(tmp_path, out, steps, extra=(), flags=()):
 
 def test_a_run_reading_files_with_workers_ends_when_it_is_done(tmp_path):
     """The workers ignore SIGTERM (a signal to the group is the trainer's), so the loader stops them itself:
-    the process exits when training ends, without waiting on them. (data.decode_sms, with nothing decoded on the
-    GPU, is said to be left alone.)"""
-    proc = _folder_run(tmp_path, tmp_path / "run", steps=4, extra=["data.decode_sms=8"])
+    the process exits when training ends, without waiting on them."""
+    proc = _folder_run(tmp_path, tmp_path / "run", steps=4)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, (out, err)
     assert "done: 4 steps" in out
     assert "[dres] data: imagefolder, decoded on the CPU, 2 workers (" in out  # what the run reads, said once
-    assert "[dres] data: data.decode_sms=8 left alone: nothing is decoded on the GPU" in out
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -728,25 +704,6 @@ def test_sigterm_during_gpu_decode_saves_and_exits_75(tmp_path):
         pytest.skip("no GPU JPEG decoder")
     _sigterm_saves_exits_75_and_resumes(tmp_path, ["device=cuda", "data.decode=gpu", "compile=false",
                                                    "cuda_graphs=false"])
-
-
-@pytest.mark.gpu
-def test_a_run_decoding_on_the_gpu_leaves_the_multiprocessors_it_is_told_to(tmp_path):
-    """data.decode_sms: said once in the run's log with the multiprocessors the step keeps; a count the GPU cannot
-    spare is one line naming the key, exit 2."""
-    if gpu_decode_backend("cuda") is None:
-        pytest.skip("no GPU JPEG decoder")
-    gpu = ["device=cuda", "data.decode=gpu", "compile=false", "cuda_graphs=false"]
-    proc = _folder_run(tmp_path, tmp_path / "run", steps=3, extra=[*gpu, "data.decode_sms=8"])
-    out, err = proc.communicate(timeout=300)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert proc.returncode == 0, (out, err)
-    assert f"[dres] data: the step's matrix multiplications keep {sms - 8} multiprocessors, 8 left to the GPU " \
-           "decode" in out
-    proc = _folder_run(tmp_path, tmp_path / "too_many", steps=3, extra=[*gpu, f"data.decode_sms={sms}"])
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, (out, err)
-    assert f"'data.decode_sms': {sms} multiprocessors left to the decode: {sms} on the GPU, so 0 to {sms - 1}" in err
 
 
 def _sigterm_saves_exits_75_and_resumes(tmp_path, extra):

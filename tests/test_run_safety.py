@@ -134,10 +134,12 @@ def test_checkpoints_hold_only_plain_state(tmp_path):
     assert payload["fingerprint"]["model.embed_dim"] == 32 and payload["step"] == 2
 
 
-@pytest.mark.parametrize("section,key,value", [("model", "attn_impl", "sdpa"), (None, "fp8", False)])
+@pytest.mark.parametrize("section,key,value", [("model", "attn_impl", "sdpa"), (None, "fp8", False),
+                                               ("data", "decode_sms", 0)])
 def test_a_run_whose_config_names_a_retired_key_still_evaluates_and_resumes(tmp_path, capsys, section, key, value):
-    """Configs saved while attention had other backends hold model.attn_impl: sdpa, the only one left, and those
-    saved while float8 matmuls were a switch hold fp8: false; here without fingerprint.json or a checkpoint
+    """Configs saved while attention had other backends hold model.attn_impl: sdpa, the only one left, those
+    saved while float8 matmuls were a switch hold fp8: false, and those saved while the matmuls could leave
+    multiprocessors to the GPU decode data.decode_sms: 0; here without fingerprint.json or a checkpoint
     fingerprint, so both fingerprints come from such a config."""
     out = tmp_path / "run"
     assert _train(out, steps=2) == 0

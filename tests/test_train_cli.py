@@ -155,8 +155,6 @@ def _bad_values():
         ("threads", "-1", "'threads' must be >= 0"),
         ("seed", "-1", "'seed' must be >= 0; got -1"),
         ("compile", "1", "'compile' expects true/false, got 1"),
-        ("data.decode_sms", "-8", "'data.decode_sms' must be 0 (none) or a positive number of multiprocessors; "
-                                  "got -8"),
         ("data.finish_threads", "0", "'data.finish_threads' must be a positive integer, and 1 with "
                                      "data.finish_ahead=0 (the step's own thread finishes each batch); got 0"),
     ]

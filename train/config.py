@@ -73,9 +73,6 @@ class DataConfig:
     finish_high_priority: bool = setting(True, "streaming loaders on a GPU: the streams finishing batches (decode, crop"
                                                ", copies) at the GPU's highest priority, ahead of the step's kernels "
                                                "(false: the default priority)")
-    decode_sms: int = setting(0, "decode=gpu: multiprocessors the training process's matrix multiplications leave "
-                                 "to the GPU decode, whose kernels otherwise wait for any GEMM that holds every one "
-                                 "(torch's SM carveout, the matmuls on cuBLASLt; 0: none)")
     shuffle_buffer: int = setting(2000, "streamed shards: samples shuffled in memory")
     limit: int = setting(0, "use only the first N training samples (0: all)")
     val_limit: int = setting(0, "use only the first N held-out samples (0: all)")
@@ -636,7 +633,6 @@ def validate(cfg: Config) -> None:
     need(cfg, 0 <= d.hw_decode_load <= 1, "data.hw_decode_load", "must be in [0, 1]")
     need(cfg, d.finish_threads >= 1 and (d.finish_threads == 1 or d.finish_ahead > 0), "data.finish_threads",
          "must be a positive integer, and 1 with data.finish_ahead=0 (the step's own thread finishes each batch)")
-    need(cfg, d.decode_sms >= 0, "data.decode_sms", "must be 0 (none) or a positive number of multiprocessors")
     need(cfg, 0 <= d.color_jitter, "data.color_jitter", "must be >= 0 (0: off)")
     need(cfg, 0 < d.eval_crop_pct <= 1, "data.eval_crop_pct", "must be in (0, 1] (1: resize the whole image)")
     if d.normalize:
@@ -699,6 +695,10 @@ def without_retired_keys(d: dict) -> dict:
     """A saved config's dict without the keys that no longer exist but held what is now the only behaviour."""
     if d.get("fp8") is False:  # configs saved while float8 matmuls were a switch (off: bf16, the only path now)
         d = {k: v for k, v in d.items() if k != "fp8"}
+    data = d.get("data")
+    # configs saved while the matmuls could leave multiprocessors to the GPU decode record data.decode_sms: 0 (none)
+    if isinstance(data, dict) and data.get("decode_sms") == 0:
+        d = {**d, "data": {k: v for k, v in data.items() if k != "decode_sms"}}
     model = d.get("model")
     # configs saved while attention had other backends record model.attn_impl; SDPA is the one left
     if isinstance(model, dict) and model.get("attn_impl") == "sdpa":

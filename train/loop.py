@@ -19,7 +19,6 @@ import torch
 import torch.nn as nn
 
 from dres.data import build_loader
-from dres.data.decode import leave_sms_to_decode
 from dres.nn import set_backend, set_fused_mlp
 from dres.train import checkpoint, distributed, resume, results, tasks
 from dres.train.common import resolve_precision, seed_all
@@ -138,17 +137,6 @@ class Trainer:
                                        accum=cfg.accum_steps, seed=cfg.seed, device=self.device, train=True,
                                        log=self.log, compile_augment=cfg.compile and self.device.type == "cuda")
             self.log(f"[dres] data: {cfg.data.name}, {self.loader.describe()}")
-            finisher = getattr(self.loader, "finisher", None)  # the streaming loaders'; in-memory ones decode nothing
-            if cfg.data.decode_sms and finisher is not None and finisher.backend:
-                try:
-                    kept = leave_sms_to_decode(cfg.data.decode_sms, self.device)  # before the model's first compile
-                except ValueError as e:
-                    raise ConfigError(f"'data.decode_sms': {e}") from None
-                self.log(f"[dres] data: the step's matrix multiplications keep {kept} multiprocessors, "
-                         f"{cfg.data.decode_sms} left to the GPU decode")
-            elif cfg.data.decode_sms:
-                self.log(f"[dres] data: data.decode_sms={cfg.data.decode_sms} left alone: nothing is decoded on the "
-                         "GPU")
             epoch_steps = len(self.loader)
             if cfg.data.side_stream and self.device.type == "cuda":
                 self.data_stream = torch.cuda.Stream(self.device)

@@ -286,25 +286,6 @@ def stream_priority(high: bool) -> int:
     return min(torch.cuda.Stream.priority_range()) if high else 0
 
 
-def leave_sms_to_decode(count: int, device) -> int:
-    """Make this process's matrix multiplications run on all but ``count`` of ``device``'s multiprocessors (0: on
-    all of them again), so that the GPU decode's kernels start beside a GEMM instead of waiting for one that holds
-    every multiprocessor until it ends; returns the multiprocessors the GEMMs keep. Through torch's experimental SM
-    carveout, which cuBLASLt's matmuls and Inductor's persistent kernels honour: the matmuls are sent to cuBLASLt.
-    Set before the model is compiled (Inductor reads it while compiling); it holds for the whole process."""
-    set_carveout = getattr(torch._C, "_set_sm_carveout_experimental", None)
-    if set_carveout is None:
-        raise ValueError(f"leaving multiprocessors to the decode needs torch's SM carveout, which torch "
-                         f"{torch.__version__} lacks")
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    if not 0 <= count < sms:
-        raise ValueError(f"{count} multiprocessors left to the decode: {sms} on the GPU, so 0 to {sms - 1}")
-    if count:
-        torch.backends.cuda.preferred_blas_library("cublaslt")  # the carveout reaches cuBLASLt's matmuls
-    set_carveout(count or None)
-    return sms - count
-
-
 # where an image of a batch was decoded, as the finisher counts it (``paths``) and the loaders' epoch line words it
 DECODE_PATHS = {
     "hardware": "by the GPU's hardware JPEG decoders",
