@@ -384,7 +384,6 @@ def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: b
     t0 = time.time()
     torch.manual_seed(MODEL_SEED)
     model = spec.build(size, arm.converted, fused_mlp).to(device).train()
-    backend = arm.backend or backend
     if arm.converted and backend is not None:
         from dres.nn import set_backend
 
@@ -446,13 +445,14 @@ def run_arm(model_name: str, arm_name: str, repeat: int, *, device: torch.device
             backend: Optional[str] = None) -> dict:
     """The record of one arm: what ran, where, with which versions, and its figures or its one-line error."""
     spec = MODELS[model_name]
+    backend = ARMS[arm_name].backend or backend
     rec = {
         **arm_identity(model_name, arm_name, repeat, tiny), "image": (spec.tiny if tiny else spec.full).image,
         "steps": steps, "warmup": warmup, "num_batches": NUM_BATCHES, "autocast": "bf16", "optimizer": "AdamW fused",
         "lr": LR, "peak_mem": "max_memory_allocated (reserved) over the timed steps, reset after the warm-up",
         "device": device.type, "card": measure.card_name() if device.type == "cuda" else "cpu",
         "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "cores": len(os.sched_getaffinity(0)), **library_versions(),
-        "fused_mlp": fused_mlp, "backend": ARMS[arm_name].backend or backend or "auto",
+        "fused_mlp": fused_mlp, "backend": backend or "auto",
     }
     t0 = time.time()
     try:

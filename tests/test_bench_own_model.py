@@ -163,8 +163,9 @@ def test_the_inductor_arm_puts_the_converted_models_ops_on_torch_whatever_backen
 
     with mock.patch.object(dres.nn, "set_backend", wraps=dres.nn.set_backend) as pointed, \
             mock.patch.object(torch, "compile", lambda model: model):  # the choice of backend, not Inductor on a CPU
-        bench.measure_arm("vit_b16", "converted_compiled_inductor", device=torch.device("cpu"), tiny=True, steps=2,
-                          warmup=1, backend="triton")
+        rec = bench.run_arm("vit_b16", "converted_compiled_inductor", 0, device=torch.device("cpu"), tiny=True,
+                            steps=2, warmup=1, backend="triton")
+    assert rec["error"] is None and rec["backend"] == "torch"
     assert pointed.call_args.args[1] == "torch" and pointed.call_args.args[0].blocks.backend == "torch"
     record = bench.arm_identity("vit_b16", "converted_compiled_inductor", 0, tiny=True)
     assert record["converted"] and record["mode"] == "compiled"
