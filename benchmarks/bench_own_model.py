@@ -42,7 +42,8 @@ their loss difference holds that too. ``--gpus`` runs one arm per GPU at a time,
 child pinned to its share of the host's cores (``OMP_NUM_THREADS`` capped to it), model by model (a run cut by
 ``--max-minutes`` leaves whole models), each model's slowest arms first;
 ``--repeats N`` runs every arm N times, the compared arms in alternating order, and reports the median and
-spread over the N processes. Where the csrc extension is built (``DRES_BUILD_CUDA=1``), the fused residual ops'
+spread over the N processes, and each ratio also round by round (the arms of one round ran back to back, so a
+round's ratio leaves out what the host did between rounds). Where the csrc extension is built (``DRES_BUILD_CUDA=1``), the fused residual ops'
 eager calls run its kernels and C++ autograd (``backend=None``'s choice); ``--no-csrc`` runs every arm without
 it (``dres._C`` not loaded in the arm's process: the Triton kernels and Python autograd alone), and each arm
 record says which (``csrc_extension``). ``--no-fused-mlp`` converts with ``fused_mlp=False`` (the models'
@@ -298,6 +299,14 @@ PROFILE_TOP = 40  # kernels and CPU operators kept of each profiled arm
 STEP_WARMUP = 3  # dres.compile_step's eager steps before its capture (its default warmup_steps)
 REFERENCE_ARM = "plain_eager"  # the loss tracks' reference
 NOISE_ARM = "plain_compiled"  # its own difference to the reference is the noise to read the others against
+# The ratios the table quotes: each key's arm's rate over the rate of the arm it is compared with.
+RATIOS = {
+    "eager_ratio": ("converted_eager", "plain_eager"),
+    "compiled_ratio": ("converted_compiled", "plain_compiled"),
+    "compiled_inductor_ratio": ("converted_compiled_inductor", "plain_compiled"),
+    "step_vs_plain_compiled": ("converted_step", "plain_compiled"),
+    "plain_step_vs_plain_compiled": ("plain_step", "plain_compiled"),
+}
 
 
 def autocast_loss(loss: Callable, device_type: str, model, *batch) -> torch.Tensor:
@@ -516,10 +525,22 @@ def loss_diffs(records: list[dict]) -> dict[str, Optional[float]]:
     return {arm: max(diffs) if diffs else None for arm, diffs in per_arm.items()}
 
 
+def ratios_by_round(records: list[dict], arm: str, base: str) -> list[float]:
+    """``arm``'s rate over ``base``'s in each round (repeat) where both finished: the arms of a round ran one
+    after the other, so these pairs leave out what the host did between rounds."""
+    def rates(name):
+        return {r["repeat"]: r["samples_per_s"] for r in records
+                if r["arm"] == name and not r.get("error") and r.get("samples_per_s")}
+
+    mine, theirs = rates(arm), rates(base)
+    return [mine[k] / theirs[k] for k in sorted(mine) if k in theirs]
+
+
 def summarize(records: list[dict]) -> list[dict]:
-    """A row per model (in :data:`MODELS`' order) of the arms' figures and the ratios the table quotes:
-    each converted arm against the plain arm of its mode, the one-line steps against plain torch.compile,
-    peak memory converted / plain per mode, and each arm's max |loss difference| to plain eager."""
+    """A row per model (in :data:`MODELS`' order) of the arms' figures and the ratios the table quotes
+    (:data:`RATIOS`: each converted arm against the plain arm of its mode, the one-line steps against plain
+    torch.compile), medians' ratios and, under ``by_round``, each round's; peak memory converted / plain per
+    mode, and each arm's max |loss difference| to plain eager."""
     rows = []
     for model in [m for m in MODELS if any(r["model"] == m for r in records)]:
         mine = [r for r in records if r["model"] == model]
@@ -536,11 +557,8 @@ def summarize(records: list[dict]) -> list[dict]:
         rows.append({
             "model": model, "title": mine[0]["title"], "unit": mine[0]["unit"], "batch": mine[0]["batch"],
             "arms": arms,
-            "eager_ratio": ratio(figure("converted_eager"), figure("plain_eager")),
-            "compiled_ratio": ratio(figure("converted_compiled"), figure("plain_compiled")),
-            "compiled_inductor_ratio": ratio(figure("converted_compiled_inductor"), figure("plain_compiled")),
-            "step_vs_plain_compiled": ratio(figure("converted_step"), figure("plain_compiled")),
-            "plain_step_vs_plain_compiled": ratio(figure("plain_step"), figure("plain_compiled")),
+            **{key: ratio(figure(arm), figure(base)) for key, (arm, base) in RATIOS.items()},
+            "by_round": {key: ratios_by_round(mine, arm, base) for key, (arm, base) in RATIOS.items()},
             "peak_mem_ratio": {mode: peak_ratio(mode) for mode in ("eager", "compiled", "step")},
             "loss_diff": diffs,
             "loss_noise": diffs.get(NOISE_ARM),
@@ -561,15 +579,22 @@ def _times(x: Optional[float]) -> str:
     return "–" if x is None else f"{x:.2f}x"
 
 
+def _ratio(row: dict, key: str) -> str:
+    """A ratio, and each round's where more than one round has it."""
+    rounds = row["by_round"][key]
+    by_round = f"; by round {', '.join(_times(x) for x in rounds)}" if len(rounds) > 1 else ""
+    return _times(row[key]) + by_round
+
+
 def _pair(row: dict, mode: str, ratio_key: str) -> str:
-    return f"{_rate(row, f'plain_{mode}')} -> {_rate(row, f'converted_{mode}')} ({_times(row[ratio_key])})"
+    return f"{_rate(row, f'plain_{mode}')} -> {_rate(row, f'converted_{mode}')} ({_ratio(row, ratio_key)})"
 
 
 def _compiled_pair(row: dict) -> str:
     """The compiled pair, and the converted model on Inductor's code for its ops where that arm ran."""
     inductor = ("" if "converted_compiled_inductor" not in row["arms"] else
                 f"; the ops on Inductor's code {_rate(row, 'converted_compiled_inductor')} "
-                f"({_times(row['compiled_inductor_ratio'])})")
+                f"({_ratio(row, 'compiled_inductor_ratio')})")
     return _pair(row, "compiled", "compiled_ratio") + inductor
 
 
@@ -589,7 +614,7 @@ def markdown(rows: list[dict], *, header: list[str], failed: list[dict], not_run
         converted_diffs = [d for a, d in row["loss_diff"].items() if ARMS[a].converted and d is not None]
         loss = (f"{_number(max(converted_diffs) if converted_diffs else None, '.2g')} "
                 f"(noise {_number(row['loss_noise'], '.2g')})")
-        step = f"{_times(row['step_vs_plain_compiled'])} (plain step {_times(row['plain_step_vs_plain_compiled'])})"
+        step = f"{_ratio(row, 'step_vs_plain_compiled')} (plain step {_ratio(row, 'plain_step_vs_plain_compiled')})"
         lines.append(f"| {row['title']}, batch {row['batch']} | {row['unit']} | {_pair(row, 'eager', 'eager_ratio')} | "
                      f"{_compiled_pair(row)} | {step} | {peak} | {loss} |")
     lines += ["", "| model | arm | rate (median) | processes | spread | peak GiB allocated | reserved | "
@@ -761,7 +786,8 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
               f"timm {env['timm']}, transformers {env['transformers']}; the residual ops' eager calls on "
               f"{kernels}{conversion}).",
               f"Each arm {args.steps} steps ({args.warmup} warm-up, untimed), bf16 autocast, fused AdamW; rates are "
-              f"batch / median step time, the median over each arm's processes; "
+              f"batch / median step time, the median over each arm's processes (with repeats, each ratio "
+              f"also by round: the arms of a round ran back to back); "
               + (f"{slots} arms at a time, one per GPU, each on its share of the cores" if slots > 1
                  else "one arm at a time")
               + "; peak memory over the timed steps (converted/plain: allocated, reserved for the one-line steps, "

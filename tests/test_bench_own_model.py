@@ -259,6 +259,23 @@ def test_table_quotes_each_model_with_its_ratios_failures_and_unstarted_arms():
     assert lines[-1] == "Not run: hf_bert-plain_compiled-0"
 
 
+
+def test_ratios_also_by_round_where_the_host_moved_between_rounds():
+    # round 1 ran faster for every arm: the medians' ratio mixes the rounds, each round's ratio does not
+    records = [arm_record("dinov2_s14", arm, rate, repeat=k)
+               for k, rates in enumerate([(5222.0, 4510.0, 5697.0), (6125.0, 5055.0, 6290.0)])
+               for arm, rate in zip(("plain_compiled", "converted_compiled", "converted_compiled_inductor"), rates)]
+    records.append(arm_record("dinov2_s14", "converted_compiled", 9999.0, repeat=2))  # no plain arm in its round
+    row, = bench.summarize(records)
+    assert row["compiled_ratio"] == pytest.approx(5055.0 / 5673.5)  # the medians' (three converted processes)
+    assert row["by_round"]["compiled_ratio"] == pytest.approx([4510 / 5222, 5055 / 6125])
+    assert row["by_round"]["compiled_inductor_ratio"] == pytest.approx([5697 / 5222, 6290 / 6125])
+    assert row["by_round"]["eager_ratio"] == [] and row["eager_ratio"] is None
+    table = bench.markdown([row], header=[], failed=[], not_run=[])
+    assert ("5,674 -> 5,055 (0.89x; by round 0.86x, 0.83x); the ops on Inductor's code 5,994 (1.06x; by round "
+            "1.09x, 1.03x)") in table
+
+
 # ---------------------------------------------------------------------------------------------
 # runs: a tiny one on the CPU, arms that fail, time running out
 
