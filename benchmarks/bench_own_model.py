@@ -7,8 +7,8 @@ side by side with their plain originals, one process per arm.
     python -m benchmarks.bench_own_model --repeats 3 --models resnet50d_224          # median and spread
     python -m benchmarks.bench_own_model --no-csrc --arms plain_eager,converted_eager # Triton kernels alone
     python -m benchmarks.bench_own_model --no-fused-mlp --models vit_b16 --arms converted_step  # the models' MLPs
-    python -m benchmarks.bench_own_model --repeats 3 --models dinov2_s14 \
-        --arms plain_compiled,converted_compiled,converted_compiled_inductor       # dres kernels or Inductor's
+    python -m benchmarks.bench_own_model --repeats 3 --models dinov2_s14 --arms \
+        plain_compiled,converted_compiled,converted_compiled_inductor,converted_compiled_kernels  # whose code
     python -m benchmarks.bench_own_model --tiny --gpus 0,1 --steps 8 --warmup 4      # smoke run, tiny configs
     python -m benchmarks.bench_own_model --dry-run                                   # the plan, no GPU
 
@@ -25,9 +25,11 @@ sequence 128, 15% of the tokens labelled), HF ``GPT2LMHeadModel`` (small, sequen
 
 Arms (:data:`ARMS`): plain and converted model, each eager, ``torch.compile(model)`` (default mode, as a
 new user writes it) and through ``dres.compile_step`` (the one-line step: compiled forward, the whole step
-captured in a CUDA graph); ``converted_compiled_inductor`` (named in ``--arms``, not run by default): the converted
-model compiled with its dres ops on their PyTorch formulas, as ``--backend torch`` below, so that one command times
-the dres kernels and Inductor's code side by side. Every arm trains with bf16 autocast and fused AdamW (lr 1e-4) on
+captured in a CUDA graph); ``converted_compiled_inductor`` and ``converted_compiled_kernels`` (named in ``--arms``,
+not run by default): the converted model compiled with every dres op on its PyTorch formula (as ``--backend torch``
+below) or on the dres kernels (``--backend triton``), so that one command times ``backend=None``'s choice under
+compile (launch-bound ops on Inductor's code, the rest on the kernels: ``dres.ops.checks.resolve_compiled_backend``)
+beside either extreme. Every arm trains with bf16 autocast and fused AdamW (lr 1e-4) on
 ``NUM_BATCHES`` synthetic batches drawn once from a fixed seed, already on the device, cycled: the same
 batches, in the same order, in every arm.
 
@@ -51,7 +53,7 @@ own MLPs, Inductor's under torch.compile: its MLP at ViT-B's widths is faster th
 the activations; ``fused_mlp`` in each record). ``--backend torch`` points the converted models' dres ops at
 their PyTorch formulas (``dres.nn.set_backend``), which Inductor fuses in its own code under torch.compile: the
 converted arms then keep the conversion's other changes (one q/k/v GEMM, HF's mask left out, the patch GEMM) without
-a dres kernel; ``backend`` in each record (``--backend`` leaves ``converted_compiled_inductor`` on torch).
+a dres kernel; ``backend`` in each record (``--backend`` leaves the two arms that force a backend on theirs).
 
 The record folder (default ``records/benchmarks/<machine>-<today>-own-models``): ``arms/<model>-<arm>-<repeat>.json``
 (one a process, a failed arm with its one-line error), ``logs/`` (each process's output), ``summary.json``,
@@ -285,6 +287,8 @@ ARMS = {
     "converted_compiled": Arm(True, "compiled", "converted, torch.compile"),
     "converted_compiled_inductor": Arm(True, "compiled", "converted, torch.compile, the ops on Inductor's code",
                                        "torch"),
+    "converted_compiled_kernels": Arm(True, "compiled", "converted, torch.compile, every op on the dres kernels",
+                                      "triton"),
     "plain_compiled": Arm(False, "compiled", "plain, torch.compile"),
     "converted_eager": Arm(True, "eager", "converted, eager"),
     "plain_eager": Arm(False, "eager", "plain, eager"),
@@ -304,6 +308,7 @@ RATIOS = {
     "eager_ratio": ("converted_eager", "plain_eager"),
     "compiled_ratio": ("converted_compiled", "plain_compiled"),
     "compiled_inductor_ratio": ("converted_compiled_inductor", "plain_compiled"),
+    "compiled_kernels_ratio": ("converted_compiled_kernels", "plain_compiled"),
     "step_vs_plain_compiled": ("converted_step", "plain_compiled"),
     "plain_step_vs_plain_compiled": ("plain_step", "plain_compiled"),
 }
@@ -590,12 +595,17 @@ def _pair(row: dict, mode: str, ratio_key: str) -> str:
     return f"{_rate(row, f'plain_{mode}')} -> {_rate(row, f'converted_{mode}')} ({_ratio(row, ratio_key)})"
 
 
+# the compiled arms that force a backend, as the table's compiled cell names them
+FORCED_COMPILED = {"converted_compiled_inductor": ("the ops on Inductor's code", "compiled_inductor_ratio"),
+                   "converted_compiled_kernels": ("every op on the dres kernels", "compiled_kernels_ratio")}
+
+
 def _compiled_pair(row: dict) -> str:
-    """The compiled pair, and the converted model on Inductor's code for its ops where that arm ran."""
-    inductor = ("" if "converted_compiled_inductor" not in row["arms"] else
-                f"; the ops on Inductor's code {_rate(row, 'converted_compiled_inductor')} "
-                f"({_ratio(row, 'compiled_inductor_ratio')})")
-    return _pair(row, "compiled", "compiled_ratio") + inductor
+    """The compiled pair, and the converted model with its ops forced onto Inductor's code or onto the dres
+    kernels where those arms ran."""
+    forced = "".join(f"; {what} {_rate(row, arm)} ({_ratio(row, key)})"
+                     for arm, (what, key) in FORCED_COMPILED.items() if arm in row["arms"])
+    return _pair(row, "compiled", "compiled_ratio") + forced
 
 
 def _number(x: Optional[float], fmt: str = ".2f") -> str:
@@ -911,7 +921,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", type=names_of(MODELS), default=list(MODELS), help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--arms", type=names_of(ARMS), default=DEFAULT_ARMS,
-                   help=f"comma list of {', '.join(ARMS)} (default: all but converted_compiled_inductor)")
+                   help=f"comma list of {', '.join(ARMS)} (default: all but the arms that force a backend)")
     p.add_argument("--gpus", type=gpu_list, help="run arms in parallel, one per GPU at a time, e.g. 0,1,2,3 "
                                                  "(default: one at a time on the visible GPU)")
     p.add_argument("--steps", type=int, default=60, help="optimizer steps per arm, the loss of each recorded")

@@ -45,6 +45,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from dres.ops.checks import replayed_launches
+
 
 class CaptureError(RuntimeError):
     """Capturing a function in a CUDA graph failed; the message is the first line of torch's error."""
@@ -104,7 +106,9 @@ class GraphedFunction:
     """``fn()`` (no arguments: it reads static inputs) run eagerly by :meth:`warm_up` on a side
     ``stream`` (lazy initialisation, compilation and autotuning happen there), captured once by
     :meth:`capture` on that stream and replayed by :meth:`replay`, which returns the outputs of the
-    captured call (static: the graph rewrites them at every replay)."""
+    captured call (static: the graph rewrites them at every replay). Both run ``fn`` inside
+    :func:`dres.ops.checks.replayed_launches`: what it compiles keeps the dres kernels, whose launches the
+    replays do not pay."""
 
     def __init__(self, fn: Callable[[], Any], device: torch.device, *, warmup_steps: int = 3, stream=None):
         check_warmup_steps(warmup_steps)
@@ -123,8 +127,8 @@ class GraphedFunction:
         """One eager call on the side stream, ordered after the work already queued on the current one."""
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream), quiet_uncaptured_steps():  # a capturable optimizer's eager steps
-            out = self.fn()
+        with torch.cuda.stream(self.stream), quiet_uncaptured_steps(), replayed_launches():
+            out = self.fn()  # quiet: a capturable optimizer's eager steps
         current.wait_stream(self.stream)
         self.warmed += 1
         return out
@@ -134,7 +138,7 @@ class GraphedFunction:
         were then recorded, not run)."""
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"), replayed_launches():
                 outputs = self.fn()
         except RuntimeError as e:  # something in the call synchronised or allocated on the host
             self._end_generator_capture()

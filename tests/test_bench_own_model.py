@@ -169,7 +169,9 @@ def test_the_inductor_arm_puts_the_converted_models_ops_on_torch_whatever_backen
     assert pointed.call_args.args[1] == "torch" and pointed.call_args.args[0].blocks.backend == "torch"
     record = bench.arm_identity("vit_b16", "converted_compiled_inductor", 0, tiny=True)
     assert record["converted"] and record["mode"] == "compiled"
-    assert "converted_compiled_inductor" not in bench.build_parser().parse_args([]).arms
+    default_arms = bench.build_parser().parse_args([]).arms
+    assert "converted_compiled_inductor" not in default_arms and "converted_compiled_kernels" not in default_arms
+    assert bench.ARMS["converted_compiled_kernels"].backend == "triton"  # every op on the dres kernels
     jobs = bench.plan_jobs(["dinov2_s14"], ["plain_compiled", "converted_compiled", "converted_compiled_inductor"], 2)
     assert [j.name for j in jobs] == [
         "dinov2_s14-converted_compiled-0", "dinov2_s14-converted_compiled_inductor-0", "dinov2_s14-plain_compiled-0",
@@ -200,6 +202,7 @@ def hand_made_records() -> list[dict]:
                    graph_breaks=2),
         arm_record("vit_b16", "converted_compiled_inductor", 2200.0, peak=8.8, losses=[2.0, 1.5, 1.0], graphs=1,
                    graph_breaks=0, backend="torch"),
+        arm_record("vit_b16", "converted_compiled_kernels", 2300.0, peak=8.0, backend="triton"),
         # a replayed graph's activations are reserved, not allocated: the steps compare the reserved peaks
         arm_record("vit_b16", "plain_step", 2200.0, peak=1.5, reserved=10.0, captured=True, why_eager=None),
         arm_record("vit_b16", "converted_step", 3000.0, peak=1.5, reserved=9.0, captured=True, why_eager=None),
@@ -223,6 +226,7 @@ def test_summary_ratios_come_from_the_arms_figures():
     assert vit["eager_ratio"] == pytest.approx(1.5)
     assert vit["compiled_ratio"] == pytest.approx(1.25)
     assert vit["compiled_inductor_ratio"] == pytest.approx(1.1)
+    assert vit["compiled_kernels_ratio"] == pytest.approx(1.15)
     assert bert["compiled_inductor_ratio"] is None
     assert vit["step_vs_plain_compiled"] == pytest.approx(1.5)
     assert vit["plain_step_vs_plain_compiled"] == pytest.approx(1.1)
@@ -247,7 +251,8 @@ def test_table_quotes_each_model_with_its_ratios_failures_and_unstarted_arms():
     vit = next(line for line in lines if line.startswith("| timm vit_base_patch16_224"))
     cells = [c.strip() for c in vit.strip("|").split(" | ")]
     assert cells[1:] == ["img/s", "1,000 -> 1,500 (1.50x)",
-                         "2,000 -> 2,500 (1.25x); the ops on Inductor's code 2,200 (1.10x)", "1.50x (plain step 1.10x)",
+                         "2,000 -> 2,500 (1.25x); the ops on Inductor's code 2,200 (1.10x); every op on the dres "
+                         "kernels 2,300 (1.15x)", "1.50x (plain step 1.10x)",
                          "eager 0.80, compiled 0.94, step 0.90", "0.03 (noise 0.01)"]
     bert = next(line for line in lines if line.startswith("| HF BertForMaskedLM"))
     assert "500 -> failed (–)" in bert and "not run -> not run (–) |" in bert  # no Inductor arm: nothing said

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import dres
-from dres.captured_step import (StaticInputs, capture_blocker, compile_step, fill_arguments,
+from dres.captured_step import (GraphedFunction, StaticInputs, capture_blocker, compile_step, fill_arguments,
                                 first_difference, make_capturable, optimizer_blocker, split_arguments)
 from dres.ops import csrc_backend
 
@@ -367,6 +367,27 @@ def test_a_compiled_captured_step_trains_as_the_compiled_eager_loop(build):
     assert step.captured and isinstance(step.forward_model, torch._dynamo.eval_frame.OptimizedModule)
     want = _train(build, loss_fn, keywords, data, optimizer_args=dict(fused=True), compile_loop=True)
     _assert_trained_alike((losses, trained), want[:2])
+
+
+@pytest.mark.gpu
+def test_warm_up_and_capture_trace_for_replayed_launches(monkeypatch):
+    """What the warm-up and the capture run (and torch.compile traces there) keeps the dres kernels where a
+    launch-bound compiled op outside them takes its PyTorch formula: the replays do not pay the launches."""
+    from dres.ops.checks import resolve_compiled_backend
+
+    small = torch.zeros(8, 32, device=CUDA, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as while torch.compile traces
+    choices = []
+
+    def fn():
+        choices.append(resolve_compiled_backend(None, small))
+        return small + 1
+
+    graphed = GraphedFunction(fn, CUDA, warmup_steps=1)
+    graphed.warm_up()
+    graphed.capture()
+    graphed.replay()
+    assert choices == ["triton", "triton"] and resolve_compiled_backend(None, small) == "torch"
 
 
 @pytest.mark.gpu

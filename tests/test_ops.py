@@ -884,6 +884,65 @@ def test_default_backend_follows_the_measurements():
     assert ops.checks.resolve_backend(None, torch.zeros(2, 8)) == "torch"
 
 
+def test_compiled_default_leaves_launch_bound_norms_and_mlps_to_inductor(monkeypatch):
+    """backend=None under torch.compile: the PyTorch formula (Inductor's code) for a residual stream of rows x D^2
+    below COMPILED_LAUNCH_BOUND_WORK, the dres kernels above it, inside replayed_launches() (a captured step) and
+    for a backend asked for by name (fake CUDA tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dres.ops.checks import COMPILED_LAUNCH_BOUND_WORK, launch_bound, replayed_launches, resolve_compiled_backend
+
+    with FakeTensorMode():
+        dinov2 = torch.empty(128, 257, 384, device="cuda", dtype=BF16)  # 4.9e9: Inductor's code measured faster
+        vit_b = torch.empty(128, 197, 768, device="cuda", dtype=BF16)  # 1.5e10: the dres kernels measured faster
+        host = torch.empty(128, 257, 384, dtype=BF16)
+        assert launch_bound(dinov2) and not launch_bound(vit_b)
+        assert 128 * 257 * 384 ** 2 < COMPILED_LAUNCH_BOUND_WORK < 128 * 197 * 768 ** 2
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert resolve_compiled_backend(None, dinov2) == "torch"
+        assert resolve_compiled_backend(None, vit_b) == "triton"
+        assert resolve_compiled_backend("triton", dinov2) == "triton"
+        assert resolve_compiled_backend(None, host) == "torch"  # the reference off CUDA, as ever
+        with replayed_launches():
+            with replayed_launches():
+                assert resolve_compiled_backend(None, dinov2) == "triton"
+            assert resolve_compiled_backend(None, dinov2) == "triton"  # the outer context still holds
+        assert resolve_compiled_backend(None, dinov2) == "torch"
+        with pytest.raises(RuntimeError), replayed_launches():
+            raise RuntimeError("a failed capture")
+        assert resolve_compiled_backend(None, dinov2) == "torch"  # left on the way out of an error too
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_default_traces_the_kernels_only_where_launches_are_replayed():
+    """Traced by torch.compile with backend=None, a launch-bound residual norm and MLP take their PyTorch
+    formulas (no Triton launch in the graph), the same inside replayed_launches() the dres kernels; both compute
+    the eager values."""
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional
+
+    from dres.ops.checks import replayed_launches
+
+    device = torch.device("cuda")
+    x, h, w, b = make_case((4, 33, 64), F32, BF16, device)
+    w1, b1 = torch.randn(96, 64, device=device, dtype=BF16) / 8, torch.randn(96, device=device, dtype=BF16)
+    w2, b2 = torch.randn(64, 96, device=device, dtype=BF16) / 10, torch.randn(64, device=device, dtype=BF16)
+
+    def block(x, h, w, b, w1, b1, w2, b2):
+        out, y = ops.residual_layer_norm(x, h, w, b, 0.9)
+        return out, ops.fused_mlp(y, w1, b1, w2, b2)
+
+    eager = block(x, h, w, b, w1, b1, w2, b2)
+    for replayed, kernels in ((False, False), (True, True)):
+        forward_targets, backward_targets = set(), set()
+        torch._dynamo.reset()
+        compiled = torch.compile(block, fullgraph=True, backend=recording_backend(forward_targets, backward_targets))
+        with replayed_launches() if replayed else contextlib.nullcontext():
+            got = compiled(*leaves(x, h, w, b, w1, b1, w2, b2))
+        assert (triton_kernel_wrapper_functional in forward_targets) == kernels, replayed
+        for name, a, c in zip(("out", "mlp"), eager, got):
+            assert_close(name, c, a, BF16)
+
+
 def test_backward_config_hook_of_the_tuning_sweep(triton_device):
     """The backward launcher reads ``backward_config`` at every launch: benchmarks.tune_backward's
     ``backward_config_replaced`` runs it with another tile and programs per SM, gradients unchanged."""

@@ -3,6 +3,7 @@ argument, never as a Triton compiler trace or silent garbage."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import os
@@ -66,6 +67,45 @@ def resolve_backend(backend: str | None, x: torch.Tensor, name: str = "x") -> st
         if not x.is_cuda:
             raise ValueError(f"backend='cuda' needs CUDA tensors, x is on {x.device}")
     return backend
+
+
+# Under torch.compile outside a step replayed from a CUDA graph the host launches every kernel of every step, and
+# a dres kernel launched from Inductor's code costs 17-50 us of host time against Inductor's own 7-15 (BENCHMARKS.md,
+# "dres kernels launched by Inductor"). Below this rows x D^2 (a block's matmul work, a twelfth of its multiply-adds)
+# the block's matmuls take less GPU time than the host takes to launch its kernels: backend=None then gives the
+# residual norms and the MLP their PyTorch formulas, which Inductor fuses into kernels of its own. Between the
+# models measured both ways: timm DINOv2 ViT-S/14 at batch 128 (4.9e9; Inductor's code 1.24-1.29x the dres
+# kernels) and timm ViT-B/16 at batch 128 (1.5e10; the dres kernels 1.05x against 1.00x, 1.4 GiB smaller).
+COMPILED_LAUNCH_BOUND_WORK = 6e9
+_replayed = False  # inside replayed_launches()
+
+
+@contextlib.contextmanager
+def replayed_launches():
+    """Run (and so trace, under torch.compile) a step that is then captured in a CUDA graph and replayed: its
+    launches cost the host nothing at a replay, so :func:`resolve_compiled_backend` keeps the dres kernels."""
+    global _replayed
+    outer, _replayed = _replayed, True
+    try:
+        yield
+    finally:
+        _replayed = outer
+
+
+def launch_bound(x: torch.Tensor) -> bool:
+    """Whether ``x`` (rows x D, static sizes) is below :data:`COMPILED_LAUNCH_BOUND_WORK`; symbolic sizes
+    (a dynamic-shape compile) never are."""
+    dim, numel = x.shape[-1], x.numel()
+    return type(dim) is int and type(numel) is int and numel * dim < COMPILED_LAUNCH_BOUND_WORK
+
+
+def resolve_compiled_backend(backend: str | None, x: torch.Tensor, name: str = "x") -> str:
+    """:func:`resolve_backend`, except that ``backend=None`` under torch.compile, outside
+    :func:`replayed_launches`, gives a launch-bound CUDA ``x`` (:func:`launch_bound`) the PyTorch formula."""
+    if (backend is None and torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and x.is_cuda
+            and launch_bound(x) and not _replayed):
+        return "torch"
+    return resolve_backend(backend, x, name)
 
 
 def resolve_backend_without_csrc(backend: str | None, x: torch.Tensor, name: str = "x") -> str:

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from dres.ops import csrc_backend, reference
 from dres.ops.checks import (check_alpha, check_dtype_arg, check_eps, check_factors_are_data, check_same_device,
-                             check_tensor, check_vector, resolve_backend, supported_dtypes)
+                             check_tensor, check_vector, resolve_compiled_backend, supported_dtypes)
 from dres.ops.registration import define_op, with_inductor_fallbacks
 from dres.ops.utils import alpha_args, param_grad, rows_per_sample
 
@@ -383,7 +383,7 @@ def residual_layer_norm(x, h, weight, bias, alpha=1.0, eps=1e-6, row_scale=None,
     (gets a gradient if it requires one). eps: a positive float. out has ``residual_dtype``
     (default x.dtype); y has ``out_dtype`` (default h.dtype).
     """
-    backend = resolve_backend(backend, x)
+    backend = resolve_compiled_backend(backend, x)
     check_residual_norm_inputs(backend, x, h, weight, bias, alpha, row_scale, grad_scale, residual_dtype, out_dtype)
     check_eps(eps)
     if backend == "torch":
@@ -400,7 +400,7 @@ def residual_layer_norm(x, h, weight, bias, alpha=1.0, eps=1e-6, row_scale=None,
 
 def residual_add(x, h, alpha=1.0, row_scale=None, grad_scale=None, residual_dtype=None, backend=None):
     """``out = alpha*x + row_scale[b]*h`` with gradient ``grad_scale[b]*g`` into h (no norm)."""
-    backend = resolve_backend(backend, x)
+    backend = resolve_compiled_backend(backend, x)
     check_residual_norm_inputs(backend, x, h, None, None, alpha, row_scale, grad_scale, residual_dtype)
     if backend == "torch":
         return reference.residual_add(x, h, alpha, row_scale, grad_scale, residual_dtype)
@@ -412,7 +412,7 @@ def residual_add(x, h, alpha=1.0, row_scale=None, grad_scale=None, residual_dtyp
 
 def layer_norm(x, weight, bias, eps=1e-6, out_dtype=None, backend=None):
     """LayerNorm over the last dimension in fp32; y has ``out_dtype`` (default x.dtype)."""
-    backend = resolve_backend(backend, x)
+    backend = resolve_compiled_backend(backend, x)
     check_residual_norm_inputs(backend, x, None, weight, bias, out_dtype=out_dtype, check_h=False)
     check_eps(eps)
     if backend == "torch":
