@@ -595,16 +595,12 @@ def _pair(row: dict, mode: str, ratio_key: str) -> str:
     return f"{_rate(row, f'plain_{mode}')} -> {_rate(row, f'converted_{mode}')} ({_ratio(row, ratio_key)})"
 
 
-# the compiled arms that force a backend, as the table's compiled cell names them
-FORCED_COMPILED = {"converted_compiled_inductor": ("the ops on Inductor's code", "compiled_inductor_ratio"),
-                   "converted_compiled_kernels": ("every op on the dres kernels", "compiled_kernels_ratio")}
-
-
 def _compiled_pair(row: dict) -> str:
-    """The compiled pair, and the converted model with its ops forced onto Inductor's code or onto the dres
-    kernels where those arms ran."""
-    forced = "".join(f"; {what} {_rate(row, arm)} ({_ratio(row, key)})"
-                     for arm, (what, key) in FORCED_COMPILED.items() if arm in row["arms"])
+    """The compiled pair, and each compiled arm that forces a backend where it ran, named by its label's last
+    clause ("the ops on Inductor's code")."""
+    forced = "".join(f"; {ARMS[arm].label.rpartition(', ')[2]} {_rate(row, arm)} ({_ratio(row, key)})"
+                     for key, (arm, _) in RATIOS.items()
+                     if ARMS[arm].mode == "compiled" and ARMS[arm].backend and arm in row["arms"])
     return _pair(row, "compiled", "compiled_ratio") + forced
 
 
