@@ -72,8 +72,8 @@ TRAINERS = {
 # decode, the GPU decode's streams at the default priority, nvImageCodec (left out where not installed)
 MATRIX_VARIANTS = ("decode=cpu", "decode=gpu", "decode=gpu,finish_high_priority=false",
                    "decode=gpu,gpu_decoder=nvimgcodec")
-# seconds a matrix run is planned at: start, a cold compile (about a minute) and 80 steps; the plan's estimate only
-RUN_PLAN_S = 75
+# seconds a matrix run is planned at: start, a cold compile (about a minute) and 300 steps; the plan's estimate only
+RUN_PLAN_S = 100
 
 
 def encode(pixels: np.ndarray, kind: str) -> bytes:
@@ -291,7 +291,8 @@ def trainer_command(name: str, data: list[str], cores: int, first_core: int, gpu
 def trainer_rate(name: str, data: list[str], cores: int, first_core: int, gpus: int, steps: int, batch: int,
                  overrides: list[str], timeout_s: float = 300, cpus: str | None = None,
                  devices: str | None = None) -> dict:
-    """Steady-state images/s of a trainer run (:func:`trainer_command`); ``batch`` is a GPU's; ``devices``: its
+    """Steady-state images/s of a trainer run (:func:`trainer_command`), timed after the warm-up and after the
+    batches its loader made ahead meanwhile (:func:`batches_made_ahead`); ``batch`` is a GPU's; ``devices``: its
     ``CUDA_VISIBLE_DEVICES``. The row keeps the run's ``[dres] data:`` lines and, from its metrics, the host's
     wait for batches a step and the captured step's GPU time (``steady_state_waits``): a decode too slow for the
     step shows in the first, one that slows the step's kernels in the second."""
@@ -319,10 +320,23 @@ def trainer_rate(name: str, data: list[str], cores: int, first_core: int, gpus: 
             return {**row, "error": stderr[-2000:]}
         with open(Path(out) / "metrics.jsonl") as f:
             metrics = [json.loads(line) for line in f if line.strip()]
-        ips, timed = steady_state_rate(metrics, batch * gpus)
-    return {**row, "batch": batch, "images_per_s": ips, "steps_timed": timed, **steady_state_waits(metrics),
-            "wall_s": time.time() - t0,
-            "data_lines": [line for line in stdout.splitlines() if line.startswith("[dres] data:")]}
+    data_lines = [line for line in stdout.splitlines() if line.startswith("[dres] data:")]
+    ahead = batches_made_ahead(data_lines)
+    try:
+        ips, timed = steady_state_rate(metrics, batch * gpus, buffered=ahead)
+    except ValueError as e:  # too few steps to time past the loader's buffer: a row that says so
+        return {**row, "error": str(e)}
+    return {**row, "batch": batch, "images_per_s": ips, "steps_timed": timed, "batches_ahead": ahead,
+            **steady_state_waits(metrics, buffered=ahead), "wall_s": time.time() - t0, "data_lines": data_lines}
+
+
+def batches_made_ahead(data_lines: list[str]) -> int:
+    """The most batches the run's loader made ahead of the step, as its data line says (0 where none does: the
+    data in memory); they fill while the step compiles, and the timed window starts after the step has taken
+    them (``steady_state_rate``'s ``buffered``)."""
+    found = [int(m[1]) for m in (re.search(r"up to (\d+) batches made ahead of the step", line)
+                                 for line in data_lines) if m]
+    return max(found, default=0)
 
 
 def run_all(args) -> list[dict]:
@@ -523,6 +537,7 @@ def markdown(rows: list[dict], card: str) -> str:
             waits = "".join(f"; {what} {r[key]:.1f} ms a step" for key, what in
                             (("data_ms", "waits for data"), ("gpu_ms_per_step", "step's GPU time")) if key in r)
             waits += finishing_times(r.get("data_lines", []))
+            waits += f"; timed after its {r['batches_ahead']} batches made ahead" if r.get("batches_ahead") else ""
             cells = [f"trainer {r['name']} ({data.get('data.name')}{sets}{waits})", data.get("data.decode", ""),
                      r.get("gpus", 1), r["cores"] or "all", data.get("data.num_workers", "by the decode")]
         if "error" in r:
@@ -578,7 +593,9 @@ def main(argv=None):
     ap.add_argument("--gpu-workers", type=int, default=GPU_DECODE_WORKERS,
                     help="DataLoader workers of the GPU-decode rows (at most the cores; the loader rows' CPU decode: "
                          "every core; the trainer rows' CPU decode: the trainer's own count)")
-    ap.add_argument("--steps", type=int, help="a trainer run's steps (default: all 100, matrix 80)")
+    ap.add_argument("--steps", type=int, default=300,
+                    help="a trainer run's steps: 10 of warm-up, as many as its loader makes ahead (up to 62 at 16 "
+                         "cores), then the timed ones")
     ap.add_argument("--devices", help="matrix: the GPUs its runs share, one run a GPU at a time, as "
                     "CUDA_VISIBLE_DEVICES names them (default: every GPU this process sees)")
     ap.add_argument("--all-variants-for", default="mae_vit_b16_baseline",
@@ -623,7 +640,6 @@ def main(argv=None):
         ap.error(f"--first-core {args.first_core}, --cores {max(args.cores)} a GPU x --gpus {args.gpus}: not within "
                  f"this machine's cores 0-{os.cpu_count() - 1}")
     args.trainers = _names(ap, "--trainers", args.trainers or "mae_vit_b16_baseline,mae_vit_b16_official,resnet50d_224")
-    args.steps = args.steps or 100
     args.trainer_decodes = [d for d in args.trainer_decodes.split(",") if d]
     if set(args.trainer_decodes) - {"cpu", "gpu", "auto"}:
         ap.error(f"--trainer-decodes {','.join(args.trainer_decodes)}: each of cpu, gpu, auto")
@@ -697,7 +713,6 @@ def matrix_main(ap, args) -> int:
     args.trainers = _names(ap, "--trainers", args.trainers or "mae_vit_b16_baseline,resnet50d_224")
     args.all_variants_for = _names(ap, "--all-variants-for", args.all_variants_for)
     _names(ap, "--ddp", ",".join(name for name, _ in args.ddp))
-    args.steps = args.steps or 80
     if not args.devices or len(set(args.devices)) < len(args.devices):
         ap.error(f"--devices {','.join(args.devices)}: distinct GPUs, at least one")
     if args.ddp and len(args.devices) < 2:

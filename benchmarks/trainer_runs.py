@@ -62,38 +62,43 @@ def trainer_cmd(run: dict, out_dir: str) -> list[str]:
     return torchrun_cmd(run["world"], f"dres.train.{run['task']}", "--preset", run["preset"], "--out", out_dir, *sets)
 
 
-def steady_windows(metrics: list[dict], skip: int = 1) -> list[tuple[int, dict]]:
+def steady_windows(metrics: list[dict], skip: int = 1, buffered: int = 0) -> list[tuple[int, dict]]:
     """``(steps, record)`` of the logged intervals of ``metrics.jsonl`` after the first ``skip`` (warm-up:
     compilation, allocator growth). In a graphed run (intervals with ``gpu_ms_per_step``) the warm-up lasts until
     the step is captured: the intervals up to the first one with graph replays (eager warm-up steps and the
-    capture) are left out too, as ``trainer_vs_replay`` leaves them out."""
+    capture) are left out too, as ``trainer_vs_replay`` leaves them out. ``buffered``: the batches a loader made
+    ahead during the warm-up; the intervals that begin before the warm-up's end + ``buffered`` steps are left out
+    too, so that a loader slower than the step is timed at its own rate, not at its buffer's."""
     recs = sorted(metrics, key=lambda r: r["step"])
     first_replay = next((i for i, r in enumerate(recs) if "gpu_ms_per_step" in r), None)
     if first_replay is not None:
         skip = max(skip, first_replay + 1)
-    windows, prev = [], 0
+    windows, prev, first_timed = [], 0, None
     for i, r in enumerate(recs):
-        n, prev = r["step"] - prev, r["step"]
+        n, start, prev = r["step"] - prev, prev, r["step"]
         if i >= skip and n > 0:
-            windows.append((n, r))
+            first_timed = start if first_timed is None else first_timed
+            if start >= first_timed + buffered:
+                windows.append((n, r))
     if not windows:
-        raise ValueError(f"no logged interval after the first {skip}: {len(recs)} record(s); run more steps")
+        raise ValueError(f"no logged interval after the first {skip} and {buffered} buffered steps: {len(recs)} "
+                         "record(s); run more steps")
     return windows
 
 
-def steady_state_rate(metrics: list[dict], global_batch: int, skip: int = 1) -> tuple[float, int]:
+def steady_state_rate(metrics: list[dict], global_batch: int, skip: int = 1, buffered: int = 0) -> tuple[float, int]:
     """``(images/s, steps)`` over :func:`steady_windows`: images over the summed interval times."""
-    windows = steady_windows(metrics, skip)
+    windows = steady_windows(metrics, skip, buffered)
     steps = sum(n for n, _ in windows)
     seconds = sum(n * global_batch / r["img_per_s"] for n, r in windows)
     return steps * global_batch / seconds, steps
 
 
-def steady_state_waits(metrics: list[dict], skip: int = 1) -> dict:
+def steady_state_waits(metrics: list[dict], skip: int = 1, buffered: int = 0) -> dict:
     """Over :func:`steady_windows`, weighted by their steps: ``data_ms``, the host's wait a step for the loader's
     batch, and in a graphed run ``gpu_ms_per_step``, the captured step's GPU time (what is not either is the
     host's own time between steps); the keys the records have."""
-    windows = steady_windows(metrics, skip)
+    windows = steady_windows(metrics, skip, buffered)
     out = {}
     for key in ("data_ms", "gpu_ms_per_step"):
         timed = [(n, r[key]) for n, r in windows if r.get(key) is not None]

@@ -618,6 +618,20 @@ def test_trainer_plan_runs_the_preset_per_world_and_wrapping(capsys):
         bench_train.main(["--dry-run", "--trainer", "mae_vit_b16_in1k", "--trainer-steps", "10"])
 
 
+def test_trainer_steady_state_leaves_out_the_batches_the_loader_made_ahead_during_the_warm_up():
+    # warm-up to step 10; a loader 30 batches ahead serves steps 10-40 at the step's rate (5 s for 10 steps of 512),
+    # then makes batches at half of it
+    metrics = [{"step": 10, "img_per_s": 100.0}] + [{"step": s, "img_per_s": 1024.0} for s in (20, 30, 40)] + \
+              [{"step": s, "img_per_s": 512.0, "data_ms": 500.0} for s in (50, 60, 70)]
+    assert trainer_runs.steady_state_rate(metrics, 512) == (pytest.approx(60 * 512 / (3 * 5 + 3 * 10)), 60)
+    assert trainer_runs.steady_state_rate(metrics, 512, buffered=30) == (pytest.approx(512.0), 30)
+    assert trainer_runs.steady_state_waits(metrics, buffered=30) == {"data_ms": 500.0}
+    # an interval that begins inside the buffer is left out whole
+    assert trainer_runs.steady_state_rate(metrics, 512, buffered=25)[1] == 30
+    with pytest.raises(ValueError, match="30 buffered steps.*run more steps"):
+        trainer_runs.steady_state_rate(metrics[:4], 512, buffered=30)
+
+
 def test_trainer_steady_state_leaves_out_the_first_interval(tmp_path):
     # intervals of 10 steps at a global batch of 512: 10 s of warm-up, then 2 s and 3 s
     metrics = [{"step": 10, "img_per_s": 512.0}, {"step": 20, "img_per_s": 2560.0},

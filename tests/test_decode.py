@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.bench_data import encode
+from benchmarks.bench_data import batches_made_ahead, encode
 from dres.data import DataError, build_loader
 from dres.data.augment import color_jitter
 from dres.data.decode import (BatchFinisher, SamplePrep, collate_prepared, crop_box, decode_paths_line,
@@ -135,9 +135,13 @@ def test_the_workers_follow_the_decode_unless_given(tmp_path, monkeypatch):
     loader = build_loader(d, "train", 8, device="cpu")
     assert not loader.prep.gpu and loader.num_workers == 7
     monkeypatch.setattr("dres.data.loaders.cores_per_process", lambda: 8)
-    assert loader.describe() == "decoded on the CPU, 7 workers (8 cores a process)"
+    # the workers' 4 prefetched batches each, and the 2 finished ahead with the one the finishing thread makes
+    assert loader.batches_ahead == 7 * 4 + 2 + 1
+    assert loader.describe() == "decoded on the CPU, 7 workers (8 cores a process), up to 31 batches made ahead of the step"
+    assert batches_made_ahead([f"[dres] data: imagefolder, {loader.describe()}"]) == 31  # what bench_data times past
     loader.finisher.backend = "torchvision"
-    assert loader.describe() == "decoded on the GPU (torchvision), 7 workers (8 cores a process)"
+    assert loader.describe() == ("decoded on the GPU (torchvision), 7 workers (8 cores a process), up to 31 batches made "
+                                 "ahead of the step")
     loader.close()
 
 
@@ -337,7 +341,8 @@ def test_the_threads_finishing_batches_ahead_end_with_their_loader(tmp_path, thr
     loader.next()
     first = finishing_threads(loader)
     assert len(first) == threads and all(t.is_alive() for t in first)
-    assert loader.describe().endswith(", 2 threads finishing batches" if threads == 2 else "cores a process)")
+    assert loader.describe().endswith((", 2 threads finishing batches" if threads == 2 else "cores a process)") +
+                                      f", up to {2 * 4 + 2 + threads} batches made ahead of the step")
     loader.close()  # stopped, and started again by the next batch
     assert not any(t.is_alive() for t in first)
     loader.next()
@@ -504,7 +509,7 @@ def test_decode_auto_takes_the_cpu_where_the_process_has_the_cores_for_it(tmp_pa
     monkeypatch.setattr("dres.data.loaders.cores_per_process", lambda: 3)
     loader = build_loader(d, "train", 8, device="cpu")
     assert loader.num_workers == 2 and not loader.prep.gpu
-    assert loader.describe() == "decoded on the CPU, 2 workers (3 cores a process)"
+    assert loader.describe() == "decoded on the CPU, 2 workers (3 cores a process), up to 11 batches made ahead of the step"
     loader.close()
     d.num_workers = 1
     loader = build_loader(d, "train", 8, device="cpu")

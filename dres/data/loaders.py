@@ -52,6 +52,9 @@ from dres.data.sources import (CorruptCounter, DataError, check_labels, expand_s
                                list_image_folder, prep_dropped, sample_sources)
 
 
+PREFETCH_FACTOR = 4  # batches each DataLoader worker prepares ahead: a decode's uneven batches evened out
+
+
 def _mix(*xs) -> int:
     """A stable 63-bit seed from integers (not Python's salted hash)."""
     h = 0x9E3779B97F4A7C15
@@ -187,12 +190,19 @@ class _StreamingLoader(_Position):
         self._batches_to_come = None
         weakref.finalize(self, _stop_workers, self._running)
 
+    @property
+    def batches_ahead(self) -> int:
+        """The most batches made ahead of the step: the workers' prefetched ones and those finished ahead
+        (:class:`_Ahead`). They fill while the step compiles, so a rate timed from then on reads them first."""
+        return self.num_workers * PREFETCH_FACTOR + (self.ahead + self.threads if self.ahead else 0)
+
     def describe(self) -> str:
         """How the pixels are made, for the run's log."""
         backend = self.finisher.backend
         where = f"GPU ({backend})" if backend else "CPU"
         threads = f", {self.threads} threads finishing batches" if self.threads > 1 else ""
-        return f"decoded on the {where}, {self.num_workers} workers ({cores_per_process()} cores a process){threads}"
+        return (f"decoded on the {where}, {self.num_workers} workers ({cores_per_process()} cores a process){threads}, "
+                f"up to {self.batches_ahead} batches made ahead of the step")
 
     def next(self):
         """This rank's next step batch on the device; the data position moves as batches are handed over."""
@@ -237,7 +247,7 @@ class _StreamingLoader(_Position):
         return torch.utils.data.DataLoader(
             dataset, num_workers=self.num_workers, pin_memory=torch.device(self.device).type == "cuda",
             worker_init_fn=worker_init if self.num_workers else None,
-            prefetch_factor=4 if self.num_workers else None,
+            prefetch_factor=PREFETCH_FACTOR if self.num_workers else None,
             generator=torch.Generator().manual_seed(_mix(self.seed, self.rank, 5)), **kw)
 
     def _finish(self, item: tuple, finisher: BatchFinisher) -> tuple:
