@@ -73,9 +73,11 @@ def resolve_backend(backend: str | None, x: torch.Tensor, name: str = "x") -> st
 # a dres kernel launched from Inductor's code costs 17-50 us of host time against Inductor's own 7-15 (BENCHMARKS.md,
 # "dres kernels launched by Inductor"). Below this rows x D^2 (a block's matmul work, a twelfth of its multiply-adds)
 # the block's matmuls take less GPU time than the host takes to launch its kernels: backend=None then gives the
-# residual norms and the MLP their PyTorch formulas, which Inductor fuses into kernels of its own. Between the
-# models measured both ways: timm DINOv2 ViT-S/14 at batch 128 (4.9e9; Inductor's code 1.24-1.29x the dres
-# kernels) and timm ViT-B/16 at batch 128 (1.5e10; the dres kernels 1.05x against 1.00x, 1.4 GiB smaller).
+# residual norms, the MLP and the short attention their PyTorch formulas, which Inductor fuses into kernels of its
+# own (SDPA for the attention). Between the models measured both ways: timm DINOv2 ViT-S/14 at batch 128 (4.9e9;
+# Inductor's code 1.24-1.29x the dres kernels in three rounds, 0.97x in a fourth), HF CLIP ViT-B/32 at batch 128
+# (3.8e9; the norms and MLP on Inductor's code 1.10-1.36x the kernels, its attention in SDPA too 1.01-1.45x that)
+# and timm ViT-B/16 at batch 128 (1.5e10; the dres kernels 1.05x against 1.00x, 1.4 GiB smaller).
 COMPILED_LAUNCH_BOUND_WORK = 6e9
 _replayed = False  # inside replayed_launches()
 
@@ -92,20 +94,25 @@ def replayed_launches():
         _replayed = outer
 
 
-def launch_bound(x: torch.Tensor) -> bool:
-    """Whether ``x`` (rows x D, static sizes) is below :data:`COMPILED_LAUNCH_BOUND_WORK`; symbolic sizes
-    (a dynamic-shape compile) never are."""
+def launch_bound(x: torch.Tensor, parts: int = 1) -> bool:
+    """Whether the residual stream of ``x`` (rows x D, static sizes; with ``parts``, rows x parts * D, as qkv holds
+    q, k and v side by side) has rows x D^2 below :data:`COMPILED_LAUNCH_BOUND_WORK`; symbolic sizes (a
+    dynamic-shape compile) never are."""
     dim, numel = x.shape[-1], x.numel()
-    return type(dim) is int and type(numel) is int and numel * dim < COMPILED_LAUNCH_BOUND_WORK
+    return type(dim) is int and type(numel) is int and numel * dim // parts ** 2 < COMPILED_LAUNCH_BOUND_WORK
+
+
+def compiled_launch_bound(backend: str | None, x, parts: int = 1) -> bool:
+    """Whether ``backend=None`` under torch.compile, outside :func:`replayed_launches`, leaves a launch-bound CUDA
+    ``x`` (:func:`launch_bound`) to its PyTorch formula."""
+    return (backend is None and torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and x.is_cuda
+            and launch_bound(x, parts) and not _replayed)
 
 
 def resolve_compiled_backend(backend: str | None, x: torch.Tensor, name: str = "x") -> str:
     """:func:`resolve_backend`, except that ``backend=None`` under torch.compile, outside
-    :func:`replayed_launches`, gives a launch-bound CUDA ``x`` (:func:`launch_bound`) the PyTorch formula."""
-    if (backend is None and torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and x.is_cuda
-            and launch_bound(x) and not _replayed):
-        return "torch"
-    return resolve_backend(backend, x, name)
+    :func:`replayed_launches`, gives a launch-bound CUDA ``x`` (:func:`compiled_launch_bound`) the PyTorch formula."""
+    return "torch" if compiled_launch_bound(backend, x) else resolve_backend(backend, x, name)
 
 
 def resolve_backend_without_csrc(backend: str | None, x: torch.Tensor, name: str = "x") -> str:
