@@ -594,7 +594,7 @@ def main(argv=None):
                     help="DataLoader workers of the GPU-decode rows (at most the cores; the loader rows' CPU decode: "
                          "every core; the trainer rows' CPU decode: the trainer's own count)")
     ap.add_argument("--steps", type=int, default=300,
-                    help="a trainer run's steps: 10 of warm-up, as many as its loader makes ahead (up to 62 at 16 "
+                    help="a trainer run's steps: 10 of warm-up, as many as its loader makes ahead (up to 63 at 16 "
                          "cores), then the timed ones")
     ap.add_argument("--devices", help="matrix: the GPUs its runs share, one run a GPU at a time, as "
                     "CUDA_VISIBLE_DEVICES names them (default: every GPU this process sees)")
