@@ -583,12 +583,57 @@ def test_attention_module_matches_sdpa_on_either_path(triton_device, backend):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
 
 
+def test_a_compiled_launch_bound_attention_takes_sdpa(monkeypatch):
+    """Under torch.compile outside replayed_launches() (a captured step), the Attention modules leave a launch-bound
+    model's short sequences to SDPA (dres.ops.checks.compiled_launch_bound on the residual stream, a third of qkv's
+    width); a larger model, a backend named and a captured step keep the kernel (fake CUDA tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dres.nn.transformer import takes_short_attention
+    from dres.ops.checks import COMPILED_LAUNCH_BOUND_WORK, replayed_launches
+
+    with FakeTensorMode():
+        clip = torch.empty(128, 50, 3 * 768, device="cuda", dtype=torch.bfloat16)  # CLIP ViT-B/32, batch 128: 3.8e9
+        mae = torch.empty(256, 50, 3 * 768, device="cuda", dtype=torch.bfloat16)  # ViTMAE-B's encoder, 256: 7.5e9
+        assert 128 * 50 * 768 ** 2 < COMPILED_LAUNCH_BOUND_WORK < 256 * 50 * 768 ** 2
+        assert takes_short_attention(clip, 50, 64, None)  # eager
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not takes_short_attention(clip, 50, 64, None)
+        assert takes_short_attention(mae, 50, 64, None)
+        assert takes_short_attention(clip, 50, 64, "triton")
+        with replayed_launches():
+            assert takes_short_attention(clip, 50, 64, None)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_attention_of_a_launch_bound_model_traces_sdpa_outside_a_captured_step():
+    """Traced by torch.compile under bf16 autocast, a small Attention module's graph holds no dres short-attention
+    op (SDPA instead), and inside replayed_launches() it holds the opaque op."""
+    import contextlib
+
+    from dres.nn.transformer import Attention
+    from dres.ops.checks import replayed_launches
+    from helpers import recording_backend
+
+    attention = Attention(384, 6).cuda()
+    x = torch.randn(64, 17, 384, device="cuda", requires_grad=True)
+    for replayed in (False, True):
+        forward_targets, backward_targets = set(), set()
+        torch._dynamo.reset()
+        compiled = torch.compile(attention, fullgraph=True, backend=recording_backend(forward_targets, backward_targets))
+        with torch.autocast("cuda", dtype=torch.bfloat16), replayed_launches() if replayed else contextlib.nullcontext():
+            compiled(x).float().sum().backward()
+        assert (torch.ops.dres.short_attention.default in forward_targets) == replayed, replayed
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,head_dim", [(17, 64), (65, 32), (50, 64)])
 def test_compiled_attention_on_short_attention_matches_sdpa(tokens, head_dim):
-    """Under bf16 autocast on CUDA the Attention module takes short_attention by default; compiled and
-    eager, it agrees with the SDPA path (backend="torch") within bf16 rounding, forward and backward."""
+    """Under bf16 autocast on CUDA the Attention module takes short_attention by default; compiled (inside
+    replayed_launches(), as a captured step traces it: outside, at these sizes, it takes SDPA) and eager, it agrees
+    with the SDPA path (backend="torch") within bf16 rounding, forward and backward."""
     from dres.nn.transformer import Attention
+    from dres.ops.checks import replayed_launches
 
     torch.manual_seed(4)
     heads = 384 // head_dim
@@ -598,9 +643,10 @@ def test_compiled_attention_on_short_attention_matches_sdpa(tokens, head_dim):
     x = torch.randn(64, tokens, 384, device="cuda")
     g = torch.randn(64, tokens, 384, device="cuda")
     results = []
-    for module in (sdpa_path, fast, torch.compile(fast)):
+    compiled = torch.compile(fast)
+    for module in (sdpa_path, fast, compiled):
         xi = x.clone().requires_grad_(True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16), replayed_launches():
             out = module(xi)
         results.append((out.float(), *torch.autograd.grad(out, (xi, fast.qkv.weight if module is not sdpa_path
                                                                    else sdpa_path.qkv.weight), g)))

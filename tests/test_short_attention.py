@@ -165,37 +165,6 @@ def test_compile_fullgraph_matches_eager(triton_device):
     assert torch.ops.dres.short_attention_backward.default in backward_targets
 
 
-def test_compiled_default_leaves_a_launch_bound_attention_to_sdpa(monkeypatch):
-    """backend=None under torch.compile, outside replayed_launches(): a qkv whose residual stream (rows x C, C a
-    third of qkv's width) has rows x C^2 below COMPILED_LAUNCH_BOUND_WORK takes the PyTorch reference (SDPA, for
-    Inductor), a larger one and a backend named take the kernel (fake CUDA tensors)."""
-    import sys
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from dres.ops.checks import COMPILED_LAUNCH_BOUND_WORK, replayed_launches
-
-    module = sys.modules["dres.ops.short_attention"]
-    taken = []
-
-    def taking(name):
-        return lambda qkv, heads, scale: taken.append(name) or qkv[..., : qkv.shape[-1] // 3]
-
-    monkeypatch.setattr(module.reference, "short_attention", taking("sdpa"))
-    monkeypatch.setattr(module, "short_attention_op", taking("kernel"))
-    with FakeTensorMode():
-        clip = torch.empty(128, 50, 3 * 768, device="cuda", dtype=BF16)  # CLIP ViT-B/32, batch 128: 3.8e9
-        mae = torch.empty(256, 50, 3 * 768, device="cuda", dtype=BF16)  # ViTMAE-B's encoder, batch 256: 7.5e9
-        assert 128 * 50 * 768 ** 2 < COMPILED_LAUNCH_BOUND_WORK < 256 * 50 * 768 ** 2
-        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-        ops.short_attention(clip, 12)
-        ops.short_attention(mae, 12)
-        ops.short_attention(clip, 12, backend="triton")
-        with replayed_launches():
-            ops.short_attention(clip, 12)
-    assert taken == ["sdpa", "kernel", "kernel", "kernel"]
-
-
 # ---------------------------------------------------------------------------------------------
 # Backends and bad input
 
@@ -278,8 +247,8 @@ def test_gpu_compile_inductor_matches_eager(dtype):
             self.qkv = torch.nn.Linear(H * d, 3 * H * d)
             self.proj = torch.nn.Linear(H * d, H * d)
 
-        def forward(self, x):  # the kernel named: at this size backend=None would leave Inductor SDPA
-            return self.proj(ops.short_attention(self.qkv(x), H, backend="triton"))
+        def forward(self, x):
+            return self.proj(ops.short_attention(self.qkv(x), H))
 
     block = Block().cuda().to(dtype)
     x = torch.randn(B, N, H * d, device="cuda", dtype=dtype)

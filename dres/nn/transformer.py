@@ -31,6 +31,7 @@ from torch import nn
 
 from dres import ops
 from dres.ops.bias_gelu import F_GELU_APPROXIMATIONS, check_approximate
+from dres.ops.checks import compiled_launch_bound
 from dres.nn.droppath import NO_SCALES, Scales
 
 Hook = Callable[[torch.Tensor, dict], tuple[torch.Tensor, float]]
@@ -80,6 +81,10 @@ NARROW_HEADS_MAX_TOKENS, NARROW_HEAD_DIM = 256, 32
 def takes_short_attention(qkv: torch.Tensor, tokens: int, head_dim: int, backend: Optional[str]) -> bool:
     max_tokens = NARROW_HEADS_MAX_TOKENS if head_dim <= NARROW_HEAD_DIM else SHORT_ATTENTION_MAX_TOKENS
     if backend == "torch" or tokens > max_tokens or head_dim not in SHORT_ATTENTION_HEAD_DIMS:
+        return False
+    # under torch.compile outside a captured step, a launch-bound model's attention is SDPA, as its norms and MLPs
+    # are Inductor's code (qkv holds the residual stream's width three times)
+    if compiled_launch_bound(backend, qkv, parts=3):
         return False
     return backend == "triton" or (qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16))
 

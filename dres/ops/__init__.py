@@ -20,7 +20,7 @@ none: under torch.compile it is its reference formula, for Inductor to fuse), th
 custom-op wiring in :mod:`dres.ops.registration`, the csrc extension in :mod:`dres.ops.csrc_backend`.
 ``backend``: None picks Triton for CUDA tensors (the csrc kernels for small eager residual-norm and MLP
 calls when built; under torch.compile outside a captured step, the PyTorch formula of a launch-bound residual
-norm, MLP or short attention: :func:`dres.ops.checks.compiled_launch_bound`) and the PyTorch reference otherwise (CPU,
+norm or MLP: :func:`dres.ops.checks.resolve_compiled_backend`) and the PyTorch reference otherwise (CPU,
 float64); "triton" forces the kernels (on CPU only under ``TRITON_INTERPRET=1``); "torch" the reference;
 "cuda" the csrc extension when built (the ops it has no kernel for run Triton).
 """

@@ -73,9 +73,10 @@ def resolve_backend(backend: str | None, x: torch.Tensor, name: str = "x") -> st
 # a dres kernel launched from Inductor's code costs 17-50 us of host time against Inductor's own 7-15 (BENCHMARKS.md,
 # "dres kernels launched by Inductor"). Below this rows x D^2 (a block's matmul work, a twelfth of its multiply-adds)
 # the block's matmuls take less GPU time than the host takes to launch its kernels: backend=None then gives the
-# residual norms, the MLP and the short attention their PyTorch formulas, which Inductor fuses into kernels of its
-# own (SDPA for the attention). Between the models measured both ways: timm DINOv2 ViT-S/14 at batch 128 (4.9e9;
-# Inductor's code 1.24-1.29x the dres kernels in three rounds, 0.97x in a fourth), HF CLIP ViT-B/32 at batch 128
+# residual norms and the MLP their PyTorch formulas, which Inductor fuses into kernels of its own, and the models'
+# attention modules take SDPA rather than short_attention (dres.nn.transformer.takes_short_attention). Between the
+# models measured both ways: timm DINOv2 ViT-S/14 at batch 128 (4.9e9; Inductor's code 1.24-1.29x the dres kernels
+# in three rounds, 0.97x in a fourth), HF CLIP ViT-B/32 at batch 128
 # (3.8e9; the norms and MLP on Inductor's code 1.10-1.36x the kernels, its attention in SDPA too 1.01-1.45x that)
 # and timm ViT-B/16 at batch 128 (1.5e10; the dres kernels 1.05x against 1.00x, 1.4 GiB smaller).
 COMPILED_LAUNCH_BOUND_WORK = 6e9

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from dres.ops import reference
-from dres.ops.checks import check_tensor, compiled_launch_bound, resolve_backend_without_csrc, supported_dtypes
+from dres.ops.checks import check_tensor, resolve_backend_without_csrc, supported_dtypes
 from dres.ops.registration import define_op
 
 __all__ = ["short_attention", "ShortAttentionFn"]
@@ -177,9 +177,7 @@ def short_attention(qkv: Tensor, num_heads: int, scale: Optional[float] = None,
     d in (16, 32, 64, 128) (above 128 tokens d <= 64) and bf16, fp16 or fp32 (fp32 accumulation);
     qkv with evenly spaced rows and unit feature stride is read in place, other strides are copied.
     """
-    # under torch.compile, launch-bound, the attention is Inductor's SDPA, as the residual norms take their formulas
-    backend = ("torch" if compiled_launch_bound(backend, qkv, parts=3)
-               else resolve_backend_without_csrc(backend, qkv, "qkv"))
+    backend = resolve_backend_without_csrc(backend, qkv, "qkv")
     check_short_attention_inputs(backend, qkv, num_heads, scale)
     if backend == "torch":
         return reference.short_attention(qkv, num_heads, scale)
