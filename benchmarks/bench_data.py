@@ -137,13 +137,16 @@ def _data_config(root: str, decode: str, workers: int, size: int = 224, sets=())
 
 def loader_rate(root: str, decode: str, workers: int, batch: int = 256, warmup: int = 10, batches: int = 40,
                 sets=()) -> dict:
-    """Images/s of the file loader alone (batches made on the GPU and waited for), after ``warmup`` batches."""
+    """Images/s of the file loader alone (batches made on the GPU and waited for), after ``warmup`` batches and at
+    least the loader's ``batches_ahead``; over ``batches`` batches and at least four a worker. The workers start
+    together and hand over their first batches at once: a window that began among them would read high."""
     import torch
 
     from dres.data import build_loader, decode_backend
 
     cfg = _data_config(root, decode, workers, sets=sets)
     loader = build_loader(cfg, "train", batch, device="cuda", seed=0)
+    warmup, batches = max(warmup, loader.batches_ahead), max(batches, 4 * loader.num_workers)
     for _ in range(warmup):
         loader.next()
     torch.cuda.synchronize()
@@ -154,7 +157,8 @@ def loader_rate(root: str, decode: str, workers: int, batch: int = 256, warmup: 
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     return {"kind": "loader", "source": cfg.name, "decode": decode, "backend": decode_backend(cfg, "cuda"),
-            "workers": cfg.num_workers, "batch": batch, "images_per_s": n / seconds,
+            "workers": cfg.num_workers, "batch": batch, "warmup": warmup, "batches": batches,
+            "images_per_s": n / seconds,
             "decoded": loader.decoded, "variant": list(sets)}
 
 
