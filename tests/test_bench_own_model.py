@@ -264,7 +264,6 @@ def test_table_quotes_each_model_with_its_ratios_failures_and_unstarted_arms():
     assert lines[-1] == "Not run: hf_bert-plain_compiled-0"
 
 
-
 def test_ratios_also_by_round_where_the_host_moved_between_rounds():
     # round 1 ran faster for every arm: the medians' ratio mixes the rounds, each round's ratio does not
     records = [arm_record("dinov2_s14", arm, rate, repeat=k)

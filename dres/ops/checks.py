@@ -76,9 +76,9 @@ def resolve_backend(backend: str | None, x: torch.Tensor, name: str = "x") -> st
 # residual norms and the MLP their PyTorch formulas, which Inductor fuses into kernels of its own, and the models'
 # attention modules take SDPA rather than short_attention (dres.nn.transformer.takes_short_attention). Between the
 # models measured both ways: timm DINOv2 ViT-S/14 at batch 128 (4.9e9; Inductor's code 1.24-1.29x the dres kernels
-# in three rounds, 0.97x in a fourth), HF CLIP ViT-B/32 at batch 128
-# (3.8e9; the norms and MLP on Inductor's code 1.10-1.36x the kernels, its attention in SDPA too 1.01-1.45x that)
-# and timm ViT-B/16 at batch 128 (1.5e10; the dres kernels 1.05x against 1.00x, 1.4 GiB smaller).
+# in three rounds, 0.97x in a fourth), HF CLIP ViT-B/32 at batch 128 (3.8e9; the norms and MLP on Inductor's code
+# 1.10-1.36x the kernels, its attention in SDPA too 1.01-1.45x that) and timm ViT-B/16 at batch 128 (1.5e10; the
+# dres kernels 1.05x against 1.00x, 1.4 GiB smaller).
 COMPILED_LAUNCH_BOUND_WORK = 6e9
 _replayed = False  # inside replayed_launches()
 
