@@ -1,8 +1,10 @@
 """Data: the shared CIFAR-10 shards (labels, counts, rank/worker split), digits, on-device
 augmentation, resumable positions, corrupt and missing input."""
 
+import gc
 import io
 import json
+import os
 import tarfile
 from unittest import mock
 
@@ -494,3 +496,38 @@ def test_a_lost_image_of_a_folder_is_named_in_the_summary(tmp_path, resident):
         assert torch.equal(batch["image"][7], batch["image"][0]) and batch["label"][7] == batch["label"][0]
         assert len({tuple(im.flatten().tolist()) for im in batch["image"][:7]}) == 7
     assert ld.counter.summary()["lost_files"] == [str(tmp_path / "c1" / "3.jpg")]
+
+
+class _Cycle:
+    """A reference cycle whose collection leaves a file named by the process that collected it."""
+    def __init__(self, folder):
+        self.folder, self.itself = folder, self
+
+    def __del__(self):
+        (self.folder / f"collected-in-{os.getpid()}").touch()
+
+
+class _CollectsGarbage(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        gc.collect()
+        return i
+
+
+def test_workers_never_collect_the_training_processs_garbage(tmp_path):
+    """A reference cycle of the training process (a captured step's CUDA graph, whose destructor calls CUDA) is not
+    collected in the forked workers, which would abort there; the training process still collects it."""
+    from dres.data.loaders import start_workers
+    gc.disable()  # the cycle must still be garbage when the workers start
+    try:
+        _Cycle(tmp_path)
+        batches = start_workers(torch.utils.data.DataLoader(_CollectsGarbage(), num_workers=2,
+                                                            multiprocessing_context="fork"))
+        assert sorted(int(b) for b in batches) == [0, 1, 2, 3]
+        del batches
+    finally:
+        gc.enable()
+    gc.collect()
+    assert [p.name for p in tmp_path.iterdir()] == [f"collected-in-{os.getpid()}"]

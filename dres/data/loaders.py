@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import math
 import os
 import random
@@ -53,6 +54,7 @@ from dres.data.sources import (CorruptCounter, DataError, check_labels, expand_s
 
 
 PREFETCH_FACTOR = 4  # batches each DataLoader worker prepares ahead: a decode's uneven batches evened out
+_FORKING = threading.Lock()  # gc.freeze() is process-wide: one loader's workers start at a time
 
 
 def _mix(*xs) -> int:
@@ -233,7 +235,7 @@ class _StreamingLoader(_Position):
         """A fresh DataLoader iterator over ``dataset``, the workers of the previous one stopped first (this
         runs in the thread finishing batches ahead, which stays)."""
         _stop_workers(self._running, keep=_Ahead)
-        self._running.append(iter(self._loader(dataset, **kw)))
+        self._running.append(start_workers(self._loader(dataset, **kw)))
         return self._running[-1]
 
     def close(self):
@@ -295,6 +297,18 @@ class _StreamingLoader(_Position):
             self._read = int(s["read"])
             self.counter.load_state_dict(s["lost"])
         self.close()
+
+
+def start_workers(dataloader: torch.utils.data.DataLoader):
+    """``iter(dataloader)``, its workers forked with every object of the training process frozen out of their
+    garbage collection: a CUDA graph left in a reference cycle (a step captured earlier in the process) and
+    collected in a worker calls CUDA there from its destructor, and the worker aborts."""
+    with _FORKING:
+        gc.freeze()
+        try:
+            return iter(dataloader)
+        finally:
+            gc.unfreeze()
 
 
 def _stop_workers(running: list, keep=()):
