@@ -866,6 +866,7 @@ def test_records_hold_the_two_roots_their_convention_and_history():
 
 
 RECORD_FILE_MAX_BYTES = 1 << 20  # the tree and the CIFAR-10 shards travel to a GPU host in one copy of 64 MiB
+TREE_MAX_DISK_BYTES = 44 << 20  # that copy counts whole 4 KiB blocks; the shards take 19 of its 64 MiB
 
 
 def test_no_record_file_is_too_large_to_travel_and_each_one_kept_in_history_is_there():
@@ -884,6 +885,22 @@ def test_no_record_file_is_too_large_to_travel_and_each_one_kept_in_history_is_t
     missing = [f"{commit}:{path}" for path, commit in kept if subprocess.run(
         ["git", "-C", str(REPO), "cat-file", "-e", f"{commit}:{path}"], capture_output=True).returncode]
     assert not missing, f"not in the history where records/IN_HISTORY.md says: {missing}"
+
+
+def test_the_tracked_tree_fits_the_gpu_hosts_copy_beside_the_shards():
+    """records/IN_HISTORY.md: the tracked files, each counted in whole 4 KiB blocks, stay under 44 MiB."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("no git checkout here to list the tracked files of")
+    tracked = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z"], capture_output=True, text=True,
+                             check=True).stdout.split("\0")
+    sizes = [(REPO / f).stat().st_size for f in tracked if f and (REPO / f).is_file()]
+    disk = sum(-(-size // 4096) * 4096 for size in sizes)
+    assert sizes and disk <= TREE_MAX_DISK_BYTES, (
+        f"the tracked tree takes {disk / 2**20:.1f} MiB on disk: take superseded records' raw reports into git "
+        "history (records/IN_HISTORY.md)")
 
 
 @pytest.mark.parametrize("page", ["BENCHMARKS.md", "records/HISTORY.md"])
