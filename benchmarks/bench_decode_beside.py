@@ -4,13 +4,16 @@ for the running training step: in threads of the loaded process, as the trainer 
 thread, or several finishing batches at once), and in a process of its own (its own CUDA context).
 
     python -m benchmarks.bench_decode_beside --root DIR [--decoders torchvision,nvimgcodec:1,nvimgcodec:0.65]
-        [--threads 1,2] [--priorities high,default] [--no-process] [--load-size 4096] [--batches 20] [--out OUT]
+        [--threads 1,2] [--priorities high,default] [--no-process] [--load-size 4096] [--load-streams default,own]
+        [--batches 20] [--out OUT]
 
 The folder: ``python -m benchmarks.bench_data make --root DIR``. The batches are the folder's first files as the
 GPU-decode workers hand them over (JPEG bytes in pinned memory, what the GPU cannot decode already pixels). The
-load: square bf16 GEMMs of ``--load-size`` on the default stream from a thread of their own, at most 20 queued
-(a trainer's step keeps every multiprocessor busy the same way; the GEMMs a second the load ran beside each case
-against alone say what the decode took from it). A decoder is ``torchvision`` (its batched nvJPEG) or
+load: square bf16 GEMMs of ``--load-size`` from a thread of their own, at most 20 queued (a trainer's step keeps
+every multiprocessor busy the same way; the GEMMs a second the load ran beside each case against alone say what the
+decode took from it), on the legacy default stream, where a trainer's step runs, or on a stream of its own
+(``--load-streams default,own``): work that a library queues on a blocking stream of its own waits for the legacy
+default stream's queue, and not for a stream created non-blocking, as PyTorch's are. A decoder is ``torchvision`` (its batched nvJPEG) or
 ``nvimgcodec:SHARE`` (SHARE of each batch to the hardware JPEG decoders, the rest to nvJPEG on the CUDA cores);
 ``--priorities`` the finishing streams' (the GPU's highest, or the default); ``--threads`` how many threads
 finish batches at once, each with a finisher and a stream of its own (torchvision's decoder is one a process,
@@ -35,6 +38,7 @@ from pathlib import Path
 from benchmarks.bench_data import IMAGENET_MEAN, IMAGENET_STD, prepared_batches
 
 PRIORITIES = {"high": True, "default": False}
+LOAD_STREAMS = ("default", "own")  # the legacy default stream, or a stream of the load's own (non-blocking)
 
 
 def parse_decoders(spec: str) -> list[tuple[str, float]]:
@@ -59,24 +63,27 @@ def parse_decoders(spec: str) -> list[tuple[str, float]]:
 
 
 class GemmLoad:
-    """bf16 GEMMs of ``size`` on the default stream from a thread, at most 20 queued; ``rate`` is the GEMMs a second
-    of the last window it ran (a ``with`` block)."""
+    """bf16 GEMMs of ``size`` from a thread, at most 20 queued, on the legacy default stream (``stream="default"``)
+    or a stream of their own (``"own"``); ``rate`` is the GEMMs a second of the last window it ran (a ``with``
+    block)."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, stream: str = "default"):
         import torch
 
         self.a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
         self.b = torch.randn_like(self.a)
+        self.stream = torch.cuda.Stream() if stream == "own" else torch.cuda.default_stream()
         self.stopping, self.count, self.rate = threading.Event(), 0, 0.0
 
     def _run(self):
         import torch
 
-        while not self.stopping.is_set():
-            for _ in range(20):
-                self.a @ self.b
-            torch.cuda.current_stream().synchronize()
-            self.count += 20
+        with torch.cuda.stream(self.stream):
+            while not self.stopping.is_set():
+                for _ in range(20):
+                    self.a @ self.b
+                self.stream.synchronize()
+                self.count += 20
 
     def __enter__(self):
         self.stopping.clear()
@@ -174,14 +181,15 @@ def process_case(args, load: GemmLoad, decoder: str, share: float, high: bool) -
 def markdown(rows: list[dict], card: str, images: int, load_size: int) -> str:
     lines = [f"The GPU half of {images}-image batches alone and beside a load of {load_size}^3 bf16 GEMMs "
              f"({card}): ms a batch, and the load's GEMMs a second beside each case over alone.", "",
-             "| decoder | where | finishing threads | stream priority | ms a batch alone | beside the load | "
-             "beside / alone | load's rate beside / alone |", "|---|---|---|---|---|---|---|---|"]
+             "| decoder | load's stream | where | finishing threads | stream priority | ms a batch alone | "
+             "beside the load | beside / alone | load's rate beside / alone |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = r["decoder"] + (f", hardware share {r['share']:g}" if r.get("share") is not None else "")
+        case = f"| {name} | {r['load_stream']} | {r['where']} | {r['threads']} | {r['priority']} |"
         if r.get("error"):
-            lines.append(f"| {name} | {r['where']} | {r['threads']} | {r['priority']} | {r['error']} | | | |")
+            lines.append(f"{case} {r['error']} | | | |")
             continue
-        lines.append(f"| {name} | {r['where']} | {r['threads']} | {r['priority']} | {r['ms_alone']:.1f} | "
+        lines.append(f"{case} {r['ms_alone']:.1f} | "
                      f"{r['ms_beside']:.1f} | {r['ms_beside'] / r['ms_alone']:.2f}x | "
                      f"{r['load_rate_beside'] / r['load_rate_alone']:.2f} |")
     return "\n".join(lines) + "\n"
@@ -197,6 +205,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=256, help="images a batch")
     ap.add_argument("--batches", type=int, default=20, help="batches a thread finishes in each timed window")
     ap.add_argument("--load-size", type=int, default=4096, help="the load's square GEMM size")
+    ap.add_argument("--load-streams", default="default",
+                    help="the load's streams: default (the legacy default stream) and/or own, comma-separated")
     ap.add_argument("--out", default=os.environ.get("OUT", "./device_out"))
     args = ap.parse_args(argv)
     try:
@@ -209,6 +219,9 @@ def main(argv=None) -> int:
     priorities = [p for p in args.priorities.split(",") if p]
     if not priorities or set(priorities) - set(PRIORITIES):
         ap.error(f"--priorities {args.priorities}: each of {', '.join(PRIORITIES)}")
+    load_streams = [s for s in args.load_streams.split(",") if s]
+    if not load_streams or set(load_streams) - set(LOAD_STREAMS):
+        ap.error(f"--load-streams {args.load_streams}: each of {', '.join(LOAD_STREAMS)}")
     for flag, value, least in (("--batch", args.batch, 1), ("--batches", args.batches, 1),
                                ("--load-size", args.load_size, 256)):
         if value < least:
@@ -223,29 +236,30 @@ def main(argv=None) -> int:
     from dres.data.decode import gpu_decode_backend
 
     batches = prepared_batches(args.root, args.batch, 4, pin=True)
-    load = GemmLoad(args.load_size)
-    with load:
-        time.sleep(2)
-    load_alone = load.rate
     rows = []
-    for decoder, share in decoders:
-        for priority in priorities:
-            high = PRIORITIES[priority]
-            cases = [("thread", int(t)) for t in threads] + ([("process", 1)] if args.process else [])
-            for where, count in cases:
-                row = {"decoder": decoder, "share": share if decoder == "nvimgcodec" else None,
-                       "priority": priority, "where": where, "threads": count}
-                try:
-                    if gpu_decode_backend("cuda", decoder) != decoder:
-                        raise RuntimeError(f"{decoder} is not installed")
-                    alone, beside = (thread_case(batches, load, decoder, share, high, count, args.batches)
-                                     if where == "thread" else process_case(args, load, decoder, share, high))
-                    row.update(ms_alone=alone, ms_beside=beside, load_rate_alone=load_alone,
-                               load_rate_beside=load.rate)
-                except Exception as e:  # one case's failure is its row; the others go on
-                    row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+    for load_stream in load_streams:
+        load = GemmLoad(args.load_size, load_stream)
+        with load:
+            time.sleep(2)
+        load_alone = load.rate
+        for decoder, share in decoders:
+            for priority in priorities:
+                high = PRIORITIES[priority]
+                cases = [("thread", int(t)) for t in threads] + ([("process", 1)] if args.process else [])
+                for where, count in cases:
+                    row = {"decoder": decoder, "share": share if decoder == "nvimgcodec" else None,
+                           "load_stream": load_stream, "priority": priority, "where": where, "threads": count}
+                    try:
+                        if gpu_decode_backend("cuda", decoder) != decoder:
+                            raise RuntimeError(f"{decoder} is not installed")
+                        alone, beside = (thread_case(batches, load, decoder, share, high, count, args.batches)
+                                         if where == "thread" else process_case(args, load, decoder, share, high))
+                        row.update(ms_alone=alone, ms_beside=beside, load_rate_alone=load_alone,
+                                   load_rate_beside=load.rate)
+                    except Exception as e:  # one case's failure is its row; the others go on
+                        row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
     images = statistics.median(len(b["labels"]) for b in batches)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

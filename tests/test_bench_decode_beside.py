@@ -27,6 +27,7 @@ def test_decoder_specs_parse_with_nvimgcodecs_share_defaulting_to_the_hardware()
     (["--batch", "0"], "--batch 0: at least 1"),
     (["--batches", "0"], "--batches 0: at least 1"),
     (["--load-size", "64"], "--load-size 64: at least 256"),
+    (["--load-streams", "blocking"], "--load-streams blocking: each of default, own"),
 ])
 def test_bad_arguments_exit_2_naming_the_argument(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
@@ -63,15 +64,15 @@ def test_prepared_batches_are_pinned_where_asked_and_hold_the_jpegs_bytes(tmp_pa
 
 
 def test_table_gives_each_case_its_ratios_and_a_failed_case_its_error():
-    rows = [{"decoder": "torchvision", "share": None, "priority": "high", "where": "thread", "threads": 1,
-             "ms_alone": 13.0, "ms_beside": 58.5, "load_rate_alone": 4700.0, "load_rate_beside": 4230.0},
-            {"decoder": "nvimgcodec", "share": 0.65, "priority": "default", "where": "process", "threads": 1,
-             "error": "RuntimeError: nvimgcodec is not installed"}]
+    rows = [{"decoder": "torchvision", "share": None, "load_stream": "default", "priority": "high", "where": "thread",
+             "threads": 1, "ms_alone": 13.0, "ms_beside": 58.5, "load_rate_alone": 4700.0, "load_rate_beside": 4230.0},
+            {"decoder": "nvimgcodec", "share": 0.65, "load_stream": "own", "priority": "default", "where": "process",
+             "threads": 1, "error": "RuntimeError: nvimgcodec is not installed"}]
     table = markdown(rows, "h200", 256, 4096).splitlines()
     assert table[0].startswith("The GPU half of 256-image batches alone and beside a load of 4096^3 bf16 GEMMs (h200)")
-    assert "| torchvision | thread | 1 | high | 13.0 | 58.5 | 4.50x | 0.90 |" in table
-    assert ("| nvimgcodec, hardware share 0.65 | process | 1 | default | RuntimeError: nvimgcodec is not installed "
-            "| | | |") in table
+    assert "| torchvision | default | thread | 1 | high | 13.0 | 58.5 | 4.50x | 0.90 |" in table
+    assert ("| nvimgcodec, hardware share 0.65 | own | process | 1 | default | RuntimeError: nvimgcodec is not "
+            "installed | | | |") in table
 
 
 @pytest.mark.gpu
@@ -80,12 +81,14 @@ def test_gpu_every_case_of_a_small_folder_runs_in_threads_and_in_a_process(tmp_p
     root, out = tmp_path / "imgs", tmp_path / "out"
     bench_data.make_folder(str(root), images=64, classes=2)
     assert main(["--root", str(root), "--batch", "16", "--batches", "2", "--threads", "1,2",
-                 "--priorities", "high,default", "--load-size", "512", "--out", str(out)]) == 0
+                 "--priorities", "high,default", "--load-size", "512", "--load-streams", "default,own",
+                 "--out", str(out)]) == 0
     rows = json.loads((out / "decode_beside.json").read_text())["rows"]
-    assert [(r["where"], r["threads"], r["priority"]) for r in rows] == [
-        ("thread", 1, "high"), ("thread", 2, "high"), ("process", 1, "high"),
-        ("thread", 1, "default"), ("thread", 2, "default"), ("process", 1, "default")]
+    cases = [("thread", 1, "high"), ("thread", 2, "high"), ("process", 1, "high"),
+             ("thread", 1, "default"), ("thread", 2, "default"), ("process", 1, "default")]
+    assert [(r["load_stream"], r["where"], r["threads"], r["priority"]) for r in rows] == [
+        (stream, *case) for stream in ("default", "own") for case in cases]
     for r in rows:
         assert "error" not in r, r
         assert r["ms_alone"] > 0 and r["ms_beside"] > 0 and r["load_rate_alone"] > 0 and r["load_rate_beside"] > 0
-    assert "| torchvision | process | 1 | default |" in (out / "decode_beside.md").read_text()
+    assert "| torchvision | own | process | 1 | default |" in (out / "decode_beside.md").read_text()

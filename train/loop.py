@@ -12,6 +12,7 @@ a step share its parity (and, with equal micro-batch sizes, its masks).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -79,6 +80,7 @@ class Trainer:
         self.graphed: GraphedStep | None = None  # the captured step (None: the step runs eagerly)
         self.step_fn = None  # the step train_step runs: graphed or step_body, chosen once in setup
         self.data_stream = None  # the CUDA stream batches are made on (data.side_stream), else the step's
+        self.step_stream = None  # the CUDA stream fit runs the steps on (cfg.step_stream), else the current one
         # used by fit, evaluation and finish
         self.tb = None  # the TensorBoard writer (main rank, log.tensorboard)
         self.eval_loaders: dict = {}  # split -> its evaluation loader or None (train.common.eval_loader)
@@ -140,6 +142,8 @@ class Trainer:
             epoch_steps = len(self.loader)
             if cfg.data.side_stream and self.device.type == "cuda":
                 self.data_stream = torch.cuda.Stream(self.device)
+            if cfg.step_stream and self.device.type == "cuda":
+                self.step_stream = torch.cuda.Stream(self.device)
             self.flops_per_image, self.peak_tflops = results.count_flops(self)
         self.total_steps = cfg.steps if cfg.steps > 0 else int(round(cfg.epochs * epoch_steps))
         if train and self.total_steps <= 0:
@@ -256,6 +260,21 @@ class Trainer:
         wait = "this step" if self.info.world == 1 else f"the next log step (log.every={self.cfg.log.every})"
         self.log(f"[dres] {name}: stopping after {wait} with a checkpoint; a second signal stops at once, unsaved")
 
+    @contextlib.contextmanager
+    def _on_step_stream(self):
+        """With ``cfg.step_stream``, the steps' GPU work on :attr:`step_stream`, after the work queued before and
+        before the work queued after on the stream that was current."""
+        if self.step_stream is None:
+            yield
+            return
+        outer = torch.cuda.current_stream(self.device)
+        self.step_stream.wait_stream(outer)
+        try:
+            with torch.cuda.stream(self.step_stream):
+                yield
+        finally:
+            outer.wait_stream(self.step_stream)
+
     def fit(self, until: int | None = None):
         """Train to ``total_steps``, or stop after step ``until`` as a run cut short there would (its schedule
         that of all ``total_steps``, a checkpoint at ``until``; a later ``fit`` or resume goes on). On a
@@ -265,10 +284,15 @@ class Trainer:
         on it in the all-reduce that already carries the logged metrics (no collective or host sync is
         added to the steps between). A log step's record is read from the GPU after the next step is
         issued, so the GPU never waits for the host's logging, and goes to the
-        :class:`~dres.train.runlog.RunLog` (metrics.jsonl, TensorBoard, the progress bar)."""
-        cfg = self.cfg
+        :class:`~dres.train.runlog.RunLog` (metrics.jsonl, TensorBoard, the progress bar). With
+        ``cfg.step_stream`` all of it runs on a CUDA stream of its own (:meth:`_on_step_stream`)."""
         if until is not None and not 0 < until <= self.total_steps:
             raise ValueError(f"until must be in 1..{self.total_steps} (the run's steps), got {until}")
+        with self._on_step_stream():
+            return self._fit(until)
+
+    def _fit(self, until: int | None):
+        cfg = self.cfg
         end = self.total_steps if until is None else until
         start_step, t0, seen = self.step, time.time(), 0
         self.tb, runlog = results.open_run_log(self)
