@@ -78,6 +78,19 @@ def quiet_uncaptured_steps():
         yield
 
 
+@contextlib.contextmanager
+def ordered_side_stream(stream: torch.cuda.Stream):
+    """Queue the block's GPU work on ``stream``, after the work already queued on the current stream and before
+    the work queued on it after the block."""
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    try:
+        with torch.cuda.stream(stream):
+            yield
+    finally:
+        current.wait_stream(stream)
+
+
 class StaticInputs:
     """Tensors at fixed addresses for a captured function to read, one per name, shaped like the first
     batch's: each batch is copied into them before the function runs (on the device, a device copy)."""
@@ -125,11 +138,8 @@ class GraphedFunction:
 
     def warm_up(self):
         """One eager call on the side stream, ordered after the work already queued on the current one."""
-        current = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream), quiet_uncaptured_steps(), replayed_launches():
+        with ordered_side_stream(self.stream), quiet_uncaptured_steps(), replayed_launches():
             out = self.fn()  # quiet: a capturable optimizer's eager steps
-        current.wait_stream(self.stream)
         self.warmed += 1
         return out
 

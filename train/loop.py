@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from dres.captured_step import ordered_side_stream
 from dres.data import build_loader
 from dres.nn import set_backend, set_fused_mlp
 from dres.train import checkpoint, distributed, resume, results, tasks
@@ -260,21 +261,6 @@ class Trainer:
         wait = "this step" if self.info.world == 1 else f"the next log step (log.every={self.cfg.log.every})"
         self.log(f"[dres] {name}: stopping after {wait} with a checkpoint; a second signal stops at once, unsaved")
 
-    @contextlib.contextmanager
-    def _on_step_stream(self):
-        """With ``cfg.step_stream``, the steps' GPU work on :attr:`step_stream`, after the work queued before and
-        before the work queued after on the stream that was current."""
-        if self.step_stream is None:
-            yield
-            return
-        outer = torch.cuda.current_stream(self.device)
-        self.step_stream.wait_stream(outer)
-        try:
-            with torch.cuda.stream(self.step_stream):
-                yield
-        finally:
-            outer.wait_stream(self.step_stream)
-
     def fit(self, until: int | None = None):
         """Train to ``total_steps``, or stop after step ``until`` as a run cut short there would (its schedule
         that of all ``total_steps``, a checkpoint at ``until``; a later ``fit`` or resume goes on). On a
@@ -285,10 +271,11 @@ class Trainer:
         added to the steps between). A log step's record is read from the GPU after the next step is
         issued, so the GPU never waits for the host's logging, and goes to the
         :class:`~dres.train.runlog.RunLog` (metrics.jsonl, TensorBoard, the progress bar). With
-        ``cfg.step_stream`` all of it runs on a CUDA stream of its own (:meth:`_on_step_stream`)."""
+        ``cfg.step_stream`` all of it runs on a CUDA stream of its own, ordered after the work queued before it
+        and before the work queued after (:func:`~dres.captured_step.ordered_side_stream`)."""
         if until is not None and not 0 < until <= self.total_steps:
             raise ValueError(f"until must be in 1..{self.total_steps} (the run's steps), got {until}")
-        with self._on_step_stream():
+        with ordered_side_stream(self.step_stream) if self.step_stream is not None else contextlib.nullcontext():
             return self._fit(until)
 
     def _fit(self, until: int | None):
