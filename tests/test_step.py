@@ -394,35 +394,28 @@ def test_graphed_run_resumes_exactly(tmp_path, case):
     assert full.scaler.state_dict() == resumed.scaler.state_dict()
 
 
-# a setting that puts GPU work on a CUDA stream of its own -> the Trainer's attribute holding that stream
-OWN_STREAMS = {"data.side_stream": "data_stream", "step_stream": "step_stream"}
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", ["true", "false"])
-@pytest.mark.parametrize("setting", list(OWN_STREAMS))
-def test_a_stream_of_its_own_trains_as_the_current_stream(tmp_path, setting, graphs):
-    # data.side_stream: the batch's gather and augmentation overlap the running step, which must still see each
-    # batch whole; step_stream: the steps off the legacy default stream, ordered with the work before and after
+def test_batches_made_on_a_side_stream_train_as_on_the_step_stream(tmp_path, graphs):
+    # the batch's gather and augmentation overlap the running step; the step must still see each batch whole
     overrides = ["model.drop_path=0.3", "model.droppath_mode=residual_droppath", f"cuda_graphs={graphs}"]
-    own = _fit(tmp_path / "own", overrides + [f"{setting}=true"], 9)
-    same = _fit(tmp_path / "same", overrides + [f"{setting}=false"], 9)
-    assert getattr(own, OWN_STREAMS[setting]) is not None and getattr(same, OWN_STREAMS[setting]) is None
+    side = _fit(tmp_path / "side", overrides + ["data.side_stream=true"], 9)
+    same = _fit(tmp_path / "same", overrides + ["data.side_stream=false"], 9)
+    assert side.data_stream is not None and same.data_stream is None
     keys = ["loss"]
     if _deterministic(tmp_path, overrides, "mae"):
-        assert torch.equal(_logged(own, keys), _logged(same, keys))
-        assert all(torch.equal(a, b) for a, b in zip(_params(own), _params(same)))
+        assert torch.equal(_logged(side, keys), _logged(same, keys))
+        assert all(torch.equal(a, b) for a, b in zip(_params(side), _params(same)))
     else:
-        torch.testing.assert_close(_logged(own, keys), _logged(same, keys), rtol=2e-4, atol=1e-6)
+        torch.testing.assert_close(_logged(side, keys), _logged(same, keys), rtol=2e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("setting", list(OWN_STREAMS))
-def test_a_stream_of_its_own_on_the_cpu_changes_nothing(tmp_path, setting):
+def test_a_side_stream_on_the_cpu_changes_nothing(tmp_path):
     overrides = ["device=cpu", "cuda_graphs=false"]
-    own = _fit(tmp_path / "own", overrides + [f"{setting}=true"], 3)
-    same = _fit(tmp_path / "same", overrides + [f"{setting}=false"], 3)
-    assert getattr(own, OWN_STREAMS[setting]) is None
-    assert torch.equal(_logged(own, ["loss"]), _logged(same, ["loss"]))
+    side = _fit(tmp_path / "side", overrides + ["data.side_stream=true"], 3)
+    same = _fit(tmp_path / "same", overrides + ["data.side_stream=false"], 3)
+    assert side.data_stream is None
+    assert torch.equal(_logged(side, ["loss"]), _logged(same, ["loss"]))
 
 
 @pytest.mark.gpu

@@ -237,9 +237,6 @@ class Config:
                                          "checkpointing")
     cuda_graphs: str = setting("auto", "capture the whole train step as one CUDA graph: auto (where supported) | true "
                                        "(capture or fail) | false")
-    step_stream: bool = setting(False, "on a GPU, run the training steps on a CUDA stream of their own (non-blocking) "
-                                       "instead of the legacy default stream, whose queued work the blocking "
-                                       "streams of other libraries (a GPU JPEG decoder's) wait for")
     fused_mlp: str = setting("auto", "the ViT MLPs through dres.ops.fused_mlp (GELU recomputed in the backward: one "
                                      "tokens x hidden activation fewer): auto (eager steps and captured ones; a "
                                      "compiled step that is not captured leaves the MLP to Inductor, since the opaque "
