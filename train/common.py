@@ -77,7 +77,8 @@ def partitioned_stream(num_sms: int, device: torch.device):
     a ConfigError naming ``step_sms`` where that cannot be."""
     total = torch.cuda.get_device_properties(device).multi_processor_count
     if num_sms >= total:
-        raise ConfigError(f"config key 'step_sms' must be below the GPU's {total} multiprocessors (0: all); got {num_sms}")
+        raise ConfigError(f"config key 'step_sms' must be below the GPU's {total} multiprocessors (0: all); "
+                          f"got {num_sms}")
     try:
         from torch.cuda.green_contexts import GreenContext
 
@@ -86,7 +87,7 @@ def partitioned_stream(num_sms: int, device: torch.device):
     except (ImportError, AttributeError, RuntimeError) as e:
         raise ConfigError(f"config key 'step_sms' needs a CUDA green context, which this torch and driver cannot make "
                           f"({e}); leave it at 0") from None
-    # some torch releases hand back a torch.Stream: the same stream as a torch.cuda.Stream, which torch.cuda.stream takes
+    # some torch releases hand back a torch.Stream; torch.cuda.stream takes this torch.cuda.Stream of the same stream
     return context, torch.cuda.Stream(stream_id=stream.stream_id, device_index=stream.device_index,
                                       device_type=stream.device_type)
 

@@ -535,7 +535,8 @@ POSITIVE_KEYS = (
 NON_NEGATIVE_KEYS = {
     "seed": "", "steps": "use epochs", "epochs": "", "threads": "by the model's width",
     "data.shuffle_buffer": "", "data.limit": "all",
-    "data.val_limit": "all", "data.finish_ahead": "in the step's thread", "step_sms": "all of the GPU's", "model.decoder_depth": "",
+    "data.val_limit": "all", "data.finish_ahead": "in the step's thread", "step_sms": "all of the GPU's",
+    "model.decoder_depth": "",
     "model.num_classes": "", "optim.blr": "",
     "optim.lr": "from optim.blr", "optim.min_lr": "", "optim.weight_decay": "", "optim.warmup_epochs": "",
     "optim.clip_grad": "off", "ckpt.every": "only at the end", "ckpt.keep": "keep all", "eval.probe_wd": "",

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from dres.captured_step import ordered_side_stream
 from dres.data import build_loader
 from dres.nn import set_backend, set_fused_mlp
 from dres.train import checkpoint, distributed, resume, results, tasks
-from dres.captured_step import ordered_side_stream
 from dres.train.common import partitioned_stream, resolve_precision, seed_all
 from dres.train.config import Config, ConfigError, cpu_threads, to_dict
 from dres.train.rundir import fingerprint
@@ -81,7 +81,7 @@ class Trainer:
         self.graphed: GraphedStep | None = None  # the captured step (None: the step runs eagerly)
         self.step_fn = None  # the step train_step runs: graphed or step_body, chosen once in setup
         self.data_stream = None  # the CUDA stream batches are made on (data.side_stream), else the step's
-        self.step_sms = None  # the green context of cfg.step_sms multiprocessors the steps run on, else None
+        self.step_context = None  # the green context of cfg.step_sms multiprocessors the steps run on, else None
         self.step_stream = None  # that context's CUDA stream, on which fit runs the steps, else None (the current one)
         # used by fit, evaluation and finish
         self.tb = None  # the TensorBoard writer (main rank, log.tensorboard)
@@ -145,7 +145,7 @@ class Trainer:
             if cfg.data.side_stream and self.device.type == "cuda":
                 self.data_stream = torch.cuda.Stream(self.device)
             if cfg.step_sms and self.device.type == "cuda":
-                self.step_sms, self.step_stream = partitioned_stream(cfg.step_sms, self.device)
+                self.step_context, self.step_stream = partitioned_stream(cfg.step_sms, self.device)
                 self.log(f"[dres] steps on {cfg.step_sms} of the GPU's "
                          f"{torch.cuda.get_device_properties(self.device).multi_processor_count} multiprocessors")
             self.flops_per_image, self.peak_tflops = results.count_flops(self)
