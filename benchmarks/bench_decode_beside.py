@@ -13,8 +13,9 @@ load: square bf16 GEMMs of ``--load-size`` from a thread of their own, at most 2
 every multiprocessor busy the same way; the GEMMs a second the load ran beside each case against alone say what the
 decode took from it), on the legacy default stream, where a trainer's step runs, or on a stream of its own
 (``--load-streams default,own``): work that a library queues on a blocking stream of its own waits for the legacy
-default stream's queue, and not for a stream created non-blocking, as PyTorch's are. A decoder is ``torchvision`` (its batched nvJPEG) or
-``nvimgcodec:SHARE`` (SHARE of each batch to the hardware JPEG decoders, the rest to nvJPEG on the CUDA cores);
+default stream's queue, and not for a stream created non-blocking, as PyTorch's are. A decoder is ``torchvision``
+(its batched nvJPEG) or ``nvimgcodec:SHARE`` (SHARE of each batch to the hardware JPEG decoders, the rest to nvJPEG
+on the CUDA cores);
 ``--priorities`` the finishing streams' (the GPU's highest, or the default); ``--threads`` how many threads
 finish batches at once, each with a finisher and a stream of its own (torchvision's decoder is one a process,
 behind a lock). The process rows run one finishing thread in a child process beside the same load.
