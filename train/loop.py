@@ -114,8 +114,14 @@ class Trainer:
             # capture takes the Triton kernels: the eager warm-up steps take them too, so that they compute
             # what the replays compute (the default picks the csrc kernels for eager calls when built)
             set_backend(model, "triton")
-        # the captured step warms up and records on its own stream; DDP must be built on that stream
-        capture_stream = torch.cuda.Stream(self.device) if graphs and train else None
+        if train and cfg.step_sms and self.device.type == "cuda":
+            self.step_context, self.step_stream = partitioned_stream(cfg.step_sms, self.device)
+            self.log(f"[dres] steps on {cfg.step_sms} of the GPU's "
+                     f"{torch.cuda.get_device_properties(self.device).multi_processor_count} multiprocessors")
+        # the captured step warms up and records on its own stream (a graph keeps the multiprocessors of the stream
+        # it was captured on, so with step_sms that is the green context's); DDP must be built on that stream
+        capture_stream = ((self.step_stream if self.step_stream is not None else torch.cuda.Stream(self.device))
+                          if graphs and train else None)
         if cfg.dist == "fsdp":
             # bf16 parameters need autocast (FSDP2 casts no inputs): fp32 ones under precision=fp32
             param_dtype = "fp32" if self.precision == "fp32" else cfg.fsdp_param_dtype
@@ -144,10 +150,6 @@ class Trainer:
             epoch_steps = len(self.loader)
             if cfg.data.side_stream and self.device.type == "cuda":
                 self.data_stream = torch.cuda.Stream(self.device)
-            if cfg.step_sms and self.device.type == "cuda":
-                self.step_context, self.step_stream = partitioned_stream(cfg.step_sms, self.device)
-                self.log(f"[dres] steps on {cfg.step_sms} of the GPU's "
-                         f"{torch.cuda.get_device_properties(self.device).multi_processor_count} multiprocessors")
             self.flops_per_image, self.peak_tflops = results.count_flops(self)
         self.total_steps = cfg.steps if cfg.steps > 0 else int(round(cfg.epochs * epoch_steps))
         if train and self.total_steps <= 0:
