@@ -394,64 +394,28 @@ def test_graphed_run_resumes_exactly(tmp_path, case):
     assert full.scaler.state_dict() == resumed.scaler.state_dict()
 
 
-# a setting that puts the trainer's GPU work on a CUDA stream of its own -> (its value on, the Trainer's attribute
-# holding that stream)
-OWN_STREAMS = {"data.side_stream": ("true", "data_stream"), "step_sms": ("64", "step_stream")}
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", ["true", "false"])
-@pytest.mark.parametrize("setting", list(OWN_STREAMS))
-def test_a_stream_of_its_own_trains_as_the_current_stream(tmp_path, setting, graphs):
-    # data.side_stream: the batch's gather and augmentation overlap the running step, which must still see each
-    # batch whole; step_sms: the steps on a green context's stream, ordered with the work before and after
-    value, attribute = OWN_STREAMS[setting]
-    if setting == "step_sms":
-        from dres.train.common import partitioned_stream
-
-        try:
-            partitioned_stream(int(value), CUDA)
-        except ConfigError as e:  # a torch or driver without green contexts: the trainer's one line, as a skip
-            pytest.skip(str(e))
+def test_batches_made_on_a_side_stream_train_as_on_the_step_stream(tmp_path, graphs):
+    # the batch's gather and augmentation overlap the running step; the step must still see each batch whole
     overrides = ["model.drop_path=0.3", "model.droppath_mode=residual_droppath", f"cuda_graphs={graphs}"]
-    own = _fit(tmp_path / "own", overrides + [f"{setting}={value}"], 9)
-    same = _fit(tmp_path / "same", overrides, 9)
-    assert getattr(own, attribute) is not None and getattr(same, attribute) is None
+    side = _fit(tmp_path / "side", overrides + ["data.side_stream=true"], 9)
+    same = _fit(tmp_path / "same", overrides + ["data.side_stream=false"], 9)
+    assert side.data_stream is not None and same.data_stream is None
     keys = ["loss"]
     if _deterministic(tmp_path, overrides, "mae"):
-        assert torch.equal(_logged(own, keys), _logged(same, keys))
-        assert all(torch.equal(a, b) for a, b in zip(_params(own), _params(same)))
+        assert torch.equal(_logged(side, keys), _logged(same, keys))
+        assert all(torch.equal(a, b) for a, b in zip(_params(side), _params(same)))
     else:
-        torch.testing.assert_close(_logged(own, keys), _logged(same, keys), rtol=2e-4, atol=1e-6)
+        torch.testing.assert_close(_logged(side, keys), _logged(same, keys), rtol=2e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("setting", list(OWN_STREAMS))
-def test_a_stream_of_its_own_on_the_cpu_changes_nothing(tmp_path, setting):
-    value, attribute = OWN_STREAMS[setting]
+def test_a_side_stream_on_the_cpu_changes_nothing(tmp_path):
     overrides = ["device=cpu", "cuda_graphs=false"]
-    own = _fit(tmp_path / "own", overrides + [f"{setting}={value}"], 3)
-    same = _fit(tmp_path / "same", overrides, 3)
-    assert getattr(own, attribute) is None
-    assert torch.equal(_logged(own, ["loss"]), _logged(same, ["loss"]))
-
-
-def test_step_sms_the_gpu_cannot_give_is_one_line_naming_the_key(monkeypatch):
-    from types import SimpleNamespace
-
-    from dres.train.common import partitioned_stream
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
-    with pytest.raises(ConfigError, match=r"^config key 'step_sms' must be below the GPU's 132 multiprocessors"):
-        partitioned_stream(132, CUDA)
-
-    class NoGreenContext:
-        @staticmethod
-        def create(**kwargs):
-            raise RuntimeError("Green Context requires user mode driver 12.8+")
-
-    monkeypatch.setattr("torch.cuda.green_contexts.GreenContext", NoGreenContext)
-    with pytest.raises(ConfigError, match=r"^config key 'step_sms' needs a CUDA green context.*driver 12\.8\+"):
-        partitioned_stream(64, CUDA)
+    side = _fit(tmp_path / "side", overrides + ["data.side_stream=true"], 3)
+    same = _fit(tmp_path / "same", overrides + ["data.side_stream=false"], 3)
+    assert side.data_stream is None
+    assert torch.equal(_logged(side, ["loss"]), _logged(same, ["loss"]))
 
 
 @pytest.mark.gpu

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dres.data import DataError, build_loader
-from dres.train.config import ConfigError, ModelConfig
+from dres.train.config import ModelConfig
 
 _NOTED: set = set()
 
@@ -69,27 +69,6 @@ def dense_bf16_peak(device: torch.device) -> tuple[str, Optional[float]]:
         return device.type, None
     name = torch.cuda.get_device_name(device)
     return name, next((tflops for part, tflops in DENSE_BF16_TFLOPS if part in name), None)
-
-
-def partitioned_stream(num_sms: int, device: torch.device):
-    """``(context, stream)``: a CUDA stream whose kernels run on ``num_sms`` of ``device``'s multiprocessors, those of
-    a green context (which must outlive the stream's work), so that other work on the GPU always finds the rest free;
-    a ConfigError naming ``step_sms`` where that cannot be."""
-    total = torch.cuda.get_device_properties(device).multi_processor_count
-    if num_sms >= total:
-        raise ConfigError(f"config key 'step_sms' must be below the GPU's {total} multiprocessors (0: all); "
-                          f"got {num_sms}")
-    try:
-        from torch.cuda.green_contexts import GreenContext
-
-        context = GreenContext.create(num_sms=num_sms, device_id=device.index or 0)
-        stream = context.Stream()
-    except (ImportError, AttributeError, RuntimeError) as e:
-        raise ConfigError(f"config key 'step_sms' needs a CUDA green context, which this torch and driver cannot make "
-                          f"({e}); leave it at 0") from None
-    # some torch releases hand back a torch.Stream; torch.cuda.stream takes this torch.cuda.Stream of the same stream
-    return context, torch.cuda.Stream(stream_id=stream.stream_id, device_index=stream.device_index,
-                                      device_type=stream.device_type)
 
 
 def model_flops_rate(img_per_s: float, flops_per_image: Optional[float], world: int,

@@ -237,9 +237,6 @@ class Config:
                                          "checkpointing")
     cuda_graphs: str = setting("auto", "capture the whole train step as one CUDA graph: auto (where supported) | true "
                                        "(capture or fail) | false")
-    step_sms: int = setting(0, "on a GPU, run the training steps on this many of its multiprocessors (a CUDA green "
-                               "context), the others left to other work on the GPU, such as its JPEG decode: 0 (all) "
-                               "| a count below the GPU's")
     fused_mlp: str = setting("auto", "the ViT MLPs through dres.ops.fused_mlp (GELU recomputed in the backward: one "
                                      "tokens x hidden activation fewer): auto (eager steps and captured ones; a "
                                      "compiled step that is not captured leaves the MLP to Inductor, since the opaque "
@@ -535,8 +532,7 @@ POSITIVE_KEYS = (
 NON_NEGATIVE_KEYS = {
     "seed": "", "steps": "use epochs", "epochs": "", "threads": "by the model's width",
     "data.shuffle_buffer": "", "data.limit": "all",
-    "data.val_limit": "all", "data.finish_ahead": "in the step's thread", "step_sms": "all of the GPU's",
-    "model.decoder_depth": "",
+    "data.val_limit": "all", "data.finish_ahead": "in the step's thread", "model.decoder_depth": "",
     "model.num_classes": "", "optim.blr": "",
     "optim.lr": "from optim.blr", "optim.min_lr": "", "optim.weight_decay": "", "optim.warmup_epochs": "",
     "optim.clip_grad": "off", "ckpt.every": "only at the end", "ckpt.keep": "keep all", "eval.probe_wd": "",

@@ -12,18 +12,16 @@ a step share its parity (and, with equal micro-batch sizes, its masks).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from dres.captured_step import ordered_side_stream
 from dres.data import build_loader
 from dres.nn import set_backend, set_fused_mlp
 from dres.train import checkpoint, distributed, resume, results, tasks
-from dres.train.common import partitioned_stream, resolve_precision, seed_all
+from dres.train.common import resolve_precision, seed_all
 from dres.train.config import Config, ConfigError, cpu_threads, to_dict
 from dres.train.rundir import fingerprint
 from dres.train.optim import build_optimizer, build_schedule, param_groups, peak_lr
@@ -81,8 +79,6 @@ class Trainer:
         self.graphed: GraphedStep | None = None  # the captured step (None: the step runs eagerly)
         self.step_fn = None  # the step train_step runs: graphed or step_body, chosen once in setup
         self.data_stream = None  # the CUDA stream batches are made on (data.side_stream), else the step's
-        self.step_context = None  # the green context of cfg.step_sms multiprocessors the steps run on, else None
-        self.step_stream = None  # that context's CUDA stream, on which fit runs the steps, else None (the current one)
         # used by fit, evaluation and finish
         self.tb = None  # the TensorBoard writer (main rank, log.tensorboard)
         self.eval_loaders: dict = {}  # split -> its evaluation loader or None (train.common.eval_loader)
@@ -114,14 +110,8 @@ class Trainer:
             # capture takes the Triton kernels: the eager warm-up steps take them too, so that they compute
             # what the replays compute (the default picks the csrc kernels for eager calls when built)
             set_backend(model, "triton")
-        if train and cfg.step_sms and self.device.type == "cuda":
-            self.step_context, self.step_stream = partitioned_stream(cfg.step_sms, self.device)
-            self.log(f"[dres] steps on {cfg.step_sms} of the GPU's "
-                     f"{torch.cuda.get_device_properties(self.device).multi_processor_count} multiprocessors")
-        # the captured step warms up and records on its own stream (a graph keeps the multiprocessors of the stream
-        # it was captured on, so with step_sms that is the green context's); DDP must be built on that stream
-        capture_stream = ((self.step_stream if self.step_stream is not None else torch.cuda.Stream(self.device))
-                          if graphs and train else None)
+        # the captured step warms up and records on its own stream; DDP must be built on that stream
+        capture_stream = torch.cuda.Stream(self.device) if graphs and train else None
         if cfg.dist == "fsdp":
             # bf16 parameters need autocast (FSDP2 casts no inputs): fp32 ones under precision=fp32
             param_dtype = "fp32" if self.precision == "fp32" else cfg.fsdp_param_dtype
@@ -275,15 +265,10 @@ class Trainer:
         on it in the all-reduce that already carries the logged metrics (no collective or host sync is
         added to the steps between). A log step's record is read from the GPU after the next step is
         issued, so the GPU never waits for the host's logging, and goes to the
-        :class:`~dres.train.runlog.RunLog` (metrics.jsonl, TensorBoard, the progress bar). With ``cfg.step_sms``
-        all of it runs on :attr:`step_stream`, after the work queued before it and before the work queued after."""
+        :class:`~dres.train.runlog.RunLog` (metrics.jsonl, TensorBoard, the progress bar)."""
+        cfg = self.cfg
         if until is not None and not 0 < until <= self.total_steps:
             raise ValueError(f"until must be in 1..{self.total_steps} (the run's steps), got {until}")
-        with ordered_side_stream(self.step_stream) if self.step_stream is not None else contextlib.nullcontext():
-            return self._fit(until)
-
-    def _fit(self, until: int | None):
-        cfg = self.cfg
         end = self.total_steps if until is None else until
         start_step, t0, seen = self.step, time.time(), 0
         self.tb, runlog = results.open_run_log(self)
