@@ -5,7 +5,7 @@ thread, or several finishing batches at once), and in a process of its own (its 
 
     python -m benchmarks.bench_decode_beside --root DIR [--decoders torchvision,nvimgcodec:1,nvimgcodec:0.65]
         [--threads 1,2] [--priorities high,default] [--no-process] [--load-size 4096] [--load-streams default,own]
-        [--batches 20] [--out OUT]
+        [--load-kinds gemm,sleep] [--sleep-ms 40] [--batches 20] [--out OUT]
 
 The folder: ``python -m benchmarks.bench_data make --root DIR``. The batches are the folder's first files as the
 GPU-decode workers hand them over (JPEG bytes in pinned memory, what the GPU cannot decode already pixels). The
@@ -13,7 +13,10 @@ load: square bf16 GEMMs of ``--load-size`` from a thread of their own, at most 2
 every multiprocessor busy the same way; the GEMMs a second the load ran beside each case against alone say what the
 decode took from it), on the legacy default stream, where a trainer's step runs, or on a stream of its own
 (``--load-streams default,own``): work that a library queues on a blocking stream of its own waits for the legacy
-default stream's queue, and not for a stream created non-blocking, as PyTorch's are. A decoder is ``torchvision``
+default stream's queue, and not for a stream created non-blocking, as PyTorch's are. ``--load-kinds sleep`` puts
+in the GEMMs' place one kernel of ``--sleep-ms`` at a time, at most two queued (a single-thread kernel that only waits:
+a trainer's captured step queued whole, without its use of the multiprocessors), so that a decode slowed beside it
+waits for other streams' work rather than for multiprocessors. A decoder is ``torchvision``
 (its batched nvJPEG) or ``nvimgcodec:SHARE`` (SHARE of each batch to the hardware JPEG decoders, the rest to nvJPEG
 on the CUDA cores);
 ``--priorities`` the finishing streams' (the GPU's highest, or the default); ``--threads`` how many threads
@@ -40,6 +43,7 @@ from benchmarks.bench_data import IMAGENET_MEAN, IMAGENET_STD, prepared_batches
 
 PRIORITIES = {"high": True, "default": False}
 LOAD_STREAMS = ("default", "own")  # the legacy default stream, or a stream of the load's own (non-blocking)
+LOAD_KINDS = ("gemm", "sleep")  # GEMMs that fill the GPU, or kernels that only take time
 
 
 def parse_decoders(spec: str) -> list[tuple[str, float]]:
@@ -63,17 +67,23 @@ def parse_decoders(spec: str) -> list[tuple[str, float]]:
     return out
 
 
-class GemmLoad:
-    """bf16 GEMMs of ``size`` from a thread, at most 20 queued, on the legacy default stream (``stream="default"``)
-    or a stream of their own (``"own"``); ``rate`` is the GEMMs a second of the last window it ran (a ``with``
-    block)."""
+class GpuLoad:
+    """Work from a thread on the legacy default stream (``stream="default"``) or a stream of its own (``"own"``):
+    ``kind="gemm"``, bf16 GEMMs of ``size``, at most 20 queued; ``"sleep"``, kernels that wait ``sleep_ms`` each,
+    at most two queued. ``rate`` is the kernels a second of the last window it ran (a ``with`` block)."""
 
-    def __init__(self, size: int, stream: str = "default"):
+    def __init__(self, size: int, stream: str = "default", kind: str = "gemm", sleep_ms: float = 40.0):
         import torch
 
-        self.a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-        self.b = torch.randn_like(self.a)
         self.stream = torch.cuda.Stream() if stream == "own" else torch.cuda.default_stream()
+        self.queued = 20 if kind == "gemm" else 2
+        if kind == "gemm":
+            a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn_like(a)
+            self.kernel = lambda: a @ b
+        else:
+            cycles = round(sleep_ms * _sleep_cycles_a_ms())
+            self.kernel = lambda: torch.cuda._sleep(cycles)
         self.stopping, self.count, self.rate = threading.Event(), 0, 0.0
 
     def _run(self):
@@ -81,10 +91,10 @@ class GemmLoad:
 
         with torch.cuda.stream(self.stream):
             while not self.stopping.is_set():
-                for _ in range(20):
-                    self.a @ self.b
+                for _ in range(self.queued):
+                    self.kernel()
                 self.stream.synchronize()
-                self.count += 20
+                self.count += self.queued
 
     def __enter__(self):
         self.stopping.clear()
@@ -98,6 +108,19 @@ class GemmLoad:
         self.stopping.set()
         self.thread.join()
         self.rate = self.count / (time.perf_counter() - self.start)
+
+
+def _sleep_cycles_a_ms() -> float:
+    """The GPU clock's cycles a millisecond, as ``torch.cuda._sleep`` counts them (timed over a 10^8-cycle sleep)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(10 ** 6)  # the kernel loaded
+    start.record()
+    torch.cuda._sleep(10 ** 8)
+    end.record()
+    end.synchronize()
+    return 10 ** 8 / start.elapsed_time(end)
 
 
 def finish_ms(finishers: list, batches: list[dict], per_thread: int) -> float:
@@ -133,7 +156,7 @@ def make_finishers(decoder: str, share: float, high: bool, count: int) -> list:
     return [BatchFinisher("cuda", 224, 3, IMAGENET_MEAN, IMAGENET_STD, decoder, share, high) for _ in range(count)]
 
 
-def thread_case(batches, load: GemmLoad, decoder: str, share: float, high: bool, threads: int,
+def thread_case(batches, load: GpuLoad, decoder: str, share: float, high: bool, threads: int,
                 per_thread: int) -> tuple[float, float]:
     """ms a batch with ``threads`` finishing threads of this process, alone and beside ``load``."""
     finishers = make_finishers(decoder, share, high, threads)
@@ -157,7 +180,7 @@ def _child(root, batch, decoder, share, high, per_thread, conn):
         conn.send(("error", f"{type(e).__name__}: {e}".splitlines()[0]))
 
 
-def process_case(args, load: GemmLoad, decoder: str, share: float, high: bool) -> tuple[float, float]:
+def process_case(args, load: GpuLoad, decoder: str, share: float, high: bool) -> tuple[float, float]:
     """ms a batch with one finishing thread in a process of its own, alone and beside this process's ``load``."""
     ctx = multiprocessing.get_context("spawn")  # a CUDA context of its own: no fork of this one
     parent, child = ctx.Pipe()
@@ -179,14 +202,16 @@ def process_case(args, load: GemmLoad, decoder: str, share: float, high: bool) -
     return alone, beside
 
 
-def markdown(rows: list[dict], card: str, images: int, load_size: int) -> str:
-    lines = [f"The GPU half of {images}-image batches alone and beside a load of {load_size}^3 bf16 GEMMs "
-             f"({card}): ms a batch, and the load's GEMMs a second beside each case over alone.", "",
-             "| decoder | load's stream | where | finishing threads | stream priority | ms a batch alone | "
-             "beside the load | beside / alone | load's rate beside / alone |", "|---|---|---|---|---|---|---|---|---|"]
+def markdown(rows: list[dict], card: str, images: int, load_size: int, sleep_ms: float) -> str:
+    lines = [f"The GPU half of {images}-image batches alone and beside a load ({card}): gemm, {load_size}^3 bf16 "
+             f"GEMMs; sleep, kernels that wait {sleep_ms:g} ms each. ms a batch, and the load's kernels a second "
+             "beside each case over alone.", "",
+             "| decoder | load | load's stream | where | finishing threads | stream priority | ms a batch alone | "
+             "beside the load | beside / alone | load's rate beside / alone |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = r["decoder"] + (f", hardware share {r['share']:g}" if r.get("share") is not None else "")
-        case = f"| {name} | {r['load_stream']} | {r['where']} | {r['threads']} | {r['priority']} |"
+        case = f"| {name} | {r['load']} | {r['load_stream']} | {r['where']} | {r['threads']} | {r['priority']} |"
         if r.get("error"):
             lines.append(f"{case} {r['error']} | | | |")
             continue
@@ -208,6 +233,8 @@ def main(argv=None) -> int:
     ap.add_argument("--load-size", type=int, default=4096, help="the load's square GEMM size")
     ap.add_argument("--load-streams", default="default",
                     help="the load's streams: default (the legacy default stream) and/or own, comma-separated")
+    ap.add_argument("--load-kinds", default="gemm", help="the load's kernels: gemm and/or sleep, comma-separated")
+    ap.add_argument("--sleep-ms", type=float, default=40.0, help="the length of each sleep kernel (ms)")
     ap.add_argument("--out", default=os.environ.get("OUT", "./device_out"))
     args = ap.parse_args(argv)
     try:
@@ -223,8 +250,11 @@ def main(argv=None) -> int:
     load_streams = [s for s in args.load_streams.split(",") if s]
     if not load_streams or set(load_streams) - set(LOAD_STREAMS):
         ap.error(f"--load-streams {args.load_streams}: each of {', '.join(LOAD_STREAMS)}")
+    load_kinds = [k for k in args.load_kinds.split(",") if k]
+    if not load_kinds or set(load_kinds) - set(LOAD_KINDS):
+        ap.error(f"--load-kinds {args.load_kinds}: each of {', '.join(LOAD_KINDS)}")
     for flag, value, least in (("--batch", args.batch, 1), ("--batches", args.batches, 1),
-                               ("--load-size", args.load_size, 256)):
+                               ("--load-size", args.load_size, 256), ("--sleep-ms", args.sleep_ms, 1)):
         if value < least:
             ap.error(f"{flag} {value}: at least {least}")
     if not Path(args.root).is_dir():
@@ -238,8 +268,8 @@ def main(argv=None) -> int:
 
     batches = prepared_batches(args.root, args.batch, 4, pin=True)
     rows = []
-    for load_stream in load_streams:
-        load = GemmLoad(args.load_size, load_stream)
+    for kind, load_stream in ((k, s) for k in load_kinds for s in load_streams):
+        load = GpuLoad(args.load_size, load_stream, kind, args.sleep_ms)
         with load:
             time.sleep(2)
         load_alone = load.rate
@@ -249,7 +279,8 @@ def main(argv=None) -> int:
                 cases = [("thread", int(t)) for t in threads] + ([("process", 1)] if args.process else [])
                 for where, count in cases:
                     row = {"decoder": decoder, "share": share if decoder == "nvimgcodec" else None,
-                           "load_stream": load_stream, "priority": priority, "where": where, "threads": count}
+                           "load": kind, "load_stream": load_stream, "priority": priority, "where": where,
+                           "threads": count}
                     try:
                         if gpu_decode_backend("cuda", decoder) != decoder:
                             raise RuntimeError(f"{decoder} is not installed")
@@ -267,8 +298,8 @@ def main(argv=None) -> int:
     card = measure.card_name()
     measure.write_json_atomic(out / "decode_beside.json", {
         "card": card, "date": measure.today(), **measure.versions(), "batch": args.batch,
-        "load_size": args.load_size, "batches_a_window": args.batches, "rows": rows})
-    table = markdown(rows, card, int(images), args.load_size)
+        "load_size": args.load_size, "sleep_ms": args.sleep_ms, "batches_a_window": args.batches, "rows": rows})
+    table = markdown(rows, card, int(images), args.load_size, args.sleep_ms)
     (out / "decode_beside.md").write_text(table)
     print(table)
     return 0

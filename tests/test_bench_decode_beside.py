@@ -28,6 +28,8 @@ def test_decoder_specs_parse_with_nvimgcodecs_share_defaulting_to_the_hardware()
     (["--batches", "0"], "--batches 0: at least 1"),
     (["--load-size", "64"], "--load-size 64: at least 256"),
     (["--load-streams", "blocking"], "--load-streams blocking: each of default, own"),
+    (["--load-kinds", "gemm,spin"], "--load-kinds gemm,spin: each of gemm, sleep"),
+    (["--sleep-ms", "0.5"], "--sleep-ms 0.5: at least 1"),
 ])
 def test_bad_arguments_exit_2_naming_the_argument(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
@@ -64,15 +66,17 @@ def test_prepared_batches_are_pinned_where_asked_and_hold_the_jpegs_bytes(tmp_pa
 
 
 def test_table_gives_each_case_its_ratios_and_a_failed_case_its_error():
-    rows = [{"decoder": "torchvision", "share": None, "load_stream": "default", "priority": "high", "where": "thread",
-             "threads": 1, "ms_alone": 13.0, "ms_beside": 58.5, "load_rate_alone": 4700.0, "load_rate_beside": 4230.0},
-            {"decoder": "nvimgcodec", "share": 0.65, "load_stream": "own", "priority": "default", "where": "process",
-             "threads": 1, "error": "RuntimeError: nvimgcodec is not installed"}]
-    table = markdown(rows, "h200", 256, 4096).splitlines()
-    assert table[0].startswith("The GPU half of 256-image batches alone and beside a load of 4096^3 bf16 GEMMs (h200)")
-    assert "| torchvision | default | thread | 1 | high | 13.0 | 58.5 | 4.50x | 0.90 |" in table
-    assert ("| nvimgcodec, hardware share 0.65 | own | process | 1 | default | RuntimeError: nvimgcodec is not "
-            "installed | | | |") in table
+    rows = [{"decoder": "torchvision", "share": None, "load": "gemm", "load_stream": "default", "priority": "high",
+             "where": "thread", "threads": 1, "ms_alone": 13.0, "ms_beside": 58.5, "load_rate_alone": 4700.0,
+             "load_rate_beside": 4230.0},
+            {"decoder": "nvimgcodec", "share": 0.65, "load": "sleep", "load_stream": "own", "priority": "default",
+             "where": "process", "threads": 1, "error": "RuntimeError: nvimgcodec is not installed"}]
+    table = markdown(rows, "h200", 256, 4096, 40.0).splitlines()
+    assert table[0].startswith("The GPU half of 256-image batches alone and beside a load (h200): gemm, 4096^3 bf16 "
+                               "GEMMs; sleep, kernels that wait 40 ms each.")
+    assert "| torchvision | gemm | default | thread | 1 | high | 13.0 | 58.5 | 4.50x | 0.90 |" in table
+    assert ("| nvimgcodec, hardware share 0.65 | sleep | own | process | 1 | default | RuntimeError: nvimgcodec is "
+            "not installed | | | |") in table
 
 
 @pytest.mark.gpu
@@ -82,13 +86,13 @@ def test_gpu_every_case_of_a_small_folder_runs_in_threads_and_in_a_process(tmp_p
     bench_data.make_folder(str(root), images=64, classes=2)
     assert main(["--root", str(root), "--batch", "16", "--batches", "2", "--threads", "1,2",
                  "--priorities", "high,default", "--load-size", "512", "--load-streams", "default,own",
-                 "--out", str(out)]) == 0
+                 "--load-kinds", "gemm,sleep", "--sleep-ms", "5", "--out", str(out)]) == 0
     rows = json.loads((out / "decode_beside.json").read_text())["rows"]
     cases = [("thread", 1, "high"), ("thread", 2, "high"), ("process", 1, "high"),
              ("thread", 1, "default"), ("thread", 2, "default"), ("process", 1, "default")]
-    assert [(r["load_stream"], r["where"], r["threads"], r["priority"]) for r in rows] == [
-        (stream, *case) for stream in ("default", "own") for case in cases]
+    assert [(r["load"], r["load_stream"], r["where"], r["threads"], r["priority"]) for r in rows] == [
+        (kind, stream, *case) for kind in ("gemm", "sleep") for stream in ("default", "own") for case in cases]
     for r in rows:
         assert "error" not in r, r
         assert r["ms_alone"] > 0 and r["ms_beside"] > 0 and r["load_rate_alone"] > 0 and r["load_rate_beside"] > 0
-    assert "| torchvision | own | process | 1 | default |" in (out / "decode_beside.md").read_text()
+    assert "| torchvision | sleep | own | process | 1 | default |" in (out / "decode_beside.md").read_text()
