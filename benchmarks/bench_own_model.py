@@ -50,8 +50,10 @@ eager calls run its kernels and C++ autograd (``backend=None``'s choice); ``--no
 it (``dres._C`` not loaded in the arm's process: the Triton kernels and Python autograd alone), and each arm
 record says which (``csrc_extension``). ``--no-fused-mlp`` converts with ``fused_mlp=False`` (the models'
 own MLPs, Inductor's under torch.compile: its MLP at ViT-B's widths is faster than the fused one, which keeps half
-the activations; ``fused_mlp`` in each record). ``--backend torch`` points the converted models' dres ops at
-their PyTorch formulas (``dres.nn.set_backend``), which Inductor fuses in its own code under torch.compile: the
+the activations; ``fused_mlp`` in each record). ``--stream-dtype bf16`` converts the timm ViTs with
+``stream_dtype=torch.bfloat16`` (their residual stream carried in bf16 under autocast, a change of function whose
+loss track the record shows; ``stream_dtype`` in each record). ``--backend torch`` points the converted models' dres
+ops at their PyTorch formulas (``dres.nn.set_backend``), which Inductor fuses in its own code under torch.compile: the
 converted arms then keep the conversion's other changes (one q/k/v GEMM, HF's mask left out, the patch GEMM) without
 a dres kernel; ``backend`` in each record (``--backend`` leaves the two arms that force a backend on theirs).
 
@@ -115,8 +117,8 @@ class Size:
 class ModelSpec:
     title: str
     unit: str  # what one sample is, as a rate
-    build: Callable[[Size, bool, bool], torch.nn.Module]  # (size, converted, fused_mlp) -> the model, weights from the
-    # seed set before; fused_mlp: the converter's (a ResNet has no MLP to fuse)
+    build: Callable[[Size, bool, dict], torch.nn.Module]  # (size, converted, conversion) -> the model, weights from
+    # the seed set before; conversion: the converter's keyword arguments (fused_mlp, stream_dtype where it takes them)
     inputs: Callable[[Size, torch.Generator], tuple]  # one synthetic batch on the CPU
     loss: Callable[..., torch.Tensor]  # (model, *batch) -> 0-dim loss
     full: Size
@@ -124,7 +126,7 @@ class ModelSpec:
     channels_last: bool = False
 
 
-def timm_vit(variant: str, drop_path: float, size: Size, converted: bool, fused_mlp: bool) -> torch.nn.Module:
+def timm_vit(variant: str, drop_path: float, size: Size, converted: bool, conversion: dict) -> torch.nn.Module:
     """timm's ``variant``; its drop path is timm's own when plain, the converter's controller when converted."""
     import timm
 
@@ -132,10 +134,10 @@ def timm_vit(variant: str, drop_path: float, size: Size, converted: bool, fused_
 
     model = timm.create_model(variant, img_size=size.image, num_classes=size.classes,
                               drop_path_rate=0.0 if converted else drop_path, **size.kwargs)
-    return dres.convert_timm_vit(model, drop_path=drop_path, fused_mlp=fused_mlp) if converted else model
+    return dres.convert_timm_vit(model, drop_path=drop_path, **conversion) if converted else model
 
 
-def timm_resnet(size: Size, converted: bool, fused_mlp: bool) -> torch.nn.Module:
+def timm_resnet(size: Size, converted: bool, conversion: dict) -> torch.nn.Module:
     import timm
 
     import dres
@@ -145,7 +147,7 @@ def timm_resnet(size: Size, converted: bool, fused_mlp: bool) -> torch.nn.Module
 
 
 def hf_model(model_class: str, config_class: str, converter: str, config_args: Callable[[Size], dict], size: Size,
-             converted: bool, fused_mlp: bool) -> torch.nn.Module:
+             converted: bool, conversion: dict) -> torch.nn.Module:
     """transformers' ``model_class(config_class(...))``, converted by ``dres.<converter>``."""
     import transformers
 
@@ -153,7 +155,7 @@ def hf_model(model_class: str, config_class: str, converter: str, config_args: C
 
     config = getattr(transformers, config_class)(**config_args(size), **size.kwargs)
     model = getattr(transformers, model_class)(config)
-    return getattr(dres, converter)(model, fused_mlp=fused_mlp) if converted else model
+    return getattr(dres, converter)(model, **conversion) if converted else model
 
 
 def images(size: Size, gen: torch.Generator) -> torch.Tensor:
@@ -210,6 +212,7 @@ def pooled_feature_loss(model, images) -> torch.Tensor:
     return model(pixel_values=images).pooler_output.float().square().mean()
 
 
+STREAM_DTYPES = {"bf16": torch.bfloat16}  # --stream-dtype: the converter's stream_dtype
 SMALL_VIT = dict(embed_dim=64, depth=2, num_heads=2)
 SMALL_HF = dict(patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 SMALL_RESNET = dict(layers=(1, 1, 1, 1))
@@ -389,7 +392,7 @@ def one_line(e: BaseException) -> str:
 
 def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: bool, steps: int,
                 warmup: int, profile_steps: int = 0, host_steps: int = 0, fused_mlp: bool = True,
-                backend: Optional[str] = None) -> dict:
+                stream_dtype: Optional[str] = None, backend: Optional[str] = None) -> dict:
     """Train ``model_name`` in arm ``arm_name`` for ``steps`` steps (the first ``warmup`` untimed), then
     ``profile_steps`` more under ``torch.profiler`` (on a GPU) and twice ``host_steps`` more for the host's own time
     (:func:`benchmarks.profile_train.host_time`): the figures of the record (:func:`run_arm`)."""
@@ -397,7 +400,8 @@ def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: b
     size = spec.tiny if tiny else spec.full
     t0 = time.time()
     torch.manual_seed(MODEL_SEED)
-    model = spec.build(size, arm.converted, fused_mlp).to(device).train()
+    conversion = {"fused_mlp": fused_mlp, **({"stream_dtype": STREAM_DTYPES[stream_dtype]} if stream_dtype else {})}
+    model = spec.build(size, arm.converted, conversion).to(device).train()
     if arm.converted and backend is not None:
         from dres.nn import set_backend
 
@@ -456,7 +460,7 @@ def arm_identity(model_name: str, arm_name: str, repeat: int, tiny: bool) -> dic
 
 def run_arm(model_name: str, arm_name: str, repeat: int, *, device: torch.device, tiny: bool, steps: int,
             warmup: int, profile_steps: int = 0, host_steps: int = 0, fused_mlp: bool = True,
-            backend: Optional[str] = None) -> dict:
+            stream_dtype: Optional[str] = None, backend: Optional[str] = None) -> dict:
     """The record of one arm: what ran, where, with which versions, and its figures or its one-line error."""
     spec = MODELS[model_name]
     backend = ARMS[arm_name].backend or backend
@@ -466,13 +470,13 @@ def run_arm(model_name: str, arm_name: str, repeat: int, *, device: torch.device
         "lr": LR, "peak_mem": "max_memory_allocated (reserved) over the timed steps, reset after the warm-up",
         "device": device.type, "card": measure.card_name() if device.type == "cuda" else "cpu",
         "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "cores": len(os.sched_getaffinity(0)), **library_versions(),
-        "fused_mlp": fused_mlp, "backend": backend or "auto",
+        "fused_mlp": fused_mlp, "stream_dtype": stream_dtype, "backend": backend or "auto",
     }
     t0 = time.time()
     try:
         rec.update(measure_arm(model_name, arm_name, device=device, tiny=tiny, steps=steps, warmup=warmup,
                                profile_steps=profile_steps, host_steps=host_steps, fused_mlp=fused_mlp,
-                               backend=backend), error=None)
+                               stream_dtype=stream_dtype, backend=backend), error=None)
     except Exception as e:  # an import error, out of memory, a failed compile: recorded, the other arms go on
         rec["error"] = one_line(e)
     rec["wall_s"] = time.time() - t0
@@ -749,6 +753,7 @@ def worker_command(job: Job, args, cores: Optional[list[int]] = None) -> list[st
     flags = [flag for flag, on in (("--tiny", args.tiny), ("--no-csrc", args.no_csrc),
                                    ("--no-fused-mlp", args.no_fused_mlp)) if on]
     flags += ["--backend", args.backend] if args.backend else []
+    flags += ["--stream-dtype", args.stream_dtype] if args.stream_dtype else []
     return cmd + flags + (["--cores", ",".join(map(str, cores))] if cores else [])
 
 
@@ -784,6 +789,8 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
     fused = sorted({r["fused_mlp"] for r in records if "fused_mlp" in r})
     conversion = {(False,): "; the converted models keep their own MLPs (--no-fused-mlp)",
                   (False, True): "; dres's fused MLP in some converted arms only"}.get(tuple(fused), "")
+    if any(r.get("stream_dtype") for r in records):
+        conversion += "; the converted timm ViTs' residual stream in bf16 under autocast (--stream-dtype bf16)"
     backends = sorted({r.get("backend", "auto") for r in records if ARMS[r["arm"]].backend is None})
     if backends not in ([], ["auto"]):
         conversion += f"; the converted models' dres.ops backend: {', '.join(backends)}"
@@ -803,7 +810,9 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
     summary = {"date": measure.today(), "machine": measure.machine_name(), "cards": cards, **env,
                "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "tiny": args.tiny,
                "arms_at_a_time": slots, "csrc_extension": csrc,
-               "fused_mlp": fused, "backend": backends, "rows": rows,
+               "fused_mlp": fused, "stream_dtype": sorted({r["stream_dtype"] for r in records
+                                                          if r.get("stream_dtype")}),
+               "backend": backends, "rows": rows,
                "failed": [{k: r[k] for k in ("model", "arm", "repeat", "error")} for r in failed], "not_run": not_run}
     measure.write_json_atomic(out / "summary.json", summary)
     table = markdown(rows, header=header, failed=failed, not_run=not_run)
@@ -940,6 +949,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every arm without the csrc extension (the Triton kernels and Python autograd alone)")
     p.add_argument("--no-fused-mlp", action="store_true",
                    help="convert with fused_mlp=False: the models' own MLPs (Inductor's under torch.compile)")
+    p.add_argument("--stream-dtype", choices=tuple(STREAM_DTYPES),
+                   help="convert the timm ViTs with their residual stream in this dtype under autocast (a change of "
+                        "function; --models of timm ViTs only)")
     p.add_argument("--backend", choices=("triton", "torch"),
                    help="the converted models' dres.ops backend (default: each op's own choice); torch: the ops' "
                         "PyTorch formulas, which Inductor fuses in its own code under torch.compile")
@@ -947,6 +959,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)  # a repeat of the one --models / --arms arm
     p.add_argument("--cores", type=core_list, help=argparse.SUPPRESS)  # the cores an arm's process keeps to
     return p
+
+
+def takes_stream_dtype(model_name: str) -> bool:
+    """Whether the model's converter takes ``stream_dtype`` (dres.convert_timm_vit's)."""
+    return getattr(MODELS[model_name].build, "func", None) is timm_vit
 
 
 def check_args(p: argparse.ArgumentParser, args) -> None:
@@ -964,6 +981,10 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--repeats must be at least 1, got {args.repeats}")
     if args.gpus and args.device == "cpu":
         p.error("--gpus needs --device cuda")
+    others = [m for m in args.models if not takes_stream_dtype(m)] if args.stream_dtype else []
+    if others:
+        p.error(f"--stream-dtype {args.stream_dtype}: only the timm ViTs' converter takes it "
+                f"({', '.join(filter(takes_stream_dtype, MODELS))}), not {', '.join(others)}")
     if args.max_minutes is not None and args.max_minutes <= 0:
         p.error(f"--max-minutes must be positive, got {args.max_minutes}")
 
@@ -994,7 +1015,7 @@ def run_worker(args) -> int:
     measure.configure_caches()
     rec = run_arm(job.model, job.arm, job.repeat, device=torch.device(args.device), tiny=args.tiny, steps=args.steps,
                   warmup=args.warmup, profile_steps=args.profile_steps, host_steps=args.host_steps,
-                  fused_mlp=not args.no_fused_mlp, backend=args.backend)
+                  fused_mlp=not args.no_fused_mlp, stream_dtype=args.stream_dtype, backend=args.backend)
     measure.write_json_atomic(arm_path(Path(args.out), job), rec)
     print(json.dumps({k: v for k, v in rec.items() if k != "losses"}), flush=True)
     return 1 if rec["error"] else 0

@@ -98,7 +98,7 @@ def test_every_arm_starts_from_the_same_weights_and_batches():
         weights = []
         for converted in (False, True):
             torch.manual_seed(bench.MODEL_SEED)
-            model = spec.build(spec.tiny, converted, True)
+            model = spec.build(spec.tiny, converted, {})
             weights.append({k: v for k, v in model.state_dict().items() if not k.startswith("droppath.")})
         assert weights[0].keys() == weights[1].keys()
         for key, value in weights[0].items():
@@ -122,7 +122,7 @@ def test_no_fused_mlp_converts_with_the_models_own_mlps(name):
     calls = []
     for fused_mlp in (True, False):
         torch.manual_seed(bench.MODEL_SEED)
-        model = spec.build(spec.tiny, True, fused_mlp)
+        model = spec.build(spec.tiny, True, {"fused_mlp": fused_mlp})
         with mock.patch.object(dres.ops, "fused_mlp", wraps=dres.ops.fused_mlp) as counted:
             spec.loss(model, *batch)
         calls.append(counted.call_count)
@@ -138,6 +138,27 @@ def test_a_no_fused_mlp_run_says_so_in_its_records_and_table(tmp_path):
     assert [r["fused_mlp"] for r in bench.load_arm_records(out)] == [False]
     assert json.loads((out / "summary.json").read_text())["fused_mlp"] == [False]
     assert "the converted models keep their own MLPs (--no-fused-mlp)" in (out / "own-models.md").read_text()
+
+
+def test_a_bf16_stream_run_converts_the_timm_vits_with_it_and_says_so(tmp_path, capsys):
+    """--stream-dtype bf16: the converted timm ViT's stream_dtype, the arm's command passes it on, the records and
+    the table say so; a model whose converter does not take it is an argument error (exit 2, naming both)."""
+    spec = bench.MODELS["vit_b16"]
+    torch.manual_seed(bench.MODEL_SEED)
+    assert spec.build(spec.tiny, True, {"stream_dtype": torch.bfloat16}).blocks.stream_dtype is torch.bfloat16
+    out = tmp_path / "own"
+    assert bench.main([*TINY_RUN, "--stream-dtype", "bf16", "--models", "dinov2_s14", "--arms", "converted_eager",
+                       "--out", str(out)]) == 0
+    assert [r["stream_dtype"] for r in bench.load_arm_records(out)] == ["bf16"]
+    assert json.loads((out / "summary.json").read_text())["stream_dtype"] == ["bf16"]
+    assert "residual stream in bf16 under autocast (--stream-dtype bf16)" in (out / "own-models.md").read_text()
+    args = bench.build_parser().parse_args(["--stream-dtype", "bf16", "--models", "vit_b16", "--arms", "plain_eager"])
+    assert bench.worker_command(bench.Job("vit_b16", "plain_eager", 0), args)[-2:] == ["--stream-dtype", "bf16"]
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--stream-dtype", "bf16", "--models", "vit_b16,hf_vit", "--dry-run"])
+    assert e.value.code == 2
+    assert ("--stream-dtype bf16: only the timm ViTs' converter takes it (vit_b16, dinov2_s14), not hf_vit"
+            in capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("arm, calls", [("converted_eager", 1), ("plain_eager", 0)])
@@ -371,7 +392,7 @@ def test_tiny_cpu_run_writes_the_records_and_skip_existing_resumes(tmp_path, cap
 
 
 def test_an_arm_that_raises_is_recorded_with_its_one_line_error(monkeypatch):
-    def no_model(size, converted, fused_mlp):
+    def no_model(size, converted, conversion):
         raise ImportError("No module named 'timm'\nsecond line")
 
     monkeypatch.setitem(bench.MODELS, "vit_b16", dataclasses.replace(bench.MODELS["vit_b16"], build=no_model))

@@ -456,3 +456,43 @@ def test_converted_vit_embeds_patches_without_a_convolution(monkeypatch):
     assert type(model.patch_embed.proj) is PatchConv2d and model.state_dict().keys() == keys
     monkeypatch.setattr(torch.nn.functional, "conv2d", lambda *a, **k: pytest.fail("a convolution ran"))
     torch.testing.assert_close(model(imgs), want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("make", [small_vit, small_eva])
+def test_a_bf16_stream_is_carried_in_bf16_under_autocast_on_every_path(make):
+    """stream_dtype=torch.bfloat16: under autocast every residual add writes bf16 (the fused stream and the
+    block-by-block path alike), the output stays within bf16 rounding of the float32 stream's, gradients reach every
+    parameter; without autocast the stream keeps the model's dtype, bit for bit the default conversion's."""
+    plain = make()
+    default = dres.convert_timm_vit(copy.deepcopy(plain), backend="torch")
+    bf16 = dres.convert_timm_vit(copy.deepcopy(plain), backend="torch", stream_dtype=torch.bfloat16)
+    imgs = torch.randn(2, 3, 16, 16)
+    stored = []
+    real_add = dres.ops.reference.residual_add
+
+    def recording_add(*args, **kwargs):
+        out = real_add(*args, **kwargs)
+        stored.append(out.dtype)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dres.ops.reference, "residual_add", recording_add)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want, got = default(imgs), bf16(imgs)
+            bf16.set_grad_checkpointing(True)
+            stepwise = bf16.forward_features(imgs)  # checkpointed: the block-by-block path
+    adds = 2 * len(bf16.blocks)
+    assert stored[:adds] == [torch.float32] * adds and stored[adds:2 * adds] == [torch.bfloat16] * adds
+    assert stored[2 * adds:] == [torch.bfloat16] * adds
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+    torch.testing.assert_close(stepwise.float(), bf16.forward_features(imgs).float(), rtol=0.05, atol=0.05)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16(imgs).float().square().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in bf16.parameters() if p.requires_grad)
+    torch.testing.assert_close(bf16(imgs), default(imgs), rtol=0, atol=0)
+
+
+def test_stream_dtype_other_than_a_half_dtype_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"^stream_dtype must be None, torch.bfloat16 or torch.float16, got "
+                                         r"torch.float64$"):
+        dres.convert_timm_vit(small_vit(), stream_dtype=torch.float64)

@@ -660,13 +660,19 @@ def test_gpu_bf16_hf_vit_mae():
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_timm_vit():
+@pytest.mark.parametrize("stream_dtype", [None, torch.bfloat16])
+def test_gpu_bf16_timm_vit(stream_dtype):
+    """Under bf16 autocast the converted timm ViT trains as the plain model does, its residual stream float32 or, with
+    stream_dtype, carried in bf16 by the kernels."""
     original = timm_vit(img_size=64, embed_dim=128, depth=2).cuda().train()
-    converted = dres.convert_timm_vit(copy.deepcopy(original))
+    converted = dres.convert_timm_vit(copy.deepcopy(original), stream_dtype=stream_dtype)
     inputs = {"x": torch.randn(4, 3, 64, 64, device="cuda")}
+    streams = []
+    converted.blocks.register_forward_hook(lambda module, args, out: streams.append(out.dtype))
     with CallCounts() as calls:
         assert_bf16_close(original, converted, inputs, lambda out: out.float().square().mean())
     assert calls.counts["short_attention"] == 2 and calls.counts["fused_mlp"] == 2
+    assert set(streams) == {stream_dtype or torch.float32}
 
 
 @pytest.mark.gpu
