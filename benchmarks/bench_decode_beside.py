@@ -3,7 +3,7 @@
 for the running training step: in threads of the loaded process, as the trainer finishes batches ahead (one
 thread, or several finishing batches at once), and in a process of its own (its own CUDA context).
 
-    python -m benchmarks.bench_decode_beside --root DIR [--decoders torchvision,nvimgcodec:1,nvimgcodec:0.65]
+    python -m benchmarks.bench_decode_beside --root DIR [--decoders torchvision,nvjpeg,nvimgcodec:1,nvimgcodec:0.65]
         [--threads 1,2] [--priorities high,default] [--no-process] [--load-size 4096] [--load-streams default,own]
         [--load-kinds gemm,sleep] [--sleep-ms 40] [--batches 20] [--out OUT]
 
@@ -17,8 +17,8 @@ default stream's queue, and not for a stream created non-blocking, as PyTorch's 
 in the GEMMs' place one kernel of ``--sleep-ms`` at a time, at most two queued (a single-thread kernel that only waits:
 a trainer's captured step queued whole, without its use of the multiprocessors), so that a decode slowed beside it
 waits for other streams' work rather than for multiprocessors. A decoder is ``torchvision``
-(its batched nvJPEG) or ``nvimgcodec:SHARE`` (SHARE of each batch to the hardware JPEG decoders, the rest to nvJPEG
-on the CUDA cores);
+(its batched nvJPEG), ``nvjpeg`` (libnvjpeg called directly with its memory pools, :mod:`dres.data.nvjpeg`) or
+``nvimgcodec:SHARE`` (SHARE of each batch to the hardware JPEG decoders, the rest to nvJPEG on the CUDA cores);
 ``--priorities`` the finishing streams' (the GPU's highest, or the default); ``--threads`` how many threads
 finish batches at once, each with a finisher and a stream of its own (torchvision's decoder is one a process,
 behind a lock). The process rows run one finishing thread in a child process beside the same load.
@@ -52,7 +52,7 @@ def parse_decoders(spec: str) -> list[tuple[str, float]]:
     out = []
     for item in (s for s in spec.split(",") if s):
         name, _, share = item.partition(":")
-        if name == "torchvision" and not share:
+        if name in ("torchvision", "nvjpeg") and not share:
             out.append((name, 0.0))
             continue
         try:
@@ -60,7 +60,7 @@ def parse_decoders(spec: str) -> list[tuple[str, float]]:
         except ValueError:
             value = -1.0
         if name != "nvimgcodec" or not 0.0 <= value <= 1.0:
-            raise ValueError(f"--decoders {spec}: each of torchvision or nvimgcodec[:SHARE], SHARE in [0, 1]")
+            raise ValueError(f"--decoders {spec}: each of torchvision, nvjpeg or nvimgcodec[:SHARE], SHARE in [0, 1]")
         out.append((name, value))
     if not out:
         raise ValueError(f"--decoders {spec}: at least one decoder")
@@ -224,7 +224,8 @@ def markdown(rows: list[dict], card: str, images: int, load_size: int, sleep_ms:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", required=True, help="a JPEG folder (bench_data make)")
-    ap.add_argument("--decoders", default="torchvision", help="torchvision and/or nvimgcodec[:SHARE], comma-separated")
+    ap.add_argument("--decoders", default="torchvision",
+                    help="torchvision, nvjpeg and/or nvimgcodec[:SHARE], comma-separated")
     ap.add_argument("--threads", default="1,2", help="finishing threads at once, comma-separated counts")
     ap.add_argument("--priorities", default="high", help="the finishing streams': high and/or default")
     ap.add_argument("--no-process", dest="process", action="store_false", help="skip the process rows")

@@ -487,6 +487,37 @@ def test_the_gpu_decoder_is_chosen_by_data_gpu_decoder(tmp_path, monkeypatch):
     if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.nvimgcodec") is None:
         with pytest.raises(DataError, match="data.gpu_decoder=nvimgcodec"):
             decode_backend(d, "cuda")
+    d.gpu_decoder = "nvjpeg"
+    if gpu_decode_backend("cuda", "nvjpeg") is None:
+        with pytest.raises(DataError, match=r"data.gpu_decoder=nvjpeg is not installed \(pip install nvidia-nvjpeg\)"):
+            decode_backend(d, "cuda")
+
+
+def test_nvjpeg_without_its_library_says_where_it_looked_in_one_line(monkeypatch):
+    from dres.data import nvjpeg
+
+    monkeypatch.setattr(nvjpeg, "library_candidates", lambda: ["/nowhere/libnvjpeg.so.13", "libnvjpeg.so.99"])
+    nvjpeg.load_nvjpeg.cache_clear()
+    try:
+        with pytest.raises(OSError, match=r"^data.gpu_decoder=nvjpeg needs libnvjpeg \(pip install nvidia-nvjpeg\); "
+                                          r"tried /nowhere/libnvjpeg.so.13, libnvjpeg.so.99$"):
+            nvjpeg.load_nvjpeg()
+    finally:
+        nvjpeg.load_nvjpeg.cache_clear()
+
+
+def test_nvjpeg_image_struct_and_status_words_are_nvjpeg_hs():
+    """nvjpegImage_t: four plane pointers then four pitches (64 bytes on a 64-bit host); a failed call names its
+    status as nvjpeg.h does."""
+    import ctypes
+
+    from dres.data import nvjpeg
+
+    assert ctypes.sizeof(nvjpeg.NvjpegImage) == 8 * nvjpeg.NVJPEG_MAX_COMPONENT * 2
+    assert nvjpeg.NvjpegImage.pitch.offset == 8 * nvjpeg.NVJPEG_MAX_COMPONENT
+    nvjpeg.check(0, "nvjpegDecode")
+    with pytest.raises(nvjpeg.NvjpegError, match=r"^nvjpegDecodeBatched failed: NVJPEG_STATUS_BAD_JPEG$"):
+        nvjpeg.check(3, "nvjpegDecodeBatched")
 
 
 def test_decode_auto_takes_the_cpu_where_the_process_has_the_cores_for_it(tmp_path, monkeypatch):
@@ -557,10 +588,12 @@ def test_the_cgroup_cpu_limit_is_read_from_v2_or_v1(monkeypatch, v2, v1, want):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("jitter", [0.0, 0.4])
-@pytest.mark.parametrize("backend", ["nvimgcodec", "torchvision"])
+@pytest.mark.parametrize("backend", ["nvimgcodec", "torchvision", "nvjpeg"])
 def test_gpu_decode_matches_the_cpu_decode_of_the_same_crops(tmp_path, backend, jitter):
     if backend == "nvimgcodec":
         pytest.importorskip("nvidia.nvimgcodec")
+    if backend == "nvjpeg" and gpu_decode_backend("cuda", "nvjpeg") is None:
+        pytest.skip("libnvjpeg is not installed (pip install nvidia-nvjpeg)")
     kinds = ["jpeg", "progressive", "grey", "cmyk", "png", "jpeg"]
     blobs = [_encode(k, 120 + 7 * i, 90 + 5 * i, seed=i) for i, k in enumerate(kinds)] + [b"broken"]
     batches = {}
@@ -572,7 +605,7 @@ def test_gpu_decode_matches_the_cpu_decode_of_the_same_crops(tmp_path, backend, 
         batches[gpu] = finisher(batch, lost, paths)
         assert batch["lost"] == ["f6: UnidentifiedImageError"] and lost == []
         # the baseline RGB and grey JPEGs by the GPU, the progressive, CMYK and PNG files by the workers
-        gpu_paths = {"hardware", "cuda"} if backend == "nvimgcodec" else {"nvjpeg"}
+        gpu_paths = {"nvjpeg"} if backend == "torchvision" else {"hardware", "cuda"}
         assert sum(paths.values()) == 6 and paths["workers"] == (3 if gpu else 6)
         assert (finisher.decode_s > 0) == gpu  # the host's time in the GPU decoder's call
         assert set(paths) - {"workers"} <= (gpu_paths | {"cpu_fallback"} if gpu else set())

@@ -62,8 +62,9 @@ class DataConfig:
                                           "hardware JPEG decoders (the rest, and what they cannot do, to nvJPEG on the"
                                           " CUDA cores at the same time)")
     gpu_decoder: str = setting("auto", "GPU decode: torchvision (its batched nvJPEG) | nvimgcodec (the hardware JPEG "
-                                       "decoders and nvJPEG on the CUDA cores, split by hw_decode_load) | auto "
-                                       "(torchvision, else nvimgcodec)")
+                                       "decoders and nvJPEG on the CUDA cores, split by hw_decode_load) | nvjpeg "
+                                       "(libnvjpeg called directly, with its memory pools: dres.data.nvjpeg) | auto "
+                                       "(torchvision, else nvimgcodec, else nvjpeg)")
     finish_ahead: int = setting(2, "streaming loaders: batches a thread of the training process finishes (GPU decode, "
                                    "crop, normalisation, copies) ahead of the step (0: in the step's own thread, "
                                    "between steps)")
@@ -274,7 +275,7 @@ CHOICES = {
     "fsdp_reshard": ("auto", "always", "except_last", "never"),
     "data.name": ("digits", "cifar10_wds", "wds", "imagefolder", "cifar_tv", "mnist_tv", "synthetic"),
     "data.aug": ("rrc_flip", "flip", "none"), "data.decode": ("auto", "cpu", "gpu"),
-    "data.gpu_decoder": ("auto", "nvimgcodec", "torchvision"),
+    "data.gpu_decoder": ("auto", "nvimgcodec", "nvjpeg", "torchvision"),
     "model.droppath_mode": ("drop_path", "residual_droppath", "residual_droppath_literal", "residual_droppath_frozen",
                             "none"),
     "model.arch": ("vit", "resnet18", "resnet50", "resnet50d"),

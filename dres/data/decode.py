@@ -13,7 +13,8 @@ A file-reading loader works in two halves:
   their Huffman stage on the CPU of the calling thread, the training process's. :func:`collate_prepared`
   packs a batch into a few tensors: one buffer of all encoded bytes, one stack of pixels.
 * **In the training process** (:class:`BatchFinisher`): the packed bytes are decoded on the GPU in one
-  batched call (torchvision's nvJPEG, else nvImageCodec, which reaches the hardware JPEG decoders), the
+  batched call (torchvision's nvJPEG, else nvImageCodec, which reaches the hardware JPEG decoders, or nvJPEG
+  called directly with its memory pools, :mod:`dres.data.nvjpeg`), the
   crop, resize, flip and normalisation of the whole batch is one kernel
   (:func:`dres.kernels.crop_resize.crop_resize_forward`, ``torchvision.ops.roi_align``'s arithmetic), the
   CPU-made pixels are normalised on the GPU, and the rows are put back in the batch's order; a batch
@@ -246,21 +247,34 @@ def cores_per_process() -> int:
     return max(cores // max(int(os.environ.get("LOCAL_WORLD_SIZE") or 1), 1), 1)
 
 
+GPU_DECODERS = ("torchvision", "nvimgcodec", "nvjpeg")  # in the order auto tries them
+
+
+def _load_gpu_decoder(backend: str) -> None:
+    """Import (or, for nvjpeg, load) the decoder's library: ImportError or OSError where it is not installed."""
+    if backend == "nvjpeg":
+        from dres.data.nvjpeg import load_nvjpeg
+
+        load_nvjpeg()
+    else:
+        importlib.import_module({"torchvision": "torchvision.io", "nvimgcodec": "nvidia.nvimgcodec"}[backend])
+
+
 def gpu_decode_backend(device, choose: str = "auto") -> str | None:
     """The GPU decoder for ``device``: ``"torchvision"`` (its batched nvJPEG, which takes the GPU's hardware JPEG
     decoders for baseline JPEGs where it has them), ``"nvimgcodec"``
-    (the hardware JPEG decoders where the GPU has them, and nvJPEG), the first of them installed with
-    ``choose="auto"`` (torchvision's fed the ViT-B/16 trainer faster: BENCHMARKS.md), or None (no CUDA device,
-    or the decoder chosen is not installed)."""
+    (the hardware JPEG decoders where the GPU has them, and nvJPEG), ``"nvjpeg"`` (libnvjpeg called directly:
+    :mod:`dres.data.nvjpeg`), the first of them installed with ``choose="auto"`` (torchvision's fed the ViT-B/16
+    trainer faster: BENCHMARKS.md), or None (no CUDA device, or the decoder chosen is not installed)."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return None
-    for backend, module in (("torchvision", "torchvision.io"), ("nvimgcodec", "nvidia.nvimgcodec")):
+    for backend in GPU_DECODERS:
         if choose not in ("auto", backend):
             continue
         try:
-            importlib.import_module(module)
+            _load_gpu_decoder(backend)
             return backend
-        except ImportError:
+        except (ImportError, OSError):
             pass
     return None
 
@@ -339,7 +353,9 @@ class BatchFinisher:
         self.no_shift = torch.zeros(channels, device=self.device)
         self.mean, self.std = mean.to(self.device), std.to(self.device)
         self.stream = torch.cuda.Stream(self.device, priority=self.priority) if backend else None
-        self._decoders = None  # nvImageCodec's (nvimgcodec_decoders) and the thread running the CUDA one beside
+        # made at first use: nvImageCodec's (nvimgcodec_decoders) and the thread running the CUDA one beside, or
+        # the nvJPEG decoder (dres.data.nvjpeg) of this finisher's thread
+        self._decoders = None
         self.decode_s = 0.0  # the host's time in the GPU decoder's calls, waits included, over the finisher's life
 
     def replica(self) -> "BatchFinisher":
@@ -442,6 +458,12 @@ class BatchFinisher:
         path that decoded it (:data:`DECODE_PATHS`; None where refused)."""
         if self.backend == "nvimgcodec":
             return self._decode_nvimgcodec(encoded)
+        if self.backend == "nvjpeg":
+            if self._decoders is None:
+                from dres.data.nvjpeg import NvjpegBatchDecoder
+
+                self._decoders = NvjpegBatchDecoder(self.device)
+            return self._decoders.decode(encoded)
         from torchvision.io import ImageReadMode, decode_jpeg
 
         with _quiet_torchvision():

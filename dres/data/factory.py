@@ -136,7 +136,8 @@ def decode_backend(d, device) -> str | None:
     if d.gpu_decoder == "auto":
         raise DataError(f"data.decode=gpu needs a CUDA device and a GPU JPEG decoder (nvImageCodec or torchvision); "
                         f"the trainer runs on {device}: set data.decode=cpu or auto")
-    hint = " (pip install nvidia-nvimgcodec-cu13)" if d.gpu_decoder == "nvimgcodec" else ""
+    hint = {"nvimgcodec": " (pip install nvidia-nvimgcodec-cu13)", "nvjpeg": " (pip install nvidia-nvjpeg)"}.get(
+        d.gpu_decoder, "")
     raise DataError(f"data.gpu_decoder={d.gpu_decoder} is not installed{hint}, or the trainer runs on {device} "
                     f"without a CUDA device: set data.gpu_decoder=auto or data.decode=cpu")
 

@@ -1,0 +1,183 @@
+"""nvJPEG's batched decode called directly (ctypes), for the GPU decode of :class:`dres.data.decode.BatchFinisher`
+(``data.gpu_decoder=nvjpeg``).
+
+torchvision's and torchcodec's GPU decoders create nvJPEG with its default allocators and no memory pools, so the
+library may free and reallocate its buffers (``cudaFree``, ``cudaFreeHost``: a wait for the whole device) as batches
+change. :class:`NvjpegBatchDecoder` creates it with ``NVJPEG_FLAGS_ENABLE_MEMORY_POOLS`` (buffers kept and reused),
+decodes on the caller's stream, waits for that stream only, and writes every image of a batch into one buffer from
+PyTorch's caching allocator. Baseline JPEGs go to the hardware decoders in one batched call
+(``nvjpegDecodeBatched``, hardware backend), the others one at a time by nvJPEG on the CUDA cores (``nvjpegDecode``).
+The library is ``libnvjpeg.so.13`` (or ``.12``) from the ``nvidia-nvjpeg`` wheel, torchvision's bundled copy or the
+system's; :func:`load_nvjpeg` says in one line where it looked when none is found.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import glob
+import os
+import site
+import sys
+
+import torch
+
+NVJPEG_MAX_COMPONENT = 4
+BACKEND_HARDWARE, BACKEND_DEFAULT = 3, 0  # nvjpegBackend_t
+FLAGS_ENABLE_MEMORY_POOLS = 1 << 1
+OUTPUT_RGB = 3  # nvjpegOutputFormat_t: planar R, G, B
+STATUS_ARCH_MISMATCH = 7  # no hardware decoder on this GPU
+STATUS_NAMES = {1: "NOT_INITIALIZED", 2: "INVALID_PARAMETER", 3: "BAD_JPEG", 4: "JPEG_NOT_SUPPORTED",
+                5: "ALLOCATOR_FAILURE", 6: "EXECUTION_FAILED", 7: "ARCH_MISMATCH", 8: "INTERNAL_ERROR",
+                9: "IMPLEMENTATION_NOT_SUPPORTED", 10: "INCOMPLETE_BITSTREAM"}
+LIBRARY_NAMES = ("libnvjpeg.so.13", "libnvjpeg.so.12")
+
+
+class NvjpegImage(ctypes.Structure):
+    """``nvjpegImage_t``: a device pointer and a pitch for each of up to four planes."""
+    _fields_ = [("channel", ctypes.c_void_p * NVJPEG_MAX_COMPONENT), ("pitch", ctypes.c_size_t * NVJPEG_MAX_COMPONENT)]
+
+
+class NvjpegError(RuntimeError):
+    """A call of nvJPEG that did not return NVJPEG_STATUS_SUCCESS."""
+
+
+def library_candidates() -> list[str]:
+    """Where :func:`load_nvjpeg` looks, in order: the nvidia-nvjpeg wheel (cu13, then cu12 layouts), torchvision's
+    bundled copy, then the names the dynamic loader resolves."""
+    roots = [*site.getsitepackages(), site.getusersitepackages(), *sys.path]
+    patterns = ("nvidia/cu13/lib/libnvjpeg.so.1*", "nvidia/nvjpeg/lib/libnvjpeg.so.1*",
+                "torchvision.libs/libnvjpeg*.so*")
+    found = [path for root in dict.fromkeys(r for r in roots if r and os.path.isdir(r))
+             for pattern in patterns for path in sorted(glob.glob(os.path.join(root, pattern)))]
+    system = ctypes.util.find_library("nvjpeg")
+    return list(dict.fromkeys(found + list(LIBRARY_NAMES) + ([system] if system else [])))
+
+
+@functools.cache
+def load_nvjpeg() -> ctypes.CDLL:
+    """libnvjpeg, loaded once; an OSError naming where it looked when no candidate loads."""
+    tried = library_candidates()
+    for path in tried:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        _declare(lib)
+        return lib
+    raise OSError(f"data.gpu_decoder=nvjpeg needs libnvjpeg (pip install nvidia-nvjpeg); tried {', '.join(tried)}")
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The argument types of the calls used (every one returns an nvjpegStatus_t, an int)."""
+    p, size, i = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+    pi = ctypes.POINTER(ctypes.c_int)
+    signatures = {
+        "nvjpegCreateEx": (i, p, p, ctypes.c_uint, ctypes.POINTER(p)),
+        "nvjpegJpegStateCreate": (p, ctypes.POINTER(p)),
+        "nvjpegJpegStreamCreate": (p, ctypes.POINTER(p)),
+        "nvjpegGetImageInfo": (p, p, size, pi, pi, pi, pi),
+        "nvjpegJpegStreamParseHeader": (p, p, size, p),
+        "nvjpegDecodeBatchedSupported": (p, p, pi),
+        "nvjpegDecodeBatchedInitialize": (p, p, i, i, i),
+        "nvjpegDecodeBatched": (p, p, ctypes.POINTER(p), ctypes.POINTER(size), ctypes.POINTER(NvjpegImage), p),
+        "nvjpegDecode": (p, p, p, size, i, ctypes.POINTER(NvjpegImage), p),
+    }
+    for name, args in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+
+
+def check(status: int, call: str) -> None:
+    if status != 0:
+        raise NvjpegError(f"{call} failed: NVJPEG_STATUS_{STATUS_NAMES.get(status, status)}")
+
+
+class NvjpegBatchDecoder:
+    """One nvJPEG handle (hardware backend where the GPU has one, with memory pools) and its states, for the thread
+    that owns it on ``device``: :meth:`decode` turns a batch of JPEG bytes into RGB images on the device."""
+
+    def __init__(self, device: torch.device):
+        self.lib, self.device = load_nvjpeg(), torch.device(device)
+        handle = ctypes.c_void_p()
+        with torch.cuda.device(self.device):
+            status = self.lib.nvjpegCreateEx(BACKEND_HARDWARE, None, None, FLAGS_ENABLE_MEMORY_POOLS,
+                                             ctypes.byref(handle))
+            self.hardware = status != STATUS_ARCH_MISMATCH
+            if not self.hardware:
+                status = self.lib.nvjpegCreateEx(BACKEND_DEFAULT, None, None, FLAGS_ENABLE_MEMORY_POOLS,
+                                                 ctypes.byref(handle))
+            check(status, "nvjpegCreateEx")
+            self.handle = handle
+            self.batched_state, self.single_state, self.parsed = (self._create("nvjpegJpegStateCreate"),
+                                                                 self._create("nvjpegJpegStateCreate"),
+                                                                 self._create("nvjpegJpegStreamCreate"))
+
+    def _create(self, call: str) -> ctypes.c_void_p:
+        out = ctypes.c_void_p()
+        check(getattr(self.lib, call)(self.handle, ctypes.byref(out)), call)
+        return out
+
+    def _shape(self, data: torch.Tensor) -> tuple[int, int] | None:
+        """(height, width) from the JPEG's header, None where nvJPEG cannot read it."""
+        comps, subsampling = ctypes.c_int(), ctypes.c_int()
+        widths, heights = (ctypes.c_int * NVJPEG_MAX_COMPONENT)(), (ctypes.c_int * NVJPEG_MAX_COMPONENT)()
+        status = self.lib.nvjpegGetImageInfo(self.handle, data.data_ptr(), data.numel(), ctypes.byref(comps),
+                                             ctypes.byref(subsampling), widths, heights)
+        return (heights[0], widths[0]) if status == 0 and heights[0] > 0 and widths[0] > 0 else None
+
+    def _batchable(self, data: torch.Tensor) -> bool:
+        """Whether the hardware decoders take this JPEG (baseline, a layout they support)."""
+        if not self.hardware or self.lib.nvjpegJpegStreamParseHeader(self.handle, data.data_ptr(), data.numel(),
+                                                                     self.parsed) != 0:
+            return False
+        unsupported = ctypes.c_int(1)
+        status = self.lib.nvjpegDecodeBatchedSupported(self.handle, self.parsed, ctypes.byref(unsupported))
+        return status == 0 and unsupported.value == 0
+
+    def decode(self, encoded: list[torch.Tensor]) -> tuple[list, list]:
+        """``encoded``: 1-D uint8 host tensors (contiguous; pinned for speed). Returns each image as a (3, H, W) uint8
+        view into one device buffer, or None where nvJPEG refused it, and the path that decoded it ("hardware" or
+        "cuda", None where refused). The work runs on the current stream of ``device``, which it waits for: before
+        (the hardware decoders do not wait for work queued on it) and after, so the images are ready. A batched call
+        that fails (one bad file fails it) is done again one image at a time."""
+        with torch.cuda.device(self.device):
+            shapes = [self._shape(t) for t in encoded]
+            sizes = [0 if s is None else 3 * s[0] * s[1] for s in shapes]
+            buffer = torch.empty(max(sum(sizes), 1), dtype=torch.uint8, device=self.device)
+            images, outputs, offset = [None] * len(encoded), [None] * len(encoded), 0
+            for k, shape in enumerate(shapes):
+                if shape is not None:
+                    h, w = shape
+                    images[k] = buffer[offset:offset + sizes[k]].view(3, h, w)
+                    offset += sizes[k]
+                    outputs[k] = NvjpegImage()
+                    for c in range(3):
+                        outputs[k].channel[c], outputs[k].pitch[c] = images[k].data_ptr() + c * h * w, w
+            decodable = [k for k, shape in enumerate(shapes) if shape is not None]
+            batched = [k for k in decodable if self._batchable(encoded[k])]
+            stream = torch.cuda.current_stream(self.device)
+            stream.synchronize()
+            paths = [None] * len(encoded)
+            if batched and self._decode_batched(encoded, batched, outputs, stream) == 0:
+                for k in batched:
+                    paths[k] = "hardware"
+            for k in (k for k in decodable if paths[k] is None):
+                status = self.lib.nvjpegDecode(self.handle, self.single_state, encoded[k].data_ptr(),
+                                               encoded[k].numel(), OUTPUT_RGB, ctypes.byref(outputs[k]),
+                                               stream.cuda_stream)
+                paths[k] = "cuda" if status == 0 else None
+            stream.synchronize()
+        return [im if path else None for im, path in zip(images, paths)], paths
+
+    def _decode_batched(self, encoded: list, batched: list[int], outputs: list, stream) -> int:
+        """The hardware decoders' one call for the images ``batched``; nvJPEG's status."""
+        n = len(batched)
+        check(self.lib.nvjpegDecodeBatchedInitialize(self.handle, self.batched_state, n, 1, OUTPUT_RGB),
+              "nvjpegDecodeBatchedInitialize")
+        data = (ctypes.c_void_p * n)(*(encoded[k].data_ptr() for k in batched))
+        lengths = (ctypes.c_size_t * n)(*(encoded[k].numel() for k in batched))
+        destinations = (NvjpegImage * n)(*(outputs[k] for k in batched))
+        return self.lib.nvjpegDecodeBatched(self.handle, self.batched_state, data, lengths, destinations,
+                                            stream.cuda_stream)
