@@ -18,9 +18,9 @@ half alone runs in this process: ``--no-decoders``, or ``taskset`` on the whole 
 
 The folder is like ImageNet's train split: landscape and portrait photos of 500 x 375 / 333 mostly, some of
 other sizes, JPEG quality 90 at about ImageNet's mean file size, 1% greyscale, 0.2% CMYK and 0.1% PNGs named
-.JPEG (as ImageNet has), 2% progressive. ``all`` writes ``data.json`` and ``data.md`` under OUT: the GPU
-decoder's own rate (the training process's half alone, on batches read once, with what one batch made the host
-wait for: :func:`host_waits`), each loader's images/s, and each
+.JPEG (as ImageNet has), 2% progressive. ``all`` writes ``data.json`` and ``data.md`` under OUT: each installed
+GPU decoder's own rate (torchvision, nvImageCodec, libnvjpeg: the training process's half alone, on batches read
+once, with what one batch made the host wait for: :func:`host_waits`), each loader's images/s, and each
 trainer's steady-state images/s from files over its rate on synthetic data (with the largest ``--cores``, the
 same GPUs and ``--trainer-set`` overrides). Each ``--variant`` (data settings, comma-separated) adds the loader
 and trainer rows from files once more with those settings: the levers side by side in one run.
@@ -344,10 +344,10 @@ def batches_made_ahead(data_lines: list[str]) -> int:
 
 
 def run_all(args) -> list[dict]:
-    from dres.data.decode import gpu_decode_backend
+    from dres.data.decode import GPU_DECODERS, gpu_decode_backend
 
     rows = []
-    backends = [b for b in ("nvimgcodec", "torchvision") if _importable(b)] if args.decoders else []
+    backends = [b for b in GPU_DECODERS if gpu_decode_backend("cuda", b) == b] if args.decoders else []
     for backend in backends:
         for hw_load in (args.hw_loads if backend == "nvimgcodec" else [0.0]):
             rows.append(decoder_rate(args.root, backend, hw_load=hw_load))
