@@ -58,6 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
+from dres.data.decode import gpu_decoder_installed
 from dres.data.factory import GPU_DECODE_WORKERS
 
 # (preset, task, model sets): the trainers measured from files; batch and steps set per run
@@ -476,15 +477,6 @@ def _slug(row: dict) -> str:
     return re.sub(r"[^\w.-]+", "_", "-".join([row["name"], f"{row['gpus']}gpu", f"{row['cores']}cores", *what]))
 
 
-def _importable(backend: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec("nvidia.nvimgcodec" if backend == "nvimgcodec" else "torchvision.io") is not None
-    except ModuleNotFoundError:  # no nvidia package at all
-        return False
-
-
 def loader_command(root: str, decode: str, workers: int, cores: int, first_core: int, sets=()) -> list[str]:
     """:func:`loader_rate` in a fresh process held to ``cores`` cores from ``first_core`` on."""
     return ["taskset", "-c", core_range(first_core, cores), sys.executable, "-m", "benchmarks.bench_data", "loader",
@@ -727,7 +719,7 @@ def matrix_main(ap, args) -> int:
         ap.error(f"--cores {most} a GPU: more than the {args.block} cores of each of {len(args.devices)} GPUs' blocks "
                  f"from --first-core {args.first_core} on this machine's {os.cpu_count()}")
     variants = [[kv for kv in v.split(",") if kv] for v in (args.variants or MATRIX_VARIANTS)]
-    args.variants = [v for v in variants if "gpu_decoder=nvimgcodec" not in v or _importable("nvimgcodec")]
+    args.variants = [v for v in variants if "gpu_decoder=nvimgcodec" not in v or gpu_decoder_installed("nvimgcodec")]
     jobs = matrix_jobs(args)
     print(f"matrix: {len(jobs)} trainer runs on GPUs {','.join(args.devices)}, {args.block} cores a GPU, "
           f"about {matrix_plan_s(jobs, len(args.devices)) / 60:.1f} min ({RUN_PLAN_S} s a run; none starts past "

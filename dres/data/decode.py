@@ -250,14 +250,18 @@ def cores_per_process() -> int:
 GPU_DECODERS = ("torchvision", "nvimgcodec", "nvjpeg")  # in the order auto tries them
 
 
-def _load_gpu_decoder(backend: str) -> None:
-    """Import (or, for nvjpeg, load) the decoder's library: ImportError or OSError where it is not installed."""
-    if backend == "nvjpeg":
-        from dres.data.nvjpeg import load_nvjpeg
+def gpu_decoder_installed(backend: str) -> bool:
+    """Whether the library of GPU decoder ``backend`` (one of :data:`GPU_DECODERS`) imports, or, for nvjpeg, loads."""
+    try:
+        if backend == "nvjpeg":
+            from dres.data.nvjpeg import load_nvjpeg
 
-        load_nvjpeg()
-    else:
-        importlib.import_module({"torchvision": "torchvision.io", "nvimgcodec": "nvidia.nvimgcodec"}[backend])
+            load_nvjpeg()
+        else:
+            importlib.import_module({"torchvision": "torchvision.io", "nvimgcodec": "nvidia.nvimgcodec"}[backend])
+    except (ImportError, OSError):
+        return False
+    return True
 
 
 def gpu_decode_backend(device, choose: str = "auto") -> str | None:
@@ -268,15 +272,7 @@ def gpu_decode_backend(device, choose: str = "auto") -> str | None:
     trainer faster: BENCHMARKS.md), or None (no CUDA device, or the decoder chosen is not installed)."""
     if torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return None
-    for backend in GPU_DECODERS:
-        if choose not in ("auto", backend):
-            continue
-        try:
-            _load_gpu_decoder(backend)
-            return backend
-        except (ImportError, OSError):
-            pass
-    return None
+    return next((b for b in GPU_DECODERS if choose in ("auto", b) and gpu_decoder_installed(b)), None)
 
 
 def nvimgcodec_decoders(device_index: int, hw_load: float):
