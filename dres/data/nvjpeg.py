@@ -100,23 +100,28 @@ class NvjpegBatchDecoder:
 
     def __init__(self, device: torch.device):
         self.lib, self.device = load_nvjpeg(), torch.device(device)
-        handle = ctypes.c_void_p()
         with torch.cuda.device(self.device):
-            status = self.lib.nvjpegCreateEx(BACKEND_HARDWARE, None, None, FLAGS_ENABLE_MEMORY_POOLS,
-                                             ctypes.byref(handle))
-            self.hardware = status != STATUS_ARCH_MISMATCH
-            if not self.hardware:
-                status = self.lib.nvjpegCreateEx(BACKEND_DEFAULT, None, None, FLAGS_ENABLE_MEMORY_POOLS,
-                                                 ctypes.byref(handle))
-            check(status, "nvjpegCreateEx")
-            self.handle = handle
-            self.batched_state, self.single_state, self.parsed = (self._create("nvjpegJpegStateCreate"),
-                                                                 self._create("nvjpegJpegStateCreate"),
-                                                                 self._create("nvjpegJpegStreamCreate"))
+            # the hardware backend's handle takes batched calls alone: the one-at-a-time path has a default one
+            self.cuda_handle = self._handle(BACKEND_DEFAULT)
+            self.handle = self._handle(BACKEND_HARDWARE)
+            self.hardware = self.handle is not None
+            self.handle = self.handle or self.cuda_handle
+            self.batched_state = self._create("nvjpegJpegStateCreate", self.handle)
+            self.single_state = self._create("nvjpegJpegStateCreate", self.cuda_handle)
+            self.parsed = self._create("nvjpegJpegStreamCreate", self.handle)
 
-    def _create(self, call: str) -> ctypes.c_void_p:
+    def _handle(self, backend: int) -> ctypes.c_void_p | None:
+        """A library handle with memory pools on ``backend``; None where the GPU has no hardware decoder."""
+        handle = ctypes.c_void_p()
+        status = self.lib.nvjpegCreateEx(backend, None, None, FLAGS_ENABLE_MEMORY_POOLS, ctypes.byref(handle))
+        if backend == BACKEND_HARDWARE and status == STATUS_ARCH_MISMATCH:
+            return None
+        check(status, "nvjpegCreateEx")
+        return handle
+
+    def _create(self, call: str, handle: ctypes.c_void_p) -> ctypes.c_void_p:
         out = ctypes.c_void_p()
-        check(getattr(self.lib, call)(self.handle, ctypes.byref(out)), call)
+        check(getattr(self.lib, call)(handle, ctypes.byref(out)), call)
         return out
 
     def _shape(self, data: torch.Tensor) -> tuple[int, int] | None:
@@ -164,7 +169,7 @@ class NvjpegBatchDecoder:
                 for k in batched:
                     paths[k] = "hardware"
             for k in (k for k in decodable if paths[k] is None):
-                status = self.lib.nvjpegDecode(self.handle, self.single_state, encoded[k].data_ptr(),
+                status = self.lib.nvjpegDecode(self.cuda_handle, self.single_state, encoded[k].data_ptr(),
                                                encoded[k].numel(), OUTPUT_RGB, ctypes.byref(outputs[k]),
                                                stream.cuda_stream)
                 paths[k] = "cuda" if status == 0 else None
