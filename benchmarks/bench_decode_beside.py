@@ -3,7 +3,7 @@
 for the running training step: in threads of the loaded process, as the trainer finishes batches ahead (one
 thread, or several finishing batches at once), and in a process of its own (its own CUDA context).
 
-    python -m benchmarks.bench_decode_beside --root DIR [--decoders torchvision,nvjpeg,nvimgcodec:1,nvimgcodec:0.65]
+    python -m benchmarks.bench_decode_beside --root DIR [--decoders torchvision,nvjpeg:1,nvjpeg:0,nvimgcodec:0.65]
         [--threads 1,2] [--priorities high,default] [--no-process] [--load-size 4096] [--load-streams default,own]
         [--load-kinds gemm,sleep] [--sleep-ms 40] [--batches 20] [--out OUT]
 
@@ -17,8 +17,9 @@ default stream's queue, and not for a stream created non-blocking, as PyTorch's 
 in the GEMMs' place one kernel of ``--sleep-ms`` at a time, at most two queued (a single-thread kernel that only waits:
 a trainer's captured step queued whole, without its use of the multiprocessors), so that a decode slowed beside it
 waits for other streams' work rather than for multiprocessors. A decoder is ``torchvision``
-(its batched nvJPEG), ``nvjpeg`` (libnvjpeg called directly with its memory pools, :mod:`dres.data.nvjpeg`) or
-``nvimgcodec:SHARE`` (SHARE of each batch to the hardware JPEG decoders, the rest to nvJPEG on the CUDA cores);
+(its batched nvJPEG), ``nvimgcodec:SHARE`` or ``nvjpeg:SHARE`` (libnvjpeg called directly with its memory pools,
+:mod:`dres.data.nvjpeg`): SHARE of each batch to the hardware JPEG decoders, the rest to nvJPEG on the CUDA cores
+(default 1; 0 leaves the hardware decoders unused, which says whether their path is what waits);
 ``--priorities`` the finishing streams' (the GPU's highest, or the default); ``--threads`` how many threads
 finish batches at once, each with a finisher and a stream of its own (torchvision's decoder is one a process,
 behind a lock). The process rows run one finishing thread in a child process beside the same load.
@@ -47,20 +48,22 @@ LOAD_KINDS = ("gemm", "sleep")  # GEMMs that fill the GPU, or kernels that only 
 
 
 def parse_decoders(spec: str) -> list[tuple[str, float]]:
-    """``torchvision,nvimgcodec:0.65`` -> ``[("torchvision", 0.0), ("nvimgcodec", 0.65)]`` (nvImageCodec's share
-    defaults to 1: every JPEG to the hardware decoders); a ValueError naming the flag otherwise."""
+    """``torchvision,nvimgcodec:0.65,nvjpeg`` -> ``[("torchvision", 0.0), ("nvimgcodec", 0.65), ("nvjpeg", 1.0)]``
+    (the hardware decoders' share, ``data.hw_decode_load``, defaults to 1: every JPEG they take to them); a ValueError
+    naming the flag otherwise."""
     out = []
     for item in (s for s in spec.split(",") if s):
         name, _, share = item.partition(":")
-        if name in ("torchvision", "nvjpeg") and not share:
+        if name == "torchvision" and not share:
             out.append((name, 0.0))
             continue
         try:
             value = float(share) if share else 1.0
         except ValueError:
             value = -1.0
-        if name != "nvimgcodec" or not 0.0 <= value <= 1.0:
-            raise ValueError(f"--decoders {spec}: each of torchvision, nvjpeg or nvimgcodec[:SHARE], SHARE in [0, 1]")
+        if name not in ("nvimgcodec", "nvjpeg") or not 0.0 <= value <= 1.0:
+            raise ValueError(f"--decoders {spec}: each of torchvision, nvimgcodec[:SHARE] or nvjpeg[:SHARE], "
+                             "SHARE in [0, 1]")
         out.append((name, value))
     if not out:
         raise ValueError(f"--decoders {spec}: at least one decoder")
@@ -225,7 +228,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", required=True, help="a JPEG folder (bench_data make)")
     ap.add_argument("--decoders", default="torchvision",
-                    help="torchvision, nvjpeg and/or nvimgcodec[:SHARE], comma-separated")
+                    help="torchvision, nvimgcodec[:SHARE] and/or nvjpeg[:SHARE], comma-separated")
     ap.add_argument("--threads", default="1,2", help="finishing threads at once, comma-separated counts")
     ap.add_argument("--priorities", default="high", help="the finishing streams': high and/or default")
     ap.add_argument("--no-process", dest="process", action="store_false", help="skip the process rows")
@@ -279,7 +282,7 @@ def main(argv=None) -> int:
                 high = PRIORITIES[priority]
                 cases = [("thread", int(t)) for t in threads] + ([("process", 1)] if args.process else [])
                 for where, count in cases:
-                    row = {"decoder": decoder, "share": share if decoder == "nvimgcodec" else None,
+                    row = {"decoder": decoder, "share": share if decoder != "torchvision" else None,
                            "load": kind, "load_stream": load_stream, "priority": priority, "where": where,
                            "threads": count}
                     try:

@@ -11,16 +11,17 @@ from benchmarks.bench_data import prepared_batches
 from benchmarks.bench_decode_beside import main, markdown, parse_decoders
 
 
-def test_decoder_specs_parse_with_nvimgcodecs_share_defaulting_to_the_hardware():
-    assert parse_decoders("torchvision,nvimgcodec:0.65,nvimgcodec,nvjpeg") == [
-        ("torchvision", 0.0), ("nvimgcodec", 0.65), ("nvimgcodec", 1.0), ("nvjpeg", 0.0)]
-    for bad in ("dali", "nvimgcodec:1.5", "nvimgcodec:x", "torchvision:1", "nvjpeg:1", ","):
+def test_decoder_specs_parse_with_the_hardware_share_defaulting_to_the_hardware():
+    assert parse_decoders("torchvision,nvimgcodec:0.65,nvimgcodec,nvjpeg,nvjpeg:0") == [
+        ("torchvision", 0.0), ("nvimgcodec", 0.65), ("nvimgcodec", 1.0), ("nvjpeg", 1.0), ("nvjpeg", 0.0)]
+    for bad in ("dali", "nvimgcodec:1.5", "nvimgcodec:x", "torchvision:1", "nvjpeg:2", ","):
         with pytest.raises(ValueError, match=f"--decoders {bad}: "):
             parse_decoders(bad)
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--decoders", "dali"], "--decoders dali: each of torchvision, nvjpeg or nvimgcodec[:SHARE], SHARE in [0, 1]"),
+    (["--decoders", "dali"],
+     "--decoders dali: each of torchvision, nvimgcodec[:SHARE] or nvjpeg[:SHARE], SHARE in [0, 1]"),
     (["--threads", "1,0"], "--threads 1,0: counts of at least 1, comma-separated"),
     (["--threads", "two"], "--threads two: counts of at least 1, comma-separated"),
     (["--priorities", "low"], "--priorities low: each of high, default"),

@@ -506,6 +506,18 @@ def test_nvjpeg_without_its_library_says_where_it_looked_in_one_line(monkeypatch
         nvjpeg.load_nvjpeg.cache_clear()
 
 
+def test_nvjpeg_splits_a_batch_by_the_hardware_share_in_batch_order():
+    """data.hw_decode_load of the JPEGs the hardware decoders take go to them (the first, by position); every other
+    decodable image to the batched call on the CUDA cores."""
+    from dres.data.nvjpeg import hardware_share
+
+    decodable, hardware_takes = [0, 1, 2, 4, 5, 6, 7], [0, 2, 4, 5, 7]
+    assert hardware_share(hardware_takes, decodable, 1.0) == ([0, 2, 4, 5, 7], [1, 6])
+    assert hardware_share(hardware_takes, decodable, 0.6) == ([0, 2, 4], [1, 5, 6, 7])
+    assert hardware_share(hardware_takes, decodable, 0.0) == ([], decodable)
+    assert hardware_share([], decodable, 0.65) == ([], decodable)  # no hardware decoders: all on the CUDA cores
+
+
 def test_nvjpeg_image_struct_and_status_words_are_nvjpeg_hs():
     """nvjpegImage_t: four plane pointers then four pitches (64 bytes on a 64-bit host); a failed call names its
     status as nvjpeg.h does."""
@@ -588,8 +600,9 @@ def test_the_cgroup_cpu_limit_is_read_from_v2_or_v1(monkeypatch, v2, v1, want):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("jitter", [0.0, 0.4])
-@pytest.mark.parametrize("backend", ["nvimgcodec", "torchvision", "nvjpeg"])
-def test_gpu_decode_matches_the_cpu_decode_of_the_same_crops(tmp_path, backend, jitter):
+@pytest.mark.parametrize("backend, hw_load", [("nvimgcodec", 0.65), ("torchvision", 0.65), ("nvjpeg", 0.65),
+                                              ("nvjpeg", 0.0)])
+def test_gpu_decode_matches_the_cpu_decode_of_the_same_crops(tmp_path, backend, hw_load, jitter):
     if backend == "nvimgcodec":
         pytest.importorskip("nvidia.nvimgcodec")
     if backend == "nvjpeg" and gpu_decode_backend("cuda", "nvjpeg") is None:
@@ -600,12 +613,12 @@ def test_gpu_decode_matches_the_cpu_decode_of_the_same_crops(tmp_path, backend, 
     for gpu in (True, False):
         prep = SamplePrep(32, gpu=gpu, jitter=jitter)  # the same seeds: the same crops and jitter either way
         batch = collate_prepared([prepare(prep, b, i, i, f"f{i}") for i, b in enumerate(blobs)])
-        finisher = BatchFinisher("cuda", 32, 3, MEAN, STD, backend if gpu else None)
+        finisher = BatchFinisher("cuda", 32, 3, MEAN, STD, backend if gpu else None, hw_load)
         lost, paths = [], Counter()
         batches[gpu] = finisher(batch, lost, paths)
         assert batch["lost"] == ["f6: UnidentifiedImageError"] and lost == []
         # the baseline RGB and grey JPEGs by the GPU, the progressive, CMYK and PNG files by the workers
-        gpu_paths = {"nvjpeg"} if backend == "torchvision" else {"hardware", "cuda"}
+        gpu_paths = {"nvjpeg"} if backend == "torchvision" else {"hardware", "cuda"} if hw_load else {"cuda"}
         assert sum(paths.values()) == 6 and paths["workers"] == (3 if gpu else 6)
         assert (finisher.decode_s > 0) == gpu  # the host's time in the GPU decoder's call
         assert set(paths) - {"workers"} <= (gpu_paths | {"cpu_fallback"} if gpu else set())

@@ -58,12 +58,13 @@ class DataConfig:
                                   "batched GPU decode and crop kernel) | auto (cpu where the process has "
                                   "dres.data.factory.CPU_DECODE_MIN_CORES (12) cores or more, or no GPU decoder is "
                                   "there; else gpu)")
-    hw_decode_load: float = setting(0.65, "decode=gpu with nvImageCodec: the share of each batch's JPEGs for the "
-                                          "hardware JPEG decoders (the rest, and what they cannot do, to nvJPEG on the"
-                                          " CUDA cores at the same time)")
+    hw_decode_load: float = setting(0.65, "decode=gpu with nvImageCodec or nvjpeg: the share of each batch's JPEGs "
+                                          "for the hardware JPEG decoders (the rest, and what they cannot do, to "
+                                          "nvJPEG on the CUDA cores at the same time; 0: the hardware decoders unused)")
     gpu_decoder: str = setting("auto", "GPU decode: torchvision (its batched nvJPEG) | nvimgcodec (the hardware JPEG "
                                        "decoders and nvJPEG on the CUDA cores, split by hw_decode_load) | nvjpeg "
-                                       "(libnvjpeg called directly, with its memory pools: dres.data.nvjpeg) | auto "
+                                       "(libnvjpeg called directly, with its memory pools, split so too: "
+                                       "dres.data.nvjpeg) | auto "
                                        "(torchvision, else nvimgcodec, else nvjpeg)")
     finish_ahead: int = setting(2, "streaming loaders: batches a thread of the training process finishes (GPU decode, "
                                    "crop, normalisation, copies) ahead of the step (0: in the step's own thread, "

@@ -458,7 +458,7 @@ class BatchFinisher:
             if self._decoders is None:
                 from dres.data.nvjpeg import NvjpegBatchDecoder
 
-                self._decoders = NvjpegBatchDecoder(self.device)
+                self._decoders = NvjpegBatchDecoder(self.device, self.hw_load)
             return self._decoders.decode(encoded)
         from torchvision.io import ImageReadMode, decode_jpeg
 

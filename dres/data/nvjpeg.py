@@ -1,12 +1,12 @@
 """nvJPEG's batched decode called directly (ctypes), for the GPU decode of :class:`dres.data.decode.BatchFinisher`
 (``data.gpu_decoder=nvjpeg``).
 
-torchvision's and torchcodec's GPU decoders create nvJPEG with its default allocators and no memory pools, so the
-library may free and reallocate its buffers (``cudaFree``, ``cudaFreeHost``: a wait for the whole device) as batches
-change. :class:`NvjpegBatchDecoder` creates it with ``NVJPEG_FLAGS_ENABLE_MEMORY_POOLS`` (buffers kept and reused),
-decodes on the caller's stream, waits for that stream only, and writes every image of a batch into one buffer from
-PyTorch's caching allocator. Baseline JPEGs go to the hardware decoders in one batched call
-(``nvjpegDecodeBatched``, hardware backend), the others one at a time by nvJPEG on the CUDA cores (``nvjpegDecode``).
+torchvision's and torchcodec's GPU decoders create nvJPEG with its default allocators and no memory pools;
+:class:`NvjpegBatchDecoder` creates it with ``NVJPEG_FLAGS_ENABLE_MEMORY_POOLS`` (buffers kept and reused), decodes on
+the caller's stream, waits for that stream only, and writes every image of a batch into one buffer from PyTorch's
+caching allocator. A batch's JPEGs are split as DALI's ``hw_decoder_load`` splits them: a share to the hardware
+decoders in one batched call (``nvjpegDecodeBatched``, hardware backend), the rest at the same time to one batched
+call on the CUDA cores (GPU_HYBRID backend), what either refused one at a time (``nvjpegDecode``).
 The library is ``libnvjpeg.so.13`` (or ``.12``) from the ``nvidia-nvjpeg`` wheel, torchvision's bundled copy or the
 system's; :func:`load_nvjpeg` says in one line where it looked when none is found.
 """
@@ -20,11 +20,12 @@ import glob
 import os
 import site
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 NVJPEG_MAX_COMPONENT = 4
-BACKEND_HARDWARE, BACKEND_DEFAULT = 3, 0  # nvjpegBackend_t
+BACKEND_DEFAULT, BACKEND_GPU_HYBRID, BACKEND_HARDWARE = 0, 2, 3  # nvjpegBackend_t
 FLAGS_ENABLE_MEMORY_POOLS = 1 << 1
 OUTPUT_RGB = 3  # nvjpegOutputFormat_t: planar R, G, B
 STATUS_ARCH_MISMATCH = 7  # no hardware decoder on this GPU
@@ -95,20 +96,27 @@ def check(status: int, call: str) -> None:
 
 
 class NvjpegBatchDecoder:
-    """One nvJPEG handle (hardware backend where the GPU has one, with memory pools) and its states, for the thread
-    that owns it on ``device``: :meth:`decode` turns a batch of JPEG bytes into RGB images on the device."""
+    """nvJPEG's handles (with memory pools) and their states, for the thread that owns them on ``device``:
+    :meth:`decode` turns a batch of JPEG bytes into RGB images on the device. ``hw_load`` (``data.hw_decode_load``) is
+    the share of each batch's JPEGs that the hardware decoders take (where the GPU has them; 0 leaves them unused) in
+    one batched call; the rest go at the same time, from a thread beside, to one batched call of nvJPEG on the CUDA
+    cores (its GPU-assisted Huffman decode), and what a batched call refused, one at a time."""
 
-    def __init__(self, device: torch.device):
-        self.lib, self.device = load_nvjpeg(), torch.device(device)
+    def __init__(self, device: torch.device, hw_load: float = 1.0):
+        self.lib, self.device, self.hw_load = load_nvjpeg(), torch.device(device), hw_load
         with torch.cuda.device(self.device):
-            # the hardware backend's handle takes batched calls alone: the one-at-a-time path has a default one
-            self.cuda_handle = self._handle(BACKEND_DEFAULT)
-            self.handle = self._handle(BACKEND_HARDWARE)
-            self.hardware = self.handle is not None
-            self.handle = self.handle or self.cuda_handle
-            self.batched_state = self._create("nvjpegJpegStateCreate", self.handle)
-            self.single_state = self._create("nvjpegJpegStateCreate", self.cuda_handle)
-            self.parsed = self._create("nvjpegJpegStreamCreate", self.handle)
+            # a handle a backend: the hardware backend's takes batched calls alone, GPU_HYBRID's batched calls decode
+            # on the GPU, and the one-at-a-time calls go to the default backend's
+            self.single_handle = self._handle(BACKEND_DEFAULT)
+            self.cuda_handle = self._handle(BACKEND_GPU_HYBRID)
+            self.hardware_handle = self._handle(BACKEND_HARDWARE) if hw_load > 0 else None
+            self.single_state = self._create("nvjpegJpegStateCreate", self.single_handle)
+            self.cuda_state = self._create("nvjpegJpegStateCreate", self.cuda_handle)
+            self.hardware_state = self.parsed = None
+            if self.hardware_handle is not None:
+                self.hardware_state = self._create("nvjpegJpegStateCreate", self.hardware_handle)
+                self.parsed = self._create("nvjpegJpegStreamCreate", self.hardware_handle)
+        self.beside = ThreadPoolExecutor(1, thread_name_prefix="dres-nvjpeg-cuda")
 
     def _handle(self, backend: int) -> ctypes.c_void_p | None:
         """A library handle with memory pools on ``backend``; None where the GPU has no hardware decoder."""
@@ -128,17 +136,17 @@ class NvjpegBatchDecoder:
         """(height, width) from the JPEG's header, None where nvJPEG cannot read it."""
         comps, subsampling = ctypes.c_int(), ctypes.c_int()
         widths, heights = (ctypes.c_int * NVJPEG_MAX_COMPONENT)(), (ctypes.c_int * NVJPEG_MAX_COMPONENT)()
-        status = self.lib.nvjpegGetImageInfo(self.handle, data.data_ptr(), data.numel(), ctypes.byref(comps),
+        status = self.lib.nvjpegGetImageInfo(self.single_handle, data.data_ptr(), data.numel(), ctypes.byref(comps),
                                              ctypes.byref(subsampling), widths, heights)
         return (heights[0], widths[0]) if status == 0 and heights[0] > 0 and widths[0] > 0 else None
 
-    def _batchable(self, data: torch.Tensor) -> bool:
+    def _hardware_takes(self, data: torch.Tensor) -> bool:
         """Whether the hardware decoders take this JPEG (baseline, a layout they support)."""
-        if not self.hardware or self.lib.nvjpegJpegStreamParseHeader(self.handle, data.data_ptr(), data.numel(),
-                                                                     self.parsed) != 0:
+        if self.hardware_handle is None or self.lib.nvjpegJpegStreamParseHeader(
+                self.hardware_handle, data.data_ptr(), data.numel(), self.parsed) != 0:
             return False
         unsupported = ctypes.c_int(1)
-        status = self.lib.nvjpegDecodeBatchedSupported(self.handle, self.parsed, ctypes.byref(unsupported))
+        status = self.lib.nvjpegDecodeBatchedSupported(self.hardware_handle, self.parsed, ctypes.byref(unsupported))
         return status == 0 and unsupported.value == 0
 
     def decode(self, encoded: list[torch.Tensor]) -> tuple[list, list]:
@@ -161,28 +169,47 @@ class NvjpegBatchDecoder:
                     for c in range(3):
                         outputs[k].channel[c], outputs[k].pitch[c] = images[k].data_ptr() + c * h * w, w
             decodable = [k for k, shape in enumerate(shapes) if shape is not None]
-            batched = [k for k in decodable if self._batchable(encoded[k])]
+            to_hardware, to_cuda = hardware_share([k for k in decodable if self._hardware_takes(encoded[k])],
+                                                  decodable, self.hw_load)
             stream = torch.cuda.current_stream(self.device)
             stream.synchronize()
             paths = [None] * len(encoded)
-            if batched and self._decode_batched(encoded, batched, outputs, stream) == 0:
-                for k in batched:
-                    paths[k] = "hardware"
+            beside = self.beside.submit(self._batched, self.cuda_handle, self.cuda_state, encoded, to_cuda, outputs,
+                                        stream)
+            try:
+                hardware_status = self._batched(self.hardware_handle, self.hardware_state, encoded, to_hardware,
+                                                outputs, stream)
+            finally:  # the thread beside writes into the buffer: never leave before it is done
+                cuda_status = beside.result()
+            for rows, status, path in ((to_hardware, hardware_status, "hardware"), (to_cuda, cuda_status, "cuda")):
+                for k in rows if status == 0 else ():
+                    paths[k] = path
             for k in (k for k in decodable if paths[k] is None):
-                status = self.lib.nvjpegDecode(self.cuda_handle, self.single_state, encoded[k].data_ptr(),
+                status = self.lib.nvjpegDecode(self.single_handle, self.single_state, encoded[k].data_ptr(),
                                                encoded[k].numel(), OUTPUT_RGB, ctypes.byref(outputs[k]),
                                                stream.cuda_stream)
                 paths[k] = "cuda" if status == 0 else None
             stream.synchronize()
         return [im if path else None for im, path in zip(images, paths)], paths
 
-    def _decode_batched(self, encoded: list, batched: list[int], outputs: list, stream) -> int:
-        """The hardware decoders' one call for the images ``batched``; nvJPEG's status."""
-        n = len(batched)
-        check(self.lib.nvjpegDecodeBatchedInitialize(self.handle, self.batched_state, n, 1, OUTPUT_RGB),
-              "nvjpegDecodeBatchedInitialize")
-        data = (ctypes.c_void_p * n)(*(encoded[k].data_ptr() for k in batched))
-        lengths = (ctypes.c_size_t * n)(*(encoded[k].numel() for k in batched))
-        destinations = (NvjpegImage * n)(*(outputs[k] for k in batched))
-        return self.lib.nvjpegDecodeBatched(self.handle, self.batched_state, data, lengths, destinations,
-                                            stream.cuda_stream)
+    def _batched(self, handle, state, encoded: list, rows: list[int], outputs: list, stream) -> int:
+        """One batched call of ``handle``'s backend for the images ``rows`` on ``stream``; nvJPEG's status (0 for
+        no rows)."""
+        n = len(rows)
+        if not n:
+            return 0
+        with torch.cuda.device(self.device):
+            check(self.lib.nvjpegDecodeBatchedInitialize(handle, state, n, 1, OUTPUT_RGB),
+                  "nvjpegDecodeBatchedInitialize")
+            data = (ctypes.c_void_p * n)(*(encoded[k].data_ptr() for k in rows))
+            lengths = (ctypes.c_size_t * n)(*(encoded[k].numel() for k in rows))
+            destinations = (NvjpegImage * n)(*(outputs[k] for k in rows))
+            return self.lib.nvjpegDecodeBatched(handle, state, data, lengths, destinations, stream.cuda_stream)
+
+
+def hardware_share(hardware_takes: list[int], decodable: list[int], hw_load: float) -> tuple[list[int], list[int]]:
+    """The images of a batch for the hardware decoders (the first ``hw_load`` of those they take, by position) and
+    for the batched call on the CUDA cores (every other decodable one), in batch order."""
+    to_hardware = hardware_takes[:round(hw_load * len(hardware_takes))]
+    taken = set(to_hardware)
+    return to_hardware, [k for k in decodable if k not in taken]
