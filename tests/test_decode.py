@@ -618,6 +618,7 @@ def test_gpu_decode_matches_the_cpu_decode_of_the_same_crops(tmp_path, backend, 
         batches[gpu] = finisher(batch, lost, paths)
         assert batch["lost"] == ["f6: UnidentifiedImageError"] and lost == []
         # the baseline RGB and grey JPEGs by the GPU, the progressive, CMYK and PNG files by the workers
+        # nvjpeg: every JPEG the GPU takes in a batched call ("cuda_one", one at a time, would say one was refused)
         gpu_paths = {"nvjpeg"} if backend == "torchvision" else {"hardware", "cuda"} if hw_load else {"cuda"}
         assert sum(paths.values()) == 6 and paths["workers"] == (3 if gpu else 6)
         assert (finisher.decode_s > 0) == gpu  # the host's time in the GPU decoder's call

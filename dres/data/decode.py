@@ -300,6 +300,7 @@ def stream_priority(high: bool) -> int:
 DECODE_PATHS = {
     "hardware": "by the GPU's hardware JPEG decoders",
     "cuda": "by nvJPEG on the CUDA cores",
+    "cuda_one": "one at a time by nvJPEG on the CUDA cores (refused by a batched call)",
     "nvjpeg": "by torchvision's batched nvJPEG (the hardware decoders for baseline JPEGs where the GPU has them)",
     "cpu_fallback": "on the CPU of the training process (refused by the GPU decoder)",
     "workers": "on the CPU by the workers",

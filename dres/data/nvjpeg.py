@@ -151,10 +151,11 @@ class NvjpegBatchDecoder:
 
     def decode(self, encoded: list[torch.Tensor]) -> tuple[list, list]:
         """``encoded``: 1-D uint8 host tensors (contiguous; pinned for speed). Returns each image as a (3, H, W) uint8
-        view into one device buffer, or None where nvJPEG refused it, and the path that decoded it ("hardware" or
-        "cuda", None where refused). The work runs on the current stream of ``device``, which it waits for: before
-        (the hardware decoders do not wait for work queued on it) and after, so the images are ready. A batched call
-        that fails (one bad file fails it) is done again one image at a time."""
+        view into one device buffer, or None where nvJPEG refused it, and the path that decoded it ("hardware",
+        "cuda" or "cuda_one", as :data:`dres.data.decode.DECODE_PATHS` words them; None where refused). The work
+        runs on the current stream of ``device``, which it waits for: before (the hardware decoders do not wait for
+        work queued on it) and after, so the images are ready. A batched call that fails (one bad file fails it) is
+        done again one image at a time."""
         with torch.cuda.device(self.device):
             shapes = [self._shape(t) for t in encoded]
             sizes = [0 if s is None else 3 * s[0] * s[1] for s in shapes]
@@ -188,7 +189,7 @@ class NvjpegBatchDecoder:
                 status = self.lib.nvjpegDecode(self.single_handle, self.single_state, encoded[k].data_ptr(),
                                                encoded[k].numel(), OUTPUT_RGB, ctypes.byref(outputs[k]),
                                                stream.cuda_stream)
-                paths[k] = "cuda" if status == 0 else None
+                paths[k] = "cuda_one" if status == 0 else None
             stream.synchronize()
         return [im if path else None for im, path in zip(images, paths)], paths
 
