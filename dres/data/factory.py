@@ -134,8 +134,8 @@ def decode_backend(d, device) -> str | None:
     if backend is not None:
         return backend
     if d.gpu_decoder == "auto":
-        raise DataError(f"data.decode=gpu needs a CUDA device and a GPU JPEG decoder (nvImageCodec or torchvision); "
-                        f"the trainer runs on {device}: set data.decode=cpu or auto")
+        raise DataError(f"data.decode=gpu needs a CUDA device and a GPU JPEG decoder (torchvision, nvImageCodec or "
+                        f"libnvjpeg); the trainer runs on {device}: set data.decode=cpu or auto")
     hint = {"nvimgcodec": " (pip install nvidia-nvimgcodec-cu13)", "nvjpeg": " (pip install nvidia-nvjpeg)"}.get(
         d.gpu_decoder, "")
     raise DataError(f"data.gpu_decoder={d.gpu_decoder} is not installed{hint}, or the trainer runs on {device} "
