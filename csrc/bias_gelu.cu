@@ -4,7 +4,7 @@
 //   backward: dpre = g * (cdf(v) + v * cdf'(v)), GELU recomputed from pre; act written again when
 //             asked (fc2's weight gradient needs it); dbias = column sums of dpre as fp32 partials
 //             per row strip, summed in a fixed order by launch_finalize (no atomics).
-// cdf: Phi (erf GELU), sigmoid(2u) with u = sqrt(2/pi) (v + 0.044715 v^3) (tanh GELU), or
+// cdf: Phi (erf GELU; by erfc's fit, normal_cdf), sigmoid(2u) with u = sqrt(2/pi) (v + 0.044715 v^3) (tanh GELU), or
 // sigmoid(1.702 v) (QuickGELU); the sigmoids' products as 1 / (2 + e^-z + e^z), positive terms.
 //
 // Work split: a block is (x: columns, vec values a thread) x (y: rows in flight); blockIdx.x picks
@@ -25,10 +25,41 @@ constexpr int kThreads = 256;
 
 __device__ __forceinline__ float tanh_gelu_arg2(float v) { return 1.5957691216057308f * (v + 0.044715f * v * v * v); }
 
+// The hardware's approximations, denormals flushed, as Triton's tl.math.rsqrt and tl.math.exp2 lower them.
+__device__ __forceinline__ float rsqrt_approx(float x) {
+  float y;
+  asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Phi(v) as kernels/bias_gelu.py's _normal_cdf computes it: erfc's Chebyshev fit in base 2, no erff (whose 1 + erf
+// loses Phi's digits where v is negative, and which takes twice the instructions).
+__device__ __forceinline__ float normal_cdf(float v) {
+  float t = rsqrt_approx(1.f + 0.35355339059327373f * fabsf(v));
+  t = t * t;
+  float p = -1.1861149072647095f + t * 0.24651730060577393f;
+  p = 2.147474527359009f + t * p;
+  p = -1.6377531290054321f + t * p;
+  p = 0.40232157707214355f + t * p;
+  p = -0.2687568664550781f + t * p;
+  p = 0.1396300494670868f + t * p;
+  p = 0.5397006273269653f + t * p;
+  p = 1.4427292346954346f + t * p;
+  p = -2.8257482051849365f + t * p;
+  const float half_erfc = t * exp2_approx(p - 0.7213475204444817f * v * v);
+  return v >= 0.f ? 1.f - half_erfc : half_erfc;
+}
+
 __device__ __forceinline__ float gelu_cdf(float v, int gelu) {
   if (gelu == kGeluTanh) return 1.f / (1.f + expf(-tanh_gelu_arg2(v)));
   if (gelu == kGeluQuick) return 1.f / (1.f + expf(-1.702f * v));
-  return 0.5f * (1.f + erff(v * 0.7071067811865476f));
+  return normal_cdf(v);
 }
 
 __device__ __forceinline__ float gelu_cdf_slope(float v, int gelu) {
@@ -41,7 +72,7 @@ __device__ __forceinline__ float gelu_cdf_slope(float v, int gelu) {
     const float e = expf(-1.702f * v);
     return 1.702f / (2.f + e + 1.f / e);
   }
-  return 0.3989422804014327f * expf(-0.5f * v * v);
+  return 0.3989422804014327f * exp2_approx(-0.7213475204444817f * v * v);  // e^(-v^2 / 2)
 }
 
 template <int VEC>

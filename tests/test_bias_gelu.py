@@ -11,6 +11,7 @@ CUDA graphs.
 
 from __future__ import annotations
 
+import math
 from unittest import mock
 
 import pytest
@@ -128,15 +129,32 @@ def test_approximate_bias_gelu_matches_float64(triton_device, dtype, approximate
 
 # The interpreter computes with numpy, which warns where fp32 overflows to inf as the kernel means it to.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning", "ignore:divide by zero:RuntimeWarning")
-@pytest.mark.parametrize("approximate", ["tanh", "quick"])
-def test_approximate_bias_gelu_gradient_has_no_nan_at_extremes(triton_device, approximate):
+@pytest.mark.parametrize("approximate", ["none", "tanh", "quick"])
+def test_bias_gelu_gradient_has_no_nan_at_extremes(triton_device, approximate):
     """Past |v| = 1.8e19 (v * v overflows fp32, and torch's own fp32 tanh-GELU gradient is NaN), and where the
-    sigmoids' exponentials overflow, the kernel's gradient is the float64 one: 0 below, 1 above."""
+    exponentials overflow or underflow, the kernel's gradient is the float64 one: 0 below, 1 above."""
     pre = torch.tensor([[-1e20, -100.0, -30.0, -9.0, -4.0, 4.0, 9.0, 30.0, 100.0, 1e20]], device=triton_device)
     (act, dpre, _), (act6, dpre6, _) = bias_gelu_against_float64(pre, None, torch.ones_like(pre),
                                                                  approximate=approximate)
     torch.testing.assert_close(act.double(), act6, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(dpre.double(), dpre6, rtol=1e-6, atol=1e-6)
+
+
+def test_erf_gelu_keeps_its_digits_in_the_negative_tail(triton_device):
+    """For v < 0 the kernel's Phi is erfc(|v| / sqrt(2)) / 2 itself, not 1 + erf(v / sqrt(2)), which cancels: down to
+    v = -12 (gelu 2e-32) each fp32 activation and gradient is within 2e-5 of the float64 value relative to itself
+    (float64's erfc), where F.gelu's fp32 form is off by up to 100% past v = -5."""
+    pre = torch.linspace(-12.0, -1.0, 2201, device=triton_device).view(1, -1).requires_grad_()
+    act = ops.fused_bias_gelu(pre, None, backend="triton")
+    (dpre,) = torch.autograd.grad(act, pre, torch.ones_like(act))
+    v = pre.detach().double()
+    phi = torch.special.erfc(-v / math.sqrt(2)) / 2
+    act6, dpre6 = v * phi, phi + v * torch.exp(-0.5 * v * v) / math.sqrt(2 * math.pi)
+    assert act6.abs().min() > 1e-32
+    assert ((act.double() - act6).abs() / act6.abs()).max() < 2e-5
+    assert ((dpre.double() - dpre6).abs() / dpre6.abs()).max() < 2e-5
+    fp32_erf_form = F.gelu(pre.detach())
+    assert ((fp32_erf_form.double() - act6).abs() / act6.abs()).max() > 0.5  # the cancellation this test is about
 
 
 def test_bias_gelu_empty_rows(triton_device):
