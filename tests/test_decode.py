@@ -458,6 +458,16 @@ def test_nvimgcodec_gives_its_share_to_the_hardware_and_the_rest_and_its_refusal
             None if v == 255 else (v, (3, 2, 3)) for v in values]  # HWC from the decoder, (C, H, W) here
 
 
+def test_each_gpu_decoder_takes_its_own_hardware_share_unless_one_is_set(monkeypatch):
+    """data.hw_decode_load's default, -1, is the decoder's own share of a batch for the hardware decoders (nvImageCodec
+    0.65, nvjpeg 1: HW_DECODE_LOAD); a share that is set is the share, 0 included."""
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *args, **kwargs: SimpleNamespace(cuda_stream=0))
+    assert DataConfig().hw_decode_load == -1
+    shares = {b: BatchFinisher("cpu", 4, 3, backend=b).hw_load for b in ("nvimgcodec", "nvjpeg")}
+    assert shares == {"nvimgcodec": 0.65, "nvjpeg": 1.0}
+    assert [BatchFinisher("cpu", 4, 3, backend="nvjpeg", hw_load=s).hw_load for s in (0.0, 0.65)] == [0.0, 0.65]
+
+
 def test_decode_gpu_without_a_gpu_is_a_one_line_error(tmp_path):
     d = DataConfig(name="imagefolder", path=_folder(tmp_path), img_size=8, num_classes=3, gpu_resident=False,
                    decode="gpu")

@@ -152,6 +152,8 @@ def _bad_values():
         ("eval.probe_lr", "-1", "'eval.probe_lr' must be positive; got -1.0"),
         ("eval.knn_k", "0", "'eval.knn_k' must be a positive integer; got 0"),
         ("data.num_workers", "-2", "'data.num_workers' must be >= 0, or -1 (by the decode); got -2"),
+        ("data.hw_decode_load", "1.5", "'data.hw_decode_load' must be in [0, 1], or -1 (the decoder's own); got 1.5"),
+        ("data.hw_decode_load", "-0.5", "'data.hw_decode_load' must be in [0, 1], or -1 (the decoder's own); got -0.5"),
         ("threads", "-1", "'threads' must be >= 0"),
         ("seed", "-1", "'seed' must be >= 0; got -1"),
         ("compile", "1", "'compile' expects true/false, got 1"),

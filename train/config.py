@@ -58,9 +58,11 @@ class DataConfig:
                                   "batched GPU decode and crop kernel) | auto (cpu where the process has "
                                   "dres.data.factory.CPU_DECODE_MIN_CORES (12) cores or more, or no GPU decoder is "
                                   "there; else gpu)")
-    hw_decode_load: float = setting(0.65, "decode=gpu with nvImageCodec or nvjpeg: the share of each batch's JPEGs "
+    hw_decode_load: float = setting(-1.0, "decode=gpu with nvImageCodec or nvjpeg: the share of each batch's JPEGs "
                                           "for the hardware JPEG decoders (the rest, and what they cannot do, to "
-                                          "nvJPEG on the CUDA cores at the same time; 0: the hardware decoders unused)")
+                                          "nvJPEG on the CUDA cores at the same time; 0: the hardware decoders "
+                                          "unused; -1: the decoder's own, dres.data.decode.HW_DECODE_LOAD: "
+                                          "nvImageCodec 0.65, nvjpeg 1)")
     gpu_decoder: str = setting("auto", "GPU decode: torchvision (its batched nvJPEG) | nvimgcodec (the hardware JPEG "
                                        "decoders and nvJPEG on the CUDA cores, split by hw_decode_load) | nvjpeg "
                                        "(libnvjpeg called directly, with its memory pools, split so too: "
@@ -632,7 +634,8 @@ def validate(cfg: Config) -> None:
          "must be a classify run directory or checkpoint that exists")
     need(cfg, 0 <= d.max_corrupt_frac <= 1, "data.max_corrupt_frac", "must be in [0, 1]")
     need(cfg, 0 < d.crop_min <= 1, "data.crop_min", "must be in (0, 1]")
-    need(cfg, 0 <= d.hw_decode_load <= 1, "data.hw_decode_load", "must be in [0, 1]")
+    need(cfg, d.hw_decode_load == -1 or 0 <= d.hw_decode_load <= 1, "data.hw_decode_load",
+         "must be in [0, 1], or -1 (the decoder's own)")
     need(cfg, d.finish_threads >= 1 and (d.finish_threads == 1 or d.finish_ahead > 0), "data.finish_threads",
          "must be a positive integer, and 1 with data.finish_ahead=0 (the step's own thread finishes each batch)")
     need(cfg, 0 <= d.color_jitter, "data.color_jitter", "must be >= 0 (0: off)")

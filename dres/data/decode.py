@@ -324,15 +324,22 @@ def decode_paths_line(epoch: int, counts: dict, finishing: list | None = None) -
     return line
 
 
+# Each decoder's share of a batch for the hardware JPEG decoders where data.hw_decode_load is -1: the one that fed the
+# ViT-B/16 MAE trainer faster with 8 cores (BENCHMARKS.md, "Real images")
+HW_DECODE_LOAD = {"nvimgcodec": 0.65, "nvjpeg": 1.0}
+
+
 class BatchFinisher:
     """The training process's half (module doc): a collated batch -> ``{"image": float (B, C, size, size)
     normalised on the device, "label": (B,)}``. ``backend`` is the GPU decoder (:func:`gpu_decode_backend`)
     for batches holding JPEG bytes, None when every sample comes as pixels. GPU work runs on a stream of
     its own, at the GPU's highest priority with ``high_priority`` (:attr:`priority`, which the thread finishing
-    batches ahead takes for its stream too); the tensors returned are ready on the caller's current stream."""
+    batches ahead takes for its stream too); the tensors returned are ready on the caller's current stream.
+    ``hw_load``: the hardware JPEG decoders' share of each batch (``data.hw_decode_load``; negative: the decoder's
+    own, :data:`HW_DECODE_LOAD`)."""
 
     def __init__(self, device, size: int, channels: int, mean=None, std=None, backend: str | None = None,
-                 hw_load: float = 0.65, high_priority: bool = True):
+                 hw_load: float = -1.0, high_priority: bool = True):
         self.device, self.size, self.channels, self.backend = torch.device(device), size, channels, backend
         self.high_priority, self.priority = high_priority, 0
         if self.device.type == "cuda":
@@ -340,7 +347,7 @@ class BatchFinisher:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             with torch.cuda.device(self.device):
                 self.priority = stream_priority(high_priority)
-        self.hw_load = hw_load
+        self.hw_load = HW_DECODE_LOAD.get(backend, 0.0) if hw_load < 0 else hw_load
         mean = torch.tensor((mean or [0.0] * channels)[:channels], dtype=torch.float32)
         std = torch.tensor((std or [1.0] * channels)[:channels], dtype=torch.float32)
         # (v / 255 - mean) / std = v * scale + shift; a jittered batch is made in [0, 1] first (v / 255)
