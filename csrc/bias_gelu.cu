@@ -5,7 +5,7 @@
 //             asked (fc2's weight gradient needs it); dbias = column sums of dpre as fp32 partials
 //             per row strip, summed in a fixed order by launch_finalize (no atomics).
 // cdf: Phi (erf GELU; by erfc's fit, normal_cdf), sigmoid(2u) with u = sqrt(2/pi) (v + 0.044715 v^3) (tanh GELU), or
-// sigmoid(1.702 v) (QuickGELU); the sigmoids' products as 1 / (2 + e^-z + e^z), positive terms.
+// sigmoid(1.702 v) (QuickGELU); the sigmoids and their products from one e^-|z| (sigmoid_pair).
 //
 // Work split: a block is (x: columns, vec values a thread) x (y: rows in flight); blockIdx.x picks
 // a column block, blockIdx.y a row strip (backward) or a starting row (forward, grid-stride).
@@ -38,6 +38,19 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// (sigmoid(z), sigmoid(z) * sigmoid(-z)) as kernels/bias_gelu.py's _sigmoid_pair computes them: e = e^-|z| (never
+// overflows), r = 1 / (1 + e) as a squared reciprocal square root; sigmoid r or e r, the product e r^2.
+struct SigmoidPair {
+  float sigmoid, product;
+};
+
+__device__ __forceinline__ SigmoidPair sigmoid_pair(float z) {
+  const float e = exp2_approx(-1.4426950408889634f * fabsf(z));
+  float r = rsqrt_approx(1.f + e);
+  r = r * r;
+  return {z >= 0.f ? r : e * r, e * r * r};
+}
+
 // Phi(v) as kernels/bias_gelu.py's _normal_cdf computes it: erfc's Chebyshev fit in base 2, no erff (whose 1 + erf
 // loses Phi's digits where v is negative, and which takes twice the instructions).
 __device__ __forceinline__ float normal_cdf(float v) {
@@ -57,21 +70,18 @@ __device__ __forceinline__ float normal_cdf(float v) {
 }
 
 __device__ __forceinline__ float gelu_cdf(float v, int gelu) {
-  if (gelu == kGeluTanh) return 1.f / (1.f + expf(-tanh_gelu_arg2(v)));
-  if (gelu == kGeluQuick) return 1.f / (1.f + expf(-1.702f * v));
+  if (gelu == kGeluTanh) return sigmoid_pair(tanh_gelu_arg2(v)).sigmoid;
+  if (gelu == kGeluQuick) return sigmoid_pair(1.702f * v).sigmoid;
   return normal_cdf(v);
 }
 
 __device__ __forceinline__ float gelu_cdf_slope(float v, int gelu) {
   if (gelu == kGeluTanh) {
-    const float e = expf(-tanh_gelu_arg2(v));
     // v * v overflows fp32 from |v| = 1.8e19, where the sigmoids' product is 0 already: capped
-    return 1.5957691216057308f * (1.f + 0.134145f * fminf(v * v, 1e4f)) / (2.f + e + 1.f / e);
+    const float du = 1.5957691216057308f * (1.f + 0.134145f * fminf(v * v, 1e4f));
+    return du * sigmoid_pair(tanh_gelu_arg2(v)).product;
   }
-  if (gelu == kGeluQuick) {
-    const float e = expf(-1.702f * v);
-    return 1.702f / (2.f + e + 1.f / e);
-  }
+  if (gelu == kGeluQuick) return 1.702f * sigmoid_pair(1.702f * v).product;
   return 0.3989422804014327f * exp2_approx(-0.7213475204444817f * v * v);  // e^(-v^2 / 2)
 }
 

@@ -44,6 +44,17 @@ def _tanh_gelu_arg2(v):
 
 
 @triton.jit
+def _sigmoid_pair(z):
+    """(sigmoid(z), sigmoid(z) * sigmoid(-z)) from e = e^-|z| in (0, 1], which never overflows, and r = 1 / (1 + e) as
+    the square of the hardware's reciprocal square root of 1 + e in [1, 2]: sigmoid(z) is r or e r and the product
+    e r^2, no division and no cancellation in either tail (where 1 - sigmoid(z) would lose its digits)."""
+    e = tl.math.exp2(-1.4426950408889634 * tl.abs(z))
+    r = tl.math.rsqrt(1.0 + e)
+    r = r * r
+    return tl.where(z >= 0, r, e * r), e * r * r
+
+
+@triton.jit
 def _normal_cdf(v):
     """Phi(v) = erfc(-v / sqrt(2)) / 2 with erfc(z) = t e^(P(t) - z^2), t = 1 / (1 + z / 2) for z = |v| / sqrt(2) >= 0
     (Numerical Recipes' Chebyshev fit ``erfcc``, relative error below 1.2e-7 at every z), in base 2 with the 1/2 folded
@@ -71,9 +82,9 @@ def _gelu_cdf(v, GELU: tl.constexpr):
     nn.GELU's default; the tanh form as sigmoid(2u), which has no cancellation where tanh(u) nears -1; or
     QuickGELU's sigmoid(1.702 v)."""
     if GELU == 1:
-        return tl.sigmoid(_tanh_gelu_arg2(v))
+        return _sigmoid_pair(_tanh_gelu_arg2(v))[0]
     elif GELU == 2:
-        return tl.sigmoid(1.702 * v)
+        return _sigmoid_pair(1.702 * v)[0]
     else:
         return _normal_cdf(v)
 
@@ -82,15 +93,13 @@ def _gelu_cdf(v, GELU: tl.constexpr):
 def _gelu_cdf_slope(v, GELU: tl.constexpr):
     """cdf'(v), gelu'(v) = cdf(v) + v * cdf'(v): phi(v) = exp(-v^2 / 2) / sqrt(2 pi); for the tanh form
     2 sigmoid(z) sigmoid(-z) * du/dv (z = 2u, du/dv = sqrt(2/pi) * (1 + 3 * 0.044715 v^2)); for QuickGELU
-    1.702 sigmoid(z) sigmoid(-z) (z = 1.702 v). The sigmoids' product as 1 / (2 + e^-z + e^z): positive
-    terms, where 1 - sigmoid(z) would lose its small result's digits."""
+    1.702 sigmoid(z) sigmoid(-z) (z = 1.702 v), the sigmoids' product from :func:`_sigmoid_pair`."""
     if GELU == 1:
-        e = tl.exp(-_tanh_gelu_arg2(v))
         # v * v overflows fp32 from |v| = 1.8e19, where the sigmoids' product is 0 already: capped, no 0 * inf
-        return 1.5957691216057308 * (1.0 + 0.134145 * tl.minimum(v * v, 1e4)) / (2.0 + e + 1.0 / e)
+        du = 1.5957691216057308 * (1.0 + 0.134145 * tl.minimum(v * v, 1e4))
+        return du * _sigmoid_pair(_tanh_gelu_arg2(v))[1]
     elif GELU == 2:
-        e = tl.exp(-1.702 * v)
-        return 1.702 / (2.0 + e + 1.0 / e)
+        return 1.702 * _sigmoid_pair(1.702 * v)[1]
     else:
         return 0.3989422804014327 * tl.math.exp2(-0.7213475204444817 * v * v)  # e^(-v^2 / 2) as 2^(-log2(e) v^2 / 2)
 
