@@ -25,7 +25,10 @@ finish batches at once, each with a finisher and a stream of its own (torchvisio
 behind a lock). The process rows run one finishing thread in a child process beside the same load.
 
 Each case: ms a batch (the threads' wall time over the batches they finished, each batch waited for on its own
-stream) alone and beside the load. Writes ``decode_beside.json`` and ``decode_beside.md`` under ``--out``.
+stream) alone and beside the load. ``--profile-calls`` adds, for each one-thread case, the CUDA runtime and driver
+calls a batch makes alone and beside the load, by thread, under torch's profiler (CUPTI sees every library's calls,
+nvJPEG's own among them): which calls the time beside the load goes to. Writes ``decode_beside.json`` and
+``decode_beside.md`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -153,6 +156,41 @@ def finish_ms(finishers: list, batches: list[dict], per_thread: int) -> float:
     return 1e3 * (time.perf_counter() - start) / (per_thread * len(finishers))
 
 
+def cuda_calls(finishers: list, batches: list[dict], count: int = 3) -> dict:
+    """{thread: {call: [calls, host ms] a batch}} of the CUDA runtime and driver calls made while ``finishers``
+    finish ``count`` batches each (the load's thread, when one runs, is a thread of its own here)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        finish_ms(finishers, batches, count)
+    calls: dict = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CPU and event.name.startswith("cu") and "::" not in event.name:
+            mine = calls.setdefault(str(event.thread), {}).setdefault(event.name, [0, 0.0])
+            mine[0] += 1 / count
+            mine[1] += event.cpu_time_total / 1e3 / count
+    return calls
+
+
+def calls_markdown(rows: list[dict], top: int = 6) -> str:
+    """Each profiled case's calls a batch, thread by thread, the ``top`` by host time beside the load."""
+    lines = ["CUDA calls a batch, alone -> beside the load, by thread (count, host ms; the load's thread beside "
+             "makes only its own launches and waits):", "",
+             "| decoder | load | thread | call | alone | beside |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if "calls_beside" not in r:
+            continue
+        name = r["decoder"] + (f", share {r['share']:g}" if r.get("share") is not None else "")
+        for thread, calls in r["calls_beside"].items():
+            alone = r["calls_alone"].get(thread, {})
+            for call, (n, ms) in sorted(calls.items(), key=lambda kv: -kv[1][1])[:top]:
+                was = alone.get(call)
+                before = f"{was[0]:.1f}, {was[1]:.2f}" if was else "–"
+                lines.append(f"| {name} | {r['load']} | {thread} | {call} | {before} | {n:.1f}, {ms:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def make_finishers(decoder: str, share: float, high: bool, count: int) -> list:
     from dres.data.decode import BatchFinisher
 
@@ -160,14 +198,18 @@ def make_finishers(decoder: str, share: float, high: bool, count: int) -> list:
 
 
 def thread_case(batches, load: GpuLoad, decoder: str, share: float, high: bool, threads: int,
-                per_thread: int) -> tuple[float, float]:
-    """ms a batch with ``threads`` finishing threads of this process, alone and beside ``load``."""
+                per_thread: int, profile_calls: bool = False) -> tuple[float, float, dict]:
+    """ms a batch with ``threads`` finishing threads of this process, alone and beside ``load``, and with
+    ``profile_calls`` the CUDA calls of each (:func:`cuda_calls`)."""
     finishers = make_finishers(decoder, share, high, threads)
     finish_ms(finishers, batches, 2)  # the decoders' buffers and the crop kernel's compile
     alone = finish_ms(finishers, batches, per_thread)
+    calls = {"calls_alone": cuda_calls(finishers, batches)} if profile_calls else {}
     with load:
         beside = finish_ms(finishers, batches, per_thread)
-    return alone, beside
+        if profile_calls:
+            calls["calls_beside"] = cuda_calls(finishers, batches)
+    return alone, beside, calls
 
 
 def _child(root, batch, decoder, share, high, per_thread, conn):
@@ -239,6 +281,8 @@ def main(argv=None) -> int:
                     help="the load's streams: default (the legacy default stream) and/or own, comma-separated")
     ap.add_argument("--load-kinds", default="gemm", help="the load's kernels: gemm and/or sleep, comma-separated")
     ap.add_argument("--sleep-ms", type=float, default=40.0, help="the length of each sleep kernel (ms)")
+    ap.add_argument("--profile-calls", action="store_true",
+                    help="the CUDA calls a batch makes in each one-thread case, alone and beside the load")
     ap.add_argument("--out", default=os.environ.get("OUT", "./device_out"))
     args = ap.parse_args(argv)
     try:
@@ -288,14 +332,18 @@ def main(argv=None) -> int:
                     try:
                         if gpu_decode_backend("cuda", decoder) != decoder:
                             raise RuntimeError(f"{decoder} is not installed")
-                        alone, beside = (thread_case(batches, load, decoder, share, high, count, args.batches)
-                                         if where == "thread" else process_case(args, load, decoder, share, high))
+                        calls = {}
+                        if where == "thread":
+                            alone, beside, calls = thread_case(batches, load, decoder, share, high, count,
+                                                               args.batches, args.profile_calls and count == 1)
+                        else:
+                            alone, beside = process_case(args, load, decoder, share, high)
                         row.update(ms_alone=alone, ms_beside=beside, load_rate_alone=load_alone,
-                                   load_rate_beside=load.rate)
+                                   load_rate_beside=load.rate, **calls)
                     except Exception as e:  # one case's failure is its row; the others go on
                         row["error"] = f"{type(e).__name__}: {e}".splitlines()[0]
                     rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    print(json.dumps({k: v for k, v in row.items() if not k.startswith("calls_")}), flush=True)
     images = statistics.median(len(b["labels"]) for b in batches)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -304,6 +352,8 @@ def main(argv=None) -> int:
         "card": card, "date": measure.today(), **measure.versions(), "batch": args.batch,
         "load_size": args.load_size, "sleep_ms": args.sleep_ms, "batches_a_window": args.batches, "rows": rows})
     table = markdown(rows, card, int(images), args.load_size, args.sleep_ms)
+    if args.profile_calls:
+        table += "\n" + calls_markdown(rows)
     (out / "decode_beside.md").write_text(table)
     print(table)
     return 0

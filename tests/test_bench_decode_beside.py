@@ -8,7 +8,7 @@ import torch
 
 from benchmarks import bench_data
 from benchmarks.bench_data import prepared_batches
-from benchmarks.bench_decode_beside import main, markdown, parse_decoders
+from benchmarks.bench_decode_beside import calls_markdown, main, markdown, parse_decoders
 
 
 def test_decoder_specs_parse_with_the_hardware_share_defaulting_to_the_hardware():
@@ -97,3 +97,32 @@ def test_gpu_every_case_of_a_small_folder_runs_in_threads_and_in_a_process(tmp_p
         assert "error" not in r, r
         assert r["ms_alone"] > 0 and r["ms_beside"] > 0 and r["load_rate_alone"] > 0 and r["load_rate_beside"] > 0
     assert "| torchvision | sleep | own | process | 1 | default |" in (out / "decode_beside.md").read_text()
+
+
+def test_calls_table_gives_each_threads_costliest_calls_alone_and_beside():
+    rows = [{"decoder": "nvjpeg", "share": 1.0, "load": "sleep", "where": "thread", "threads": 1,
+             "calls_alone": {"7": {"cudaStreamSynchronize": [1.0, 9.5], "cuLaunchKernel": [4.0, 0.1]}},
+             "calls_beside": {"7": {"cudaStreamSynchronize": [1.0, 21.0], "cuLaunchKernel": [4.0, 0.1],
+                                    "cudaEventSynchronize": [2.0, 3.0]},
+                              "9": {"cudaLaunchKernel": [1.0, 0.02]}}},
+            {"decoder": "torchvision", "share": None, "load": "sleep", "where": "process", "threads": 1}]
+    table = calls_markdown(rows, top=2).splitlines()
+    assert table[2:] == ["| decoder | load | thread | call | alone | beside |", "|---|---|---|---|---|---|",
+                         "| nvjpeg, share 1 | sleep | 7 | cudaStreamSynchronize | 1.0, 9.50 | 1.0, 21.00 |",
+                         "| nvjpeg, share 1 | sleep | 7 | cudaEventSynchronize | – | 2.0, 3.00 |",
+                         "| nvjpeg, share 1 | sleep | 9 | cudaLaunchKernel | – | 1.0, 0.02 |"]
+
+
+@pytest.mark.gpu
+def test_gpu_profiled_calls_of_a_one_thread_case_come_alone_and_beside(tmp_path):
+    pytest.importorskip("torchvision")
+    root, out = tmp_path / "imgs", tmp_path / "out"
+    bench_data.make_folder(str(root), images=32, classes=2)
+    assert main(["--root", str(root), "--batch", "16", "--batches", "2", "--threads", "1,2", "--no-process",
+                 "--load-size", "512", "--load-kinds", "sleep", "--sleep-ms", "5", "--profile-calls",
+                 "--out", str(out)]) == 0
+    rows = json.loads((out / "decode_beside.json").read_text())["rows"]
+    assert [r["threads"] for r in rows] == [1, 2] and "calls_beside" not in rows[1]
+    called = {call for calls in rows[0]["calls_beside"].values() for call in calls}
+    assert rows[0]["calls_alone"] and any(c.startswith("cuda") for c in called), called
+    assert "CUDA calls a batch" in (out / "decode_beside.md").read_text()
