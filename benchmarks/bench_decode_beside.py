@@ -26,8 +26,10 @@ behind a lock). The process rows run one finishing thread in a child process bes
 
 Each case: ms a batch (the threads' wall time over the batches they finished, each batch waited for on its own
 stream) alone and beside the load. ``--profile-calls`` adds, for each one-thread case, the CUDA runtime and driver
-calls a batch makes alone and beside the load, by thread, under torch's profiler (CUPTI sees every library's calls,
-nvJPEG's own among them): which calls the time beside the load goes to. Writes ``decode_beside.json`` and
+calls a batch makes alone and beside the load under torch's profiler (CUPTI sees every library's calls, nvJPEG's own
+among them), grouped by the thread the profiler names: which calls the time beside the load goes to. Torch 2.11's
+profiler puts every runtime call of the process in one group, so the load's launches and stream waits are counted
+in; the load makes no event or device synchronisations. Writes ``decode_beside.json`` and
 ``decode_beside.md`` under ``--out``.
 """
 
@@ -175,8 +177,9 @@ def cuda_calls(finishers: list, batches: list[dict], count: int = 3) -> dict:
 
 def calls_markdown(rows: list[dict], top: int = 6) -> str:
     """Each profiled case's calls a batch, thread by thread, the ``top`` by host time beside the load."""
-    lines = ["CUDA calls a batch, alone -> beside the load, by thread (count, host ms; the load's thread beside "
-             "makes only its own launches and waits):", "",
+    lines = ["CUDA calls a batch, alone -> beside the load, by the thread the profiler names (count, host ms; "
+             "beside, the load's own launches and stream waits may be counted in: it makes no event or device "
+             "synchronisations):", "",
              "| decoder | load | thread | call | alone | beside |", "|---|---|---|---|---|---|"]
     for r in rows:
         if "calls_beside" not in r:
