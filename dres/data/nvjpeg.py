@@ -175,13 +175,13 @@ class NvjpegBatchDecoder:
             stream = torch.cuda.current_stream(self.device)
             stream.synchronize()
             paths = [None] * len(encoded)
-            beside = self.beside.submit(self._batched, self.cuda_handle, self.cuda_state, encoded, to_cuda, outputs,
-                                        stream)
+            beside = (self.beside.submit(self._batched, self.cuda_handle, self.cuda_state, encoded, to_cuda, outputs,
+                                         stream) if to_cuda else None)
             try:
                 hardware_status = self._batched(self.hardware_handle, self.hardware_state, encoded, to_hardware,
                                                 outputs, stream)
             finally:  # the thread beside writes into the buffer: never leave before it is done
-                cuda_status = beside.result()
+                cuda_status = beside.result() if beside is not None else 0
             for rows, status, path in ((to_hardware, hardware_status, "hardware"), (to_cuda, cuda_status, "cuda")):
                 for k in rows if status == 0 else ():
                     paths[k] = path
