@@ -102,7 +102,7 @@ class NvjpegBatchDecoder:
     one batched call; the rest go at the same time, from a thread beside, to one batched call of nvJPEG on the CUDA
     cores (its GPU-assisted Huffman decode), and what a batched call refused, one at a time."""
 
-    def __init__(self, device: torch.device, hw_load: float = 1.0):
+    def __init__(self, device: torch.device, hw_load: float):
         self.lib, self.device, self.hw_load = load_nvjpeg(), torch.device(device), hw_load
         with torch.cuda.device(self.device):
             # a handle a backend: the hardware backend's takes batched calls alone, GPU_HYBRID's batched calls decode
