@@ -33,7 +33,7 @@ if __package__ in (None, ""):  # `python benchmarks/bench_kernels.py`: make `ben
 import torch
 
 from benchmarks import measure
-from benchmarks.measure import DTYPES, MODES, OP_MODES, OPS, PASSES
+from benchmarks.measure import DROPOUT_P, DTYPES, MODES, OP_MODES, OPS, PASSES
 
 ALL_IMPLS = ("dres_triton", "dres_cuda", "eager", "compile", "flash_attn", "apex", "liger")
 IMPL_ALIASES = {"triton": "dres_triton", "cuda": "dres_cuda", "torch.compile": "compile",
@@ -153,16 +153,23 @@ def available_impls(requested: list[str]) -> tuple[list[str], dict[str, str]]:
     return ok, why
 
 
+def dropout_p(case: Case) -> float:
+    return DROPOUT_P if case.mode == "dropout" else 0.0
+
+
 def _reference_fn(case: Case):
+    """PyTorch's ops (F.dropout of h in the dropout mode): eager, and what torch.compile is given."""
     from dres.ops import reference
 
     ydt = DTYPES[case.h_dtype]
+    p = dropout_p(case)
+    drop = (lambda h: torch.nn.functional.dropout(h, p)) if p else (lambda h: h)
     if case.op == "residual_layer_norm":
         def fn(x, h, w, b, alpha, rs, gs):
-            return reference.residual_layer_norm(x, h, w, b, alpha, EPS, rs, gs)
+            return reference.residual_layer_norm(x, drop(h), w, b, alpha, EPS, rs, gs)
     elif case.op == "residual_add":
         def fn(x, h, w, b, alpha, rs, gs):
-            return (reference.residual_add(x, h, alpha, rs, gs),)
+            return (reference.residual_add(x, drop(h), alpha, rs, gs),)
     else:
         def fn(x, h, w, b, alpha, rs, gs):
             return (reference.layer_norm(x, w, b, EPS, ydt),)
@@ -173,12 +180,13 @@ def _dres_fn(case: Case, backend: str):
     import dres.ops as ops
 
     ydt = DTYPES[case.h_dtype]
+    p = dropout_p(case)
     if case.op == "residual_layer_norm":
         def fn(x, h, w, b, alpha, rs, gs):
-            return ops.residual_layer_norm(x, h, w, b, alpha, EPS, rs, gs, backend=backend)
+            return ops.residual_layer_norm(x, h, w, b, alpha, EPS, rs, gs, dropout_p=p, backend=backend)
     elif case.op == "residual_add":
         def fn(x, h, w, b, alpha, rs, gs):
-            return (ops.residual_add(x, h, alpha, rs, gs, backend=backend),)
+            return (ops.residual_add(x, h, alpha, rs, gs, dropout_p=p, backend=backend),)
     else:
         def fn(x, h, w, b, alpha, rs, gs):
             return (ops.layer_norm(x, w, b, EPS, ydt, backend=backend),)
@@ -188,7 +196,8 @@ def _dres_fn(case: Case, backend: str):
 def _flash_attn_fn(case: Case):
     """flash-attn's Triton ``layer_norm_fn(h, w, b, residual=x, prenorm=True, rowscale=...)``: the add
     and the norm in one kernel. It has no alpha and no separate gradient scale, so it covers the
-    plain, drop_path and rdp_even modes (rowscale scales both the value and the gradient of h)."""
+    plain, drop_path, rdp_even and dropout modes (rowscale scales both the value and the gradient of h;
+    its dropout_p drops h, its mask saved for the backward)."""
     import inspect
 
     from flash_attn.ops.triton.layer_norm import layer_norm_fn
@@ -205,22 +214,23 @@ def _flash_attn_fn(case: Case):
         def fn(x, h, w, b, alpha, rs, gs):
             return (layer_norm_fn(x, w, b, eps=EPS, **kw),)
         return fn
-    if case.mode not in ("plain", "drop_path", "rdp_even"):
+    if case.mode not in ("plain", "drop_path", "rdp_even", "dropout"):
         raise Unsupported(f"flash-attn has no {case.mode} (no alpha, no separate gradient scale)")
     _, tokens = case.batch_tokens
+    p = dropout_p(case)
 
     def fn(x, h, w, b, alpha, rs, gs):
         # rowscale is per row; expanding the per-sample factor is part of what a user of flash-attn
         # pays, so it stays inside the timed function.
         rowscale = None if rs is None else rs.repeat_interleave(tokens, output_size=rs.shape[0] * tokens)
-        y, res = layer_norm_fn(h, w, b, residual=x, eps=EPS, prenorm=True, rowscale=rowscale)
+        y, res = layer_norm_fn(h, w, b, residual=x, eps=EPS, dropout_p=p, prenorm=True, rowscale=rowscale)
         return res, y
     return fn
 
 
 def _unfused_peer_ln(case: Case, ln: Callable):
-    """apex / Liger have LayerNorm only: for residual_layer_norm the add runs in eager PyTorch (the
-    reference), then their norm, then a cast when the contract's y dtype differs from the input's."""
+    """apex / Liger have LayerNorm only: for residual_layer_norm the add (and the dropout) runs in eager
+    PyTorch (the reference), then their norm, then a cast when the contract's y dtype differs from the input's."""
     from dres.ops import reference
 
     ydt = DTYPES[case.h_dtype]
@@ -232,8 +242,10 @@ def _unfused_peer_ln(case: Case, ln: Callable):
             return (y if y.dtype == ydt else y.to(ydt),)
         return fn
 
+    p = dropout_p(case)
+
     def fn(x, h, w, b, alpha, rs, gs):
-        out = reference.residual_add(x, h, alpha, rs, gs)
+        out = reference.residual_add(x, torch.nn.functional.dropout(h, p) if p else h, alpha, rs, gs)
         y = ln(out, w, b)
         return out, (y if y.dtype == ydt else y.to(ydt))
     return fn
@@ -297,7 +309,7 @@ def make_mode_args(case: Case, device) -> tuple:
     gen = torch.Generator(device=device).manual_seed(1)
     m = (torch.rand(batch, device=device, generator=gen) < KEEP).float()
     mode = case.mode
-    if mode == "plain":
+    if mode in ("plain", "dropout"):
         return 1.0, None, None
     if mode == "alpha":
         return ALPHA, None, None
@@ -402,15 +414,21 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 def check_against(results, reference_results, case: Case) -> tuple[float, bool]:
     """Largest relative (L2) error of any output or gradient against eager PyTorch. The tolerance
     only catches wrong semantics (a scale applied to the wrong term, a missing alpha), not rounding:
-    1e-2 when any tensor is 16-bit, 1e-4 in fp32."""
+    1e-2 when any tensor is 16-bit, 1e-4 in fp32. With dropout the implementations draw other masks,
+    so the norms of the row-shaped tensors are compared instead, to 5e-3 (a missing mask or 1 / (1 - p)
+    moves them by >= 1%; the weight gradients, each a sum over rows, move with the masks themselves)."""
     err = 0.0
     for a, r in zip(results, reference_results):
         if a is None or r is None:
             continue
         if a.shape != r.shape or a.dtype != r.dtype:
             return float("inf"), False
-        err = max(err, rel_err(a, r))
-    tol = 1e-4 if case.x_dtype == case.h_dtype == "fp32" else 1e-2
+        if case.mode == "dropout":
+            if a.dim() > 1:
+                err = max(err, abs(a.float().norm().item() / r.float().norm().clamp_min(1e-12).item() - 1))
+        else:
+            err = max(err, rel_err(a, r))
+    tol = 5e-3 if case.mode == "dropout" else 1e-4 if case.x_dtype == case.h_dtype == "fp32" else 1e-2
     return err, err <= tol
 
 

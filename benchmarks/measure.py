@@ -122,8 +122,10 @@ MODE_FLAGS = {
     "rdp_odd": (False, True, False, False),       # grad_scale = 1 - m, value unscaled
     "alpha_tensor": (False, False, True, False),  # 0-dim buffer, as models keep their alphas
     "alpha_grad": (False, False, True, True),     # learnable alpha: backward also reads x for dalpha
+    "dropout": (False, False, False, False),      # dropout of h (p = 0.1): its mask is drawn, not read or written
 }
 MODES = tuple(MODE_FLAGS)
+DROPOUT_P = 0.1  # the dropout mode's p (BERT's and GPT-2's residual dropout)
 # layer_norm has no residual input, so only the plain mode means anything for it.
 OP_MODES = {"residual_layer_norm": MODES, "residual_add": MODES, "layer_norm": ("plain",)}
 

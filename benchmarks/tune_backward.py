@@ -89,14 +89,14 @@ def sweep(rows: int, dim: int, dtype: str, stages: list[int], ceiling_gbps: floa
     g_out, g_y = torch.randn_like(x), torch.randn_like(h)
     out, y = torch.empty_like(x), torch.empty_like(h)
     mean, rstd = torch.empty(rows, device=dev), torch.empty(rows, device=dev)
-    residual_norm_forward(x, h, w, b, None, 0.9, 1e-6, None, 1, out, y, mean, rstd)
+    residual_norm_forward(x, h, w, b, None, 0.9, 1e-6, None, 1, out, y, mean, rstd, 0.0, None)
     dx, dh = torch.empty_like(x), torch.empty_like(h)
     at_ceiling_us = measure.us_at_ceiling(rows * dim * (3 * x.element_size() + 2 * h.element_size()), ceiling_gbps)
 
     def time_config(config):
         with backward_config_replaced(dim, *config):
             return measure.do_bench_median_us(lambda: residual_norm_backward(
-                g_out, g_y, out, None, w, mean, rstd, None, 0.9, None, 1, dx, dh, True, True, False),
+                g_out, g_y, out, None, w, mean, rstd, None, 0.9, None, 1, dx, dh, True, True, False, 0.0, None),
                 warmup_ms=5, rep_ms=30)
 
     block_m, _, warps, per_sm, _ = backward_config(dim)

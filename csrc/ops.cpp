@@ -163,10 +163,28 @@ int num_sms() {
   return n;
 }
 
+// The dropout of h: p in [0, 1); with p > 0 the seed, one int64 on x's device, read by the kernels.
+// Returns the seed to pass, undefined without dropout.
+Tensor dropout_seed(double dropout_p, const OptTensor& seed, const Tensor& x) {
+  TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "dropout_p must be in [0, 1), got ", dropout_p);
+  if (dropout_p == 0) return Tensor();
+  TORCH_CHECK(present(seed), "dropout_p > 0 needs a seed");
+  TORCH_CHECK(seed->is_cuda() && seed->device() == x.device() && seed->scalar_type() == at::kLong &&
+                  seed->numel() == 1,
+              "seed must be one int64 on x's device (", x.device(), ")");
+  return seed->contiguous();
+}
+
+void set_dropout(const Tensor& seed, double dropout_p, const int64_t** p_seed, float* p_dropout_p, float* p_scale) {
+  *p_seed = seed.defined() ? seed.data_ptr<int64_t>() : nullptr;
+  *p_dropout_p = static_cast<float>(dropout_p);
+  *p_scale = static_cast<float>(1.0 / (1.0 - dropout_p));
+}
+
 // Shared forward: out (when h is given) and y/mean/rstd (when norm is true).
 void forward(const Tensor& x2, const Tensor& h2, const Tensor& weight, const Tensor& bias, const Tensor& alpha,
              double alpha_value, double eps, const Tensor& row_scale, int64_t rows_per_sample, const Tensor& out2,
-             const Tensor& y2, const Tensor& mean, const Tensor& rstd) {
+             const Tensor& y2, const Tensor& mean, const Tensor& rstd, double dropout_p, const Tensor& seed) {
   const int64_t M = x2.size(0);
   if (M == 0) return;
   const int D = static_cast<int>(x2.size(1));
@@ -198,6 +216,7 @@ void forward(const Tensor& x2, const Tensor& h2, const Tensor& weight, const Ten
   p.rows_per_sample = rows_per_sample;
   p.alpha_value = static_cast<float>(alpha_value);
   p.eps = static_cast<float>(eps);
+  set_dropout(seed, dropout_p, &p.seed, &p.dropout_p, &p.dropout_scale);
   const Tensor none;
   const LaunchShape s =
       choose_shape(D, vectorizable(D, {&x2, &h2, h2.defined() ? &out2 : &none, &y2, &weight, &bias}));
@@ -215,11 +234,13 @@ Tensor stats(const Tensor& x) {
 std::tuple<Tensor, Tensor, Tensor, Tensor> residual_layer_norm(
     const Tensor& x, const Tensor& h, const OptTensor& weight, const OptTensor& bias, const OptTensor& alpha,
     double alpha_value, double eps, const OptTensor& row_scale, const OptTensor& grad_scale,
-    std::optional<at::ScalarType> residual_dtype, std::optional<at::ScalarType> out_dtype) {
+    std::optional<at::ScalarType> residual_dtype, std::optional<at::ScalarType> out_dtype, double dropout_p,
+    const OptTensor& seed) {
   // Every argument is checked before anything else happens (device guard, allocations).
   check_eps(eps);
   check_x(x);
   check_rows(h, "h", x);
+  const Tensor sd = dropout_seed(dropout_p, seed, x);
   const int64_t rows = x.numel() / x.size(-1);
   int64_t rps = 1, unused = 1;
   const Tensor w = param(weight, "weight", x), b = param(bias, "bias", x), a = alpha_tensor(alpha, x);
@@ -234,15 +255,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> residual_layer_norm(
   dtype_code(y.scalar_type(), "out_dtype");
   Tensor mean = stats(x), rstd = stats(x);
   forward(as_rows(x), as_rows(h), w, b, a, alpha_value, eps, rs, rps, out.view({-1, x.size(-1)}),
-          y.view({-1, x.size(-1)}), mean, rstd);
+          y.view({-1, x.size(-1)}), mean, rstd, dropout_p, sd);
   return {out, y, mean, rstd};
 }
 
 Tensor residual_add(const Tensor& x, const Tensor& h, const OptTensor& alpha, double alpha_value,
                     const OptTensor& row_scale, const OptTensor& grad_scale,
-                    std::optional<at::ScalarType> residual_dtype) {
+                    std::optional<at::ScalarType> residual_dtype, double dropout_p, const OptTensor& seed) {
   check_x(x);
   check_rows(h, "h", x);
+  const Tensor sd = dropout_seed(dropout_p, seed, x);
   const int64_t rows = x.numel() / x.size(-1);
   int64_t rps = 1, unused = 1;
   const Tensor a = alpha_tensor(alpha, x);
@@ -253,7 +275,7 @@ Tensor residual_add(const Tensor& x, const Tensor& h, const OptTensor& alpha, do
   Tensor out = at::empty(x.sizes(), x.options().dtype(residual_dtype.value_or(x.scalar_type())));
   dtype_code(out.scalar_type(), "residual_dtype");
   forward(as_rows(x), as_rows(h), Tensor(), Tensor(), a, alpha_value, 0.0, rs, rps, out.view({-1, x.size(-1)}),
-          Tensor(), Tensor(), Tensor());
+          Tensor(), Tensor(), Tensor(), dropout_p, sd);
   return out;
 }
 
@@ -268,7 +290,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm(const Tensor& x, const OptTensor& 
   dtype_code(y.scalar_type(), "out_dtype");
   Tensor mean = stats(x), rstd = stats(x);
   forward(as_rows(x), Tensor(), w, b, Tensor(), 1.0, eps, Tensor(), 1, Tensor(), y.view({-1, x.size(-1)}), mean,
-          rstd);
+          rstd, 0.0, Tensor());
   return {y, mean, rstd};
 }
 
@@ -278,7 +300,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> residual_norm_backward(
     const OptTensor& g_out, const OptTensor& g_y, const OptTensor& normed, const OptTensor& x,
     const OptTensor& weight, const OptTensor& mean, const OptTensor& rstd, const OptTensor& alpha, double alpha_value,
     const OptTensor& grad_scale, at::ScalarType x_dtype, std::optional<at::ScalarType> h_dtype, bool need_dweight,
-    bool need_dbias, bool need_dalpha) {
+    bool need_dbias, bool need_dalpha, double dropout_p, const OptTensor& seed) {
   // Every argument is checked before anything else happens (device guard, allocations);
   // optionals holding an undefined tensor count as absent.
   const bool has_gout = present(g_out), has_gy = present(g_y);
@@ -305,6 +327,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> residual_norm_backward(
   const Tensor w = param(weight, "weight", ref), a = alpha_tensor(alpha, ref);
   int64_t rps = 1;
   const Tensor gs = sample_scale(grad_scale, "grad_scale", ref, M, &rps);
+  const Tensor sd = dropout_seed(dropout_p, seed, ref);
 
   dtype_code(x_dtype, "x_dtype");
   if (h_dtype.has_value()) dtype_code(*h_dtype, "h_dtype");
@@ -377,6 +400,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> residual_norm_backward(
   p.D = static_cast<int>(D);
   p.rows_per_sample = rps;
   p.alpha_value = static_cast<float>(alpha_value);
+  set_dropout(h_dtype.has_value() ? sd : Tensor(), dropout_p, &p.seed, &p.dropout_p, &p.dropout_scale);
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   launch_backward(p, s, P, stream);
@@ -520,6 +544,7 @@ struct BackwardArgs {
   at::ScalarType x_dtype;
   std::optional<at::ScalarType> h_dtype;  // none: no gradient into h
   bool need_dweight, need_dbias, need_dalpha;
+  double dropout_p;  // the forward's (its seed is a saved tensor)
 };
 
 void save_args(AutogradContext* ctx, const BackwardArgs& a) {
@@ -527,6 +552,7 @@ void save_args(AutogradContext* ctx, const BackwardArgs& a) {
   ctx->saved_data["x_dtype"] = a.x_dtype;
   ctx->saved_data["h_dtype"] = a.h_dtype.has_value() ? c10::IValue(*a.h_dtype) : c10::IValue();
   ctx->saved_data["need"] = std::vector<bool>{a.need_dweight, a.need_dbias, a.need_dalpha};
+  ctx->saved_data["dropout_p"] = a.dropout_p;
 }
 
 BackwardArgs saved_args(AutogradContext* ctx) {
@@ -534,7 +560,7 @@ BackwardArgs saved_args(AutogradContext* ctx) {
   const c10::List<bool> need = ctx->saved_data["need"].toBoolList();
   return {ctx->saved_data["alpha_value"].toDouble(), ctx->saved_data["x_dtype"].toScalarType(),
           h_dtype.isNone() ? std::nullopt : std::optional<at::ScalarType>(h_dtype.toScalarType()), need[0], need[1],
-          need[2]};
+          need[2], ctx->saved_data["dropout_p"].toDouble()};
 }
 
 // (dx, dh, dweight fp32, dbias fp32, dalpha fp32) from residual_norm_backward.
@@ -542,11 +568,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> call_backward(const Tensor& g
                                                                  const Tensor& normed, const Tensor& x,
                                                                  const Tensor& weight, const Tensor& mean,
                                                                  const Tensor& rstd, const Tensor& alpha,
-                                                                 const Tensor& grad_scale, const BackwardArgs& a) {
+                                                                 const Tensor& grad_scale, const Tensor& seed,
+                                                                 const BackwardArgs& a) {
   static const auto op = op_handle<decltype(residual_norm_backward)>("dres_cuda::residual_norm_backward");
   return op.call(as_optional(g_out), as_optional(g_y), as_optional(normed), as_optional(x), as_optional(weight),
                  as_optional(mean), as_optional(rstd), as_optional(alpha), a.alpha_value, as_optional(grad_scale),
-                 a.x_dtype, a.h_dtype, a.need_dweight, a.need_dbias, a.need_dalpha);
+                 a.x_dtype, a.h_dtype, a.need_dweight, a.need_dbias, a.need_dalpha, a.dropout_p, as_optional(seed));
 }
 
 // A parameter's gradient in its dtype from the kernels' fp32 one; zeros where they had none to give
@@ -570,36 +597,37 @@ std::optional<at::ScalarType> h_grad_dtype(const Tensor& h) {
   return h.requires_grad() ? std::optional<at::ScalarType>(h.scalar_type()) : std::nullopt;
 }
 
-// out = alpha*x + row_scale[b]*h, y = LayerNorm(out); g = g_out + LN_bwd(g_y), dx = alpha*g,
-// dh = grad_scale[b]*g, dweight, dbias and dalpha = sum(g*x).
+// out = alpha*x + row_scale[b]*drop(h), y = LayerNorm(out); g = g_out + LN_bwd(g_y), dx = alpha*g,
+// dh = grad_scale[b]*drop'(g) (the forward's mask), dweight, dbias and dalpha = sum(g*x).
 struct ResidualLayerNormFunction : torch::autograd::Function<ResidualLayerNormFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& h, const OptTensor& weight,
                                const OptTensor& bias, const OptTensor& alpha, double alpha_value, double eps,
                                const OptTensor& row_scale, const OptTensor& grad_scale,
-                               std::optional<at::ScalarType> residual_dtype, std::optional<at::ScalarType> out_dtype) {
+                               std::optional<at::ScalarType> residual_dtype, std::optional<at::ScalarType> out_dtype,
+                               double dropout_p, const OptTensor& seed) {
     static const auto op = op_handle<decltype(residual_layer_norm)>("dres_cuda::residual_layer_norm");
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, y, mean, rstd] =
-        op.call(x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype);
+    auto [out, y, mean, rstd] = op.call(x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale,
+                                        residual_dtype, out_dtype, dropout_p, seed);
     const bool need_dalpha = requires_grad(alpha);
     ctx->mark_non_differentiable({mean, rstd});
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({out, value_or_undefined(weight), value_or_undefined(bias), mean, rstd,
                             value_or_undefined(alpha), gradient_scale(row_scale, grad_scale),
-                            need_dalpha ? x : Tensor()});
+                            need_dalpha ? x : Tensor(), value_or_undefined(seed)});
     save_args(ctx, {alpha_value, x.scalar_type(), h_grad_dtype(h), requires_grad(weight), requires_grad(bias),
-                    need_dalpha});
+                    need_dalpha, dropout_p});
     return {out, y, mean, rstd};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list result(11);  // one per forward argument; undefined: no gradient
+    variable_list result(13);  // one per forward argument; undefined: no gradient
     if (!grads[0].defined() && !grads[1].defined()) return result;
     const variable_list s = ctx->get_saved_variables();
     const Tensor &out = s[0], &weight = s[1], &bias = s[2], &mean = s[3], &rstd = s[4], &alpha = s[5];
     const BackwardArgs a = saved_args(ctx);
     auto [dx, dh, dweight, dbias, dalpha] = call_backward(grads[0], grads[1], out, s[7], weight, mean, rstd, alpha,
-                                                          s[6], a);
+                                                          s[6], s[8], a);
     result[0] = dx;
     if (a.h_dtype.has_value()) result[1] = dh;
     result[2] = param_grad(dweight, weight, a.need_dweight);
@@ -609,29 +637,29 @@ struct ResidualLayerNormFunction : torch::autograd::Function<ResidualLayerNormFu
   }
 };
 
-// out = alpha*x + row_scale[b]*h; dx = alpha*g, dh = grad_scale[b]*g, dalpha = sum(g*x).
+// out = alpha*x + row_scale[b]*drop(h); dx = alpha*g, dh = grad_scale[b]*drop'(g), dalpha = sum(g*x).
 struct ResidualAddFunction : torch::autograd::Function<ResidualAddFunction> {
   static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& h, const OptTensor& alpha,
                                double alpha_value, const OptTensor& row_scale, const OptTensor& grad_scale,
-                               std::optional<at::ScalarType> residual_dtype) {
+                               std::optional<at::ScalarType> residual_dtype, double dropout_p, const OptTensor& seed) {
     static const auto op = op_handle<decltype(residual_add)>("dres_cuda::residual_add");
     const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    Tensor out = op.call(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype);
+    Tensor out = op.call(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype, dropout_p, seed);
     const bool need_dalpha = requires_grad(alpha);
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({value_or_undefined(alpha), gradient_scale(row_scale, grad_scale),
-                            need_dalpha ? x : Tensor()});
-    save_args(ctx, {alpha_value, x.scalar_type(), h_grad_dtype(h), false, false, need_dalpha});
+                            need_dalpha ? x : Tensor(), value_or_undefined(seed)});
+    save_args(ctx, {alpha_value, x.scalar_type(), h_grad_dtype(h), false, false, need_dalpha, dropout_p});
     return {out};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list result(7);
+    variable_list result(9);
     if (!grads[0].defined()) return result;
     const variable_list s = ctx->get_saved_variables();
     const BackwardArgs a = saved_args(ctx);
     auto [dx, dh, dweight, dbias, dalpha] = call_backward(grads[0], Tensor(), Tensor(), s[2], Tensor(), Tensor(),
-                                                          Tensor(), s[0], s[1], a);
+                                                          Tensor(), s[0], s[1], s[3], a);
     result[0] = dx;
     if (a.h_dtype.has_value()) result[1] = dh;
     result[2] = alpha_grad(dalpha, s[0], a.need_dalpha);
@@ -649,7 +677,7 @@ struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
     ctx->mark_non_differentiable({mean, rstd});
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({x, value_or_undefined(weight), value_or_undefined(bias), mean, rstd});
-    save_args(ctx, {1.0, x.scalar_type(), std::nullopt, requires_grad(weight), requires_grad(bias), false});
+    save_args(ctx, {1.0, x.scalar_type(), std::nullopt, requires_grad(weight), requires_grad(bias), false, 0.0});
     return {y, mean, rstd};
   }
 
@@ -660,7 +688,7 @@ struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
     const Tensor &x = s[0], &weight = s[1], &bias = s[2];
     const BackwardArgs a = saved_args(ctx);
     auto [dx, dh, dweight, dbias, dalpha] = call_backward(Tensor(), grads[0], x, Tensor(), weight, s[3], s[4],
-                                                          Tensor(), Tensor(), a);
+                                                          Tensor(), Tensor(), Tensor(), a);
     result[0] = dx;
     result[1] = param_grad(dweight, weight, a.need_dweight);
     result[2] = param_grad(dbias, bias, a.need_dbias);
@@ -753,16 +781,18 @@ Tensor fused_mlp_autograd(const Tensor& x, const Tensor& fc1_weight, const OptTe
 std::tuple<Tensor, Tensor, Tensor, Tensor> residual_layer_norm_autograd(
     const Tensor& x, const Tensor& h, const OptTensor& weight, const OptTensor& bias, const OptTensor& alpha,
     double alpha_value, double eps, const OptTensor& row_scale, const OptTensor& grad_scale,
-    std::optional<at::ScalarType> residual_dtype, std::optional<at::ScalarType> out_dtype) {
+    std::optional<at::ScalarType> residual_dtype, std::optional<at::ScalarType> out_dtype, double dropout_p,
+    const OptTensor& seed) {
   const variable_list r = ResidualLayerNormFunction::apply(x, h, weight, bias, alpha, alpha_value, eps, row_scale,
-                                                           grad_scale, residual_dtype, out_dtype);
+                                                           grad_scale, residual_dtype, out_dtype, dropout_p, seed);
   return {r[0], r[1], r[2], r[3]};
 }
 
 Tensor residual_add_autograd(const Tensor& x, const Tensor& h, const OptTensor& alpha, double alpha_value,
                              const OptTensor& row_scale, const OptTensor& grad_scale,
-                             std::optional<at::ScalarType> residual_dtype) {
-  return ResidualAddFunction::apply(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype)[0];
+                             std::optional<at::ScalarType> residual_dtype, double dropout_p, const OptTensor& seed) {
+  return ResidualAddFunction::apply(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype, dropout_p,
+                                    seed)[0];
 }
 
 std::tuple<Tensor, Tensor, Tensor> layer_norm_autograd(const Tensor& x, const OptTensor& weight,
@@ -780,16 +810,17 @@ TORCH_LIBRARY(dres_cuda, m) {
   m.set_python_module("dres.ops.csrc_backend");
   m.def(
       "residual_layer_norm(Tensor x, Tensor h, Tensor? weight, Tensor? bias, Tensor? alpha, float alpha_value, "
-      "float eps, Tensor? row_scale, Tensor? grad_scale, ScalarType? residual_dtype, ScalarType? out_dtype) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
+      "float eps, Tensor? row_scale, Tensor? grad_scale, ScalarType? residual_dtype, ScalarType? out_dtype, "
+      "float dropout_p, Tensor? seed) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "residual_add(Tensor x, Tensor h, Tensor? alpha, float alpha_value, Tensor? row_scale, Tensor? grad_scale, "
-      "ScalarType? residual_dtype) -> Tensor");
+      "ScalarType? residual_dtype, float dropout_p, Tensor? seed) -> Tensor");
   m.def("layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps, ScalarType? out_dtype) -> (Tensor, Tensor, Tensor)");
   m.def(
       "residual_norm_backward(Tensor? g_out, Tensor? g_y, Tensor? normed, Tensor? x, Tensor? weight, Tensor? mean, "
       "Tensor? rstd, Tensor? alpha, float alpha_value, Tensor? grad_scale, ScalarType x_dtype, ScalarType? h_dtype, "
-      "bool need_dweight, bool need_dbias, bool need_dalpha) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool need_dweight, bool need_dbias, bool need_dalpha, float dropout_p, Tensor? seed) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("bias_gelu(Tensor pre, Tensor? bias, ScalarType? out_dtype, str approximate) -> Tensor");
   m.def(
       "bias_gelu_backward(Tensor g, Tensor pre, Tensor? bias, ScalarType? act_dtype, bool need_dbias, str approximate) "

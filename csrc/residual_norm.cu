@@ -1,9 +1,9 @@
 // CUDA kernels for the fused scaled residual add + LayerNorm (docs/brief.md, "The fused operation").
 //
 // Same math as kernels/residual_norm.py (the Triton kernels), all in fp32 registers:
-//   forward:  out = alpha*x + row_scale[b]*h  (stored rounded in out's dtype)
+//   forward:  out = alpha*x + row_scale[b]*drop(h)  (stored rounded in out's dtype)
 //             y   = (out_rounded - mean) * rstd * weight + bias
-//   backward: g = g_out + LN_bwd(g_y); dx = alpha*g; dh = grad_scale[b]*g;
+//   backward: g = g_out + LN_bwd(g_y); dx = alpha*g; dh = grad_scale[b]*drop'(g);
 //             dweight/dbias as fp32 per-block partials summed in a fixed order; dalpha = sum(g*x).
 //
 // Work split: a "group" owns one row at a time. For D <= 1024 a group is one warp (8 rows in
@@ -72,6 +72,38 @@ __device__ __forceinline__ float2 group_sum2(float2 v, float2* scratch) {
   return block_sum2(v, scratch);
 }
 
+// ---------------------------------------------------------------------------------------------
+// Dropout of h: Triton's tl.rand(seed, offset) of the element index r*D + c, bit for bit (Philox
+// 4x32 with 10 rounds, counter (offset lo, offset hi, 0, 0), key the seed's halves, the first word to
+// a float in [0, 1)), so both backends drop the same elements for a seed and the backward redraws
+// the forward's mask instead of storing it.
+
+__device__ __forceinline__ float philox_uniform(uint64_t seed, uint64_t offset) {
+  uint32_t c0 = static_cast<uint32_t>(offset), c1 = static_cast<uint32_t>(offset >> 32), c2 = 0u, c3 = 0u;
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+#pragma unroll
+  for (int i = 0; i < 10; ++i) {
+    const uint32_t a = c0, b = c2;
+    c0 = __umulhi(0xCD9E8D57u, b) ^ c1 ^ k0;
+    c2 = __umulhi(0xD2511F53u, a) ^ c3 ^ k1;
+    c1 = 0xCD9E8D57u * b;
+    c3 = 0xD2511F53u * a;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  int32_t v = static_cast<int32_t>(c0);
+  if (v < 0) v = ~v;
+  return static_cast<float>(v) * 4.6566127342e-10f;
+}
+
+// keep / (1 - p) of VEC consecutive elements from flat index `offset`: 0 or scale.
+template <int VEC>
+__device__ __forceinline__ void dropout_factors(uint64_t seed, int64_t offset, float p, float scale,
+                                                float (&f)[VEC]) {
+#pragma unroll
+  for (int e = 0; e < VEC; ++e) f[e] = philox_uniform(seed, static_cast<uint64_t>(offset + e)) >= p ? scale : 0.f;
+}
+
 // Position of this thread within the row-owning group, and the group's place in the grid.
 template <bool WARP_ROW>
 struct Group {
@@ -94,6 +126,7 @@ __global__ void __launch_bounds__(kMaxThreads) residual_norm_fwd_kernel(const Fw
   const int nchunks = p.D / VEC;
   const float alpha = p.alpha != nullptr ? load1(p.alpha, p.alpha_dt, 0) : p.alpha_value;
   const bool has_norm = p.y != nullptr;
+  const uint64_t seed = p.seed != nullptr ? static_cast<uint64_t>(*p.seed) : 0u;
 
   // The row loop is uniform across a group, so the block-wide barriers inside block_sum2 are
   // reached by every thread of the block on the block-per-row path.
@@ -111,6 +144,12 @@ __global__ void __launch_bounds__(kMaxThreads) residual_norm_fwd_kernel(const Fw
         if (p.h != nullptr) {
           float hv[VEC];
           load_vec<VEC>(p.h, p.h_dt, row * p.stride_h + col, hv);
+          if (p.seed != nullptr) {
+            float f[VEC];
+            dropout_factors<VEC>(seed, row * p.D + col, p.dropout_p, p.dropout_scale, f);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) hv[e] *= f[e];
+          }
 #pragma unroll
           for (int e = 0; e < VEC; ++e) v[k][e] = alpha * v[k][e] + hv[e] * scale;
           store_vec<VEC>(p.out, p.out_dt, row * p.stride_out + col, v[k]);
@@ -211,6 +250,7 @@ __global__ void __launch_bounds__(kMaxThreads) residual_norm_bwd_kernel(const Bw
   const bool has_gy = p.g_y != nullptr;
   const bool need_dw = p.dweight_part != nullptr, need_db = p.dbias_part != nullptr;
   const bool accumulate = need_dw || need_db;
+  const uint64_t seed = p.seed != nullptr ? static_cast<uint64_t>(*p.seed) : 0u;
   float* acc_w = acc_smem + static_cast<size_t>(grp.index) * 2 * D;
   float* acc_b = acc_w + D;
   if (accumulate) {
@@ -297,6 +337,12 @@ __global__ void __launch_bounds__(kMaxThreads) residual_norm_bwd_kernel(const Bw
       if (p.dh != nullptr) {
 #pragma unroll
         for (int e = 0; e < VEC; ++e) t[e] = g[e] * gscale;
+        if (p.seed != nullptr) {
+          float f[VEC];
+          dropout_factors<VEC>(seed, row * D + col, p.dropout_p, p.dropout_scale, f);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) t[e] *= f[e];
+        }
         store_vec<VEC>(p.dh, p.dh_dt, row * p.stride_dh + col, t);
       }
       if (p.dalpha_part != nullptr) {

@@ -31,6 +31,7 @@ struct FwdParams {
   const void* row_scale;  // (B,) or nullptr (= 1)
   float* mean;            // (M,) fp32, written when y != nullptr
   float* rstd;
+  const int64_t* seed;    // dropout of h: the Philox seed (one value), or nullptr (no dropout)
   int64_t stride_x, stride_h, stride_out, stride_y;  // row strides in elements
   int x_dt, h_dt, out_dt, y_dt, weight_dt, bias_dt, alpha_dt, row_scale_dt;
   int64_t M;
@@ -38,6 +39,7 @@ struct FwdParams {
   int64_t rows_per_sample;
   float alpha_value;
   float eps;
+  float dropout_p, dropout_scale;  // p and 1 / (1 - p), read when seed != nullptr
 };
 
 struct BwdParams {
@@ -55,12 +57,14 @@ struct BwdParams {
   float* dweight_part;     // (P, D) per-block partial sums, or nullptr
   float* dbias_part;       // (P, D) or nullptr
   float* dalpha_part;      // (P,) or nullptr
+  const int64_t* seed;     // the forward's dropout seed (dh gets its mask), or nullptr
   int64_t stride_gout, stride_gy, stride_normed, stride_x, stride_dx, stride_dh;
   int g_out_dt, g_y_dt, normed_dt, x_dt, weight_dt, alpha_dt, grad_scale_dt, dx_dt, dh_dt;
   int64_t M;
   int D;
   int64_t rows_per_sample;
   float alpha_value;
+  float dropout_p, dropout_scale;
 };
 
 // Launch shape for rows of length D: 8-wide vectors when every tensor allows 16-byte accesses,

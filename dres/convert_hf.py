@@ -38,8 +38,15 @@ are fused with the norm that follows and carried across blocks as in the ViTs (t
 ``c_attn`` Conv1D), SDPA applies the causal mask itself, and the block hands it every argument as
 HF's block does, so the key/value cache (generation), padding masks and attention probabilities
 work unchanged. A GELU MLP (``c_fc``, ``gelu_new`` or another GELU, ``c_proj``; Conv1D, whose (in, out)
-weights go to :func:`dres.ops.fused_mlp` transposed) is one fused MLP with its dropout after it, as in HF.
-Cross-attention blocks (``add_cross_attention``) are refused.
+weights go to :func:`dres.ops.fused_mlp` transposed) is one fused MLP. Cross-attention blocks
+(``add_cross_attention``) are refused.
+
+Residual dropout (HF's ``nn.Dropout`` ending a branch: BERT's and GPT-2's ``hidden_dropout_prob`` /
+``resid_pdrop``, ViT's ``hidden_dropout_prob``) is drawn inside the fused add after the branch
+(``residual_layer_norm(..., dropout_p=p)``, p while the module trains, 0 in eval), never as kernels of
+its own; GPT-2's attention ends in its own ``resid_dropout``, which the converter re-classes
+:class:`DropoutInNextAdd` (HF's call of it is then the identity). The masks are the kernels' Philox
+stream, not torch's: a converted model drops other elements than the original for one seed.
 
 The branches run on the fused ops too. Every converted self-attention (the module holding the
 ``query``/``key``/``value`` or ``q_proj``/``k_proj``/``v_proj`` Linears, which stay) computes q, k and v
@@ -93,11 +100,32 @@ def _refuse_second_conversion(modules, what: str) -> None:
 
 
 def _fused_add_norm(x: torch.Tensor, h: torch.Tensor, norm: nn.LayerNorm, alpha: float, backend: Optional[str],
-                    out_dtype: Optional[torch.dtype] = None):
-    """``(alpha*x + h, norm(alpha*x + h))`` in one op; the normalised value in ``out_dtype`` (default the
+                    out_dtype: Optional[torch.dtype] = None, dropout_p: float = 0.0):
+    """``(alpha*x + dropout(h), norm(...))`` in one op; the normalised value in ``out_dtype`` (default the
     branch's: the autocast dtype under autocast)."""
     return ops.residual_layer_norm(x, h, norm.weight, norm.bias, alpha=alpha, eps=norm.eps, out_dtype=out_dtype,
-                                   backend=backend)
+                                   dropout_p=dropout_p, backend=backend)
+
+
+class DropoutInNextAdd(nn.Dropout):
+    """The ``nn.Dropout`` at the end of a branch inside an HF module (GPT-2's attention ``resid_dropout``),
+    re-classed: the module's call is the identity, and the fused residual add after the branch draws the
+    mask with the ``p`` it reads here (:func:`_deferred_dropout_p`)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return input
+
+
+def _deferred_dropout_p(dropout: nn.Module) -> float:
+    return dropout.p if isinstance(dropout, DropoutInNextAdd) and dropout.training else 0.0
+
+
+def _branch_end(tail: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``(h, p)``: a plain ``nn.Dropout`` ending a branch is left to the fused add after it (p, 0 outside
+    training); any other tail (LayerScale, DropPath, ...) is applied here (p = 0)."""
+    if type(tail) is nn.Dropout:
+        return h, tail.p if tail.training else 0.0
+    return tail(h), 0.0
 
 
 def _layer_norm_dtype(x: torch.Tensor) -> torch.dtype:
@@ -333,16 +361,16 @@ def _normalised_input(layer: nn.Module, norm_before: nn.LayerNorm, hidden_states
     return add_and_norm(hidden_states, None, norm_before, 1.0, backend=layer.backend)[1] if y is None else y
 
 
-def _end_layer(layer: nn.Module, mid: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """The layer's last add, ``alpha * mid + h``, fused with the next norm, which keeps the normalised
-    value for the next layer (or the final norm); a plain residual_add where nothing follows or the
-    loop recomputes the layer alone."""
+def _end_layer(layer: nn.Module, mid: torch.Tensor, h: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """The layer's last add, ``alpha * mid + dropout(h)``, fused with the next norm, which keeps the
+    normalised value for the next layer (or the final norm); a plain residual_add where nothing follows
+    or the loop recomputes the layer alone."""
     owner, next_norm, next_is_output = layer._dres_stream
     a_mlp = layer._dres_alphas[1]
     if next_norm is None or _checkpointing(layer, owner):
-        return ops.residual_add(mid, h, alpha=a_mlp, backend=layer.backend)
+        return ops.residual_add(mid, h, alpha=a_mlp, dropout_p=dropout_p, backend=layer.backend)
     out_dtype = _layer_norm_dtype(mid) if next_is_output else None
-    out, y_next = _fused_add_norm(mid, h, next_norm, a_mlp, layer.backend, out_dtype)
+    out, y_next = _fused_add_norm(mid, h, next_norm, a_mlp, layer.backend, out_dtype, dropout_p)
     next_norm._dres_pending = (out, y_next)
     return out
 
@@ -376,9 +404,9 @@ def _fused_vit_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, *arg
         mlp_scale, mlp_tail = layer.layer_scale2.lambda1, layer.drop_path
     attention = attention_module(_normalised_input(layer, norm_before, hidden_states), *args, **kwargs)
     attention_out = attention[0] if isinstance(attention, tuple) else attention
-    mid, y = _fused_add_norm(hidden_states, attention_tail(attention_out), norm_after, layer._dres_alphas[0],
-                             layer.backend)
-    out = _end_layer(layer, mid, mlp_tail(_mlp(layer, y, mlp_scale)))
+    h, dropout_p = _branch_end(attention_tail, attention_out)
+    mid, y = _fused_add_norm(hidden_states, h, norm_after, layer._dres_alphas[0], layer.backend, dropout_p=dropout_p)
+    out = _end_layer(layer, mid, *_branch_end(mlp_tail, _mlp(layer, y, mlp_scale)))
     # transformers < 4.56 returns (hidden_states, attentions...) from a layer; later versions the tensor
     return (out,) + tuple(attention[1:]) if layer._dres_returns_tuple else out
 
@@ -521,8 +549,9 @@ def _fused_post_ln_forward(module: nn.Module, hidden_states: torch.Tensor, input
 def _post_ln_add_norm(module: nn.Module, h: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
     """``LayerNorm(input_tensor + dropout(h))`` in one op. The normalised value is the stream itself
     (the next sub-layer's input and the layer's output), so it keeps the stream's dtype."""
-    h = module.dropout(h)
-    return _fused_add_norm(input_tensor, h, module.LayerNorm, module._dres_alpha, module.backend, input_tensor.dtype)[1]
+    h, dropout_p = _branch_end(module.dropout, h)
+    return _fused_add_norm(input_tensor, h, module.LayerNorm, module._dres_alpha, module.backend, input_tensor.dtype,
+                           dropout_p)[1]
 
 
 def _fused_feed_forward(layer: nn.Module, fc1: nn.Linear, fc2: nn.Linear, approximate: str,
@@ -619,15 +648,16 @@ def _gpt2_mlp_approximate(mlp: nn.Module) -> Optional[str]:
     return gelu_approximate(mlp.act, _hf_gelu_types())
 
 
-def _gpt2_mlp(block: nn.Module, y: torch.Tensor) -> torch.Tensor:
-    """The block's GPT2MLP on y: c_fc, GELU and c_proj as one fused MLP where conversion found it
-    fusable (a Conv1D weight is (in, out): its transpose is the op's (out, in)), then its dropout."""
+def _gpt2_mlp(block: nn.Module, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``(h, p)``: the block's GPT2MLP on y, c_fc, GELU and c_proj as one fused MLP where conversion found
+    it fusable (a Conv1D weight is (in, out): its transpose is the op's (out, in)), its dropout left to
+    the add after it (:func:`_branch_end`)."""
     mlp = block.mlp
     if block._dres_mlp is None:
-        return mlp(y)
+        return mlp(y), 0.0
     h = ops.fused_mlp(y, mlp.c_fc.weight.t(), mlp.c_fc.bias, mlp.c_proj.weight.t(), mlp.c_proj.bias,
                       backend=block.backend, approximate=block._dres_mlp)
-    return mlp.dropout(h)
+    return _branch_end(mlp.dropout, h)
 
 
 def _fused_gpt2_block_forward(block: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
@@ -639,8 +669,9 @@ def _fused_gpt2_block_forward(block: nn.Module, hidden_states: torch.Tensor, *ar
         raise ValueError("encoder_hidden_states given, but this GPT-2 has no cross-attention layers")
     named.pop("encoder_attention_mask", None)
     attention = block.attn(_normalised_input(block, block.ln_1, hidden_states), **named)
-    mid, y = _fused_add_norm(hidden_states, attention[0], block.ln_2, block._dres_alphas[0], block.backend)
-    out = _end_layer(block, mid, _gpt2_mlp(block, y))
+    mid, y = _fused_add_norm(hidden_states, attention[0], block.ln_2, block._dres_alphas[0], block.backend,
+                             dropout_p=_deferred_dropout_p(block.attn.resid_dropout))
+    out = _end_layer(block, mid, *_gpt2_mlp(block, y))
     if not block._dres_returns_tuple:  # transformers 5
         return out
     if "layer_past" in block._dres_arg_names:  # 4.46: (output, present, probabilities...), present with use_cache
@@ -657,7 +688,8 @@ def convert_hf_gpt2(model: nn.Module, alpha_min: float = 1.0, schedule: str = "l
 
     alpha_min / schedule / per_block: decayed shortcuts, :func:`dres.nn.decay_schedule` over the
     ``2 * n_layer`` residuals (attention, MLP, attention, ...). fused_mlp: False keeps HF's MLPs.
-    Weights are not touched.
+    Weights are not touched. The residual dropout of each branch (the attention's ``resid_dropout``,
+    re-classed :class:`DropoutInNextAdd`, and the MLP's) is drawn inside the fused add after it.
     """
     base, blocks, final_norm = _gpt2_stack(model)
     for i, block in enumerate(blocks):
@@ -673,5 +705,7 @@ def convert_hf_gpt2(model: nn.Module, alpha_min: float = 1.0, schedule: str = "l
         block._dres_mlp = _gpt2_mlp_approximate(block.mlp) if fused_mlp else None
         block._dres_arg_names = tuple(inspect.signature(type(block).forward).parameters)[2:]
         block.backend = backend
+        if type(getattr(block.attn, "resid_dropout", None)) is nn.Dropout:  # its mask drawn by the add after it
+            block.attn.resid_dropout.__class__ = DropoutInNextAdd
         block.__class__ = _fused_layer_class(type(block), _fused_gpt2_block_forward)
     return model

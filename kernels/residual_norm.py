@@ -6,13 +6,17 @@ each op compiles to its own specialised kernel.
 
 Forward, per row r of an (M, D) problem, sample b = r // rows_per_sample::
 
-    out = alpha * x + row_scale[b] * h          (stored in out's dtype)
+    out = alpha * x + row_scale[b] * drop(h)    (stored in out's dtype)
     y   = (out - mean) * rstd * weight + bias   (normalises the *stored*, rounded out)
+
+drop(h) is h where no dropout is asked for, else h * keep / (1 - p) with keep = rand(seed, r*D + c) >= p:
+Triton's Philox of the element's index, so the backward regenerates the mask instead of storing it
+(the csrc kernels compute the same stream: one mask whichever backend runs).
 
 Backward, with g_out the gradient of ``out`` from its later uses and g_y the gradient of ``y``::
 
     g  = g_out + LayerNorm_backward(g_y)
-    dx = alpha * g,  dh = grad_scale[b] * g
+    dx = alpha * g,  dh = grad_scale[b] * keep / (1 - p) * g
     dweight, dbias: fp32 partial sums per program, reduced afterwards in a fixed order
 
 All arithmetic is fp32 in registers whatever the storage dtypes. This module holds kernels and
@@ -34,16 +38,24 @@ MAX_DIM = 16384
 
 
 @triton.jit
+def _dropout_factor(SEED, rows, cols, D, dropout_p, dropout_scale):
+    """keep / (1 - p) of each element of a (rows, cols) tile: 0 or dropout_scale."""
+    keep = tl.rand(tl.load(SEED), rows[:, None] * D + cols[None, :]) >= dropout_p
+    return tl.where(keep, dropout_scale, 0.0)
+
+
+@triton.jit
 def _residual_norm_fwd_kernel(
-    X, H, OUT, Y, WEIGHT, BIAS, ALPHA, ROW_SCALE, MEAN, RSTD,
+    X, H, OUT, Y, WEIGHT, BIAS, ALPHA, ROW_SCALE, MEAN, RSTD, SEED,
     stride_x, stride_h, stride_out, stride_y,
-    M, D, rows_per_sample, alpha_value, eps,
+    M, D, rows_per_sample, alpha_value, eps, dropout_p, dropout_scale,
     HAS_H: tl.constexpr,
     HAS_NORM: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ALPHA_IS_PTR: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -62,6 +74,8 @@ def _residual_norm_fwd_kernel(
         else:
             alpha = alpha_value
         h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_DROPOUT:
+            h = h * _dropout_factor(SEED, rows, cols, D, dropout_p, dropout_scale)
         if HAS_ROW_SCALE:
             scale = tl.load(ROW_SCALE + rows // rows_per_sample, mask=row_ok, other=0.0).to(tl.float32)
             h = h * scale[:, None]
@@ -92,10 +106,10 @@ def _residual_norm_fwd_kernel(
 
 @triton.jit
 def _residual_norm_bwd_kernel(
-    G_OUT, G_Y, NORMED, X, WEIGHT, MEAN, RSTD, ALPHA, GRAD_SCALE,
+    G_OUT, G_Y, NORMED, X, WEIGHT, MEAN, RSTD, ALPHA, GRAD_SCALE, SEED,
     DX, DH, DWEIGHT_PART, DBIAS_PART, DALPHA_ROW,
     stride_gout, stride_gy, stride_normed, stride_x, stride_dx, stride_dh,
-    M, D, rows_per_sample, alpha_value, num_tiles,
+    M, D, rows_per_sample, alpha_value, dropout_p, dropout_scale, num_tiles,
     HAS_G_OUT: tl.constexpr,
     HAS_G_Y: tl.constexpr,
     HAS_H: tl.constexpr,
@@ -105,6 +119,7 @@ def _residual_norm_bwd_kernel(
     ALPHA_IS_PTR: tl.constexpr,
     HAS_GRAD_SCALE: tl.constexpr,
     NEED_DALPHA: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -155,6 +170,8 @@ def _residual_norm_bwd_kernel(
                 dh = g * gscale[:, None]
             else:
                 dh = g
+            if HAS_DROPOUT:
+                dh = dh * _dropout_factor(SEED, rows, cols, D, dropout_p, dropout_scale)
             tl.store(DH + rows[:, None] * stride_dh + cols[None, :], dh.to(DH.dtype.element_ty), mask=mask)
         if NEED_DALPHA:
             x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -207,6 +224,11 @@ def backward_config(dim: int) -> tuple[int, int, int, int, int | None]:
     return block_m, block_d, num_warps, 8, None
 
 
+def dropout_scale(dropout_p: float) -> float:
+    """1 / (1 - p), the factor of a kept element (torch's dropout's)."""
+    return 1.0 / (1.0 - float(dropout_p))
+
+
 _FORWARD = CachedLaunch(_residual_norm_fwd_kernel)
 _BACKWARD = CachedLaunch(_residual_norm_bwd_kernel)
 
@@ -225,13 +247,16 @@ def residual_norm_forward(
     y: torch.Tensor | None,
     mean: torch.Tensor | None,
     rstd: torch.Tensor | None,
+    dropout_p: float,
+    seed: torch.Tensor | None,
 ) -> None:
     """Launch the forward kernel. Writes out/y/mean/rstd.
 
     x, h: (..., D) with evenly spaced rows (any other layout is copied: ``rows_of``); out, y:
     contiguous, x's shape; mean, rstd: (rows,). ``h is None`` means layer_norm only (``out``
     unused); ``y is None`` means residual_add only. alpha: a 0-dim tensor the kernel reads, or None
-    for ``alpha_value`` passed by value.
+    for ``alpha_value`` passed by value. dropout_p > 0: h is dropped with the Philox stream of ``seed``
+    (an int64 tensor of one value, read by the kernel).
     """
     D = x.shape[-1]
     M = x.numel() // D
@@ -249,10 +274,10 @@ def residual_norm_forward(
         x, h, out if has_h else dummy, y if has_norm else dummy,
         weight if weight is not None else dummy, bias if bias is not None else dummy,
         alpha if alpha_is_ptr else dummy, row_scale if row_scale is not None else dummy,
-        mean if has_norm else dummy, rstd if has_norm else dummy,
+        mean if has_norm else dummy, rstd if has_norm else dummy, seed if dropout_p > 0 else dummy,
         stride_x, stride_h, D, D,
-        M, D, rows_per_sample, float(alpha_value), eps,
-        has_h, has_norm, weight is not None, bias is not None, alpha_is_ptr, row_scale is not None,
+        M, D, rows_per_sample, float(alpha_value), eps, float(dropout_p), dropout_scale(dropout_p),
+        has_h, has_norm, weight is not None, bias is not None, alpha_is_ptr, row_scale is not None, dropout_p > 0,
         block_m, block_d,
     ), num_warps)
 
@@ -274,13 +299,16 @@ def residual_norm_backward(
     need_dweight: bool,
     need_dbias: bool,
     need_dalpha: bool,
+    dropout_p: float,
+    seed: torch.Tensor | None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward kernel; returns (dweight fp32, dbias fp32, dalpha fp32) where asked.
 
     ``normed`` is the tensor the norm normalised (the stored ``out``, or x for layer_norm);
     ``x`` is needed only for dalpha. Inputs (..., D) with evenly spaced rows (others are copied:
     ``rows_of``; a gradient with row stride 0 is read in place); dx, dh contiguous. alpha, alpha_value:
-    as :func:`residual_norm_forward`'s. The launch parameters are :func:`backward_config`'s.
+    as :func:`residual_norm_forward`'s; dropout_p and seed: the forward's (dh gets its mask). The launch
+    parameters are :func:`backward_config`'s.
     """
     D = dx.shape[-1]
     M = dx.numel() // D
@@ -316,13 +344,14 @@ def residual_norm_backward(
         weight if weight is not None else dummy,
         mean if mean is not None else dummy, rstd if rstd is not None else dummy,
         alpha if alpha_is_ptr else dummy, grad_scale if grad_scale is not None else dummy,
+        seed if dropout_p > 0 else dummy,
         dx, dh if dh is not None else dummy,
         partials[0] if need_dweight else dummy, partials[num_partials - 1] if need_dbias else dummy,
         dalpha_row if need_dalpha else dummy,
         stride_gout, stride_gy, stride_normed, stride_x, D, D,
-        M, D, rows_per_sample, float(alpha_value), num_tiles,
+        M, D, rows_per_sample, float(alpha_value), float(dropout_p), dropout_scale(dropout_p), num_tiles,
         has_g_out, has_g_y, dh is not None, weight is not None, need_dweight, need_dbias,
-        alpha_is_ptr, grad_scale is not None, need_dalpha, block_m, block_d,
+        alpha_is_ptr, grad_scale is not None, need_dalpha, dh is not None and dropout_p > 0, block_m, block_d,
     ), num_warps, num_stages)
     dweight = dbias = None
     if num_partials:

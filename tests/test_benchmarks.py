@@ -191,8 +191,8 @@ def test_dry_run_lists_plan_without_gpu(capsys):
 def test_dry_run_default_plan_covers_matrix(capsys):
     assert bench_kernels.main(["--dry-run"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if not ln.startswith("#")]
-    # residual ops: 3 rows x 4 D x 3 dtypes x 7 modes; layer_norm: plain only; x 2 passes
-    assert len(lines) == (2 * 3 * 4 * 3 * 7 + 3 * 4 * 3) * 2
+    # residual ops: 3 rows x 4 D x 3 dtypes x 8 modes; layer_norm: plain only; x 2 passes
+    assert len(lines) == (2 * 3 * 4 * 3 * 8 + 3 * 4 * 3) * 2
     assert not any("layer_norm rows" in ln and "mode=rdp_odd" in ln and ln.startswith("layer_norm") for ln in lines)
 
 
@@ -223,6 +223,14 @@ def test_cpu_sweep_end_to_end(tmp_path, monkeypatch):
         measure.validate_kernel_record(r)
         assert r["check_ok"] is True, r
     assert (tmp_path / "cpu-kernels.md").exists() and (tmp_path / "cpu-kernels.png").exists()
+    # dropout: the implementations draw other masks, so the check compares norms (a shape large enough
+    # for them to agree to 5e-3)
+    rc = bench_kernels.main(["--device", "cpu", "--ops", "residual_layer_norm", "--rows", "2000", "--dims", "64",
+                             "--dtypes", "fp32/fp32", "--modes", "dropout", "--impls", "triton,eager",
+                             "--passes", "fwd_bwd", "--out", str(tmp_path)])
+    assert rc == 0
+    dropout = [r for r in measure.load_records(tmp_path / "cpu-kernels.json") if r["mode"] == "dropout"]
+    assert len(dropout) == 2 and all(r["check_ok"] is True for r in dropout), dropout
     # --report-only rewrites the table from the JSON without measuring
     (tmp_path / "cpu-kernels.md").unlink()
     assert bench_kernels.main(["--report-only", "--out", str(tmp_path)]) == 0

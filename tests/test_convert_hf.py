@@ -520,6 +520,39 @@ def test_gpt2_dropout_in_training_keeps_function():
         torch.testing.assert_close(grads_b[name], grads_a[name], **F64, msg=lambda m: f"{name}: {m}")
 
 
+RESIDUAL_DROPOUT_MODELS = {
+    "gpt2": (lambda: tiny_gpt2(n_layer=2, resid_pdrop=0.3), dres.convert_hf_gpt2, 4,
+             lambda model, device: gpt2_inputs(model, device=device)),
+    "bert": (lambda: tiny_bert(hidden_dropout_prob=0.3), dres.convert_hf_bert, 4,
+             lambda model, device: {k: v.to(device) for k, v in bert_inputs().items()}),
+    "vit": (lambda: tiny_vit(hidden_dropout_prob=0.3), dres.convert_hf_vit, 6,
+            lambda model, device: vit_inputs(torch.float32, device)),
+}
+
+
+@pytest.mark.parametrize("name", list(RESIDUAL_DROPOUT_MODELS))
+def test_residual_dropout_is_drawn_inside_the_fused_adds(triton_device, name):
+    """Training: every residual add draws its branch's dropout itself (dropout_p = the config's), and no
+    residual dropout runs as a module of its own (only the embeddings' dropout does); eval: p = 0."""
+    build, convert, adds, make_inputs = RESIDUAL_DROPOUT_MODELS[name]
+    model = convert(build().to(triton_device), backend="triton").train()
+    inputs = make_inputs(model, triton_device)
+    dropout_modules = []
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.register_forward_hook(lambda m, args, out: dropout_modules.append(type(m)))
+    with CallCounts() as calls:
+        model(**inputs).logits.square().mean().backward()
+    p_of_adds = [call.kwargs["dropout_p"] for call in calls.mocks["residual_layer_norm"].call_args_list]
+    assert p_of_adds == [0.3] * adds
+    assert dropout_modules.count(nn.Dropout) == 1  # the embeddings'
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    model.eval()
+    with CallCounts() as calls:
+        model(**inputs)
+    assert {call.kwargs["dropout_p"] for call in calls.mocks["residual_layer_norm"].call_args_list} == {0.0}
+
+
 def test_gpt2_gradient_checkpointing_ends_blocks_with_a_plain_add():
     original = tiny_gpt2().double().train()
     converted = dres.convert_hf_gpt2(copy.deepcopy(original), backend="torch")

@@ -300,9 +300,9 @@ def test_opcheck():
     xr, hr, wr, br, ar = req(x, h, w, b, alpha)
     c = torch.ops.dres_cuda
     cases = [
-        (c.residual_layer_norm.default, (xr, hr, wr, br, None, 0.7, 1e-6, rs, None, None, None)),
-        (c.residual_layer_norm.default, (xr, hr, wr, br, ar, 1.0, 1e-6, None, 1 - rs, F32, F32)),
-        (c.residual_add.default, (xr, hr, ar, 1.0, rs, None, None)),
+        (c.residual_layer_norm.default, (xr, hr, wr, br, None, 0.7, 1e-6, rs, None, None, None, 0.0, None)),
+        (c.residual_layer_norm.default, (xr, hr, wr, br, ar, 1.0, 1e-6, None, 1 - rs, F32, F32, 0.0, None)),
+        (c.residual_add.default, (xr, hr, ar, 1.0, rs, None, None, 0.0, None)),
         (c.layer_norm.default, (xr, wr, br, 1e-6, BF16)),
     ]
     for op, args in cases:
@@ -352,6 +352,39 @@ def test_cuda_graph_capture():
     graph.replay()
     want_out, want_y = ops.residual_layer_norm(x, h, w, b, 0.9, backend="cuda")
     assert torch.equal(out, want_out) and torch.equal(y, want_y)
+
+
+@gpu
+@pytest.mark.parametrize("dim", [48, 100, 1000, 4104])  # 16-byte vectors and scalars, warp and block per row
+@pytest.mark.parametrize("x_dtype,h_dtype", [(F32, BF16), (BF16, BF16), (F32, F32)])
+def test_dropout_draws_tritons_mask_and_matches_float64(dim, x_dtype, h_dtype):
+    """The CUDA kernels draw Triton's Philox stream: one mask for a seed whichever backend runs; forward
+    and backward against the float64 reference fed h * mask / (1 - p), per-sample factors included."""
+    shape, p = (3, 37, dim), 0.3
+    torch.manual_seed(dim)
+    x, h, w, b = make_case(shape, x_dtype, h_dtype, "cuda")
+    row_scale, grad_scale = mode_scales("rdp_odd", shape[0], "cuda")
+    g_out, g_y = torch.randn(shape, device="cuda").to(x_dtype), torch.randn(shape, device="cuda").to(h_dtype)
+    ones = torch.ones(shape, device="cuda")
+    masks = []
+    for backend in ("cuda", "triton"):
+        torch.manual_seed(5)
+        masks.append(ops.residual_add(torch.zeros_like(ones), ones, dropout_p=p, backend=backend))
+    assert torch.equal(masks[0], masks[1])
+    keep = masks[0].double() * (1 - p)
+    xl, hl, wl, bl = leaves(x, h, w, b)
+    torch.manual_seed(5)
+    out, y = ops.residual_layer_norm(xl, hl, wl, bl, 0.8, row_scale=row_scale, grad_scale=grad_scale, dropout_p=p,
+                                     backend="cuda")
+    got = grads((out, y), (g_out, g_y), (xl, hl, wl, bl))
+    x6, h6, w6, b6 = (f64(t).requires_grad_(True) for t in (x, h, w, b))
+    out6, y6 = reference.residual_layer_norm(x6, h6 * keep / (1 - p), w6, b6, 0.8, 1e-6, f64(row_scale),
+                                             f64(grad_scale))
+    want = grads((out6, y6), (g_out.double(), g_y.double()), (x6, h6, w6, b6))
+    y_dtype = h_dtype if x_dtype == F32 else BF16
+    for name, a, ref, dtype in zip(("out", "y", "dx", "dh", "dweight", "dbias"), (out, y, *got), (out6, y6, *want),
+                                   (x_dtype, y_dtype, x_dtype, h_dtype, y_dtype, y_dtype)):
+        assert_close(name, a, ref, dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,18 +539,18 @@ def test_bad_input_names_the_argument():
     x, h, w, b = make_case((2, 3, 64), F32, BF16, "cuda")
     c = torch.ops.dres_cuda
     with pytest.raises(RuntimeError, match=r"weight has shape \[10\]; expected \(64,\)"):
-        c.residual_layer_norm(x, h, w[:10], b, None, 1.0, 1e-6, None, None, None, None)
+        c.residual_layer_norm(x, h, w[:10], b, None, 1.0, 1e-6, None, None, None, None, 0.0, None)
     with pytest.raises(RuntimeError, match=r"h has shape \[1, 3, 64\] but x has \[2, 3, 64\]"):
-        c.residual_layer_norm(x, h[:1], w, b, None, 1.0, 1e-6, None, None, None, None)
+        c.residual_layer_norm(x, h[:1], w, b, None, 1.0, 1e-6, None, None, None, None, 0.0, None)
     with pytest.raises(RuntimeError, match=r"x has 6 rows, not divisible by len\(row_scale\) = 4"):
-        c.residual_add(x, h, None, 1.0, torch.ones(4, device="cuda"), None, None)
+        c.residual_add(x, h, None, 1.0, torch.ones(4, device="cuda"), None, None, 0.0, None)
     with pytest.raises(RuntimeError, match="x has dtype"):
         c.layer_norm(x.double(), None, None, 1e-6, None)
     with pytest.raises(RuntimeError, match="CUDA tensor"):
         c.layer_norm(x, w.cpu(), None, 1e-6, None)
     for eps in (0.0, -1.0, float("nan")):
         with pytest.raises(RuntimeError, match="eps must be a positive finite float"):
-            c.residual_layer_norm(x, h, w, b, None, 1.0, eps, None, None, None, None)
+            c.residual_layer_norm(x, h, w, b, None, 1.0, eps, None, None, None, None, 0.0, None)
         with pytest.raises(RuntimeError, match="eps must be a positive finite float"):
             c.layer_norm(x, w, b, eps, None)
 
@@ -537,11 +570,11 @@ def test_argument_checks_raise_through_the_cpp_autograd_without_gpu():
     h = torch.randn(2, 3, 64).to(BF16)
     w, b = torch.randn(64), torch.randn(64)
     calls = [
-        lambda: c.residual_layer_norm(x, h, w[:10], b, None, 1.0, 1e-6, None, None, None, None),
-        lambda: c.residual_add(x, h, None, 1.0, torch.ones(4), None, None),
+        lambda: c.residual_layer_norm(x, h, w[:10], b, None, 1.0, 1e-6, None, None, None, None, 0.0, None),
+        lambda: c.residual_add(x, h, None, 1.0, torch.ones(4), None, None, 0.0, None),
         lambda: c.layer_norm(x.double(), None, None, 1e-6, None),
         lambda: c.residual_norm_backward(None, None, None, None, None, None, None, None, 1.0, None, F32, None,
-                                         False, False, False),
+                                         False, False, False, 0.0, None),
     ]
     with cuda_dispatch_forced():
         for call in calls[:3]:
@@ -605,12 +638,13 @@ def test_fake_kernels_give_the_real_shapes():
         x = torch.empty(4, 8, 48, device="cuda")
         h = torch.empty(4, 8, 48, device="cuda", dtype=BF16)
         w = torch.empty(48, device="cuda")
-        out, y, mean, rstd = torch.ops.dres_cuda.residual_layer_norm(x, h, w, w, None, 0.5, 1e-6, None, None, None, None)
+        out, y, mean, rstd = torch.ops.dres_cuda.residual_layer_norm(x, h, w, w, None, 0.5, 1e-6, None, None, None,
+                                                                     None, 0.0, None)
         assert (out.dtype, y.dtype, tuple(mean.shape), tuple(rstd.shape)) == (F32, BF16, (32,), (32,))
         dx, dh, dw, db, da = torch.ops.dres_cuda.residual_norm_backward(
             out, y, out, x, w, mean, rstd, None, 1.0, None, F32, BF16, True, True, True)
         assert dx.shape == x.shape and dh.dtype == BF16 and dw.shape == (48,) and db.shape == (48,) and da.dim() == 0
-        z = torch.ops.dres_cuda.residual_add(x, h, None, 1.0, None, None, BF16)
+        z = torch.ops.dres_cuda.residual_add(x, h, None, 1.0, None, None, BF16, 0.0, None)
         assert z.dtype == BF16
 
 
@@ -641,16 +675,16 @@ def test_cpp_autograd_gives_the_gradients_the_reference_gives(needs, scales):
     rs = None if scales == "none" else torch.empty(4, device="meta")
     gs = rs if scales == "row_and_grad" else None
     inputs = (x, h, w, b, alpha)
-    out, y, mean, rstd = c.residual_layer_norm.default(x, h, w, b, alpha, 1.0, 1e-6, rs, gs, None, F32)
+    out, y, mean, rstd = c.residual_layer_norm.default(x, h, w, b, alpha, 1.0, 1e-6, rs, gs, None, F32, 0.0, None)
     assert not mean.requires_grad and not rstd.requires_grad
     grads = (torch.ones_like(out), torch.ones_like(y))
     want = reference.residual_layer_norm(x, h, w, b, alpha, 1e-6, rs, gs, None, F32)
     assert _grad_signature((out, y), inputs, grads) == _grad_signature(want, inputs, grads)
     # out alone carries a gradient: the norm's parameters get zeros, as the Python Functions give
-    out, _, _, _ = c.residual_layer_norm.default(x, h, w, b, alpha, 1.0, 1e-6, rs, gs, None, None)
+    out, _, _, _ = c.residual_layer_norm.default(x, h, w, b, alpha, 1.0, 1e-6, rs, gs, None, None, 0.0, None)
     dw_db = _grad_signature(out, inputs, torch.ones_like(out))[2:4]
     assert dw_db == [((48,), BF16) if need_w else None, ((48,), F32) if need_b else None]
-    out = c.residual_add.default(x, h, alpha, 1.0, rs, gs, BF16)
+    out = c.residual_add.default(x, h, alpha, 1.0, rs, gs, BF16, 0.0, None)
     want = reference.residual_add(x, h, alpha, rs, gs, BF16)
     assert out.dtype == BF16
     assert _grad_signature(out, inputs, torch.ones_like(out)) == _grad_signature(want, inputs, torch.ones_like(out))

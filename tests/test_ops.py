@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import dres.ops as ops
-from dres.ops import reference
+from dres.ops import csrc_backend, reference
 from helpers import (BF16, F16, F32, MODES, as_f64, assert_close, assert_direct_launch_equals_tritons_own,
                      assert_graph_runs, capture_graph, f64, grads, inductor_caches_off, leaves, make_case,
                      mode_scales, recording_backend, rel_err)
@@ -316,6 +316,127 @@ def test_unused_out_or_y(triton_device):
 # Registration: opcheck and torch.compile
 
 
+# ---------------------------------------------------------------------------------------------
+# Dropout of h inside the add: the mask drawn by the kernels (Philox of the element index), drawn
+# again in the backward
+
+
+def kept_mask(shape, p, seed, device):
+    """The mask (1 kept, 0 dropped) the kernels draw for ``shape`` and ``p`` after torch.manual_seed(seed):
+    residual_add of zeros and ones returns it scaled by 1 / (1 - p)."""
+    torch.manual_seed(seed)
+    ones = torch.ones(shape, device=device)
+    return ops.residual_add(torch.zeros_like(ones), ones, dropout_p=p, backend="triton") * (1 - p)
+
+
+@pytest.mark.parametrize("x_dtype,h_dtype", [(F32, F32), (F32, BF16), (BF16, BF16)])
+@pytest.mark.parametrize("mode", MODES)
+def test_dropout_matches_float64_with_the_kernels_mask(triton_device, x_dtype, h_dtype, mode):
+    """out = alpha*x + row_scale*dropout(h) and its LayerNorm, forward and backward, against the float64
+    reference fed h * mask / (1 - p): the backward draws the forward's mask."""
+    torch.manual_seed(hash((str(x_dtype), str(h_dtype), mode, "dropout")) % 2**31)
+    shape, p, alpha = (5, 7, 200), 0.3, 0.75
+    x, h, w, b = make_case(shape, x_dtype, h_dtype, triton_device)
+    row_scale, grad_scale = mode_scales(mode, shape[0], triton_device)
+    g_out, g_y = torch.randn(shape, device=triton_device).to(x_dtype), torch.randn(shape, device=triton_device)
+    keep = kept_mask(shape, p, 7, triton_device).double()
+    assert 0 < keep.mean().item() < 1
+    xl, hl, wl, bl = leaves(x, h, w, b)
+    torch.manual_seed(7)
+    out, y = ops.residual_layer_norm(xl, hl, wl, bl, alpha, row_scale=row_scale, grad_scale=grad_scale, dropout_p=p,
+                                     backend="triton")
+    dx, dh, dw, db = grads((out, y), (g_out, g_y.to(y.dtype)), (xl, hl, wl, bl))
+    x6, h6, w6, b6 = as_f64(x, h, w, b)
+    out6, y6 = reference.residual_layer_norm(x6, h6 * keep / (1 - p), w6, b6, alpha, row_scale=f64(row_scale),
+                                             grad_scale=f64(grad_scale))
+    dx6, dh6, dw6, db6 = grads((out6, y6), (g_out.double(), g_y.to(y.dtype).double()), (x6, h6, w6, b6))
+    assert_close("out", out, out6, x_dtype)
+    assert_close("y", y, y6, h_dtype if x_dtype == F32 else BF16)
+    assert_close("dx", dx, dx6, x_dtype)
+    assert_close("dh", dh, dh6, h_dtype)
+    assert torch.equal(dh == 0, (keep == 0) | (dh6 == 0))  # dropped elements get no gradient, exactly
+    assert_close("dweight", dw, dw6, F32 if h_dtype == F32 else BF16)
+    assert_close("dbias", db, db6, F32 if h_dtype == F32 else BF16)
+
+
+def test_dropout_of_residual_add_and_noncontiguous_gradient(triton_device):
+    torch.manual_seed(12)
+    shape, p = (3, 33, 48), 0.5
+    x, h = torch.randn(shape, device=triton_device), torch.randn(shape, device=triton_device).to(BF16)
+    keep = kept_mask(shape, p, 9, triton_device)
+    g = torch.randn(shape[:-1] + (2 * shape[-1],), device=triton_device)[..., ::2]  # every second element
+    xl, hl = leaves(x, h)
+    torch.manual_seed(9)
+    out = ops.residual_add(xl, hl, 0.5, dropout_p=p, backend="triton")
+    dx, dh = grads(out, g, (xl, hl))
+    x6, h6 = as_f64(x, h)
+    out6 = reference.residual_add(x6, h6 * keep.double() / (1 - p), 0.5)
+    dx6, dh6 = grads(out6, g.double(), (x6, h6))
+    assert_close("out", out, out6, F32)
+    assert_close("dx", dx, dx6, F32)
+    assert_close("dh", dh, dh6, BF16)
+
+
+def test_dropout_keeps_one_minus_p_and_draws_a_new_mask_each_call(triton_device):
+    shape, p = (64, 96), 0.25
+    first, again, other = (kept_mask(shape, p, seed, triton_device) for seed in (3, 3, 4))
+    assert set(first.unique().tolist()) == {0.0, 1.0}
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    n = first.numel()
+    assert abs(first.sum().item() - n * (1 - p)) < 5 * (n * p * (1 - p)) ** 0.5
+    # no structure along rows or columns: each row and each column draws its own elements
+    assert len({tuple(r.tolist()) for r in first}) == shape[0]
+    assert len({tuple(c.tolist()) for c in first.t()}) == shape[1]
+    # two calls without re-seeding draw different masks
+    ones = torch.ones(shape, device=triton_device)
+    a, b = (ops.residual_add(torch.zeros_like(ones), ones, dropout_p=p, backend="triton") for _ in range(2))
+    assert not torch.equal(a, b)
+    # p = 0 is the op without dropout, bit for bit
+    x, h, w, bias = make_case((4, 5, 48), F32, BF16, triton_device)
+    without = ops.residual_layer_norm(x, h, w, bias, 0.9, backend="triton")
+    with_zero = ops.residual_layer_norm(x, h, w, bias, 0.9, dropout_p=0.0, backend="triton")
+    assert all(torch.equal(a, b) for a, b in zip(without, with_zero))
+
+
+def test_dropout_backward_uses_the_forwards_mask_eager_and_compiled(triton_device):
+    """With x = 0 and h = 1, out = mask / (1 - p) and dh = g * mask / (1 - p) = g * out: the backward's
+    mask is the forward's, whatever the random stream (also compiled, where torch draws the seed)."""
+    shape, p = (6, 40), 0.4
+
+    def run(x, h):
+        out, y = ops.residual_layer_norm(x, h, None, None, 1.0, dropout_p=p, backend="triton")
+        return out
+
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+    for fn in (run, compiled):
+        h = torch.ones(shape, device=triton_device, requires_grad=True)
+        out = fn(torch.zeros(shape, device=triton_device), h)
+        g = torch.randn(shape, device=triton_device)
+        (dh,) = torch.autograd.grad(out, h, g)
+        assert set(out.unique().tolist()) == {0.0, torch.tensor(1 / (1 - p)).item()}  # 1 / (1 - p) in fp32
+        torch.testing.assert_close(dh, g * out)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_dropout_p_must_be_a_probability_below_one(triton_device, backend):
+    x = torch.randn(2, 3, 16, device=triton_device)
+    for bad, error in ((1.0, ValueError), (-0.1, ValueError), ("0.1", TypeError), (True, TypeError)):
+        with pytest.raises(error, match="dropout_p"):
+            ops.residual_layer_norm(x, x, None, None, dropout_p=bad, backend=backend)
+        with pytest.raises(error, match="dropout_p"):
+            ops.residual_add(x, x, dropout_p=bad, backend=backend)
+
+
+def test_dropout_on_the_reference_backend_is_torchs_dropout():
+    torch.manual_seed(1)
+    x, h, p = torch.randn(8, 32, dtype=torch.float64), torch.randn(8, 32, dtype=torch.float64), 0.5
+    out = ops.residual_add(x, h, 0.5, dropout_p=p, backend="torch")
+    kept = (out - 0.5 * x).abs() > 1e-12
+    torch.testing.assert_close(out[kept], (0.5 * x + h / (1 - p))[kept])
+    torch.testing.assert_close(out[~kept], (0.5 * x)[~kept])
+    assert 0 < kept.float().mean().item() < 1
+
+
 def test_opcheck(triton_device):
     from dres.ops import residual_norm as rn
 
@@ -325,10 +446,13 @@ def test_opcheck(triton_device):
     alpha = torch.tensor(0.9, device=triton_device)
     req = lambda *ts: [t.clone().requires_grad_(True) for t in ts]  # noqa: E731
     xr, hr, wr, br, ar = req(x, h, w, b, alpha)
+    seed = torch.tensor(12345, device=triton_device)
     cases = [
-        (rn.residual_layer_norm_op, (xr, hr, wr, br, None, 0.7, 1e-6, rs, None, None, None)),
-        (rn.residual_layer_norm_op, (xr, hr, wr, br, ar, 1.0, 1e-6, None, 1 - rs, F32, F32)),
-        (rn.residual_add_op, (xr, hr, ar, 1.0, rs, None, None)),
+        (rn.residual_layer_norm_op, (xr, hr, wr, br, None, 0.7, 1e-6, rs, None, None, None, 0.0, None)),
+        (rn.residual_layer_norm_op, (xr, hr, wr, br, ar, 1.0, 1e-6, None, 1 - rs, F32, F32, 0.0, None)),
+        (rn.residual_add_op, (xr, hr, ar, 1.0, rs, None, None, 0.0, None)),
+        (rn.residual_layer_norm_op, (xr, hr, wr, br, ar, 1.0, 1e-6, rs, None, None, None, 0.2, seed)),
+        (rn.residual_add_op, (xr, hr, None, 0.8, None, None, F32, 0.5, seed)),
         (rn.layer_norm_op, (xr, wr, br, 1e-6, BF16)),
     ]
     for op, args in cases:
@@ -655,6 +779,37 @@ def test_gpu_cuda_graph_capture_and_replay():
         eager = step()
         for a, c in zip(static, eager):
             assert torch.equal(a, c)
+
+
+def dropout_step(x, h, g, p, backend):
+    """out of a residual_layer_norm with dropout of h, and h's gradient for cotangent g."""
+    out, _ = ops.residual_layer_norm(x, h, None, None, 1.0, dropout_p=p, backend=backend)
+    return out, torch.autograd.grad(out, h, g)[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda", marks=pytest.mark.skipif(
+    not csrc_backend.available(), reason="dres._C (csrc) not built"))])
+def test_gpu_dropout_draws_afresh_in_captured_graphs_and_under_inductor(backend):
+    """x = 0, h = 1: out = mask / (1 - p), dh = g * out. A captured graph draws a new mask at every
+    replay (the seed is a tensor torch's generator fills inside the graph); Inductor's compile too."""
+    shape, p = (64, 768), 0.1
+    x, g = torch.zeros(shape, device="cuda"), torch.randn(shape, device="cuda")
+    h = torch.ones(shape, device="cuda", requires_grad=True)
+    graph, (out, dh) = capture_graph(lambda: dropout_step(x, h, g, p, backend))
+    compiled = torch.compile(dropout_step, fullgraph=True)
+    seen = []
+    for _ in range(3):
+        graph.replay()
+        seen.append(out.clone())
+        torch.testing.assert_close(dh, g * out)
+        c_out, c_dh = compiled(x, h, g, p, backend)
+        torch.testing.assert_close(c_dh, g * c_out)
+        seen.append(c_out)
+    for mask in seen:
+        kept = (mask != 0).float().mean().item()
+        assert abs(kept - (1 - p)) < 0.01, kept
+    assert all(not torch.equal(a, b) for i, a in enumerate(seen) for b in seen[i + 1:])
 
 
 @pytest.mark.gpu

@@ -159,6 +159,14 @@ def check_eps(eps, name: str = "eps") -> None:
         raise ValueError(f"{name} must be a positive finite float, got {eps!r}")
 
 
+def check_dropout_p(dropout_p) -> None:
+    """A Python number in [0, 1): the probability of dropping an element."""
+    if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool):
+        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
+    if not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+
+
 def check_factors_are_data(**factors: Optional[torch.Tensor]) -> None:
     """Per-sample factors (row_scale, grad_scale: drop-path masks) get no gradient on any backend, so
     one that requires grad is refused rather than silently left without."""

@@ -28,8 +28,9 @@ import torch
 from torch import Tensor
 
 from dres.ops import csrc_backend, reference
-from dres.ops.checks import (check_alpha, check_dtype_arg, check_eps, check_factors_are_data, check_same_device,
-                             check_tensor, check_vector, resolve_compiled_backend, supported_dtypes)
+from dres.ops.checks import (check_alpha, check_dropout_p, check_dtype_arg, check_eps, check_factors_are_data,
+                             check_same_device, check_tensor, check_vector, resolve_compiled_backend,
+                             supported_dtypes)
 from dres.ops.registration import define_op, with_inductor_fallbacks
 from dres.ops.utils import alpha_args, param_grad, rows_per_sample
 
@@ -114,7 +115,7 @@ def _stats(x: Tensor) -> tuple[Tensor, Tensor]:
 def residual_layer_norm_triton(
     x: Tensor, h: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], alpha: Optional[Tensor],
     alpha_value: float, eps: float, row_scale: Optional[Tensor], grad_scale: Optional[Tensor],
-    residual_dtype: Optional[torch.dtype], out_dtype: Optional[torch.dtype],
+    residual_dtype: Optional[torch.dtype], out_dtype: Optional[torch.dtype], dropout_p: float, seed: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     from dres.kernels.residual_norm import residual_norm_forward
 
@@ -122,19 +123,20 @@ def residual_layer_norm_triton(
     y = torch.empty(x.shape, dtype=out_dtype or h.dtype, device=x.device)
     mean, rstd = _stats(x)
     residual_norm_forward(x, h, weight, bias, alpha, alpha_value, eps, row_scale, rows_per_sample(x, row_scale),
-                          out, y, mean, rstd)
+                          out, y, mean, rstd, dropout_p, seed)
     return out, y, mean, rstd
 
 
 def residual_add_triton(
     x: Tensor, h: Tensor, alpha: Optional[Tensor], alpha_value: float,
     row_scale: Optional[Tensor], grad_scale: Optional[Tensor], residual_dtype: Optional[torch.dtype],
+    dropout_p: float, seed: Optional[Tensor],
 ) -> Tensor:
     from dres.kernels.residual_norm import residual_norm_forward
 
     out = torch.empty(x.shape, dtype=residual_dtype or x.dtype, device=x.device)
     residual_norm_forward(x, h, None, None, alpha, alpha_value, 0.0, row_scale, rows_per_sample(x, row_scale),
-                          out, None, None, None)
+                          out, None, None, None, dropout_p, seed)
     return out
 
 
@@ -145,7 +147,7 @@ def layer_norm_triton(
 
     y = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     mean, rstd = _stats(x)
-    residual_norm_forward(x, None, weight, bias, None, 1.0, eps, None, 1, None, y, mean, rstd)
+    residual_norm_forward(x, None, weight, bias, None, 1.0, eps, None, 1, None, y, mean, rstd, 0.0, None)
     return y, mean, rstd
 
 
@@ -154,10 +156,11 @@ def _residual_norm_backward(
     weight: Optional[Tensor], mean: Optional[Tensor], rstd: Optional[Tensor],
     alpha: Optional[Tensor], alpha_value: float, grad_scale: Optional[Tensor],
     x_dtype: torch.dtype, h_dtype: Optional[torch.dtype],
-    need_dweight: bool, need_dbias: bool, need_dalpha: bool,
+    need_dweight: bool, need_dbias: bool, need_dalpha: bool, dropout_p: float, seed: Optional[Tensor],
 ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """(dx, dh, dweight fp32, dbias fp32, dalpha fp32), None where not asked for (or, for dweight and
-    dbias, where no g_y came). ``h_dtype=None``: no branch input (layer_norm) or no gradient for it."""
+    dbias, where no g_y came). ``h_dtype=None``: no branch input (layer_norm) or no gradient for it.
+    dropout_p, seed: the forward's (dh gets the forward's mask)."""
     from dres.kernels.residual_norm import residual_norm_backward
 
     ref = g_out if g_out is not None else g_y
@@ -165,7 +168,7 @@ def _residual_norm_backward(
     dh = torch.empty(ref.shape, dtype=h_dtype, device=ref.device) if h_dtype is not None else None
     dweight, dbias, dalpha = residual_norm_backward(
         g_out, g_y, normed, x, weight, mean, rstd, alpha, alpha_value, grad_scale,
-        rows_per_sample(ref, grad_scale), dx, dh, need_dweight, need_dbias, need_dalpha)
+        rows_per_sample(ref, grad_scale), dx, dh, need_dweight, need_dbias, need_dalpha, dropout_p, seed)
     return dx, dh, dweight, dbias, dalpha
 
 
@@ -174,13 +177,13 @@ def residual_norm_backward_triton(
     weight: Optional[Tensor], mean: Optional[Tensor], rstd: Optional[Tensor],
     alpha: Optional[Tensor], alpha_value: float, grad_scale: Optional[Tensor],
     x_dtype: torch.dtype, h_dtype: Optional[torch.dtype],
-    need_dweight: bool, need_dbias: bool, need_dalpha: bool,
+    need_dweight: bool, need_dbias: bool, need_dalpha: bool, dropout_p: float, seed: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward custom op's body: :func:`_residual_norm_backward` with the gradients not asked
     for as distinct empty tensors (an op returns tensors; distinct: no aliasing)."""
     dx, dh, dweight, dbias, dalpha = _residual_norm_backward(
         g_out, g_y, normed, x, weight, mean, rstd, alpha, alpha_value, grad_scale, x_dtype, h_dtype,
-        need_dweight, need_dbias, need_dalpha)
+        need_dweight, need_dbias, need_dalpha, dropout_p, seed)
     empty = lambda dtype=torch.float32: dx.new_empty((0,), dtype=dtype)  # noqa: E731
     return (dx, dh if dh is not None else empty(x_dtype), dweight if dweight is not None else empty(),
             dbias if dbias is not None else empty(), dalpha if dalpha is not None else empty())
@@ -201,77 +204,81 @@ def run_residual_norm_backward(backend: str, *args) -> tuple[Tensor, Optional[Te
 
 
 class ResidualLayerNormFn(torch.autograd.Function):
-    """out = alpha*x + row_scale[b]*h, y = LayerNorm(out); g = g_out + LN_bwd(g_y), dx = alpha*g,
-    dh = grad_scale[b]*g (grad_scale None = row_scale), dweight, dbias and dalpha = sum(g*x)."""
+    """out = alpha*x + row_scale[b]*drop(h), y = LayerNorm(out); g = g_out + LN_bwd(g_y), dx = alpha*g,
+    dh = grad_scale[b]*drop'(g) (grad_scale None = row_scale; drop' the forward's mask and scale), dweight,
+    dbias and dalpha = sum(g*x)."""
 
     @staticmethod
     def forward(ctx, x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype,
-                backend):
-        inputs = (x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype)
+                dropout_p, seed, backend):
+        inputs = (x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype,
+                  dropout_p, seed)
         output = residual_layer_norm_triton(*inputs)
         ResidualLayerNormFn.save(ctx, backend, inputs, output)
         return output[:2]
 
     @staticmethod
     def save(ctx, backend, inputs, output):
-        x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype = inputs
+        x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype, out_dtype, dropout_p, seed = \
+            inputs
         out, y, mean, rstd = output
         ctx.mark_non_differentiable(mean, rstd)
         ctx.set_materialize_grads(False)
         need_dalpha = alpha is not None and ctx.needs_input_grad[4]
         ctx.save_for_backward(out, weight, bias, mean, rstd, alpha, grad_scale if grad_scale is not None else row_scale,
-                              x if need_dalpha else None)
-        ctx.backend, ctx.alpha_value = backend, alpha_value
+                              x if need_dalpha else None, seed)
+        ctx.backend, ctx.alpha_value, ctx.dropout_p = backend, alpha_value, dropout_p
         ctx.x_dtype, ctx.h_dtype = x.dtype, h.dtype
         ctx.need = (ctx.needs_input_grad[1], ctx.needs_input_grad[2], ctx.needs_input_grad[3], need_dalpha)
 
     @staticmethod
     def backward(ctx, g_out, g_y, *_stats_grads):
-        out, weight, bias, mean, rstd, alpha, grad_scale, x = ctx.saved_tensors
+        out, weight, bias, mean, rstd, alpha, grad_scale, x, seed = ctx.saved_tensors
         need_dh, need_dweight, need_dbias, need_dalpha = ctx.need
         if g_out is None and g_y is None:
-            return (None,) * 12
+            return (None,) * 14
         dx, dh, dweight, dbias, dalpha = run_residual_norm_backward(
             ctx.backend, g_out, g_y, out, x, weight, mean, rstd, alpha, ctx.alpha_value, grad_scale,
             ctx.x_dtype, ctx.h_dtype if need_dh else None, need_dweight and weight is not None,
-            need_dbias and bias is not None, need_dalpha)
+            need_dbias and bias is not None, need_dalpha, ctx.dropout_p, seed)
         return (dx, dh if need_dh else None, param_grad(dweight, weight, need_dweight),
                 param_grad(dbias, bias, need_dbias),
                 dalpha.to(alpha.dtype).reshape(alpha.shape) if need_dalpha else None,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 class ResidualAddFn(torch.autograd.Function):
-    """out = alpha*x + row_scale[b]*h; dx = alpha*g, dh = grad_scale[b]*g, dalpha = sum(g*x)."""
+    """out = alpha*x + row_scale[b]*drop(h); dx = alpha*g, dh = grad_scale[b]*drop'(g), dalpha = sum(g*x)."""
 
     @staticmethod
-    def forward(ctx, x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype, backend):
-        inputs = (x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype)
+    def forward(ctx, x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype, dropout_p, seed, backend):
+        inputs = (x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype, dropout_p, seed)
         out = residual_add_triton(*inputs)
         ResidualAddFn.save(ctx, backend, inputs, out)
         return out
 
     @staticmethod
     def save(ctx, backend, inputs, output):
-        x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype = inputs
+        x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype, dropout_p, seed = inputs
         ctx.set_materialize_grads(False)
         need_dalpha = alpha is not None and ctx.needs_input_grad[2]
-        ctx.save_for_backward(alpha, grad_scale if grad_scale is not None else row_scale, x if need_dalpha else None)
-        ctx.backend, ctx.alpha_value = backend, alpha_value
+        ctx.save_for_backward(alpha, grad_scale if grad_scale is not None else row_scale, x if need_dalpha else None,
+                              seed)
+        ctx.backend, ctx.alpha_value, ctx.dropout_p = backend, alpha_value, dropout_p
         ctx.x_dtype, ctx.h_dtype = x.dtype, h.dtype
         ctx.need = (ctx.needs_input_grad[1], need_dalpha)
 
     @staticmethod
     def backward(ctx, g_out):
-        alpha, grad_scale, x = ctx.saved_tensors
+        alpha, grad_scale, x, seed = ctx.saved_tensors
         need_dh, need_dalpha = ctx.need
         if g_out is None:
-            return (None,) * 8
+            return (None,) * 10
         dx, dh, _, _, dalpha = run_residual_norm_backward(
             ctx.backend, g_out, None, None, x, None, None, None, alpha, ctx.alpha_value, grad_scale,
-            ctx.x_dtype, ctx.h_dtype if need_dh else None, False, False, need_dalpha)
+            ctx.x_dtype, ctx.h_dtype if need_dh else None, False, False, need_dalpha, ctx.dropout_p, seed)
         return (dx, dh if need_dh else None, dalpha.to(alpha.dtype).reshape(alpha.shape) if need_dalpha else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 class LayerNormFn(torch.autograd.Function):
@@ -302,7 +309,7 @@ class LayerNormFn(torch.autograd.Function):
             return (None,) * 6
         dx, _, dweight, dbias, _ = run_residual_norm_backward(
             ctx.backend, None, g_y, x, None, weight, mean, rstd, None, 1.0, None, ctx.x_dtype, None,
-            need_dweight and weight is not None, need_dbias and bias is not None, False)
+            need_dweight and weight is not None, need_dbias and bias is not None, False, 0.0, None)
         return dx, param_grad(dweight, weight, need_dweight), param_grad(dbias, bias, need_dbias), None, None, None
 
 
@@ -313,13 +320,13 @@ class LayerNormFn(torch.autograd.Function):
 
 
 def _residual_layer_norm_fake(x, h, weight, bias, alpha, alpha_value, eps, row_scale, grad_scale, residual_dtype,
-                              out_dtype):
+                              out_dtype, dropout_p, seed):
     out = x.new_empty(x.shape, dtype=residual_dtype or x.dtype)
     y = x.new_empty(x.shape, dtype=out_dtype or h.dtype)
     return (out, y) + _stats(x)
 
 
-def _residual_add_fake(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype):
+def _residual_add_fake(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype, dropout_p, seed):
     return x.new_empty(x.shape, dtype=residual_dtype or x.dtype)
 
 
@@ -328,7 +335,7 @@ def _layer_norm_fake(x, weight, bias, eps, out_dtype):
 
 
 def _residual_norm_backward_fake(g_out, g_y, normed, x, weight, mean, rstd, alpha, alpha_value, grad_scale, x_dtype,
-                                 h_dtype, need_dweight, need_dbias, need_dalpha):
+                                 h_dtype, need_dweight, need_dbias, need_dalpha, dropout_p, seed):
     ref = g_out if g_out is not None else g_y
     dim = ref.shape[-1]
     f32 = lambda shape: ref.new_empty(shape, dtype=torch.float32)  # noqa: E731
@@ -374,40 +381,60 @@ def _custom_op(backend: str, name: str):
 # Public functions
 
 
+def _dropout_seed(x: Tensor, dropout_p: float) -> Optional[Tensor]:
+    """The Philox seed of one dropout call, None without dropout: drawn from torch's generator of x's
+    device into a tensor the kernels read, so a compiled or captured graph draws afresh at every run."""
+    return torch.randint(1 << 62, (), device=x.device) if dropout_p > 0 else None
+
+
+def _torch_dropout(h: Tensor, dropout_p: float) -> Tensor:
+    return torch.nn.functional.dropout(h, dropout_p) if dropout_p > 0 else h
+
+
 def residual_layer_norm(x, h, weight, bias, alpha=1.0, eps=1e-6, row_scale=None, grad_scale=None,
-                        residual_dtype=None, out_dtype=None, backend=None):
-    """Fused ``out = alpha*x + row_scale[b]*h`` and ``y = LayerNorm(out)``; returns ``(out, y)``.
+                        residual_dtype=None, out_dtype=None, dropout_p=0.0, backend=None):
+    """Fused ``out = alpha*x + row_scale[b]*dropout(h)`` and ``y = LayerNorm(out)``; returns ``(out, y)``.
 
     x, h: (B, T, D) or (M, D). row_scale, grad_scale: (B,) per-sample factors or None
     (grad_scale None = row_scale), data: refused if they require grad. alpha: float or 0-dim tensor
     (gets a gradient if it requires one). eps: a positive float. out has ``residual_dtype``
-    (default x.dtype); y has ``out_dtype`` (default h.dtype).
+    (default x.dtype); y has ``out_dtype`` (default h.dtype). dropout_p: torch's dropout of h (kept
+    elements scaled by 1 / (1 - p)), its mask drawn in the kernel and drawn again in the backward,
+    never stored; the caller passes 0 outside training, as for ``F.dropout(h, p, training)``.
     """
     backend = resolve_compiled_backend(backend, x)
     check_residual_norm_inputs(backend, x, h, weight, bias, alpha, row_scale, grad_scale, residual_dtype, out_dtype)
     check_eps(eps)
+    check_dropout_p(dropout_p)
     if backend == "torch":
-        return reference.residual_layer_norm(x, h, weight, bias, alpha, eps, row_scale, grad_scale,
-                                             residual_dtype, out_dtype)
+        return reference.residual_layer_norm(x, _torch_dropout(h, dropout_p), weight, bias, alpha, eps, row_scale,
+                                             grad_scale, residual_dtype, out_dtype)
     alpha, alpha_value = alpha_args(alpha)
+    seed = _dropout_seed(x, dropout_p)
     if backend == "cuda" or torch.compiler.is_compiling():
         out, y, _, _ = _custom_op(backend, "residual_layer_norm")(
-            x, h, weight, bias, alpha, alpha_value, float(eps), row_scale, grad_scale, residual_dtype, out_dtype)
+            x, h, weight, bias, alpha, alpha_value, float(eps), row_scale, grad_scale, residual_dtype, out_dtype,
+            float(dropout_p), seed)
         return out, y
     return ResidualLayerNormFn.apply(x, h, weight, bias, alpha, alpha_value, float(eps), row_scale, grad_scale,
-                                     residual_dtype, out_dtype, backend)
+                                     residual_dtype, out_dtype, float(dropout_p), seed, backend)
 
 
-def residual_add(x, h, alpha=1.0, row_scale=None, grad_scale=None, residual_dtype=None, backend=None):
-    """``out = alpha*x + row_scale[b]*h`` with gradient ``grad_scale[b]*g`` into h (no norm)."""
+def residual_add(x, h, alpha=1.0, row_scale=None, grad_scale=None, residual_dtype=None, dropout_p=0.0, backend=None):
+    """``out = alpha*x + row_scale[b]*dropout(h)`` with gradient ``grad_scale[b]*g`` (through the same
+    mask) into h (no norm); dropout_p as :func:`residual_layer_norm`'s."""
     backend = resolve_compiled_backend(backend, x)
     check_residual_norm_inputs(backend, x, h, None, None, alpha, row_scale, grad_scale, residual_dtype)
+    check_dropout_p(dropout_p)
     if backend == "torch":
-        return reference.residual_add(x, h, alpha, row_scale, grad_scale, residual_dtype)
+        return reference.residual_add(x, _torch_dropout(h, dropout_p), alpha, row_scale, grad_scale, residual_dtype)
     alpha, alpha_value = alpha_args(alpha)
+    seed = _dropout_seed(x, dropout_p)
     if backend == "cuda" or torch.compiler.is_compiling():
-        return _custom_op(backend, "residual_add")(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype)
-    return ResidualAddFn.apply(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype, backend)
+        return _custom_op(backend, "residual_add")(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype,
+                                                   float(dropout_p), seed)
+    return ResidualAddFn.apply(x, h, alpha, alpha_value, row_scale, grad_scale, residual_dtype, float(dropout_p), seed,
+                               backend)
 
 
 def layer_norm(x, weight, bias, eps=1e-6, out_dtype=None, backend=None):
