@@ -73,13 +73,13 @@ __device__ __forceinline__ float2 group_sum2(float2 v, float2* scratch) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Dropout of h: Triton's tl.rand(seed, offset) of the element index r*D + c, bit for bit (Philox
-// 4x32 with 10 rounds, counter (offset lo, offset hi, 0, 0), key the seed's halves, the first word to
-// a float in [0, 1)), so both backends drop the same elements for a seed and the backward redraws
-// the forward's mask instead of storing it.
+// Dropout of h: the stream of kernels/residual_norm.py bit for bit. Element i = r*D + c takes word i % 4 of
+// Philox 4x32 with 10 rounds (Triton's tl.randint4x) at counter (i / 4 low word, high word, 0, 0), key the
+// seed's halves, as a float in [0, 1) (Triton's uint_to_uniform_float), and is kept when that is >= p; so a
+// seed drops the same elements on both backends and the backward redraws the forward's mask.
 
-__device__ __forceinline__ float philox_uniform(uint64_t seed, uint64_t offset) {
-  uint32_t c0 = static_cast<uint32_t>(offset), c1 = static_cast<uint32_t>(offset >> 32), c2 = 0u, c3 = 0u;
+__device__ __forceinline__ uint4 philox4(uint64_t seed, uint64_t counter) {
+  uint32_t c0 = static_cast<uint32_t>(counter), c1 = static_cast<uint32_t>(counter >> 32), c2 = 0u, c3 = 0u;
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
 #pragma unroll
   for (int i = 0; i < 10; ++i) {
@@ -91,17 +91,37 @@ __device__ __forceinline__ float philox_uniform(uint64_t seed, uint64_t offset) 
     k0 += 0x9E3779B9u;
     k1 += 0xBB67AE85u;
   }
-  int32_t v = static_cast<int32_t>(c0);
+  return make_uint4(c0, c1, c2, c3);
+}
+
+__device__ __forceinline__ float uniform(uint32_t word) {
+  int32_t v = static_cast<int32_t>(word);
   if (v < 0) v = ~v;
   return static_cast<float>(v) * 4.6566127342e-10f;
 }
 
-// keep / (1 - p) of VEC consecutive elements from flat index `offset`: 0 or scale.
+// keep / (1 - p) of VEC consecutive elements from flat index `index`: 0 or scale.
 template <int VEC>
-__device__ __forceinline__ void dropout_factors(uint64_t seed, int64_t offset, float p, float scale,
+__device__ __forceinline__ void dropout_factors(uint64_t seed, int64_t index, float p, float scale,
                                                 float (&f)[VEC]) {
+  if constexpr (VEC % 4 == 0) {  // index % 4 == 0: the vector path needs D % 8 == 0 and 8-aligned columns
 #pragma unroll
-  for (int e = 0; e < VEC; ++e) f[e] = philox_uniform(seed, static_cast<uint64_t>(offset + e)) >= p ? scale : 0.f;
+    for (int q = 0; q < VEC / 4; ++q) {
+      const uint4 w = philox4(seed, static_cast<uint64_t>(index / 4 + q));
+      f[4 * q] = uniform(w.x) >= p ? scale : 0.f;
+      f[4 * q + 1] = uniform(w.y) >= p ? scale : 0.f;
+      f[4 * q + 2] = uniform(w.z) >= p ? scale : 0.f;
+      f[4 * q + 3] = uniform(w.w) >= p ? scale : 0.f;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      const uint64_t i = static_cast<uint64_t>(index + e);
+      const uint4 w = philox4(seed, i / 4);
+      const uint32_t word = i % 4 == 0 ? w.x : i % 4 == 1 ? w.y : i % 4 == 2 ? w.z : w.w;
+      f[e] = uniform(word) >= p ? scale : 0.f;
+    }
+  }
 }
 
 // Position of this thread within the row-owning group, and the group's place in the grid.

@@ -9,9 +9,11 @@ Forward, per row r of an (M, D) problem, sample b = r // rows_per_sample::
     out = alpha * x + row_scale[b] * drop(h)    (stored in out's dtype)
     y   = (out - mean) * rstd * weight + bias   (normalises the *stored*, rounded out)
 
-drop(h) is h where no dropout is asked for, else h * keep / (1 - p) with keep = rand(seed, r*D + c) >= p:
-Triton's Philox of the element's index, so the backward regenerates the mask instead of storing it
-(the csrc kernels compute the same stream: one mask whichever backend runs).
+drop(h) is h where no dropout is asked for, else h * keep / (1 - p): element i = r*D + c is kept when word
+i % 4 of Triton's Philox at counter i // 4 (seed: a tensor of one int64), as a uniform float, is >= p.
+One Philox call serves four elements (where D % 4 == 0; else each element runs its own), and the
+backward draws the mask again instead of storing it; the csrc kernels compute the same stream, so a
+seed gives one mask whichever backend runs.
 
 Backward, with g_out the gradient of ``out`` from its later uses and g_y the gradient of ``y``::
 
@@ -38,10 +40,20 @@ MAX_DIM = 16384
 
 
 @triton.jit
-def _dropout_factor(SEED, rows, cols, D, dropout_p, dropout_scale):
-    """keep / (1 - p) of each element of a (rows, cols) tile: 0 or dropout_scale."""
-    keep = tl.rand(tl.load(SEED), rows[:, None] * D + cols[None, :]) >= dropout_p
-    return tl.where(keep, dropout_scale, 0.0)
+def _dropout_factor(SEED, rows, cols, D, dropout_p, dropout_scale, BY_QUADS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """keep / (1 - p) of each element of a (BLOCK_M, BLOCK_D) tile: 0 or dropout_scale (module docstring)."""
+    seed = tl.load(SEED)
+    if BY_QUADS:  # D % 4 == 0: a row's quads are whole, one Philox call for each, its words laid side by side
+        quads = rows[:, None] * (D // 4) + tl.arange(0, BLOCK_D // 4)[None, :]
+        w0, w1, w2, w3 = tl.randint4x(seed, quads)
+        words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK_M, BLOCK_D))
+    else:
+        index = rows[:, None] * D + cols[None, :]
+        w0, w1, w2, w3 = tl.randint4x(seed, index // 4)
+        word = index % 4
+        words = tl.where(word == 0, w0, tl.where(word == 1, w1, tl.where(word == 2, w2, w3)))
+    return tl.where(tl.uint_to_uniform_float(words) >= dropout_p, dropout_scale, 0.0)
 
 
 @triton.jit
@@ -56,6 +68,7 @@ def _residual_norm_fwd_kernel(
     ALPHA_IS_PTR: tl.constexpr,
     HAS_ROW_SCALE: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    DROPOUT_BY_QUADS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -75,7 +88,7 @@ def _residual_norm_fwd_kernel(
             alpha = alpha_value
         h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_DROPOUT:
-            h = h * _dropout_factor(SEED, rows, cols, D, dropout_p, dropout_scale)
+            h = h * _dropout_factor(SEED, rows, cols, D, dropout_p, dropout_scale, DROPOUT_BY_QUADS, BLOCK_M, BLOCK_D)
         if HAS_ROW_SCALE:
             scale = tl.load(ROW_SCALE + rows // rows_per_sample, mask=row_ok, other=0.0).to(tl.float32)
             h = h * scale[:, None]
@@ -120,6 +133,7 @@ def _residual_norm_bwd_kernel(
     HAS_GRAD_SCALE: tl.constexpr,
     NEED_DALPHA: tl.constexpr,
     HAS_DROPOUT: tl.constexpr,
+    DROPOUT_BY_QUADS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -171,7 +185,8 @@ def _residual_norm_bwd_kernel(
             else:
                 dh = g
             if HAS_DROPOUT:
-                dh = dh * _dropout_factor(SEED, rows, cols, D, dropout_p, dropout_scale)
+                dh = dh * _dropout_factor(SEED, rows, cols, D, dropout_p, dropout_scale, DROPOUT_BY_QUADS, BLOCK_M,
+                                          BLOCK_D)
             tl.store(DH + rows[:, None] * stride_dh + cols[None, :], dh.to(DH.dtype.element_ty), mask=mask)
         if NEED_DALPHA:
             x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -278,7 +293,7 @@ def residual_norm_forward(
         stride_x, stride_h, D, D,
         M, D, rows_per_sample, float(alpha_value), eps, float(dropout_p), dropout_scale(dropout_p),
         has_h, has_norm, weight is not None, bias is not None, alpha_is_ptr, row_scale is not None, dropout_p > 0,
-        block_m, block_d,
+        D % 4 == 0, block_m, block_d,
     ), num_warps)
 
 
@@ -351,7 +366,8 @@ def residual_norm_backward(
         stride_gout, stride_gy, stride_normed, stride_x, D, D,
         M, D, rows_per_sample, float(alpha_value), float(dropout_p), dropout_scale(dropout_p), num_tiles,
         has_g_out, has_g_y, dh is not None, weight is not None, need_dweight, need_dbias,
-        alpha_is_ptr, grad_scale is not None, need_dalpha, dh is not None and dropout_p > 0, block_m, block_d,
+        alpha_is_ptr, grad_scale is not None, need_dalpha, dh is not None and dropout_p > 0, D % 4 == 0, block_m,
+        block_d,
     ), num_warps, num_stages)
     dweight = dbias = None
     if num_partials:

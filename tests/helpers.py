@@ -7,6 +7,7 @@ any one test file collects on its own."""
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable
 
 import torch
@@ -244,3 +245,27 @@ def process_group(world: int):
                "TORCHELASTIC_USE_AGENT_STORE": "True"}
     finally:
         del store
+
+
+def philox_kept(shape, p: float, seed: int) -> torch.Tensor:
+    """The kernels' dropout mask (1 kept) in plain int64 torch, the stream written out: element i of the flat
+    (rows, D) tensor takes word i % 4 of Philox-4x32-10 at counter (i // 4 low word, high word, 0, 0) with key
+    (seed low word, high word), as Triton's ``uint_to_uniform_float``, and is kept when that is >= p."""
+    mask32 = 0xFFFFFFFF
+    index = torch.arange(math.prod(shape), dtype=torch.int64)
+    c = [(index // 4) & mask32, (index // 4) >> 32, torch.zeros_like(index), torch.zeros_like(index)]
+    k0, k1 = seed & mask32, (seed >> 32) & mask32
+    def mul_hi_lo(a: int, x: torch.Tensor):  # a * x of 32-bit words in 16-bit halves: no int64 overflow
+        high, low = a * (x >> 16), a * (x & 0xFFFF)
+        low_sum = ((high & 0xFFFF) << 16) + low
+        return (high >> 16) + (low_sum >> 32), low_sum & mask32
+
+    for _ in range(10):
+        hi_b, lo_b = mul_hi_lo(0xCD9E8D57, c[2])
+        hi_a, lo_a = mul_hi_lo(0xD2511F53, c[0])
+        c = [hi_b ^ c[1] ^ k0, lo_b, hi_a ^ c[3] ^ k1, lo_a]
+        k0, k1 = (k0 + 0x9E3779B9) & mask32, (k1 + 0xBB67AE85) & mask32
+    word = torch.stack(c, -1).gather(-1, (index % 4)[:, None])[:, 0]
+    as_int32 = torch.where(word >= 1 << 31, word - (1 << 32), word)
+    uniform = torch.where(as_int32 < 0, -as_int32 - 1, as_int32).to(torch.float32) * 4.6566127342e-10
+    return (uniform >= p).reshape(shape)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import dres.ops as ops
 from dres.ops import csrc_backend, reference
 from helpers import (BF16, F16, F32, MODES, TOLERANCE, assert_close, capture_graph, cuda_dispatch_forced, f64, grads,
-                     leaves, make_case, mode_scales)
+                     leaves, make_case, mode_scales, philox_kept)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPS = ("residual_layer_norm", "residual_add", "layer_norm", "residual_norm_backward", "bias_gelu", "bias_gelu_backward")
@@ -358,20 +358,22 @@ def test_cuda_graph_capture():
 @pytest.mark.parametrize("dim", [48, 100, 1000, 4104])  # 16-byte vectors and scalars, warp and block per row
 @pytest.mark.parametrize("x_dtype,h_dtype", [(F32, BF16), (BF16, BF16), (F32, F32)])
 def test_dropout_draws_tritons_mask_and_matches_float64(dim, x_dtype, h_dtype):
-    """The CUDA kernels draw Triton's Philox stream: one mask for a seed whichever backend runs; forward
-    and backward against the float64 reference fed h * mask / (1 - p), per-sample factors included."""
+    """The CUDA kernels draw the stream the Triton kernels draw (tests/helpers.py's ``philox_kept``, with
+    a seed above 2**32): one mask for a seed whichever backend runs; forward and backward against the
+    float64 reference fed h * mask / (1 - p), per-sample factors included."""
+    from dres.ops.residual_norm import residual_add_op
+
     shape, p = (3, 37, dim), 0.3
     torch.manual_seed(dim)
     x, h, w, b = make_case(shape, x_dtype, h_dtype, "cuda")
     row_scale, grad_scale = mode_scales("rdp_odd", shape[0], "cuda")
     g_out, g_y = torch.randn(shape, device="cuda").to(x_dtype), torch.randn(shape, device="cuda").to(h_dtype)
-    ones = torch.ones(shape, device="cuda")
-    masks = []
-    for backend in ("cuda", "triton"):
-        torch.manual_seed(5)
-        masks.append(ops.residual_add(torch.zeros_like(ones), ones, dropout_p=p, backend=backend))
-    assert torch.equal(masks[0], masks[1])
-    keep = masks[0].double() * (1 - p)
+    ones, seed = torch.ones(shape, device="cuda"), torch.tensor(2**40 + 5, device="cuda")
+    for add in (torch.ops.dres_cuda.residual_add, residual_add_op):
+        scaled = add(torch.zeros_like(ones), ones, None, 1.0, None, None, None, p, seed)
+        assert torch.equal((scaled != 0).cpu(), philox_kept(shape, p, 2**40 + 5)), add
+    torch.manual_seed(5)
+    keep = ops.residual_add(torch.zeros_like(ones), ones, dropout_p=p, backend="cuda").double() * (1 - p)
     xl, hl, wl, bl = leaves(x, h, w, b)
     torch.manual_seed(5)
     out, y = ops.residual_layer_norm(xl, hl, wl, bl, 0.8, row_scale=row_scale, grad_scale=grad_scale, dropout_p=p,
@@ -642,7 +644,7 @@ def test_fake_kernels_give_the_real_shapes():
                                                                      None, 0.0, None)
         assert (out.dtype, y.dtype, tuple(mean.shape), tuple(rstd.shape)) == (F32, BF16, (32,), (32,))
         dx, dh, dw, db, da = torch.ops.dres_cuda.residual_norm_backward(
-            out, y, out, x, w, mean, rstd, None, 1.0, None, F32, BF16, True, True, True)
+            out, y, out, x, w, mean, rstd, None, 1.0, None, F32, BF16, True, True, True, 0.0, None)
         assert dx.shape == x.shape and dh.dtype == BF16 and dw.shape == (48,) and db.shape == (48,) and da.dim() == 0
         z = torch.ops.dres_cuda.residual_add(x, h, None, 1.0, None, None, BF16, 0.0, None)
         assert z.dtype == BF16

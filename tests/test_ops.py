@@ -20,7 +20,7 @@ import dres.ops as ops
 from dres.ops import csrc_backend, reference
 from helpers import (BF16, F16, F32, MODES, as_f64, assert_close, assert_direct_launch_equals_tritons_own,
                      assert_graph_runs, capture_graph, f64, grads, inductor_caches_off, leaves, make_case,
-                     mode_scales, recording_backend, rel_err)
+                     mode_scales, philox_kept, recording_backend, rel_err)
 
 
 def rln_against_float64(x, h, w, b, alpha, row_scale=None, grad_scale=None, backend=None):
@@ -375,6 +375,18 @@ def test_dropout_of_residual_add_and_noncontiguous_gradient(triton_device):
     assert_close("out", out, out6, F32)
     assert_close("dx", dx, dx6, F32)
     assert_close("dh", dh, dh6, BF16)
+
+
+@pytest.mark.parametrize("dim", [48, 50])  # one Philox call per four elements of a row, one per element
+def test_dropout_mask_is_the_documented_philox_stream(triton_device, dim):
+    from dres.ops.residual_norm import residual_add_op
+
+    shape, p = (3, 5, dim), 0.3
+    for seed in (7, 2**40 + 5):  # a seed's high word is part of the key
+        ones = torch.ones(shape, device=triton_device)
+        scaled = residual_add_op(torch.zeros_like(ones), ones, None, 1.0, None, None, None, p,
+                                 torch.tensor(seed, device=triton_device))
+        assert torch.equal((scaled != 0).cpu(), philox_kept(shape, p, seed))
 
 
 def test_dropout_keeps_one_minus_p_and_draws_a_new_mask_each_call(triton_device):
@@ -781,9 +793,13 @@ def test_gpu_cuda_graph_capture_and_replay():
             assert torch.equal(a, c)
 
 
-def dropout_step(x, h, g, p, backend):
-    """out of a residual_layer_norm with dropout of h, and h's gradient for cotangent g."""
-    out, _ = ops.residual_layer_norm(x, h, None, None, 1.0, dropout_p=p, backend=backend)
+def dropped(x, h, p, backend):
+    return ops.residual_layer_norm(x, h, None, None, 1.0, dropout_p=p, backend=backend)[0]
+
+
+def dropout_step(forward, x, h, g, p, backend):
+    """out of ``forward`` (``dropped`` or its compiled form) and h's gradient for cotangent g."""
+    out = forward(x, h, p, backend)
     return out, torch.autograd.grad(out, h, g)[0]
 
 
@@ -796,14 +812,14 @@ def test_gpu_dropout_draws_afresh_in_captured_graphs_and_under_inductor(backend)
     shape, p = (64, 768), 0.1
     x, g = torch.zeros(shape, device="cuda"), torch.randn(shape, device="cuda")
     h = torch.ones(shape, device="cuda", requires_grad=True)
-    graph, (out, dh) = capture_graph(lambda: dropout_step(x, h, g, p, backend))
-    compiled = torch.compile(dropout_step, fullgraph=True)
+    graph, (out, dh) = capture_graph(lambda: dropout_step(dropped, x, h, g, p, backend))
+    compiled = torch.compile(dropped, fullgraph=True)
     seen = []
     for _ in range(3):
         graph.replay()
         seen.append(out.clone())
         torch.testing.assert_close(dh, g * out)
-        c_out, c_dh = compiled(x, h, g, p, backend)
+        c_out, c_dh = dropout_step(compiled, x, h, g, p, backend)
         torch.testing.assert_close(c_dh, g * c_out)
         seen.append(c_out)
     for mask in seen:
