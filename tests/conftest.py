@@ -72,3 +72,15 @@ def poisoned_allocations(monkeypatch):
         return t.fill_(float("nan")) if t.is_floating_point() else t
 
     monkeypatch.setattr(torch, "empty", poisoned_empty)
+
+
+@pytest.fixture(autouse=True)
+def _hardware_queues_as_found():
+    """A trainer built in the test process may set CUDA_DEVICE_MAX_CONNECTIONS (``dres.data.widen_hardware_queues``):
+    each test leaves it as the test found it, for the processes later tests start."""
+    before = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    yield
+    if before is None:
+        os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
+    else:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = before

@@ -2,6 +2,7 @@
 formats that stay on the CPU), the folder loader (exact resume, ranks, workers, lost files, FIFOs) and, on a
 GPU, the batched GPU decode against the CPU decode."""
 
+import dataclasses
 import io
 import os
 import random
@@ -885,3 +886,46 @@ def test_bench_data_makes_an_imagenet_like_folder_and_reads_its_rows(tmp_path):
     table = markdown(rows, "h100")
     assert "| trainer vit (imagefolder) | gpu | 1 | 4 | 4 | 4,750 | 0.95x |" in table
     assert "| loader wds | cpu | 1 | 4 | 4 | failed: boom |  |" in table
+
+
+def test_a_run_that_may_decode_on_the_gpu_widens_cudas_hardware_queues(tmp_path, monkeypatch):
+    """CUDA_DEVICE_MAX_CONNECTIONS=32 where the decode may run on the GPU (decode=gpu, or auto with too few cores for
+    the CPU decode); nothing for the CPU decode, for in-memory data, or where the environment already says."""
+    from dres.data import widen_hardware_queues
+
+    d = DataConfig(name="imagefolder", path=_folder(tmp_path), img_size=8, num_classes=3, gpu_resident=False,
+                   decode="auto")
+
+    def widened(cores=8, **values):
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+        monkeypatch.setattr("dres.data.factory.cores_per_process", lambda: cores)
+        widen_hardware_queues(dataclasses.replace(d, **values))
+        return os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+
+    assert widened() == "32" and widened(cores=4) == "32" and widened(cores=64, decode="gpu") == "32"
+    assert widened(cores=64) is None and widened(decode="cpu") is None
+    assert widened(name="synthetic") is None and widened(gpu_resident=True) is None
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "4")
+    widen_hardware_queues(d)
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "4"
+
+
+def test_the_trainer_widens_the_queues_before_it_takes_its_device(tmp_path, monkeypatch):
+    from dres.train.config import build_config
+    from dres.train.loop import Trainer
+    from dres.train.tasks import get_task
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setattr("dres.data.factory.cores_per_process", lambda: 8)
+    cfg = build_config("mae", "quickstart", ["data.name=imagefolder", f"data.path={_folder(tmp_path)}",
+                                             "data.gpu_resident=false", "device=cpu"])
+    seen = []
+
+    def take_device(*args):  # where the process's CUDA context would be created: the variable must be set by then
+        seen.append(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"))
+        raise RuntimeError("device taken")
+
+    monkeypatch.setattr("dres.train.distributed.init", take_device)
+    with pytest.raises(RuntimeError, match="device taken"):
+        Trainer(cfg, get_task("mae"))
+    assert seen == ["32"]

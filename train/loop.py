@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from dres.data import build_loader
+from dres.data import build_loader, widen_hardware_queues
 from dres.nn import set_backend, set_fused_mlp
 from dres.train import checkpoint, distributed, resume, results, tasks
 from dres.train.common import resolve_precision, seed_all
@@ -37,6 +37,7 @@ class Trainer:
     def __init__(self, cfg: Config, task, *, log=print):
         tasks.check(cfg, task)  # a config built without its task's checks (config.build_config) is refused here
         self.cfg, self.task = cfg, task
+        widen_hardware_queues(cfg.data)  # before this process's CUDA context exists
         self.info = distributed.init(cfg.device, cfg.dist, cfg.dist_timeout_s)
         self.device = self.info.device
         if self.device.type == "cpu":

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 from dres.data.augment import color_jitter, crop_theta, device_augment, jitter_params, normalize, rrc_params
 from dres.data.decode import BatchFinisher, SamplePrep
-from dres.data.factory import build_loader, decode_backend, load_arrays
+from dres.data.factory import build_loader, decode_backend, load_arrays, widen_hardware_queues
 from dres.data.loaders import FolderLoader, InMemoryLoader, ShardLoader, check_split
 from dres.data.sources import (CorruptCounter, DataError, cifar10_pattern, default_cifar10_dir, expand_shards,
                                iter_shard, lost_data_line, manifest_samples, read_digits, read_shards, verify_manifest)
 
-__all__ = ["build_loader", "decode_backend", "load_arrays", "BatchFinisher", "SamplePrep", "DataError", "InMemoryLoader", "FolderLoader", "ShardLoader",
+__all__ = ["build_loader", "decode_backend", "load_arrays", "widen_hardware_queues", "BatchFinisher", "SamplePrep", "DataError", "InMemoryLoader", "FolderLoader", "ShardLoader",
            "color_jitter", "crop_theta", "device_augment", "jitter_params", "normalize", "rrc_params", "read_shards", "read_digits", "iter_shard",
            "expand_shards", "default_cifar10_dir", "cifar10_pattern", "check_split", "CorruptCounter",
            "verify_manifest", "manifest_samples", "lost_data_line"]

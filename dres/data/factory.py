@@ -142,6 +142,22 @@ def decode_backend(d, device) -> str | None:
                     f"without a CUDA device: set data.gpu_decoder=auto or data.decode=cpu")
 
 
+# CUDA's most hardware work queues (its default: 8); CUDA_DEVICE_MAX_CONNECTIONS, read when a process creates its
+# CUDA context.
+GPU_DECODE_CONNECTIONS = "32"
+
+
+def widen_hardware_queues(d) -> None:
+    """CUDA_DEVICE_MAX_CONNECTIONS=32 unless the environment sets it, where ``data`` streams files whose decode may run
+    on the GPU (``data.decode=gpu``, or ``auto`` with fewer cores than the CPU decode takes): with CUDA's 8 queues the
+    decode's stream shares one with the step's, and nvJPEG's waits on its own events (about one an image) wait
+    behind the step's kernels. The trainer calls it first, before its process creates a CUDA context."""
+    if d.gpu_resident or d.name in IN_MEMORY or d.decode == "cpu":
+        return
+    if d.decode == "gpu" or cores_per_process() < CPU_DECODE_MIN_CORES:
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", GPU_DECODE_CONNECTIONS)
+
+
 def loader_workers(d, backend: str | None) -> int:
     """``data.num_workers``, or with -1 by the decode: workers that only read bytes for the GPU decoder (4), else
     (CPU decode) the process's cores less one."""
