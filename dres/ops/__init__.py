@@ -1,9 +1,9 @@
 """dres.ops: the fused operations (the contract: docs/design.md, "The ops").
 
-    out, y = residual_layer_norm(x, h, weight, bias, alpha, eps, row_scale, grad_scale)
-        out = alpha * x + row_scale[b] * h          (the new residual stream)
+    out, y = residual_layer_norm(x, h, weight, bias, alpha, eps, row_scale, grad_scale, dropout_p=0.0)
+        out = alpha * x + row_scale[b] * dropout(h) (the new residual stream; the mask drawn in the kernel)
         y   = LayerNorm(out) * weight + bias        (normalising the stored, rounded out)
-        backward: g = g_out + LN_bwd(g_y); dx = alpha * g; dh = grad_scale[b] * g
+        backward: g = g_out + LN_bwd(g_y); dx = alpha * g; dh = grad_scale[b] * dropout'(g)
     out = residual_add(x, h, alpha, row_scale, grad_scale)
     y   = layer_norm(x, weight, bias, eps)
     act = fused_bias_gelu(pre, bias);  out = fused_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
