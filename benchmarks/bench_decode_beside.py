@@ -5,7 +5,7 @@ thread, or several finishing batches at once), and in a process of its own (its 
 
     python -m benchmarks.bench_decode_beside --root DIR [--decoders torchvision,nvjpeg:1,nvjpeg:0,nvimgcodec:0.65]
         [--threads 1,2] [--priorities high,default] [--no-process] [--load-size 4096] [--load-streams default,own]
-        [--load-kinds gemm,sleep] [--sleep-ms 40] [--batches 20] [--out OUT]
+        [--load-kinds gemm,sleep] [--sleep-ms 40] [--batches 20] [--hardware-queues 32] [--out OUT]
 
 The folder: ``python -m benchmarks.bench_data make --root DIR``. The batches are the folder's first files as the
 GPU-decode workers hand them over (JPEG bytes in pinned memory, what the GPU cannot decode already pixels). The
@@ -23,6 +23,9 @@ waits for other streams' work rather than for multiprocessors. A decoder is ``to
 ``--priorities`` the finishing streams' (the GPU's highest, or the default); ``--threads`` how many threads
 finish batches at once, each with a finisher and a stream of its own (torchvision's decoder is one a process,
 behind a lock). The process rows run one finishing thread in a child process beside the same load.
+``--hardware-queues`` is ``CUDA_DEVICE_MAX_CONNECTIONS`` for the process and its child (default: the environment's,
+else 32, what the trainer gives a process that may decode on the GPU: :func:`dres.data.widen_hardware_queues`; 8 is
+CUDA's own default, under which the decode's stream shares a hardware queue with the load's).
 
 Each case: ms a batch (the threads' wall time over the batches they finished, each batch waited for on its own
 stream) alone and beside the load. ``--profile-calls`` adds, for each one-thread case, the CUDA runtime and driver
@@ -250,10 +253,10 @@ def process_case(args, load: GpuLoad, decoder: str, share: float, high: bool) ->
     return alone, beside
 
 
-def markdown(rows: list[dict], card: str, images: int, load_size: int, sleep_ms: float) -> str:
-    lines = [f"The GPU half of {images}-image batches alone and beside a load ({card}): gemm, {load_size}^3 bf16 "
-             f"GEMMs; sleep, kernels that wait {sleep_ms:g} ms each. ms a batch, and the load's kernels a second "
-             "beside each case over alone.", "",
+def markdown(rows: list[dict], card: str, images: int, load_size: int, sleep_ms: float, queues: int) -> str:
+    lines = [f"The GPU half of {images}-image batches alone and beside a load ({card}, {queues} hardware queues): "
+             f"gemm, {load_size}^3 bf16 GEMMs; sleep, kernels that wait {sleep_ms:g} ms each. ms a batch, and the "
+             "load's kernels a second beside each case over alone.", "",
              "| decoder | load | load's stream | where | finishing threads | stream priority | ms a batch alone | "
              "beside the load | beside / alone | load's rate beside / alone |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -267,6 +270,21 @@ def markdown(rows: list[dict], card: str, images: int, load_size: int, sleep_ms:
                      f"{r['ms_beside']:.1f} | {r['ms_beside'] / r['ms_alone']:.2f}x | "
                      f"{r['load_rate_beside'] / r['load_rate_alone']:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def hardware_queues(asked: int | None) -> int:
+    """The CUDA_DEVICE_MAX_CONNECTIONS to run with: ``asked``, else the environment's, else the trainer's for a GPU
+    decode; ValueError, naming where it came from, outside 1-32."""
+    from dres.data.factory import GPU_DECODE_CONNECTIONS
+
+    if asked is not None:
+        value, where = str(asked), "--hardware-queues"
+    else:
+        value = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", GPU_DECODE_CONNECTIONS)
+        where = "CUDA_DEVICE_MAX_CONNECTIONS in the environment"
+    if not (value.isdigit() and 1 <= int(value) <= 32):
+        raise ValueError(f"{where} is {value}: CUDA takes 1 to 32 hardware queues")
+    return int(value)
 
 
 def main(argv=None) -> int:
@@ -286,6 +304,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sleep-ms", type=float, default=40.0, help="the length of each sleep kernel (ms)")
     ap.add_argument("--profile-calls", action="store_true",
                     help="the CUDA calls a batch makes in each one-thread case, alone and beside the load")
+    ap.add_argument("--hardware-queues", type=int, default=None,
+                    help="CUDA_DEVICE_MAX_CONNECTIONS, 1-32 (default: the environment's, else 32, the trainer's)")
     ap.add_argument("--out", default=os.environ.get("OUT", "./device_out"))
     args = ap.parse_args(argv)
     try:
@@ -310,6 +330,11 @@ def main(argv=None) -> int:
             ap.error(f"{flag} {value}: at least {least}")
     if not Path(args.root).is_dir():
         ap.error(f"--root {args.root}: not a folder (make one: python -m benchmarks.bench_data make --root DIR)")
+    try:
+        queues = hardware_queues(args.hardware_queues)
+    except ValueError as e:
+        ap.error(str(e))
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(queues)  # before this process's CUDA context; the child inherits it
     import torch
 
     if not torch.cuda.is_available():
@@ -353,8 +378,9 @@ def main(argv=None) -> int:
     card = measure.card_name()
     measure.write_json_atomic(out / "decode_beside.json", {
         "card": card, "date": measure.today(), **measure.versions(), "batch": args.batch,
-        "load_size": args.load_size, "sleep_ms": args.sleep_ms, "batches_a_window": args.batches, "rows": rows})
-    table = markdown(rows, card, int(images), args.load_size, args.sleep_ms)
+        "load_size": args.load_size, "sleep_ms": args.sleep_ms, "batches_a_window": args.batches,
+        "hardware_queues": queues, "rows": rows})
+    table = markdown(rows, card, int(images), args.load_size, args.sleep_ms, queues)
     if args.profile_calls:
         table += "\n" + calls_markdown(rows)
     (out / "decode_beside.md").write_text(table)

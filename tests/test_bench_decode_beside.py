@@ -31,6 +31,7 @@ def test_decoder_specs_parse_with_the_hardware_share_defaulting_to_the_hardware(
     (["--load-streams", "blocking"], "--load-streams blocking: each of default, own"),
     (["--load-kinds", "gemm,spin"], "--load-kinds gemm,spin: each of gemm, sleep"),
     (["--sleep-ms", "0.5"], "--sleep-ms 0.5: at least 1"),
+    (["--hardware-queues", "33"], "--hardware-queues is 33: CUDA takes 1 to 32 hardware queues"),
 ])
 def test_bad_arguments_exit_2_naming_the_argument(tmp_path, capsys, extra, message):
     with pytest.raises(SystemExit) as e:
@@ -45,6 +46,18 @@ def test_a_root_that_is_not_a_folder_is_an_argument_error(tmp_path, capsys):
     assert e.value.code == 2
     assert f"--root {tmp_path / 'none'}: not a folder (make one: python -m benchmarks.bench_data make" in \
         capsys.readouterr().err
+
+
+def test_hardware_queues_are_the_asked_the_environments_or_the_trainers(monkeypatch):
+    from benchmarks.bench_decode_beside import hardware_queues
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    assert hardware_queues(None) == 32 and hardware_queues(8) == 8
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    assert hardware_queues(None) == 8 and hardware_queues(16) == 16
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "many")
+    with pytest.raises(ValueError, match="CUDA_DEVICE_MAX_CONNECTIONS in the environment is many: CUDA takes 1 to 32"):
+        hardware_queues(None)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path is for machines without a GPU")
@@ -72,9 +85,9 @@ def test_table_gives_each_case_its_ratios_and_a_failed_case_its_error():
              "load_rate_beside": 4230.0},
             {"decoder": "nvimgcodec", "share": 0.65, "load": "sleep", "load_stream": "own", "priority": "default",
              "where": "process", "threads": 1, "error": "RuntimeError: nvimgcodec is not installed"}]
-    table = markdown(rows, "h200", 256, 4096, 40.0).splitlines()
-    assert table[0].startswith("The GPU half of 256-image batches alone and beside a load (h200): gemm, 4096^3 bf16 "
-                               "GEMMs; sleep, kernels that wait 40 ms each.")
+    table = markdown(rows, "h200", 256, 4096, 40.0, 32).splitlines()
+    assert table[0].startswith("The GPU half of 256-image batches alone and beside a load (h200, 32 hardware queues): "
+                               "gemm, 4096^3 bf16 GEMMs; sleep, kernels that wait 40 ms each.")
     assert "| torchvision | gemm | default | thread | 1 | high | 13.0 | 58.5 | 4.50x | 0.90 |" in table
     assert ("| nvimgcodec, hardware share 0.65 | sleep | own | process | 1 | default | RuntimeError: nvimgcodec is "
             "not installed | | | |") in table
