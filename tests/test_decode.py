@@ -141,8 +141,11 @@ def test_the_workers_follow_the_decode_unless_given(tmp_path, monkeypatch):
     assert loader.describe() == "decoded on the CPU, 7 workers (8 cores a process), up to 31 batches made ahead of the step"
     assert batches_made_ahead([f"[dres] data: imagefolder, {loader.describe()}"]) == 31  # what bench_data times past
     loader.finisher.backend = "torchvision"
-    assert loader.describe() == ("decoded on the GPU (torchvision), 7 workers (8 cores a process), up to 31 batches made "
-                                 "ahead of the step")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    assert loader.describe() == ("decoded on the GPU (torchvision; 32 hardware queues), 7 workers (8 cores a process), "
+                                 "up to 31 batches made ahead of the step")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    assert "(torchvision; 8 hardware queues)" in loader.describe()  # CUDA's default
     loader.close()
 
 

@@ -201,7 +201,8 @@ class _StreamingLoader(_Position):
     def describe(self) -> str:
         """How the pixels are made, for the run's log."""
         backend = self.finisher.backend
-        where = f"GPU ({backend})" if backend else "CPU"
+        queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # what the process's CUDA context was given
+        where = f"GPU ({backend}; {queues} hardware queues)" if backend else "CPU"
         threads = f", {self.threads} threads finishing batches" if self.threads > 1 else ""
         return (f"decoded on the {where}, {self.num_workers} workers ({cores_per_process()} cores a process){threads}, "
                 f"up to {self.batches_ahead} batches made ahead of the step")
