@@ -47,6 +47,7 @@ def _dropout_factor(SEED, rows, cols, D, dropout_p, dropout_scale, BY_QUADS: tl.
     if BY_QUADS:  # D % 4 == 0: a row's quads are whole, one Philox call for each, its words laid side by side
         quads = rows[:, None] * (D // 4) + tl.arange(0, BLOCK_D // 4)[None, :]
         w0, w1, w2, w3 = tl.randint4x(seed, quads)
+        # join stacks on a new last axis: [quad, (w0 w2 | w1 w3)] flattens row-major to w0 w1 w2 w3 a quad
         words = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK_M, BLOCK_D))
     else:
         index = rows[:, None] * D + cols[None, :]
