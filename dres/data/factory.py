@@ -123,12 +123,20 @@ def _shard_pattern(d, split):
     return pattern
 
 
+def _streams_files(d) -> bool:
+    """Whether ``data`` is read from files by the loader's workers (else decoded whole into memory)."""
+    return not (d.gpu_resident or d.name in IN_MEMORY)
+
+
+def _cpu_decode_asked(d) -> bool:
+    """``data.decode=cpu``, or ``auto`` where the process has the cores the CPU decode takes."""
+    return d.decode == "cpu" or (d.decode == "auto" and cores_per_process() >= CPU_DECODE_MIN_CORES)
+
+
 def decode_backend(d, device) -> str | None:
     """The GPU decoder ``data.decode`` and ``data.gpu_decoder`` ask for on ``device`` (:func:`gpu_decode_backend`),
     None for CPU decode (``decode=auto`` with enough cores for it, or without a CUDA device or GPU decoder)."""
-    if d.decode == "cpu":
-        return None
-    if d.decode == "auto" and (cores_per_process() >= CPU_DECODE_MIN_CORES or gpu_decode_backend(device) is None):
+    if _cpu_decode_asked(d) or (d.decode == "auto" and gpu_decode_backend(device) is None):
         return None
     backend = gpu_decode_backend(device, d.gpu_decoder)
     if backend is not None:
@@ -152,9 +160,7 @@ def widen_hardware_queues(d) -> None:
     on the GPU (``data.decode=gpu``, or ``auto`` with fewer cores than the CPU decode takes): with CUDA's 8 queues the
     decode's stream shares one with the step's, and nvJPEG's waits on its own events (about one an image) wait
     behind the step's kernels. The trainer calls it first, before its process creates a CUDA context."""
-    if d.gpu_resident or d.name in IN_MEMORY or d.decode == "cpu":
-        return
-    if d.decode == "gpu" or cores_per_process() < CPU_DECODE_MIN_CORES:
+    if _streams_files(d) and not _cpu_decode_asked(d):
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", GPU_DECODE_CONNECTIONS)
 
 
@@ -173,7 +179,7 @@ def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, 
     mean, std = (d.mean, d.std) if d.normalize else (None, None)
     aug = d.aug if train else "none"
     where = f"the {split} split of data.name={d.name}"
-    if d.gpu_resident or d.name in IN_MEMORY:
+    if not _streams_files(d):
         x, y, counter = load_arrays(d, split, log=log)
         counter.check(len(x), d.max_corrupt_frac, where)
         check_labels(y, d.num_classes, where)
