@@ -116,7 +116,7 @@ class DropoutInNextAdd(nn.Dropout):
         return input
 
 
-def _deferred_dropout_p(dropout: nn.Module) -> float:
+def _deferred_dropout_p(dropout: Optional[nn.Module]) -> float:
     return dropout.p if isinstance(dropout, DropoutInNextAdd) and dropout.training else 0.0
 
 
@@ -670,7 +670,7 @@ def _fused_gpt2_block_forward(block: nn.Module, hidden_states: torch.Tensor, *ar
     named.pop("encoder_attention_mask", None)
     attention = block.attn(_normalised_input(block, block.ln_1, hidden_states), **named)
     mid, y = _fused_add_norm(hidden_states, attention[0], block.ln_2, block._dres_alphas[0], block.backend,
-                             dropout_p=_deferred_dropout_p(block.attn.resid_dropout))
+                             dropout_p=_deferred_dropout_p(getattr(block.attn, "resid_dropout", None)))
     out = _end_layer(block, mid, *_gpt2_mlp(block, y))
     if not block._dres_returns_tuple:  # transformers 5
         return out
