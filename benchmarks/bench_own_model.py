@@ -52,7 +52,8 @@ record says which (``csrc_extension``). ``--no-fused-mlp`` converts with ``fused
 own MLPs, Inductor's under torch.compile: its MLP at ViT-B's widths is faster than the fused one, which keeps half
 the activations; ``fused_mlp`` in each record). ``--stream-dtype bf16`` converts the timm ViTs with
 ``stream_dtype=torch.bfloat16`` (their residual stream carried in bf16 under autocast, a change of function whose
-loss track the record shows; ``stream_dtype`` in each record). ``--backend torch`` points the converted models' dres
+loss track the record shows; ``stream_dtype`` in each record). ``--no-aligned-head`` converts the language models
+with ``aligned_head=False`` (their vocabulary heads as HF has them; ``aligned_head`` in each record). ``--backend torch`` points the converted models' dres
 ops at their PyTorch formulas (``dres.nn.set_backend``), which Inductor fuses in its own code under torch.compile: the
 converted arms then keep the conversion's other changes (one q/k/v GEMM, HF's mask left out, the patch GEMM) without
 a dres kernel; ``backend`` in each record (``--backend`` leaves the two arms that force a backend on theirs).
@@ -68,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import json
 import os
 import shlex
@@ -118,7 +120,8 @@ class ModelSpec:
     title: str
     unit: str  # what one sample is, as a rate
     build: Callable[[Size, bool, dict], torch.nn.Module]  # (size, converted, conversion) -> the model, weights from
-    # the seed set before; conversion: the converter's keyword arguments (fused_mlp, stream_dtype where it takes them)
+    # the seed set before; conversion: the converter's keyword arguments (fused_mlp, aligned_head, stream_dtype:
+    # each where it takes them)
     inputs: Callable[[Size, torch.Generator], tuple]  # one synthetic batch on the CPU
     loss: Callable[..., torch.Tensor]  # (model, *batch) -> 0-dim loss
     full: Size
@@ -134,7 +137,8 @@ def timm_vit(variant: str, drop_path: float, size: Size, converted: bool, conver
 
     model = timm.create_model(variant, img_size=size.image, num_classes=size.classes,
                               drop_path_rate=0.0 if converted else drop_path, **size.kwargs)
-    return dres.convert_timm_vit(model, drop_path=drop_path, **conversion) if converted else model
+    return dres.convert_timm_vit(model, drop_path=drop_path, **taken(dres.convert_timm_vit, conversion)) if converted \
+        else model
 
 
 def timm_resnet(size: Size, converted: bool, conversion: dict) -> torch.nn.Module:
@@ -155,7 +159,14 @@ def hf_model(model_class: str, config_class: str, converter: str, config_args: C
 
     config = getattr(transformers, config_class)(**config_args(size), **size.kwargs)
     model = getattr(transformers, model_class)(config)
-    return getattr(dres, converter)(model, **conversion) if converted else model
+    convert = getattr(dres, converter)
+    return convert(model, **taken(convert, conversion)) if converted else model
+
+
+def taken(converter: Callable, conversion: dict) -> dict:
+    """The keyword arguments of ``conversion`` that ``converter`` takes (``aligned_head`` only the language
+    models' converters)."""
+    return {k: v for k, v in conversion.items() if k in inspect.signature(converter).parameters}
 
 
 def images(size: Size, gen: torch.Generator) -> torch.Tensor:
@@ -392,7 +403,7 @@ def one_line(e: BaseException) -> str:
 
 def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: bool, steps: int,
                 warmup: int, profile_steps: int = 0, host_steps: int = 0, fused_mlp: bool = True,
-                stream_dtype: Optional[str] = None, backend: Optional[str] = None) -> dict:
+                aligned_head: bool = True, stream_dtype: Optional[str] = None, backend: Optional[str] = None) -> dict:
     """Train ``model_name`` in arm ``arm_name`` for ``steps`` steps (the first ``warmup`` untimed), then
     ``profile_steps`` more under ``torch.profiler`` (on a GPU) and twice ``host_steps`` more for the host's own time
     (:func:`benchmarks.profile_train.host_time`): the figures of the record (:func:`run_arm`)."""
@@ -400,7 +411,8 @@ def measure_arm(model_name: str, arm_name: str, *, device: torch.device, tiny: b
     size = spec.tiny if tiny else spec.full
     t0 = time.time()
     torch.manual_seed(MODEL_SEED)
-    conversion = {"fused_mlp": fused_mlp, **({"stream_dtype": STREAM_DTYPES[stream_dtype]} if stream_dtype else {})}
+    conversion = {"fused_mlp": fused_mlp, "aligned_head": aligned_head,
+                  **({"stream_dtype": STREAM_DTYPES[stream_dtype]} if stream_dtype else {})}
     model = spec.build(size, arm.converted, conversion).to(device).train()
     if arm.converted and backend is not None:
         from dres.nn import set_backend
@@ -460,7 +472,7 @@ def arm_identity(model_name: str, arm_name: str, repeat: int, tiny: bool) -> dic
 
 def run_arm(model_name: str, arm_name: str, repeat: int, *, device: torch.device, tiny: bool, steps: int,
             warmup: int, profile_steps: int = 0, host_steps: int = 0, fused_mlp: bool = True,
-            stream_dtype: Optional[str] = None, backend: Optional[str] = None) -> dict:
+            aligned_head: bool = True, stream_dtype: Optional[str] = None, backend: Optional[str] = None) -> dict:
     """The record of one arm: what ran, where, with which versions, and its figures or its one-line error."""
     spec = MODELS[model_name]
     backend = ARMS[arm_name].backend or backend
@@ -470,13 +482,14 @@ def run_arm(model_name: str, arm_name: str, repeat: int, *, device: torch.device
         "lr": LR, "peak_mem": "max_memory_allocated (reserved) over the timed steps, reset after the warm-up",
         "device": device.type, "card": measure.card_name() if device.type == "cuda" else "cpu",
         "gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "cores": len(os.sched_getaffinity(0)), **library_versions(),
-        "fused_mlp": fused_mlp, "stream_dtype": stream_dtype, "backend": backend or "auto",
+        "fused_mlp": fused_mlp, "aligned_head": aligned_head, "stream_dtype": stream_dtype,
+        "backend": backend or "auto",
     }
     t0 = time.time()
     try:
         rec.update(measure_arm(model_name, arm_name, device=device, tiny=tiny, steps=steps, warmup=warmup,
                                profile_steps=profile_steps, host_steps=host_steps, fused_mlp=fused_mlp,
-                               stream_dtype=stream_dtype, backend=backend), error=None)
+                               aligned_head=aligned_head, stream_dtype=stream_dtype, backend=backend), error=None)
     except Exception as e:  # an import error, out of memory, a failed compile: recorded, the other arms go on
         rec["error"] = one_line(e)
     rec["wall_s"] = time.time() - t0
@@ -751,7 +764,8 @@ def worker_command(job: Job, args, cores: Optional[list[int]] = None) -> list[st
            str(args.warmup), "--profile-steps", str(args.profile_steps), "--host-steps", str(args.host_steps),
            "--out", str(args.out)]
     flags = [flag for flag, on in (("--tiny", args.tiny), ("--no-csrc", args.no_csrc),
-                                   ("--no-fused-mlp", args.no_fused_mlp)) if on]
+                                   ("--no-fused-mlp", args.no_fused_mlp),
+                                   ("--no-aligned-head", args.no_aligned_head)) if on]
     flags += ["--backend", args.backend] if args.backend else []
     flags += ["--stream-dtype", args.stream_dtype] if args.stream_dtype else []
     return cmd + flags + (["--cores", ",".join(map(str, cores))] if cores else [])
@@ -789,6 +803,8 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
     fused = sorted({r["fused_mlp"] for r in records if "fused_mlp" in r})
     conversion = {(False,): "; the converted models keep their own MLPs (--no-fused-mlp)",
                   (False, True): "; dres's fused MLP in some converted arms only"}.get(tuple(fused), "")
+    if any(r.get("aligned_head") is False for r in records):
+        conversion += "; the language models' heads left as HF has them (--no-aligned-head)"
     if any(r.get("stream_dtype") for r in records):
         conversion += "; the converted timm ViTs' residual stream in bf16 under autocast (--stream-dtype bf16)"
     backends = sorted({r.get("backend", "auto") for r in records if ARMS[r["arm"]].backend is None})
@@ -810,7 +826,8 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
     summary = {"date": measure.today(), "machine": measure.machine_name(), "cards": cards, **env,
                "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "tiny": args.tiny,
                "arms_at_a_time": slots, "csrc_extension": csrc,
-               "fused_mlp": fused, "stream_dtype": sorted({r["stream_dtype"] for r in records
+               "fused_mlp": fused, "aligned_head": sorted({r["aligned_head"] for r in records if "aligned_head" in r}),
+               "stream_dtype": sorted({r["stream_dtype"] for r in records
                                                           if r.get("stream_dtype")}),
                "backend": backends, "rows": rows,
                "failed": [{k: r[k] for k in ("model", "arm", "repeat", "error")} for r in failed], "not_run": not_run}
@@ -949,6 +966,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every arm without the csrc extension (the Triton kernels and Python autograd alone)")
     p.add_argument("--no-fused-mlp", action="store_true",
                    help="convert with fused_mlp=False: the models' own MLPs (Inductor's under torch.compile)")
+    p.add_argument("--no-aligned-head", action="store_true",
+                   help="convert the language models (BERT, GPT-2) with aligned_head=False: their output heads as HF has "
+                        "them, whose GEMMs over the vocabulary's unaligned rows take cuBLAS's slow kernels in eager")
     p.add_argument("--stream-dtype", choices=tuple(STREAM_DTYPES),
                    help="convert the timm ViTs with their residual stream in this dtype under autocast (a change of "
                         "function; --models of timm ViTs only)")
@@ -1015,7 +1035,8 @@ def run_worker(args) -> int:
     measure.configure_caches()
     rec = run_arm(job.model, job.arm, job.repeat, device=torch.device(args.device), tiny=args.tiny, steps=args.steps,
                   warmup=args.warmup, profile_steps=args.profile_steps, host_steps=args.host_steps,
-                  fused_mlp=not args.no_fused_mlp, stream_dtype=args.stream_dtype, backend=args.backend)
+                  fused_mlp=not args.no_fused_mlp, aligned_head=not args.no_aligned_head,
+                  stream_dtype=args.stream_dtype, backend=args.backend)
     measure.write_json_atomic(arm_path(Path(args.out), job), rec)
     print(json.dumps({k: v for k, v in rec.items() if k != "losses"}), flush=True)
     return 1 if rec["error"] else 0

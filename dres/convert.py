@@ -181,6 +181,34 @@ def gemm_patch_embeddings(model: nn.Module) -> None:
             module.__class__ = PatchConv2d
 
 
+ROW_ALIGNMENT = 8  # elements: cuBLAS's fast bf16/fp16 GEMMs need 16-byte-aligned rows (fp32 needs 4 elements)
+
+
+class AlignedLinear(nn.Linear):
+    """An ``nn.Linear`` whose output rows are laid out at a multiple of :data:`ROW_ALIGNMENT` elements: a
+    language model's head over a vocabulary such as 30,522 (BERT) or 50,257 (GPT-2), whose GEMMs on the unaligned
+    rows fall back to cuBLAS's slow kernels, forward and backward. The weight is zero-padded at each call and the
+    output is the ``[..., :out_features]`` view of the padded product: the same values, its rows strided by the
+    padded width. Under ``torch.compile`` the plain ``F.linear`` (Inductor pads a GEMM itself where that pays).
+    Parameters and ``state_dict`` are the Linear's (a weight tied to an embedding stays tied)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pad = -self.out_features % ROW_ALIGNMENT
+        if pad == 0 or torch.compiler.is_compiling():
+            return super().forward(x)
+        bias = None if self.bias is None else F.pad(self.bias, (0, pad))
+        return F.linear(x, F.pad(self.weight, (0, 0, 0, pad)), bias)[..., :self.out_features]
+
+
+def align_output_head(model: nn.Module) -> None:
+    """The model's output embeddings (transformers' ``get_output_embeddings()``: a language model's head), where it is
+    a plain ``nn.Linear`` with unaligned rows, become an :class:`AlignedLinear`, in place."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if type(head) is nn.Linear and head.out_features % ROW_ALIGNMENT:
+        head.__class__ = AlignedLinear
+
+
 def attention_from_qkv(qkv: torch.Tensor, num_heads: int, backend: Optional[str], mask: Optional[torch.Tensor] = None,
                        dropout_p: float = 0.0) -> torch.Tensor:
     """Self-attention of a qkv output (B, N, 3C) in timm's layout (q, k, v, each heads x head_dim) ->

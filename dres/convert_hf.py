@@ -67,6 +67,11 @@ a layer's ``_dres_layer_scale_folded`` names those branches. ViTMAEForPreTrainin
 read straight from the pixels. A vision model's patch embedding (a ``Conv2d`` whose kernel is its stride) runs
 as one GEMM over the patches (:class:`dres.convert.PatchConv2d`), as in the timm converter.
 
+A language model's head (``get_output_embeddings()``: BERT's and RoBERTa's masked-LM decoder, GPT-2's
+``lm_head``) whose vocabulary leaves its output rows unaligned (30,522; 50,257) runs as
+:class:`dres.convert.AlignedLinear` in eager: the weight padded to a multiple of 8 rows at each call and the logits a
+view of the padded product, so its three GEMMs take cuBLAS's fast kernels (``aligned_head=False`` keeps HF's).
+
 Under autocast the pre-LN stream stays in its dtype (float32) and each normalised value that feeds a
 branch comes out in the autocast dtype, so q/k/v and fc1 cast nothing; the encoder's final
 ``layernorm`` returns what torch's LayerNorm does (float32 under autocast: it is the model's output),
@@ -87,8 +92,8 @@ import torch
 from torch import nn
 
 from dres import ops
-from dres.convert import (attention_from_qkv, check_norm, float32_alphas, fused_mlp_of, gelu_approximate,
-                          gemm_patch_embeddings, scaled_weights)
+from dres.convert import (align_output_head, attention_from_qkv, check_norm, float32_alphas, fused_mlp_of,
+                          gelu_approximate, gemm_patch_embeddings, scaled_weights)
 from dres.nn.transformer import add_and_norm, autocast_dtype
 
 __all__ = ["convert_hf_vit", "convert_hf_bert", "convert_hf_gpt2"]
@@ -568,14 +573,15 @@ def _bert_residual_modules(layer: nn.Module) -> list[nn.Module]:
 
 
 def convert_hf_bert(model: nn.Module, alpha_min: float = 1.0, schedule: str = "linspace", per_block: bool = False,
-                    backend: Optional[str] = None, fused_mlp: bool = True) -> nn.Module:
+                    backend: Optional[str] = None, fused_mlp: bool = True, aligned_head: bool = True) -> nn.Module:
     """Make ``model`` (a transformers BertModel, BertForMaskedLM, ...) compute every residual add and
     the LayerNorm after it in one fused op, q/k/v as one GEMM and a GELU feed-forward as the fused
     MLP; returns the same object.
 
     alpha_min / schedule / per_block: decayed shortcuts ``LN(alpha*x + f(x))``,
     :func:`dres.nn.decay_schedule` over the residuals in execution order (per_block: one alpha per
-    layer). fused_mlp: False keeps HF's feed-forward. Weights are not touched.
+    layer). fused_mlp: False keeps HF's feed-forward. aligned_head: the masked-LM head's output rows
+    aligned (:class:`dres.convert.AlignedLinear`); False keeps HF's Linear. Weights are not touched.
     """
     base = _base_model(model)
     layers = getattr(getattr(base, "encoder", None), "layer", None)
@@ -605,6 +611,8 @@ def convert_hf_bert(model: nn.Module, alpha_min: float = 1.0, schedule: str = "l
         if mlp is not None:
             layer.feed_forward_chunk = functools.partial(_fused_feed_forward, layer, *mlp)
     _drop_built_masks(model)
+    if aligned_head:
+        align_output_head(model)
     return model
 
 
@@ -680,7 +688,7 @@ def _fused_gpt2_block_forward(block: nn.Module, hidden_states: torch.Tensor, *ar
 
 
 def convert_hf_gpt2(model: nn.Module, alpha_min: float = 1.0, schedule: str = "linspace", per_block: bool = False,
-                    backend: Optional[str] = None, fused_mlp: bool = True) -> nn.Module:
+                    backend: Optional[str] = None, fused_mlp: bool = True, aligned_head: bool = True) -> nn.Module:
     """Make ``model`` (a transformers GPT2Model, GPT2LMHeadModel or another model built on one) run its
     residual adds on the fused ops, carrying the stream across blocks (the last add fused with
     ``ln_f``), and its GELU MLPs as :func:`dres.ops.fused_mlp`; returns the same object. Attention
@@ -688,7 +696,8 @@ def convert_hf_gpt2(model: nn.Module, alpha_min: float = 1.0, schedule: str = "l
 
     alpha_min / schedule / per_block: decayed shortcuts, :func:`dres.nn.decay_schedule` over the
     ``2 * n_layer`` residuals (attention, MLP, attention, ...). fused_mlp: False keeps HF's MLPs.
-    Weights are not touched. The residual dropout of each branch (the attention's ``resid_dropout``,
+    aligned_head: the LM head's output rows aligned (:class:`dres.convert.AlignedLinear`); False keeps HF's
+    Linear. Weights are not touched. The residual dropout of each branch (the attention's ``resid_dropout``,
     re-classed :class:`DropoutInNextAdd`, and the MLP's) is drawn inside the fused add after it.
     """
     base, blocks, final_norm = _gpt2_stack(model)
@@ -708,4 +717,6 @@ def convert_hf_gpt2(model: nn.Module, alpha_min: float = 1.0, schedule: str = "l
         if type(getattr(block.attn, "resid_dropout", None)) is nn.Dropout:  # its mask drawn by the add after it
             block.attn.resid_dropout.__class__ = DropoutInNextAdd
         block.__class__ = _fused_layer_class(type(block), _fused_gpt2_block_forward)
+    if aligned_head:
+        align_output_head(model)
     return model

@@ -140,6 +140,30 @@ def test_a_no_fused_mlp_run_says_so_in_its_records_and_table(tmp_path):
     assert "the converted models keep their own MLPs (--no-fused-mlp)" in (out / "own-models.md").read_text()
 
 
+def test_a_no_aligned_head_run_keeps_the_language_models_heads_and_says_so(tmp_path):
+    """--no-aligned-head: the converted language models keep HF's Linear head (an AlignedLinear by default), the
+    converters that do not take the argument build as before, the arm's command passes it on, the records and the
+    table say so."""
+    from dres.convert import AlignedLinear
+
+    for name in ("hf_bert", "hf_gpt2", "vit_b16"):
+        spec = bench.MODELS[name]
+        heads = []
+        for aligned_head in (True, False):
+            torch.manual_seed(bench.MODEL_SEED)
+            model = spec.build(spec.tiny, True, {"fused_mlp": True, "aligned_head": aligned_head})
+            heads.append(type(model.get_output_embeddings()) if hasattr(model, "get_output_embeddings") else None)
+        assert heads == ([AlignedLinear, torch.nn.Linear] if name != "vit_b16" else [None, None])  # tiny vocab: 100
+    out = tmp_path / "own"
+    assert bench.main([*TINY_RUN, "--no-aligned-head", "--models", "hf_gpt2", "--arms", "converted_eager",
+                       "--out", str(out)]) == 0
+    assert [r["aligned_head"] for r in bench.load_arm_records(out)] == [False]
+    assert json.loads((out / "summary.json").read_text())["aligned_head"] == [False]
+    assert "heads left as HF has them (--no-aligned-head)" in (out / "own-models.md").read_text()
+    args = bench.build_parser().parse_args(["--no-aligned-head", "--models", "hf_bert", "--arms", "converted_eager"])
+    assert "--no-aligned-head" in bench.worker_command(bench.Job("hf_bert", "converted_eager", 0), args)
+
+
 def test_a_bf16_stream_run_converts_the_timm_vits_with_it_and_says_so(tmp_path, capsys):
     """--stream-dtype bf16: the converted timm ViT's stream_dtype, the arm's command passes it on, the records and
     the table say so; a model whose converter does not take it is an argument error (exit 2, naming both)."""

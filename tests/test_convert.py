@@ -10,7 +10,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 import dres
-from dres.convert import FusedTimmBlocks, PatchConv2d
+from dres.convert import ROW_ALIGNMENT, AlignedLinear, FusedTimmBlocks, PatchConv2d
 from dres.nn import ResidualDroppath, TransformerStack, decay_schedule
 from test_nn import assert_grads_close, param_grads, perturb_
 from tiny_models import tiny_classifier, tiny_mae
@@ -446,6 +446,31 @@ def test_patch_gemm_is_the_strided_convolution(size, bias, channels_last):
     torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-12, atol=1e-12)
     for a, b in zip(conv.parameters(), patch.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("out_features,bias", [(37, True), (21, False), (2 * ROW_ALIGNMENT, True)])
+def test_aligned_linear_is_the_linear_on_aligned_rows(out_features, bias):
+    """Forward and every gradient in float64 against nn.Linear, from a non-contiguous output gradient; the output's
+    rows strided at a multiple of ROW_ALIGNMENT (unpadded where already aligned); under torch.compile the plain
+    Linear (contiguous), the same values."""
+    torch.manual_seed(2)
+    linear = torch.nn.Linear(12, out_features, bias=bias).double()
+    aligned = copy.deepcopy(linear)
+    aligned.__class__ = AlignedLinear
+    x = torch.randn(2, 5, 12, dtype=torch.float64)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    outs = [linear(xs[0]), aligned(xs[1])]
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-12, atol=1e-12)
+    assert outs[1].stride(-2) == out_features + (-out_features % ROW_ALIGNMENT)
+    g = torch.randn(out_features, 5, 2, dtype=torch.float64).permute(2, 1, 0)
+    for out in outs:
+        out.backward(g)
+    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-12, atol=1e-12)
+    for a, b in zip(linear.parameters(), aligned.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12)
+    compiled = torch.compile(aligned, backend="aot_eager", fullgraph=True)(x)
+    assert compiled.is_contiguous()
+    torch.testing.assert_close(compiled, outs[0], rtol=1e-12, atol=1e-12)
 
 
 def test_converted_vit_embeds_patches_without_a_convolution(monkeypatch):

@@ -17,7 +17,7 @@ from torch import nn
 
 import dres
 from dres import ops
-from dres.convert import PatchConv2d
+from dres.convert import ROW_ALIGNMENT, AlignedLinear, PatchConv2d
 from dres.nn import set_backend
 from test_nn import perturb_
 
@@ -382,6 +382,49 @@ def test_bert_triton_interpreter(triton_device):
     embeds = {"inputs_embeds": original.bert.embeddings.word_embeddings(ids["input_ids"]).detach(),
               "attention_mask": ids["attention_mask"]}
     assert_same_function(original, converted, embeds, "inputs_embeds", KERNEL_TOL, KERNEL_GRAD_TOL)
+
+
+LANGUAGE_MODELS = {  # an unaligned vocabulary (37): the converted head pads its rows
+    "BertForMaskedLM": lambda: tiny_bert(vocab_size=37),
+    "RobertaForMaskedLM": lambda: tiny_roberta(vocab_size=37),
+    "GPT2LMHeadModel": lambda: tiny_gpt2(vocab_size=37),
+}
+
+
+def tiny_roberta(**kw) -> nn.Module:
+    torch.manual_seed(0)
+    args = dict(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                max_position_embeddings=24, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                pad_token_id=1)
+    return perturb_(transformers.RobertaForMaskedLM(transformers.RobertaConfig(**{**args, **kw}))).eval()
+
+
+@pytest.mark.parametrize("name", list(LANGUAGE_MODELS))
+def test_language_model_head_runs_on_aligned_rows_with_the_same_function(name):
+    """The converted head is an AlignedLinear, its weight still the tied input embedding and the state_dict's keys
+    unchanged; logits (strided at the aligned width), the loss and every gradient as the original's in float64;
+    aligned_head=False keeps HF's Linear."""
+    original = LANGUAGE_MODELS[name]().double()
+    converter = dres.convert_hf_gpt2 if name.startswith("GPT2") else dres.convert_hf_bert
+    converted = converter(copy.deepcopy(original), backend="torch")
+    head = converted.get_output_embeddings()
+    assert type(head) is AlignedLinear and head.weight is converted.get_input_embeddings().weight
+    assert converted.state_dict().keys() == original.state_dict().keys()
+    ids = torch.randint(3, 37, (2, 7), generator=torch.Generator().manual_seed(1))
+    labels = torch.where(torch.arange(7) % 3 == 0, ids, -100)
+    losses = []
+    for model in (original, converted):
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=labels)
+        (out.loss + out.logits.square().mean()).backward()
+        losses.append((out.loss.detach(), out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert losses[1][1].stride(-2) == 37 + (-37 % ROW_ALIGNMENT)
+    torch.testing.assert_close(losses[1][0], losses[0][0], **F64)
+    torch.testing.assert_close(losses[1][1], losses[0][1], **F64)
+    for n, grad in losses[0][2].items():
+        torch.testing.assert_close(losses[1][2][n], grad, **F64, msg=lambda m: f"{n}: {m}")
+    kept = converter(LANGUAGE_MODELS[name](), aligned_head=False)
+    assert type(kept.get_output_embeddings()) is nn.Linear
 
 
 # ---------------------------------------------------------------------------------------------
