@@ -95,8 +95,9 @@ def _synthetic(d, split, limit, counter):
 
 
 # decode=auto decodes on the CPU where a process has this many cores, on the GPU below: the faster path at the core
-# counts measured (docs/data.md, "Which path"; BENCHMARKS.md, "Real images"; bench_data.py matrix)
-CPU_DECODE_MIN_CORES = 12
+# counts measured (docs/data.md, "Which path"; BENCHMARKS.md, "Real images"; bench_data.py matrix). With CUDA's 32
+# hardware queues the GPU decode held 0.96x at 4, 8 and 16 cores, where the 16-core CPU decode read 0.84-1.00x by host
+CPU_DECODE_MIN_CORES = 24
 GPU_DECODE_WORKERS = 4  # workers that only read bytes: 8 read no faster (BENCHMARKS.md)
 
 # data.name -> its reader of a whole split into memory:
