@@ -131,19 +131,22 @@ def test_no_fused_mlp_converts_with_the_models_own_mlps(name):
     assert "--no-fused-mlp" in bench.worker_command(bench.Job(name, "converted_eager", 0), args)
 
 
-def test_a_no_fused_mlp_run_says_so_in_its_records_and_table(tmp_path):
+@pytest.mark.parametrize("flag,model,key,said", [
+    ("--no-fused-mlp", "hf_bert", "fused_mlp", "the converted models keep their own MLPs (--no-fused-mlp)"),
+    ("--no-aligned-head", "hf_gpt2", "aligned_head", "heads left as HF has them (--no-aligned-head)")])
+def test_a_conversion_flag_says_so_in_its_records_and_table(tmp_path, flag, model, key, said):
     out = tmp_path / "own"
-    assert bench.main([*TINY_RUN, "--no-fused-mlp", "--models", "hf_bert", "--arms", "converted_eager",
-                       "--out", str(out)]) == 0
-    assert [r["fused_mlp"] for r in bench.load_arm_records(out)] == [False]
-    assert json.loads((out / "summary.json").read_text())["fused_mlp"] == [False]
-    assert "the converted models keep their own MLPs (--no-fused-mlp)" in (out / "own-models.md").read_text()
+    assert bench.main([*TINY_RUN, flag, "--models", model, "--arms", "converted_eager", "--out", str(out)]) == 0
+    assert [r[key] for r in bench.load_arm_records(out)] == [False]
+    assert json.loads((out / "summary.json").read_text())[key] == [False]
+    assert said in (out / "own-models.md").read_text()
+    args = bench.build_parser().parse_args([flag, "--models", model, "--arms", "converted_eager"])
+    assert flag in bench.worker_command(bench.Job(model, "converted_eager", 0), args)
 
 
-def test_a_no_aligned_head_run_keeps_the_language_models_heads_and_says_so(tmp_path):
-    """--no-aligned-head: the converted language models keep HF's Linear head (an AlignedLinear by default), the
-    converters that do not take the argument build as before, the arm's command passes it on, the records and the
-    table say so."""
+def test_no_aligned_head_keeps_the_language_models_heads():
+    """The converted language models' heads are AlignedLinear by default, HF's Linear with aligned_head=False; the
+    converters that do not take the argument build as before."""
     from dres.convert import AlignedLinear
 
     for name in ("hf_bert", "hf_gpt2", "vit_b16"):
@@ -154,14 +157,6 @@ def test_a_no_aligned_head_run_keeps_the_language_models_heads_and_says_so(tmp_p
             model = spec.build(spec.tiny, True, {"fused_mlp": True, "aligned_head": aligned_head})
             heads.append(type(model.get_output_embeddings()) if hasattr(model, "get_output_embeddings") else None)
         assert heads == ([AlignedLinear, torch.nn.Linear] if name != "vit_b16" else [None, None])  # tiny vocab: 100
-    out = tmp_path / "own"
-    assert bench.main([*TINY_RUN, "--no-aligned-head", "--models", "hf_gpt2", "--arms", "converted_eager",
-                       "--out", str(out)]) == 0
-    assert [r["aligned_head"] for r in bench.load_arm_records(out)] == [False]
-    assert json.loads((out / "summary.json").read_text())["aligned_head"] == [False]
-    assert "heads left as HF has them (--no-aligned-head)" in (out / "own-models.md").read_text()
-    args = bench.build_parser().parse_args(["--no-aligned-head", "--models", "hf_bert", "--arms", "converted_eager"])
-    assert "--no-aligned-head" in bench.worker_command(bench.Job("hf_bert", "converted_eager", 0), args)
 
 
 def test_a_bf16_stream_run_converts_the_timm_vits_with_it_and_says_so(tmp_path, capsys):
