@@ -53,10 +53,11 @@ own MLPs, Inductor's under torch.compile: its MLP at ViT-B's widths is faster th
 the activations; ``fused_mlp`` in each record). ``--stream-dtype bf16`` converts the timm ViTs with
 ``stream_dtype=torch.bfloat16`` (their residual stream carried in bf16 under autocast, a change of function whose
 loss track the record shows; ``stream_dtype`` in each record). ``--no-aligned-head`` converts the language models
-with ``aligned_head=False`` (their vocabulary heads as HF has them; ``aligned_head`` in each record). ``--backend torch`` points the converted models' dres
-ops at their PyTorch formulas (``dres.nn.set_backend``), which Inductor fuses in its own code under torch.compile: the
-converted arms then keep the conversion's other changes (one q/k/v GEMM, HF's mask left out, the patch GEMM) without
-a dres kernel; ``backend`` in each record (``--backend`` leaves the two arms that force a backend on theirs).
+with ``aligned_head=False`` (their vocabulary heads as HF has them; ``aligned_head`` in each record).
+``--backend torch`` points the converted models' dres ops at their PyTorch formulas (``dres.nn.set_backend``), which
+Inductor fuses in its own code under torch.compile: the converted arms then keep the conversion's other changes (one
+q/k/v GEMM, HF's mask left out, the patch GEMM) without a dres kernel; ``backend`` in each record (``--backend``
+leaves the two arms that force a backend on theirs).
 
 The record folder (default ``records/benchmarks/<machine>-<today>-own-models``): ``arms/<model>-<arm>-<repeat>.json``
 (one a process, a failed arm with its one-line error), ``logs/`` (each process's output), ``summary.json``,
@@ -827,8 +828,7 @@ def write_summary(out: Path, args, jobs: list[Job], slots: int, *, plot: bool) -
                "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "tiny": args.tiny,
                "arms_at_a_time": slots, "csrc_extension": csrc,
                "fused_mlp": fused, "aligned_head": sorted({r["aligned_head"] for r in records if "aligned_head" in r}),
-               "stream_dtype": sorted({r["stream_dtype"] for r in records
-                                                          if r.get("stream_dtype")}),
+               "stream_dtype": sorted({r["stream_dtype"] for r in records if r.get("stream_dtype")}),
                "backend": backends, "rows": rows,
                "failed": [{k: r[k] for k in ("model", "arm", "repeat", "error")} for r in failed], "not_run": not_run}
     measure.write_json_atomic(out / "summary.json", summary)
@@ -967,8 +967,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fused-mlp", action="store_true",
                    help="convert with fused_mlp=False: the models' own MLPs (Inductor's under torch.compile)")
     p.add_argument("--no-aligned-head", action="store_true",
-                   help="convert the language models (BERT, GPT-2) with aligned_head=False: their output heads as HF has "
-                        "them, whose GEMMs over the vocabulary's unaligned rows take cuBLAS's slow kernels in eager")
+                   help="convert the language models (BERT, GPT-2) with aligned_head=False: their output heads as "
+                        "HF has them, whose GEMMs over the vocabulary's unaligned rows take cuBLAS's slow kernels")
     p.add_argument("--stream-dtype", choices=tuple(STREAM_DTYPES),
                    help="convert the timm ViTs with their residual stream in this dtype under autocast (a change of "
                         "function; --models of timm ViTs only)")
