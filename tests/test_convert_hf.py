@@ -525,14 +525,15 @@ def test_gpt2_hidden_states_and_attention_probabilities():
         torch.testing.assert_close(y, x, **F64)
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_gpt2_generates_the_same_tokens(padded):
+@pytest.mark.parametrize("padded,vocab", [(False, 40), (True, 40), (False, 37)])
+def test_gpt2_generates_the_same_tokens(padded, vocab):
     """Greedy generation with the key/value cache: the same tokens; every step (the prompt, then one
-    token at a time against the cache) runs the converted blocks."""
-    original = tiny_gpt2()
+    token at a time against the cache) runs the converted blocks (with an unaligned vocabulary, 37, the
+    head on padded rows)."""
+    original = tiny_gpt2(vocab_size=vocab)
     converted = dres.convert_hf_gpt2(copy.deepcopy(original), backend="torch")
     g = torch.Generator().manual_seed(2)
-    prompt = {"input_ids": torch.randint(1, 40, (2, 5), generator=g),
+    prompt = {"input_ids": torch.randint(1, vocab, (2, 5), generator=g),
               "attention_mask": torch.ones(2, 5, dtype=torch.long)}
     if padded:  # left padding, as generation pads
         prompt["input_ids"][1, :2] = 0

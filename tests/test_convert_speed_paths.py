@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dres
 from dres import ops
+from dres.convert import AlignedLinear
 from test_convert_hf import (COUNTED_OPS, F64, KERNEL_GRAD_TOL, KERNEL_TOL, CallCounts, assert_same_function,
                              bert_inputs, gpt2_inputs, tiny_bert, tiny_deit, tiny_dinov2, tiny_gpt2, tiny_vit,
                              tiny_vit_mae, vit_inputs)
@@ -692,15 +693,19 @@ def test_gpu_bf16_hf_dinov2_compiled_with_its_layer_scales_folded():
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_hf_gpt2():
+@pytest.mark.parametrize("vocab", [256, 257])
+def test_gpu_bf16_hf_gpt2(vocab):
     """GPT2LMHeadModel's language-model loss in training (dropout off: the draws differ between the
     paths' kernels); greedy generation in float32 with the kernels and the cache: each step's logits
-    those of the plain model run on the generated sequence at once."""
+    those of the plain model run on the generated sequence at once. An unaligned vocabulary (257): the head on
+    padded rows (AlignedLinear), in training and generation."""
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=128, n_layer=2, n_head=2, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config = transformers.GPT2Config(vocab_size=vocab, n_positions=64, n_embd=128, n_layer=2, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                                     pad_token_id=0)
     original = transformers.GPT2LMHeadModel(config).cuda().train()
     converted = dres.convert_hf_gpt2(copy.deepcopy(original))
+    assert (type(converted.lm_head) is AlignedLinear) == (vocab % 8 != 0)
     ids = torch.randint(1, 256, (4, 48), device="cuda")
     with CallCounts() as calls:
         assert_bf16_close(original, converted, {"input_ids": ids, "labels": ids}, lambda out: out.loss)
