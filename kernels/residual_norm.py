@@ -286,15 +286,16 @@ def residual_norm_forward(
     # int(): a symbolic size (a dynamic-shape compile) is specialised here, the tile depends on it
     block_m, block_d, num_warps = forward_config(int(D))
     dummy = x
+    has_dropout = dropout_p > 0
     _FORWARD((cdiv(M, block_m),), (
         x, h, out if has_h else dummy, y if has_norm else dummy,
         weight if weight is not None else dummy, bias if bias is not None else dummy,
         alpha if alpha_is_ptr else dummy, row_scale if row_scale is not None else dummy,
-        mean if has_norm else dummy, rstd if has_norm else dummy, seed if dropout_p > 0 else dummy,
+        mean if has_norm else dummy, rstd if has_norm else dummy, seed if has_dropout else dummy,
         stride_x, stride_h, D, D,
         M, D, rows_per_sample, float(alpha_value), eps, float(dropout_p), dropout_scale(dropout_p),
-        has_h, has_norm, weight is not None, bias is not None, alpha_is_ptr, row_scale is not None, dropout_p > 0,
-        D % 4 == 0, block_m, block_d,
+        has_h, has_norm, weight is not None, bias is not None, alpha_is_ptr, row_scale is not None, has_dropout,
+        has_dropout and D % 4 == 0, block_m, block_d,  # the quads' switch only where dropout runs: no second build
     ), num_warps)
 
 
@@ -355,20 +356,20 @@ def residual_norm_backward(
     g_y, stride_gy = rows_of(g_y) if g_y is not None else (dummy, 0)
     normed, stride_normed = rows_of(normed) if normed is not None else (dummy, 0)
     x, stride_x = rows_of(x) if x is not None else (dummy, 0)
+    has_dropout = dh is not None and dropout_p > 0
     _BACKWARD((programs,), (
         g_out, g_y, normed, x,
         weight if weight is not None else dummy,
         mean if mean is not None else dummy, rstd if rstd is not None else dummy,
         alpha if alpha_is_ptr else dummy, grad_scale if grad_scale is not None else dummy,
-        seed if dropout_p > 0 else dummy,
+        seed if has_dropout else dummy,
         dx, dh if dh is not None else dummy,
         partials[0] if need_dweight else dummy, partials[num_partials - 1] if need_dbias else dummy,
         dalpha_row if need_dalpha else dummy,
         stride_gout, stride_gy, stride_normed, stride_x, D, D,
         M, D, rows_per_sample, float(alpha_value), float(dropout_p), dropout_scale(dropout_p), num_tiles,
         has_g_out, has_g_y, dh is not None, weight is not None, need_dweight, need_dbias,
-        alpha_is_ptr, grad_scale is not None, need_dalpha, dh is not None and dropout_p > 0, D % 4 == 0, block_m,
-        block_d,
+        alpha_is_ptr, grad_scale is not None, need_dalpha, has_dropout, has_dropout and D % 4 == 0, block_m, block_d,
     ), num_warps, num_stages)
     dweight = dbias = None
     if num_partials:
