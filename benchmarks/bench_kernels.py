@@ -157,19 +157,23 @@ def dropout_p(case: Case) -> float:
     return DROPOUT_P if case.mode == "dropout" else 0.0
 
 
+def torch_dropout(h: torch.Tensor, p: float) -> torch.Tensor:
+    """PyTorch's dropout of h where the case drops it (the eager peers' half of the dropout mode)."""
+    return torch.nn.functional.dropout(h, p) if p else h
+
+
 def _reference_fn(case: Case):
     """PyTorch's ops (F.dropout of h in the dropout mode): eager, and what torch.compile is given."""
     from dres.ops import reference
 
     ydt = DTYPES[case.h_dtype]
     p = dropout_p(case)
-    drop = (lambda h: torch.nn.functional.dropout(h, p)) if p else (lambda h: h)
     if case.op == "residual_layer_norm":
         def fn(x, h, w, b, alpha, rs, gs):
-            return reference.residual_layer_norm(x, drop(h), w, b, alpha, EPS, rs, gs)
+            return reference.residual_layer_norm(x, torch_dropout(h, p), w, b, alpha, EPS, rs, gs)
     elif case.op == "residual_add":
         def fn(x, h, w, b, alpha, rs, gs):
-            return (reference.residual_add(x, drop(h), alpha, rs, gs),)
+            return (reference.residual_add(x, torch_dropout(h, p), alpha, rs, gs),)
     else:
         def fn(x, h, w, b, alpha, rs, gs):
             return (reference.layer_norm(x, w, b, EPS, ydt),)
@@ -245,7 +249,7 @@ def _unfused_peer_ln(case: Case, ln: Callable):
     p = dropout_p(case)
 
     def fn(x, h, w, b, alpha, rs, gs):
-        out = reference.residual_add(x, torch.nn.functional.dropout(h, p) if p else h, alpha, rs, gs)
+        out = reference.residual_add(x, torch_dropout(h, p), alpha, rs, gs)
         y = ln(out, w, b)
         return out, (y if y.dtype == ydt else y.to(ydt))
     return fn
