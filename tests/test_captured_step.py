@@ -446,7 +446,7 @@ def test_a_short_batch_runs_eagerly_and_says_so_once():
     lines = []
     losses, trained, step = _train(build, loss_fn, keywords, data, optimizer_args=dict(fused=True),
                                    step_args=dict(compile=False, log=lines.append))
-    assert step.captured and step.why_eager is None
+    assert step.captured and step.why_eager is None, lines
     assert lines == ["dres.compile_step: pixel_values is (4, 3, 32, 32) torch.float32, not (8, 3, 32, 32) "
                      "torch.float32 as in the captured step: such steps run eagerly"]
     want = _train(build, loss_fn, keywords, data, optimizer_args=dict(fused=True))
