@@ -28,7 +28,7 @@ new user writes it) and through ``dres.compile_step`` (the one-line step: compil
 captured in a CUDA graph); ``converted_compiled_inductor`` and ``converted_compiled_kernels`` (named in ``--arms``,
 not run by default): the converted model compiled with every dres op on its PyTorch formula (as ``--backend torch``
 below) or on the dres kernels (``--backend triton``), so that one command times ``backend=None``'s choice under
-compile (launch-bound ops on Inductor's code, the rest on the kernels: ``dres.ops.checks.resolve_compiled_backend``)
+compile (launch-bound ops on Inductor's code, the rest on the kernels: ``dres.ops.checks.resolve_backend_by_work``)
 beside either extreme. Every arm trains with bf16 autocast and fused AdamW (lr 1e-4) on
 ``NUM_BATCHES`` synthetic batches drawn once from a fixed seed, already on the device, cycled: the same
 batches, in the same order, in every arm.

@@ -375,21 +375,21 @@ def test_a_compiled_captured_step_trains_as_the_compiled_eager_loop(build):
 def test_warm_up_and_capture_trace_for_replayed_launches(monkeypatch):
     """What the warm-up and the capture run (and torch.compile traces there) keeps the dres kernels where a
     launch-bound compiled op outside them takes its PyTorch formula: the replays do not pay the launches."""
-    from dres.ops.checks import resolve_compiled_backend
+    from dres.ops.checks import resolve_backend_by_work
 
     small = torch.zeros(8, 32, device=CUDA, dtype=torch.bfloat16)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # as while torch.compile traces
     choices = []
 
     def fn():
-        choices.append(resolve_compiled_backend(None, small))
+        choices.append(resolve_backend_by_work(None, small))
         return small + 1
 
     graphed = GraphedFunction(fn, CUDA, warmup_steps=1)
     graphed.warm_up()
     graphed.capture()
     graphed.replay()
-    assert choices == ["triton", "triton"] and resolve_compiled_backend(None, small) == "torch"
+    assert choices == ["triton", "triton"] and resolve_backend_by_work(None, small) == "torch"
 
 
 @pytest.mark.gpu

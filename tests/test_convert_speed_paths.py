@@ -631,7 +631,8 @@ def bf16_step(model, inputs: dict, loss_of):
 
 
 def assert_bf16_close(original, converted, inputs, loss_of):
-    """Loss and gradients of the converted model (bf16 autocast, the Triton kernels) within bf16's
+    """Loss and gradients of the converted model (bf16 autocast, the Triton kernels: converted with
+    backend="triton", as launch-bound models this small take PyTorch's ops by default) within bf16's
     rounding of the plain model's: each gradient's error relative to its largest element, or to a hundredth of
     the model's largest where its own is rounding alone (a key bias's gradient is zero in exact arithmetic:
     softmax ignores what it adds to a row)."""
@@ -653,7 +654,7 @@ def test_gpu_bf16_hf_vit_mae():
                                        decoder_num_hidden_layers=2, decoder_num_attention_heads=2,
                                        decoder_intermediate_size=256, norm_pix_loss=True)
     original = transformers.ViTMAEForPreTraining(config).cuda().train()
-    converted = dres.convert_hf_vit(copy.deepcopy(original))
+    converted = dres.convert_hf_vit(copy.deepcopy(original), backend="triton")  # launch-bound: None takes PyTorch's
     inputs = {"pixel_values": torch.randn(4, 3, 64, 64, device="cuda"), "noise": torch.rand(4, 64, device="cuda")}
     with CallCounts() as calls:
         assert_bf16_close(original, converted, inputs, lambda out: out.loss)
@@ -666,7 +667,7 @@ def test_gpu_bf16_timm_vit(stream_dtype):
     """Under bf16 autocast the converted timm ViT trains as the plain model does, its residual stream float32 or, with
     stream_dtype, carried in bf16 by the kernels."""
     original = timm_vit(img_size=64, embed_dim=128, depth=2).cuda().train()
-    converted = dres.convert_timm_vit(copy.deepcopy(original), stream_dtype=stream_dtype)
+    converted = dres.convert_timm_vit(copy.deepcopy(original), backend="triton", stream_dtype=stream_dtype)
     inputs = {"x": torch.randn(4, 3, 64, 64, device="cuda")}
     streams = []
     converted.blocks.register_forward_hook(lambda module, args, out: streams.append(out.dtype))
@@ -704,7 +705,7 @@ def test_gpu_bf16_hf_gpt2(vocab):
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
                                      pad_token_id=0)
     original = transformers.GPT2LMHeadModel(config).cuda().train()
-    converted = dres.convert_hf_gpt2(copy.deepcopy(original))
+    converted = dres.convert_hf_gpt2(copy.deepcopy(original), backend="triton")
     assert (type(converted.lm_head) is AlignedLinear) == (vocab % 8 != 0)
     ids = torch.randint(1, 256, (4, 48), device="cuda")
     with CallCounts() as calls:

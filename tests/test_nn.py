@@ -583,20 +583,26 @@ def test_attention_module_matches_sdpa_on_either_path(triton_device, backend):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
 
 
-def test_a_compiled_launch_bound_attention_takes_sdpa(monkeypatch):
-    """Under torch.compile outside replayed_launches() (a captured step), the Attention modules leave a launch-bound
-    model's short sequences to SDPA (dres.ops.checks.compiled_launch_bound on the residual stream, a third of qkv's
-    width); a larger model, a backend named and a captured step keep the kernel (fake CUDA tensors)."""
+def test_a_launch_bound_attention_takes_sdpa_where_its_launches_cost_the_host(monkeypatch):
+    """Under torch.compile, and in eager mode without the csrc extension, outside replayed_launches() (a captured
+    step), the Attention modules leave a launch-bound model's short sequences to SDPA
+    (dres.ops.checks.takes_pytorch_formula on the residual stream, a third of qkv's width); a larger model, a backend
+    named, a captured step and an eager call with the extension keep the kernel (fake CUDA tensors)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dres.nn.transformer import takes_short_attention
-    from dres.ops.checks import COMPILED_LAUNCH_BOUND_WORK, replayed_launches
+    from dres.ops import csrc_backend
+    from dres.ops.checks import LAUNCH_BOUND_WORK, replayed_launches
 
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     with FakeTensorMode():
         clip = torch.empty(128, 50, 3 * 768, device="cuda", dtype=torch.bfloat16)  # CLIP ViT-B/32, batch 128: 3.8e9
         mae = torch.empty(256, 50, 3 * 768, device="cuda", dtype=torch.bfloat16)  # ViTMAE-B's encoder, 256: 7.5e9
-        assert 128 * 50 * 768 ** 2 < COMPILED_LAUNCH_BOUND_WORK < 256 * 50 * 768 ** 2
-        assert takes_short_attention(clip, 50, 64, None)  # eager
+        assert 128 * 50 * 768 ** 2 < LAUNCH_BOUND_WORK < 256 * 50 * 768 ** 2
+        for built in (False, True):  # eager
+            monkeypatch.setattr(csrc_backend, "available", lambda built=built: built)
+            assert takes_short_attention(clip, 50, 64, None) == built
+            assert takes_short_attention(mae, 50, 64, None)
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         assert not takes_short_attention(clip, 50, 64, None)
         assert takes_short_attention(mae, 50, 64, None)

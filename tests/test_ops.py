@@ -1055,33 +1055,61 @@ def test_default_backend_follows_the_measurements():
     assert ops.checks.resolve_backend(None, torch.zeros(2, 8)) == "torch"
 
 
+@pytest.mark.parametrize("csrc_built", [False, True])
+def test_eager_default_leaves_launch_bound_norms_and_mlps_to_pytorch_without_the_extension(monkeypatch, csrc_built):
+    """backend=None in eager mode: without the csrc extension the PyTorch formula for a residual stream of rows x D^2
+    below LAUNCH_BOUND_WORK (its ops cost the host less than the Triton calls' Python), Triton above it, during a
+    CUDA-graph capture and inside replayed_launches(); with the extension its C++ path for the small stream (fake CUDA
+    tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dres.ops import csrc_backend
+    from dres.ops.checks import replayed_launches, resolve_backend_by_work, takes_pytorch_formula
+
+    monkeypatch.setattr(csrc_backend, "available", lambda: csrc_built)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    with FakeTensorMode():
+        dinov2 = torch.empty(128, 257, 384, device="cuda", dtype=BF16)  # 4.9e9: the formulas measured 1.24x faster
+        vit_b = torch.empty(128, 197, 768, device="cuda", dtype=BF16)  # 1.5e10: the kernels 1.25x the plain model
+        small_default = "cuda" if csrc_built else "torch"
+        assert resolve_backend_by_work(None, dinov2) == small_default
+        assert resolve_backend_by_work(None, vit_b) == "triton"  # above the extension's 2^24 elements too
+        assert resolve_backend_by_work("triton", dinov2) == "triton"
+        assert takes_pytorch_formula(None, dinov2) == (not csrc_built)
+        with replayed_launches():
+            assert not takes_pytorch_formula(None, dinov2)
+        capturing[0] = True
+        assert resolve_backend_by_work(None, dinov2) == "triton"  # captured: its replays pay no launch
+
+
 def test_compiled_default_leaves_launch_bound_norms_and_mlps_to_inductor(monkeypatch):
     """backend=None under torch.compile: the PyTorch formula (Inductor's code) for a residual stream of rows x D^2
-    below COMPILED_LAUNCH_BOUND_WORK, the dres kernels above it, inside replayed_launches() (a captured step) and
+    below LAUNCH_BOUND_WORK, the dres kernels above it, inside replayed_launches() (a captured step) and
     for a backend asked for by name (fake CUDA tensors)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from dres.ops.checks import COMPILED_LAUNCH_BOUND_WORK, launch_bound, replayed_launches, resolve_compiled_backend
+    from dres.ops.checks import LAUNCH_BOUND_WORK, launch_bound, replayed_launches, resolve_backend_by_work
 
     with FakeTensorMode():
         dinov2 = torch.empty(128, 257, 384, device="cuda", dtype=BF16)  # 4.9e9: Inductor's code measured faster
         vit_b = torch.empty(128, 197, 768, device="cuda", dtype=BF16)  # 1.5e10: the dres kernels measured faster
         host = torch.empty(128, 257, 384, dtype=BF16)
         assert launch_bound(dinov2) and not launch_bound(vit_b)
-        assert 128 * 257 * 384 ** 2 < COMPILED_LAUNCH_BOUND_WORK < 128 * 197 * 768 ** 2
+        assert 128 * 257 * 384 ** 2 < LAUNCH_BOUND_WORK < 128 * 197 * 768 ** 2
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-        assert resolve_compiled_backend(None, dinov2) == "torch"
-        assert resolve_compiled_backend(None, vit_b) == "triton"
-        assert resolve_compiled_backend("triton", dinov2) == "triton"
-        assert resolve_compiled_backend(None, host) == "torch"  # the reference off CUDA, as ever
+        assert resolve_backend_by_work(None, dinov2) == "torch"
+        assert resolve_backend_by_work(None, vit_b) == "triton"
+        assert resolve_backend_by_work("triton", dinov2) == "triton"
+        assert resolve_backend_by_work(None, host) == "torch"  # the reference off CUDA, as ever
         with replayed_launches():
             with replayed_launches():
-                assert resolve_compiled_backend(None, dinov2) == "triton"
-            assert resolve_compiled_backend(None, dinov2) == "triton"  # the outer context still holds
-        assert resolve_compiled_backend(None, dinov2) == "torch"
+                assert resolve_backend_by_work(None, dinov2) == "triton"
+            assert resolve_backend_by_work(None, dinov2) == "triton"  # the outer context still holds
+        assert resolve_backend_by_work(None, dinov2) == "torch"
         with pytest.raises(RuntimeError), replayed_launches():
             raise RuntimeError("a failed capture")
-        assert resolve_compiled_backend(None, dinov2) == "torch"  # left on the way out of an error too
+        assert resolve_backend_by_work(None, dinov2) == "torch"  # left on the way out of an error too
 
 
 @pytest.mark.gpu

@@ -125,8 +125,8 @@ class ModelConfig:
                                      " the last BN): auto (ViTs: when alpha_min < 1; ResNets: timm's default, on) | "
                                      "true (the decayed-shortcut authors' code, also at alpha_min 1) | false. The "
                                      "official MAE's SkipLayer ends start at zero whatever this says.")
-    backend: typing.Optional[str] = setting(None, "dres.ops backend: None (Triton on CUDA, reference on CPU) | torch |"
-                                                  " triton")
+    backend: typing.Optional[str] = setting(None, "dres.ops backend: None (its choice by device and size, docs/ops.md) "
+                                                  "| torch | triton")
 
 
 @dataclass

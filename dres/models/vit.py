@@ -29,7 +29,7 @@ class ViTEncoder(nn.Module):
         built from the rate and mode (``"drop_path"``: timm; ``"residual_droppath"``: Park);
         exposed as ``self.droppath`` (None when the rate is 0).
     zero_init: zero the last Linear of every branch; None means ``alpha_min < 1``.
-    backend: the :mod:`dres.ops` backend (None: Triton on CUDA, reference on CPU).
+    backend: the :mod:`dres.ops` backend (None: its choice by device and size, docs/ops.md).
     gelu_approximate: every MLP's GELU, "none" (exact erf GELU) or "tanh" (``nn.GELU``'s ``approximate``).
     """
 

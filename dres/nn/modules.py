@@ -15,8 +15,8 @@ state dicts load either way::
 The residual modules take a branch's per-sample drop-path scales ``(row_scale, grad_scale)`` in
 their forward (:class:`dres.nn.ResidualDroppath` hands them out) and keep ``alpha`` as a
 non-persistent float32 buffer (``module.alpha.fill_(a)`` changes it; torch.compile does not
-specialise on it). ``backend`` is that of :mod:`dres.ops` (None: Triton on CUDA, the PyTorch
-reference elsewhere); :func:`dres.nn.set_backend` reaches these modules too.
+specialise on it). ``backend`` is that of :mod:`dres.ops` (None: its choice by device and size,
+docs/ops.md); :func:`dres.nn.set_backend` reaches these modules too.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from torch import nn
 
 from dres import ops
 from dres.ops.bias_gelu import F_GELU_APPROXIMATIONS, check_approximate
-from dres.ops.checks import compiled_launch_bound
+from dres.ops.checks import takes_pytorch_formula
 from dres.nn.droppath import NO_SCALES, Scales
 
 Hook = Callable[[torch.Tensor, dict], tuple[torch.Tensor, float]]
@@ -82,9 +82,9 @@ def takes_short_attention(qkv: torch.Tensor, tokens: int, head_dim: int, backend
     max_tokens = NARROW_HEADS_MAX_TOKENS if head_dim <= NARROW_HEAD_DIM else SHORT_ATTENTION_MAX_TOKENS
     if backend == "torch" or tokens > max_tokens or head_dim not in SHORT_ATTENTION_HEAD_DIMS:
         return False
-    # under torch.compile outside a captured step, a launch-bound model's attention is SDPA, as its norms and MLPs
-    # are Inductor's code (qkv holds the residual stream's width three times)
-    if compiled_launch_bound(backend, qkv, parts=3):
+    # where a launch-bound model's norms and MLPs take their PyTorch formulas (under torch.compile, and in eager mode
+    # without the csrc extension, outside a captured step) its attention is SDPA (qkv: the stream's width three times)
+    if takes_pytorch_formula(backend, qkv, parts=3):
         return False
     return backend == "triton" or (qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16))
 
@@ -314,7 +314,7 @@ class TransformerStack(ResidualStream, nn.Module):
         buffer, the stack the last one (``final_alpha``); ``self.alphas`` reads them all.
     final_norm: a final LayerNorm (``self.norm``) fused with the last add; else the stack returns the
         raw stream.
-    backend: passed to every :mod:`dres.ops` call (None: Triton on CUDA, reference on CPU).
+    backend: passed to every :mod:`dres.ops` call (None: its choice by device and size, docs/ops.md).
     gelu_approximate: every block's MLP GELU, "none" (exact erf GELU) or "tanh" (:class:`Block`).
     """
 

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from dres.ops import csrc_backend, reference
 from dres.ops.checks import (KERNEL_DTYPES, check_dtype_arg, check_same_device, check_tensor, check_vector,
-                             resolve_backend_without_csrc, resolve_compiled_backend, supported_dtypes)
+                             resolve_backend_without_csrc, resolve_backend_by_work, supported_dtypes)
 from dres.ops.registration import define_op
 from dres.ops.utils import mlp_compute_dtype, param_grad
 
@@ -307,7 +307,7 @@ def fused_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_wei
     in the dtypes of x and of the parameters. Saves x and fc1's pre-activation only, one
     (tokens x hidden) tensor fewer than plain autograd.
     """
-    backend = resolve_compiled_backend(backend, x)
+    backend = resolve_backend_by_work(backend, x)
     check_mlp_inputs(backend, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate)
     if backend == "torch":
         return reference.mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate)

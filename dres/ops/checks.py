@@ -69,24 +69,28 @@ def resolve_backend(backend: str | None, x: torch.Tensor, name: str = "x") -> st
     return backend
 
 
-# Under torch.compile outside a step replayed from a CUDA graph the host launches every kernel of every step, and
-# a dres kernel launched from Inductor's code costs 17-50 us of host time against Inductor's own 7-15 (BENCHMARKS.md,
-# "dres kernels launched by Inductor"). Below this rows x D^2 (a block's matmul work, a twelfth of its multiply-adds)
-# the block's matmuls take less GPU time than the host takes to launch its kernels: backend=None then gives the
-# residual norms and the MLP their PyTorch formulas, which Inductor fuses into kernels of its own, and the models'
-# attention modules take SDPA rather than short_attention (dres.nn.transformer.takes_short_attention). Between the
-# models measured both ways: timm DINOv2 ViT-S/14 at batch 128 (4.9e9; Inductor's code 1.24-1.29x the dres kernels
-# in three rounds, 0.97x in a fourth), HF CLIP ViT-B/32 at batch 128 (3.8e9; the norms and MLP on Inductor's code
-# 1.10-1.36x the kernels, its attention in SDPA too 1.01-1.45x that) and timm ViT-B/16 at batch 128 (1.5e10; the
-# dres kernels 1.05x against 1.00x, 1.4 GiB smaller).
-COMPILED_LAUNCH_BOUND_WORK = 6e9
+# Outside a step replayed from a CUDA graph the host launches every kernel of every step. Under torch.compile a
+# dres kernel launched from Inductor's code costs 17-50 us of host time against Inductor's own 7-15 (BENCHMARKS.md,
+# "dres kernels launched by Inductor"); in eager mode an op's Triton call costs its Python (bench_host_cost: a
+# residual_layer_norm's forward and backward 2.6x the host time of PyTorch's add and layer_norm), where the csrc
+# extension's ops run no Python past their checks. Below this rows x D^2 (a block's matmul work, a twelfth of
+# its multiply-adds) the block's matmuls take less GPU time than the host takes to launch its kernels: backend=None
+# then gives the residual norms and the MLP their PyTorch formulas (which Inductor fuses into kernels of its own) and
+# the models' attention modules SDPA rather than short_attention (dres.nn.transformer.takes_short_attention), under
+# torch.compile and in eager mode without the csrc extension. Between the models measured both ways, compiled: timm
+# DINOv2 ViT-S/14 at batch 128 (4.9e9; Inductor's code 1.24-1.29x the dres kernels in three rounds, 0.97x in a
+# fourth), HF CLIP ViT-B/32 at batch 128 (3.8e9; the norms and MLP on Inductor's code 1.10-1.36x the kernels, its
+# attention in SDPA too 1.01-1.45x that) and timm ViT-B/16 at batch 128 (1.5e10; the dres kernels 1.05x against
+# 1.00x, 1.4 GiB smaller); eager: the DINOv2 on the formulas 1.24x the kernels (0.85x and 0.69x the plain model),
+# timm ViT-B/16 1.25x the plain model on the kernels.
+LAUNCH_BOUND_WORK = 6e9
 _replayed = False  # inside replayed_launches()
 
 
 @contextlib.contextmanager
 def replayed_launches():
     """Run (and so trace, under torch.compile) a step that is then captured in a CUDA graph and replayed: its
-    launches cost the host nothing at a replay, so :func:`resolve_compiled_backend` keeps the dres kernels."""
+    launches cost the host nothing at a replay, so :func:`takes_pytorch_formula` keeps the dres kernels."""
     global _replayed
     outer, _replayed = _replayed, True
     try:
@@ -97,23 +101,30 @@ def replayed_launches():
 
 def launch_bound(x: torch.Tensor, parts: int = 1) -> bool:
     """Whether the residual stream of ``x`` (rows x D, static sizes; with ``parts``, rows x parts * D, as qkv holds
-    q, k and v side by side) has rows x D^2 below :data:`COMPILED_LAUNCH_BOUND_WORK`; symbolic sizes (a
-    dynamic-shape compile) never are."""
+    q, k and v side by side) has rows x D^2 below :data:`LAUNCH_BOUND_WORK`; symbolic sizes (a dynamic-shape
+    compile) never are."""
     dim, numel = x.shape[-1], x.numel()
-    return type(dim) is int and type(numel) is int and numel * dim // parts ** 2 < COMPILED_LAUNCH_BOUND_WORK
+    return type(dim) is int and type(numel) is int and numel * dim // parts ** 2 < LAUNCH_BOUND_WORK
 
 
-def compiled_launch_bound(backend: str | None, x, parts: int = 1) -> bool:
-    """Whether ``backend=None`` under torch.compile, outside :func:`replayed_launches`, leaves a launch-bound CUDA
-    ``x`` (:func:`launch_bound`) to its PyTorch formula."""
-    return (backend is None and torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and x.is_cuda
-            and launch_bound(x, parts) and not _replayed)
+def takes_pytorch_formula(backend: str | None, x, parts: int = 1) -> bool:
+    """Whether ``backend=None`` gives a launch-bound CUDA ``x`` (:func:`launch_bound`) its op's PyTorch formula:
+    where each dres kernel would be launched from Python at every step, that is under torch.compile and in eager
+    mode without the csrc extension, and neither inside :func:`replayed_launches` nor during a CUDA-graph capture."""
+    if (backend is not None or _replayed or not isinstance(x, torch.Tensor) or not x.is_cuda
+            or not launch_bound(x, parts)):
+        return False
+    if torch.compiler.is_compiling():
+        return True
+    from dres.ops import csrc_backend
+
+    return not csrc_backend.available() and not torch.cuda.is_current_stream_capturing()
 
 
-def resolve_compiled_backend(backend: str | None, x: torch.Tensor, name: str = "x") -> str:
-    """:func:`resolve_backend`, except that ``backend=None`` under torch.compile, outside
-    :func:`replayed_launches`, gives a launch-bound CUDA ``x`` (:func:`compiled_launch_bound`) the PyTorch formula."""
-    return "torch" if compiled_launch_bound(backend, x) else resolve_backend(backend, x, name)
+def resolve_backend_by_work(backend: str | None, x: torch.Tensor, name: str = "x") -> str:
+    """:func:`resolve_backend`, except that ``backend=None`` gives a launch-bound CUDA ``x`` its PyTorch formula
+    where :func:`takes_pytorch_formula` says so."""
+    return "torch" if takes_pytorch_formula(backend, x) else resolve_backend(backend, x, name)
 
 
 def resolve_backend_without_csrc(backend: str | None, x: torch.Tensor, name: str = "x") -> str:

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from dres.ops import csrc_backend, reference
 from dres.ops.checks import (check_alpha, check_dropout_p, check_dtype_arg, check_eps, check_factors_are_data,
-                             check_same_device, check_tensor, check_vector, resolve_compiled_backend,
+                             check_same_device, check_tensor, check_vector, resolve_backend_by_work,
                              supported_dtypes)
 from dres.ops.registration import define_op, with_inductor_fallbacks
 from dres.ops.utils import alpha_args, param_grad, rows_per_sample
@@ -402,7 +402,7 @@ def residual_layer_norm(x, h, weight, bias, alpha=1.0, eps=1e-6, row_scale=None,
     elements scaled by 1 / (1 - p)), its mask drawn in the kernel and drawn again in the backward,
     never stored; the caller passes 0 outside training, as for ``F.dropout(h, p, training)``.
     """
-    backend = resolve_compiled_backend(backend, x)
+    backend = resolve_backend_by_work(backend, x)
     check_residual_norm_inputs(backend, x, h, weight, bias, alpha, row_scale, grad_scale, residual_dtype, out_dtype)
     check_eps(eps)
     check_dropout_p(dropout_p)
@@ -423,7 +423,7 @@ def residual_layer_norm(x, h, weight, bias, alpha=1.0, eps=1e-6, row_scale=None,
 def residual_add(x, h, alpha=1.0, row_scale=None, grad_scale=None, residual_dtype=None, dropout_p=0.0, backend=None):
     """``out = alpha*x + row_scale[b]*dropout(h)`` with gradient ``grad_scale[b]*g`` (through the same
     mask) into h (no norm); dropout_p as :func:`residual_layer_norm`'s."""
-    backend = resolve_compiled_backend(backend, x)
+    backend = resolve_backend_by_work(backend, x)
     check_residual_norm_inputs(backend, x, h, None, None, alpha, row_scale, grad_scale, residual_dtype)
     check_dropout_p(dropout_p)
     if backend == "torch":
@@ -439,7 +439,7 @@ def residual_add(x, h, alpha=1.0, row_scale=None, grad_scale=None, residual_dtyp
 
 def layer_norm(x, weight, bias, eps=1e-6, out_dtype=None, backend=None):
     """LayerNorm over the last dimension in fp32; y has ``out_dtype`` (default x.dtype)."""
-    backend = resolve_compiled_backend(backend, x)
+    backend = resolve_backend_by_work(backend, x)
     check_residual_norm_inputs(backend, x, None, weight, bias, out_dtype=out_dtype, check_h=False)
     check_eps(eps)
     if backend == "torch":
