@@ -124,13 +124,33 @@ def test_workers_keep_jpegs_for_the_gpu_and_decode_the_rest(kind):
     assert gpu[0] == ("jpeg" if kind in ("jpeg", "grey") else "pixels")  # progressive: see decode's module doc
 
 
+def test_a_cpu_share_of_the_gpus_jpegs_is_decoded_by_the_workers_each_chosen_by_its_seed():
+    """data.cpu_decode_share: that share of the JPEGs the GPU would take comes as pixels, each image's choice a
+    function of its seed alone, its crop and flip the same either way; 0 and 1 give every JPEG to one side."""
+    blob = _encode("jpeg")
+    made = {share: [SamplePrep(16, gpu=True, cpu_share=share)(blob, seed=s) for s in range(400)]
+            for share in (0.0, 0.3, 1.0)}
+    kinds = {share: [m[0] for m in out] for share, out in made.items()}
+    assert set(kinds[0.0]) == {"jpeg"} and set(kinds[1.0]) == {"pixels"}
+    assert 0.24 < kinds[0.3].count("pixels") / 400 < 0.36
+    again = [SamplePrep(16, gpu=True, cpu_share=0.3)(blob, seed=s)[0] for s in range(400)]
+    assert again == kinds[0.3]
+    cpu = [SamplePrep(16, gpu=False)(blob, seed=s) for s in range(400)]
+    for share, out in made.items():  # the same crop and flip, and the same pixels where the workers decode
+        assert all(m[2:] == c[2:] for m, c in zip(out, cpu)), share
+        assert all(torch.equal(m[1], c[1]) for m, c in zip(out, cpu) if m[0] == "pixels"), share
+    assert SamplePrep(16, gpu=True, cpu_share=0.3)(_encode("png"), seed=1)[0] == "pixels"
+
+
 def test_the_workers_follow_the_decode_unless_given(tmp_path, monkeypatch):
     from dres.data import factory as data
 
     monkeypatch.setattr(data, "cores_per_process", lambda: 8)
     d = DataConfig(name="imagefolder", path=_folder(tmp_path), img_size=8, num_classes=3, gpu_resident=False)
     assert data.loader_workers(d, "torchvision") == data.GPU_DECODE_WORKERS and data.loader_workers(d, None) == 7
-    d.num_workers = 3
+    d.cpu_decode_share = 0.25  # the workers decode a share of the GPU's JPEGs: every core but the process's own
+    assert data.loader_workers(d, "torchvision") == 7
+    d.num_workers, d.cpu_decode_share = 3, 0.0
     assert data.loader_workers(d, "torchvision") == data.loader_workers(d, None) == 3
     d.decode, d.num_workers = "cpu", -1
     loader = build_loader(d, "train", 8, device="cpu")
@@ -146,6 +166,8 @@ def test_the_workers_follow_the_decode_unless_given(tmp_path, monkeypatch):
                                  "up to 31 batches made ahead of the step")
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
     assert "(torchvision; 8 hardware queues)" in loader.describe()  # CUDA's default
+    loader.prep = dataclasses.replace(loader.prep, gpu=True, cpu_share=0.25)
+    assert "(torchvision; 8 hardware queues; 25% of its JPEGs on the CPU by the workers)" in loader.describe()
     loader.close()
 
 
@@ -642,6 +664,26 @@ def test_gpu_decode_matches_the_cpu_decode_of_the_same_crops(tmp_path, backend, 
     # decoders and resize filters differ (nvJPEG vs libjpeg-turbo, roi_align vs antialiased bilinear): close, not equal
     diff = ((gpu["image"] - cpu["image"]) * torch.tensor(STD, device="cuda").view(1, 3, 1, 1) * 255).abs()
     assert diff.mean() < 6 and torch.isfinite(gpu["image"]).all()
+
+
+@pytest.mark.gpu
+def test_a_cpu_share_decoded_by_the_workers_joins_the_gpus_images_in_batch_order():
+    backend = gpu_decode_backend("cuda")
+    if backend is None:
+        pytest.skip("no GPU JPEG decoder is installed")
+    blobs = [_encode("jpeg", 120 + 7 * i, 90 + 5 * i, seed=i) for i in range(8)]
+    finished = {}
+    for share in (0.0, 0.5):
+        samples = [prepare(SamplePrep(32, gpu=True, cpu_share=share), b, i, i, f"f{i}") for i, b in enumerate(blobs)]
+        on_cpu = sum(s[0] == "pixels" for s in samples)
+        assert (0 < on_cpu < 8) if share else on_cpu == 0
+        paths = Counter()
+        finished[share] = BatchFinisher("cuda", 32, 3, MEAN, STD, backend, -1)(collate_prepared(samples), [], paths)
+        assert finished[share]["label"].tolist() == list(range(8))
+        assert paths["workers"] == on_cpu and sum(paths.values()) == 8
+    # libjpeg-turbo and antialiased bilinear for some images, nvJPEG and roi_align for the rest: close, not equal
+    diff = ((finished[0.5]["image"] - finished[0.0]["image"]) * torch.tensor(STD, device="cuda").view(1, 3, 1, 1) * 255)
+    assert diff.abs().mean() < 6
 
 
 @pytest.mark.gpu

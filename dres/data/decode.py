@@ -150,7 +150,7 @@ def crop_resize_cpu(image: torch.Tensor, box, flip: bool, size: int) -> torch.Te
 @dataclass(frozen=True)
 class SamplePrep:
     """What a worker makes of one sample's bytes (module doc): ``gpu`` keeps the JPEGs the GPU decoders take
-    encoded."""
+    encoded, but for ``cpu_share`` of them (drawn from each sample's seed, after its crop), which it decodes."""
 
     size: int
     in_chans: int = 3
@@ -159,6 +159,7 @@ class SamplePrep:
     gpu: bool = False
     jitter: float = 0.0  # timm's --color-jitter strength (brightness, contrast, saturation); 0: none
     crop_pct: float = 1.0  # the centred crop's share of the shorter side where aug does not crop at random
+    cpu_share: float = 0.0
 
     def __call__(self, data: bytes, seed: int):
         """``("jpeg", bytes, box, flip, jitter)`` for the GPU, or ``("pixels", uint8 (C, size, size), box, flip,
@@ -172,7 +173,8 @@ class SamplePrep:
         box, flip = crop_box(width, height, rng, self.aug, (self.crop_min, 1.0), crop_pct=self.crop_pct)
         jitter = self._jitter(seed) if self.jitter else None
         jpeg = fmt in ("JPEG", "MPO")
-        if self.gpu and jpeg and not progressive and mode in ("RGB", "L") and self.in_chans == 3:
+        gpu_takes = self.gpu and jpeg and not progressive and mode in ("RGB", "L") and self.in_chans == 3
+        if gpu_takes and rng.random() >= self.cpu_share:
             return "jpeg", data, box, flip, jitter
         pixels = crop_resize_cpu(_decode_cpu(data, mode, jpeg, self.in_chans), box, flip, self.size)
         return "pixels", pixels, box, flip, jitter

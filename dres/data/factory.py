@@ -167,10 +167,10 @@ def widen_hardware_queues(d) -> None:
 
 def loader_workers(d, backend: str | None) -> int:
     """``data.num_workers``, or with -1 by the decode: workers that only read bytes for the GPU decoder (4), else
-    (CPU decode) the process's cores less one."""
+    (CPU decode, or a GPU decode with ``data.cpu_decode_share``) the process's cores less one."""
     if d.num_workers >= 0:
         return d.num_workers
-    return GPU_DECODE_WORKERS if backend else max(cores_per_process() - 1, 1)
+    return GPU_DECODE_WORKERS if backend and not d.cpu_decode_share else max(cores_per_process() - 1, 1)
 
 
 def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, seed=0, device="cpu", train=True,
@@ -192,7 +192,8 @@ def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, 
         return loader
     backend = decode_backend(d, device)
     prep = SamplePrep(d.img_size, d.in_chans, aug, d.crop_min, gpu=backend is not None,
-                      jitter=d.color_jitter if train else 0.0, crop_pct=d.eval_crop_pct)
+                      jitter=d.color_jitter if train else 0.0, crop_pct=d.eval_crop_pct,
+                      cpu_share=d.cpu_decode_share if backend else 0.0)
     finisher = BatchFinisher(device, d.img_size, d.in_chans, mean, std, backend, d.hw_decode_load,
                              d.finish_high_priority)
     common = dict(rank=rank, world=world, accum=accum, seed=seed, device=device, prep=prep, finisher=finisher,

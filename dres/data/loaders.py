@@ -202,7 +202,8 @@ class _StreamingLoader(_Position):
         """How the pixels are made, for the run's log."""
         backend = self.finisher.backend
         queues = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8")  # what the process's CUDA context was given
-        where = f"GPU ({backend}; {queues} hardware queues)" if backend else "CPU"
+        share = f"; {self.prep.cpu_share:.0%} of its JPEGs on the CPU by the workers" if self.prep.cpu_share else ""
+        where = f"GPU ({backend}; {queues} hardware queues{share})" if backend else "CPU"
         threads = f", {self.threads} threads finishing batches" if self.threads > 1 else ""
         return (f"decoded on the {where}, {self.num_workers} workers ({cores_per_process()} cores a process){threads}, "
                 f"up to {self.batches_ahead} batches made ahead of the step")
