@@ -157,11 +157,6 @@ def dropout_p(case: Case) -> float:
     return DROPOUT_P if case.mode == "dropout" else 0.0
 
 
-def torch_dropout(h: torch.Tensor, p: float) -> torch.Tensor:
-    """PyTorch's dropout of h where the case drops it (the eager peers' half of the dropout mode)."""
-    return torch.nn.functional.dropout(h, p) if p else h
-
-
 def _reference_fn(case: Case):
     """PyTorch's ops (F.dropout of h in the dropout mode): eager, and what torch.compile is given."""
     from dres.ops import reference
@@ -170,10 +165,10 @@ def _reference_fn(case: Case):
     p = dropout_p(case)
     if case.op == "residual_layer_norm":
         def fn(x, h, w, b, alpha, rs, gs):
-            return reference.residual_layer_norm(x, torch_dropout(h, p), w, b, alpha, EPS, rs, gs)
+            return reference.residual_layer_norm(x, reference.dropout(h, p), w, b, alpha, EPS, rs, gs)
     elif case.op == "residual_add":
         def fn(x, h, w, b, alpha, rs, gs):
-            return (reference.residual_add(x, torch_dropout(h, p), alpha, rs, gs),)
+            return (reference.residual_add(x, reference.dropout(h, p), alpha, rs, gs),)
     else:
         def fn(x, h, w, b, alpha, rs, gs):
             return (reference.layer_norm(x, w, b, EPS, ydt),)
@@ -249,7 +244,7 @@ def _unfused_peer_ln(case: Case, ln: Callable):
     p = dropout_p(case)
 
     def fn(x, h, w, b, alpha, rs, gs):
-        out = reference.residual_add(x, torch_dropout(h, p), alpha, rs, gs)
+        out = reference.residual_add(x, reference.dropout(h, p), alpha, rs, gs)
         y = ln(out, w, b)
         return out, (y if y.dtype == ydt else y.to(ydt))
     return fn

@@ -61,6 +61,11 @@ def scaled_branch(h: torch.Tensor, row_scale: torch.Tensor | None, grad_scale: t
     return ScaleWithGradScale.apply(h, rs, gs)
 
 
+def dropout(h: Tensor, p: float) -> Tensor:
+    """torch's dropout of the branch h (kept elements scaled by 1 / (1 - p)); h itself where p is 0."""
+    return F.dropout(h, p) if p > 0 else h
+
+
 def residual_add(x, h, alpha=1.0, row_scale=None, grad_scale=None, residual_dtype=None):
     """out = alpha * x + row_scale[b] * h, computed in fp32 (fp64 if any input is), stored in residual_dtype."""
     compute = compute_dtype(x, h)

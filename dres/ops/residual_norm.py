@@ -387,10 +387,6 @@ def _dropout_seed(x: Tensor, dropout_p: float) -> Optional[Tensor]:
     return torch.randint(1 << 62, (), device=x.device) if dropout_p > 0 else None
 
 
-def _torch_dropout(h: Tensor, dropout_p: float) -> Tensor:
-    return torch.nn.functional.dropout(h, dropout_p) if dropout_p > 0 else h
-
-
 def residual_layer_norm(x, h, weight, bias, alpha=1.0, eps=1e-6, row_scale=None, grad_scale=None,
                         residual_dtype=None, out_dtype=None, dropout_p=0.0, backend=None):
     """Fused ``out = alpha*x + row_scale[b]*dropout(h)`` and ``y = LayerNorm(out)``; returns ``(out, y)``.
@@ -407,7 +403,7 @@ def residual_layer_norm(x, h, weight, bias, alpha=1.0, eps=1e-6, row_scale=None,
     check_eps(eps)
     check_dropout_p(dropout_p)
     if backend == "torch":
-        return reference.residual_layer_norm(x, _torch_dropout(h, dropout_p), weight, bias, alpha, eps, row_scale,
+        return reference.residual_layer_norm(x, reference.dropout(h, dropout_p), weight, bias, alpha, eps, row_scale,
                                              grad_scale, residual_dtype, out_dtype)
     alpha, alpha_value = alpha_args(alpha)
     seed = _dropout_seed(x, dropout_p)
@@ -427,7 +423,7 @@ def residual_add(x, h, alpha=1.0, row_scale=None, grad_scale=None, residual_dtyp
     check_residual_norm_inputs(backend, x, h, None, None, alpha, row_scale, grad_scale, residual_dtype)
     check_dropout_p(dropout_p)
     if backend == "torch":
-        return reference.residual_add(x, _torch_dropout(h, dropout_p), alpha, row_scale, grad_scale, residual_dtype)
+        return reference.residual_add(x, reference.dropout(h, dropout_p), alpha, row_scale, grad_scale, residual_dtype)
     alpha, alpha_value = alpha_args(alpha)
     seed = _dropout_seed(x, dropout_p)
     if backend == "cuda" or torch.compiler.is_compiling():
