@@ -227,6 +227,25 @@ def test_cpu_trainer_runs_eagerly_and_says_why(tmp_path):
     assert any("cuda graphs: off (the device is cpu, not CUDA)" in m for m in lines), lines
 
 
+def test_evaluations_take_the_kernels_the_captured_step_trains_with(tmp_path):
+    """A captured step trains on the Triton kernels and the fused MLP; the run's evaluations, of its EMA copy too,
+    and of its checkpoint (setup without training) take them as well: they reproduce each other's figures."""
+    from dres.nn import Mlp
+
+    def paths(model):
+        mlps = [m.fused for m in model.modules() if isinstance(m, Mlp)]
+        backends = {m.backend for m in model.modules() if hasattr(m, "backend")}
+        return set(mlps), backends
+
+    cfg = build_config("mae", None, _TINY + ["device=cpu", "steps=2", f"out={tmp_path}", "optim.ema_decay=0.9"])
+    trainer = Trainer(cfg, _task(), log=lambda m: None).setup(train=False)
+    assert not trainer.captures_step and paths(trainer.raw_model) == ({None}, {None})  # on the CPU: the defaults
+    trainer.captures_step = True  # as graph_plan says on a GPU
+    assert paths(trainer.kernel_paths(trainer.raw_model)) == ({True}, {"triton"})
+    copy = trainer.full_state_copy()
+    assert copy is not trainer.raw_model and paths(copy) == ({True}, {"triton"})
+
+
 # ------------------------------------------------------------------------------------------ GPU
 # a tiny official-variant MAE (decayed) on random 16x16 images, resident on the device
 _TINY = ["data.name=synthetic", "data.synthetic_size=512", "data.img_size=16", "data.crop_min=0.3",

@@ -77,6 +77,7 @@ class Trainer:
         self.scaler: torch.amp.GradScaler | None = None
         self.ema: dict | None = None  # fp32 EMA of the parameters (optim.ema_decay > 0)
         self.step_body: TrainStep | None = None  # the eager step (train/step.py), its non-finite flag included
+        self.captures_step = False  # whether the configuration captures the step (graph_plan), even when evaluating
         self.graphed: GraphedStep | None = None  # the captured step (None: the step runs eagerly)
         self.step_fn = None  # the step train_step runs: graphed or step_body, chosen once in setup
         self.data_stream = None  # the CUDA stream batches are made on (data.side_stream), else the step's
@@ -106,11 +107,8 @@ class Trainer:
         per_block = cfg.compile and cfg.compile_scope == "blocks"
         n_compiled = distributed.apply_compile(model) if per_block else 0
         graphs, why = graph_plan(cfg, self.device, self.precision, self.info.world)
-        set_fused_mlp(model, fused_mlp_choice(cfg.fused_mlp, captured=graphs and train))
-        if graphs and train and cfg.model.backend is None:
-            # capture takes the Triton kernels: the eager warm-up steps take them too, so that they compute
-            # what the replays compute (the default picks the csrc kernels for eager calls when built)
-            set_backend(model, "triton")
+        self.captures_step = graphs
+        self.kernel_paths(model)
         # the captured step warms up and records on its own stream; DDP must be built on that stream
         capture_stream = torch.cuda.Stream(self.device) if graphs and train else None
         if cfg.dist == "fsdp":
@@ -165,6 +163,16 @@ class Trainer:
         if self.main:
             self.out.mkdir(parents=True, exist_ok=True)
         return self
+
+    def kernel_paths(self, model: nn.Module) -> nn.Module:
+        """``model``'s MLP path and kernels as the step trains it: a captured step takes the Triton kernels, and its
+        eager warm-up steps too, so that they compute what the replays compute (the default picks the csrc kernels,
+        or PyTorch's formulas at launch-bound sizes, for eager calls); the run's evaluations and an evaluation of its
+        checkpoint (``--eval-only``) take the same ones, so that they give the same figures."""
+        set_fused_mlp(model, fused_mlp_choice(self.cfg.fused_mlp, captured=self.captures_step))
+        if self.captures_step and self.cfg.model.backend is None:
+            set_backend(model, "triton")
+        return model
 
     def autocast(self):
         if self.precision == "fp32":

@@ -112,6 +112,6 @@ def full_state_copy(trainer):
     state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
     if ema is not None:
         state.update({k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in ema.items()})
-    fresh = trainer.task.build_model(trainer.cfg).to(trainer.device)
+    fresh = trainer.kernel_paths(trainer.task.build_model(trainer.cfg).to(trainer.device))
     fresh.load_state_dict(state)
     return fresh.eval()
