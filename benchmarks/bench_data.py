@@ -382,8 +382,10 @@ def _trainer_rows(args, rows):
         for files, variant, cores, decode in ((f, v, c, d) for f in sources for v in args.variants
                                               for c in args.cores for d in args.trainer_decodes):
             # the workers the product gives a decode (dres.data.factory.loader_workers: per rank, by the cores it
-            # has), but the GPU decode's --gpu-workers; auto: the trainer's own choice of decode too
-            workers = min(cores, args.gpu_workers) if decode == "gpu" else None
+            # has), but the GPU decode's --gpu-workers where its workers only read bytes (no cpu_decode_share in
+            # the variant); auto: the trainer's own choice of decode too
+            reads_bytes = decode == "gpu" and not any(kv.startswith("cpu_decode_share=") for kv in variant)
+            workers = min(cores, args.gpu_workers) if reads_bytes else None
             data = files + [f"data.decode={decode}", *([f"data.num_workers={workers}"] if workers else []),
                             *[f"data.{kv}" for kv in variant]]
             rows.append({**trainer_rate(name, data, cores, **run), "variant": variant})
@@ -588,7 +590,8 @@ def main(argv=None):
     ap.add_argument("--loader-decodes", default="gpu,cpu", help="the decodes of the loader-alone rows")
     ap.add_argument("--gpu-workers", type=int, default=GPU_DECODE_WORKERS,
                     help="DataLoader workers of the GPU-decode rows (at most the cores; the loader rows' CPU decode: "
-                         "every core; the trainer rows' CPU decode: the trainer's own count)")
+                         "every core; the trainer rows' CPU decode, and their GPU decode with a variant's "
+                         "cpu_decode_share: the trainer's own count)")
     ap.add_argument("--steps", type=int, default=300,
                     help="a trainer run's steps: 10 of warm-up, as many as its loader makes ahead (up to 63 at 16 "
                          "cores), then the timed ones")

@@ -192,6 +192,11 @@ def test_trainer_rows_from_files_take_the_gpu_workers_and_the_data_settings(monk
     assert workers == [(16, "data.num_workers=8"), (16, "-"), (16, "-"), (4, "data.num_workers=4"), (4, "-"), (4, "-")]
     assert "data.decode=auto" in runs[3][0]
     assert all("data.hw_decode_load=1" in data for data, _ in runs[1:]) and runs[0][1] == 16
+    # workers that decode a share of the JPEGs themselves: the trainer's own count (its cores less one)
+    runs.clear()
+    args.cores, args.trainer_decodes, args.variants = [8], ["gpu"], [["cpu_decode_share=0.25"]]
+    bench_data._trainer_rows(args, [])
+    assert not any(d.startswith("data.num_workers=") for d in runs[1][0]) and "data.cpu_decode_share=0.25" in runs[1][0]
 
 
 def test_each_variant_is_a_set_of_rows_from_files_with_its_settings_last(monkeypatch, tmp_path):
