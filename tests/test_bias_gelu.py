@@ -393,6 +393,56 @@ def test_default_backend_is_reference_on_cpu():
                                rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh", "quick"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_plain_mlp_is_the_mlp_of_a_plain_model(approximate, autocast):
+    """plain_mlp computes what nn.Linear -> GELU (timm's and HF's QuickGELU for "quick") -> nn.Linear computes,
+    outputs and gradients bit for bit, in fp32 and under bf16 autocast (the rule's launch-bound path)."""
+    torch.manual_seed(3)
+    fc1, fc2 = torch.nn.Linear(24, 96), torch.nn.Linear(96, 24)
+    act = (lambda v: v * torch.sigmoid(1.702 * v)) if approximate == "quick" else torch.nn.GELU(approximate)
+    x = torch.randn(5, 7, 24)
+    results = []
+    for fn in (lambda x: fc2(act(fc1(x))),
+               lambda x: bg.plain_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, approximate)):
+        xl = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            out = fn(xl)
+        results.append((out, *torch.autograd.grad(out.float().square().sum(), [xl, *fc1.parameters(),
+                                                                              *fc2.parameters()])))
+    assert results[1][0].dtype == (BF16 if autocast else F32)
+    for want, got in zip(*results):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("csrc_built", [False, True])
+def test_a_launch_bound_eager_mlp_runs_as_the_plain_models(monkeypatch, csrc_built):
+    """backend=None in eager mode without the csrc extension: a launch-bound fused_mlp (the residual norms' rule,
+    dres.ops.checks.takes_pytorch_formula) runs plain_mlp, which keeps no float32 (tokens x hidden) tensor;
+    inside replayed_launches(), with the extension or for a larger x, the fused path (fake CUDA tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dres.ops.checks import replayed_launches
+
+    ran = []
+    monkeypatch.setattr(csrc_backend, "available", lambda: csrc_built)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(bg, "plain_mlp", lambda x, *args: ran.append("plain") or x)
+    monkeypatch.setattr(bg.FusedMlpFn, "apply", lambda x, *args: ran.append("fused") or x)
+    monkeypatch.setattr(torch.ops.dres_cuda, "fused_mlp", mock.Mock(default=lambda x, *a: ran.append("fused") or x),
+                        raising=False)
+    with FakeTensorMode():
+        def mlp(tokens, dim):
+            x, w1, b1, w2, b2 = make_mlp((128, tokens, dim), 4 * dim, dim, BF16, "cuda")
+            return ops.fused_mlp(x, w1, b1, w2, b2)
+
+        mlp(257, 384)  # DINOv2 ViT-S/14 at batch 128: 4.9e9
+        with replayed_launches():
+            mlp(257, 384)
+        mlp(197, 768)  # ViT-B/16: 1.5e10
+    assert ran == ["fused" if csrc_built else "plain", "fused", "fused"]
+
+
 def test_cuda_backend_runs_the_triton_kernel_for_every_gelu(triton_device, monkeypatch):
     """fused_bias_gelu has no csrc path of its own (the csrc bias + GELU serves fused_mlp): backend="cuda"
     (and the auto choice where the residual ops take csrc) dispatches every GELU to the Triton kernel."""

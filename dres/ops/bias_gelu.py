@@ -25,7 +25,8 @@ matmuls stay aten ops Inductor sees and the bias + GELU stays the custom op (doc
 says why). ``backend``: None runs the Triton kernels on CUDA tensors (the csrc extension's, where
 built, for eager calls of ``fused_mlp`` up to the size of :func:`dres.ops.checks.choose_default_backend`)
 and the PyTorch reference (:func:`dres.ops.reference.bias_gelu`, :func:`dres.ops.reference.mlp`,
-float64-capable) elsewhere; "triton" forces the kernels (on CPU under TRITON_INTERPRET=1); "torch"
+float64-capable) elsewhere, but for a launch-bound ``fused_mlp`` (:func:`dres.ops.checks.takes_pytorch_formula`),
+which runs the MLP as a plain model does (:func:`plain_mlp`); "triton" forces the kernels (on CPU under TRITON_INTERPRET=1); "torch"
 the reference; "cuda": ``fused_mlp`` in eager calls ``torch.ops.dres_cuda.fused_mlp``, the csrc
 extension's MLP with its autograd in C++ (``csrc/ops.cpp``'s ``FusedMlpFunction``: these formulas, no
 Python per call); under torch.compile, and for ``fused_bias_gelu``, it runs Triton.
@@ -44,7 +45,7 @@ from torch import Tensor
 
 from dres.ops import csrc_backend, reference
 from dres.ops.checks import (KERNEL_DTYPES, check_dtype_arg, check_same_device, check_tensor, check_vector,
-                             resolve_backend_without_csrc, resolve_backend_by_work, supported_dtypes)
+                             resolve_backend, resolve_backend_without_csrc, supported_dtypes, takes_pytorch_formula)
 from dres.ops.registration import define_op
 from dres.ops.utils import mlp_compute_dtype, param_grad
 
@@ -305,10 +306,14 @@ def fused_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_wei
     x: (B, T, D) or (M, D). Matmuls run in the autocast dtype when autocast is on for x's device,
     else in x.dtype (the weights are cast to it); the result has that dtype. Gradients come back
     in the dtypes of x and of the parameters. Saves x and fc1's pre-activation only, one
-    (tokens x hidden) tensor fewer than plain autograd.
+    (tokens x hidden) tensor fewer than plain autograd. Where ``backend=None`` finds ``x`` launch-bound
+    (:func:`dres.ops.checks.takes_pytorch_formula`), the MLP as a plain model runs it (:func:`plain_mlp`).
     """
-    backend = resolve_backend_by_work(backend, x)
+    plain = takes_pytorch_formula(backend, x)
+    backend = "torch" if plain else resolve_backend(backend, x, "x")
     check_mlp_inputs(backend, x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate)
+    if plain:
+        return plain_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate)
     if backend == "torch":
         return reference.mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, approximate)
     compute, compiling = mlp_compute_dtype(x), torch.compiler.is_compiling()
@@ -318,3 +323,16 @@ def fused_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_wei
     # compiled: the Function traced, its bias + GELU the dres:: custom ops
     return FusedMlpFn.apply(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias, compute, approximate,
                             "dres" if compiling else "triton")
+
+
+def plain_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_weight: Tensor,
+              fc2_bias: Optional[Tensor], approximate: str = "none") -> Tensor:
+    """``fc2(gelu(fc1(x)))`` as a plain PyTorch model computes it, in :func:`dres.ops.utils.mlp_compute_dtype`:
+    fc1's bias inside its matmul, the GELU on its rounded output. Unlike :func:`dres.ops.reference.mlp` (the
+    kernels' contract: bias and GELU in float32) it keeps no float32 (tokens x hidden) tensor, which in eager
+    mode costs a launch-bound model more than the kernels save."""
+    compute = mlp_compute_dtype(x)
+    w1, b1, w2, b2 = (None if t is None else t.to(compute) for t in (fc1_weight, fc1_bias, fc2_weight, fc2_bias))
+    pre = F.linear(x.to(compute), w1, b1)
+    act = pre * torch.sigmoid(1.702 * pre) if approximate == "quick" else F.gelu(pre, approximate=approximate)
+    return F.linear(act, w2, b2)
