@@ -26,10 +26,11 @@ says why). ``backend``: None runs the Triton kernels on CUDA tensors (the csrc e
 built, for eager calls of ``fused_mlp`` up to the size of :func:`dres.ops.checks.choose_default_backend`)
 and the PyTorch reference (:func:`dres.ops.reference.bias_gelu`, :func:`dres.ops.reference.mlp`,
 float64-capable) elsewhere, but for a launch-bound ``fused_mlp`` (:func:`dres.ops.checks.takes_pytorch_formula`),
-which runs the MLP as a plain model does (:func:`plain_mlp`); "triton" forces the kernels (on CPU under TRITON_INTERPRET=1); "torch"
-the reference; "cuda": ``fused_mlp`` in eager calls ``torch.ops.dres_cuda.fused_mlp``, the csrc
-extension's MLP with its autograd in C++ (``csrc/ops.cpp``'s ``FusedMlpFunction``: these formulas, no
-Python per call); under torch.compile, and for ``fused_bias_gelu``, it runs Triton.
+which runs the MLP as a plain model does (:func:`plain_mlp`); "triton" forces the kernels (on CPU under
+TRITON_INTERPRET=1); "torch" the reference; "cuda": ``fused_mlp`` in eager calls
+``torch.ops.dres_cuda.fused_mlp``, the csrc extension's MLP with its autograd in C++ (``csrc/ops.cpp``'s
+``FusedMlpFunction``: these formulas, no Python per call); under torch.compile, and for ``fused_bias_gelu``, it
+runs Triton.
 
 Importing this module registers the ops but does not import Triton (the kernels are imported on
 the first Triton call), so ``import dres.ops`` works where Triton is not installed.
@@ -329,8 +330,7 @@ def plain_mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_wei
               fc2_bias: Optional[Tensor], approximate: str = "none") -> Tensor:
     """``fc2(gelu(fc1(x)))`` as a plain PyTorch model computes it, in :func:`dres.ops.utils.mlp_compute_dtype`:
     fc1's bias inside its matmul, the GELU on its rounded output. Unlike :func:`dres.ops.reference.mlp` (the
-    kernels' contract: bias and GELU in float32) it keeps no float32 (tokens x hidden) tensor, which in eager
-    mode costs a launch-bound model more than the kernels save."""
+    kernels' contract: bias and GELU in float32) it neither keeps nor passes a float32 (tokens x hidden) tensor."""
     compute = mlp_compute_dtype(x)
     w1, b1, w2, b2 = (None if t is None else t.to(compute) for t in (fc1_weight, fc1_bias, fc2_weight, fc2_bias))
     pre = F.linear(x.to(compute), w1, b1)
