@@ -71,7 +71,9 @@ def residual_add(x, h, alpha=1.0, row_scale=None, grad_scale=None, residual_dtyp
     compute = compute_dtype(x, h)
     residual_dtype = residual_dtype or x.dtype
     alpha = alpha.to(compute) if isinstance(alpha, torch.Tensor) else alpha
-    branch = scaled_branch(h.to(compute), row_scale, grad_scale)
+    scaled = row_scale is not None or grad_scale is not None
+    # an unscaled h joins the sum by type promotion: the same values, one cast (a launch in eager) fewer
+    branch = scaled_branch(h.to(compute), row_scale, grad_scale) if scaled else h
     return (alpha * x.to(compute) + branch).to(residual_dtype)
 
 
