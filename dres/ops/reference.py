@@ -1,6 +1,6 @@
 """Pure-PyTorch reference implementations of every fused op (the contract, written plainly), named
 as the ops are: ``residual_layer_norm``, ``residual_add``, ``layer_norm``, ``residual_act``,
-``bias_gelu``, ``mlp``, ``mae_loss``, ``short_attention``.
+``bias_gelu`` (and its ``gelu``), ``mlp``, ``mae_loss``, ``short_attention``.
 
 These are what ``backend="torch"`` runs and what the tests compare the kernels against. They
 compute in float32, or in float64 when any input is float64 (:func:`compute_dtype`), so a float64
@@ -102,16 +102,20 @@ def residual_act(x, h, alpha=1.0, row_scale=None, grad_scale=None, act="relu"):
     return torch.relu(out) if act == "relu" else out
 
 
+def gelu(v: Tensor, approximate: str = "none") -> Tensor:
+    """``F.gelu(v, approximate=approximate)`` ("none", "tanh"), or QuickGELU's ``v * sigmoid(1.702 v)`` ("quick"),
+    in v's dtype."""
+    return v * torch.sigmoid(1.702 * v) if approximate == "quick" else F.gelu(v, approximate=approximate)
+
+
 def bias_gelu(pre: Tensor, bias: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None,
               approximate: str = "none") -> Tensor:
-    """``F.gelu(pre + bias, approximate=approximate)`` ("none", "tanh"), or QuickGELU's ``v * sigmoid(1.702 v)``
-    ("quick"), in fp32, or fp64 when an input is; result in out_dtype (default pre.dtype)."""
+    """:func:`gelu` of ``pre + bias`` in fp32, or fp64 when an input is; result in out_dtype (default pre.dtype)."""
     compute = compute_dtype(pre, bias)
     v = pre.to(compute)
     if bias is not None:
         v = v + bias.to(compute)
-    act = v * torch.sigmoid(1.702 * v) if approximate == "quick" else F.gelu(v, approximate=approximate)
-    return act.to(out_dtype or pre.dtype)
+    return gelu(v, approximate).to(out_dtype or pre.dtype)
 
 
 def mlp(x: Tensor, fc1_weight: Tensor, fc1_bias: Optional[Tensor], fc2_weight: Tensor, fc2_bias: Optional[Tensor],
