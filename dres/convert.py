@@ -61,8 +61,8 @@ from dres import ops
 from dres.nn.droppath import NO_SCALES, ResidualDroppath, build_droppath, droppath_scales, refuse_two_drop_paths
 from dres.nn.embed import image_patches
 from dres.nn.schedule import decay_schedule
-from dres.nn.transformer import (ResidualStream, add_and_norm, autocast_dtype, heads_of_qkv, sdpa_from_qkv,
-                                  takes_short_attention)
+from dres.nn.transformer import (ResidualStream, add_and_norm, autocast_dtype, block_alpha, heads_of_qkv,
+                                  sdpa_from_qkv, takes_short_attention)
 from dres.optional import import_optional
 
 
@@ -105,9 +105,9 @@ def _fused_block_forward(blk: nn.Module, hidden_states: torch.Tensor, residual: 
     """A timm Block in the fused-residual form of :meth:`dres.nn.Block.forward`; ``scales``: the
     drop-path scales of the residual entering the block and of its attention add (None: none)."""
     entering_scales, attention_scales = (NO_SCALES, NO_SCALES) if scales is None else scales
-    alpha = blk.alphas[0] if entering_alpha is None else entering_alpha
+    alpha = block_alpha(blk, 0) if entering_alpha is None else entering_alpha
     entering, y = add_and_norm(hidden_states, residual, blk.norm1, alpha, entering_scales, backend)
-    residual, y = add_and_norm(_branch(blk, 1, y), entering, blk.norm2, blk.alphas[1], attention_scales, backend)
+    residual, y = add_and_norm(_branch(blk, 1, y), entering, blk.norm2, block_alpha(blk, 1), attention_scales, backend)
     return _branch(blk, 2, y), residual, entering
 
 
@@ -132,11 +132,11 @@ class FusedTimmBlocks(ResidualStream, nn.Sequential):
     def stream_blocks(self) -> Sequence[nn.Module]:
         return list(self)
 
-    def block_alphas(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def block_alphas(self, index: int) -> tuple:
         """The alphas of block ``index``'s attention add and of its MLP add (the residual entering the
         next block, owned by it, or the stream's final one)."""
-        mlp_alpha = self[index + 1].alphas[0] if index + 1 < len(self) else self.final_alpha
-        return self[index].alphas[1], mlp_alpha
+        mlp_alpha = block_alpha(self[index + 1], 0) if index + 1 < len(self) else self.final_alpha_arg()
+        return block_alpha(self[index], 1), mlp_alpha
 
     def fused_call(self, block: nn.Module):
         return functools.partial(_fused_block_forward, block, backend=self.backend)

@@ -12,6 +12,7 @@ from timm.models.vision_transformer import VisionTransformer
 import dres
 from dres.convert import ROW_ALIGNMENT, AlignedLinear, FusedTimmBlocks, PatchConv2d
 from dres.nn import ResidualDroppath, TransformerStack, decay_schedule
+from dres.nn.transformer import block_alpha
 from test_nn import assert_grads_close, param_grads, perturb_
 from tiny_models import tiny_classifier, tiny_mae
 
@@ -80,6 +81,22 @@ def test_convert_decayed_is_the_decayed_function():
     torch.testing.assert_close(model(imgs), original, rtol=1e-9, atol=1e-9)
     model.set_grad_checkpointing(False)
     torch.testing.assert_close(model(imgs), original, rtol=1e-9, atol=1e-9)
+
+
+def test_alphas_of_one_reach_the_ops_as_floats():
+    """set_alphas records which alphas are one: those reach the ops as the float 1.0 (the formulas then multiply
+    nothing), the others as their buffer's 0-dim views (no value for torch.compile to specialise on); the function
+    is the schedule's either way."""
+    model = small_vit().double()
+    imgs = torch.randn(2, 3, 16, 16, dtype=torch.float64)
+    dres.convert_timm_vit(model, backend="torch")
+    alphas = [1.0, 0.9, 1.0, 0.7, 0.8, 1.0]
+    model.blocks.set_alphas(alphas)
+    taken = [block_alpha(blk, i) for blk in model.blocks for i in (0, 1)][1:] + [model.blocks.final_alpha_arg()]
+    assert [type(a) for a in taken] == [float if a == 1.0 else torch.Tensor for a in alphas]
+    assert [float(a) for a in taken] == pytest.approx(alphas)
+    used = model.blocks.alphas.tolist()
+    torch.testing.assert_close(model(imgs), decayed_reference(model, used, imgs), rtol=1e-9, atol=1e-9)
 
 
 def layer_scaled_vit(**kw):

@@ -8,6 +8,7 @@ ViTMAE's loss against HF's on other channel counts, non-square images and withou
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 from unittest import mock
@@ -616,6 +617,53 @@ def test_timm_dropout_and_fused_mlp_false_take_timms_code():
     with CallCounts() as calls:
         model(torch.randn(2, 3, 16, 16, dtype=torch.float64))
     assert "fused_mlp" not in calls.counts
+
+
+class LaunchCounts(TorchDispatchMode):
+    """The aten ops that do work (all but views and reshapes), by op."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func is not torch.ops.aten._unsafe_view.default:
+            self.counts[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+aten = torch.ops.aten
+# the patch embedding as one GEMM of the patches (dres.nn.embed), where the plain model runs a convolution and its
+# backward: a copy of the patches, the GEMM, its two gradient GEMMs and bias sum, against two ops
+PATCHES_AS_A_GEMM = 4 - 2
+
+
+@pytest.mark.parametrize("which", ["timm_dinov2", "clip_vision"])
+def test_a_launch_bound_eager_step_does_no_more_than_the_plain_models(monkeypatch, which):
+    """The eager rule's path (a launch-bound model without the csrc extension: formulas, the plain MLP, SDPA;
+    forced here on the CPU): the converted model's forward and backward under bf16 autocast run no more ops than the
+    plain model's (the patch embedding aside), and no more multiplies, adds or casts: alphas of one multiply nothing."""
+    rule = lambda backend, x, parts=1: backend is None  # noqa: E731  every call launch-bound, as on such a GPU
+    for module in (dres.ops.checks, dres.ops.bias_gelu, dres.nn.transformer):
+        monkeypatch.setattr(module, "takes_pytorch_formula", rule)
+    if which == "timm_dinov2":
+        original = timm_vit(init_values=0.1, reg_tokens=4, no_embed_class=True)
+        convert, inputs, output = dres.convert_timm_vit, torch.randn(2, 3, 16, 16), lambda out: out
+    else:
+        original, _, _ = clip_like("clip_vision")
+        original = original.float()
+        convert, inputs, output = dres.convert_hf_vit, torch.randn(2, 3, 16, 16), lambda out: out.pooler_output
+    counts = []
+    for model in (original, convert(copy.deepcopy(original))):
+        with LaunchCounts() as launches:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = output(model(inputs)).float().square().mean()
+            loss.backward()
+        counts.append(launches.counts)
+    plain, converted = counts
+    assert sum(converted.values()) - PATCHES_AS_A_GEMM <= sum(plain.values())
+    for op in (aten.mul.Tensor, aten.add.Tensor, aten._to_copy.default):
+        assert converted[op] <= plain[op], op
 
 
 # ---------------------------------------------------------------------------------------------

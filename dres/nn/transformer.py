@@ -198,11 +198,18 @@ class Block(nn.Module):
         after its attention add, and the stream entering the block (after the pending add), which is
         the output of the block before."""
         entering_scales, attention_scales = (NO_SCALES, NO_SCALES) if scales is None else scales
-        alpha = self.alphas[0] if entering_alpha is None else entering_alpha
+        alpha = block_alpha(self, 0) if entering_alpha is None else entering_alpha
         entering, y = add_and_norm(hidden_states, residual, self.norm1, alpha, entering_scales, self.backend)
-        residual, y = add_and_norm(self.attn(y), entering, self.norm2, self.alphas[1], attention_scales,
+        residual, y = add_and_norm(self.attn(y), entering, self.norm2, block_alpha(self, 1), attention_scales,
                                    self.backend)
         return self.mlp(y), residual, entering
+
+
+def block_alpha(blk: nn.Module, i: int):
+    """Alpha ``i`` of a block on the stream (0: the residual entering it, 1: its attention add) as the ops take it:
+    its buffer's 0-dim view, on which torch.compile never specialises, but the float 1.0 where the alpha is one
+    (:meth:`ResidualStream.set_alphas` records which), for which the PyTorch formulas skip the multiply."""
+    return 1.0 if blk.unit_alphas[i] else blk.alphas[i]
 
 
 def init_vit_weights(module: nn.Module) -> None:
@@ -254,8 +261,15 @@ class ResidualStream:
             raise ValueError(f"alphas has {len(alphas)} values; this stack has {self.num_residuals} residuals")
         alphas = [float(a) for a in alphas]
         for k, blk in enumerate(self.stream_blocks()):
-            blk.alphas.copy_(torch.tensor([alphas[2 * k - 1] if k else 1.0, alphas[2 * k]]))
+            pair = (alphas[2 * k - 1] if k else 1.0, alphas[2 * k])
+            blk.alphas.copy_(torch.tensor(pair))
+            blk.unit_alphas = tuple(a == 1.0 for a in pair)  # block_alpha's choice, a host-side bool
         self.final_alpha.fill_(alphas[-1])
+        self.unit_final_alpha = alphas[-1] == 1.0
+
+    def final_alpha_arg(self):
+        """The stream's final alpha as the ops take it (:func:`block_alpha`'s rule)."""
+        return 1.0 if self.unit_final_alpha else self.final_alpha
 
     def run_stream(self, x: torch.Tensor, norm: Optional[nn.LayerNorm], scales: Optional[Sequence[Scales]] = None,
                    hooks: Optional[dict[int, Hook]] = None,
@@ -283,7 +297,7 @@ class ResidualStream:
             block_scales = (scale(2 * k - 1), scale(2 * k))
             if k in hooks:  # the hook reads the stream after block k-1, so that add cannot wait for norm1
                 if residual is not None:
-                    hidden_states, _ = add_and_norm(hidden_states, residual, None, blk.alphas[0], block_scales[0],
+                    hidden_states, _ = add_and_norm(hidden_states, residual, None, block_alpha(blk, 0), block_scales[0],
                                                     self.backend)
                     if k - 1 in collect:
                         outputs[k - 1] = hidden_states
@@ -299,7 +313,7 @@ class ResidualStream:
             if k > 0 and k - 1 in collect and k not in hooks:
                 outputs[k - 1] = entering
             del entering  # not kept through the next block unless collected
-        stream, y = add_and_norm(hidden_states, residual, norm, self.final_alpha, scale(2 * len(blocks) - 1),
+        stream, y = add_and_norm(hidden_states, residual, norm, self.final_alpha_arg(), scale(2 * len(blocks) - 1),
                                  self.backend)
         if len(blocks) - 1 in collect:
             outputs[len(blocks) - 1] = stream

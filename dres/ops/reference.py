@@ -72,9 +72,11 @@ def residual_add(x, h, alpha=1.0, row_scale=None, grad_scale=None, residual_dtyp
     residual_dtype = residual_dtype or x.dtype
     alpha = alpha.to(compute) if isinstance(alpha, torch.Tensor) else alpha
     scaled = row_scale is not None or grad_scale is not None
-    # an unscaled h joins the sum by type promotion: the same values, one cast (a launch in eager) fewer
+    # an unscaled h joins the sum by type promotion, and a float alpha of one multiplies nothing: the same values,
+    # a launch (eager) fewer each
     branch = scaled_branch(h.to(compute), row_scale, grad_scale) if scaled else h
-    return (alpha * x.to(compute) + branch).to(residual_dtype)
+    shortcut = x.to(compute) if isinstance(alpha, (int, float)) and alpha == 1 else alpha * x.to(compute)
+    return (shortcut + branch).to(residual_dtype)
 
 
 def layer_norm(x, weight, bias, eps=1e-6, out_dtype=None):
