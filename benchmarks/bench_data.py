@@ -130,7 +130,7 @@ def _data_config(root: str, decode: str, workers: int, size: int = 224, sets=())
 
     shards = (Path(root) / "manifest.json").is_file()
     cfg = DataConfig(name="wds" if shards else "imagefolder", path=root, img_size=size, num_classes=1000,
-                     gpu_resident=False, decode=decode, num_workers=workers, crop_min=0.2)
+                     gpu_resident=False, decode=decode, num_workers=workers, crop_min=0.2, cpu_decode_share=0.0)
     for kv in sets:
         set_key(cfg, *parse_override(kv), prefix="data.")
     return cfg
@@ -382,11 +382,11 @@ def _trainer_rows(args, rows):
         for files, variant, cores, decode in ((f, v, c, d) for f in sources for v in args.variants
                                               for c in args.cores for d in args.trainer_decodes):
             # the workers the product gives a decode (dres.data.factory.loader_workers: per rank, by the cores it
-            # has), but the GPU decode's --gpu-workers where its workers only read bytes (no cpu_decode_share in
-            # the variant); auto: the trainer's own choice of decode too
+            # has), but the GPU decode's --gpu-workers that only read bytes where the variant asks for no CPU share;
+            # auto: the trainer's own choice of decode, share and workers
             reads_bytes = decode == "gpu" and not any(kv.startswith("cpu_decode_share=") for kv in variant)
-            workers = min(cores, args.gpu_workers) if reads_bytes else None
-            data = files + [f"data.decode={decode}", *([f"data.num_workers={workers}"] if workers else []),
+            bytes_only = ["data.cpu_decode_share=0", f"data.num_workers={min(cores, args.gpu_workers)}"]
+            data = files + [f"data.decode={decode}", *(bytes_only if reads_bytes else []),
                             *[f"data.{kv}" for kv in variant]]
             rows.append({**trainer_rate(name, data, cores, **run), "variant": variant})
             print(json.dumps(rows[-1]), flush=True)

@@ -192,6 +192,8 @@ def test_trainer_rows_from_files_take_the_gpu_workers_and_the_data_settings(monk
     assert workers == [(16, "data.num_workers=8"), (16, "-"), (16, "-"), (4, "data.num_workers=4"), (4, "-"), (4, "-")]
     assert "data.decode=auto" in runs[3][0]
     assert all("data.hw_decode_load=1" in data for data, _ in runs[1:]) and runs[0][1] == 16
+    # the GPU decode's own rows read bytes only, whatever share the cores would give the workers; auto: the trainer's
+    assert [("data.cpu_decode_share=0" in data) for data, _ in runs[1:]] == [True, False, False] * 2
     # workers that decode a share of the JPEGs themselves: the trainer's own count (its cores less one)
     runs.clear()
     args.cores, args.trainer_decodes, args.variants = [8], ["gpu"], [["cpu_decode_share=0.25"]]

@@ -148,8 +148,9 @@ def test_the_workers_follow_the_decode_unless_given(tmp_path, monkeypatch):
     monkeypatch.setattr(data, "cores_per_process", lambda: 8)
     d = DataConfig(name="imagefolder", path=_folder(tmp_path), img_size=8, num_classes=3, gpu_resident=False)
     assert data.loader_workers(d, "torchvision") == data.GPU_DECODE_WORKERS and data.loader_workers(d, None) == 7
+    assert data.cpu_decode_share(d, "torchvision") == 0.0  # 8 cores: below CPU_SHARE_MIN_CORES, no share
     d.cpu_decode_share = 0.25  # the workers decode a share of the GPU's JPEGs: every core but the process's own
-    assert data.loader_workers(d, "torchvision") == 7
+    assert data.loader_workers(d, "torchvision") == 7 and data.cpu_decode_share(d, None) == 0.0
     d.num_workers, d.cpu_decode_share = 3, 0.0
     assert data.loader_workers(d, "torchvision") == data.loader_workers(d, None) == 3
     d.decode, d.num_workers = "cpu", -1
@@ -169,6 +170,30 @@ def test_the_workers_follow_the_decode_unless_given(tmp_path, monkeypatch):
     loader.prep = dataclasses.replace(loader.prep, gpu=True, cpu_share=0.25)
     assert "(torchvision; 8 hardware queues; 25% of its JPEGs on the CPU by the workers)" in loader.describe()
     loader.close()
+
+
+def test_a_gpu_decode_with_the_cores_for_it_gives_half_its_jpegs_to_the_workers(tmp_path, monkeypatch):
+    """data.cpu_decode_share=-1 (the default): from CPU_SHARE_MIN_CORES cores a process a GPU decode's workers decode
+    AUTO_CPU_DECODE_SHARE of its JPEGs, and are the cores less one; a worker count of the user's own gets no share
+    (four byte readers would starve decoding), and a share the user sets is kept."""
+    from dres.data import factory as data
+
+    cores = data.CPU_SHARE_MIN_CORES
+    monkeypatch.setattr(data, "cores_per_process", lambda: cores)
+    d = DataConfig(name="imagefolder", path=_folder(tmp_path), img_size=8, num_classes=3, gpu_resident=False,
+                   decode="gpu")
+    assert d.cpu_decode_share == -1
+    assert data.cpu_decode_share(d, "torchvision") == data.AUTO_CPU_DECODE_SHARE == 0.5
+    assert data.loader_workers(d, "torchvision") == cores - 1
+    cores = data.CPU_SHARE_MIN_CORES - 1
+    assert data.cpu_decode_share(d, "torchvision") == 0.0 and data.loader_workers(d, "torchvision") == 4
+    cores = data.CPU_SHARE_MIN_CORES
+    d.num_workers = 4
+    assert data.cpu_decode_share(d, "torchvision") == 0.0
+    d.num_workers, d.cpu_decode_share = -1, 0.0
+    assert data.cpu_decode_share(d, "torchvision") == 0.0 and data.loader_workers(d, "torchvision") == 4
+    d.cpu_decode_share = 0.75
+    assert data.cpu_decode_share(d, "torchvision") == 0.75
 
 
 def test_a_damaged_image_is_a_lost_sample_and_the_batch_keeps_its_order():

@@ -154,7 +154,7 @@ def _bad_values():
         ("data.num_workers", "-2", "'data.num_workers' must be >= 0, or -1 (by the decode); got -2"),
         ("data.hw_decode_load", "1.5", "'data.hw_decode_load' must be in [0, 1], or -1 (the decoder's own); got 1.5"),
         ("data.hw_decode_load", "-0.5", "'data.hw_decode_load' must be in [0, 1], or -1 (the decoder's own); got -0.5"),
-        ("data.cpu_decode_share", "1.5", "'data.cpu_decode_share' must be in [0, 1]; got 1.5"),
+        ("data.cpu_decode_share", "1.5", "'data.cpu_decode_share' must be in [0, 1], or -1 (by the cores); got 1.5"),
         ("threads", "-1", "'threads' must be >= 0"),
         ("seed", "-1", "'seed' must be >= 0; got -1"),
         ("compile", "1", "'compile' expects true/false, got 1"),

@@ -53,7 +53,7 @@ class DataConfig:
     mean: list = setting(factory=lambda: [0.485, 0.456, 0.406], help="a value per channel")
     std: list = setting(factory=lambda: [0.229, 0.224, 0.225])
     num_workers: int = setting(-1, "streaming loaders only: DataLoader workers reading (and with CPU decode decoding) "
-                                   "files; -1: by the decode (CPU, or GPU with a cpu_decode_share: the cores the "
+                                   "files; -1: by the decode (CPU, or GPU with a CPU share: the cores the "
                                    "process has, less one; GPU: 4)")
     decode: str = setting("auto", "streaming loaders: cpu (workers decode, crop, resize) | gpu (workers read bytes; "
                                   "batched GPU decode and crop kernel) | auto (cpu where the process has "
@@ -64,10 +64,12 @@ class DataConfig:
                                           "nvJPEG on the CUDA cores at the same time; 0: the hardware decoders "
                                           "unused; -1: the decoder's own, dres.data.decode.HW_DECODE_LOAD: "
                                           "nvImageCodec 0.65, nvjpeg 1)")
-    cpu_decode_share: float = setting(0.0, "decode on the GPU: the share of the JPEGs it would take that the workers "
-                                           "decode on the CPU instead, each image chosen by its own seed (work taken "
-                                           "off the training process's finishing thread, for the cores beyond the "
-                                           "GPU decode's; 0: none)")
+    cpu_decode_share: float = setting(-1.0, "decode on the GPU: the share of the JPEGs it would take that the workers "
+                                            "decode on the CPU instead, each image chosen by its own seed (work taken "
+                                            "off the training process's finishing thread, for the cores beyond the "
+                                            "GPU decode's; 0: none; -1: by the cores, half of them where the process "
+                                            "has dres.data.factory.CPU_SHARE_MIN_CORES (16) or more and num_workers "
+                                            "is -1, else none)")
     gpu_decoder: str = setting("auto", "GPU decode: torchvision (its batched nvJPEG) | nvimgcodec (the hardware JPEG "
                                        "decoders and nvJPEG on the CUDA cores, split by hw_decode_load) | nvjpeg "
                                        "(libnvjpeg called directly, with its memory pools, split so too: "
@@ -641,7 +643,8 @@ def validate(cfg: Config) -> None:
     need(cfg, 0 < d.crop_min <= 1, "data.crop_min", "must be in (0, 1]")
     need(cfg, d.hw_decode_load == -1 or 0 <= d.hw_decode_load <= 1, "data.hw_decode_load",
          "must be in [0, 1], or -1 (the decoder's own)")
-    need(cfg, 0 <= d.cpu_decode_share <= 1, "data.cpu_decode_share", "must be in [0, 1]")
+    need(cfg, d.cpu_decode_share == -1 or 0 <= d.cpu_decode_share <= 1, "data.cpu_decode_share",
+         "must be in [0, 1], or -1 (by the cores)")
     need(cfg, d.finish_threads >= 1 and (d.finish_threads == 1 or d.finish_ahead > 0), "data.finish_threads",
          "must be a positive integer, and 1 with data.finish_ahead=0 (the step's own thread finishes each batch)")
     need(cfg, 0 <= d.color_jitter, "data.color_jitter", "must be >= 0 (0: off)")

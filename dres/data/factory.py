@@ -99,6 +99,12 @@ def _synthetic(d, split, limit, counter):
 # hardware queues the GPU decode held 0.96x at 4, 8 and 16 cores, where the 16-core CPU decode read 0.84-1.00x by host
 CPU_DECODE_MIN_CORES = 24
 GPU_DECODE_WORKERS = 4  # workers that only read bytes: 8 read no faster (BENCHMARKS.md)
+# a GPU decode with this many cores a process and the workers left to the decode (num_workers=-1) has its workers
+# decode a share of the JPEGs on the CPU (data.cpu_decode_share=-1): at 16 cores half of them took the ViT-B/16 MAE
+# trainer from 0.97x to 0.98x its synthetic rate (three quarters, 0.98x too), work the workers keep up with on a host
+# whose CPU decode alone read 0.84x (BENCHMARKS.md, "Real images")
+CPU_SHARE_MIN_CORES = 16
+AUTO_CPU_DECODE_SHARE = 0.5
 
 # data.name -> its reader of a whole split into memory:
 # (d, split, limit, counter) -> (uint8 (N,C,H,W), int64 (N,), counter)
@@ -165,12 +171,23 @@ def widen_hardware_queues(d) -> None:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", GPU_DECODE_CONNECTIONS)
 
 
+def cpu_decode_share(d, backend: str | None) -> float:
+    """The share of a GPU decode's JPEGs (``backend``; None: a CPU decode, which decodes them all on the CPU anyway)
+    that the workers decode on the CPU: ``data.cpu_decode_share``, or with -1 :data:`AUTO_CPU_DECODE_SHARE` where the
+    process has :data:`CPU_SHARE_MIN_CORES` cores or more and ``num_workers`` is -1, else none."""
+    if backend is None:
+        return 0.0
+    if d.cpu_decode_share >= 0:
+        return d.cpu_decode_share
+    return AUTO_CPU_DECODE_SHARE if d.num_workers < 0 and cores_per_process() >= CPU_SHARE_MIN_CORES else 0.0
+
+
 def loader_workers(d, backend: str | None) -> int:
     """``data.num_workers``, or with -1 by the decode: workers that only read bytes for the GPU decoder (4), else
-    (CPU decode, or a GPU decode with ``data.cpu_decode_share``) the process's cores less one."""
+    (CPU decode, or a GPU decode with a CPU share, :func:`cpu_decode_share`) the process's cores less one."""
     if d.num_workers >= 0:
         return d.num_workers
-    return GPU_DECODE_WORKERS if backend and not d.cpu_decode_share else max(cores_per_process() - 1, 1)
+    return GPU_DECODE_WORKERS if backend and not cpu_decode_share(d, backend) else max(cores_per_process() - 1, 1)
 
 
 def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, seed=0, device="cpu", train=True,
@@ -193,7 +210,7 @@ def build_loader(d, split: str, global_batch: int, *, rank=0, world=1, accum=1, 
     backend = decode_backend(d, device)
     prep = SamplePrep(d.img_size, d.in_chans, aug, d.crop_min, gpu=backend is not None,
                       jitter=d.color_jitter if train else 0.0, crop_pct=d.eval_crop_pct,
-                      cpu_share=d.cpu_decode_share if backend else 0.0)
+                      cpu_share=cpu_decode_share(d, backend))
     finisher = BatchFinisher(device, d.img_size, d.in_chans, mean, std, backend, d.hw_decode_load,
                              d.finish_high_priority)
     common = dict(rank=rank, world=world, accum=accum, seed=seed, device=device, prep=prep, finisher=finisher,
