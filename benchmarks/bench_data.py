@@ -589,9 +589,9 @@ def main(argv=None):
                     help="decodes of the trainer rows from files: cpu, gpu, auto (the trainer's own choice)")
     ap.add_argument("--loader-decodes", default="gpu,cpu", help="the decodes of the loader-alone rows")
     ap.add_argument("--gpu-workers", type=int, default=GPU_DECODE_WORKERS,
-                    help="DataLoader workers of the GPU-decode rows (at most the cores; the loader rows' CPU decode: "
-                         "every core; the trainer rows' CPU decode, and their GPU decode with a variant's "
-                         "cpu_decode_share: the trainer's own count)")
+                    help="DataLoader workers of the GPU-decode rows, which then read bytes only (no CPU share; at "
+                         "most the cores; the loader rows' CPU decode: every core; the trainer rows' CPU decode, "
+                         "and their GPU decode with a variant's cpu_decode_share: the trainer's own count)")
     ap.add_argument("--steps", type=int, default=300,
                     help="a trainer run's steps: 10 of warm-up, as many as its loader makes ahead (up to 63 at 16 "
                          "cores), then the timed ones")
