@@ -29,7 +29,8 @@ and trainer rows from files once more with those settings: the levers side by si
 and held to its own cores (``taskset``: the cores from ``--first-core`` on are split into one block a GPU, and a
 run takes ``--cores`` of each of its GPUs' blocks): each trainer on synthetic data (the most cores), then from
 the folder at each core count with each ``--variant`` (default :data:`MATRIX_VARIANTS`: the CPU decode, the GPU
-decode, the GPU decode with its streams at the default priority, nvImageCodec where installed; the trainers not
+decode (with the CPU share its cores give it: ``data.cpu_decode_share=-1``), the GPU decode with its streams at the
+default priority, nvImageCodec where installed; the trainers not
 in ``--all-variants-for`` take the first two), and ``--ddp TRAINER:CORES`` from the folder on two GPUs with
 CORES each (the product's default decode), which the table puts over twice one GPU's synthetic rate. It prints
 its plan's time first; a run that would start past ``--budget-s`` is left out (a row that says so). Each row is
@@ -553,9 +554,16 @@ def markdown(rows: list[dict], card: str) -> str:
 
 def fastest_decodes(rows: list[dict]) -> str:
     """The matrix's second table: for each trainer and core count on one GPU, the fastest of its runs from files
-    (its variant) beside the decode ``data.decode=auto`` takes there (``dres.data.factory.CPU_DECODE_MIN_CORES``):
-    where they differ, the constant is the one to change."""
-    from dres.data.factory import CPU_DECODE_MIN_CORES
+    (its variant) beside the decode ``data.decode=auto`` takes there with the workers by the decode
+    (``dres.data.factory.CPU_DECODE_MIN_CORES``, and a GPU decode's CPU share, ``auto_cpu_decode_share``): where they
+    differ, the constant is the one to change."""
+    from dres.data.factory import CPU_DECODE_MIN_CORES, auto_cpu_decode_share
+
+    def auto(cores: int) -> str:
+        if cores >= CPU_DECODE_MIN_CORES:
+            return "decode=cpu"
+        share = auto_cpu_decode_share(cores)
+        return f"decode=gpu; cpu_decode_share={share:g}" if share else "decode=gpu"
 
     best = {}
     for r in rows:
@@ -566,7 +574,7 @@ def fastest_decodes(rows: list[dict]) -> str:
         if key not in best or r["images_per_s"] > best[key][1]:
             best[key] = ("; ".join(r.get("variant", [])), r["images_per_s"])
     lines = ["| trainer | cores a GPU | fastest from files | img/s | auto takes |", "|---|---|---|---|---|"]
-    lines += [f"| {name} | {cores} | {what} | {ips:,.0f} | decode={'cpu' if cores >= CPU_DECODE_MIN_CORES else 'gpu'} |"
+    lines += [f"| {name} | {cores} | {what} | {ips:,.0f} | {auto(cores)} |"
               for (name, cores), (what, ips) in sorted(best.items())]
     return "\n".join(lines) + "\n"
 

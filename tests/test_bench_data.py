@@ -349,7 +349,6 @@ def test_a_matrix_run_that_leaves_no_rate_is_a_row_that_says_why(tmp_path, monke
 
 def test_the_fastest_decode_by_cores_stands_beside_what_auto_takes():
     from benchmarks.bench_data import fastest_decodes
-    from dres.data.factory import CPU_DECODE_MIN_CORES
 
     def row(cores, variant, rate, **kw):
         return {"kind": "trainer", "name": "vit", "data": ["data.name=imagefolder"], "cores": cores, "gpus": 1,
@@ -358,10 +357,13 @@ def test_the_fastest_decode_by_cores_stands_beside_what_auto_takes():
     rows = [{**row(16, [], 9000.0), "data": ["data.name=synthetic"]}, row(4, ["decode=cpu"], 100.0),
             row(4, ["decode=gpu"], 300.0), row(4, ["decode=gpu", "finish_high_priority=false"], 200.0),
             row(16, ["decode=cpu"], 500.0), row(16, ["decode=gpu"], 400.0), row(8, ["decode=gpu"], 900.0, gpus=2),
-            {k: v for k, v in row(8, ["decode=cpu"], 0.0).items() if k != "images_per_s"} | {"error": "over 300 s"}]
+            {k: v for k, v in row(8, ["decode=cpu"], 0.0).items() if k != "images_per_s"} | {"error": "over 300 s"},
+            row(24, ["decode=gpu"], 700.0)]
+    # auto: the GPU decode below 24 cores, from 16 with half the JPEGs on the workers, the CPU decode from 24
     assert fastest_decodes(rows).splitlines()[2:] == [
         "| vit | 4 | decode=gpu | 300 | decode=gpu |",
-        f"| vit | 16 | decode=cpu | 500 | decode={'cpu' if 16 >= CPU_DECODE_MIN_CORES else 'gpu'} |"]
+        "| vit | 16 | decode=cpu | 500 | decode=gpu; cpu_decode_share=0.5 |",
+        "| vit | 24 | decode=gpu | 700 | decode=cpu |"]
 
 
 def test_matrix_prints_its_plan_and_writes_a_json_a_row_and_the_tables(tmp_path, monkeypatch, capsys):

@@ -179,7 +179,13 @@ def cpu_decode_share(d, backend: str | None) -> float:
         return 0.0
     if d.cpu_decode_share >= 0:
         return d.cpu_decode_share
-    return AUTO_CPU_DECODE_SHARE if d.num_workers < 0 and cores_per_process() >= CPU_SHARE_MIN_CORES else 0.0
+    return auto_cpu_decode_share(cores_per_process()) if d.num_workers < 0 else 0.0
+
+
+def auto_cpu_decode_share(cores: int) -> float:
+    """The share ``data.cpu_decode_share=-1`` gives a GPU decode whose workers are by the decode, in a process with
+    ``cores`` cores."""
+    return AUTO_CPU_DECODE_SHARE if cores >= CPU_SHARE_MIN_CORES else 0.0
 
 
 def loader_workers(d, backend: str | None) -> int:
