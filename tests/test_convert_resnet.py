@@ -4,11 +4,14 @@ as the unconverted model at the defaults, gradient routing of ResidualDroppath a
 
 from __future__ import annotations
 
+import collections
 import copy
+import importlib
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dres
 from dres.convert_resnet import residual_blocks
@@ -83,6 +86,39 @@ def test_one_residual_act_call_per_block_and_state_dict_values_kept():
     with mock.patch.object(ops, "residual_act", wraps=ops.residual_act) as residual_act:
         converted(torch.randn(2, 3, 32, 32, dtype=torch.float64))
     assert residual_act.call_count == len(residual_blocks(converted)) == 8
+
+
+class OpCounts(TorchDispatchMode):
+    """The aten ops that do work (all but views), an in-place op counted as its out-of-place form."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.counts[func.overloadpacket.__name__.rstrip("_")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch", ["resnet18d", "resnet50d"])
+def test_an_eager_step_with_the_defaults_runs_the_plain_models_ops(monkeypatch, arch):
+    """Alphas of one and no drop path, the backend by default (Triton's on a GPU: forced here, where the CPU's is the
+    reference formula): a training step under bf16 autocast runs the plain model's ops one for one, PyTorch's add and
+    ReLU at each residual (``dres.ops.residual_act.is_plain_sum``), no cast or multiply of its own."""
+    monkeypatch.setattr(importlib.import_module("dres.ops.residual_act"), "resolve_backend_without_csrc",
+                        lambda backend, x: backend or "triton")
+    original = timm.create_model(arch, pretrained=False, num_classes=10).to(memory_format=torch.channels_last)
+    counts = []
+    for model in (original, dres.convert_timm_resnet(copy.deepcopy(original))):
+        with OpCounts() as ops_run:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)).float().square().mean()
+            loss.backward()
+        counts.append(ops_run.counts)
+    plain, converted = counts
+    assert converted == plain
+    assert converted["add"] > len(residual_blocks(original))  # the count saw the residual adds
 
 
 @pytest.mark.parametrize("block,deep", [(BasicBlock, False), (Bottleneck, True)])
