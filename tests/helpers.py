@@ -1,11 +1,12 @@
 """Helpers shared by the tests: for the op tests (test_ops, test_csrc, test_mae_loss, test_bias_gelu) per-dtype
 tolerances against float64, the drop-path modes of the op table, random cases, gradient plumbing,
-CUDA-graph capture and CUDA dispatch forced on CPU tensors; for the tests that start ranks of their own, the
+CUDA-graph capture and CUDA dispatch forced on CPU tensors; the aten ops a step runs (:class:`LaunchCounts`); for the tests that start ranks of their own, the
 process group's rendezvous (:func:`process_group`). Imported as ``helpers`` (pytest puts tests/ on sys.path), so
 any one test file collects on its own."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from typing import Callable
@@ -13,6 +14,7 @@ from typing import Callable
 import torch
 import torch._functorch.config
 import torch._inductor.config
+from torch.utils._python_dispatch import TorchDispatchMode
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -269,3 +271,16 @@ def philox_kept(shape, p: float, seed: int) -> torch.Tensor:
     as_int32 = torch.where(word >= 1 << 31, word - (1 << 32), word)
     uniform = torch.where(as_int32 < 0, -as_int32 - 1, as_int32).to(torch.float32) * 4.6566127342e-10
     return (uniform >= p).reshape(shape)
+
+
+class LaunchCounts(TorchDispatchMode):
+    """The aten ops that do work (all but views and reshapes), by op."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func is not torch.ops.aten._unsafe_view.default:
+            self.counts[func] += 1
+        return func(*args, **(kwargs or {}))

@@ -11,11 +11,11 @@ import importlib
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import dres
 from dres.convert_resnet import residual_blocks
 from dres.nn import set_backend
+from helpers import LaunchCounts
 
 timm = pytest.importorskip("timm")
 from timm.models.resnet import BasicBlock, Bottleneck, ResNet  # noqa: E402
@@ -88,19 +88,6 @@ def test_one_residual_act_call_per_block_and_state_dict_values_kept():
     assert residual_act.call_count == len(residual_blocks(converted)) == 8
 
 
-class OpCounts(TorchDispatchMode):
-    """The aten ops that do work (all but views), an in-place op counted as its out-of-place form."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            self.counts[func.overloadpacket.__name__.rstrip("_")] += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("arch", ["resnet18d", "resnet50d"])
 def test_an_eager_step_with_the_defaults_runs_the_plain_models_ops(monkeypatch, arch):
     """Alphas of one and no drop path, the backend by default (Triton's on a GPU: forced here, where the CPU's is the
@@ -111,11 +98,14 @@ def test_an_eager_step_with_the_defaults_runs_the_plain_models_ops(monkeypatch, 
     original = timm.create_model(arch, pretrained=False, num_classes=10).to(memory_format=torch.channels_last)
     counts = []
     for model in (original, dres.convert_timm_resnet(copy.deepcopy(original))):
-        with OpCounts() as ops_run:
+        with LaunchCounts() as launches:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = model(torch.randn(2, 3, 32, 32).to(memory_format=torch.channels_last)).float().square().mean()
             loss.backward()
-        counts.append(ops_run.counts)
+        by_name = collections.Counter()  # an in-place op as its out-of-place form: timm adds and ReLUs in place
+        for op, n in launches.counts.items():
+            by_name[op.overloadpacket.__name__.rstrip("_")] += n
+        counts.append(by_name)
     plain, converted = counts
     assert converted == plain
     assert converted["add"] > len(residual_blocks(original))  # the count saw the residual adds

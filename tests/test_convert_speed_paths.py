@@ -8,7 +8,6 @@ ViTMAE's loss against HF's on other channel counts, non-square images and withou
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
 from unittest import mock
@@ -21,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import dres
 from dres import ops
 from dres.convert import AlignedLinear
+from helpers import LaunchCounts
 from test_convert_hf import (COUNTED_OPS, F64, KERNEL_GRAD_TOL, KERNEL_TOL, CallCounts, assert_same_function,
                              bert_inputs, gpt2_inputs, tiny_bert, tiny_deit, tiny_dinov2, tiny_gpt2, tiny_vit,
                              tiny_vit_mae, vit_inputs)
@@ -617,19 +617,6 @@ def test_timm_dropout_and_fused_mlp_false_take_timms_code():
     with CallCounts() as calls:
         model(torch.randn(2, 3, 16, 16, dtype=torch.float64))
     assert "fused_mlp" not in calls.counts
-
-
-class LaunchCounts(TorchDispatchMode):
-    """The aten ops that do work (all but views and reshapes), by op."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view and func is not torch.ops.aten._unsafe_view.default:
-            self.counts[func] += 1
-        return func(*args, **(kwargs or {}))
 
 
 aten = torch.ops.aten
