@@ -1,8 +1,8 @@
 """Helpers shared by the tests: for the op tests (test_ops, test_csrc, test_mae_loss, test_bias_gelu) per-dtype
 tolerances against float64, the drop-path modes of the op table, random cases, gradient plumbing,
-CUDA-graph capture and CUDA dispatch forced on CPU tensors; the aten ops a step runs (:class:`LaunchCounts`); for the tests that start ranks of their own, the
-process group's rendezvous (:func:`process_group`). Imported as ``helpers`` (pytest puts tests/ on sys.path), so
-any one test file collects on its own."""
+CUDA-graph capture and CUDA dispatch forced on CPU tensors; the aten ops a step runs (:class:`LaunchCounts`); for
+the tests that start ranks of their own, the process group's rendezvous (:func:`process_group`). Imported as
+``helpers`` (pytest puts tests/ on sys.path), so any one test file collects on its own."""
 
 from __future__ import annotations
 
