@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import builtins
 import errno
+import gc
 import json
 import os
 import re
@@ -384,6 +385,37 @@ def test_two_processes_agree_to_stop_when_one_rank_is_signalled(tmp_path, dist):
     extra = checkpoint.read_file(ckpt / "extra.pt" if ckpt.is_dir() else ckpt)
     assert extra["step"] == 5 and len(extra["rng"]) == 2
     assert _steps(out / "metrics.jsonl") == [2, 4] and not (out / "run.lock").exists()
+
+
+def test_a_stopped_runs_trainer_is_freed_before_its_process_group_ends(tmp_path, monkeypatch, capsys):
+    """A stop leaves the trainer in reference cycles (its loader logs through it); left to the collector at
+    interpreter exit, its DDP model met gloo's threads there and a rank aborted (status -6) after its stop line.
+    With the collector off, no Trainer outlives ``cli.main``."""
+    real_get_task = cli.get_task
+
+    class SignalledTask:
+        def __init__(self, task):
+            self.task, self.calls = task, 0
+
+        def __getattr__(self, attr):
+            return getattr(self.task, attr)
+
+        def loss(self, model, batch, cfg):
+            self.calls += 1
+            if self.calls == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return self.task.loss(model, batch, cfg)
+
+    monkeypatch.setattr(cli, "get_task", lambda name: SignalledTask(real_get_task(name)))
+    gc.collect()
+    gc.disable()
+    try:
+        code = cli.main(_classify_args(tmp_path / "run", "--set", "dist=ddp", "--set", "ckpt.every=0", steps=4))
+        alive = [o for o in gc.get_objects() if type(o) is Trainer]
+    finally:
+        gc.enable()
+    assert code == EXIT_INTERRUPTED, capsys.readouterr().err
+    assert not alive
 
 
 @pytest.mark.slow

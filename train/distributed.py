@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import gc
 import os
 import pickle
 import re
@@ -124,6 +125,10 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def cleanup():
+    """Free what the run left in reference cycles (a stopped run's trainer, its DDP model and gradients), then end
+    the process group: freed later, at interpreter exit, gloo's threads touch tensors whose release needs the GIL
+    and the process aborts ("terminate called without an active exception") after its run has ended."""
+    gc.collect()
     if is_dist():
         dist.destroy_process_group()
 
