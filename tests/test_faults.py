@@ -24,7 +24,7 @@ from unittest import mock
 
 import pytest
 import torch
-from helpers import process_group, signal_after_the_handler
+from helpers import SignalledTask, process_group, signal_after_the_handler
 
 from dres.train import checkpoint
 from dres.train import cli, rundir
@@ -151,29 +151,14 @@ ENTRY = textwrap.dedent('''
     from unittest import mock
 
     from dres.train import cli
+    from helpers import SignalledTask
 
     faulthandler.dump_traceback_later(300, exit=True)  # a rank that hangs fails the test with its threads' stacks
 
     at, name, count, ranks = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4].split(",")
+    signals = [getattr(signal, name)] * count if os.environ.get("RANK", "0") in ranks else []
     real_get_task = cli.get_task
-
-
-    class SignalledTask:
-        def __init__(self, task):
-            self.task, self.calls = task, 0
-
-        def __getattr__(self, attr):
-            return getattr(self.task, attr)
-
-        def loss(self, model, batch, cfg):
-            self.calls += 1
-            if self.calls == at and os.environ.get("RANK", "0") in ranks:
-                for _ in range(count):
-                    os.kill(os.getpid(), getattr(signal, name))
-            return self.task.loss(model, batch, cfg)
-
-
-    with mock.patch.object(cli, "get_task", lambda n: SignalledTask(real_get_task(n))):
+    with mock.patch.object(cli, "get_task", lambda n: SignalledTask(real_get_task(n), at, signals)):
         sys.exit(cli.main(sys.argv[5:]))
 ''')
 
@@ -184,7 +169,8 @@ def _start_ranks(tmp_path, group, world, at, name, count, ranks, args) -> list[s
     entry.write_text(ENTRY)
     procs = []
     for rank in range(world):
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        env = dict(os.environ, OMP_NUM_THREADS="1",  # ENTRY imports helpers
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")])))
         if world > 1:
             env.update(group, RANK=str(rank), LOCAL_RANK=str(rank))
         procs.append(subprocess.Popen([sys.executable, str(entry), str(at), name, str(count), ranks, *args], env=env,
@@ -392,21 +378,7 @@ def test_a_stopped_runs_trainer_is_freed_before_its_process_group_ends(tmp_path,
     interpreter exit, its DDP model met gloo's threads there and a rank aborted (status -6) after its stop line.
     With the collector off, no Trainer outlives ``cli.main``."""
     real_get_task = cli.get_task
-
-    class SignalledTask:
-        def __init__(self, task):
-            self.task, self.calls = task, 0
-
-        def __getattr__(self, attr):
-            return getattr(self.task, attr)
-
-        def loss(self, model, batch, cfg):
-            self.calls += 1
-            if self.calls == 2:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return self.task.loss(model, batch, cfg)
-
-    monkeypatch.setattr(cli, "get_task", lambda name: SignalledTask(real_get_task(name)))
+    monkeypatch.setattr(cli, "get_task", lambda name: SignalledTask(real_get_task(name), 2, [signal.SIGTERM]))
     gc.collect()
     gc.disable()
     try:
