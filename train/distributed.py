@@ -125,11 +125,11 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def cleanup():
-    """Free what the run left in reference cycles (a stopped run's trainer, its DDP model and gradients), then end
-    the process group: freed later, at interpreter exit, gloo's threads touch tensors whose release needs the GIL
-    and the process aborts ("terminate called without an active exception") after its run has ended."""
-    gc.collect()
+    """With a process group: free what the run left in reference cycles (a stopped run's trainer, its DDP model and
+    gradients), then end the group: freed later, at interpreter exit, gloo's threads touch tensors whose release
+    needs the GIL and the process aborts ("terminate called without an active exception") after its run ended."""
     if is_dist():
+        gc.collect()
         dist.destroy_process_group()
 
 
